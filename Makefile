@@ -1,0 +1,38 @@
+# The two commands a new user runs: `make demo` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+STAMP   := $(VENV)/.qkv-installed
+# A lean CPU build of torch lies on these machines' disk; an unpinned torch pulls a multi-GB CUDA build.
+# For a CUDA build: make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_WORKERS ?= 2
+
+.PHONY: install test test-slow demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[all]"
+	touch $(STAMP)
+
+test: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m "not slow"
+
+test-slow: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m slow
+
+demo: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv demo
+
+bench: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv bench
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache qkv-out

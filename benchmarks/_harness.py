@@ -1,0 +1,206 @@
+"""Shared benchmark harness: timing, the floor, full context, table and JSON output.
+
+Every suite in this folder measures qkv against a peer on the same inputs in the same process and
+reports ratios (absolute CPU times are noisy and only mean something relative to each other).
+
+Usage inside a suite::
+
+    suite = Suite("dense", "qkv.attention(auto) against torch SDPA")
+    t_qkv = time_fn(lambda: qkv.attention(q, k, v))
+    suite.add({"N": 1024, "causal": True}, {"qkv_ms": t_qkv * 1e3, ...})
+    suite.finish()   # prints a table, writes benchmarks/out/dense.json and dense.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OUT_DIR = Path(os.environ.get("QKV_BENCH_OUT", Path(__file__).resolve().parent / "out"))
+
+
+def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """Common flags: ``--quick`` shrinks sizes and repeats (smoke runs), ``--repeat`` sets repeats."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
+    p.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median is reported)")
+    return p.parse_args(argv)
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs.
+
+    ``min_time`` (seconds) keeps repeating until that much time has been spent, for very short calls.
+    """
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeat or spent < min_time:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+        if len(times) > 10_000:
+            break
+    return statistics.median(times)
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7) -> dict[str, float]:
+    """Median seconds per named callable, running them round-robin so drift hits all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def gemm_rate(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024) -> float:
+    """Measured matmul rate in FLOP/s for an n x n x n product: the denominator of the compute floor."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    t = time_fn(lambda: torch.mm(a, b), warmup=2, repeat=5)
+    return 2.0 * n**3 / t
+
+
+def attention_flops(B: int, Hq: int, Nq: int, Nk: int, D: int, *, causal: bool = False,
+                    allowed_fraction: float | None = None) -> float:
+    """Forward attention FLOPs ``4 B Hq Nq Nk D`` (two matmuls), halved when causal, or scaled by
+    the allowed fraction of (query, key) pairs for a sparse mask."""
+    f = 4.0 * B * Hq * Nq * Nk * D
+    if allowed_fraction is not None:
+        return f * allowed_fraction
+    return f / 2 if causal else f
+
+
+def context(**extra: Any) -> dict[str, Any]:
+    """The full context a number needs to be read: versions, threads, device, time."""
+    ctx: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import qkv
+
+        ctx["qkv"] = getattr(qkv, "__version__", "?")
+    except ImportError:  # pragma: no cover - benchmarks always run inside the project
+        pass
+    ctx.update(extra)
+    return ctx
+
+
+def peak_memory_during(fn: Callable[[], Any]) -> int:
+    """Peak bytes allocated by ``fn`` above the allocation at entry (CUDA allocator or CPU profiler)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # Walk allocation events in order and track the running total to find the peak.
+    current = peak = 0
+    events = sorted(
+        (e for e in prof.events() if getattr(e, "cpu_memory_usage", 0)),
+        key=lambda e: e.time_range.start,
+    )
+    for e in events:
+        current += e.cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+class Suite:
+    """Collects rows of (case, results) and writes them with the context."""
+
+    def __init__(self, name: str, description: str, **ctx: Any) -> None:
+        self.name = name
+        self.description = description
+        self.ctx = context(**ctx)
+        self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+
+    def add(self, case: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+        row = {**case, **results}
+        self.rows.append(row)
+        return row
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def markdown(self) -> str:
+        if not self.rows:
+            return f"### {self.name}\n\n(no rows)\n"
+        cols = list(dict.fromkeys(c for r in self.rows for c in r))
+        lines = [f"### {self.name}: {self.description}", "", "| " + " | ".join(cols) + " |",
+                 "|" + "---|" * len(cols)]
+        for r in self.rows:
+            lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+        lines.append("")
+        ctx = ", ".join(f"{k}={v}" for k, v in self.ctx.items())
+        lines.append(f"Context: {ctx}")
+        for n in self.notes:
+            lines.append(f"\n{n}")
+        return "\n".join(lines) + "\n"
+
+    def print_table(self) -> None:
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:  # pragma: no cover
+            print(self.markdown())
+            return
+        cols = list(dict.fromkeys(c for r in self.rows for c in r))
+        table = Table(title=f"{self.name}: {self.description}")
+        for c in cols:
+            table.add_column(str(c), justify="right")
+        for r in self.rows:
+            table.add_row(*(_fmt(r.get(c, "")) for c in cols))
+        console = Console()
+        console.print(table)
+        for n in self.notes:
+            console.print(n)
+
+    def finish(self) -> Path:
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        path = OUT_DIR / f"{self.name}.json"
+        payload = {"suite": self.name, "description": self.description, "context": self.ctx,
+                   "rows": self.rows, "notes": self.notes}
+        path.write_text(json.dumps(payload, indent=2, default=str))
+        (OUT_DIR / f"{self.name}.md").write_text(self.markdown())
+        self.print_table()
+        print(f"wrote {path}")
+        return path
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v == 0 or 1e-3 <= abs(v) < 1e5:
+            return f"{v:.3f}"
+        return f"{v:.3g}"
+    return str(v)

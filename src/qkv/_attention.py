@@ -1,0 +1,128 @@
+"""``qkv.attention``: one operator, one semantics, many backends; and ``qkv.explain``, which says why.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, Nq queries, Nk keys, Dqk, Dv head dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import backends as _backends
+from ._request import AttentionOutput, Request, build_request
+from .backends.base import Estimate
+
+__all__ = ["attention", "explain", "Explanation"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
+              scale: float | None = None, return_lse: bool = False, dropout_p: float = 0.0,
+              generator: torch.Generator | None = None, backend: str = "auto"):
+    """Scaled dot-product attention with masks and score modifiers.
+
+    ``scores = scale * q @ k^T``, then each score modifier in order, then the mask; softmax over keys;
+    times ``v``. A query row with no allowed key returns zeros (``lse = -inf``) and zero gradients.
+
+    Args:
+        q: (B, Hq, Nq, Dqk) float16/bfloat16/float32/float64.
+        k: (B, Hkv, Nk, Dqk), same dtype and device; ``Hq % Hkv == 0`` (query head ``h`` reads kv head
+            ``h // (Hq // Hkv)``: MHA, GQA and MQA).
+        v: (B, Hkv, Nk, Dv); ``Dv`` may differ from ``Dqk``.
+        mask: a :mod:`qkv.masks` mask (which pairs may interact). ``masks.causal()`` is bottom-right
+            aligned: query row ``i`` sits at key position ``i + Nk - Nq``::
+
+                Nq=2, Nk=4, causal()       causal(align="top_left")
+                      k0 k1 k2 k3               k0 k1 k2 k3
+                q0:   x  x  x  .          q0:   x  .  .  .
+                q1:   x  x  x  x          q1:   x  x  .  .
+
+        score_mod: a :mod:`qkv.mods` modifier or a list of them, applied in order.
+        scale: multiplier on ``q @ k^T``; default ``Dqk ** -0.5``.
+        return_lse: also return the float32 log-sum-exp (B, Hq, Nq) as ``AttentionOutput(out, lse)``.
+        dropout_p: probability of dropping each attention weight (kept ones scaled by ``1/(1-p)``); the
+            pattern is a pure function of a seed drawn from ``generator``, so it is reproducible.
+        generator: ``torch.Generator`` for the dropout seed.
+        backend: ``"auto"`` (fastest backend that honours the request) or a name from
+            ``qkv.backends.names()``; a named backend that cannot honour the request raises.
+
+    Returns:
+        ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
+        Non-finite inputs propagate as in torch; masks never create NaN.
+
+    Example:
+        >>> import torch, qkv
+        >>> q = torch.randn(2, 8, 16, 64); k = v = torch.randn(2, 2, 16, 64)
+        >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
+        torch.Size([2, 8, 16, 64])
+    """
+    req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                        dropout_p=dropout_p, generator=generator)
+    impl = _choose(req, backend)
+    result = impl.run(req)
+    return result if return_lse else result.out
+
+
+def _choose(req: Request, backend: str):
+    if not isinstance(backend, str):
+        raise TypeError(f"attention: backend must be a string, got {type(backend).__name__}")
+    if backend != "auto":
+        impl = _backends.get(backend)
+        reason = impl.decline(req)
+        if reason is not None:
+            raise ValueError(f"attention: backend {backend!r} cannot run this request: {reason}. "
+                             f"Use backend='auto' or see qkv.explain(...) for the backends that can.")
+        return impl
+    best, best_cost = None, float("inf")
+    for name in _backends.names():
+        impl = _backends.get(name)
+        if impl.decline(req) is None:
+            cost = impl.estimate(req).seconds
+            if cost < best_cost:
+                best, best_cost = impl, cost
+    assert best is not None, "the reference backend accepts every valid request"
+    return best
+
+
+@dataclass
+class Explanation:
+    """What ``backend="auto"`` would do with a request, and why."""
+
+    request: str
+    chosen: str
+    estimates: dict[str, Estimate] = field(default_factory=dict)
+    declined: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"qkv.attention on {self.request}", f"  chosen: {self.chosen}"]
+        for name, est in sorted(self.estimates.items(), key=lambda kv: kv[1].seconds):
+            tag = "chosen" if name == self.chosen else "slower"
+            lines.append(f"  {name:<10} {tag:<8} {est}")
+        for name, why in self.declined.items():
+            lines.append(f"  {name:<10} {'declined':<8} {why}")
+        return "\n".join(lines)
+
+
+def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
+            generator=None) -> Explanation:
+    """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not.
+
+    Example:
+        >>> import torch, qkv
+        >>> x = torch.randn(1, 2, 8, 16)
+        >>> print(qkv.explain(x, x, x, return_lse=True).chosen != "sdpa")
+        True
+    """
+    req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                        dropout_p=dropout_p, generator=generator)
+    chosen = _choose(req, "auto").name
+    report = Explanation(request=req.describe() + (f", mask={req.mask!r}" if req.mask is not None else "")
+                         + (f", score_mod={req.score_mod!r}" if req.score_mod is not None else ""), chosen=chosen)
+    for name in _backends.names():
+        impl = _backends.get(name)
+        reason = impl.decline(req)
+        if reason is None:
+            report.estimates[name] = impl.estimate(req)
+        else:
+            report.declined[name] = reason
+    return report

@@ -1,0 +1,62 @@
+"""Merging partial attention results computed over disjoint key sets.
+
+Attention over keys ``K1 ∪ K2`` equals a weighted mix of attention over each part, with weights from
+their log-sum-exps (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the same
+identity drives FlashAttention's tiles, split-KV decoding and ring attention):
+
+    lse = log(sum_i exp(lse_i)),   out = sum_i exp(lse_i - lse) * out_i
+
+Parts with ``lse = -inf`` (no allowed key) contribute nothing; if every part is empty the result is
+zeros with ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._request import AttentionOutput
+
+__all__ = ["merge_states"]
+
+
+def merge_states(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> AttentionOutput:
+    """Exact attention over the union of disjoint key sets from per-part results.
+
+    Args:
+        outs: each (B, H, N, Dv), any float dtype (all alike).
+        lses: each (B, H, N), the matching log-sum-exp (float32 from ``return_lse=True``).
+
+    Returns:
+        ``AttentionOutput(out, lse)``: out in the dtype of ``outs``, lse float32.
+
+    Example:
+        >>> import torch, qkv
+        >>> q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+        >>> a = qkv.attention(q, k[:, :, :6], v[:, :, :6], return_lse=True)
+        >>> b = qkv.attention(q, k[:, :, 6:], v[:, :, 6:], return_lse=True)
+        >>> merged = qkv.merge_states([a.out, b.out], [a.lse, b.lse])
+        >>> torch.allclose(merged.out, qkv.attention(q, k, v), atol=1e-5)
+        True
+    """
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"merge_states: need the same non-zero number of outs and lses, got {len(outs)} and "
+                         f"{len(lses)}")
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        if o.shape[:-1] != l.shape:
+            raise ValueError(f"merge_states: outs[{i}] has shape {tuple(o.shape)} but lses[{i}] has "
+                             f"{tuple(l.shape)}; lse must be out.shape[:-1]")
+        if o.shape != outs[0].shape:
+            raise ValueError(f"merge_states: outs[{i}] shape {tuple(o.shape)} != outs[0] {tuple(outs[0].shape)}")
+    acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    lse = torch.stack([l.to(acc) for l in lses])  # (P, B, H, N)
+    m = lse.amax(0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)  # parts with -inf get weight 0
+    total = w.sum(0)
+    nonempty = total > 0
+    safe_total = torch.where(nonempty, total, torch.ones_like(total))
+    out = sum(wi.unsqueeze(-1) * o.to(acc) for wi, o in zip(w / safe_total, outs))
+    merged_lse = torch.where(nonempty, m_safe + torch.log(safe_total), torch.full_like(m, float("-inf")))
+    return AttentionOutput(out.to(outs[0].dtype), merged_lse.to(torch.float32))

@@ -1,0 +1,45 @@
+"""The backend registry. Built-in backends are imported on first use, so ``import qkv`` stays light.
+
+Example:
+    >>> from qkv import backends
+    >>> "reference" in backends.names()
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Backend, Estimate
+
+__all__ = ["Backend", "Estimate", "get", "names", "register"]
+
+# name -> "module:Class", in the order auto-dispatch lists them.
+_BUILTIN: dict[str, str] = {
+    "sdpa": "qkv.backends.sdpa:SDPABackend",
+    "reference": "qkv.backends.reference:ReferenceBackend",
+}
+_loaded: dict[str, Backend] = {}
+
+
+def names() -> list[str]:
+    """Every registered backend name."""
+    return list(dict.fromkeys([*_BUILTIN, *_loaded]))
+
+
+def register(backend: Backend) -> None:
+    """Add a backend instance under ``backend.name`` (replacing one of the same name)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register: expected a qkv.backends.Backend, got {type(backend).__name__}")
+    _loaded[backend.name] = backend
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name``; ``ValueError`` listing the valid names otherwise."""
+    if name in _loaded:
+        return _loaded[name]
+    if name not in _BUILTIN:
+        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(['auto', *names()])}")
+    module, cls = _BUILTIN[name].split(":")
+    _loaded[name] = getattr(importlib.import_module(module), cls)()
+    return _loaded[name]

@@ -1,0 +1,75 @@
+"""The SDPA backend: ``torch.nn.functional.scaled_dot_product_attention`` whenever the request maps to it.
+
+What maps: no mask, a causal mask (``is_causal=True`` is torch's top-left alignment, so bottom-right
+causal with ``Nq != Nk`` is passed as a boolean mask instead), any other mask as a boolean
+``attn_mask`` (materialized once, broadcast over heads/batch where the mask allows), additive score
+modifiers folded into a float ``attn_mask``, GQA via ``enable_gqa``, ``Dv != Dqk``. What does not:
+non-additive modifiers (softcap, user functions), ``return_lse`` (torch's public API does not return
+the log-sum-exp) and dropout (torch draws it from its global RNG, so it cannot reproduce qkv's seeded
+pattern). Those are declined with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._request import AttentionOutput, Request
+from ..masks.causal import Causal
+from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops
+
+__all__ = ["SDPABackend"]
+
+
+def _is_causal_flag(req: Request) -> bool:
+    """True when the mask is exactly torch's ``is_causal`` (top-left aligned lower triangle)."""
+    m = req.mask
+    return isinstance(m, Causal) and (m.align == "top_left" or req.Nq == req.Nk)
+
+
+class SDPABackend(Backend):
+    """torch's fused scaled-dot-product attention kernels."""
+
+    name = "sdpa"
+
+    def decline(self, req: Request) -> str | None:
+        if req.return_lse:
+            return "return_lse=True: torch's public SDPA API does not return the log-sum-exp"
+        if req.dropout_p > 0:
+            return "dropout: torch SDPA draws dropout from its global RNG and cannot reproduce qkv's seeded pattern"
+        if req.score_mod is not None and not req.score_mod.additive:
+            return f"score_mod {req.score_mod!r} is not additive; SDPA only takes an additive float mask"
+        return None
+
+    def estimate(self, req: Request) -> Estimate:
+        rate = NOMINAL_FLOPS.get(req.device.type, NOMINAL_FLOPS["cpu"])
+        flops = dense_flops(req)
+        if _is_causal_flag(req) and req.score_mod is None:
+            return Estimate(flops / 2 / rate, "fused kernel, is_causal skips the upper triangle")
+        if req.mask is None and req.score_mod is None:
+            return Estimate(flops / rate, "fused kernel, dense")
+        mask_bytes = req.Nq * req.Nk * (4 if req.score_mod is not None else 1) * (
+            req.B if (req.mask is not None and req.mask.batch) else 1)
+        return Estimate(flops / rate + mask_bytes / 1e10,
+                        f"fused kernel over all pairs, materializes a {mask_bytes / 1e6:.3g} MB mask")
+
+    def run(self, req: Request) -> AttentionOutput:
+        attn_mask, is_causal = None, False
+        if req.mask is not None and _is_causal_flag(req) and req.score_mod is None:
+            is_causal = True
+        else:
+            allowed = None
+            if req.mask is not None:
+                allowed = req.mask.dense(req.B, req.Hq, req.Nq, req.Nk, device=req.device)
+            if req.score_mod is not None:
+                bias = req.score_mod.dense_bias(req.B, req.Hq, req.Nq, req.Nk, dtype=req.dtype, device=req.device)
+                if allowed is not None:
+                    bias = bias.masked_fill(~allowed, float("-inf"))
+                attn_mask = bias
+            else:
+                attn_mask = allowed
+        out = F.scaled_dot_product_attention(
+            req.q, req.k, req.v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale,
+            enable_gqa=req.Hq != req.Hkv,
+        )
+        return AttentionOutput(out, None)  # type: ignore[arg-type]

@@ -1,0 +1,151 @@
+"""Masks given element by element: a dense boolean, a graph adjacency, or a user function.
+
+These have no structure to exploit, so their block maps look at every element once (for ``dense`` and
+``graph`` that is the size of the input anyway). ``graph`` treats token positions as graph nodes:
+Graph Attention Networks (Velickovic et al. 2018) and graph transformers restrict attention to edges.
+
+Example:
+    >>> import torch
+    >>> from qkv import masks
+    >>> m = masks.from_fn(lambda b, h, q, k: (q - k).abs() <= 1)
+    >>> print(m.draw(4))
+    xx..
+    xxx.
+    .xxx
+    ..xx
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .base import EMPTY, FULL, Mask, _block_map_from_dense, classify, coarse_block_map, row_index
+
+__all__ = ["dense", "graph", "graph_from_edges", "from_fn", "Dense", "Graph", "FromFn"]
+
+
+def _bool_tensor(x, fn: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.bool:
+        raise TypeError(f"{fn}: expected a bool tensor (True = may attend), got {x.dtype}; use tensor.bool() "
+                        "or, for an additive float bias, qkv.mods.bias")
+    return x
+
+
+class Dense(Mask):
+    """A boolean tensor broadcastable to (B, H, Nq, Nk), indexed by query *row* and key index."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        m = _bool_tensor(mask, "dense(mask)")
+        if m.dim() < 2 or m.dim() > 4:
+            raise ValueError(f"dense: expected shape (Nq, Nk), (B, Nq, Nk) or (B, H, Nq, Nk), got {tuple(m.shape)}")
+        while m.dim() < 4:
+            m = m.unsqueeze(0) if m.dim() != 3 else m.unsqueeze(1)
+        self.mask = m
+        self.batch = m.shape[0] if m.shape[0] > 1 else None
+        self.depends_on_head = m.shape[1] > 1
+
+    def check(self, B, H, nq, nk):
+        super().check(B, H, nq, nk)
+        _, mh, mq, mk = self.mask.shape
+        if (mq, mk) != (nq, nk) or mh not in (1, H):
+            raise ValueError(f"dense: mask of shape {tuple(self.mask.shape)} does not fit (B={B}, H={H}, Nq={nq}, "
+                             f"Nk={nk}); it must broadcast to (B, H, Nq, Nk)")
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        m = self.mask.to(kv_idx.device)
+        hi = h if m.shape[1] > 1 else torch.zeros_like(h)
+        return m[row_index(m, b), hi, q_idx, kv_idx]
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        # A tile is FULL only if full for every head and EMPTY only if empty for every head.
+        m = self.mask.to(device)
+        full = _block_map_from_dense(m.all(1), bq, bk) == FULL
+        some = _block_map_from_dense(m.any(1), bq, bk) != EMPTY
+        return classify(full, some)
+
+    def __repr__(self):
+        return f"dense(shape={tuple(self.mask.shape)})"
+
+
+class Graph(Mask):
+    """Attention along the edges of a graph whose nodes are token positions."""
+
+    def __init__(self, adjacency: torch.Tensor, *, self_loops: bool = True) -> None:
+        if isinstance(adjacency, torch.Tensor) and adjacency.dtype != torch.bool and adjacency.dim() == 2 \
+                and adjacency.shape[0] == 2 and not adjacency.dtype.is_floating_point:
+            raise TypeError("graph: an edge list (2, E) needs num_nodes; use graph_from_edges(edge_index, num_nodes)")
+        a = _bool_tensor(adjacency, "graph(adjacency)")
+        if a.dim() == 2:
+            a = a.unsqueeze(0)
+        if a.dim() != 3 or a.shape[-1] != a.shape[-2]:
+            raise ValueError(f"graph: adjacency must be square (N, N) or (B, N, N), got {tuple(adjacency.shape)}")
+        if self_loops:
+            a = a | torch.eye(a.shape[-1], dtype=torch.bool, device=a.device)
+        self.adj = a
+        self.batch = a.shape[0] if a.shape[0] > 1 else None
+
+    def check(self, B, H, nq, nk):
+        super().check(B, H, nq, nk)
+        if self.adj.shape[-1] != nk:
+            raise ValueError(f"graph: adjacency has {self.adj.shape[-1]} nodes but keys have length {nk}")
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        a = self.adj.to(kv_idx.device)
+        return a[row_index(a, b), q_idx + (nk - nq), kv_idx]
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        return coarse_block_map(self.adj.to(device), 1, 1, nq, nk, bq, bk, q_offset=nk - nq)
+
+    def __repr__(self):
+        return f"graph(nodes={self.adj.shape[-1]}, edges={int(self.adj.sum())})"
+
+
+class FromFn(Mask):
+    """A user predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on raw row/column indices."""
+
+    depends_on_head = True
+
+    def __init__(self, fn: Callable) -> None:
+        if not callable(fn):
+            raise TypeError(f"from_fn: expected a callable fn(b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}")
+        self.fn = fn
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        out = self.fn(b, h, q_idx, kv_idx)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            raise TypeError(f"from_fn: fn must return a bool tensor, got {getattr(out, 'dtype', type(out).__name__)}")
+        return out
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        return _block_map_from_dense(self.dense(1, 1, nq, nk, device=device)[:, 0], bq, bk)
+
+    def __repr__(self):
+        return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
+
+
+def dense(mask: torch.Tensor) -> Dense:
+    """An explicit boolean mask broadcastable to (B, H, Nq, Nk); True = may attend."""
+    return Dense(mask)
+
+
+def graph(adjacency: torch.Tensor, *, self_loops: bool = True) -> Graph:
+    """Attend along edges: ``adjacency`` (N, N) or (B, N, N) bool over token positions."""
+    return Graph(adjacency, self_loops=self_loops)
+
+
+def graph_from_edges(edge_index: torch.Tensor, num_nodes: int, *, self_loops: bool = True) -> Graph:
+    """Attend along edges given as (2, E) (source=query, target=key) node indices."""
+    if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"graph_from_edges: edge_index must have shape (2, E), got {getattr(edge_index, 'shape', '?')}")
+    adj = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
+    adj[edge_index[0], edge_index[1]] = True
+    return Graph(adj, self_loops=self_loops)
+
+
+def from_fn(fn: Callable) -> FromFn:
+    """A mask from a vectorized predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``."""
+    return FromFn(fn)

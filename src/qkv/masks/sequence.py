@@ -1,0 +1,173 @@
+"""Masks built from per-sequence data: key padding, packed documents, prefix-LM.
+
+- ``padding(kv_lengths)`` allows key ``j < kv_lengths[b]`` (right-padded batches).
+- ``document(ids)`` allows a pair when both tokens carry the same id (packed sequences, as in
+  FlashAttention's varlen API and sequence packing for pre-training). Query row ``i`` reads the id at
+  its position ``i + Nk - Nq``; pass ``q_ids`` for cross attention between different packings.
+- ``prefix_lm(n)`` allows ``j <= p`` or ``j < n[b]`` (Raffel et al. 2020, T5's prefix LM; UniLM).
+
+Example:
+    >>> import torch
+    >>> from qkv import masks
+    >>> print(masks.document(torch.tensor([0, 0, 1, 1, 1])).draw(5))
+    xx...
+    xx...
+    ..xxx
+    ..xxx
+    ..xxx
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Mask, classify, row_index, tile_grid, _tile_bounds
+
+__all__ = ["padding", "document", "document_from_cu_seqlens", "prefix_lm", "Padding", "Document", "PrefixLM"]
+
+
+def _as_lengths(x, name: str) -> torch.Tensor:
+    if isinstance(x, int) and not isinstance(x, bool):
+        x = torch.tensor([x])
+    elif isinstance(x, (list, tuple)):
+        x = torch.tensor(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected an int, a list of ints or a 1-D integer tensor, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 1:
+        raise TypeError(f"{name}: expected a 1-D integer tensor of shape (B,), got dtype {x.dtype} shape "
+                        f"{tuple(x.shape)}")
+    if x.numel() and int(x.min()) < 0:
+        raise ValueError(f"{name}: lengths must be >= 0, got min {int(x.min())}")
+    return x.to(torch.int64)
+
+
+class Padding(Mask):
+    def __init__(self, kv_lengths) -> None:
+        self.lengths = _as_lengths(kv_lengths, "padding(kv_lengths)")
+        self.batch = self.lengths.shape[0]
+
+    def check(self, B, H, nq, nk):
+        super().check(B, H, nq, nk)
+        if self.lengths.numel() and int(self.lengths.max()) > nk:
+            raise ValueError(f"padding: kv_lengths max {int(self.lengths.max())} exceeds the key length {nk}")
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        lengths = self.lengths.to(kv_idx.device)
+        return kv_idx < lengths[row_index(lengths, b)]
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        _, _, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
+        n = self.lengths.to(device).view(-1, 1, 1)
+        full, some = k_hi < n, k_lo < n
+        tq = (nq + bq - 1) // bq
+        return classify(full, some).expand(-1, tq, -1)
+
+    def __repr__(self):
+        return f"padding({self.lengths.tolist()})"
+
+
+class Document(Mask):
+    def __init__(self, ids: torch.Tensor, q_ids: torch.Tensor | None = None) -> None:
+        self.kv_ids = self._check_ids(ids, "document(ids)")
+        self.q_ids = None if q_ids is None else self._check_ids(q_ids, "document(q_ids)")
+        rows = {self.kv_ids.shape[0]} | ({self.q_ids.shape[0]} if self.q_ids is not None else set())
+        if len(rows - {1}) > 1:
+            raise ValueError(f"document: ids and q_ids have different batch sizes {sorted(rows)}")
+        self.batch = max(rows)
+
+    @staticmethod
+    def _check_ids(ids, name):
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor of shape (N,) or (B, N), got "
+                            f"{type(ids).__name__} {getattr(ids, 'dtype', '')}")
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2:
+            raise ValueError(f"{name}: expected shape (N,) or (B, N), got {tuple(ids.shape)}")
+        return ids.to(torch.int64)
+
+    def check(self, B, H, nq, nk):
+        super().check(B, H, nq, nk)
+        if self.kv_ids.shape[1] != nk:
+            raise ValueError(f"document: ids have length {self.kv_ids.shape[1]} but keys have length {nk}")
+        if self.q_ids is not None and self.q_ids.shape[1] != nq:
+            raise ValueError(f"document: q_ids have length {self.q_ids.shape[1]} but queries have length {nq}")
+
+    def _query_ids(self, nq, nk):
+        if self.q_ids is not None:
+            return self.q_ids
+        return self.kv_ids[:, nk - nq:]
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        kv = self.kv_ids.to(kv_idx.device)
+        qd = self._query_ids(nq, nk).to(kv_idx.device)
+        return qd[row_index(qd, b), q_idx] == kv[row_index(kv, b), kv_idx]
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        # Per tile, the range of ids on each side. Disjoint ranges: EMPTY; one id on both: FULL.
+        q_lo, q_hi = _tile_range(self._query_ids(nq, nk).to(device), bq)
+        k_lo, k_hi = _tile_range(self.kv_ids.to(device), bk)
+        q_lo, q_hi = q_lo.unsqueeze(2), q_hi.unsqueeze(2)
+        k_lo, k_hi = k_lo.unsqueeze(1), k_hi.unsqueeze(1)
+        full = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+        some = (q_lo <= k_hi) & (k_lo <= q_hi)
+        return classify(full, some)
+
+    def __repr__(self):
+        return f"document(ids of shape {tuple(self.kv_ids.shape)})"
+
+
+def _tile_range(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of ``ids`` (Bm, N) over tiles of ``block`` columns: (Bm, T) each."""
+    bm, n = ids.shape
+    t = (n + block - 1) // block
+    pad = t * block - n
+    lo = torch.nn.functional.pad(ids, (0, pad), value=torch.iinfo(torch.int64).max).view(bm, t, block).amin(-1)
+    hi = torch.nn.functional.pad(ids, (0, pad), value=torch.iinfo(torch.int64).min).view(bm, t, block).amax(-1)
+    return lo, hi
+
+
+class PrefixLM(Mask):
+    def __init__(self, prefix_lengths) -> None:
+        self.lengths = _as_lengths(prefix_lengths, "prefix_lm(prefix_lengths)")
+        self.batch = self.lengths.shape[0] if self.lengths.shape[0] > 1 else None
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        n = self.lengths.to(kv_idx.device)
+        return (kv_idx <= q_idx + (nk - nq)) | (kv_idx < n[row_index(n, b)])
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        p_lo, p_hi, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
+        n = self.lengths.to(device).view(-1, 1, 1)
+        return classify((k_hi <= p_lo) | (k_hi < n), (k_lo <= p_hi) | (k_lo < n))
+
+    def __repr__(self):
+        return f"prefix_lm({self.lengths.tolist()})"
+
+
+def padding(kv_lengths) -> Padding:
+    """Allow key ``j < kv_lengths[b]``. ``kv_lengths``: int or (B,) integer tensor."""
+    return Padding(kv_lengths)
+
+
+def document(ids: torch.Tensor, *, q_ids: torch.Tensor | None = None) -> Document:
+    """Allow pairs whose tokens carry the same id. ``ids``: (Nk,) or (B, Nk) integers; ``q_ids``
+    (optional, (Nq,) or (B, Nq)) for queries packed differently from keys."""
+    return Document(ids, q_ids)
+
+
+def document_from_cu_seqlens(cu_seqlens: torch.Tensor) -> Document:
+    """Packed sequences from cumulative lengths ``[0, n0, n0+n1, ...]`` (FlashAttention varlen style)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("document_from_cu_seqlens: expected a 1-D integer tensor [0, n0, n0+n1, ...] with at "
+                         f"least 2 entries, got {cu_seqlens!r}")
+    cu = cu_seqlens.to(torch.int64)
+    if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"document_from_cu_seqlens: must start at 0 and be non-decreasing, got {cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    return Document(torch.repeat_interleave(torch.arange(lengths.numel()), lengths))
+
+
+def prefix_lm(prefix_lengths) -> PrefixLM:
+    """Bidirectional over the first ``prefix_lengths[b]`` keys, causal after."""
+    return PrefixLM(prefix_lengths)

@@ -1,0 +1,108 @@
+"""Error budgets: how qkv decides that a numerical result is right.
+
+A fixed tolerance is either too loose for float64 or too tight for bfloat16. Instead a candidate is
+compared with a float64 reference, and its error must be at most ``k`` times the error that a plain
+eager computation *in the candidate's own dtype* makes against the same reference, plus a small floor:
+
+    err(candidate, ref64) <= k * err(baseline, ref64) + floor
+
+``k`` is about 2 for float16/bfloat16 and 10 for float32 (DESIGN.md). The floor absorbs the case
+where the baseline happens to be nearly exact (tiny sizes, float64 inputs).
+
+Example:
+    >>> import torch
+    >>> from qkv.testing import assert_within_budget
+    >>> x = torch.randn(8, dtype=torch.float64)
+    >>> assert_within_budget(x.float() * 2, x * 2, x.float() * 2)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Budget", "DEFAULT_K", "DEFAULT_FLOOR", "max_error", "budget", "assert_within_budget"]
+
+DEFAULT_K: dict[torch.dtype, float] = {
+    torch.float16: 2.0,
+    torch.bfloat16: 2.0,
+    torch.float32: 10.0,
+    torch.float64: 10.0,
+}
+DEFAULT_FLOOR: dict[torch.dtype, float] = {
+    torch.float16: 1e-3,
+    torch.bfloat16: 8e-3,
+    torch.float32: 1e-6,
+    torch.float64: 1e-12,
+}
+
+
+class Budget(NamedTuple):
+    """The measured errors and the allowance they were held to."""
+
+    candidate_error: float
+    baseline_error: float
+    allowed: float
+    k: float
+    floor: float
+
+    @property
+    def ok(self) -> bool:
+        return self.candidate_error <= self.allowed
+
+    def __str__(self) -> str:
+        ratio = self.candidate_error / self.baseline_error if self.baseline_error > 0 else float("inf")
+        return (
+            f"candidate err {self.candidate_error:.3e} vs allowed {self.allowed:.3e} "
+            f"(= {self.k:g} x baseline err {self.baseline_error:.3e} + floor {self.floor:.1e}; "
+            f"candidate/baseline = {ratio:.2f})"
+        )
+
+
+def max_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference, in float64. Positions where both are equal infinities count as 0;
+    a NaN in either tensor where the other has none counts as infinite error."""
+    a64 = a.detach().to(torch.float64)
+    r64 = ref.detach().to(torch.float64)
+    a64, r64 = torch.broadcast_tensors(a64, r64)
+    same_inf = torch.isinf(a64) & (a64 == r64)
+    nan_mismatch = torch.isnan(a64) != torch.isnan(r64)
+    if nan_mismatch.any():
+        return float("inf")
+    diff = (a64 - r64).abs()
+    diff = torch.where(same_inf | torch.isnan(a64), torch.zeros_like(diff), diff)
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Tensor, *,
+           k: float | None = None, floor: float | None = None) -> Budget:
+    """Measure ``candidate`` against the float64 ``reference`` with the allowance set by ``baseline``.
+
+    Args:
+        candidate: the result under test, any dtype.
+        reference: the float64 result of the specification (e.g. the reference backend on
+            float64 inputs). Same shape as ``candidate``.
+        baseline: a plain eager computation in the candidate's dtype on the same inputs.
+        k: multiplier on the baseline error; defaults by the candidate's dtype (``DEFAULT_K``).
+        floor: absolute allowance added; defaults by dtype (``DEFAULT_FLOOR``).
+    """
+    if candidate.shape != reference.shape:
+        raise ValueError(
+            f"candidate shape {tuple(candidate.shape)} != reference shape {tuple(reference.shape)}"
+        )
+    dtype = candidate.dtype if candidate.dtype in DEFAULT_K else torch.float32
+    k = DEFAULT_K[dtype] if k is None else k
+    floor = DEFAULT_FLOOR[dtype] if floor is None else floor
+    cand_err = max_error(candidate, reference)
+    base_err = max_error(baseline, reference)
+    return Budget(cand_err, base_err, k * base_err + floor, k, floor)
+
+
+def assert_within_budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Tensor, *,
+                         k: float | None = None, floor: float | None = None, what: str = "output") -> Budget:
+    """Raise ``AssertionError`` with the measured numbers when ``candidate`` exceeds its budget."""
+    b = budget(candidate, reference, baseline, k=k, floor=floor)
+    if not b.ok:
+        raise AssertionError(f"{what}: {b}")
+    return b
