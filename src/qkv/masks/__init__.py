@@ -18,11 +18,11 @@ Example:
 from .base import EMPTY, FULL, PARTIAL, Mask
 from .causal import causal, sliding_window
 from .explicit import dense, from_fn, graph, graph_from_edges
-from .sequence import document, document_from_cu_seqlens, padding, prefix_lm
+from .sequence import document, document_from_cu_seqlens, padding, positions, prefix_lm
 from .sparse import bigbird, fixed, global_tokens, strided
 
 __all__ = [
     "Mask", "EMPTY", "PARTIAL", "FULL",
-    "causal", "sliding_window", "padding", "document", "document_from_cu_seqlens", "prefix_lm",
+    "causal", "sliding_window", "padding", "document", "document_from_cu_seqlens", "prefix_lm", "positions",
     "global_tokens", "strided", "fixed", "bigbird", "graph", "graph_from_edges", "dense", "from_fn",
 ]

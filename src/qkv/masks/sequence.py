@@ -23,7 +23,8 @@ import torch
 
 from .base import Mask, classify, row_index, tile_grid, _tile_bounds
 
-__all__ = ["padding", "document", "document_from_cu_seqlens", "prefix_lm", "Padding", "Document", "PrefixLM"]
+__all__ = ["padding", "document", "document_from_cu_seqlens", "prefix_lm", "positions", "Padding", "Document",
+           "PrefixLM", "Positions"]
 
 
 def _as_lengths(x, name: str) -> torch.Tensor:
@@ -171,3 +172,65 @@ def document_from_cu_seqlens(cu_seqlens: torch.Tensor) -> Document:
 def prefix_lm(prefix_lengths) -> PrefixLM:
     """Bidirectional over the first ``prefix_lengths[b]`` keys, causal after."""
     return PrefixLM(prefix_lengths)
+
+
+class Positions(Mask):
+    """Mask by explicit token positions: the bridge between masks and KV caches whose slots are not
+    in position order (ring buffers, evicted caches, left padding)."""
+
+    def __init__(self, q_positions, kv_positions, causal: bool = True, window: int | None = None) -> None:
+        self.qp = Document._check_ids(q_positions, "positions(q_positions)")
+        self.kp = Document._check_ids(kv_positions, "positions(kv_positions)")
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ValueError(f"positions: window must be a positive int (keys kept per query) or None, got {window!r}")
+        self.causal, self.window = causal, window
+        rows = {self.qp.shape[0], self.kp.shape[0]} - {1}
+        if len(rows) > 1:
+            raise ValueError(f"positions: q_positions and kv_positions have different batch sizes {sorted(rows)}")
+        self.batch = max(self.qp.shape[0], self.kp.shape[0])
+
+    def check(self, B, H, nq, nk):
+        super().check(B, H, nq, nk)
+        if self.qp.shape[1] != nq or self.kp.shape[1] != nk:
+            raise ValueError(f"positions: got {self.qp.shape[1]} query and {self.kp.shape[1]} key positions for "
+                             f"Nq={nq}, Nk={nk}")
+
+    def _rule(self, qp, kp):
+        ok = (kp >= 0) & (qp >= 0)
+        if self.causal:
+            ok = ok & (kp <= qp)
+        if self.window is not None:
+            ok = ok & (qp - kp < self.window)
+        return ok
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        qp, kp = self.qp.to(kv_idx.device), self.kp.to(kv_idx.device)
+        return self._rule(qp[row_index(qp, b), q_idx], kp[row_index(kp, b), kv_idx])
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        # Conservative from per-tile position ranges: EMPTY only when no pair can pass.
+        q_lo, q_hi = _tile_range(self.qp.to(device), bq)
+        k_lo, k_hi = _tile_range(self.kp.to(device), bk)
+        q_lo, q_hi, k_lo, k_hi = q_lo.unsqueeze(2), q_hi.unsqueeze(2), k_lo.unsqueeze(1), k_hi.unsqueeze(1)
+        some = (q_hi >= 0) & (k_hi >= 0)
+        full = (q_lo >= 0) & (k_lo >= 0)
+        if self.causal:
+            some, full = some & (k_lo <= q_hi), full & (k_hi <= q_lo)
+        if self.window is not None:
+            some, full = some & (q_lo - k_hi < self.window), full & (q_hi - k_lo < self.window)
+        return classify(full, some)
+
+    def __repr__(self):
+        return f"positions(causal={self.causal}, window={self.window})"
+
+
+def positions(q_positions: torch.Tensor, kv_positions: torch.Tensor, *, causal: bool = True,
+              window: int | None = None) -> Positions:
+    """Allow key slot ``j`` for query ``i`` by their positions: both ``>= 0`` (negative = padding/empty),
+    ``kv_pos <= q_pos`` when ``causal``, and ``q_pos - kv_pos < window`` when a window is given.
+
+    Args:
+        q_positions: (Nq,) or (B, Nq) int64.
+        kv_positions: (Nk,) or (B, Nk) int64.
+    """
+    return Positions(q_positions, kv_positions, causal, window)

@@ -1,0 +1,52 @@
+"""The one small interface between attention modules and KV caches.
+
+A module with a cache does, per layer and step::
+
+    view = cache.update(layer_idx, k_new, v_new, positions=pos, rope=rope_fn)
+    q = rope_fn(q, view.q_positions) if rope_fn else q
+    mask = masks.positions(view.q_positions, view.kv_positions, causal=True, window=W)  # & any extra mask
+    out = qkv.attention(q, view.k, view.v, mask=mask, ...)
+
+- ``k_new`` (B, Hkv, Nnew, Dqk), ``v_new`` (B, Hkv, Nnew, Dv) are this step's keys/values.
+- ``positions`` (B, Nnew) int64 are the absolute positions of the new tokens (``-1`` for padding tokens,
+  which are stored but never attended to).
+- ``rope`` is ``None`` when keys need no rotation or are already rotated; otherwise a callable
+  ``rope(x, positions) -> x`` and ``k_new`` is *un-rotated*: the cache rotates keys at the positions it
+  chooses (their absolute position for most storages; their in-cache position for StreamingLLM sinks)
+  and reports in ``q_positions`` the positions the queries must be rotated to and masked with.
+- The returned view lists every cached key (old and new) with its position in ``kv_positions``
+  (B, Nk); empty or padding slots carry ``-1``. Order does not matter (ring buffers, evicted caches),
+  because masking is by position.
+
+Cross attention computes encoder K/V once: ``cache.cross_kv(layer_idx, compute)`` returns the stored
+pair, calling ``compute()`` only the first time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["CacheView", "AttentionCache", "RopeFn"]
+
+RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class CacheView(NamedTuple):
+    """What one layer attends over after an update."""
+
+    k: torch.Tensor  # (B, Hkv, Nk, Dqk), rotated if RoPE applies
+    v: torch.Tensor  # (B, Hkv, Nk, Dv)
+    kv_positions: torch.Tensor  # (B, Nk) int64; -1 = empty or padding slot
+    q_positions: torch.Tensor  # (B, Nnew) int64, positions for the new queries (RoPE and mask)
+
+
+@runtime_checkable
+class AttentionCache(Protocol):
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
+               rope: RopeFn | None = None) -> CacheView: ...
+
+    def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
