@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CacheView", "AttentionCache", "RopeFn"]
+__all__ = ["CacheView", "AttentionCache", "DecoderModel", "RopeFn"]
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,3 +50,21 @@ class AttentionCache(Protocol):
 
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class DecoderModel(Protocol):
+    """What ``generate`` and ``verify_cache`` need from a decoder-only language model.
+
+    ``forward(input_ids, positions=..., cache=...)``:
+        input_ids (B, N) int64; positions (B, N) int64 absolute positions (``-1`` marks padding tokens,
+        which are never attended to); cache an ``AttentionCache`` (or None for full recomputation, in
+        which case the model masks with ``masks.positions(positions, positions, causal=True, window=W)``).
+        Returns logits (B, N, vocab) float.
+    ``cache_specs()``: one layer spec per layer (``qkv.cache`` specs), from which caches are built.
+    """
+
+    def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                cache: AttentionCache | None = None) -> torch.Tensor: ...
+
+    def cache_specs(self) -> list: ...
