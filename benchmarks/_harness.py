@@ -181,7 +181,7 @@ class Suite:
             table.add_column(str(c), justify="right")
         for r in self.rows:
             table.add_row(*(_fmt(r.get(c, "")) for c in cols))
-        console = Console()
+        console = Console(width=200)
         console.print(table)
         for n in self.notes:
             console.print(n)

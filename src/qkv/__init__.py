@@ -13,27 +13,40 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from . import backends, masks, mods
-from ._attention import Explanation, attention, explain
-from ._merge import merge_states
-from ._request import AttentionOutput
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "attention", "explain", "Explanation", "merge_states", "AttentionOutput",
-    "masks", "mods", "backends", "__version__",
-]
+# Everything loads on first touch: `import qkv` is fast, and `import qkv.costs` (pure arithmetic)
+# does not even import torch.
+_ATTRS = {
+    "attention": "qkv._attention",
+    "explain": "qkv._attention",
+    "Explanation": "qkv._attention",
+    "merge_states": "qkv._merge",
+    "AttentionOutput": "qkv._request",
+}
+_SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
+               "interpret", "distributed", "cli"}
 
-# Heavier subpackages load on first touch: `import qkv` needs only torch and numpy.
-_LAZY = {"testing", "costs", "pos", "nn", "linear", "cache", "models", "interpret", "distributed", "cli"}
+__all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput",
+           "masks", "mods", "backends", "__version__"]
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
+    if name in _ATTRS:
+        value = getattr(importlib.import_module(_ATTRS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
         return importlib.import_module(f"qkv.{name}")
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ATTRS, *_SUBMODULES})
+
+
 if TYPE_CHECKING:  # pragma: no cover
-    from . import testing  # noqa: F401
+    from . import backends, masks, mods  # noqa: F401
+    from ._attention import Explanation, attention, explain  # noqa: F401
+    from ._merge import merge_states  # noqa: F401
+    from ._request import AttentionOutput  # noqa: F401

@@ -122,10 +122,10 @@ def _tile_range(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     """Min and max of ``ids`` (Bm, N) over tiles of ``block`` columns: (Bm, T) each."""
     bm, n = ids.shape
     t = (n + block - 1) // block
-    pad = t * block - n
-    lo = torch.nn.functional.pad(ids, (0, pad), value=torch.iinfo(torch.int64).max).view(bm, t, block).amin(-1)
-    hi = torch.nn.functional.pad(ids, (0, pad), value=torch.iinfo(torch.int64).min).view(bm, t, block).amax(-1)
-    return lo, hi
+    lo = ids[:, -1:].expand(bm, t * block).clone()  # pad the ragged tile with a value it already holds
+    lo[:, :n] = ids
+    tiles = lo.view(bm, t, block)
+    return tiles.amin(-1), tiles.amax(-1)
 
 
 class PrefixLM(Mask):
