@@ -1,0 +1,244 @@
+"""``qkv memory``, ``qkv flops`` and ``qkv compare``: KV-cache and attention-FLOP arithmetic from presets.
+
+All numbers come from :mod:`qkv.costs`; this module only parses, prints and plots (matplotlib is
+imported lazily, drawing on an Agg canvas without pyplot).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qkv.costs import (
+    DEVICE_GB,
+    GB,
+    KVMemory,
+    ModelPreset,
+    format_bytes,
+    format_flops,
+    get_preset,
+    kv_cache_memory,
+    model_attention_flops,
+    parse_context,
+)
+
+__all__ = ["register"]
+
+_PRESET_HELP = "A preset name (llama-3-70b, gemma-3-27b, deepseek-v2, ...) or the path of a HF config.json."
+_Context = Annotated[
+    str, typer.Option("--context", "-c", help="Tokens per sequence: 131072, 128k (= 131,072), 1M, 128000.")
+]
+_Batch = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences in the batch.")]
+_Dtype = Annotated[str, typer.Option("--dtype", help="Cache dtype: fp32 fp16 bf16 fp8 int8 int4 int2.")]
+_Group = Annotated[
+    int | None,
+    typer.Option("--group-size", min=1, help="int dtypes: count an fp16 scale + zero-point per group."),
+]
+_Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
+
+
+@contextmanager
+def _friendly() -> Iterator[None]:
+    """Turn bad input into one line on stderr and exit code 2, never a traceback."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+def _describe(p: ModelPreset) -> str:
+    if p.kv_lora_rank is not None:
+        heads = f"{p.num_attention_heads} heads, latent {p.kv_lora_rank} + rope key {p.qk_rope_head_dim}"
+    else:
+        heads = f"{p.num_attention_heads} query heads, {p.num_key_value_heads} KV heads x {p.head_dim}"
+    layers = ", ".join(f"{n} {kind}" for kind, n in p.layer_counts.items())
+    window = f", window {p.sliding_window:,}" if "local" in p.layer_counts else ""
+    return f"{p.name} [{p.attention_kind.upper()}]: {p.num_hidden_layers} layers ({layers}{window}), {heads}"
+
+
+def _fits(m: KVMemory) -> str:
+    return "  ".join(f"{g} GB {'yes' if ok else 'no'}" for g, ok in m.fits.items())
+
+
+def memory(
+    preset: Annotated[str, typer.Argument(help=_PRESET_HELP, show_default=False)],
+    context: _Context = "128k",
+    batch: _Batch = 1,
+    dtype: _Dtype = "bf16",
+    group_size: _Group = None,
+    as_json: _Json = False,
+) -> None:
+    """KV-cache size of a model: bytes per token, total, per layer kind, and whether it fits in 24/80/141 GB.
+
+    GB are 1e9 bytes (GiB, 2**30, shown beside). Only the cache is counted, not weights or activations.
+
+    Examples:
+
+        qkv memory llama-3-70b --context 128k
+
+        qkv memory llama-70b-mha --context 128000 --dtype fp16
+
+        qkv memory gemma-3-27b --dtype int4 --group-size 64 --json
+
+        qkv memory ./my-model/config.json --batch 8
+    """
+    with _friendly():
+        p = get_preset(preset)
+        kw = dict(context=parse_context(context), batch=batch, dtype=dtype, group_size=group_size)
+        m = kv_cache_memory(p, **kw)
+        mha = kv_cache_memory(p.mha_equivalent(), **kw) if p.attention_kind != "mha" else None
+    if as_json:
+        out = {**m.as_dict(), "attention_kind": p.attention_kind}
+        out["mha_equivalent_total_bytes"] = mha.total_bytes if mha else m.total_bytes
+        typer.echo(json.dumps(out, indent=2))
+        return
+    console = Console(soft_wrap=True)
+    console.print(_describe(p))
+    console.print(
+        f"context {m.context:,} tokens, batch {m.batch}, {m.dtype} ({m.bytes_per_element:g} bytes/element)"
+    )
+    table = Table("kind", "layers", "cached tokens", "per token, layer", "per layer", "total")
+    for g in m.layers:
+        table.add_row(
+            g.kind, str(g.num_layers), f"{g.tokens:,}", format_bytes(g.bytes_per_token),
+            format_bytes(g.bytes_per_layer), format_bytes(g.total_bytes),
+        )
+    console.print(table)
+    console.print(f"per token (all layers): {format_bytes(m.bytes_per_token)} ({m.bytes_per_token:,.0f} B)")
+    console.print(
+        f"total: {format_bytes(m.total_bytes)} = {format_bytes(m.total_bytes, binary=True)} "
+        f"({m.total_bytes:,} B)"
+    )
+    console.print(f"fits (KV cache only, GB = 1e9 B): {_fits(m)}")
+    if mha:
+        ratio = mha.total_bytes / m.total_bytes
+        console.print(f"MHA-equivalent: {format_bytes(mha.total_bytes)} ({ratio:.1f}x this cache)")
+
+
+def flops(
+    preset: Annotated[str, typer.Argument(help=_PRESET_HELP, show_default=False)],
+    context: _Context = "128k",
+    batch: _Batch = 1,
+    as_json: _Json = False,
+) -> None:
+    """Attention FLOPs (QK^T and PV only, no projections): prefill, per-token decode, training.
+
+    Prefill is the forward pass over a causal prompt of CONTEXT tokens (4*B*H*N*N*D, halved for
+    causal); decode is one new token against CONTEXT cached tokens; training is forward + backward,
+    3.5x forward (FlashAttention-2's count). Local layers see at most their window.
+
+    Examples:
+
+        qkv flops llama-3-8b --context 8k
+
+        qkv flops deepseek-v2 --context 128k --json
+    """
+    with _friendly():
+        p = get_preset(preset)
+        f = model_attention_flops(p, context=parse_context(context), batch=batch)
+    if as_json:
+        typer.echo(json.dumps({**f._asdict(), "prefill_per_token": f.prefill / f.context}, indent=2))
+        return
+    console = Console(soft_wrap=True)
+    console.print(_describe(p))
+    console.print(f"context {f.context:,} tokens, batch {f.batch}")
+    table = Table("pass", "FLOPs", "", title=None)
+    rows = [
+        ("prefill (causal prompt)", f.prefill),
+        ("prefill, per prompt token", f.prefill / f.context),
+        ("decode, per new token", f.decode),
+        ("training (fwd + bwd)", f.training),
+    ]
+    if f.decode_absorbed is not None:
+        rows.append(("decode, MLA absorbed", f.decode_absorbed))
+    for name, value in rows:
+        table.add_row(name, format_flops(value), f"{value:.4g}")
+    console.print(table)
+
+
+def _plot(memories: dict[str, list[KVMemory]], context: int, path: Path) -> None:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.add_subplot()
+    for name, ms in memories.items():
+        ax.plot([m.context for m in ms], [m.total_bytes / GB for m in ms], label=name)
+    for g in DEVICE_GB:
+        ax.axhline(g, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(f"{g} GB", (1024, g), xytext=(2, 2), textcoords="offset points", fontsize=8)
+    ax.axvline(context, color="black", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    tokens = FuncFormatter(lambda x, _: f"{x / 1024:g}k" if x < 2**20 else f"{x / 2**20:g}M")
+    ax.xaxis.set_major_formatter(tokens)
+    first = next(iter(memories.values()))[0]
+    ax.set(xlabel="context (tokens, k = 1024)", ylabel="KV cache (GB = 1e9 bytes)",
+           title=f"KV cache vs context: batch {first.batch}, {first.dtype}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
+def compare(
+    presets: Annotated[list[str], typer.Argument(help="Presets or config.json paths.", show_default=False)],
+    context: _Context = "128k",
+    batch: _Batch = 1,
+    dtype: _Dtype = "bf16",
+    group_size: _Group = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG of KV cache vs context (1k..1M, log axes).")
+    ] = None,
+    as_json: _Json = False,
+) -> None:
+    """Compare KV caches side by side at one context, optionally plotting them against context.
+
+    Examples:
+
+        qkv compare llama-70b-mha llama-3-70b deepseek-v2 gemma-3-27b
+
+        qkv compare llama-3-8b mistral-7b --context 32k --dtype fp8 --plot kv.png
+    """
+    with _friendly():
+        kw = dict(batch=batch, dtype=dtype, group_size=group_size)
+        models = {p.name: p for p in map(get_preset, presets)}
+        n = parse_context(context)
+        ms = {name: kv_cache_memory(p, context=n, **kw) for name, p in models.items()}
+        if plot is not None:
+            grid = [round(1024 * 2 ** (i / 8)) for i in range(81)]  # 1k..1M, 8 points per octave
+            curves = {name: [kv_cache_memory(p, context=c, **kw) for c in grid] for name, p in models.items()}
+            _plot(curves, n, plot)
+    if as_json:
+        typer.echo(json.dumps([{**m.as_dict(), "attention_kind": models[m.preset].attention_kind}
+                               for m in ms.values()], indent=2))
+        return
+    console = Console(soft_wrap=True)
+    console.print(f"context {n:,} tokens, batch {batch}, {dtype}; GB = 1e9 B, KV cache only")
+    table = Table("preset", "kind", "per token", "total", "fits in")
+    table.columns[0].no_wrap = True
+    for name, m in ms.items():
+        p = models[name]
+        local = f" +{p.layer_counts['local']} local" if "local" in p.layer_counts else ""
+        fits = ", ".join(str(g) for g, ok in m.fits.items() if ok)
+        table.add_row(
+            name, p.attention_kind.upper() + local, format_bytes(m.bytes_per_token),
+            format_bytes(m.total_bytes), f"{fits} GB" if fits else "none",
+        )
+    console.print(table)
+    if plot is not None:
+        console.print(f"plot written to {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``memory``, ``flops`` and ``compare`` to ``app``."""
+    app.command("memory")(memory)
+    app.command("flops")(flops)
+    app.command("compare")(compare)

@@ -1,0 +1,59 @@
+"""Cost arithmetic for attention: KV-cache bytes, attention FLOPs, score-matrix sizes, model presets.
+
+Pure Python: importing it does not import torch. Conventions (each documented in its module):
+``128k`` = 131,072 tokens; GB = 1e9 bytes and GiB = 2**30; attention FLOPs ``4 * B * Hq * Nq * Nk * D``,
+half when causal with ``Nq == Nk``; training = 3.5 x forward (FlashAttention-2's count).
+
+Example:
+    >>> from qkv.costs import PRESETS, format_bytes, kv_cache_memory, parse_context
+    >>> m = kv_cache_memory(PRESETS["llama-3-70b"], context=parse_context("128k"), dtype="bf16")
+    >>> format_bytes(m.total_bytes), m.fits
+    ('42.95 GB', {24: False, 80: True, 141: True})
+"""
+
+from .flops import (
+    TRAINING_MULTIPLIER,
+    AttentionFlops,
+    attention_flops,
+    mla_absorbed_flops,
+    model_attention_flops,
+    score_elements,
+)
+from .memory import (
+    DEVICE_GB,
+    KVMemory,
+    LayerKV,
+    element_bytes,
+    gqa_kv_bytes_per_token,
+    kv_cache_memory,
+    mla_kv_bytes_per_token,
+)
+from .presets import PRESETS, ModelPreset, get_preset, preset_from_hf_config
+from .units import DTYPE_BYTES, GB, GiB, format_bytes, format_flops, parse_context, parse_dtype
+
+__all__ = [
+    "DEVICE_GB",
+    "DTYPE_BYTES",
+    "GB",
+    "PRESETS",
+    "TRAINING_MULTIPLIER",
+    "AttentionFlops",
+    "GiB",
+    "KVMemory",
+    "LayerKV",
+    "ModelPreset",
+    "attention_flops",
+    "element_bytes",
+    "format_bytes",
+    "format_flops",
+    "get_preset",
+    "gqa_kv_bytes_per_token",
+    "kv_cache_memory",
+    "mla_absorbed_flops",
+    "mla_kv_bytes_per_token",
+    "model_attention_flops",
+    "parse_context",
+    "parse_dtype",
+    "preset_from_hf_config",
+    "score_elements",
+]

@@ -1,0 +1,112 @@
+"""`qkv memory`, `qkv flops`, `qkv compare` through typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from qkv.cli import _register, app
+from qkv.costs import PRESETS, kv_cache_memory, model_attention_flops
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _commands():
+    _register()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_memory_teaching_example():
+    r = run("memory", "llama-70b-mha", "--context", "128000", "--dtype", "fp16")
+    assert r.exit_code == 0, r.output
+    assert "4.19 GB" in r.stdout and "335.54 GB" in r.stdout and "335,544,320,000" in r.stdout
+
+
+def test_memory_prints_mha_equivalent_and_fits():
+    r = run("memory", "llama-3-70b", "--context", "128k")
+    assert r.exit_code == 0, r.output
+    assert "42.95 GB" in r.stdout and "343.60 GB" in r.stdout and "8.0x" in r.stdout
+    assert "24 GB no" in r.stdout and "80 GB yes" in r.stdout
+
+
+def test_memory_json():
+    r = run("memory", "gemma-3-27b", "--context", "128k", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["total_bytes"] == kv_cache_memory(PRESETS["gemma-3-27b"], context=131072).total_bytes
+    assert {g["kind"]: g["tokens"] for g in d["layers"]} == {"global": 131072, "local": 1024}
+    assert d["mha_equivalent_total_bytes"] == 2 * d["total_bytes"]
+
+
+def test_memory_quantized_json():
+    r = run("memory", "deepseek-v2", "--context", "1k", "--dtype", "int4", "--group-size", "64", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["total_bytes"] == 60 * 576 * 1024 * (0.5 + 4 / 64)
+
+
+def test_memory_reads_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}))
+    r = run("memory", str(path), "--context", "1000", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["total_bytes"] == 2 * 2 * 4 * 64 * 1000 * 2
+
+
+def test_flops_table_and_json():
+    r = run("flops", "deepseek-v2", "--context", "8k")
+    assert r.exit_code == 0, r.output
+    assert all(word in r.stdout for word in ("prefill", "decode", "training", "absorbed"))
+    r = run("flops", "llama-3-8b", "--context", "8k", "--batch", "2", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    f = model_attention_flops(PRESETS["llama-3-8b"], context=8192, batch=2)
+    assert (d["prefill"], d["decode"], d["training"]) == (f.prefill, f.decode, f.training)
+
+
+def test_compare_table_json_and_plot(tmp_path):
+    png = tmp_path / "kv.png"
+    r = run("compare", "llama-70b-mha", "llama-3-70b", "deepseek-v2", "gemma-3-27b", "--plot", str(png))
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(name in r.stdout for name in ("llama-70b-mha", "deepseek-v2", "9.06 GB", "343.60 GB"))
+    r = run("compare", "llama-3-8b", "mistral-7b", "--context", "32k", "--json")
+    assert [m["preset"] for m in json.loads(r.stdout)] == ["llama-3-8b", "mistral-7b"]
+
+
+@pytest.mark.parametrize("command", ["memory", "flops", "compare"])
+def test_unknown_preset_fails_with_names(command):
+    r = run(command, "llama3-70b")
+    assert r.exit_code == 2
+    assert "Did you mean 'llama-3-70b'?" in r.stderr
+    assert all(name in r.stderr for name in PRESETS)
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    "args, forms",
+    [(("--context", "abc"), "128k = 131072"), (("--context", "-5"), "128k = 131072"),
+     (("--dtype", "int3"), "fp32, fp16, bf16"), (("--dtype", "bf16", "--group-size", "32"), "group_size")],
+)
+def test_bad_options_fail_with_accepted_forms(args, forms):
+    r = run("memory", "llama-3-8b", *args)
+    assert r.exit_code == 2, r.output
+    assert forms in r.stderr and "Traceback" not in r.output
+    assert r.stdout == ""
+
+
+def test_bad_plot_path_fails_cleanly(tmp_path):
+    r = run("compare", "llama-3-8b", "--plot", str(tmp_path / "missing" / "kv.png"))
+    assert r.exit_code == 2 and "error:" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["memory", "flops", "compare"])
+def test_help_has_examples(command):
+    r = run(command, "--help")
+    assert r.exit_code == 0
+    assert "Examples" in r.stdout and f"qkv {command}" in r.stdout
