@@ -1,0 +1,126 @@
+"""Loading HF checkpoints into qkv-native models: one loader, one module per family.
+
+``from_hf(src)`` takes a local checkpoint directory (``config.json`` plus ``*.safetensors``; pickled
+``*.bin`` files are never opened) or an in-memory HF ``PreTrainedModel``. The family module named by
+the config's ``model_type`` builds the qkv model and renames the HF tensors; the loader then checks
+the tensors strictly (missing, unexpected, wrong shape: each named) before anything is loaded.
+
+A family module (``qkv/models/<family>.py``) provides:
+
+- ``build(config: dict) -> torch.nn.Module``: the qkv-native model for an HF config dict.
+- ``convert(state: dict[str, Tensor], config: dict) -> dict[str, Tensor]``: HF names and layouts to the
+  qkv model's ``state_dict`` names (drop buffers HF keeps that qkv recomputes, e.g. rotary tables).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError"]
+
+# HF model_type -> qkv module implementing it. Each family module registers here (one line).
+FAMILIES: dict[str, str] = {}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model it claims to be (named tensors, shapes, types)."""
+
+
+def load_config(src: str | Path) -> dict[str, Any]:
+    path = Path(src)
+    cfg = path / "config.json" if path.is_dir() else path
+    if not cfg.is_file():
+        raise FileNotFoundError(f"from_hf: no config.json in {path}; pass a checkpoint directory holding "
+                                "config.json and *.safetensors")
+    return json.loads(cfg.read_text())
+
+
+def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``directory`` (sharded checkpoints included)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        extra = f" (found {pickled}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
+        raise FileNotFoundError(f"from_hf: no *.safetensors files in {directory}{extra}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _family(config: dict[str, Any]):
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        _import_families()
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"from_hf: unsupported model_type {model_type!r}; supported: "
+                              f"{', '.join(sorted(FAMILIES))}")
+    return importlib.import_module(FAMILIES[model_type])
+
+
+def _import_families() -> None:
+    """Import every family module so each registers its model types."""
+    import pkgutil
+
+    import qkv.models as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("family_"):
+            importlib.import_module(f"qkv.models.{info.name}")
+
+
+def check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], *, source: str = "checkpoint") -> None:
+    """Load ``state`` into ``model`` strictly; raise ``CheckpointError`` naming every problem first."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [f"{name}: checkpoint {tuple(state[name].shape)} vs model {tuple(expected[name].shape)}"
+              for name in sorted(set(state) & set(expected)) if state[name].shape != expected[name].shape]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    if shapes:
+        problems.append("shape mismatches: " + "; ".join(shapes[:8]))
+    if problems:
+        raise CheckpointError(f"from_hf: {source} does not fit {type(model).__name__}: " + " | ".join(problems))
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+
+
+def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Build a qkv-native model from an HF checkpoint directory or an in-memory ``PreTrainedModel``.
+
+    Args:
+        src: path to a directory with ``config.json`` and ``*.safetensors``, or a ``transformers``
+            ``PreTrainedModel`` instance (its config and weights are used directly).
+        dtype: cast the model to this dtype after loading (default: float32).
+
+    Example:
+        >>> import qkv.models  # doctest: +SKIP
+        >>> model = qkv.models.from_hf("path/to/all-MiniLM-L6-v2")  # doctest: +SKIP
+    """
+    if isinstance(src, (str, Path)):
+        config = load_config(src)
+        state = load_state_dict(src)
+        source = str(src)
+    elif hasattr(src, "config") and hasattr(src, "state_dict"):
+        config = src.config.to_dict()
+        state = dict(src.state_dict())
+        source = f"in-memory {type(src).__name__}"
+    else:
+        raise TypeError(f"from_hf: expected a checkpoint directory or a transformers PreTrainedModel, got "
+                        f"{type(src).__name__}")
+    family = _family(config)
+    model = family.build(config)
+    check_and_load(model, family.convert(state, config), source=source)
+    model.eval()
+    return model.to(dtype or torch.float32)
