@@ -6,6 +6,7 @@ Each step is a function that prints what it does and returns a short record; out
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from rich.console import Console
 
 __all__ = ["register", "run_demo"]
 
-console = Console()
+console = Console(width=120)
 
 
 def _step(title: str) -> None:
@@ -88,7 +89,39 @@ def step_speed(n: int = 2048) -> dict:
     return {"ratio_vs_sdpa": t_qkv / t_sdpa}
 
 
-STEPS = (step_masks, step_operator, step_speed)
+def step_kv_table(context: str = "128k") -> dict:
+    """KV-cache memory of real models at a long context: GQA, hybrid local/global, and MLA."""
+    from rich.table import Table
+
+    from qkv.costs import PRESETS, format_bytes, kv_cache_memory, parse_context
+
+    _step(f"KV-cache memory at {context} tokens (bf16, batch 1)")
+    n = parse_context(context)
+    table = Table()
+    for col in ("model", "attention", "per token", "total", "vs plain MHA, all global", "fits 80 GB"):
+        table.add_column(col, justify="right")
+    record = {}
+    for name in ("llama-70b-mha", "llama-3-70b", "gemma-3-27b", "deepseek-v2"):
+        p = PRESETS[name]
+        m = kv_cache_memory(p, context=n, dtype="bf16")
+        plain = dataclasses.replace(p.mha_equivalent(), sliding_window=None, layer_types=None)
+        mha = kv_cache_memory(plain, context=n, dtype="bf16")
+        layers = p.layer_counts
+        kind = p.attention_kind + (f" ({layers.get('local', 0)} local : {layers.get('global', 0)} global)"
+                                   if layers.get("local") and layers.get("global") else "")
+        table.add_row(name, kind, format_bytes(m.bytes_per_token), format_bytes(m.total_bytes),
+                      f"{mha.total_bytes / m.total_bytes:.1f}x smaller" if mha.total_bytes != m.total_bytes else "-",
+                      "yes" if m.fits[80] else "no")
+        record[name] = m.total_bytes
+    console.print(table)
+    ref = kv_cache_memory(PRESETS["llama-70b-mha"], context=128_000, dtype="fp16")
+    console.print(f"(The reference texts' figure uses 128,000 tokens: {format_bytes(ref.total_bytes)} for llama-70b-mha.)")
+    console.print("GQA shares each key/value head among several query heads; Gemma 3's local layers keep only "
+                  "their 1,024-token window; DeepSeek-V2's MLA caches one 512-wide latent plus a 64-wide RoPE key.")
+    return record
+
+
+STEPS = (step_masks, step_operator, step_kv_table, step_speed)
 
 
 def run_demo(out: Path) -> dict:
