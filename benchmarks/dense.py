@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from _harness import Suite, attention_flops, gemm_rate, parse_args, time_interleaved
 
 import qkv
+from _harness import Suite, attention_flops, gemm_rate, parse_args, time_interleaved
 
 
 def main(argv=None) -> None:

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from _helpers import mask_catalogue
 
+from _helpers import mask_catalogue
 from qkv import masks as M
 from qkv.masks import EMPTY, FULL, PARTIAL
 

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from _helpers import make_qkv, mask_catalogue
 
 import qkv
+from _helpers import make_qkv, mask_catalogue
 
 
 def test_matches_textbook_formula_float64():

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from _helpers import DTYPES, eager_same_dtype, make_qkv, mask_catalogue, reference64, shape_id
 
 import qkv
+from _helpers import DTYPES, eager_same_dtype, make_qkv, mask_catalogue, reference64, shape_id
 from qkv.testing import assert_within_budget
 
 MASK_KINDS = list(mask_catalogue(2, 8, 8))

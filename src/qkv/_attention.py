@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import backends as _backends
-from ._request import AttentionOutput, Request, build_request
+from ._request import Request, build_request
 from .backends.base import Estimate
 
 __all__ = ["attention", "explain", "Explanation"]

@@ -11,7 +11,6 @@ pattern). Those are declined with the reason.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request

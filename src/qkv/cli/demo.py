@@ -115,7 +115,8 @@ def step_kv_table(context: str = "128k") -> dict:
         record[name] = m.total_bytes
     console.print(table)
     ref = kv_cache_memory(PRESETS["llama-70b-mha"], context=128_000, dtype="fp16")
-    console.print(f"(The reference texts' figure uses 128,000 tokens: {format_bytes(ref.total_bytes)} for llama-70b-mha.)")
+    console.print(f"(The reference texts' figure uses 128,000 tokens: {format_bytes(ref.total_bytes)} "
+                  "for llama-70b-mha.)")
     console.print("GQA shares each key/value head among several query heads; Gemma 3's local layers keep only "
                   "their 1,024-token window; DeepSeek-V2's MLA caches one 512-wide latent plus a 64-wide RoPE key.")
     return record

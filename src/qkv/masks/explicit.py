@@ -140,7 +140,8 @@ def graph(adjacency: torch.Tensor, *, self_loops: bool = True) -> Graph:
 def graph_from_edges(edge_index: torch.Tensor, num_nodes: int, *, self_loops: bool = True) -> Graph:
     """Attend along edges given as (2, E) (source=query, target=key) node indices."""
     if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        raise ValueError(f"graph_from_edges: edge_index must have shape (2, E), got {getattr(edge_index, 'shape', '?')}")
+        shape = getattr(edge_index, "shape", "?")
+        raise ValueError(f"graph_from_edges: edge_index must have shape (2, E), got {shape}")
     adj = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
     adj[edge_index[0], edge_index[1]] = True
     return Graph(adj, self_loops=self_loops)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Mask, classify, row_index, tile_grid, _tile_bounds
+from .base import Mask, classify, row_index, tile_grid
 
 __all__ = ["padding", "document", "document_from_cu_seqlens", "prefix_lm", "positions", "Padding", "Document",
            "PrefixLM", "Positions"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Mask, classify, coarse_block_map, tile_grid, _tile_bounds
+from .base import Mask, _tile_bounds, classify, coarse_block_map, tile_grid
 from .causal import causal as _causal_mask
 from .causal import sliding_window
 
