@@ -1,0 +1,55 @@
+"""Normalization layers for transformer blocks.
+
+- LayerNorm: Ba et al. 2016, "Layer Normalization" (``torch.nn.LayerNorm``).
+- RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization": ``x / rms(x) * weight``, no
+  centering and no bias (Llama, T5, Mistral). Computed in float32 for low-precision inputs.
+
+Example:
+    >>> import torch
+    >>> from qkv.nn import RMSNorm
+    >>> RMSNorm(8)(torch.randn(2, 3, 8)).shape
+    torch.Size([2, 3, 8])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["rms_norm", "RMSNorm", "make_norm", "NORMS"]
+
+NORMS = ("layer", "rms")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim; float16/bfloat16 inputs normalize in float32."""
+    work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    xw = x.to(work)
+    y = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(work)
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization with a learned per-channel gain (initialized to 1)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(kind: str, dim: int, *, eps: float = 1e-5) -> nn.Module:
+    """``"layer"`` -> ``nn.LayerNorm``, ``"rms"`` -> :class:`RMSNorm`."""
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=eps)
+    if kind == "rms":
+        return RMSNorm(dim, eps=eps)
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
