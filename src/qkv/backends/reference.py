@@ -40,7 +40,10 @@ def reference_attention(req: Request, *, dropout_seed: int | None = None) -> Att
         s = torch.where(allowed, s, torch.tensor(float("-inf"), dtype=acc, device=s.device))
 
     # Softmax that leaves rows with no allowed key at zero (no NaN in forward or backward).
-    m = s.detach().amax(dim=-1, keepdim=True)
+    if req.Nk == 0:
+        m = torch.zeros(*s.shape[:-1], 1, dtype=acc, device=s.device)
+    else:
+        m = s.detach().amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)

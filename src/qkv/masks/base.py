@@ -100,8 +100,8 @@ class Mask:
         """
         if block_q <= 0 or block_k <= 0:
             raise ValueError(f"block_map: block sizes must be positive, got block_q={block_q}, block_k={block_k}")
-        if B is not None:
-            self.check(B, 1, nq, nk)
+        if B is not None and self.batch is not None and self.batch not in (1, B):
+            raise ValueError(f"block_map: {self!r} carries data for batch {self.batch}, not {B}")
         bm = self._block_map(nq, nk, block_q, block_k, device)
         return bm.view(bm.shape[0] if bm.dim() == 3 else 1, 1, *bm.shape[-2:])
 
