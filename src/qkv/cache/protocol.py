@@ -20,6 +20,20 @@ A module with a cache does, per layer and step::
 
 Cross attention computes encoder K/V once: ``cache.cross_kv(layer_idx, compute)`` returns the stored
 pair, calling ``compute()`` only the first time.
+
+Optional methods (a module checks ``hasattr(cache, name)`` before calling; ``qkv.cache.KVCache`` has
+all of them):
+
+- ``cache.observe(layer_idx, q, scale=None)``: after attention, show the layer's (rotated) queries of
+  this step, ``q`` (B, Hq, Nnew, Dqk), to an eviction policy (H2O accumulates attention, SnapKV votes
+  with its observation window). It never changes the view just returned; evictions happen on the
+  layer's next ``update``. Without a policy it does nothing. ``scale`` defaults to ``Dqk ** -0.5``.
+- ``cache.update_latent(layer_idx, c_kv, k_rope, positions=pos, rope=rope_fn) -> LatentView``: the
+  MLA path. ``c_kv`` (B, Nnew, kv_lora_rank) and ``k_rope`` (B, Nnew, qk_rope_head_dim, un-rotated
+  when ``rope`` is given; the cache calls ``rope(k_rope[:, None], positions)``) are stored once per
+  token for all heads; the view lists every cached latent with its position.
+- ``cache.prepare(input_ids, positions)``: called by ``generate`` before each forward pass with the
+  step's token ids, so paged storage can allocate blocks up front and index prefixes.
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CacheView", "AttentionCache", "DecoderModel", "RopeFn"]
+__all__ = ["CacheView", "LatentView", "AttentionCache", "DecoderModel", "RopeFn"]
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,6 +55,15 @@ class CacheView(NamedTuple):
     v: torch.Tensor  # (B, Hkv, Nk, Dv)
     kv_positions: torch.Tensor  # (B, Nk) int64; -1 = empty or padding slot
     q_positions: torch.Tensor  # (B, Nnew) int64, positions for the new queries (RoPE and mask)
+
+
+class LatentView(NamedTuple):
+    """What one MLA layer attends over after ``update_latent``."""
+
+    c_kv: torch.Tensor  # (B, Nk, kv_lora_rank)
+    k_rope: torch.Tensor  # (B, Nk, qk_rope_head_dim), rotated if RoPE applies
+    kv_positions: torch.Tensor  # (B, Nk) int64; -1 = empty or padding slot
+    q_positions: torch.Tensor  # (B, Nnew) int64
 
 
 @runtime_checkable

@@ -1,0 +1,443 @@
+"""``KVCache``: the model-level cache. It builds one store per layer from the model's layer specs, a
+storage choice, an optional quantizer and an optional eviction policy, and implements the protocol
+of :mod:`qkv.cache.protocol` (``update``, ``update_latent``, ``cross_kv``, ``observe``).
+
+Shape legend: B batch rows, Hkv key/value heads, Hq query heads, N new tokens, S cached slots.
+
+Everything a layer keeps follows from its spec (:mod:`qkv.cache.specs`), so hybrid models such as
+Gemma 3 (five sliding-window layers per global layer) get bounded local layers without a per-model
+cache class. Speculative decoding rolls back with ``crop``; beam search and n-sample decoding reorder
+or fork rows with ``reorder``/``fork`` (copy-on-write blocks under paged storage).
+
+Example:
+    >>> import torch
+    >>> from qkv.cache import KVCache, FullSpec, SlidingWindowSpec
+    >>> cache = KVCache([FullSpec(2, 16), SlidingWindowSpec(4, 2, 16)])
+    >>> k = v = torch.randn(1, 2, 6, 16)
+    >>> pos = torch.arange(6).view(1, 6)
+    >>> view = cache.update(1, k, v, positions=pos)
+    >>> view.k.shape[2], cache.layer_tokens(1)   # the step sees all 6; the layer keeps its window
+    (6, 4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from .paged import BlockManager, Paged, PagedStore, PoolStats
+from .protocol import CacheView, LatentView, RopeFn
+from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec
+from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
+
+__all__ = ["KVCache", "CacheMemory", "LayerMemory"]
+
+
+class LayerMemory(NamedTuple):
+    layer: int
+    kind: str
+    tokens: int  # slots held per row
+    allocated_bytes: int
+    used_bytes: int  # bytes holding real tokens
+
+
+class CacheMemory(NamedTuple):
+    """What the cache holds now. ``allocated_bytes`` counts every tensor the cache owns (for paged
+    storage: the blocks in use, not the whole pool, see ``pool_bytes``)."""
+
+    allocated_bytes: int
+    used_bytes: int
+    pool_bytes: int
+    layers: tuple[LayerMemory, ...]
+
+    @property
+    def wasted_fraction(self) -> float:
+        return 1.0 - self.used_bytes / self.allocated_bytes if self.allocated_bytes else 0.0
+
+
+class _Layer:
+    __slots__ = ("spec", "store", "name", "last_view")
+
+    def __init__(self, spec: LayerSpec, store: Store | None, name: str) -> None:
+        self.spec, self.store, self.name = spec, store, name
+        self.last_view: CacheView | None = None
+
+
+def _as_specs(specs) -> list[LayerSpec]:
+    if hasattr(specs, "cache_specs"):
+        specs = specs.cache_specs()
+    if not isinstance(specs, Sequence) or isinstance(specs, (str, bytes)):
+        raise TypeError(f"KVCache(specs): expected a list of layer specs or a model with cache_specs(), got "
+                        f"{type(specs).__name__}")
+    specs = list(specs)
+    for i, s in enumerate(specs):
+        if not isinstance(s, LayerSpec):
+            raise TypeError(f"KVCache(specs): entry {i} is {type(s).__name__}, not a qkv.cache layer spec "
+                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec)")
+    return specs
+
+
+class KVCache:
+    """A KV cache for a whole model, built from its layer specs.
+
+    Args:
+        specs: one spec per layer, or a model with ``cache_specs()``.
+        storage: ``Dynamic()`` (default), ``Static(max_len)`` or ``Paged(block_size, num_blocks, ...)``.
+        quant: ``KIVI(...)`` or ``Int8()`` to store full-attention layers quantized (dynamic storage).
+        policy: ``StreamingLLM``, ``H2O`` or ``SnapKV`` to evict tokens from full-attention layers.
+        rollback: extra tokens bounded (sliding-window) layers keep so ``crop`` can undo that many
+            tokens (speculative decoding); 0 by default.
+        dtype: storage dtype for keys and values; default: the dtype of the first write.
+
+    The batch, device and dtype are fixed by the first write. Protocol methods (``update`` etc.) are
+    described in :mod:`qkv.cache.protocol`.
+    """
+
+    def __init__(self, specs, *, storage=None, quant=None, policy=None, rollback: int = 0,
+                 dtype: torch.dtype | None = None) -> None:
+        specs = _as_specs(specs)
+        if not isinstance(rollback, int) or rollback < 0:
+            raise ValueError(f"KVCache(rollback): expected an int >= 0, got {rollback!r}")
+        storage = Dynamic() if storage is None else storage
+        if not isinstance(storage, (Dynamic, Static, Paged)):
+            raise TypeError(f"KVCache(storage): expected Dynamic(), Static(max_len) or Paged(...), got {storage!r}")
+        if quant is not None and policy is not None:
+            raise ValueError(f"KVCache: quant={quant!r} and policy={policy!r} together are not supported; a layer is "
+                             f"either quantized or evicting. Pass one of them")
+        if (quant is not None or policy is not None) and not isinstance(storage, Dynamic):
+            raise ValueError(f"KVCache: quant={quant!r} / policy={policy!r} need storage=Dynamic(), got "
+                             f"{storage.describe()}; quantized and evicting layers manage their own buffers")
+        if policy is not None and hasattr(policy, "apply_spec"):
+            specs = [policy.apply_spec(s) for s in specs]
+        self.specs: list[LayerSpec] = specs
+        self.storage, self.quant, self.policy, self.rollback, self.dtype = storage, quant, policy, rollback, dtype
+        self._manager: BlockManager | None = None
+        self._device: torch.device | None = None
+        self._build()
+
+    # ------------------------------------------------------------------ construction
+    def _build(self) -> None:
+        if isinstance(self.storage, Paged):
+            windows = [_window(s) for s in self.specs if isinstance(s, (FullSpec, SlidingWindowSpec, LatentSpec))]
+            self._manager = BlockManager(self.storage, windows, rollback=self.rollback)
+        self._layers = [_Layer(s, self._make_store(i, s), f"layer {i} ({type(s).__name__})")
+                        for i, s in enumerate(self.specs)]
+        self._cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _make_store(self, i: int, spec: LayerSpec) -> Store | None:
+        name = f"layer {i}"
+        if isinstance(spec, CrossSpec):
+            return None
+        if isinstance(spec, SinkSpec):
+            from .policies import SinkStore
+            if not isinstance(self.storage, Dynamic):
+                raise ValueError(f"KVCache: {name} is a SinkSpec (StreamingLLM), which needs storage=Dynamic(); "
+                                 f"got {self.storage.describe()}")
+            return SinkStore(spec)
+        if isinstance(spec, FullSpec):
+            for extra in (self.policy, self.quant):
+                if extra is not None and hasattr(extra, "store_for"):
+                    return extra.store_for(spec, layer=name)
+        window = _window(spec)
+        keep = None if window is None else window + self.rollback
+        if isinstance(self.storage, Paged):
+            return PagedStore(self._manager, window, layer=name)
+        if isinstance(self.storage, Static):
+            if keep is not None and keep <= self.storage.max_len:
+                return RingStore(keep, window=window, layer=name)
+            return StaticStore(self.storage.max_len, layer=name)
+        return DynamicStore(keep=keep, window=window)
+
+    # ------------------------------------------------------------------ protocol
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
+               rope: RopeFn | None = None) -> CacheView:
+        """Store this step's keys/values for a layer and return what its queries attend over.
+
+        Args:
+            layer_idx: the layer, ``0 <= layer_idx < len(specs)``.
+            k: (B, Hkv, N, Dqk) new keys, un-rotated when ``rope`` is given.
+            v: (B, Hkv, N, Dv) new values.
+            positions: (B, N) int64 absolute positions, ``-1`` for padding tokens.
+            rope: ``rope(x, positions) -> x`` (x: (B, H, N, D), positions: (B, N)) or ``None``.
+
+        Returns:
+            :class:`CacheView` ``(k, v, kv_positions, q_positions)``.
+        """
+        layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec, SinkSpec), "update")
+        spec = layer.spec
+        pos = self._check_step(layer, k, v, positions, spec.n_kv_heads, spec.head_dim, spec.dv)
+        k, v = self._cast(k), self._cast(v)
+        if isinstance(layer.store, RopeStore):
+            k_all, v_all, kv_pos, q_pos = layer.store.write_rope(k, v, pos, rope)
+        else:
+            if rope is not None:
+                k = rope(k, pos.clamp_min(0))
+            k_all, v_all, kv_pos = layer.store.write(k, v, pos)
+            q_pos = pos
+        view = CacheView(k_all, v_all, kv_pos, q_pos)
+        layer.last_view = view
+        return view
+
+    def update_latent(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor, *,
+                      positions: torch.Tensor, rope: RopeFn | None = None) -> LatentView:
+        """Store an MLA layer's latent and RoPE key for this step (see :class:`qkv.cache.LatentSpec`).
+
+        Args:
+            c_kv: (B, N, kv_lora_rank) compressed latent.
+            k_rope: (B, N, qk_rope_head_dim) decoupled RoPE key shared by all heads, un-rotated when
+                ``rope`` is given (it is called as ``rope(k_rope[:, None], positions)``).
+            positions: (B, N) int64, ``-1`` for padding tokens.
+
+        Returns:
+            :class:`LatentView` ``(c_kv (B, S, r), k_rope (B, S, dr), kv_positions, q_positions)``.
+        """
+        layer = self._layer(layer_idx, (LatentSpec,), "update_latent")
+        spec = layer.spec
+        for name, t, width in (("c_kv", c_kv, spec.kv_lora_rank), ("k_rope", k_rope, spec.qk_rope_head_dim)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != width:
+                raise ValueError(f"update_latent: {name} must be (B, N, {width}) for {layer.name}, got "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        if c_kv.shape[:2] != k_rope.shape[:2]:
+            raise ValueError(f"update_latent: c_kv {tuple(c_kv.shape)} and k_rope {tuple(k_rope.shape)} disagree "
+                             f"on (B, N)")
+        k, v = c_kv.unsqueeze(1), k_rope.unsqueeze(1)
+        pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.qk_rope_head_dim)
+        k, v = self._cast(k), self._cast(v)
+        if rope is not None:
+            v = rope(v, pos.clamp_min(0))
+        c_all, r_all, kv_pos = layer.store.write(k, v, pos)
+        return LatentView(c_all[:, 0], r_all[:, 0], kv_pos, pos)
+
+    def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder keys/values of a cross-attention layer, computed by ``compute()`` on first use only."""
+        if layer_idx not in self._cross:
+            k, v = compute()
+            if self._batch() is not None and k.shape[0] != self._batch():
+                raise ValueError(f"cross_kv: compute() returned batch {k.shape[0]} but the cache holds "
+                                 f"{self._batch()} rows")
+            self._cross[layer_idx] = (k, v)
+        return self._cross[layer_idx]
+
+    def observe(self, layer_idx: int, q: torch.Tensor, *, scale: float | None = None) -> None:
+        """Show the layer's queries of this step (rotated, (B, Hq, N, Dqk)) to an eviction policy.
+
+        Modules call it right after attention when the cache has it; without a policy it does nothing.
+        """
+        layer = self._layer(layer_idx, None, "observe")
+        store = layer.store
+        if store is None or not hasattr(store, "observe") or layer.last_view is None:
+            return
+        store.observe(q, layer.last_view, scale=scale)
+
+    # ------------------------------------------------------------------ cache operations
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Announce the next step's tokens (B, N) before the forward pass. Paged storage allocates the
+        step's blocks here (raising :class:`qkv.cache.CacheFull` before anything is written) and learns
+        the token ids it needs for prefix caching; other storages ignore it."""
+        if self._manager is not None:
+            pos = _as_positions(positions, input_ids.shape[0], input_ids.shape[1], "prepare")
+            self._manager.allocate(pos, input_ids)
+
+    def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
+        """Attach cached blocks of each row's longest indexed prompt prefix (paged storage with
+        ``prefix_caching=True``, on a fresh cache). Returns the reused tokens per row (B,) int64; the
+        caller feeds only the remaining tokens, at positions from there on. ``salt`` (bytes or str, one or
+        one per row) isolates tenants: blocks are shared only between equal salts."""
+        if self._manager is None:
+            raise ValueError(f"match_prefix: needs storage=Paged(..., prefix_caching=True), this cache uses "
+                             f"{self.storage.describe()}")
+        pos = _as_positions(positions, input_ids.shape[0], input_ids.shape[1], "match_prefix")
+        hits = self._manager.match_prefix(input_ids, pos, salt=salt)
+        return hits
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` written slots (negative: drop the last ``-length``), as for rejected
+        speculative tokens. Raises (changing nothing) when a bounded layer no longer holds what the
+        next query needs; build the cache with ``rollback=`` to keep spare tokens."""
+        seen = self.seq_length
+        if not isinstance(length, int) or isinstance(length, bool):
+            raise TypeError(f"crop(length): expected an int, got {type(length).__name__}")
+        n = -length if length < 0 else seen - length
+        if n < 0 or n > seen:
+            raise ValueError(f"crop({length}): the cache holds {seen} slots; use 0 <= length <= {seen} or "
+                             f"-{seen} <= length < 0")
+        if n == 0:
+            return
+        problems = [f"{lay.name}: {why}" for lay in self._layers if lay.store is not None
+                    and (why := lay.store.cannot_drop(n)) is not None]
+        if self._manager is not None and (why := self._manager.cannot_drop(n)) is not None:
+            problems.append(why)
+        if problems:
+            raise ValueError(f"crop({length}): cannot drop {n} slots; nothing was changed. " + "; ".join(problems))
+        if self._manager is not None:
+            self._manager.drop_last(n)
+        for lay in self._layers:
+            if lay.store is not None:
+                lay.store.drop_last(n)
+            lay.last_view = None
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Row ``i`` becomes old row ``beam_idx[i]`` for every layer (beam search). ``beam_idx`` may
+        repeat rows and change the batch size; paged storage shares blocks and copies on write."""
+        B = self._batch()
+        idx = torch.as_tensor(beam_idx)
+        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise TypeError(f"reorder(beam_idx): expected a 1-D integer tensor, got {idx.dtype} {tuple(idx.shape)}")
+        if B is not None and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= B):
+            raise ValueError(f"reorder(beam_idx): indices must lie in [0, {B}), got {idx.tolist()}")
+        idx = idx.to(torch.int64)
+        if self._manager is not None:
+            self._manager.reorder(idx.tolist())
+        dev_idx = idx.to(self._device) if self._device is not None else idx
+        for lay in self._layers:
+            if lay.store is not None:
+                lay.store.reorder(dev_idx)
+            lay.last_view = None
+        for key, (k, v) in self._cross.items():
+            self._cross[key] = (k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device)))
+
+    def fork(self, n: int) -> None:
+        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``), for ``n`` samples of one prompt."""
+        B = self._batch() or 1
+        self.reorder(torch.arange(B).repeat_interleave(n))
+
+    def reset(self) -> None:
+        """Forget every row. Paged storage keeps its pools and its prefix index for the next request."""
+        if self._manager is not None:
+            self._manager.reset()
+            for lay in self._layers:
+                if isinstance(lay.store, PagedStore):
+                    lay.store.seen = 0
+                else:
+                    lay.store = self._make_store(self._layers.index(lay), lay.spec)
+                lay.last_view = None
+            self._cross = {}
+            return
+        self._build()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def seq_length(self) -> int:
+        """Slots written per row (padding included), the length ``crop`` counts in."""
+        for lay in self._layers:
+            if lay.store is not None:
+                return lay.store.seen
+        return 0
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    @property
+    def batch(self) -> int | None:
+        return self._batch()
+
+    def layer_tokens(self, layer_idx: int) -> int:
+        """Slots layer ``layer_idx`` holds per row now."""
+        store = self._layers[layer_idx].store
+        return 0 if store is None else store.held()
+
+    def memory(self) -> CacheMemory:
+        """Bytes allocated and bytes holding real tokens, per layer and in total."""
+        rows, alloc, used, pool = [], 0, 0, 0
+        for i, lay in enumerate(self._layers):
+            if lay.store is None:
+                a = sum(t.numel() * t.element_size() for t in self._cross.get(i, ()))
+                u = a
+            elif isinstance(lay.store, PagedStore):
+                stats = self._manager.groups[lay.store.gi].stats()
+                a = stats.in_use * lay.store.block_bytes()
+                u = lay.store.used_bytes()
+                pool += lay.store.nbytes()
+            else:
+                a, u = lay.store.nbytes(), lay.store.used_bytes()
+                pool += a
+            rows.append(LayerMemory(i, lay.spec.kind, self.layer_tokens(i), a, u))
+            alloc, used = alloc + a, used + u
+        return CacheMemory(alloc, used, pool, tuple(rows))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache owns (paged: whole pools)."""
+        return self.memory().pool_bytes + sum(t.numel() * t.element_size() for kv in self._cross.values()
+                                              for t in kv)
+
+    def pool_stats(self) -> dict[int | None, PoolStats]:
+        """Paged storage only: block occupancy per layer group (keyed by window, ``None`` = full)."""
+        if self._manager is None:
+            raise ValueError("pool_stats: only paged caches have a block pool")
+        return self._manager.stats()
+
+    def quant_error(self):
+        """Quantized caches: the largest reconstruction errors measured so far and their bounds."""
+        from .quant import QuantError, merge_errors
+        errs = [lay.store.error() for lay in self._layers if hasattr(lay.store, "error")]
+        return merge_errors(errs) if errs else QuantError(0.0, 0.0, 0.0, 0.0)
+
+    def __repr__(self) -> str:
+        kinds: dict[str, int] = {}
+        for s in self.specs:
+            kinds[s.kind] = kinds.get(s.kind, 0) + 1
+        extra = "".join(f", {n}={x!r}" for n, x in (("quant", self.quant), ("policy", self.policy)) if x is not None)
+        return (f"KVCache({len(self.specs)} layers {kinds}, {self.storage.describe()}{extra}, "
+                f"length={self.seq_length}, batch={self._batch()})")
+
+    # ------------------------------------------------------------------ helpers
+    def _layer(self, i: int, kinds, what: str) -> _Layer:
+        if not isinstance(i, int) or not 0 <= i < len(self._layers):
+            raise IndexError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers")
+        layer = self._layers[i]
+        if kinds is not None and not isinstance(layer.spec, kinds):
+            hint = {"update": "MLA layers call update_latent", "update_latent": "use update() for this layer"}
+            raise ValueError(f"{what}: {layer.name} cannot take {what}(); {hint.get(what, '')}")
+        return layer
+
+    def _batch(self) -> int | None:
+        if self._manager is not None and self._manager.rows:
+            return self._manager.rows
+        for lay in self._layers:
+            if lay.store is not None and lay.store.batch is not None:
+                return lay.store.batch
+        for k, _ in self._cross.values():
+            return k.shape[0]
+        return None
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dtype is None:
+            self.dtype = t.dtype
+        if self._device is None:
+            self._device = t.device
+        return t if t.dtype == self.dtype else t.to(self.dtype)
+
+    def _check_step(self, layer: _Layer, k, v, positions, H: int, Dk: int, Dv: int) -> torch.Tensor:
+        for name, t, width in (("k", k, Dk), ("v", v, Dv)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != H or t.shape[3] != width:
+                raise ValueError(f"update: {name} must be (B, {H}, N, {width}) for {layer.name}, got "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"update: k {tuple(k.shape)} and v {tuple(v.shape)} disagree on (B, H, N)")
+        B, n = k.shape[0], k.shape[2]
+        have = self._batch()
+        if have is not None and B != have:
+            raise ValueError(f"update: {layer.name} got batch {B} but the cache holds {have} rows; use "
+                             f"cache.reorder(idx) or cache.fork(n) to change rows, or a new cache")
+        return _as_positions(positions, B, n, "update").to(k.device)
+
+
+def _as_positions(positions, B: int, n: int, what: str) -> torch.Tensor:
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise TypeError(f"{what}: positions must be an integer tensor (B, N), got "
+                        f"{type(positions).__name__} {getattr(positions, 'dtype', '')}")
+    if positions.dim() == 1 and positions.shape[0] == n:
+        positions = positions.view(1, n).expand(B, n)
+    if tuple(positions.shape) != (B, n):
+        raise ValueError(f"{what}: positions must have shape (B, N) = ({B}, {n}), got {tuple(positions.shape)}")
+    return positions.to(torch.int64)
+
+
+def _window(spec: LayerSpec) -> int | None:
+    return spec.window if isinstance(spec, SlidingWindowSpec) else None
+
+

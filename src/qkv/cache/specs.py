@@ -1,0 +1,233 @@
+"""Layer specs: what one attention layer keeps in its KV cache, and what that costs.
+
+A spec is a frozen description, one per layer (``model.cache_specs()``). A storage decides where the
+kept tokens live (:mod:`qkv.cache.storage`, :mod:`qkv.cache.paged`) and a policy what is dropped
+(:mod:`qkv.cache.policies`). Because the cache is built from specs, a hybrid model (Gemma 3: five
+sliding-window layers per global layer) gets its savings without a per-model cache class.
+
+- :class:`FullSpec`: every token, keys and values per KV head (MHA, GQA: Ainslie et al. 2023, MQA).
+- :class:`SlidingWindowSpec`: the last ``window`` tokens (Mistral's rolling buffer, Jiang et al. 2023,
+  arXiv:2310.06825). ``window`` counts the query itself, as ``masks.positions(window=W)`` and HF's
+  ``sliding_window`` do, so at most ``W`` tokens are ever needed.
+- :class:`SinkSpec`: the first ``n_sink`` tokens ("attention sinks") plus the last ``window`` tokens,
+  keys stored before RoPE and rotated by their position inside the cache (StreamingLLM, Xiao et al.
+  2023, arXiv:2309.17453).
+- :class:`LatentSpec`: Multi-head Latent Attention caches one compressed latent ``c_kv`` and one
+  decoupled RoPE key ``k_rope`` per token, shared by all heads (DeepSeek-V2, arXiv:2405.04434, 2.1.2).
+- :class:`CrossSpec`: encoder keys/values, computed once from ``source_len`` encoder tokens.
+
+Cost: ``bytes_per_token(dtype)`` is what one more token of one sequence adds once the layer is past
+its fixed part; ``fixed_bytes(dtype)`` is the bounded part. A sliding layer is all fixed
+(``window`` tokens, 0 per token beyond); a full layer is all per-token. ``bytes_for(context, dtype)``
+gives the bytes for one sequence holding ``context`` tokens.
+
+Example:
+    >>> import torch
+    >>> from qkv.cache import FullSpec, SlidingWindowSpec
+    >>> FullSpec(8, 128).bytes_per_token(torch.bfloat16)
+    4096
+    >>> s = SlidingWindowSpec(4096, 8, 128)
+    >>> s.bytes_per_token(torch.bfloat16), s.fixed_bytes(torch.bfloat16)
+    (0, 16777216)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "CrossSpec",
+           "element_bytes"]
+
+_NAMED_BYTES = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
+                "fp8": 1.0, "int8": 1.0, "int4": 0.5, "int2": 0.25, "fp64": 8.0, "float64": 8.0}
+
+
+def element_bytes(dtype: torch.dtype | str) -> float:
+    """Bytes per stored element: a torch dtype, or a name such as ``"bf16"``, ``"int4"``, ``"int2"``
+    (sub-byte integers pack 2 or 4 per byte; scales and zero-points are counted by the quantizer)."""
+    if isinstance(dtype, torch.dtype):
+        return float(torch.empty((), dtype=dtype).element_size())
+    if isinstance(dtype, str) and dtype.lower() in _NAMED_BYTES:
+        return _NAMED_BYTES[dtype.lower()]
+    raise ValueError(f"dtype: expected a torch.dtype or one of {sorted(_NAMED_BYTES)}, got {dtype!r}")
+
+
+def _whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def _positive(name: str, value, *, allow_zero: bool = False) -> None:
+    lo = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+class LayerSpec:
+    """Base of the layer specs. Subclasses are frozen dataclasses."""
+
+    #: Most tokens of one sequence the layer ever keeps (``None``: unbounded).
+    max_tokens: int | None = None
+
+    def row_elements(self) -> int:
+        """Elements stored per cached token of one sequence."""
+        raise NotImplementedError
+
+    def row_bytes(self, dtype: torch.dtype | str) -> int | float:
+        """Bytes of one cached token of one sequence."""
+        return _whole(self.row_elements() * element_bytes(dtype))
+
+    def bytes_per_token(self, dtype: torch.dtype | str) -> int | float:
+        """Bytes one more token adds to one sequence's cache beyond ``fixed_bytes``."""
+        return 0 if self.max_tokens is not None else self.row_bytes(dtype)
+
+    def fixed_bytes(self, dtype: torch.dtype | str) -> int | float:
+        """Bytes of the bounded part of one sequence's cache (its cap, for bounded layers)."""
+        return 0 if self.max_tokens is None else _whole(self.max_tokens * self.row_elements() * element_bytes(dtype))
+
+    def tokens_for(self, context: int) -> int:
+        """Tokens kept for one sequence that has seen ``context`` tokens."""
+        return context if self.max_tokens is None else min(context, self.max_tokens)
+
+    def bytes_for(self, context: int, dtype: torch.dtype | str) -> int | float:
+        """Bytes for one sequence that has seen ``context`` tokens."""
+        return _whole(self.tokens_for(context) * self.row_elements() * element_bytes(dtype))
+
+    @property
+    def kind(self) -> str:
+        """``"full"``, ``"sliding"``, ``"sink"``, ``"latent"`` or ``"cross"``."""
+        return _KINDS[type(self).__name__]
+
+
+def _check_heads(spec) -> None:
+    _positive("n_kv_heads", spec.n_kv_heads)
+    _positive("head_dim", spec.head_dim)
+    if spec.v_head_dim is not None:
+        _positive("v_head_dim", spec.v_head_dim)
+
+
+@dataclass(frozen=True)
+class FullSpec(LayerSpec):
+    """Every token: a key ``(head_dim)`` and a value ``(v_head_dim or head_dim)`` per KV head."""
+
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_heads(self)
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    def row_elements(self) -> int:
+        return self.n_kv_heads * (self.head_dim + self.dv)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(LayerSpec):
+    """The last ``window`` tokens (the query itself included): at most ``window`` tokens ever kept."""
+
+    window: int
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("SlidingWindowSpec(window)", self.window)
+        _check_heads(self)
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def max_tokens(self) -> int:  # type: ignore[override]
+        return self.window
+
+    def row_elements(self) -> int:
+        return self.n_kv_heads * (self.head_dim + self.dv)
+
+
+@dataclass(frozen=True)
+class SinkSpec(LayerSpec):
+    """StreamingLLM: the first ``n_sink`` tokens plus the last ``window`` tokens; keys kept un-rotated
+    and rotated at their in-cache position, so positions never exceed ``n_sink + window``."""
+
+    n_sink: int
+    window: int
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("SinkSpec(n_sink)", self.n_sink, allow_zero=True)
+        _positive("SinkSpec(window)", self.window)
+        _check_heads(self)
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def max_tokens(self) -> int:  # type: ignore[override]
+        return self.n_sink + self.window
+
+    def row_elements(self) -> int:
+        return self.n_kv_heads * (self.head_dim + self.dv)
+
+
+@dataclass(frozen=True)
+class LatentSpec(LayerSpec):
+    """MLA: per token one latent ``c_kv`` (``kv_lora_rank``) and one RoPE key (``qk_rope_head_dim``),
+    shared by every head. Written with ``cache.update_latent``."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    def __post_init__(self) -> None:
+        _positive("LatentSpec(kv_lora_rank)", self.kv_lora_rank)
+        _positive("LatentSpec(qk_rope_head_dim)", self.qk_rope_head_dim, allow_zero=True)
+
+    def row_elements(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class CrossSpec(LayerSpec):
+    """Cross attention: keys/values of ``source_len`` encoder tokens, computed once per request
+    (``cache.cross_kv``). Decoding adds nothing."""
+
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    source_len: int = 0
+
+    def __post_init__(self) -> None:
+        _check_heads(self)
+        _positive("CrossSpec(source_len)", self.source_len, allow_zero=True)
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    def row_elements(self) -> int:
+        return self.n_kv_heads * (self.head_dim + self.dv)
+
+    def bytes_per_token(self, dtype) -> int:
+        return 0
+
+    def fixed_bytes(self, dtype) -> int | float:
+        return _whole(self.source_len * self.row_elements() * element_bytes(dtype))
+
+    def tokens_for(self, context: int) -> int:
+        return self.source_len
+
+    def bytes_for(self, context: int, dtype) -> int | float:
+        return self.fixed_bytes(dtype)
+
+
+_KINDS = {"FullSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink", "LatentSpec": "latent",
+          "CrossSpec": "cross"}

@@ -1,0 +1,249 @@
+"""``generate``: batched autoregressive decoding for any :class:`qkv.cache.DecoderModel`.
+
+Shape legend: B rows, N prompt columns, T new tokens, V vocabulary.
+
+Prompts of different lengths are left-padded (``attention_mask`` 0 on the left): a padding token has
+position ``-1`` (stored but never attended) and each row's positions count from its first real token,
+so row ``b``'s k-th real token sits at position ``k`` whatever the padding. Prefill runs in chunks of
+``prefill_chunk_size`` columns when asked (bounded activation memory, the same cache writes). Decoding
+is greedy, or samples with temperature, top-k and top-p (nucleus, Holtzman et al. 2020,
+arXiv:1904.09751) from a seeded ``torch.Generator``. A row that emits a stop token is finished: it
+keeps emitting ``pad_token_id`` at position ``-1``, so it costs nothing in a paged cache.
+
+With a paged cache built with ``prefix_caching=True``, each row's longest cached prompt prefix is
+reused (``cache.match_prefix``) and only the rest is prefilled.
+
+Example:
+    >>> import torch
+    >>> from qkv.models.generate import generate
+    >>> class Bigram(torch.nn.Module):           # the smallest DecoderModel: no attention, no cache use
+    ...     def __init__(self):
+    ...         super().__init__(); self.emb = torch.nn.Embedding(10, 10)
+    ...     def forward(self, ids, *, positions=None, cache=None):
+    ...         return self.emb(ids)
+    ...     def cache_specs(self):
+    ...         return []
+    >>> out = generate(Bigram(), torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    >>> out.sequences.shape
+    torch.Size([1, 7])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next"]
+
+Streamer = Callable[[torch.Tensor], None]
+
+
+class GenerateOutput(NamedTuple):
+    """The result of :func:`generate`.
+
+    sequences: (B, N + T) the prompt as given (padding included) followed by the new tokens.
+    new_tokens: (B, T) generated tokens (``pad_token_id`` after a row finished).
+    logits: (B, T, V) float32 logits each new token was chosen from (``return_logits=True``), else None.
+    finished: (B,) bool, rows that emitted a stop token.
+    prefix_hits: (B,) int64 prompt tokens reused from the prefix cache (zeros without one).
+    cache: the cache after decoding (None without a cache).
+    """
+
+    sequences: torch.Tensor
+    new_tokens: torch.Tensor
+    logits: torch.Tensor | None
+    finished: torch.Tensor
+    prefix_hits: torch.Tensor
+    cache: object | None
+
+
+def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions (B, N) of a left-padded batch: ``-1`` on padding, ``0, 1, ...`` from each row's first
+    real token. Raises when a row is right-padded or empty."""
+    m = attention_mask.to(torch.bool)
+    if m.dim() != 2:
+        raise ValueError(f"attention_mask: expected (B, N), got {tuple(m.shape)}")
+    if m.shape[1] and bool((m[:, :-1] & ~m[:, 1:]).any()):
+        raise ValueError("attention_mask: padding must be on the left (0s then 1s per row); right-padded rows "
+                         "would decode after their padding. Left-pad the prompts (tokenizer padding_side='left')")
+    if not bool(m.any(1).all()):
+        raise ValueError("attention_mask: every row needs at least one real token")
+    pos = torch.cumsum(m.to(torch.int64), dim=1) - 1
+    return torch.where(m, pos, torch.full_like(pos, -1))
+
+
+def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens (B,) int64 from logits (B, V): argmax, or a sample after temperature, top-k, top-p."""
+    logits = logits.float()
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(do_sample, temperature, top_k, top_p) -> None:
+    if not do_sample:
+        return
+    if not isinstance(temperature, (int, float)) or temperature <= 0:
+        raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature!r}; use "
+                         f"do_sample=False for greedy decoding")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"generate: top_p must lie in (0, 1], got {top_p!r}")
+
+
+def _stop_set(eos_token_id) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not all(isinstance(i, int) for i in ids):
+        raise TypeError(f"generate: eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def forward_step(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One forward pass over new columns; announces them to the cache first (paged allocation)."""
+    if cache is not None and hasattr(cache, "prepare"):
+        cache.prepare(ids, positions)
+    return model(ids, positions=positions, cache=cache)
+
+
+def prefill(model, cache, ids: torch.Tensor, positions: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """Run the prompt through the model (in chunks of ``chunk`` columns); logits (B, V) of the last column."""
+    N = ids.shape[1]
+    step = N if not chunk else chunk
+    last = None
+    for a in range(0, N, step):
+        last = forward_step(model, cache, ids[:, a:a + step], positions[:, a:a + step])[:, -1]
+    return last
+
+
+def _remaining_prompt(ids, positions, hits, pad_token_id):
+    """Left-padded prompt columns each row still has to prefill after ``hits`` reused tokens."""
+    rows = [(ids[b][positions[b] >= 0][h:], torch.arange(h, h + int((positions[b] >= 0).sum()) - h))
+            for b, h in enumerate(hits.tolist())]
+    width = max(r[0].numel() for r in rows)
+    out_ids = torch.full((len(rows), width), pad_token_id, dtype=ids.dtype, device=ids.device)
+    out_pos = torch.full((len(rows), width), -1, dtype=torch.int64, device=ids.device)
+    for b, (r_ids, r_pos) in enumerate(rows):
+        n = r_ids.numel()
+        if n:
+            out_ids[b, width - n:] = r_ids
+            out_pos[b, width - n:] = r_pos.to(ids.device)
+    return out_ids, out_pos
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None, use_cache: bool = True,
+             attention_mask: torch.Tensor | None = None, do_sample: bool = False, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
+             streamer: Streamer | None = None, prefill_chunk_size: int | None = None,
+             return_logits: bool = False, salt=None) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` tokens per row.
+
+    Args:
+        model: a :class:`qkv.cache.DecoderModel` (``forward(ids, positions=, cache=)`` and ``cache_specs()``).
+        input_ids: (B, N) int64 prompts, left-padded.
+        max_new_tokens: tokens to generate per row (fewer when every row stops early).
+        cache: a fresh :class:`qkv.cache.KVCache` (or any cache of the protocol); default: a dynamic cache
+            built from ``model.cache_specs()``. A reused paged cache must be ``reset()`` first.
+        use_cache: ``False`` recomputes the whole sequence every step (the reference for caches).
+        attention_mask: (B, N) 1 for real tokens, 0 for left padding; default all ones.
+        do_sample, temperature, top_k, top_p, generator: sampling (greedy when ``do_sample=False``).
+        eos_token_id: a stop token or a list of them; finished rows then emit ``pad_token_id``.
+        streamer: ``streamer(tokens)`` called after every step with that step's tokens (B,).
+        prefill_chunk_size: prefill the prompt in chunks of this many columns.
+        return_logits: keep the (B, T, V) logits each token was chosen from.
+        salt: prefix-cache salt (bytes/str, or one per row) isolating tenants.
+
+    Returns:
+        :class:`GenerateOutput`.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        seen = f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}"
+        raise ValueError(f"generate: input_ids must be an integer tensor (B, N), got {seen}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
+        raise ValueError(f"generate: prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
+    _check_sampling(do_sample, temperature, top_k, top_p)
+    B, N = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != (B, N):
+        raise ValueError(f"generate: attention_mask must match input_ids {(B, N)}, got {tuple(attention_mask.shape)}")
+    positions = prompt_positions(attention_mask.to(device))
+    stops = _stop_set(eos_token_id)
+    if stops is not None:
+        stops = stops.to(device)
+
+    hits = torch.zeros(B, dtype=torch.int64)
+    if use_cache:
+        if cache is None:
+            from ..cache import KVCache
+            cache = KVCache(model.cache_specs())
+        if getattr(cache, "seq_length", 0):
+            raise ValueError(f"generate: the cache already holds {cache.seq_length} tokens; pass a fresh cache "
+                             f"(cache.reset() keeps a paged cache's prefix index)")
+        if getattr(getattr(cache, "storage", None), "prefix_caching", False):
+            hits = cache.match_prefix(input_ids, positions, salt=salt)
+        if bool(hits.any()):
+            run_ids, run_pos = _remaining_prompt(input_ids, positions, hits, pad_token_id)
+        else:
+            run_ids, run_pos = input_ids, positions
+        logits = prefill(model, cache, run_ids, run_pos, prefill_chunk_size)
+    else:
+        cache = None
+        seq_ids, seq_pos = input_ids, positions
+        logits = model(seq_ids, positions=seq_pos, cache=None)[:, -1]
+
+    next_pos = positions.max(dim=1).values + 1  # (B,)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    new_tokens, kept_logits = [], []
+    for t in range(max_new_tokens):
+        tok = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=generator).to(device)
+        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
+        if return_logits:
+            kept_logits.append(logits.float())
+        new_tokens.append(tok)
+        if streamer is not None:
+            streamer(tok)
+        step_pos = torch.where(finished, torch.full_like(next_pos, -1), next_pos)
+        if stops is not None:
+            finished = finished | torch.isin(tok, stops)
+        if t == max_new_tokens - 1 or bool(finished.all()):
+            break
+        if cache is not None:
+            logits = forward_step(model, cache, tok.view(B, 1), step_pos.view(B, 1))[:, -1]
+        else:
+            seq_ids = torch.cat([seq_ids, tok.view(B, 1)], dim=1)
+            seq_pos = torch.cat([seq_pos, step_pos.view(B, 1)], dim=1)
+            logits = model(seq_ids, positions=seq_pos, cache=None)[:, -1]
+        next_pos = next_pos + 1
+
+    gen = torch.stack(new_tokens, dim=1) if new_tokens else input_ids.new_zeros(B, 0)
+    return GenerateOutput(
+        sequences=torch.cat([input_ids, gen], dim=1),
+        new_tokens=gen,
+        logits=torch.stack(kept_logits, dim=1) if return_logits and kept_logits else None,
+        finished=finished,
+        prefix_hits=hits,
+        cache=cache,
+    )
