@@ -51,7 +51,8 @@ def step_operator() -> dict:
     mask = qkv.masks.causal()
     ref = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
     errors = {}
-    for name in qkv.backends.names():
+    # Flex compiles a kernel on first use (tens of seconds on a CPU); `explain` below shows its estimate.
+    for name in [n for n in qkv.backends.names() if n != "flex"]:
         try:
             out = qkv.attention(q, k, v, mask=mask, backend=name)
         except ValueError as e:
@@ -122,7 +123,65 @@ def step_kv_table(context: str = "128k") -> dict:
     return record
 
 
-STEPS = (step_masks, step_operator, step_kv_table, step_speed)
+def step_generate(new_tokens: int = 32, prompt: int = 224) -> dict:
+    """Greedy decoding with a small decoder, with and without the KV cache: same tokens, less work."""
+    import torch
+
+    from qkv.cache import KVCache
+    from qkv.models.generate import generate
+    from qkv.nn import DecoderLM, get_config
+
+    _step(f"Generation: a small decoder, {prompt}-token prompt, {new_tokens} new tokens, with and without the cache")
+    torch.manual_seed(0)
+    model = DecoderLM(get_config("tiny-llama", n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, d_ff=688,
+                                 vocab_size=512)).eval()
+    ids = torch.randint(1, 512, (1, prompt), generator=torch.Generator().manual_seed(0))
+    times, outs = {}, {}
+    with torch.inference_mode():
+        for use_cache in (True, False):
+            t0 = time.perf_counter()
+            cache = KVCache(model.cache_specs()) if use_cache else None
+            outs[use_cache] = generate(model, ids, max_new_tokens=new_tokens, cache=cache, use_cache=use_cache)
+            times[use_cache] = time.perf_counter() - t0
+    same = torch.equal(outs[True].sequences, outs[False].sequences)
+    speedup = times[False] / times[True]
+    console.print(f"  without cache: {times[False]:.2f} s (the whole sequence recomputed for every token)")
+    console.print(f"  with KV cache: {times[True]:.2f} s (one new token's K/V per layer per step)")
+    console.print(f"  speedup {speedup:.1f}x; identical tokens: {same}")
+    return {"speedup": speedup, "identical": same}
+
+
+def step_attention_speed(n: int = 8192, window: int = 256) -> dict:
+    """Dense, sliding-window and linear attention at one long length, timed in one run."""
+    import torch
+
+    import qkv
+    from qkv.linear import linear_attention_chunked
+
+    _step(f"Dense vs sliding-window vs linear attention at N={n} (causal, 8 heads of 64)")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, 64, generator=g) for _ in range(3))
+    window_mask = qkv.masks.sliding_window(window - 1)
+    runs = {
+        "dense causal (sdpa)": lambda: qkv.attention(q, k, v, mask=qkv.masks.causal()),
+        f"sliding window {window} ({qkv.explain(q, k, v, mask=window_mask).chosen})":
+            lambda: qkv.attention(q, k, v, mask=window_mask),
+        "linear attention (chunked)": lambda: linear_attention_chunked(q, k, v, causal=True),
+    }
+    times = {}
+    with torch.inference_mode():
+        for name, fn in runs.items():
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - t0
+    dense = times["dense causal (sdpa)"]
+    for name, t in times.items():
+        console.print(f"  {name:<36} {t * 1e3:8.1f} ms   {dense / t:6.1f}x vs dense")
+    return {name: dense / t for name, t in times.items()}
+
+
+STEPS = (step_masks, step_operator, step_kv_table, step_generate, step_attention_speed, step_speed)
 
 
 def run_demo(out: Path) -> dict:
