@@ -1,0 +1,178 @@
+"""Greedy decoding speed: qkv against HF transformers ``generate`` with the same weights, in one run.
+
+Models: a Llama-like and a DeepSeek-V2-like decoder (4 layers, width 512, vocabulary 32000; MLA and
+MoE for the latter), random weights, built by HF and converted with ``qkv.models.from_hf``. For batch 1
+and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
+
+- ``hf``: ``model.generate(do_sample=False)`` with HF's defaults (SDPA attention, ``DynamicCache``);
+- ``qkv``: ``qkv.models.generate`` with a preallocated ``KVCache(storage=Static(N + T))``;
+- ``qkv_std_layout``: the same with ``input_major_weights=False`` (every weight in nn.Linear's layout),
+  an ablation of the one change that is about memory traffic rather than Python overhead.
+
+A streamer timestamps every new token (HF's ``streamer.put``, qkv's ``streamer(tokens)``), so each
+decode step (forward, sampling, cache update) is timed on its own: ``decode tok/s = B / median step``
+over all steps of all repeats, which a busy machine's occasional stalls do not move (``decode_ratio_p10``
+compares 10th-percentile steps, the least disturbed ones, for machines that are busy most of the
+time); ``prefill`` is the
+time to the first token and end-to-end ``tok/s = B T / median total``. Contenders run round-robin under
+``torch.inference_mode`` after a warm-up.
+Decoding one row at a time streams every weight once per step, so the floor is bytes of weights per
+step over memory bandwidth: ``weights_MB`` and the implied ``qkv_GB_per_s`` say how close a step is to it.
+
+Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import Suite  # noqa: E402
+
+TARGET = 1.5  # qkv decode tokens/s over HF's
+
+
+def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
+    base = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                num_attention_heads=8, max_position_embeddings=1024)
+    if quick:
+        base.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    w = base["hidden_size"]
+    return {
+        "llama-like": ("LlamaConfig", "LlamaForCausalLM",
+                       dict(base, num_key_value_heads=base["num_attention_heads"] // 4)),
+        "deepseek-v2-like": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+            base, q_lora_rank=None, kv_lora_rank=w // 4, qk_nope_head_dim=w // 8, qk_rope_head_dim=w // 16,
+            v_head_dim=w // 8, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=w // 2, first_k_dense_replace=1)),
+    }
+
+
+def _models(name: str, spec: tuple[str, str, dict]):
+    import transformers
+
+    from qkv.models import from_hf
+    from qkv.models.loading import _family, check_and_load
+
+    cfg_cls, model_cls, kwargs = spec
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs)).eval()
+    hf.generation_config.eos_token_id = None  # always T new tokens
+    hf.generation_config.pad_token_id = 0
+    qkv_model = from_hf(hf)
+    config = hf.config.to_dict()
+    family = _family(config)
+    std = type(qkv_model)(family.decoder_config(config).replace(input_major_weights=False))
+    check_and_load(std, family.convert(dict(hf.state_dict()), config))
+    weight_bytes = sum(p.numel() * p.element_size() for p in qkv_model.parameters())
+    if qkv_model.config.moe is not None:  # a token reads only its top-k routed experts
+        m = qkv_model.config.moe
+        unread = sum(p.numel() * p.element_size() for n, p in qkv_model.named_parameters() if ".experts." in n)
+        weight_bytes -= unread * (1 - m.num_experts_per_tok / m.n_routed_experts)
+    return hf, qkv_model, std.eval(), weight_bytes
+
+
+class _Clock:
+    """Timestamps of a generate call: its start, then one per new token."""
+
+    def __init__(self) -> None:
+        self.times = [time.perf_counter()]
+
+    def __call__(self, tokens) -> None:  # qkv.models.generate streamer
+        self.times.append(time.perf_counter())
+
+    def put(self, value) -> None:  # HF streamer: first called with the prompt, then with each new token
+        if self._seen_prompt:
+            self.times.append(time.perf_counter())
+        self._seen_prompt = True
+
+    def end(self) -> None:
+        pass
+
+    _seen_prompt = False
+
+
+def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int, repeat: int) -> None:
+    from qkv.cache import KVCache, Static
+    from qkv.models.generate import generate
+
+    hf, qkv_model, std, weight_bytes = _models(name, spec)
+    vocab = spec[2]["vocab_size"]
+    for B in batches:
+        ids = torch.randint(1, vocab, (B, n_prompt), generator=torch.Generator().manual_seed(B))
+        mask = torch.ones_like(ids)
+
+        def hf_gen(clock):
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False, streamer=clock)
+            return out[:, n_prompt:]
+
+        def qkv_gen(model):
+            def run(clock):
+                cache = KVCache(model.cache_specs(), storage=Static(n_prompt + n_new))
+                return generate(model, ids, max_new_tokens=n_new, cache=cache, streamer=clock).new_tokens
+            return run
+
+        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_std_layout": qkv_gen(std)}
+        steps: dict[str, list[float]] = {k: [] for k in contenders}
+        prefill: dict[str, list[float]] = {k: [] for k in contenders}
+        total: dict[str, list[float]] = {k: [] for k in contenders}
+        with torch.inference_mode():
+            tokens = {k: f(_Clock()) for k, f in contenders.items()}  # warm-up, and the tokens to compare
+            for _ in range(repeat):
+                for k, f in contenders.items():
+                    clock = _Clock()
+                    f(clock)
+                    t = clock.times
+                    assert len(t) == n_new + 1, f"{k}: expected {n_new} streamed steps, got {len(t) - 1}"
+                    prefill[k].append(t[1] - t[0])
+                    total[k].append(t[-1] - t[0])
+                    steps[k].extend(b - a for a, b in zip(t[1:], t[2:]))
+        step = {k: statistics.median(v) for k, v in steps.items()}
+        p10 = {k: statistics.quantiles(v, n=10)[0] for k, v in steps.items()}
+        decode = {k: B / step[k] for k in contenders}
+        e2e = {k: B * n_new / statistics.median(total[k]) for k in contenders}
+        ratio = decode["qkv"] / decode["hf"]
+        suite.add({"model": name, "B": B, "prompt": n_prompt, "new": n_new}, {
+            "hf_decode_tok_s": decode["hf"], "qkv_decode_tok_s": decode["qkv"],
+            "qkv_std_layout_decode_tok_s": decode["qkv_std_layout"], "decode_ratio": ratio,
+            "decode_ratio_p10": p10["hf"] / p10["qkv"],
+            "hf_e2e_tok_s": e2e["hf"], "qkv_e2e_tok_s": e2e["qkv"], "e2e_ratio": e2e["qkv"] / e2e["hf"],
+            "hf_prefill_ms": statistics.median(prefill["hf"]) * 1e3,
+            "qkv_prefill_ms": statistics.median(prefill["qkv"]) * 1e3,
+            "weights_MB": weight_bytes / 1e6, "qkv_GB_per_s": weight_bytes / step["qkv"] / 1e9,
+            "target": f"{'met' if ratio >= TARGET else 'missed'} ({TARGET}x)",
+            "same_tokens": bool(torch.equal(tokens["hf"], tokens["qkv"])),
+        })
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny models, short prompts (a smoke run)")
+    p.add_argument("--repeat", type=int, default=None, help="timed repeats per contender (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n_prompt, n_new = (16, 16) if args.quick else (64, 64)
+    repeat = args.repeat or 2
+    import transformers
+
+    suite = Suite("generate", "greedy decode tokens/s, qkv vs HF transformers generate (same weights)",
+                  transformers=transformers.__version__, dtype="float32", cache="qkv Static / HF DynamicCache",
+                  hf_attention="sdpa (HF default)", repeat=repeat)
+    for name, spec in _configs(args.quick).items():
+        _run_case(suite, name, spec, (1, 8), n_prompt, n_new, repeat)
+    suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's. decode: B / median time between streamed tokens; "
+               f"e2e includes prefill, where qkv.models.generate computes logits for every prompt column (HF keeps "
+               f"the last one only). qkv_std_layout: qkv with nn.Linear-layout weights (input_major_weights=False).")
+    suite.finish()
+
+
+if __name__ == "__main__":
+    main()

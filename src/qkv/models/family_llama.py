@@ -1,0 +1,90 @@
+"""Llama, Mistral and Qwen2 on qkv: HF ``model_type`` ``"llama"``, ``"mistral"``, ``"qwen2"``.
+
+All three are the same pre-norm decoder (:class:`qkv.models.decoder.DecoderLM`): RMSNorm, RoPE, GQA,
+SwiGLU. They differ in switches:
+
+- Llama (Touvron et al. 2023): ``attention_bias`` on all four attention projections, ``mlp_bias``,
+  RoPE scaling (``linear``, ``dynamic``, ``yarn``, ``llama3``), optional ``head_dim``.
+- Mistral (Jiang et al. 2023, arXiv:2310.06825): a ``sliding_window`` on every layer when set.
+- Qwen2 (Yang et al. 2024, arXiv:2407.10671): biases on q/k/v but not on the output projection; sliding
+  windows only with ``use_sliding_window`` and only on layers ``>= max_window_layers`` (or as
+  ``layer_types`` says).
+
+Tensor names: HF ``model.layers.{i}.self_attn.{q,k,v}_proj`` are stacked into ``layers.{i}.self_attn.qkv_proj``
+and ``mlp.{gate,up}_proj`` into ``mlp.gate_up_proj``; the norms are renamed by role (``input_layernorm``
+-> ``attn_norm``, ``post_attention_layernorm`` -> ``ffn_norm``).
+
+Example:
+    >>> import transformers  # doctest: +SKIP
+    >>> from qkv.models import from_hf  # doctest: +SKIP
+    >>> hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(  # doctest: +SKIP
+    ...     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...     num_attention_heads=4, num_key_value_heads=2))
+    >>> model = from_hf(hf)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .decoder import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DecoderConfig,
+    DecoderLM,
+    _hf_decoder_config,
+    _hf_rename,
+    _hf_rope_params,
+)
+from .loading import FAMILIES, CheckpointError
+
+__all__ = ["build", "convert", "decoder_config"]
+
+for _t in ("llama", "mistral", "qwen2"):
+    FAMILIES[_t] = "qkv.models.family_llama"
+
+
+def _layer_types(cfg: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    model_type = cfg.get("model_type")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    if cfg.get("layer_types"):
+        types = tuple(cfg["layer_types"])
+        return types, window if SLIDING_ATTENTION in types else None
+    if window is None:
+        return (FULL_ATTENTION,) * n, None
+    if model_type == "qwen2":
+        first = cfg.get("max_window_layers", n)
+        return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)), window
+    if model_type == "mistral":
+        return (SLIDING_ATTENTION,) * n, window
+    return (FULL_ATTENTION,) * n, None  # Llama has no sliding window
+
+
+def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
+    """The :class:`DecoderConfig` of an HF Llama / Mistral / Qwen2 config dict."""
+    model_type = cfg.get("model_type")
+    if model_type not in ("llama", "mistral", "qwen2"):
+        raise CheckpointError(f"family_llama: model_type {model_type!r} is not llama, mistral or qwen2")
+    layer_types, window = _layer_types(cfg)
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+    return _hf_decoder_config(
+        cfg, hidden_act=cfg.get("hidden_act", "silu"), qkv_bias=qkv_bias, o_bias=o_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)), layer_types=layer_types, sliding_window=window,
+        rope={FULL_ATTENTION: _hf_rope_params(cfg)})
+
+
+def build(config: dict[str, Any]) -> DecoderLM:
+    return DecoderLM(decoder_config(config))
+
+
+def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return _hf_rename(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
+                                                             "post_attention_layernorm": "ffn_norm"})
