@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -94,8 +95,13 @@ def budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Ten
     dtype = candidate.dtype if candidate.dtype in DEFAULT_K else torch.float32
     k = DEFAULT_K[dtype] if k is None else k
     floor = DEFAULT_FLOOR[dtype] if floor is None else floor
+    if torch.isnan(reference).any():
+        raise AssertionError("budget: the float64 reference contains NaN; a budget against it would pass vacuously")
     cand_err = max_error(candidate, reference)
     base_err = max_error(baseline, reference)
+    if not math.isfinite(base_err):
+        raise AssertionError(f"budget: the baseline's error is {base_err} (NaN or inf where the reference is finite); "
+                             "the allowance would be infinite, so nothing would be tested")
     return Budget(cand_err, base_err, k * base_err + floor, k, floor)
 
 
