@@ -13,7 +13,10 @@ from . import backends as _backends
 from ._request import Request, build_request
 from .backends.base import Estimate
 
-__all__ = ["attention", "explain", "Explanation"]
+__all__ = ["attention", "explain", "Explanation", "SMALL_PROBLEM"]
+
+#: Score elements (B * Hq * Nq * Nk) up to which ``auto`` takes SDPA, when it accepts, without estimating.
+SMALL_PROBLEM = 1 << 20
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
@@ -73,6 +76,12 @@ def _choose(req: Request, backend: str):
             raise ValueError(f"attention: backend {backend!r} cannot run this request: {reason}. "
                              f"Use backend='auto' or see qkv.explain(...) for the backends that can.")
         return impl
+    # Small problems (decode steps, short sequences): the fused kernel wins and estimating every backend's
+    # cost (block maps, compile caches) would cost more than the attention itself.
+    if req.B * req.Hq * req.Nq * req.Nk <= SMALL_PROBLEM:
+        sdpa = _backends.get("sdpa")
+        if sdpa.decline(req) is None:
+            return sdpa
     best, best_cost = None, float("inf")
     for name in _backends.names():
         impl = _backends.get(name)
@@ -92,11 +101,13 @@ class Explanation:
     chosen: str
     estimates: dict[str, Estimate] = field(default_factory=dict)
     declined: dict[str, str] = field(default_factory=dict)
+    note: str = ""
 
     def __str__(self) -> str:
-        lines = [f"qkv.attention on {self.request}", f"  chosen: {self.chosen}"]
+        chosen = f"  chosen: {self.chosen}" + (f" ({self.note})" if self.note else "")
+        lines = [f"qkv.attention on {self.request}", chosen]
         for name, est in sorted(self.estimates.items(), key=lambda kv: kv[1].seconds):
-            tag = "chosen" if name == self.chosen else "slower"
+            tag = "chosen" if name == self.chosen else "other"
             lines.append(f"  {name:<10} {tag:<8} {est}")
         for name, why in self.declined.items():
             lines.append(f"  {name:<10} {'declined':<8} {why}")
@@ -118,6 +129,8 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
     chosen = _choose(req, "auto").name
     report = Explanation(request=req.describe() + (f", mask={req.mask!r}" if req.mask is not None else "")
                          + (f", score_mod={req.score_mod!r}" if req.score_mod is not None else ""), chosen=chosen)
+    if req.B * req.Hq * req.Nq * req.Nk <= SMALL_PROBLEM and chosen == "sdpa":
+        report.note = f"small problem (<= {SMALL_PROBLEM:,} score elements): the fused kernel without estimating"
     for name in _backends.names():
         impl = _backends.get(name)
         reason = impl.decline(req)
