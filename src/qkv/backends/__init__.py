@@ -17,6 +17,7 @@ __all__ = ["Backend", "Estimate", "get", "names", "register"]
 # name -> "module:Class", in the order auto-dispatch lists them.
 _BUILTIN: dict[str, str] = {
     "sdpa": "qkv.backends.sdpa:SDPABackend",
+    "tiled": "qkv.backends.tiled:TiledBackend",
     "flex": "qkv.backends.flex:FlexBackend",
     "reference": "qkv.backends.reference:ReferenceBackend",
 }

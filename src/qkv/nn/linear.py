@@ -1,0 +1,157 @@
+"""``LinearAttention``: multi-head self-attention with a feature map instead of softmax.
+
+Katharopoulos, Vyas, Pappas, Fleuret, "Transformers are RNNs: Fast Autoregressive Transformers with
+Linear Attention", ICML 2020 (arXiv:2006.16236).
+
+The module owns the q/k/v/out projections; the math is ``qkv.linear.linear_attention_chunked`` (whole
+sequences) and ``qkv.linear.linear_attention_step`` (one token of decoding). The recurrent state is
+explicit: ``forward`` and ``step`` take a ``LinearState`` and return the next one.
+
+Shape legend: B batch, N tokens, E model dim (``d_model``), H heads, Dh head dim (``E // H``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qkv.linear.chunk import DEFAULT_CHUNK_SIZE, linear_attention_chunked
+from qkv.linear.feature_maps import FeatureMap, resolve_feature_map
+from qkv.linear.naive import DEFAULT_EPS, LinearAttentionOutput, LinearState
+from qkv.linear.recurrent import linear_attention_step
+
+__all__ = ["LinearAttention"]
+
+
+def _check_dims(cls: str, d_model: int, n_heads: int) -> None:
+    for name, val in (("d_model", d_model), ("n_heads", n_heads)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{cls}: {name} must be a positive int, got {val!r}")
+    if d_model % n_heads:
+        raise ValueError(f"{cls}: d_model={d_model} must be divisible by n_heads={n_heads}")
+
+
+def _check_x(x: torch.Tensor, d_model: int, *, fn: str, one_token: bool = False) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor (B, N, d_model), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"{fn}: x must have shape (B, N, d_model={d_model}), got {tuple(x.shape)}")
+    if one_token and x.shape[1] != 1:
+        raise ValueError(
+            f"{fn}: x must hold one token (B, 1, d_model), got {tuple(x.shape)}; use forward(x, state=state) "
+            f"for several tokens"
+        )
+
+
+class _Projections(nn.Module):
+    """q/k/v/out projections shared by the linear-attention modules."""
+
+    def __init__(self, d_model: int, n_heads: int, *, bias: bool, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.n_heads = n_heads
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
+
+    def split(self, x: torch.Tensor):
+        B, N, E = x.shape
+        H = self.n_heads
+        q = self.q_proj(x).view(B, N, H, E // H).transpose(1, 2)  # (B, H, N, Dh)
+        k = self.k_proj(x).view(B, N, H, E // H).transpose(1, 2)  # (B, H, N, Dh)
+        v = self.v_proj(x).view(B, N, H, E // H).transpose(1, 2)  # (B, H, N, Dh)
+        return q, k, v
+
+    def merge(self, out_BHND: torch.Tensor) -> torch.Tensor:
+        B, H, N, Dh = out_BHND.shape
+        return self.out_proj(out_BHND.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, E)
+
+
+class LinearAttention(nn.Module):
+    """Multi-head linear self-attention: ``phi(Q) (phi(K)^T V)``, causal or not, with explicit state.
+
+    Args:
+        d_model: E, model width; must be divisible by ``n_heads``.
+        n_heads: H.
+        feature_map: ``"elu_plus_one"`` (default), ``"relu"`` or a callable ``phi(x_BHND) -> x_BHNF``.
+        causal: token ``i`` attends to tokens ``<= i`` (needed for ``step``).
+        normalize: divide by ``phi(q)^T z + eps`` (the paper's form); ``False`` drops the normalizer.
+        eps: absolute guard on the normalizer.
+        chunk_size: tokens per chunk in the causal prefill.
+        bias: bias in the four projections.
+        device, dtype: for the parameters.
+
+    Example:
+        >>> import torch
+        >>> attn = LinearAttention(32, 4, causal=True)
+        >>> x = torch.randn(2, 10, 32)
+        >>> out, state = attn(x[:, :9])
+        >>> y, state = attn.step(x[:, 9:], state)        # decode token 9 from the state
+        >>> torch.allclose(y, attn(x).out[:, 9:], atol=1e-5)
+        True
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        feature_map: str | FeatureMap = "elu_plus_one",
+        causal: bool = False,
+        normalize: bool = True,
+        eps: float = DEFAULT_EPS,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_dims("LinearAttention", d_model, n_heads)
+        if feature_map is None:
+            raise ValueError("LinearAttention: feature_map must be a name or a callable, got None")
+        self.phi = resolve_feature_map(feature_map)
+        self.d_model, self.n_heads = d_model, n_heads
+        self.causal, self.normalize, self.eps, self.chunk_size = causal, normalize, eps, chunk_size
+        self.proj = _Projections(d_model, n_heads, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, *, state: LinearState | None = None) -> LinearAttentionOutput:
+        """Attend over a whole sequence.
+
+        Args:
+            x: ``(B, N, E)``.
+            state: ``LinearState(S (B, H, F, Dh), z (B, H, F))`` left by earlier tokens, or ``None``.
+
+        Returns:
+            ``LinearAttentionOutput(out (B, N, E) in x's dtype, state after the last token)``.
+        """
+        _check_x(x, self.d_model, fn="LinearAttention.forward")
+        q, k, v = self.proj.split(x)
+        out, new_state = linear_attention_chunked(
+            q, k, v, feature_map=self.phi, causal=self.causal, normalize=self.normalize, eps=self.eps,
+            chunk_size=self.chunk_size, initial_state=state,
+        )
+        return LinearAttentionOutput(self.proj.merge(out), new_state)
+
+    def step(self, x: torch.Tensor, state: LinearState | None) -> LinearAttentionOutput:
+        """Decode one token in O(F Dh) per head, whatever the context length.
+
+        Args:
+            x: ``(B, 1, E)``, the new token.
+            state: from ``forward`` or an earlier ``step``; ``None`` for the first token.
+
+        Returns:
+            ``LinearAttentionOutput(out (B, 1, E), state including this token)``.
+        """
+        if not self.causal:
+            raise ValueError("LinearAttention.step decodes causally; build the module with causal=True")
+        _check_x(x, self.d_model, fn="LinearAttention.step", one_token=True)
+        q, k, v = self.proj.split(x)
+        out, new_state = linear_attention_step(q, k, v, state, feature_map=self.phi, normalize=self.normalize,
+                                               eps=self.eps)
+        return LinearAttentionOutput(self.proj.merge(out), new_state)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.phi, "__name__", repr(self.phi))
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, feature_map={name}, causal={self.causal}, "
+                f"normalize={self.normalize}, chunk_size={self.chunk_size}")
