@@ -109,19 +109,25 @@ def run_suites(names: list[str], *, quick: bool, out: Path, bench_dir: Path) -> 
         for name in names:
             progress.update(task, description=f"running {name}")
             cmd = [sys.executable, str(bench_dir / SUITES[name])] + (["--quick"] if quick else [])
-            t0 = time.perf_counter()
+            t0, started = time.perf_counter(), time.time() - 1
             proc = subprocess.run(cmd, cwd=bench_dir.parent, env=env, capture_output=True, text=True)
             progress.console.print(proc.stdout[-4000:])
             if proc.returncode != 0:
                 failed.append(name)
                 progress.console.print(f"[red]{name} failed ({proc.returncode}):[/]\n{proc.stderr[-2000:]}")
             else:
-                payload = json.loads((out / f"{name}.json").read_text())
-                payload["wall_s"] = round(time.perf_counter() - t0, 1)
-                results.append(payload)
-                png = plot_suite(payload, out / f"{name}.png")
-                if png:
-                    progress.console.print(f"plot: {png}")
+                # A suite writes <name>.json or several <name>_<part>.json tables during this run.
+                written = sorted(p for p in out.glob(f"{name}*.json") if p.stat().st_mtime >= started)
+                if not written:
+                    failed.append(name)
+                    progress.console.print(f"[red]{name} wrote no JSON into {out}[/]")
+                for path in written:
+                    payload = json.loads(path.read_text())
+                    payload["wall_s"] = round(time.perf_counter() - t0, 1)
+                    results.append(payload)
+                    png = plot_suite(payload, path.with_suffix(".png"))
+                    if png:
+                        progress.console.print(f"plot: {png}")
             progress.advance(task)
     (out / "summary.md").write_text(summarize(results))
     if failed:
