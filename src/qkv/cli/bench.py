@@ -125,7 +125,7 @@ def run_suites(names: list[str], *, quick: bool, out: Path, bench_dir: Path) -> 
                     payload = json.loads(path.read_text())
                     payload["wall_s"] = round(time.perf_counter() - t0, 1)
                     results.append(payload)
-                    png = plot_suite(payload, path.with_suffix(".png"))
+                    png = plot_suite(payload, path.with_name(f"{path.stem}_times.png"))
                     if png:
                         progress.console.print(f"plot: {png}")
             progress.advance(task)
