@@ -117,10 +117,16 @@ class _Spec:
         self.dtype = req.dtype
         self.acc = torch.float64 if req.dtype == torch.float64 else torch.float32
         self.device = req.device
+        self.empty = req.B * req.Hq * req.Nq == 0 or req.Nk == 0
+        if self.empty:
+            self.fill_masked = False
+            return
         self.bm = block_map_for(self.mask, self.nq, self.nk, cfg.block_q, cfg.block_k, self.device, B=self.B,
                                 H=self.Hq)
         # Finite q and k (and no modifier) give finite scores, which masking may hide by adding -inf.
-        self.fill_masked = self.mod is not None or not bool(torch.isfinite(req.q).all() & torch.isfinite(req.k).all())
+        # A sum is one cheap pass; it is non-finite if any input is (or, harmlessly, if it overflows).
+        total = float(req.q.detach().sum()) + float(req.k.detach().sum())
+        self.fill_masked = self.mod is not None or not math.isfinite(total)
 
     def slices(self):
         """(batch slice, plan) pairs: one slice for all of B, or one per batch row when the block map
@@ -149,6 +155,9 @@ class _Spec:
 # --------------------------------------------------------------------- forward / backward
 def _forward(spec: _Spec, q, k, v):
     """Returns out (B, Hq, Nq, Dv) and lse (B, Hq, Nq), both in the compute dtype."""
+    if spec.empty:  # no queries, or no keys: zeros and lse = -inf
+        return (torch.zeros(spec.B, spec.Hq, spec.nq, v.shape[-1], dtype=spec.acc, device=spec.device),
+                torch.full((spec.B, spec.Hq, spec.nq), float("-inf"), dtype=spec.acc, device=spec.device))
     outs, lses = [], []
     for sl, plan in spec.slices():
         qp = pad_rows(q[sl], plan, spec.acc)
@@ -162,8 +171,10 @@ def _forward(spec: _Spec, q, k, v):
 
 
 def _backward(spec: _Spec, q, k, v, out, lse, dout, dlse, mod_inputs):
-    dqs, dks, dvs = [], [], []
     mod_grads: list[torch.Tensor | None] = [None] * len(mod_inputs)
+    if spec.empty:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), mod_grads
+    dqs, dks, dvs = [], [], []
     dout = dout.to(spec.acc)
     delta = (dout * out.to(spec.acc)).sum(-1)  # (B, Hq, Nq): rowsum(dO * O)
     if dlse is not None:
@@ -258,15 +269,9 @@ class TiledBackend(Backend):
                                  f"{flops / 1e9:.3g} GFLOP on visited tiles, ~{int(steps)} steps")
 
     def run(self, req: Request) -> AttentionOutput:
-        cfg = self.config_for(req)
+        cfg = self.config_for(req) if req.Nq and req.Nk else TiledConfig(1, 1, 1)
         stats = TiledStats()
         self.last_stats = stats
-        if req.Nq == 0 or req.Nk == 0:
-            out = torch.zeros(req.B, req.Hq, req.Nq, req.Dv, dtype=req.dtype, device=req.device)
-            lse = torch.full((req.B, req.Hq, req.Nq), float("-inf"), dtype=torch.float32, device=req.device)
-            if req.requires_grad:  # keep the graph connected: zero gradients
-                out = out + 0.0 * (req.q.sum() + req.k.sum() + req.v.sum())
-            return AttentionOutput(out, lse)
         seed = draw_seed(req.generator) if req.dropout_p > 0 else 0
         spec = _Spec(req, cfg, seed, stats)
         mod_tensors = req.score_mod.tensors() if req.score_mod is not None else ()

@@ -1,0 +1,136 @@
+"""GPT-2 on qkv: HF ``model_type = "gpt2"`` checkpoints (``GPT2LMHeadModel``, ``GPT2Model``).
+
+Radford et al. 2019, "Language Models are Unsupervised Multitask Learners". A pre-norm causal decoder with
+learned absolute positions, LayerNorm, a tanh-GELU MLP and an LM head tied to the token embedding: exactly
+:class:`qkv.nn.DecoderLM` with ``position="learned"``, so it implements the ``DecoderModel`` protocol that
+:func:`qkv.models.generate.generate` drives (left padding: positions ``-1`` on padding, ``0, 1, ...`` from
+each row's first real token, as HF ``generate`` numbers them).
+
+Checkpoint layout: HF stores projections as ``Conv1D`` (weight ``(in, out)``, the transpose of
+``nn.Linear``) and fuses the query, key and value projections into ``c_attn`` ``(d, 3d)``; ``convert``
+transposes and splits them. ``scale_attn_by_inverse_layer_idx`` (scores divided by ``layer + 1``) and
+``scale_attn_weights=False`` (no ``1/sqrt(D)``) set each layer's score scale.
+
+Example:
+    >>> import torch, transformers  # doctest: +SKIP
+    >>> from qkv.models import from_hf, generate  # doctest: +SKIP
+    >>> cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4)  # doctest: +SKIP
+    >>> hf = transformers.GPT2LMHeadModel(cfg).eval()  # doctest: +SKIP
+    >>> generate(from_hf(hf), torch.tensor([[464, 3290]]), max_new_tokens=5).new_tokens.shape  # doctest: +SKIP
+    torch.Size([1, 5])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn import DecoderLM, TransformerConfig
+from .loading import FAMILIES, CheckpointError
+
+__all__ = ["build", "convert"]
+
+FAMILIES["gpt2"] = "qkv.models.family_gpt2"
+
+# HF ``activation_function`` -> qkv.nn.FeedForward activation (the same function).
+_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+        "silu": "silu", "swish": "silu"}
+
+
+def _transformer_config(cfg: dict[str, Any]) -> TransformerConfig:
+    if cfg.get("add_cross_attention"):
+        raise CheckpointError("gpt2: add_cross_attention=True (GPT-2 as a seq2seq decoder) is not supported")
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in _ACT:
+        raise CheckpointError(f"gpt2: activation_function={act!r} is not supported; supported: {sorted(_ACT)}")
+    d = cfg.get("n_embd", cfg.get("hidden_size"))
+    return TransformerConfig(
+        d_model=d, n_heads=cfg.get("n_head", cfg.get("num_attention_heads")),
+        n_layers=cfg.get("n_layer", cfg.get("num_hidden_layers")), d_ff=cfg.get("n_inner") or 4 * d,
+        activation=_ACT[act], norm="layer", norm_eps=cfg.get("layer_norm_epsilon", 1e-5), norm_first=True,
+        position="learned", max_position_embeddings=cfg.get("n_positions", cfg.get("max_position_embeddings", 1024)),
+        vocab_size=cfg["vocab_size"], tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        dropout=cfg.get("resid_pdrop", 0.0), attention_dropout=cfg.get("attn_pdrop", 0.0),
+        initializer_range=cfg.get("initializer_range", 0.02), name="gpt2")
+
+
+def build(config: dict[str, Any]) -> nn.Module:
+    """A :class:`qkv.nn.DecoderLM` shaped like the HF GPT-2 config, with GPT-2's per-layer score scales."""
+    tc = _transformer_config(config)
+    model = DecoderLM(tc)
+    for i, layer in enumerate(model.decoder.layers):
+        scale = tc.head_dim ** -0.5 if config.get("scale_attn_weights", True) else 1.0
+        if config.get("scale_attn_by_inverse_layer_idx", False):
+            scale /= i + 1
+        layer.self_attn.scale = scale
+    return model
+
+
+def _conv1d(state: dict[str, torch.Tensor], name: str, shape: tuple[int, int]) -> torch.Tensor:
+    """An HF Conv1D weight ``(in, out)`` as an ``nn.Linear`` weight ``(out, in)``, shape-checked by HF name."""
+    w = state.pop(name)
+    if tuple(w.shape) != shape:
+        raise CheckpointError(f"gpt2: {name} has shape {tuple(w.shape)}, expected {shape} for this config")
+    return w.t().contiguous()
+
+
+def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """HF GPT-2 names and layouts to :class:`qkv.nn.DecoderLM` names. ``transformer.`` prefixes are stripped,
+    the causal-mask buffers old checkpoints carry (``attn.bias``, ``attn.masked_bias``) dropped, and a tied
+    ``lm_head.weight`` (a copy of ``wte``) dropped. A missing tensor raises :class:`CheckpointError` naming it;
+    unknown tensors keep their names, so the loader reports them as unexpected."""
+    tc = _transformer_config(config)
+    d, f = tc.d_model, tc.d_ff
+    src = {k.removeprefix("transformer."): v for k, v in state.items()}
+    src = {k: v for k, v in src.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    out: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+
+    def has(hf: str, qkv: str) -> bool:
+        if hf not in src:
+            missing.append(f"{hf} (qkv {qkv})")
+        return hf in src
+
+    def move(hf: str, qkv: str) -> None:
+        if has(hf, qkv):
+            out[qkv] = src.pop(hf)
+
+    move("wte.weight", "embed_tokens.weight")
+    move("wpe.weight", "decoder.pos_embed.weight")
+    for p in ("weight", "bias"):
+        move(f"ln_f.{p}", f"decoder.norm.{p}")
+    for i in range(tc.n_layers):
+        h, q = f"h.{i}.", f"decoder.layers.{i}."
+        for p in ("weight", "bias"):
+            move(f"{h}ln_1.{p}", f"{q}attn_norm.{p}")
+            move(f"{h}ln_2.{p}", f"{q}ffn_norm.{p}")
+        if has(f"{h}attn.c_attn.weight", f"{q}self_attn.q_proj/k_proj/v_proj.weight"):
+            wq, wk, wv = _conv1d(src, f"{h}attn.c_attn.weight", (d, 3 * d)).split(d, dim=0)
+            out.update({f"{q}self_attn.q_proj.weight": wq, f"{q}self_attn.k_proj.weight": wk,
+                        f"{q}self_attn.v_proj.weight": wv})
+        if has(f"{h}attn.c_attn.bias", f"{q}self_attn.q_proj/k_proj/v_proj.bias"):
+            b = src.pop(f"{h}attn.c_attn.bias")
+            if tuple(b.shape) != (3 * d,):
+                raise CheckpointError(f"gpt2: {h}attn.c_attn.bias has shape {tuple(b.shape)}, expected ({3 * d},)")
+            for name, part in zip(("q", "k", "v"), b.split(d)):
+                out[f"{q}self_attn.{name}_proj.bias"] = part
+        for hf, qkv, shape in ((f"{h}attn.c_proj", f"{q}self_attn.o_proj", (d, d)),
+                               (f"{h}mlp.c_fc", f"{q}ffn.up_proj", (d, f)),
+                               (f"{h}mlp.c_proj", f"{q}ffn.down_proj", (f, d))):
+            if has(f"{hf}.weight", f"{qkv}.weight"):
+                out[f"{qkv}.weight"] = _conv1d(src, f"{hf}.weight", shape)
+            move(f"{hf}.bias", f"{qkv}.bias")
+    if tc.tie_word_embeddings:
+        src.pop("lm_head.weight", None)
+        if "embed_tokens.weight" in out:
+            out["lm_head.weight"] = out["embed_tokens.weight"]
+    else:
+        move("lm_head.weight", "lm_head.weight")
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        extra = f"; unexpected tensors {sorted(src)[:8]}" if src else ""
+        raise CheckpointError(f"from_hf: gpt2 checkpoint is missing tensors {missing[:8]}{more}{extra}")
+    out.update(src)  # leftovers: unexpected tensors, reported by the loader under their HF names
+    return out
