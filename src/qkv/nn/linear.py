@@ -3,7 +3,7 @@
 Katharopoulos, Vyas, Pappas, Fleuret, "Transformers are RNNs: Fast Autoregressive Transformers with
 Linear Attention", ICML 2020 (arXiv:2006.16236).
 
-The module owns the q/k/v/out projections; the math is ``qkv.linear.linear_attention_chunked`` (whole
+The module owns the q/k/v/o projections; the math is ``qkv.linear.linear_attention_chunked`` (whole
 sequences) and ``qkv.linear.linear_attention_step`` (one token of decoding). The recurrent state is
 explicit: ``forward`` and ``step`` take a ``LinearState`` and return the next one.
 
@@ -43,29 +43,26 @@ def _check_x(x: torch.Tensor, d_model: int, *, fn: str, one_token: bool = False)
         )
 
 
-class _Projections(nn.Module):
-    """q/k/v/out projections shared by the linear-attention modules."""
+def _add_projections(module: nn.Module, d_model: int, *, bias: bool, device, dtype) -> None:
+    """q/k/v/o projections named as in ``MultiHeadAttention`` (and HF), so checkpoints map by name."""
+    kw = {"bias": bias, "device": device, "dtype": dtype}
+    module.q_proj = nn.Linear(d_model, d_model, **kw)
+    module.k_proj = nn.Linear(d_model, d_model, **kw)
+    module.v_proj = nn.Linear(d_model, d_model, **kw)
+    module.o_proj = nn.Linear(d_model, d_model, **kw)
 
-    def __init__(self, d_model: int, n_heads: int, *, bias: bool, device=None, dtype=None) -> None:
-        super().__init__()
-        kw = {"device": device, "dtype": dtype}
-        self.n_heads = n_heads
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
 
-    def split(self, x: torch.Tensor):
-        B, N, E = x.shape
-        H = self.n_heads
-        q = self.q_proj(x).view(B, N, H, E // H).transpose(1, 2)  # (B, H, N, Dh)
-        k = self.k_proj(x).view(B, N, H, E // H).transpose(1, 2)  # (B, H, N, Dh)
-        v = self.v_proj(x).view(B, N, H, E // H).transpose(1, 2)  # (B, H, N, Dh)
-        return q, k, v
+def _split_heads(module: nn.Module, x: torch.Tensor, n_heads: int):
+    B, N, E = x.shape
+    q = module.q_proj(x).view(B, N, n_heads, E // n_heads).transpose(1, 2)  # (B, H, N, Dh)
+    k = module.k_proj(x).view(B, N, n_heads, E // n_heads).transpose(1, 2)  # (B, H, N, Dh)
+    v = module.v_proj(x).view(B, N, n_heads, E // n_heads).transpose(1, 2)  # (B, H, N, Dh)
+    return q, k, v
 
-    def merge(self, out_BHND: torch.Tensor) -> torch.Tensor:
-        B, H, N, Dh = out_BHND.shape
-        return self.out_proj(out_BHND.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, E)
+
+def _merge_heads(module: nn.Module, out_BHND: torch.Tensor) -> torch.Tensor:
+    B, H, N, Dh = out_BHND.shape
+    return module.o_proj(out_BHND.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, E)
 
 
 class LinearAttention(nn.Module):
@@ -113,7 +110,7 @@ class LinearAttention(nn.Module):
         self.phi = resolve_feature_map(feature_map)
         self.d_model, self.n_heads = d_model, n_heads
         self.causal, self.normalize, self.eps, self.chunk_size = causal, normalize, eps, chunk_size
-        self.proj = _Projections(d_model, n_heads, bias=bias, device=device, dtype=dtype)
+        _add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, *, state: LinearState | None = None) -> LinearAttentionOutput:
         """Attend over a whole sequence.
@@ -126,12 +123,12 @@ class LinearAttention(nn.Module):
             ``LinearAttentionOutput(out (B, N, E) in x's dtype, state after the last token)``.
         """
         _check_x(x, self.d_model, fn="LinearAttention.forward")
-        q, k, v = self.proj.split(x)
+        q, k, v = _split_heads(self, x, self.n_heads)
         out, new_state = linear_attention_chunked(
             q, k, v, feature_map=self.phi, causal=self.causal, normalize=self.normalize, eps=self.eps,
             chunk_size=self.chunk_size, initial_state=state,
         )
-        return LinearAttentionOutput(self.proj.merge(out), new_state)
+        return LinearAttentionOutput(_merge_heads(self, out), new_state)
 
     def step(self, x: torch.Tensor, state: LinearState | None) -> LinearAttentionOutput:
         """Decode one token in O(F Dh) per head, whatever the context length.
@@ -146,10 +143,10 @@ class LinearAttention(nn.Module):
         if not self.causal:
             raise ValueError("LinearAttention.step decodes causally; build the module with causal=True")
         _check_x(x, self.d_model, fn="LinearAttention.step", one_token=True)
-        q, k, v = self.proj.split(x)
+        q, k, v = _split_heads(self, x, self.n_heads)
         out, new_state = linear_attention_step(q, k, v, state, feature_map=self.phi, normalize=self.normalize,
                                                eps=self.eps)
-        return LinearAttentionOutput(self.proj.merge(out), new_state)
+        return LinearAttentionOutput(_merge_heads(self, out), new_state)
 
     def extra_repr(self) -> str:
         name = getattr(self.phi, "__name__", repr(self.phi))

@@ -30,7 +30,7 @@ from qkv.linear.performer import (
     performer_attention,
     performer_attention_step,
 )
-from qkv.nn.linear import _check_dims, _check_x, _Projections
+from qkv.nn.linear import _add_projections, _check_dims, _check_x, _merge_heads, _split_heads
 
 __all__ = ["PerformerAttention"]
 
@@ -93,7 +93,7 @@ class PerformerAttention(nn.Module):
             raise ValueError(f"PerformerAttention: redraw_every must be a positive int or None, got {redraw_every!r}")
         self.d_model, self.n_heads, self.num_features = d_model, n_heads, m
         self.causal, self.redraw_every, self.chunk_size, self.eps = causal, redraw_every, chunk_size, eps
-        self.proj = _Projections(d_model, n_heads, bias=bias, device=device, dtype=dtype)
+        _add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
 
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -139,10 +139,10 @@ class PerformerAttention(nn.Module):
         """
         _check_x(x, self.d_model, fn="PerformerAttention.forward")
         self._advance_schedule()
-        q, k, v = self.proj.split(x)
+        q, k, v = _split_heads(self, x, self.n_heads)
         out, new_state = performer_attention(q, k, v, self.projection, causal=self.causal, eps=self.eps,
                                              chunk_size=self.chunk_size, initial_state=state)
-        return LinearAttentionOutput(self.proj.merge(out), new_state)
+        return LinearAttentionOutput(_merge_heads(self, out), new_state)
 
     def step(self, x: torch.Tensor, state: LinearState | None) -> LinearAttentionOutput:
         """Decode one token in O(m Dh) per head; never redraws (a redraw would invalidate ``state``).
@@ -157,9 +157,9 @@ class PerformerAttention(nn.Module):
         if not self.causal:
             raise ValueError("PerformerAttention.step decodes causally; build the module with causal=True")
         _check_x(x, self.d_model, fn="PerformerAttention.step", one_token=True)
-        q, k, v = self.proj.split(x)
+        q, k, v = _split_heads(self, x, self.n_heads)
         out, new_state = performer_attention_step(q, k, v, self.projection, state, eps=self.eps)
-        return LinearAttentionOutput(self.proj.merge(out), new_state)
+        return LinearAttentionOutput(_merge_heads(self, out), new_state)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, num_features={self.num_features}, "
