@@ -14,8 +14,8 @@ from .config import PRESETS, TransformerConfig, get_config
 from .ffn import FeedForward
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
-from .performer import PerformerAttention
 from .norm import RMSNorm, make_norm, rms_norm
+from .performer import PerformerAttention
 from .transformer import DecoderLM, EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
 __all__ = [
