@@ -197,18 +197,25 @@ def step_heatmap(out: Path, layer: int = 2, head: int = 3) -> dict:
     return {"heatmap": str(path)}
 
 
-def step_generate(new_tokens: int = 32, prompt: int = 224) -> dict:
-    """Greedy decoding with a small decoder, with and without the KV cache: same tokens, less work."""
+def step_generate(new_tokens: int = 24, prompt: int = 320) -> dict:
+    """Greedy decoding with a small Llama-shaped decoder, with and without the KV cache."""
     import torch
 
     from qkv.cache import KVCache
-    from qkv.models.generate import generate
-    from qkv.nn import DecoderLM, get_config
+    from qkv.models import generate
+    from qkv.models.family_llama import build
 
-    _step(f"Generation: a small decoder, {prompt}-token prompt, {new_tokens} new tokens, with and without the cache")
+    _step(f"Generation: a small Llama-shaped decoder, {prompt}-token prompt, {new_tokens} new tokens, "
+          "with and without the KV cache")
     torch.manual_seed(0)
-    model = DecoderLM(get_config("tiny-llama", n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, d_ff=688,
-                                 vocab_size=512)).eval()
+    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
+              "tie_word_embeddings": False}
+    model = build(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)  # random weights, unit norms
     ids = torch.randint(1, 512, (1, prompt), generator=torch.Generator().manual_seed(0))
     times, outs = {}, {}
     with torch.inference_mode():
