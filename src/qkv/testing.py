@@ -7,7 +7,8 @@ eager computation *in the candidate's own dtype* makes against the same referenc
     err(candidate, ref64) <= k * err(baseline, ref64) + floor
 
 ``k`` is about 2 for float16/bfloat16 and 10 for float32 (DESIGN.md). The floor absorbs the case
-where the baseline happens to be nearly exact (tiny sizes, float64 inputs).
+where the baseline happens to be nearly exact (tiny sizes, float64 inputs); by default it is a per-dtype
+constant times ``max(1, max|reference|)``, so it stays one rounding step of the values compared.
 
 Example:
     >>> import torch
@@ -86,7 +87,7 @@ def budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Ten
             float64 inputs). Same shape as ``candidate``.
         baseline: a plain eager computation in the candidate's dtype on the same inputs.
         k: multiplier on the baseline error; defaults by the candidate's dtype (``DEFAULT_K``).
-        floor: absolute allowance added; defaults by dtype (``DEFAULT_FLOOR``).
+        floor: absolute allowance added; defaults to ``DEFAULT_FLOOR[dtype] * max(1, max|reference|)``.
     """
     if candidate.shape != reference.shape:
         raise ValueError(
@@ -94,7 +95,12 @@ def budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Ten
         )
     dtype = candidate.dtype if candidate.dtype in DEFAULT_K else torch.float32
     k = DEFAULT_K[dtype] if k is None else k
-    floor = DEFAULT_FLOOR[dtype] if floor is None else floor
+    if floor is None:
+        # The floor is one rounding step at the reference's scale: gradients reach |g| >> 1, where a fixed
+        # absolute floor would be smaller than a single bf16/fp16 ulp of the values compared.
+        finite = reference[torch.isfinite(reference)]
+        scale = float(finite.abs().max()) if finite.numel() else 1.0
+        floor = DEFAULT_FLOOR[dtype] * max(1.0, scale)
     if torch.isnan(reference).any():
         raise AssertionError("budget: the float64 reference contains NaN; a budget against it would pass vacuously")
     cand_err = max_error(candidate, reference)
