@@ -172,6 +172,16 @@ def test_non_finite_keys_in_masked_slots_stay_hidden():
     assert torch.isfinite(out.out).all() and torch.allclose(out.out.double(), ref.out, atol=1e-5)
 
 
+@pytest.mark.parametrize("nq,nk", [(0, 5), (4, 0)], ids=["no-queries", "no-keys"])
+def test_empty_queries_or_keys(nq, nk):
+    q = torch.randn(2, 2, nq, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, nk, 8, requires_grad=True) for _ in range(2))
+    res = run_backend("tiled", q, k, v, mask=M.causal())
+    assert res.out.shape == (2, 2, nq, 8) and (res.out == 0).all() and torch.isneginf(res.lse).all()
+    res.out.sum().backward()
+    assert q.grad.shape == q.shape and (q.grad == 0).all() and (k.grad == 0).all()
+
+
 def test_no_key_tiles_at_all():
     """A mask whose block map is entirely EMPTY still returns zeros and -inf."""
     _, (q, k, v), _ = inputs(1, 2, 2, 50, 50, 8)
