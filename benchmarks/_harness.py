@@ -30,11 +30,20 @@ OUT_DIR = Path(os.environ.get("QKV_BENCH_OUT", Path(__file__).resolve().parent /
 
 
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """Common flags: ``--quick`` shrinks sizes and repeats (smoke runs), ``--repeat`` sets repeats."""
+    """Common flags: ``--quick`` (smoke run), ``--repeat``, ``--threads`` and ``--cpu-time``.
+
+    ``--threads`` is applied here (``torch.set_num_threads``) so every suite honours it alike.
+    """
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     p.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median is reported)")
-    return p.parse_args(argv)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with the process CPU clock (with --threads 1: robust on a shared, loaded machine)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, min_time: float = 0.0) -> float:
@@ -57,17 +66,22 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, min_time
     return statistics.median(times)
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7) -> dict[str, float]:
-    """Median seconds per named callable, running them round-robin so drift hits all of them alike."""
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7,
+                     cpu: bool = False) -> dict[str, float]:
+    """Median seconds per named callable, running them round-robin so drift hits all of them alike.
+
+    ``cpu=True`` reads the process CPU clock instead of the wall clock.
+    """
+    clock = time.process_time if cpu else time.perf_counter
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(clock() - t0)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 

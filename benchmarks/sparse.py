@@ -16,41 +16,17 @@ Targets: qkv at most 1.0x Flex's time; at least 10x faster than dense-masked SDP
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 import qkv
-from _harness import Suite, time_interleaved
-
-
-def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
-    p.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median is reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with the process CPU clock (with --threads 1: robust on a shared, loaded machine)")
-    return p.parse_args(argv)
+from _harness import Suite, parse_args, time_interleaved
 
 
 def interleaved(fns, *, warmup: int, repeat: int, cpu: bool) -> dict[str, float]:
-    """The harness's interleaved median, optionally on the process CPU clock."""
-    if not cpu:
-        return time_interleaved(fns, warmup=warmup, repeat=repeat)
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.process_time()
-            fn()
-            samples[name].append(time.process_time() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return time_interleaved(fns, warmup=warmup, repeat=repeat, cpu=cpu)
 
 
 WINDOW = 256
@@ -80,7 +56,7 @@ def cases(quick: bool):
 
 
 def main(argv=None) -> None:
-    args = parse(argv)
+    args = parse_args(__doc__.splitlines()[0], argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
