@@ -50,9 +50,8 @@ def test_window_boundary(storage, chunk):
 
 
 def _decoder_lm(name):
-    nn = pytest.importorskip("qkv.nn")
-    if not hasattr(nn, "DecoderLM"):
-        pytest.skip("qkv.nn.DecoderLM not available")
+    from qkv import nn
+
     torch.manual_seed(0)
     return nn.DecoderLM(nn.get_config(name)).eval()
 

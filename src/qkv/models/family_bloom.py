@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..nn import DecoderLM, TransformerConfig
-from .loading import FAMILIES, CheckpointError
+from .loading import FAMILIES, CheckpointError, Renamer
 
 __all__ = ["BloomLM", "build", "convert"]
 
@@ -76,17 +76,8 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str,
     tc = _transformer_config(config)
     d, H, D = tc.d_model, tc.n_heads, tc.head_dim
     src = {k.removeprefix("transformer."): v for k, v in state.items()}
-    out: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-
-    def has(hf: str, qkv: str) -> bool:
-        if hf not in src:
-            missing.append(f"{hf} (qkv {qkv})")
-        return hf in src
-
-    def move(hf: str, qkv: str) -> None:
-        if has(hf, qkv):
-            out[qkv] = src.pop(hf)
+    r = Renamer(src, "bloom")
+    src, out, has, move = r.src, r.out, r.has, r.move
 
     move("word_embeddings.weight", "embed_tokens.weight")
     for p in ("weight", "bias"):
@@ -108,15 +99,4 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str,
                 t = t.view(H, 3, D, *t.shape[1:])  # rows per head: q, k, v
                 for j, name in enumerate(("q", "k", "v")):
                     out[f"{q}self_attn.{name}_proj.{p}"] = t[:, j].reshape(H * D, *t.shape[3:]).contiguous()
-    if tc.tie_word_embeddings:
-        src.pop("lm_head.weight", None)
-        if "embed_tokens.weight" in out:
-            out["lm_head.weight"] = out["embed_tokens.weight"]
-    else:
-        move("lm_head.weight", "lm_head.weight")
-    if missing:
-        more = " ..." if len(missing) > 8 else ""
-        extra = f"; unexpected tensors {sorted(src)[:8]}" if src else ""
-        raise CheckpointError(f"from_hf: bloom checkpoint is missing tensors {missing[:8]}{more}{extra}")
-    out.update(src)  # leftovers: unexpected tensors, reported by the loader under their HF names
-    return out
+    return r.finish(tie_word_embeddings=tc.tie_word_embeddings)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..nn import DecoderLM, TransformerConfig
-from .loading import FAMILIES, CheckpointError
+from .loading import FAMILIES, CheckpointError, Renamer
 
 __all__ = ["build", "convert"]
 
@@ -85,17 +85,8 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str,
     d, f = tc.d_model, tc.d_ff
     src = {k.removeprefix("transformer."): v for k, v in state.items()}
     src = {k: v for k, v in src.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    out: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-
-    def has(hf: str, qkv: str) -> bool:
-        if hf not in src:
-            missing.append(f"{hf} (qkv {qkv})")
-        return hf in src
-
-    def move(hf: str, qkv: str) -> None:
-        if has(hf, qkv):
-            out[qkv] = src.pop(hf)
+    r = Renamer(src, "gpt2")
+    src, out, has, move = r.src, r.out, r.has, r.move
 
     move("wte.weight", "embed_tokens.weight")
     move("wpe.weight", "decoder.pos_embed.weight")
@@ -122,15 +113,4 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str,
             if has(f"{hf}.weight", f"{qkv}.weight"):
                 out[f"{qkv}.weight"] = _conv1d(src, f"{hf}.weight", shape)
             move(f"{hf}.bias", f"{qkv}.bias")
-    if tc.tie_word_embeddings:
-        src.pop("lm_head.weight", None)
-        if "embed_tokens.weight" in out:
-            out["lm_head.weight"] = out["embed_tokens.weight"]
-    else:
-        move("lm_head.weight", "lm_head.weight")
-    if missing:
-        more = " ..." if len(missing) > 8 else ""
-        extra = f"; unexpected tensors {sorted(src)[:8]}" if src else ""
-        raise CheckpointError(f"from_hf: gpt2 checkpoint is missing tensors {missing[:8]}{more}{extra}")
-    out.update(src)  # leftovers: unexpected tensors, reported by the loader under their HF names
-    return out
+    return r.finish(tie_word_embeddings=tc.tie_word_embeddings)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError"]
+__all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load"]
 
 # HF model_type -> qkv module implementing it. Each family module registers here (one line).
 FAMILIES: dict[str, str] = {}
@@ -124,3 +124,40 @@ def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
     check_and_load(model, family.convert(state, config), source=source)
     model.eval()
     return model.to(dtype or torch.float32)
+
+
+class Renamer:
+    """Moves HF tensors to qkv names for a family's ``convert``, collecting every missing one.
+
+    ``move(hf, qkv)`` renames a tensor; ``has(hf, qkv)`` checks for one (recording it as missing if absent) before
+    a family reshapes it itself. ``finish`` ties or moves the LM head, raises :class:`CheckpointError` naming all
+    missing tensors, and leaves unknown tensors under their HF names for the loader to report as unexpected.
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], family: str) -> None:
+        self.src, self.family = dict(state), family
+        self.out: dict[str, torch.Tensor] = {}
+        self.missing: list[str] = []
+
+    def has(self, hf: str, qkv: str) -> bool:
+        if hf not in self.src:
+            self.missing.append(f"{hf} (qkv {qkv})")
+        return hf in self.src
+
+    def move(self, hf: str, qkv: str) -> None:
+        if self.has(hf, qkv):
+            self.out[qkv] = self.src.pop(hf)
+
+    def finish(self, *, tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+        if tie_word_embeddings:
+            self.src.pop("lm_head.weight", None)
+            if "embed_tokens.weight" in self.out:
+                self.out["lm_head.weight"] = self.out["embed_tokens.weight"]
+        else:
+            self.move("lm_head.weight", "lm_head.weight")
+        if self.missing:
+            more = " ..." if len(self.missing) > 8 else ""
+            extra = f"; unexpected tensors {sorted(self.src)[:8]}" if self.src else ""
+            raise CheckpointError(f"from_hf: {self.family} checkpoint is missing tensors {self.missing[:8]}{more}"
+                                  f"{extra}")
+        return {**self.out, **self.src}
