@@ -22,7 +22,8 @@ Example:
     >>> from qkv.models import from_hf  # doctest: +SKIP
     >>> hf = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=64, d_model=32, d_kv=8,
     ...     d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)).eval()  # doctest: +SKIP
-    >>> from_hf(hf).generate(torch.tensor([[5, 6, 7, 1]]), max_new_tokens=4).sequences.shape  # doctest: +SKIP
+    >>> out = from_hf(hf).generate(torch.tensor([[5, 6, 7, 1]]), max_new_tokens=4, eos_token_id=None)  # doctest: +SKIP
+    >>> out.sequences.shape  # doctest: +SKIP
     torch.Size([1, 5])
 """
 
