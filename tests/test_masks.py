@@ -148,3 +148,15 @@ def test_mask_that_does_not_fit_is_refused():
         M.padding([9]).check(1, 1, 4, 4)
     with pytest.raises(ValueError, match="length"):
         M.document(torch.zeros(5, dtype=torch.long)).check(1, 1, 4, 4)
+
+
+def test_from_fn_block_map_covers_every_head_and_batch_row():
+    """A predicate that reads b and h must not have tiles skipped on the strength of batch 0 / head 0 alone."""
+    m = M.from_fn(lambda b, h, q, k: (k <= q) | (h == 1) | (b == 1))
+    m.check(2, 3, 40, 40)
+    bm = m.block_map(40, 40, 8, 8)
+    d = m.materialize(2, 3, 40, 40)
+    any_, all_ = _tiles(d.any(1), 8, 8)
+    assert bm.shape[0] == 2
+    assert not ((bm[:, 0] == EMPTY) & any_).any()
+    assert not ((bm[:, 0] == FULL) & ~_tiles(d.all(1), 8, 8)[1]).any()

@@ -105,7 +105,11 @@ class Graph(Mask):
 
 
 class FromFn(Mask):
-    """A user predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on raw row/column indices."""
+    """A user predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on raw row/column indices.
+
+    Its batch and head counts are those of the last problem it was checked against (``qkv.attention`` checks
+    every mask), so views and block maps evaluate every (b, h) the predicate may distinguish.
+    """
 
     depends_on_head = True
 
@@ -120,8 +124,16 @@ class FromFn(Mask):
             raise TypeError(f"from_fn: fn must return a bool tensor, got {getattr(out, 'dtype', type(out).__name__)}")
         return out
 
+    def check(self, B, H, nq, nk):
+        # The predicate may read b and h: remember the problem's sizes so dense views and block maps cover every
+        # batch row and head (a tile is FULL only if full for all heads, EMPTY only if empty for all).
+        self.batch, self._heads = B, H
+
     def _block_map(self, nq, nk, bq, bk, device):
-        return _block_map_from_dense(self.dense(1, 1, nq, nk, device=device)[:, 0], bq, bk)
+        d = self.dense(self.batch or 1, getattr(self, "_heads", 1), nq, nk, device=device)
+        full = _block_map_from_dense(d.all(1), bq, bk) == FULL
+        some = _block_map_from_dense(d.any(1), bq, bk) != EMPTY
+        return classify(full, some)
 
     def __repr__(self):
         return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
