@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..pos.ids import batch_positions
 from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CacheView, LatentView, RopeFn
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec
@@ -238,7 +239,7 @@ class KVCache:
         step's blocks here (raising :class:`qkv.cache.CacheFull` before anything is written) and learns
         the token ids it needs for prefix caching; other storages ignore it."""
         if self._manager is not None:
-            pos = _as_positions(positions, input_ids.shape[0], input_ids.shape[1], "prepare")
+            pos = batch_positions(positions, input_ids.shape[0], input_ids.shape[1], owner="prepare")
             self._manager.allocate(pos, input_ids)
 
     def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
@@ -249,7 +250,7 @@ class KVCache:
         if self._manager is None:
             raise ValueError(f"match_prefix: needs storage=Paged(..., prefix_caching=True), this cache uses "
                              f"{self.storage.describe()}")
-        pos = _as_positions(positions, input_ids.shape[0], input_ids.shape[1], "match_prefix")
+        pos = batch_positions(positions, input_ids.shape[0], input_ids.shape[1], owner="match_prefix")
         hits = self._manager.match_prefix(input_ids, pos, salt=salt)
         return hits
 
@@ -423,18 +424,7 @@ class KVCache:
         if have is not None and B != have:
             raise ValueError(f"update: {layer.name} got batch {B} but the cache holds {have} rows; use "
                              f"cache.reorder(idx) or cache.fork(n) to change rows, or a new cache")
-        return _as_positions(positions, B, n, "update").to(k.device)
-
-
-def _as_positions(positions, B: int, n: int, what: str) -> torch.Tensor:
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise TypeError(f"{what}: positions must be an integer tensor (B, N), got "
-                        f"{type(positions).__name__} {getattr(positions, 'dtype', '')}")
-    if positions.dim() == 1 and positions.shape[0] == n:
-        positions = positions.view(1, n).expand(B, n)
-    if tuple(positions.shape) != (B, n):
-        raise ValueError(f"{what}: positions must have shape (B, N) = ({B}, {n}), got {tuple(positions.shape)}")
-    return positions.to(torch.int64)
+        return batch_positions(positions, B, n, owner="update", device=k.device)
 
 
 def _window(spec: LayerSpec) -> int | None:

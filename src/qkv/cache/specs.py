@@ -100,23 +100,8 @@ class LayerSpec:
         return _KINDS[type(self).__name__]
 
 
-def _check_heads(spec) -> None:
-    _positive("n_kv_heads", spec.n_kv_heads)
-    _positive("head_dim", spec.head_dim)
-    if spec.v_head_dim is not None:
-        _positive("v_head_dim", spec.v_head_dim)
-
-
-@dataclass(frozen=True)
-class FullSpec(LayerSpec):
-    """Every token: a key ``(head_dim)`` and a value ``(v_head_dim or head_dim)`` per KV head."""
-
-    n_kv_heads: int
-    head_dim: int
-    v_head_dim: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_heads(self)
+class _KVSpec(LayerSpec):
+    """Layers that keep per-head keys and values: ``n_kv_heads`` heads of ``head_dim`` keys and ``dv`` values."""
 
     @property
     def dv(self) -> int:
@@ -126,8 +111,27 @@ class FullSpec(LayerSpec):
         return self.n_kv_heads * (self.head_dim + self.dv)
 
 
+def _check_heads(spec) -> None:
+    _positive("n_kv_heads", spec.n_kv_heads)
+    _positive("head_dim", spec.head_dim)
+    if spec.v_head_dim is not None:
+        _positive("v_head_dim", spec.v_head_dim)
+
+
 @dataclass(frozen=True)
-class SlidingWindowSpec(LayerSpec):
+class FullSpec(_KVSpec):
+    """Every token: a key ``(head_dim)`` and a value ``(v_head_dim or head_dim)`` per KV head."""
+
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_heads(self)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(_KVSpec):
     """The last ``window`` tokens (the query itself included): at most ``window`` tokens ever kept."""
 
     window: int
@@ -140,19 +144,12 @@ class SlidingWindowSpec(LayerSpec):
         _check_heads(self)
 
     @property
-    def dv(self) -> int:
-        return self.v_head_dim or self.head_dim
-
-    @property
     def max_tokens(self) -> int:  # type: ignore[override]
         return self.window
 
-    def row_elements(self) -> int:
-        return self.n_kv_heads * (self.head_dim + self.dv)
-
 
 @dataclass(frozen=True)
-class SinkSpec(LayerSpec):
+class SinkSpec(_KVSpec):
     """StreamingLLM: the first ``n_sink`` tokens plus the last ``window`` tokens; keys kept un-rotated
     and rotated at their in-cache position, so positions never exceed ``n_sink + window``."""
 
@@ -168,15 +165,8 @@ class SinkSpec(LayerSpec):
         _check_heads(self)
 
     @property
-    def dv(self) -> int:
-        return self.v_head_dim or self.head_dim
-
-    @property
     def max_tokens(self) -> int:  # type: ignore[override]
         return self.n_sink + self.window
-
-    def row_elements(self) -> int:
-        return self.n_kv_heads * (self.head_dim + self.dv)
 
 
 @dataclass(frozen=True)
@@ -196,7 +186,7 @@ class LatentSpec(LayerSpec):
 
 
 @dataclass(frozen=True)
-class CrossSpec(LayerSpec):
+class CrossSpec(_KVSpec):
     """Cross attention: keys/values of ``source_len`` encoder tokens, computed once per request
     (``cache.cross_kv``). Decoding adds nothing."""
 
@@ -209,12 +199,6 @@ class CrossSpec(LayerSpec):
         _check_heads(self)
         _positive("CrossSpec(source_len)", self.source_len, allow_zero=True)
 
-    @property
-    def dv(self) -> int:
-        return self.v_head_dim or self.head_dim
-
-    def row_elements(self) -> int:
-        return self.n_kv_heads * (self.head_dim + self.dv)
 
     def bytes_per_token(self, dtype) -> int:
         return 0

@@ -63,6 +63,7 @@ from .._attention import attention
 from ..cache.specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
 from ..nn.latent import LatentAttention, LatentConfig
 from ..nn.norm import rms_norm
+from ..pos.ids import batch_positions
 from ..pos.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["DecoderConfig", "RopeParams", "MoEConfig", "DecoderLM", "DecoderLayer",
@@ -558,17 +559,6 @@ def _store_wide_weights_input_major(model: nn.Module) -> None:
         model.embed_tokens.weight = relayout(model.embed_tokens.weight)
 
 
-def _as_positions(positions, B: int, N: int, device) -> torch.Tensor:
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise TypeError(f"DecoderLM: positions must be an integer tensor (B, N) or (N,), got {positions!r}")
-    if positions.dim() == 1:
-        positions = positions.unsqueeze(0)
-    if positions.dim() != 2 or positions.shape[1] != N or positions.shape[0] not in (1, B):
-        raise ValueError(f"DecoderLM: positions must have shape ({B}, {N}) or ({N},) for input_ids ({B}, {N}), got "
-                         f"{tuple(positions.shape)}")
-    return positions.to(device=device, dtype=torch.int64).expand(B, N)
-
-
 class DecoderLM(nn.Module):
     """The decoder-only language model of :class:`DecoderConfig`; a :class:`qkv.cache.DecoderModel`.
 
@@ -604,7 +594,7 @@ class DecoderLM(nn.Module):
         B, N = input_ids.shape
         device = input_ids.device
         if positions is not None:
-            positions = _as_positions(positions, B, N, device)
+            positions = batch_positions(positions, B, N, owner="DecoderLM", device=device)
         elif cache is not None:
             offset = int(getattr(cache, "seq_length", 0))
             positions = torch.arange(offset, offset + N, device=device).expand(B, N)

@@ -39,6 +39,7 @@ from torch import nn
 from .. import masks
 from .._attention import attention
 from ..mods.base import as_score_mod
+from ..pos.ids import batch_positions
 from ..pos.relative import PositionalBias
 from .norm import make_norm
 
@@ -64,17 +65,6 @@ def _biases(bias) -> dict[str, bool]:
         return {p: bool(bias.get(p, False)) for p in _PROJ}
     raise TypeError(f"MultiHeadAttention: bias must be a bool or a mapping like {{'q': True, 'k': True, 'v': True, "
                     f"'o': False}}, got {type(bias).__name__}")
-
-
-def _as_batch_positions(positions: torch.Tensor, B: int, N: int, device) -> torch.Tensor:
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise TypeError(f"MultiHeadAttention: positions must be an integer tensor (N,) or (B, N), got {positions!r}")
-    if positions.dim() == 1:
-        positions = positions.unsqueeze(0)
-    if positions.dim() != 2 or positions.shape[1] != N or positions.shape[0] not in (1, B):
-        raise ValueError(f"MultiHeadAttention: positions must have shape ({N},) or ({B}, {N}) for x of batch {B} and "
-                         f"length {N}, got {tuple(positions.shape)}")
-    return positions.to(device=device, dtype=torch.int64).expand(B, N)
 
 
 class MultiHeadAttention(nn.Module):
@@ -202,7 +192,7 @@ class MultiHeadAttention(nn.Module):
                                  "cross=True")
             k, v = self._project_kv(x)  # (B, Hkv, Nq, D)
             if positions is not None:
-                positions = _as_batch_positions(positions, B, Nq, x.device)
+                positions = batch_positions(positions, B, Nq, owner="MultiHeadAttention", device=x.device)
             if cache is not None:
                 if positions is None:
                     raise ValueError("MultiHeadAttention: a cache needs positions (B, N) of the new tokens")
