@@ -19,7 +19,9 @@ time to the first token and end-to-end ``tok/s = B T / median total``. Contender
 Decoding one row at a time streams every weight once per step, so the floor is bytes of weights per
 step over memory bandwidth: ``weights_MB`` and the implied ``qkv_GB_per_s`` say how close a step is to it.
 
-Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T]``
+Every case runs at torch's default thread count (the whole CPU) and at 1 thread.
+
+Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2]``
 """
 
 from __future__ import annotations
@@ -98,13 +100,15 @@ class _Clock:
     _seen_prompt = False
 
 
-def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int, repeat: int) -> None:
+def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int, repeat: int,
+              thread_counts: list[int]) -> None:
     from qkv.cache import KVCache, Static
     from qkv.models.generate import generate
 
     hf, qkv_model, std, weight_bytes = _models(name, spec)
     vocab = spec[2]["vocab_size"]
-    for B in batches:
+    for threads, B in ((t, b) for t in thread_counts for b in batches):
+        torch.set_num_threads(threads)
         ids = torch.randint(1, vocab, (B, n_prompt), generator=torch.Generator().manual_seed(B))
         mask = torch.ones_like(ids)
 
@@ -138,7 +142,7 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
         decode = {k: B / step[k] for k in contenders}
         e2e = {k: B * n_new / statistics.median(total[k]) for k in contenders}
         ratio = decode["qkv"] / decode["hf"]
-        suite.add({"model": name, "B": B, "prompt": n_prompt, "new": n_new}, {
+        suite.add({"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {
             "hf_decode_tok_s": decode["hf"], "qkv_decode_tok_s": decode["qkv"],
             "qkv_std_layout_decode_tok_s": decode["qkv_std_layout"], "decode_ratio": ratio,
             "decode_ratio_p10": p10["hf"] / p10["qkv"],
@@ -155,22 +159,23 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny models, short prompts (a smoke run)")
     p.add_argument("--repeat", type=int, default=None, help="timed repeats per contender (median reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated torch CPU thread counts to run (default: torch's, then 1)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    default = torch.get_num_threads()
+    thread_counts = ([int(t) for t in args.threads.split(",")] if args.threads
+                     else list(dict.fromkeys([default, 1])))
     n_prompt, n_new = (16, 16) if args.quick else (64, 64)
     repeat = args.repeat or 2
     import transformers
 
     suite = Suite("generate", "greedy decode tokens/s, qkv vs HF transformers generate (same weights)",
                   transformers=transformers.__version__, dtype="float32", cache="qkv Static / HF DynamicCache",
-                  hf_attention="sdpa (HF default)", repeat=repeat)
+                  hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)
     for name, spec in _configs(args.quick).items():
-        _run_case(suite, name, spec, (1, 8), n_prompt, n_new, repeat)
+        _run_case(suite, name, spec, (1, 8), n_prompt, n_new, repeat, thread_counts)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's. decode: B / median time between streamed tokens; "
-               f"e2e includes prefill, where qkv.models.generate computes logits for every prompt column (HF keeps "
-               f"the last one only). qkv_std_layout: qkv with nn.Linear-layout weights (input_major_weights=False).")
+               f"e2e includes prefill. qkv_std_layout: qkv with nn.Linear-layout weights (input_major_weights=False).")
     suite.finish()
 
 

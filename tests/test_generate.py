@@ -57,6 +57,33 @@ def test_cache_equals_recompute_and_chunks(model):
         assert torch.equal(out.sequences[:, :11], ids)
 
 
+def test_prefill_asks_for_last_column_logits_only(model):
+    """A model whose forward takes ``logits_to_keep`` computes the prompt's last column only; the tokens
+    are those of a model that returns every column."""
+    seen = []
+
+    class KeepsLast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, ids, *, positions=None, cache=None, logits_to_keep=0):
+            seen.append((ids.shape[1], logits_to_keep))
+            out = self.inner(ids, positions=positions, cache=cache)
+            return out[:, -logits_to_keep:] if logits_to_keep else out
+
+        def cache_specs(self):
+            return self.inner.cache_specs()
+
+    ids, mask = _batch([9, 6])
+    for cache in (True, False):
+        seen.clear()
+        out = generate(KeepsLast(), ids, attention_mask=mask, max_new_tokens=4, use_cache=cache)
+        ref = generate(model, ids, attention_mask=mask, max_new_tokens=4, use_cache=cache)
+        assert torch.equal(out.new_tokens, ref.new_tokens)
+        assert all(keep == 1 for n, keep in seen if n > 1) and seen[0] == (9, 1), seen
+
+
 def test_greedy_is_argmax(model):
     ids, mask = _batch([7])
     out = generate(model, ids, max_new_tokens=5, return_logits=True)

@@ -63,6 +63,7 @@ from .._attention import attention
 from ..cache.specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
 from ..nn.latent import LatentAttention, LatentConfig
 from ..nn.norm import rms_norm
+from ..nn.skinny import InputMajorLinear, input_major, skinny_linear
 from ..pos.ids import batch_positions
 from ..pos.rope import RotaryEmbedding, apply_rotary
 
@@ -170,11 +171,13 @@ class DecoderConfig:
             fastest for one query row on CPU, and it skips ``auto``'s per-call cost estimates, which cost
             more than the attention itself at decode sizes. MLA layers use it for every step (one backend
             per :class:`qkv.nn.latent.LatentAttention`). None: always ``backend``.
-        input_major_weights: store every projection with more outputs than inputs (QKV, gate/up, the LM
-            head, a tied embedding) input-major: same shape, names and values, transposed strides. Decoding
-            multiplies one row per sequence by each weight, and MKL streams an input-major matrix through
-            that product 1.1-1.9x faster on CPU (the LM head most; ``benchmarks/generate.py``). Such weights
-            are non-contiguous: call ``.contiguous()`` on them before ``safetensors.torch.save_file``.
+        input_major_weights: store every projection with at least as many outputs as inputs (QKV, gate/up,
+            square ones, such expert matrices, the LM head, a tied embedding) input-major: same shape, names
+            and values, transposed strides (:class:`qkv.nn.skinny.InputMajorLinear`). Decoding multiplies
+            one row per sequence by each weight, and MKL streams an input-major matrix through that product
+            1.1-2x faster on CPU (the LM head most; ``benchmarks/generate.py``), and, with several threads,
+            few rows are spread over them (:func:`qkv.nn.skinny.skinny_linear`). Such weights are
+            non-contiguous: call ``.contiguous()`` on them before ``safetensors.torch.save_file``.
     """
 
     vocab_size: int
@@ -546,17 +549,21 @@ class DecoderLayer(nn.Module):
 
 
 def _store_wide_weights_input_major(model: nn.Module) -> None:
-    """Give every ``nn.Linear`` weight of shape (out, in) with ``out > in`` input-major storage (strides
-    ``(1, out)``), and the embedding too when it is the (tied) LM head. ``load_state_dict`` and dtype/device
-    casts keep the layout (``copy_`` and ``preserve_format``)."""
-    def relayout(p: nn.Parameter) -> nn.Parameter:
-        return nn.Parameter(p.detach().t().contiguous().t(), requires_grad=p.requires_grad)
-
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.out_features > module.in_features:
-            module.weight = relayout(module.weight)
+    """Make every ``nn.Linear`` with at least as many outputs as inputs an
+    :class:`qkv.nn.skinny.InputMajorLinear` (same names and values, input-major storage), store such
+    stacked expert matrices input-major too, and the embedding when it is the (tied) LM head."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.out_features >= child.in_features:
+                setattr(parent, name, InputMajorLinear.from_linear(child))
+        if isinstance(parent, _Experts):
+            for name, p in list(parent.named_parameters(recurse=False)):
+                if p.shape[1] >= p.shape[2]:  # (E, out, in): each expert's (out, in) matrix input-major
+                    setattr(parent, name, nn.Parameter(p.detach().transpose(1, 2).contiguous().transpose(1, 2),
+                                                       requires_grad=p.requires_grad))
     if getattr(model, "lm_head", None) is None:
-        model.embed_tokens.weight = relayout(model.embed_tokens.weight)
+        emb = model.embed_tokens.weight
+        model.embed_tokens.weight = nn.Parameter(input_major(emb), requires_grad=emb.requires_grad)
 
 
 class DecoderLM(nn.Module):
@@ -610,7 +617,8 @@ class DecoderLM(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         x = self.norm(x)
-        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)  # (B, N, V)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = skinny_linear(x, head.weight)  # (B, N, V)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 

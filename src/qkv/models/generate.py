@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -115,20 +116,33 @@ def _stop_set(eos_token_id) -> torch.Tensor | None:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def forward_step(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One forward pass over new columns; announces them to the cache first (paged allocation)."""
+def forward_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False
+                 ) -> torch.Tensor:
+    """One forward pass over new columns; announces them to the cache first (paged allocation).
+    ``last_only``: the model may compute logits for the last column only (``logits_to_keep=1`` where
+    its ``forward`` takes it)."""
     if cache is not None and hasattr(cache, "prepare"):
         cache.prepare(ids, positions)
+    if last_only and ids.shape[1] > 1 and _takes_logits_to_keep(model):
+        return model(ids, positions=positions, cache=cache, logits_to_keep=1)
     return model(ids, positions=positions, cache=cache)
 
 
+def _takes_logits_to_keep(model) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature (a C extension): don't guess
+        return False
+
+
 def prefill(model, cache, ids: torch.Tensor, positions: torch.Tensor, chunk: int | None) -> torch.Tensor:
-    """Run the prompt through the model (in chunks of ``chunk`` columns); logits (B, V) of the last column."""
+    """Run the prompt through the model (in chunks of ``chunk`` columns); logits (B, V) of the last column.
+    Only the last column's logits are computed where the model allows it (``logits_to_keep``)."""
     N = ids.shape[1]
     step = N if not chunk else chunk
     last = None
     for a in range(0, N, step):
-        last = forward_step(model, cache, ids[:, a:a + step], positions[:, a:a + step])[:, -1]
+        last = forward_step(model, cache, ids[:, a:a + step], positions[:, a:a + step], last_only=True)[:, -1]
     return last
 
 
@@ -211,7 +225,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
     else:
         cache = None
         seq_ids, seq_pos = input_ids, positions
-        logits = model(seq_ids, positions=seq_pos, cache=None)[:, -1]
+        logits = forward_step(model, None, seq_ids, seq_pos, last_only=True)[:, -1]
 
     next_pos = positions.max(dim=1).values + 1  # (B,)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -235,7 +249,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         else:
             seq_ids = torch.cat([seq_ids, tok.view(B, 1)], dim=1)
             seq_pos = torch.cat([seq_pos, step_pos.view(B, 1)], dim=1)
-            logits = model(seq_ids, positions=seq_pos, cache=None)[:, -1]
+            logits = forward_step(model, None, seq_ids, seq_pos, last_only=True)[:, -1]
         next_pos = next_pos + 1
 
     gen = torch.stack(new_tokens, dim=1) if new_tokens else input_ids.new_zeros(B, 0)
