@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from copy import deepcopy as copy_module
 
 import pytest
 import torch
 
 from qkv.models.embed import SentenceEncoder, pack, pool_packed
+from qkv.nn.gemm import onednn_available
 
 TEXTS = [
     "A man is eating food.",
@@ -84,13 +86,21 @@ def _min_cos(a, b) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b).min())
 
 
+@pytest.fixture(scope="module")
+def blas_encoder(minilm):
+    return SentenceEncoder.from_pretrained(minilm, gemm="blas")
+
+
 def test_config_follows_the_checkpoint(encoder):
     assert (encoder.max_seq_length, encoder.pooling, encoder.normalize, encoder.dimension) == (256, "mean", True, 384)
+    assert encoder.gemm == ("onednn" if onednn_available() else "blas") and "gemm=" in repr(encoder)
 
 
-def test_matches_sentence_transformers(encoder, reference):
+@pytest.mark.parametrize("which", ["auto", "blas"])
+def test_matches_sentence_transformers(which, encoder, blas_encoder, reference):
     want, st = reference
-    got = encoder.encode(TEXTS, batch_size=5, max_tokens=600)  # several packs, mixed lengths in each
+    enc = encoder if which == "auto" else blas_encoder
+    got = enc.encode(TEXTS, batch_size=5, max_tokens=600)  # several packs, mixed lengths in each
     assert got.shape == (len(TEXTS), 384) and got.dtype == torch.float32
     assert _min_cos(got, want) >= 0.99999, _min_cos(got, want)
     assert torch.allclose(got.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
@@ -124,6 +134,10 @@ def test_errors(encoder, minilm, tmp_path):
         encoder.encode(TEXTS, batch_size=0)
     with pytest.raises(TypeError, match="list of strings"):
         encoder.encode("not a list")
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        SentenceEncoder(encoder.model, encoder.tokenizer, max_seq_length=256, gemm="mkl")
+    with pytest.raises(ValueError, match="gemm='onednn' cannot run: .*float64"):
+        SentenceEncoder(copy_module(encoder.model).double(), encoder.tokenizer, max_seq_length=256, gemm="onednn")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         SentenceEncoder.from_pretrained(tmp_path)
     copy = tmp_path / "minilm"

@@ -79,6 +79,8 @@ def embed(
     batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", min=1,
                                                    help="Texts per packed row (default: the encoder's).")] = None,
     backend: Annotated[str, typer.Option("--backend", help="qkv.attention backend: auto or a name.")] = "auto",
+    gemm: Annotated[str, typer.Option("--gemm", help="Linear layers: auto, onednn (weights packed once) or "
+                                                     "blas (F.linear).")] = "auto",
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress",
                                                   help=f"Progress bar on stderr (default: from "
                                                        f"{PROGRESS_THRESHOLD} texts).")] = None,
@@ -107,7 +109,7 @@ def embed(
 
         from qkv.models.embed import DEFAULT_BATCH_SIZE, SentenceEncoder
 
-        encoder = SentenceEncoder.from_pretrained(path, backend=backend)
+        encoder = SentenceEncoder.from_pretrained(path, backend=backend, gemm=gemm)
         kw = {"batch_size": batch_size or DEFAULT_BATCH_SIZE}
         show = len(items) >= PROGRESS_THRESHOLD if progress is None else progress
         if show:

