@@ -6,6 +6,8 @@ and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
 
 - ``hf``: ``model.generate(do_sample=False)`` with HF's defaults (SDPA attention, ``DynamicCache``);
 - ``qkv``: ``qkv.models.generate`` with a preallocated ``KVCache(storage=Static(N + T))``;
+- ``qkv_onednn``: the same model after ``qkv.nn.gemm.use_onednn`` (several-row products through
+  oneDNN-packed copies of the weights; one more weight's worth of memory);
 - ``qkv_std_layout``: the same with ``input_major_weights=False`` (every weight in nn.Linear's layout),
   an ablation of the one change that is about memory traffic rather than Python overhead.
 
@@ -27,6 +29,7 @@ Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2]`
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -36,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Suite  # noqa: E402
+from qkv.nn.gemm import use_onednn  # noqa: E402
 
 TARGET = 1.5  # qkv decode tokens/s over HF's
 
@@ -106,6 +110,7 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
     from qkv.models.generate import generate
 
     hf, qkv_model, std, weight_bytes = _models(name, spec)
+    onednn = use_onednn(copy.deepcopy(qkv_model))  # same weights, packed for oneDNN as well
     vocab = spec[2]["vocab_size"]
     for threads, B in ((t, b) for t in thread_counts for b in batches):
         torch.set_num_threads(threads)
@@ -122,7 +127,8 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
                 return generate(model, ids, max_new_tokens=n_new, cache=cache, streamer=clock).new_tokens
             return run
 
-        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_std_layout": qkv_gen(std)}
+        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_onednn": qkv_gen(onednn),
+                      "qkv_std_layout": qkv_gen(std)}
         steps: dict[str, list[float]] = {k: [] for k in contenders}
         prefill: dict[str, list[float]] = {k: [] for k in contenders}
         total: dict[str, list[float]] = {k: [] for k in contenders}
@@ -144,6 +150,7 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
         ratio = decode["qkv"] / decode["hf"]
         suite.add({"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {
             "hf_decode_tok_s": decode["hf"], "qkv_decode_tok_s": decode["qkv"],
+            "qkv_onednn_decode_tok_s": decode["qkv_onednn"], "onednn_ratio": decode["qkv_onednn"] / decode["hf"],
             "qkv_std_layout_decode_tok_s": decode["qkv_std_layout"], "decode_ratio": ratio,
             "decode_ratio_p10": p10["hf"] / p10["qkv"],
             "hf_e2e_tok_s": e2e["hf"], "qkv_e2e_tok_s": e2e["qkv"], "e2e_ratio": e2e["qkv"] / e2e["hf"],
@@ -151,7 +158,9 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             "qkv_prefill_ms": statistics.median(prefill["qkv"]) * 1e3,
             "weights_MB": weight_bytes / 1e6, "qkv_GB_per_s": weight_bytes / step["qkv"] / 1e9,
             "target": f"{'met' if ratio >= TARGET else 'missed'} ({TARGET}x)",
-            "same_tokens": bool(torch.equal(tokens["hf"], tokens["qkv"])),
+            "target_onednn": f"{'met' if decode['qkv_onednn'] / decode['hf'] >= TARGET else 'missed'}",
+            "same_tokens": bool(torch.equal(tokens["hf"], tokens["qkv"])
+                                and torch.equal(tokens["hf"], tokens["qkv_onednn"])),
         })
 
 

@@ -4,6 +4,8 @@ parameters."""
 
 from __future__ import annotations
 
+from copy import deepcopy as copy_module
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,3 +96,28 @@ def test_copies_and_pickles_repack():
         want = lin(x)  # packs
         for other in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
             torch.testing.assert_close(other(x), want)
+
+
+def test_decoder_with_onednn_matches_and_decodes_the_same():
+    """use_onednn on a DecoderLM (fused QKV and gate/up input-major, untied LM head and a tied one): the
+    same logits within budget for prefill and a batched decode step, the same greedy tokens."""
+    from qkv.cache import KVCache
+    from qkv.models.decoder import DecoderConfig, DecoderLM
+    from qkv.models.generate import generate
+
+    for tied in (False, True):
+        cfg = DecoderConfig(vocab_size=600, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        plain = DecoderLM(cfg).eval()
+        fast = use_onednn(copy_module(plain))
+        ref = copy_module(plain).double()
+        ids = torch.randint(0, 600, (3, 9))
+        with torch.inference_mode():
+            want, got, base = ref(ids), fast(ids), plain(ids)
+            assert_within_budget(got, want, base, what=f"prefill logits (tied={tied})")
+            a = generate(plain, ids, max_new_tokens=6, cache=KVCache(plain.cache_specs()))
+            b = generate(fast, ids, max_new_tokens=6, cache=KVCache(fast.cache_specs()))
+        assert torch.equal(a.new_tokens, b.new_tokens)
+        assert any(isinstance(m, PackedLinear) for m in fast.modules())
+        assert fast.__dict__.get("_head_packed") is not None

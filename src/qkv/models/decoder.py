@@ -61,9 +61,11 @@ from torch import nn
 from .. import masks, mods
 from .._attention import attention
 from ..cache.specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
+from ..nn.gemm import PackedWeight
+from ..nn.gemm import linear as gemm_linear
 from ..nn.latent import LatentAttention, LatentConfig
 from ..nn.norm import rms_norm
-from ..nn.skinny import InputMajorLinear, input_major, skinny_linear
+from ..nn.skinny import InputMajorLinear, input_major
 from ..pos.ids import batch_positions
 from ..pos.rope import RotaryEmbedding, apply_rotary
 
@@ -209,6 +211,9 @@ class DecoderConfig:
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     input_major_weights: bool = True
+
+    def __deepcopy__(self, memo) -> DecoderConfig:  # immutable (its mappings are read-only views): share it
+        return self
 
     def __post_init__(self) -> None:
         def set_(key, value):
@@ -618,9 +623,16 @@ class DecoderLM(nn.Module):
             x = x[:, -logits_to_keep:]
         x = self.norm(x)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = skinny_linear(x, head.weight)  # (B, N, V)
+        logits = gemm_linear(x, head.weight, None, self.__dict__.get("_head_packed"))  # (B, N, V)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def set_gemm(self, engine: str) -> None:
+        """``"onednn"``: the LM head multiplies several rows through a packed oneDNN copy (called by
+        :func:`qkv.nn.gemm.use_onednn`, which also swaps the linear layers); ``"blas"``: ``skinny_linear``."""
+        if engine not in ("onednn", "blas"):
+            raise ValueError(f"DecoderLM.set_gemm: engine must be 'onednn' or 'blas', got {engine!r}")
+        self.__dict__["_head_packed"] = PackedWeight() if engine == "onednn" else None
 
     def cache_specs(self) -> list[LayerSpec]:
         c = self.config

@@ -13,8 +13,10 @@ so the order of the K-term sums, differs from MKL's.
 :class:`PackedLinear` is an ``nn.Linear`` (same parameters and names) that multiplies through the packed
 copy when no gradient is recorded, and through ``F.linear`` otherwise; the copy is rebuilt when the weight
 changes (tracked by tensor version). :func:`use_onednn` swaps a model's ``nn.Linear`` layers for it and
-calls ``set_gemm("onednn")`` on modules that multiply by weights of their own making (a fused QKV).
-Training is untouched, and the packed copy costs one more weight's worth of memory.
+calls ``set_gemm("onednn")`` on modules that multiply by weights of their own making (a fused QKV, a tied
+LM head). Training is untouched. The packed copies cost one more weight's worth of memory, which is why
+decoders opt in (``use_onednn(model)``) while :class:`qkv.models.embed.SentenceEncoder`, small, does by
+default.
 
 Example:
     >>> import torch
@@ -32,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["onednn_available", "onednn_unavailable_reason", "packed_linear", "PackedWeight", "PackedLinear",
-           "use_onednn"]
+from .skinny import InputMajorLinear, skinny_linear
+
+__all__ = ["onednn_available", "onednn_unavailable_reason", "packed_linear", "linear", "PackedWeight",
+           "PackedLinear", "use_onednn"]
 
 
 def onednn_unavailable_reason() -> str | None:
@@ -97,8 +101,20 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` the fastest measured way: a single row (a one-sequence decode step)
+    through :func:`qkv.nn.skinny.skinny_linear` (MKL's GEMV is faster there, and an input-major weight is
+    streamed as stored), several rows through ``packed`` when given (oneDNN: 2.3x MKL for the 8-row
+    LM-head product of ``benchmarks/generate.py``, 1.3-1.6x for the embedding GEMMs)."""
+    if packed is None or x.numel() <= x.shape[-1]:
+        return skinny_linear(x, weight, bias)
+    return packed_linear(x, weight, bias, packed)
+
+
 class PackedLinear(nn.Linear):
-    """``nn.Linear`` whose inference runs through a oneDNN-packed copy of its weight (see module notes)."""
+    """``nn.Linear`` whose inference runs through a oneDNN-packed copy of its weight (see module notes);
+    one-row products go through :func:`qkv.nn.skinny.skinny_linear` instead (see :func:`linear`)."""
 
     def _packed(self) -> PackedWeight:
         p = self.__dict__.get("_packed_weight")
@@ -116,7 +132,7 @@ class PackedLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight, self.bias, self._packed())
+        return linear(x, self.weight, self.bias, self._packed())
 
 
 def use_onednn(model: nn.Module) -> nn.Module:
@@ -127,7 +143,7 @@ def use_onednn(model: nn.Module) -> nn.Module:
         raise RuntimeError(f"use_onednn: {why}; keep torch's default GEMM (gemm='blas')")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) in (nn.Linear, InputMajorLinear):  # the weight (and its layout) is shared
                 setattr(parent, name, PackedLinear.from_linear(child))
         if callable(getattr(parent, "set_gemm", None)):  # modules with their own fused products
             parent.set_gemm("onednn")
