@@ -29,7 +29,11 @@ per-op overhead, so the decode path is kept short: fused QKV and gate/up project
 rotated in one call from a cos/sin table and handed to the cache already rotated (when the cache keeps
 absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
 backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; wide weights stored
-input-major (``input_major_weights``); and ``logits_to_keep`` for the prefill.
+input-major (``input_major_weights``) and few-row products spread over torch's threads
+(:mod:`qkv.nn.skinny`); and ``logits_to_keep`` for the prefill. Batched decoding (several rows per step)
+and prefill multiply faster through oneDNN-packed weights: ``qkv.nn.gemm.use_onednn(model)`` opts in, at
+the cost of a second copy of every weight (1.4-1.6x the tokens/s of the default at batch 8 in
+``benchmarks/generate.py``).
 
 Shape legend: B batch, N new tokens, S cached slots, d hidden size, Hq query heads, Hkv key/value heads,
 D head dim, R rotary dim, V vocabulary, T tokens (B * N), E routed experts, k experts per token, f expert
@@ -321,6 +325,12 @@ class _Experts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
         T, k = idx.shape
+        if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
+            out = torch.zeros_like(x)
+            for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
+                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                out += (F.linear(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
+            return out
         flat = idx.reshape(-1)  # (T * k,)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
