@@ -121,3 +121,21 @@ def test_decoder_with_onednn_matches_and_decodes_the_same():
         assert torch.equal(a.new_tokens, b.new_tokens)
         assert any(isinstance(m, PackedLinear) for m in fast.modules())
         assert fast.__dict__.get("_head_packed") is not None
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "swiglu"])
+def test_feed_forward_with_fused_activation(activation):
+    from qkv.nn import FeedForward
+
+    torch.manual_seed(1)
+    ffn = FeedForward(32, 96, activation=activation).eval()
+    ref = copy_module(ffn).double()
+    fast = use_onednn(copy_module(ffn))
+    assert fast.fused == (activation != "swiglu")
+    x = torch.randn(2, 40, 32)
+    with torch.inference_mode():
+        assert_within_budget(fast(x), ref(x.double()), ffn(x), what=f"FeedForward({activation})")
+    fast(x).sum().backward()  # with gradients: the eager path, and they arrive
+    assert fast.up_proj.weight.grad is not None
+    with pytest.raises(ValueError, match="activation must be one of"):
+        packed_linear(x, fast.up_proj.weight, None, PackedWeight(), "silu")

@@ -58,7 +58,18 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
+    fused = False  # set_gemm("onednn"): the activation runs inside the up projection's packed GEMM
+
+    def set_gemm(self, engine: str) -> None:
+        """Called by :func:`qkv.nn.gemm.use_onednn` after it swapped the projections."""
+        from .gemm import FUSED_ACTIVATIONS, PackedLinear
+
+        self.fused = (engine == "onednn" and self.gate_proj is None and self.activation in FUSED_ACTIVATIONS
+                      and isinstance(self.up_proj, PackedLinear))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and not (self.training and self.dropout.p > 0):
+            return self.down_proj(self.up_proj.forward_activated(x, self.activation))
         act = _ACT[self.activation]
         h = act(self.gate_proj(x)) * self.up_proj(x) if self.gate_proj is not None else act(self.up_proj(x))
         return self.down_proj(self.dropout(h))

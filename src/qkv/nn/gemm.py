@@ -37,7 +37,7 @@ from torch import nn
 from .skinny import InputMajorLinear, skinny_linear
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "packed_linear", "linear", "PackedWeight",
-           "PackedLinear", "use_onednn"]
+           "PackedLinear", "use_onednn", "FUSED_ACTIVATIONS"]
 
 
 def onednn_unavailable_reason() -> str | None:
@@ -90,14 +90,28 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == torch.float32 and x.numel() > 0)
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight
-                  ) -> torch.Tensor:
+# activations oneDNN can apply to a GEMM's output in its epilogue: name -> (oneDNN attr, algorithm, eager)
+FUSED_ACTIVATIONS = {
+    "gelu": ("gelu", "none", F.gelu),  # erf GELU
+    "gelu_tanh": ("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
+    "relu": ("relu", "", F.relu),
+}
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+                  activation: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``packed`` (the oneDNN copy of ``weight``) for float32 CPU
-    inputs without gradient, else ``F.linear`` itself. x (..., K), weight (N, K) -> (..., N)."""
+    inputs without gradient, else ``F.linear`` itself. x (..., K), weight (N, K) -> (..., N).
+    ``activation`` (a key of ``FUSED_ACTIVATIONS``) is applied to the result, inside the GEMM when packed."""
+    if activation is not None and activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"packed_linear: activation must be one of {tuple(FUSED_ACTIVATIONS)} or None, "
+                         f"got {activation!r}")
     if not _eligible(x, weight):
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y if activation is None else FUSED_ACTIVATIONS[activation][2](y)
+    attr, algorithm = ("none", "") if activation is None else FUSED_ACTIVATIONS[activation][:2]
     K = x.shape[-1]
-    y = _pointwise(x.reshape(-1, K), packed.get(weight), bias, "none", [], "")
+    y = _pointwise(x.reshape(-1, K), packed.get(weight), bias, attr, [], algorithm)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -133,6 +147,10 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self._packed())
+
+    def forward_activated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(self(x))`` with the activation (a key of ``FUSED_ACTIVATIONS``) fused into the GEMM."""
+        return packed_linear(x, self.weight, self.bias, self._packed(), activation)
 
 
 def use_onednn(model: nn.Module) -> nn.Module:
