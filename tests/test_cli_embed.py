@@ -58,6 +58,13 @@ def test_npy_output(tmp_path, encoder):
     assert "wrote 2 x 384" in r.stderr
 
 
+def test_gemm_choice_gives_the_same_vectors(encoder):
+    r = run("a cat", "a dog", "--gemm", "blas")
+    assert r.exit_code == 0, r.output
+    got = torch.tensor(json.loads(r.stdout)["embeddings"])
+    assert torch.nn.functional.cosine_similarity(got, encoder.encode(["a cat", "a dog"])).min() >= 0.99999
+
+
 def test_json_to_file_and_progress_bar(tmp_path):
     out = tmp_path / "emb.json"
     r = run("one", "two", "three", "--output", str(out), "--progress")
@@ -74,7 +81,8 @@ def test_json_to_file_and_progress_bar(tmp_path):
     (("--file", "/no/such/file.txt"), "no such file"),
     (("x", "--model", "/no/such/model"), "not a directory"),
     (("x", "--backend", "warp"), "unknown backend 'warp'"),
-], ids=["no-input", "npy-needs-output", "bad-format", "missing-file", "missing-model", "bad-backend"])
+    (("x", "--gemm", "mkl"), "gemm must be one of ('auto', 'onednn', 'blas')"),
+], ids=["no-input", "npy-needs-output", "bad-format", "missing-file", "missing-model", "bad-backend", "bad-gemm"])
 def test_errors_are_one_line_with_exit_code_2(args, message):
     r = run(*args)
     assert r.exit_code == 2, r.output
