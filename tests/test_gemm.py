@@ -139,3 +139,13 @@ def test_feed_forward_with_fused_activation(activation):
     assert fast.up_proj.weight.grad is not None
     with pytest.raises(ValueError, match="activation must be one of"):
         packed_linear(x, fast.up_proj.weight, None, PackedWeight(), "silu")
+
+
+def test_strided_inputs():
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 16, generator=g), torch.randn(40, generator=g)
+    for x in (torch.randn(3, 7, 16, generator=g)[:, -2:], torch.randn(16, 5, generator=g).t()):
+        with torch.inference_mode():
+            got = packed_linear(x, w, b, PackedWeight())
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert_within_budget(got, ref, F.linear(x, w, b), what=f"strides {x.stride()}")
