@@ -160,3 +160,15 @@ def test_from_fn_block_map_covers_every_head_and_batch_row():
     assert bm.shape[0] == 2
     assert not ((bm[:, 0] == EMPTY) & any_).any()
     assert not ((bm[:, 0] == FULL) & ~_tiles(d.all(1), 8, 8)[1]).any()
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_positions_dense_equals_the_predicate(causal, window):
+    """Positions.dense (broadcast rows) equals the generic dense built from allowed() index grids."""
+    g = torch.Generator().manual_seed(0)
+    for qb, kb in ((1, 3), (3, 3), (3, 1)):
+        qp = torch.randint(-1, 9, (qb, 4), generator=g)
+        kp = torch.randint(-1, 9, (kb, 7), generator=g)
+        m = M.positions(qp, kp, causal=causal, window=window)
+        assert torch.equal(m.dense(3, 2, 4, 7), M.Mask.dense(m, 3, 2, 4, 7))

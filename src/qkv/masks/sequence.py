@@ -207,6 +207,13 @@ class Positions(Mask):
         qp, kp = self.qp.to(kv_idx.device), self.kp.to(kv_idx.device)
         return self._rule(qp[row_index(qp, b), q_idx], kp[row_index(kp, b), kv_idx])
 
+    def dense(self, B, H, nq, nk, device=None):
+        # The rule by broadcasting the position rows, without the generic index grids: a decode step
+        # builds this mask once per layer.
+        self.check(B, H, nq, nk)
+        qp, kp = self.qp.to(device), self.kp.to(device)
+        return self._rule(qp[:, None, :, None], kp[:, None, None, :])  # (B or 1, 1, nq, nk)
+
     def _block_map(self, nq, nk, bq, bk, device):
         # Conservative from per-tile position ranges: EMPTY only when no pair can pass.
         q_lo, q_hi = _tile_range(self.qp.to(device), bq)
