@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gemm import FUSED_ACTIVATIONS, PackedLinear
+
 __all__ = ["FeedForward", "ACTIVATIONS", "GATED"]
 
 _ACT = {
@@ -62,8 +64,6 @@ class FeedForward(nn.Module):
 
     def set_gemm(self, engine: str) -> None:
         """Called by :func:`qkv.nn.gemm.use_onednn` after it swapped the projections."""
-        from .gemm import FUSED_ACTIVATIONS, PackedLinear
-
         self.fused = (engine == "onednn" and self.gate_proj is None and self.activation in FUSED_ACTIVATIONS
                       and isinstance(self.up_proj, PackedLinear))
 
