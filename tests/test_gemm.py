@@ -120,7 +120,7 @@ def test_decoder_with_onednn_matches_and_decodes_the_same():
             b = generate(fast, ids, max_new_tokens=6, cache=KVCache(fast.cache_specs()))
         assert torch.equal(a.new_tokens, b.new_tokens)
         assert any(isinstance(m, PackedLinear) for m in fast.modules())
-        assert fast.__dict__.get("_head_packed") is not None
+        assert fast._head_packed is not None
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "swiglu"])

@@ -608,6 +608,7 @@ class DecoderLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.input_major_weights:
             _store_wide_weights_input_major(self)
+        self._head_packed: PackedWeight | None = None  # set_gemm("onednn")
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None, cache=None,
                 logits_to_keep: int = 0) -> torch.Tensor:
@@ -633,7 +634,7 @@ class DecoderLM(nn.Module):
             x = x[:, -logits_to_keep:]
         x = self.norm(x)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = gemm_linear(x, head.weight, None, self.__dict__.get("_head_packed"))  # (B, N, V)
+        logits = gemm_linear(x, head.weight, None, self._head_packed)  # (B, N, V)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -642,7 +643,7 @@ class DecoderLM(nn.Module):
         :func:`qkv.nn.gemm.use_onednn`, which also swaps the linear layers); ``"blas"``: ``skinny_linear``."""
         if engine not in ("onednn", "blas"):
             raise ValueError(f"DecoderLM.set_gemm: engine must be 'onednn' or 'blas', got {engine!r}")
-        self.__dict__["_head_packed"] = PackedWeight() if engine == "onednn" else None
+        self._head_packed = PackedWeight() if engine == "onednn" else None
 
     def cache_specs(self) -> list[LayerSpec]:
         c = self.config

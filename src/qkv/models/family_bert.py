@@ -155,7 +155,7 @@ class PackedSelfAttention(MultiHeadAttention):
     def set_gemm(self, engine: str) -> None:
         """Called by :func:`qkv.nn.gemm.use_onednn` (``"onednn"``); ``"blas"`` is ``F.linear``."""
         self.gemm = engine
-        self.__dict__.setdefault("_qkv_packed", PackedWeight())
+        self._qkv_packed = PackedWeight()
 
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         parts = [self.q_proj, self.k_proj, self.v_proj]
@@ -182,7 +182,7 @@ class PackedSelfAttention(MultiHeadAttention):
             return super().forward(x, context, mask=mask, positions=positions, cache=cache, need_lse=need_lse)
         H, D = self.n_heads, self.head_dim
         w, b = self._fused_qkv()
-        qkv = (packed_linear(x[0], w, b, self.__dict__["_qkv_packed"]) if self.gemm == "onednn"
+        qkv = (packed_linear(x[0], w, b, self._qkv_packed) if self.gemm == "onednn"
                else F.linear(x[0], w, b))  # (T, 3 H D)
         out = qkv.new_empty(x.shape[1], H * D)
         for g in groups:
