@@ -149,3 +149,18 @@ def test_strided_inputs():
             got = packed_linear(x, w, b, PackedWeight())
         ref = F.linear(x.double(), w.double(), b.double())
         assert_within_budget(got, ref, F.linear(x, w, b), what=f"strides {x.stride()}")
+
+
+def test_another_tensor_is_repacked_even_at_the_same_address():
+    """The packed copy follows the tensor object, not its address: a freed weight's storage can be
+    handed to the next one (the fused QKV of a BERT layer is rebuilt that way)."""
+    x = torch.randn(3, 8)
+    packed = PackedWeight()
+    with torch.inference_mode():
+        w1 = torch.randn(16, 8)
+        packed_linear(x, w1, None, packed)
+        w2 = w1.view(16, 8)  # another tensor object on the same storage and address, same shape
+        w2_values = torch.randn(16, 8)
+        w1.copy_(w2_values)  # an inference tensor: no version counter sees this write
+        got = packed_linear(x, w2, None, packed)
+    torch.testing.assert_close(got, F.linear(x, w2_values), rtol=1e-5, atol=1e-5)

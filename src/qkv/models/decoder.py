@@ -32,7 +32,7 @@ backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; wide 
 input-major (``input_major_weights``) and few-row products spread over torch's threads
 (:mod:`qkv.nn.skinny`); and ``logits_to_keep`` for the prefill. Batched decoding (several rows per step)
 and prefill multiply faster through oneDNN-packed weights: ``qkv.nn.gemm.use_onednn(model)`` opts in, at
-the cost of a second copy of every weight (1.4-1.6x the tokens/s of the default at batch 8 in
+the cost of a second copy of every weight (1.1-1.8x the tokens/s of the default at batch 8 in
 ``benchmarks/generate.py``).
 
 Shape legend: B batch, N new tokens, S cached slots, d hidden size, Hq query heads, Hkv key/value heads,

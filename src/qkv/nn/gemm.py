@@ -12,11 +12,11 @@ so the order of the K-term sums, differs from MKL's.
 
 :class:`PackedLinear` is an ``nn.Linear`` (same parameters and names) that multiplies through the packed
 copy when no gradient is recorded, and through ``F.linear`` otherwise; the copy is rebuilt when the weight
-changes (tracked by tensor version). :func:`use_onednn` swaps a model's ``nn.Linear`` layers for it and
-calls ``set_gemm("onednn")`` on modules that multiply by weights of their own making (a fused QKV, a tied
-LM head). Training is untouched. The packed copies cost one more weight's worth of memory, which is why
-decoders opt in (``use_onednn(model)``) while :class:`qkv.models.embed.SentenceEncoder`, small, does by
-default.
+changes (another tensor, or an in-place write seen by its version counter). :func:`use_onednn` swaps a
+model's ``nn.Linear`` layers for it and calls ``set_gemm("onednn")`` on modules that multiply by weights
+of their own making (a fused QKV, a tied LM head). Training is untouched. The packed copies cost one more
+weight's worth of memory, which is why decoders opt in (``use_onednn(model)``) while
+:class:`qkv.models.embed.SentenceEncoder`, small, does by default.
 
 Example:
     >>> import torch
@@ -61,9 +61,13 @@ def _pointwise(*args):
 
 
 class PackedWeight:
-    """A weight reordered for oneDNN, rebuilt when the source tensor changes (data pointer or version)."""
+    """A weight reordered for oneDNN, rebuilt when the source changes: another tensor object (a freed
+    tensor's address can be reused, so the object itself is compared, and held), new storage, or an
+    in-place write (the version counter). Inference tensors (made under ``inference_mode``) keep no version
+    counter, so an in-place write to one is not seen; qkv only hands it tensors it never writes to."""
 
     def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
 
@@ -71,16 +75,15 @@ class PackedWeight:
         return PackedWeight()
 
     def __getstate__(self) -> dict:
-        return {"_key": None, "_packed": None}
+        return {"_source": None, "_key": None, "_packed": None}
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        # inference tensors (made under inference_mode) cannot change in place and track no version
         version = None if weight.is_inference() else weight._version
         key = (weight.data_ptr(), version, tuple(weight.shape), weight.dtype)
-        if self._key != key:
+        if self._source is not weight or self._key != key:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-            self._key = key
+            self._source, self._key = weight, key
         return self._packed
 
 

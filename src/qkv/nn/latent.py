@@ -378,7 +378,6 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     # The value is the latent, the key's first r channels. Attending with V = K and keeping the first r
     # output channels is the same arithmetic, and gives SDPA's fused CPU kernel the equal q/k/v widths it
     # needs (its math fallback is 2.5x slower for a decode step); the dr extra channels are dropped.
-    v_B1Sc = kv_B1Sc
     scale = (dn + dr) ** -0.5 if scale is None else scale
     kw = dict(scale=scale, return_lse=return_lse, dropout_p=dropout_p, backend=backend)
     if mask is None:
@@ -386,11 +385,11 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
             q_pos = (torch.arange(Nq, device=q_nope.device) + (Nk - Nq)).expand(B, Nq)
             kv_pos = torch.arange(Nk, device=q_nope.device).expand(B, Nk)
         folded = masks.positions(q_pos.repeat(1, H), kv_pos, causal=causal) if q_pos is not None else None
-        res = attention(q_BHNc.reshape(B, 1, H * Nq, r + dr), kv_B1Sc, v_B1Sc, mask=folded, **kw)
+        res = attention(q_BHNc.reshape(B, 1, H * Nq, r + dr), kv_B1Sc, kv_B1Sc, mask=folded, **kw)
         out_B1Mc, lse = (res.out, res.lse.view(B, H, Nq)) if return_lse else (res, None)
         o_lat_BHNr = out_B1Mc[..., :r].view(B, H, Nq, r)
     else:
-        res = attention(q_BHNc, kv_B1Sc, v_B1Sc, mask=_built_mask(q_pos, kv_pos, causal, mask), **kw)
+        res = attention(q_BHNc, kv_B1Sc, kv_B1Sc, mask=_built_mask(q_pos, kv_pos, causal, mask), **kw)
         o_lat_BHNr, lse = (res.out[..., :r], res.lse) if return_lse else (res[..., :r], None)
     o_HMr = o_lat_BHNr.transpose(0, 1).reshape(H, B * Nq, r)
     out_BHNv = torch.bmm(o_HMr, w_uv_Hvr.transpose(1, 2)).view(H, B, Nq, dv).transpose(0, 1)  # W_UV after attention
