@@ -213,7 +213,7 @@ class MultiHeadAttention(nn.Module):
         else:
             res = attention(q, k, v, score_mod=self.score_mod, **kw)
         out, lse = (res.out, res.lse) if need_lse else (res, None)
-        if cache is not None and not self.cross and hasattr(cache, "observe"):
+        if cache is not None and not self.cross:
             cache.observe(self.layer_idx, q, scale=self.scale)  # score-based eviction (H2O, SnapKV)
         out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)  # (B, Nq, Hq * D)
         return AttentionModuleOutput(self.o_proj(out), lse)
