@@ -266,3 +266,37 @@ def test_docstring_examples_run(name):
     module = importlib.import_module("qkv.nn" if name == "__init__" else f"qkv.nn.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-bloom", "tiny-gemma", "mla", "mha"])
+def test_attention_fn_hook_sees_every_call(name):
+    """Replacing ``attention_fn`` on the attention modules routes every attention call through it (same
+    output when the replacement calls qkv.attention), with rotated q/k and the modules' masks and scale."""
+    import qkv
+    from qkv.nn import LatentAttention, LatentConfig, MultiHeadAttention
+    from qkv.pos import RotaryEmbedding
+
+    torch.manual_seed(7)
+    if name == "mla":
+        model = LatentAttention(LatentConfig(hidden_size=32, num_attention_heads=4, kv_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8))
+        modules, run = [model], lambda: model(torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))).out
+    elif name == "mha":
+        model = MultiHeadAttention(32, 4, rope=RotaryEmbedding(8), causal=True)
+        modules, run = [model], lambda: model(torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))).out
+    else:
+        model = DecoderLM(get_config(name)).eval()
+        modules = [layer.self_attn for layer in model.layers]
+        ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+        run = lambda: model(ids).logits  # noqa: E731
+    want = run()
+    calls = []
+
+    def recording(q, k, v, **kw):
+        calls.append((q.shape, kw.get("mask"), kw.get("scale")))
+        return qkv.attention(q, k, v, **kw)
+
+    for m in modules:
+        m.attention_fn = recording
+    assert torch.equal(run(), want)
+    assert len(calls) == len(modules) and all(mask is not None for _, mask, _ in calls), calls
