@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
+
+from .layout import load_hf_config, read_layout
 
 __all__ = ["PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
 
@@ -204,10 +205,6 @@ _PRESET_LIST = (
 
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType({p.name: p for p in _PRESET_LIST})
 
-_HF_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size"}
-_MLA_KEYS = ("qk_rope_head_dim", "qk_nope_head_dim")
-# HF model types whose config leaves the local:global period to the modelling code.
-_HF_DEFAULT_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 
 
 def preset_from_hf_config(
@@ -215,12 +212,10 @@ def preset_from_hf_config(
 ) -> ModelPreset:
     """Build a preset from a HF ``config.json`` (a path, a folder holding one, or the parsed dict).
 
-    Missing ``num_key_value_heads`` means MHA; missing ``head_dim`` means ``hidden_size //
-    num_attention_heads`` (``qk_nope_head_dim + qk_rope_head_dim`` for MLA). Local layers come from
-    ``layer_types``, else ``sliding_window_pattern`` (layer ``i`` global iff ``(i + 1) % pattern == 0``),
-    else the Gemma 2/3 defaults, else every layer slides when ``sliding_window`` is set (Mistral).
-    ``use_sliding_window: false`` (Qwen2) disables the window. Multimodal configs are read from
-    ``text_config``.
+    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.costs.layout.read_layout`'s, the
+    reading the models use too, so it equals what ``transformers`` and :func:`qkv.models.from_hf` build:
+    e.g. a Qwen2 ``config.json`` slides only with ``use_sliding_window`` and only from layer
+    ``max_window_layers`` on. Multimodal configs are read from ``text_config``.
 
     Example:
         >>> cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
@@ -230,53 +225,26 @@ def preset_from_hf_config(
     source = "HF config dict"
     if not isinstance(config, Mapping):
         path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = load_hf_config(path)
         source = f"HF config {path}"
         name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
-    cfg = dict(config.get("text_config") or config) if "num_hidden_layers" not in config else dict(config)
-    cfg = {_HF_ALIASES.get(k, k): v for k, v in cfg.items()}
-    model_type = cfg.get("model_type") or config.get("model_type") or ""
-    name = name or model_type or "config"
-    mla = cfg.get("kv_lora_rank") is not None
-    required = ("num_hidden_layers", "num_attention_heads") + (_MLA_KEYS if mla else ())
-    missing = [k for k in required if cfg.get(k) is None]
-    if missing:
-        raise ValueError(f"{source}: missing {', '.join(missing)}")
-
-    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim")
-    if mla:
-        head_dim = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    elif head_dim is None:
-        if cfg.get("hidden_size") is None:
-            raise ValueError(f"{source}: needs head_dim or hidden_size")
-        head_dim = cfg["hidden_size"] // heads
-
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        unknown = sorted(set(layer_types) - {FULL, SLIDING})
-        if unknown:
-            raise ValueError(f"{source}: layer types {unknown} not supported; known {FULL!r}, {SLIDING!r}")
-        layer_types = tuple(layer_types)
-    elif window:
-        period = cfg.get("sliding_window_pattern") or _HF_DEFAULT_PERIOD.get(model_type)
-        layer_types = _pattern(layers, period) if period else None
-
+    try:
+        layout = read_layout(config)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
     return ModelPreset(
-        name=name,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        hidden_size=cfg.get("hidden_size") or heads * head_dim,
-        sliding_window=window or None,
-        layer_types=layer_types,
-        kv_lora_rank=cfg.get("kv_lora_rank"),
-        qk_rope_head_dim=cfg.get("qk_rope_head_dim") if mla else None,
-        qk_nope_head_dim=cfg.get("qk_nope_head_dim") if mla else None,
-        v_head_dim=cfg.get("v_head_dim"),
+        name=name or layout.model_type or "config",
+        num_hidden_layers=layout.num_hidden_layers,
+        num_attention_heads=layout.num_attention_heads,
+        num_key_value_heads=layout.num_key_value_heads,
+        head_dim=layout.head_dim,
+        hidden_size=layout.hidden_size or layout.num_attention_heads * layout.head_dim,
+        sliding_window=layout.sliding_window,
+        layer_types=layout.layer_types,
+        kv_lora_rank=layout.kv_lora_rank,
+        qk_rope_head_dim=layout.qk_rope_head_dim,
+        qk_nope_head_dim=layout.qk_nope_head_dim,
+        v_head_dim=layout.v_head_dim,
         source=source,
     )
 

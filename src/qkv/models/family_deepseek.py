@@ -36,9 +36,8 @@ from typing import Any
 import torch
 
 from ..nn import DecoderConfig, DecoderLM, LatentConfig, MoEConfig
-from ..nn.config import FULL_ATTENTION
 from .hf import decoder_config as decoder_config_from
-from .hf import rename_decoder, rope_params
+from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
@@ -69,7 +68,7 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
         raise CheckpointError(f"from_hf: cannot build a deepseek_v2 model from its config: {e!r}") from e
     return decoder_config_from(
         cfg, head_dim=None, hidden_act=cfg.get("hidden_act", "silu"), mlp_bias=bool(cfg.get("mlp_bias", False)),
-        latent=latent, moe=moe, rope={FULL_ATTENTION: rope_params(cfg, interleaved=True)})
+        latent=latent, moe=moe, interleaved_rope=True)
 
 
 def build(config: dict[str, Any]) -> DecoderLM:

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from ..nn import DecoderConfig, DecoderLM, RopeParams
-from ..nn.config import FULL_ATTENTION, SLIDING_ATTENTION
+from ..costs.layout import hf_defaults
+from ..nn import DecoderConfig, DecoderLM
 from .hf import decoder_config as decoder_config_from
-from .hf import rename_decoder, rope_params
+from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
@@ -46,49 +46,20 @@ __all__ = ["build", "convert", "decoder_config"]
 FAMILIES["gemma2"] = "qkv.models.family_gemma"
 FAMILIES["gemma3_text"] = "qkv.models.family_gemma"
 
-# HF config defaults for keys a config.json may leave out (transformers' Gemma2Config / Gemma3TextConfig).
-_DEFAULTS = {
-    "gemma2": dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
-                   final_logit_softcapping=30.0, rope_theta=10000.0),
-    "gemma3_text": dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=None,
-                        final_logit_softcapping=None, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                        sliding_window_pattern=6),
-}
 _NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_out_norm",
           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "ffn_out_norm"}
-
-
-def _layer_types(cfg: dict[str, Any], model_type: str) -> tuple[str, ...]:
-    n = cfg["num_hidden_layers"]
-    if cfg.get("layer_types"):
-        return tuple(cfg["layer_types"])
-    if model_type == "gemma2":  # local, global, local, ...
-        return tuple(SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n))
-    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-    return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n))
-
-
-def _ropes(cfg: dict[str, Any], model_type: str) -> dict[str, RopeParams]:
-    if model_type == "gemma2":
-        return {FULL_ATTENTION: rope_params(cfg)}
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and set(params) & {FULL_ATTENTION, SLIDING_ATTENTION}:
-        return {kind: rope_params(cfg, kind) for kind in (FULL_ATTENTION, SLIDING_ATTENTION)}
-    # config.json before transformers 5: rope_theta/rope_scaling are global, rope_local_base_freq local
-    return {FULL_ATTENTION: rope_params(cfg),
-            SLIDING_ATTENTION: RopeParams(theta=float(cfg["rope_local_base_freq"]))}
 
 
 def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
     """The :class:`DecoderConfig` of an HF Gemma 2 / Gemma 3 text config dict."""
     model_type = cfg.get("model_type")
-    if model_type not in _DEFAULTS:
+    if model_type not in ("gemma2", "gemma3_text"):
         hint = " (for the multimodal Gemma 3 pass its text model / text_config)" if model_type == "gemma3" else ""
         raise CheckpointError(f"family_gemma: model_type {model_type!r} is not gemma2 or gemma3_text{hint}")
     if cfg.get("use_bidirectional_attention"):
         raise CheckpointError(f"from_hf: {model_type} with use_bidirectional_attention=True (an encoder) is not "
                               "supported; qkv builds the causal decoder")
-    cfg = {**_DEFAULTS[model_type], **{k: v for k, v in cfg.items() if v is not None or k.endswith("softcapping")}}
+    cfg = hf_defaults({k: v for k, v in cfg.items() if v is not None or k.endswith("softcapping")})
     bias = bool(cfg.get("attention_bias", False))
     return decoder_config_from(
         {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)},
@@ -96,8 +67,7 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
         norm_offset=1.0, scale_embeddings=True, sandwich_norms=True, qkv_bias=bias, o_bias=bias,
         qk_norm=model_type == "gemma3_text", attention_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5,
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-        final_logit_softcapping=cfg.get("final_logit_softcapping"), layer_types=_layer_types(cfg, model_type),
-        sliding_window=cfg["sliding_window"], rope=_ropes(cfg, model_type))
+        final_logit_softcapping=cfg.get("final_logit_softcapping"))
 
 
 def build(config: dict[str, Any]) -> DecoderLM:

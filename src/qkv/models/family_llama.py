@@ -10,6 +10,8 @@ SwiGLU. They differ in switches:
   windows only with ``use_sliding_window`` and only on layers ``>= max_window_layers`` (or as
   ``layer_types`` says).
 
+Which layers slide, and RoPE, come from the one layout reader, :func:`qkv.costs.layout.read_layout`.
+
 Tensor names: HF ``model.layers.{i}.self_attn.{q,k,v}_proj`` are stacked into ``layers.{i}.self_attn.qkv_proj``
 and ``mlp.{gate,up}_proj`` into ``mlp.gate_up_proj``; the norms are renamed by role (``input_layernorm``
 -> ``attn_norm``, ``post_attention_layernorm`` -> ``ffn_norm``).
@@ -30,9 +32,8 @@ from typing import Any
 import torch
 
 from ..nn import DecoderConfig, DecoderLM
-from ..nn.config import FULL_ATTENTION, SLIDING_ATTENTION
 from .hf import decoder_config as decoder_config_from
-from .hf import rename_decoder, rope_params
+from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
@@ -41,39 +42,18 @@ for _t in ("llama", "mistral", "qwen2"):
     FAMILIES[_t] = "qkv.models.family_llama"
 
 
-def _layer_types(cfg: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:
-    n = cfg["num_hidden_layers"]
-    window = cfg.get("sliding_window")
-    model_type = cfg.get("model_type")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-        window = None
-    if cfg.get("layer_types"):
-        types = tuple(cfg["layer_types"])
-        return types, window if SLIDING_ATTENTION in types else None
-    if window is None:
-        return (FULL_ATTENTION,) * n, None
-    if model_type == "qwen2":
-        first = cfg.get("max_window_layers", n)
-        return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)), window
-    if model_type == "mistral":
-        return (SLIDING_ATTENTION,) * n, window
-    return (FULL_ATTENTION,) * n, None  # Llama has no sliding window
-
-
 def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
     """The :class:`DecoderConfig` of an HF Llama / Mistral / Qwen2 config dict."""
     model_type = cfg.get("model_type")
     if model_type not in ("llama", "mistral", "qwen2"):
         raise CheckpointError(f"family_llama: model_type {model_type!r} is not llama, mistral or qwen2")
-    layer_types, window = _layer_types(cfg)
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False
     else:
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
     return decoder_config_from(
         cfg, hidden_act=cfg.get("hidden_act", "silu"), qkv_bias=qkv_bias, o_bias=o_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), layer_types=layer_types, sliding_window=window,
-        rope={FULL_ATTENTION: rope_params(cfg)})
+        mlp_bias=bool(cfg.get("mlp_bias", False)))
 
 
 def build(config: dict[str, Any]) -> DecoderLM:

@@ -3,9 +3,12 @@ tensor names to :class:`qkv.nn.DecoderLM` names. Public within :mod:`qkv.models`
 (``family_*.py``) adds its own switches on top.
 
 Example:
-    >>> from qkv.models.hf import rope_params
-    >>> rope_params({"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}).scaling
-    {'rope_type': 'linear', 'factor': 2.0}
+    >>> from qkv.models.hf import decoder_config
+    >>> cfg = decoder_config({"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+    ...                       "num_hidden_layers": 2, "num_attention_heads": 4, "rope_theta": 5e5,
+    ...                       "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    >>> cfg.rope_for("full_attention").scaling
+    mappingproxy({'rope_type': 'linear', 'factor': 2.0})
 """
 
 from __future__ import annotations
@@ -15,50 +18,51 @@ from typing import Any
 
 import torch
 
-from ..nn.config import FULL_ATTENTION, SLIDING_ATTENTION, DecoderConfig, RopeParams
+from ..costs.layout import Layout, RopeLayout, read_layout
+from ..nn.config import DecoderConfig, RopeParams
 from .loading import CheckpointError
 
-__all__ = ["rope_params", "decoder_config", "rename_decoder", "stack_tensors", "ATTN_STACK", "MLP_STACK"]
+__all__ = ["rope_params", "read_checkpoint_layout", "decoder_config", "rename_decoder", "stack_tensors",
+           "ATTN_STACK", "MLP_STACK"]
 
 ATTN_STACK = ("q_proj", "k_proj", "v_proj")
 MLP_STACK = ("gate_proj", "up_proj")
 
 
-def rope_params(cfg: Mapping[str, Any], layer_type: str | None = None, *, theta_key: str = "rope_theta",
-                interleaved: bool = False) -> RopeParams:
-    """RoPE of ``layer_type`` from an HF config dict, old style (``rope_theta`` + ``rope_scaling``) or
-    transformers 5 style (``rope_parameters``, per layer type for Gemma 3)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, Mapping) and layer_type is not None and layer_type in params:
-        params = params[layer_type]
-    if isinstance(params, Mapping) and set(params) & {FULL_ATTENTION, SLIDING_ATTENTION}:
-        params = params.get(FULL_ATTENTION)
-    if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-        if theta_key in cfg:
-            params.setdefault("rope_theta", cfg[theta_key])
-    params = dict(params or {})
-    if float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise CheckpointError("from_hf: partial_rotary_factor != 1 is not supported for this family")
-    theta = float(params.pop("rope_theta", cfg.get(theta_key) or 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    return RopeParams(theta=theta, scaling=None if kind == "default" else params, interleaved=interleaved)
+def rope_params(rope: RopeLayout, *, interleaved: bool = False) -> RopeParams:
+    """:class:`qkv.nn.RopeParams` from a layer type's RoPE as :func:`qkv.costs.layout.read_layout` reads it."""
+    if rope.partial_rotary_factor != 1.0:
+        raise CheckpointError(f"from_hf: partial_rotary_factor={rope.partial_rotary_factor} (!= 1) is not supported "
+                              "for this family")
+    return RopeParams(theta=rope.theta, scaling=dict(rope.scaling) if rope.scaling else None, interleaved=interleaved)
 
 
-def decoder_config(cfg: Mapping[str, Any], **family: Any) -> DecoderConfig:
-    """A :class:`qkv.nn.DecoderConfig` from the fields every HF decoder config shares, plus a family's
-    switches (``family`` overrides); ``CheckpointError`` naming what is missing or wrong."""
+def read_checkpoint_layout(cfg: Mapping[str, Any]) -> Layout:
+    """:func:`qkv.costs.layout.read_layout`, its errors raised as :class:`CheckpointError`."""
+    try:
+        return read_layout(cfg)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"from_hf: cannot read the {cfg.get('model_type')} config's layout: {e}") from e
+
+
+def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, **family: Any) -> DecoderConfig:
+    """A :class:`qkv.nn.DecoderConfig` from the fields every HF decoder config shares, the layout
+    (:func:`qkv.costs.layout.read_layout`: layer types, window, RoPE per layer type, head width) and a
+    family's switches (``family`` overrides); ``CheckpointError`` naming what is missing or wrong."""
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if cfg.get(k) is None]
     if missing:
         raise CheckpointError(f"from_hf: the {cfg.get('model_type')} config lacks {missing}")
+    layout = read_checkpoint_layout(cfg)
     common = dict(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=cfg["num_attention_heads"], intermediate_size=cfg["intermediate_size"],
-        num_key_value_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
+        num_key_value_heads=cfg.get("num_key_value_heads"), head_dim=None if layout.is_mla else layout.head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+        layer_types=layout.layer_types, sliding_window=layout.sliding_window,
+        rope={kind: rope_params(r, interleaved=interleaved_rope) for kind, r in layout.rope.items()},
         name=str(cfg.get("model_type") or ""))
     common.update(family)
     try:
