@@ -4,8 +4,9 @@
   :class:`CrossSpec` (each reports ``bytes_per_token`` and ``fixed_bytes``);
 - storages: :class:`Dynamic` (grows), :class:`Static` (preallocated, rings for sliding layers),
   :class:`Paged` (blocks, copy-on-write forks, prefix caching);
-- quantizers: :class:`KIVI` (int4/int2, keys per channel, values per token), :class:`Int8`;
-- policies: :class:`StreamingLLM` (attention sinks), :class:`H2O` (heavy hitters), :class:`SnapKV`;
+- quantizers (:class:`Quantizer`): :class:`KIVI` (int4/int2, keys per channel, values per token), :class:`Int8`;
+- policies (:class:`CachePolicy`): :class:`StreamingLLM` (attention sinks), :class:`H2O` (heavy hitters),
+  :class:`SnapKV`;
 - :class:`KVCache`, the model-level object that implements :mod:`qkv.cache.protocol`;
 - :func:`plan_memory`: will a request fit, and where do the bytes go, before allocating.
 
@@ -14,7 +15,7 @@ Example:
     >>> from qkv.cache import KVCache, FullSpec, SlidingWindowSpec, Paged, plan_memory
     >>> specs = [SlidingWindowSpec(1024, 8, 128)] * 5 + [FullSpec(8, 128)]   # Gemma 3's 5:1 pattern
     >>> plan = plan_memory(specs, batch=1, context=32768, dtype=torch.bfloat16)
-    >>> plan.by_kind["full"] > plan.by_kind["sliding"]
+    >>> plan.held_by_kind["full"] > plan.held_by_kind["sliding"]
     True
     >>> cache = KVCache(specs, storage=Paged(block_size=16, num_blocks=64))
 """
@@ -23,7 +24,17 @@ from .cache import CacheMemory, KVCache, LayerMemory
 from .paged import CacheFull, Paged, PoolStats, prefix_hashes
 from .plan import LayerPlan, MemoryPlan, plan_memory
 from .policies import H2O, SnapKV, StreamingLLM
-from .protocol import AttentionCache, CacheView, DecoderModel, LatentView, RopeFn
+from .protocol import (
+    AttentionCache,
+    CachePolicy,
+    CacheView,
+    DecoderModel,
+    HasCacheSpecs,
+    LatentCache,
+    LatentView,
+    Quantizer,
+    RopeFn,
+)
 from .quant import KIVI, Int8, QuantError
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec, element_bytes
 from .storage import Dynamic, Static
@@ -35,5 +46,6 @@ __all__ = [
     "KIVI", "Int8", "QuantError",
     "StreamingLLM", "H2O", "SnapKV",
     "plan_memory", "MemoryPlan", "LayerPlan",
-    "CacheView", "LatentView", "AttentionCache", "DecoderModel", "RopeFn",
+    "CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
+    "CachePolicy", "Quantizer",
 ]

@@ -29,7 +29,7 @@ import torch
 
 from ..pos.ids import batch_positions
 from .paged import BlockManager, Paged, PagedStore, PoolStats
-from .protocol import CacheView, LatentView, RopeFn
+from .protocol import CachePolicy, CacheView, HasCacheSpecs, LatentView, Quantizer, RopeFn
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec
 from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
 
@@ -67,7 +67,7 @@ class _Layer:
 
 
 def _as_specs(specs) -> list[LayerSpec]:
-    if hasattr(specs, "cache_specs"):
+    if isinstance(specs, HasCacheSpecs):
         specs = specs.cache_specs()
     if not isinstance(specs, Sequence) or isinstance(specs, (str, bytes)):
         raise TypeError(f"KVCache(specs): expected a list of layer specs or a model with cache_specs(), got "
@@ -107,10 +107,16 @@ class KVCache:
         if quant is not None and policy is not None:
             raise ValueError(f"KVCache: quant={quant!r} and policy={policy!r} together are not supported; a layer is "
                              f"either quantized or evicting. Pass one of them")
+        if policy is not None and not isinstance(policy, CachePolicy):
+            raise TypeError(f"KVCache(policy): {type(policy).__name__} does not follow qkv.cache.CachePolicy (it needs "
+                            f"apply_spec, store_for and token_cap); got {policy!r}")
+        if quant is not None and not isinstance(quant, Quantizer):
+            raise TypeError(f"KVCache(quant): {type(quant).__name__} does not follow qkv.cache.Quantizer (it needs "
+                            f"store_for and bytes_for); got {quant!r}")
         if (quant is not None or policy is not None) and not isinstance(storage, Dynamic):
             raise ValueError(f"KVCache: quant={quant!r} / policy={policy!r} need storage=Dynamic(), got "
                              f"{storage.describe()}; quantized and evicting layers manage their own buffers")
-        if policy is not None and hasattr(policy, "apply_spec"):
+        if policy is not None:
             specs = [policy.apply_spec(s) for s in specs]
         self.specs: list[LayerSpec] = specs
         self.storage, self.quant, self.policy, self.rollback, self.dtype = storage, quant, policy, rollback, dtype
@@ -131,16 +137,15 @@ class KVCache:
         name = f"layer {i}"
         if isinstance(spec, CrossSpec):
             return None
+        if self.policy is not None:
+            store = self.policy.store_for(spec, layer=name)
+            if store is not None:
+                return store
         if isinstance(spec, SinkSpec):
-            from .policies import SinkStore
-            if not isinstance(self.storage, Dynamic):
-                raise ValueError(f"KVCache: {name} is a SinkSpec (StreamingLLM), which needs storage=Dynamic(); "
-                                 f"got {self.storage.describe()}")
-            return SinkStore(spec)
-        if isinstance(spec, FullSpec):
-            for extra in (self.policy, self.quant):
-                if extra is not None and hasattr(extra, "store_for"):
-                    return extra.store_for(spec, layer=name)
+            raise ValueError(f"KVCache: {name} is a SinkSpec; build the cache with the policy that keeps it "
+                             f"(policy=StreamingLLM(...)) and storage=Dynamic()")
+        if self.quant is not None and type(spec) is FullSpec:
+            return self.quant.store_for(spec, layer=name)
         window = _window(spec)
         keep = None if window is None else window + self.rollback
         if isinstance(self.storage, Paged):
@@ -228,10 +233,8 @@ class KVCache:
         Modules call it right after attention when the cache has it; without a policy it does nothing.
         """
         layer = self._layer(layer_idx, None, "observe")
-        store = layer.store
-        if store is None or not hasattr(store, "observe") or layer.last_view is None:
-            return
-        store.observe(q, layer.last_view, scale=scale)
+        if layer.store is not None and layer.last_view is not None:
+            layer.store.observe(q, layer.last_view, scale=scale)
 
     def keeps_absolute_positions(self, layer_idx: int) -> bool:
         """True when layer ``layer_idx`` keeps keys at their absolute positions (full, sliding-window, latent
@@ -385,7 +388,7 @@ class KVCache:
     def quant_error(self):
         """Quantized caches: the largest reconstruction errors measured so far and their bounds."""
         from .quant import QuantError, merge_errors
-        errs = [lay.store.error() for lay in self._layers if hasattr(lay.store, "error")]
+        errs = [e for lay in self._layers if lay.store is not None and (e := lay.store.error()) is not None]
         return merge_errors(errs) if errs else QuantError(0.0, 0.0, 0.0, 0.0)
 
     def __repr__(self) -> str:

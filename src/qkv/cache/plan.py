@@ -1,11 +1,16 @@
 """``plan_memory``: whether a request's KV cache fits a memory budget, and where the bytes go, computed
-from layer specs before anything is allocated.
+before anything is allocated, from layer specs, a model, a model config, a preset name or an HF config.
 
-The arithmetic mirrors the storages exactly: dynamic contiguous buffers hold every row at the longest
-row's length (left padding) and grow by doubling; static buffers hold ``max_len`` slots per row (rings of
-``W + rollback`` for sliding layers); paged storage holds ``ceil(tokens / block_size)`` blocks per row
-and group (sliding groups at most the blocks that cover ``W + rollback`` tokens). Quantized layers
-count packed codes, float16 scales and zero-points, and the full-precision residual.
+The plan describes a :class:`qkv.cache.KVCache` after a prompt of ``context - new_tokens`` tokens was
+prefilled in one step and ``new_tokens`` tokens were decoded one at a time, as ``generate`` does. Its
+``needed_bytes`` equal ``cache.memory().used_bytes`` then, for every storage, quantizer and policy (the
+quantizer says its bytes, ``Quantizer.bytes_for``; the policy its cap, ``CachePolicy.token_cap``, applied
+from the first generated token on, since policies evict on a layer's next update). The allocation mirrors
+each storage: dynamic contiguous buffers hold every row at the longest row's length (left padding) and
+grow by doubling, with an int64 position per slot; static buffers hold ``max_len`` slots per row (rings of
+``W + rollback`` for sliding layers); paged storage holds ``ceil(tokens / block_size)`` blocks per row and
+group (sliding groups at most the blocks that cover ``W + rollback`` tokens). Quantized and evicting
+layers count the bytes they hold (their buffers' spare capacity is not planned).
 
 Example:
     >>> import torch
@@ -19,16 +24,19 @@ Example:
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from .paged import Paged
+from .protocol import CachePolicy, HasCacheSpecs, Quantizer
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec, element_bytes
 from .storage import Dynamic, Static
 
-__all__ = ["plan_memory", "MemoryPlan", "LayerPlan"]
+__all__ = ["plan_memory", "MemoryPlan", "LayerPlan", "resolve_specs"]
 
 
 class LayerPlan(NamedTuple):
@@ -59,6 +67,14 @@ class MemoryPlan(NamedTuple):
         return out
 
     @property
+    def held_by_kind(self) -> dict[str, int]:
+        """Bytes holding real tokens per layer kind (``needed_bytes`` split by kind)."""
+        out: dict[str, int] = {}
+        for lay in self.layers:
+            out[lay.kind] = out.get(lay.kind, 0) + lay.needed_bytes
+        return out
+
+    @property
     def wasted_fraction(self) -> float:
         return 1 - self.needed_bytes / self.allocated_bytes if self.allocated_bytes else 0.0
 
@@ -79,125 +95,218 @@ def _fmt(b: float) -> str:
     return f"{int(b)} B"
 
 
-def _specs_from(config) -> list[LayerSpec]:
-    if hasattr(config, "cache_specs"):
-        return list(config.cache_specs())
+def _model_dtype(model) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _hf_config_dict(config) -> dict | None:
+    """An HF config as a dict: a mapping, or a ``transformers.PretrainedConfig`` (when transformers is loaded)."""
     if isinstance(config, dict):
-        from ..costs import preset_from_hf_config
-        config = preset_from_hf_config(config)
-    if hasattr(config, "layer_types") and hasattr(config, "num_key_value_heads"):
-        if getattr(config, "kv_lora_rank", None):
-            return [LatentSpec(config.kv_lora_rank, config.qk_rope_head_dim)] * config.num_hidden_layers
-        out: list[LayerSpec] = []
-        for t in config.layer_types:
-            if t == "sliding_attention":
-                out.append(SlidingWindowSpec(config.sliding_window, config.num_key_value_heads, config.head_dim,
-                                             config.v_head_dim))
-            else:
-                out.append(FullSpec(config.num_key_value_heads, config.head_dim, config.v_head_dim))
-        return out
-    if isinstance(config, Sequence) and all(isinstance(s, LayerSpec) for s in config):
-        return list(config)
-    raise TypeError(f"plan_memory: expected layer specs, a model with cache_specs(), a qkv.costs.ModelPreset or "
-                    f"an HF config dict, got {type(config).__name__}")
+        return config
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(config, transformers.PretrainedConfig):
+        return config.to_dict()
+    return None
+
+
+def _specs_of_layout(layout) -> list[LayerSpec]:
+    """Layer specs of a :class:`qkv.costs.ModelPreset` or :class:`qkv.costs.layout.Layout`."""
+    if layout.kv_lora_rank:
+        return [LatentSpec(layout.kv_lora_rank, layout.qk_rope_head_dim)] * layout.num_hidden_layers
+    return [SlidingWindowSpec(layout.sliding_window, layout.num_key_value_heads, layout.head_dim, layout.v_head_dim)
+            if t == "sliding_attention" else FullSpec(layout.num_key_value_heads, layout.head_dim, layout.v_head_dim)
+            for t in layout.layer_types]
+
+
+def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | None]:
+    """The layer specs of what ``plan_memory`` accepts, and the dtype of the model it describes (None when
+    it describes none). Accepted: layer specs; a model (``torch.nn.Module`` with ``cache_specs()``, its
+    parameters' dtype); a model config with ``cache_specs()`` (:class:`qkv.nn.DecoderConfig`: the default
+    dtype it is built in); a preset name or an HF ``config.json`` path (:func:`qkv.costs.get_preset`); a
+    :class:`qkv.costs.ModelPreset`; an HF config (dict or ``transformers.PretrainedConfig``: float32, the dtype
+    :func:`qkv.models.from_hf` builds in)."""
+    from ..costs import ModelPreset, get_preset
+    from ..costs.layout import read_layout
+
+    if isinstance(config, torch.nn.Module) and isinstance(config, HasCacheSpecs):
+        return list(config.cache_specs()), _model_dtype(config)
+    if isinstance(config, HasCacheSpecs):
+        return list(config.cache_specs()), torch.get_default_dtype()
+    if isinstance(config, (str, os.PathLike)):
+        config = get_preset(config)
+    if isinstance(config, ModelPreset):
+        return _specs_of_layout(config), None
+    hf = _hf_config_dict(config)
+    if hf is not None:
+        return _specs_of_layout(read_layout(hf)), torch.float32
+    if isinstance(config, Sequence) and not isinstance(config, (str, bytes)) and all(
+            isinstance(s, LayerSpec) for s in config):
+        return list(config), None
+    raise TypeError(f"plan_memory: expected layer specs, a model with cache_specs(), a model config (qkv.nn."
+                    f"DecoderConfig), a preset name, a qkv.costs.ModelPreset or an HF config, got "
+                    f"{type(config).__name__}")
 
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int], dtype=torch.bfloat16,
-                storage=None, quant=None, policy=None, rollback: int = 0,
+def _dynamic_capacity(prompt: int, new_tokens: int, keep: int | None) -> int:
+    """Slots per row a :class:`qkv.cache.storage.DynamicStore` has after a ``prompt``-token step and
+    ``new_tokens`` one-token steps (its ``_reserve``, replayed on integers)."""
+    if prompt + new_tokens == 0:
+        return 0
+    if keep is None:  # full layers: doubling reaches the smallest power of two that holds every token
+        return _pow2(max(prompt + new_tokens, 16)) if prompt else _pow2(max(new_tokens, 16))
+    first = prompt if prompt else 1
+    cap = _pow2(max(first, 16))
+    start, end = max(0, first - keep), first
+    for _ in range(new_tokens - (0 if prompt else 1)):
+        if end + 1 > cap:
+            held = end - start
+            if held + 1 > cap // 2:
+                cap = _pow2(max(2 * cap, 2 * (held + 1)))
+            start, end = 0, held
+        end += 1
+        start = max(start, end - keep)
+    return cap
+
+
+def _kept(spec: LayerSpec, lengths: list[int], policy, new_tokens: int, rollback: int) -> list[int]:
+    """Real tokens each row holds in a layer."""
+    if isinstance(spec, CrossSpec):
+        return [spec.source_len] * len(lengths)
+    cap = spec.max_tokens
+    if cap is not None and isinstance(spec, SlidingWindowSpec):
+        cap += rollback
+    if policy is not None:
+        policy_cap = policy.token_cap(spec, new_tokens)
+        if policy_cap is not None:  # the policy owns the layer: nothing is evicted before the first new token
+            cap = policy_cap if new_tokens > 0 else None
+    return [min(n, cap) if cap is not None else n for n in lengths]
+
+
+def _plan_paged(storage: Paged, spec: LayerSpec, lengths: list[int], kept: list[int], row: float, rollback: int,
+                blocks: dict) -> tuple[float, float]:
+    """Allocated bytes of a paged layer (the blocks its rows reference) and its pool's bytes."""
+    T = storage.block_size
+    cap = spec.max_tokens
+    if cap is None:
+        nblk = sum(math.ceil(n / T) for n in kept)
+    else:  # blocks wholly before the last `cap` tokens are released when the next step is allocated
+        cap += rollback if isinstance(spec, SlidingWindowSpec) else 0
+        nblk = sum(math.ceil(n / T) - max(0, (n - 1 - cap) // T) for n in lengths)
+    key = spec.window if isinstance(spec, SlidingWindowSpec) else None
+    blocks[key] = max(blocks.get(key, 0), nblk)
+    return nblk * T * row, storage.num_blocks * T * row
+
+
+def _plan_contiguous(storage, spec: LayerSpec, B: int, longest: int, new_tokens: int, row: float,
+                     rollback: int) -> float:
+    """Allocated bytes of a dynamic or static layer: keys, values and an int64 position per slot."""
+    if isinstance(spec, CrossSpec):
+        return B * spec.source_len * row
+    window = spec.max_tokens
+    keep = None if window is None else window + (rollback if isinstance(spec, SlidingWindowSpec) else 0)
+    if isinstance(storage, Static):
+        slots = keep if keep is not None and keep <= storage.max_len else storage.max_len
+    else:
+        slots = _dynamic_capacity(longest - new_tokens, new_tokens, keep)
+    return B * slots * (row + 8)
+
+
+def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int], dtype=None, storage=None,
+                quant=None, policy=None, rollback: int = 0, new_tokens: int = 0,
                 budget_bytes: int | None = None) -> MemoryPlan:
     """KV-cache bytes for ``batch`` rows of ``context`` tokens, before allocating anything.
 
     Args:
-        config_or_specs: layer specs, a model with ``cache_specs()``, a ``qkv.costs.ModelPreset`` or an
-            HF config dict.
+        config_or_specs: layer specs, a model (``DecoderLM``), a model config (``qkv.nn.DecoderConfig``), a
+            preset name (``"llama-3-70b"``) or HF ``config.json`` path, a ``qkv.costs.ModelPreset``, or an HF
+            config (dict or ``transformers.PretrainedConfig``).
         batch: rows; ignored when ``context`` lists one length per row.
         context: tokens per row (prompt + generated), an int or one int per row.
-        dtype: key/value dtype (torch dtype or name such as ``"bf16"``).
+        dtype: key/value dtype (torch dtype or name such as ``"bf16"``). Default: the model's (a model's
+            parameters; float32 for a model config or an HF config, the dtype they are built in), else bf16.
         storage: ``Dynamic()`` (default), ``Static(max_len)`` or ``Paged(...)``.
-        quant: ``KIVI(...)``/``Int8()`` for full-attention layers (dynamic storage).
-        policy: ``StreamingLLM``, ``H2O`` or ``SnapKV``: caps full-attention layers at ``n_sink + window``,
-            ``heavy + recent`` or SnapKV's ``budget`` (the compressed prompt; SnapKV keeps generated tokens on
-            top of it, so count them in ``context`` beyond the budget yourself).
+        quant: a :class:`qkv.cache.Quantizer` (``KIVI(...)``, ``Int8()``) for full-attention layers.
+        policy: a :class:`qkv.cache.CachePolicy` (``StreamingLLM``, ``H2O``, ``SnapKV``, or your own).
         rollback: spare tokens kept by sliding layers (as in :class:`KVCache`).
+        new_tokens: of ``context``, the tokens decoded one at a time after the prompt's one prefill step
+            (policies cap layers from the first one on; dynamic buffers grow accordingly).
         budget_bytes: memory available for the cache; sets ``fits``.
 
     Returns:
         :class:`MemoryPlan`.
     """
-    specs = _specs_from(config_or_specs)
-    if policy is not None and hasattr(policy, "apply_spec"):
+    specs, model_dtype = resolve_specs(config_or_specs)
+    _check_extensions(policy, quant)
+    lengths = _lengths(context, batch)
+    if not isinstance(new_tokens, int) or not 0 <= new_tokens <= min(lengths):
+        raise ValueError(f"plan_memory: new_tokens must be an int in [0, shortest context = {min(lengths)}], got "
+                         f"{new_tokens!r}")
+    if policy is not None:
         specs = [policy.apply_spec(s) for s in specs]
-    lengths = [int(c) for c in context] if isinstance(context, Sequence) else [int(context)] * batch
-    if not lengths or min(lengths) < 0:
-        raise ValueError(f"plan_memory: context must be a non-negative int or a non-empty list of them, "
-                         f"got {context!r}")
     storage = Dynamic() if storage is None else storage
+    dtype = (model_dtype or torch.bfloat16) if dtype is None else dtype
     eb = element_bytes(dtype)
-    B = len(lengths)
+    B, longest = len(lengths), max(lengths)
     layers, blocks, pool = [], {}, 0
     for i, spec in enumerate(specs):
         row = spec.row_elements() * eb
-        cap = spec.max_tokens
-        if cap is not None and isinstance(spec, SlidingWindowSpec):
-            cap += rollback
-        policy_cap = getattr(policy, "budget", None) or (
-            (policy.heavy + policy.recent) if hasattr(policy, "heavy") else None)
-        if policy_cap is not None and type(spec) is FullSpec:
-            cap = policy_cap
-        kept = [min(n, cap) if cap is not None else n for n in lengths]
-        if isinstance(spec, CrossSpec):
-            kept = [spec.source_len] * B
+        kept = _kept(spec, lengths, policy, new_tokens, rollback)
         needed = sum(kept) * row
         if quant is not None and type(spec) is FullSpec:
-            needed = sum(_quant_bytes(quant, spec, n, eb) for n in kept)
+            needed = sum(quant.bytes_for(spec, n, dtype) for n in kept)
+            alloc = needed
+        elif policy is not None and policy.token_cap(spec, new_tokens) is not None:
             alloc = needed
         elif isinstance(storage, Paged) and not isinstance(spec, CrossSpec):
-            T = storage.block_size
-            if cap is None:
-                nblk = sum(math.ceil(n / T) for n in kept)
-            else:  # blocks wholly before the last `cap` tokens are released when the next step is allocated
-                nblk = sum(math.ceil(n / T) - max(0, (n - 1 - cap) // T) for n in lengths)
-            key = spec.window if isinstance(spec, SlidingWindowSpec) else None
-            blocks[key] = max(blocks.get(key, 0), nblk)
-            alloc = nblk * T * row
-            pool += storage.num_blocks * T * row
-        elif isinstance(storage, Static) and not isinstance(spec, CrossSpec):
-            slots = storage.max_len if cap is None or cap > storage.max_len else cap
-            alloc = B * slots * row
+            alloc, layer_pool = _plan_paged(storage, spec, lengths, kept, row, rollback, blocks)
+            pool += layer_pool
         else:
-            slots = max(kept)
-            alloc = B * (slots if isinstance(spec, CrossSpec) else _pow2(max(slots, 16))) * row
+            alloc = _plan_contiguous(storage, spec, B, longest, new_tokens, row, rollback)
         layers.append(LayerPlan(i, spec.kind, max(kept), int(needed), int(alloc)))
+    return _summarize(layers, blocks, pool, storage, budget_bytes)
+
+
+def _check_extensions(policy, quant) -> None:
+    if policy is not None and not isinstance(policy, CachePolicy):
+        raise TypeError(f"plan_memory(policy): {type(policy).__name__} does not follow qkv.cache.CachePolicy "
+                        f"(apply_spec, store_for, token_cap)")
+    if quant is not None and not isinstance(quant, Quantizer):
+        raise TypeError(f"plan_memory(quant): {type(quant).__name__} does not follow qkv.cache.Quantizer "
+                        f"(store_for, bytes_for)")
+
+
+def _lengths(context, batch: int) -> list[int]:
+    if isinstance(context, Sequence) and not isinstance(context, (str, bytes)):
+        lengths = list(context)
+    else:
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"plan_memory: batch must be a positive int, got {batch!r}")
+        lengths = [context] * batch
+    if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in lengths):
+        raise ValueError(f"plan_memory: context must be a non-negative int or a non-empty list of them, "
+                         f"got {context!r}")
+    return lengths
+
+
+def _summarize(layers: list[LayerPlan], blocks: dict, pool: float, storage, budget_bytes) -> MemoryPlan:
     allocated = sum(lay.allocated_bytes for lay in layers)
     needed = sum(lay.needed_bytes for lay in layers)
-    if not isinstance(storage, Paged):
-        pool = allocated
-    if isinstance(storage, Paged):
+    paged = isinstance(storage, Paged)
+    if paged:
         blocks["pool"] = storage.num_blocks
-    limit = pool if isinstance(storage, Paged) else allocated
+    else:
+        pool = allocated
     fits = None
     if budget_bytes is not None:
-        fits = limit <= budget_bytes
-        if isinstance(storage, Paged):
+        fits = (pool if paged else allocated) <= budget_bytes
+        if paged:
             fits = fits and all(v <= storage.num_blocks for k, v in blocks.items() if k != "pool")
     return MemoryPlan(fits, int(allocated), int(needed), budget_bytes, storage.describe(), tuple(layers),
                       blocks or None, int(pool))
-
-
-def _quant_bytes(quant, spec: FullSpec, n: int, eb: float) -> float:
-    """Bytes of one row of ``n`` tokens in a quantized full-attention layer."""
-    H, D, Dv = spec.n_kv_heads, spec.head_dim, spec.dv
-    bits = getattr(quant, "bits", 8)
-    if hasattr(quant, "residual"):
-        G, R = quant.group_size, quant.residual
-        q = max(0, (n - R) // G * G)
-        res = n - q
-        gv = G if Dv % G == 0 else Dv
-        k_bytes = q * H * D * bits / 8 + (q // G) * H * D * 4
-        v_bytes = q * H * Dv * bits / 8 + q * H * (Dv // gv) * 4
-        return k_bytes + v_bytes + res * H * (D + Dv) * eb
-    return n * H * (D + Dv) * bits / 8 + n * H * 2 * 4

@@ -60,6 +60,12 @@ class StreamingLLM:
             return SinkSpec(self.n_sink, self.window, spec.n_kv_heads, spec.head_dim, spec.v_head_dim)
         return spec
 
+    def store_for(self, spec: LayerSpec, *, layer: str) -> Store | None:
+        return SinkStore(spec) if isinstance(spec, SinkSpec) else None
+
+    def token_cap(self, spec: LayerSpec, new_tokens: int = 0) -> int | None:
+        return self.n_sink + self.window if isinstance(spec, (FullSpec, SinkSpec)) else None
+
 
 @dataclass(frozen=True)
 class H2O:
@@ -72,8 +78,14 @@ class H2O:
         _check_int("H2O(heavy)", self.heavy, 0)
         _check_int("H2O(recent)", self.recent, 1)
 
-    def store_for(self, spec: FullSpec, *, layer: str) -> Store:
-        return HeadwiseStore(_H2ORule(self.heavy, self.recent))
+    def apply_spec(self, spec: LayerSpec) -> LayerSpec:
+        return spec
+
+    def store_for(self, spec: LayerSpec, *, layer: str) -> Store | None:
+        return HeadwiseStore(_H2ORule(self.heavy, self.recent)) if type(spec) is FullSpec else None
+
+    def token_cap(self, spec: LayerSpec, new_tokens: int = 0) -> int | None:
+        return self.heavy + self.recent if type(spec) is FullSpec else None
 
 
 @dataclass(frozen=True)
@@ -104,8 +116,15 @@ class SnapKV:
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"SnapKV(pooling) must be 'max' or 'avg', got {self.pooling!r}")
 
-    def store_for(self, spec: FullSpec, *, layer: str) -> Store:
-        return HeadwiseStore(_SnapRule(self))
+    def apply_spec(self, spec: LayerSpec) -> LayerSpec:
+        return spec
+
+    def store_for(self, spec: LayerSpec, *, layer: str) -> Store | None:
+        return HeadwiseStore(_SnapRule(self)) if type(spec) is FullSpec else None
+
+    def token_cap(self, spec: LayerSpec, new_tokens: int = 0) -> int | None:
+        """The compressed prompt (``budget``) plus every token generated after it."""
+        return self.budget + new_tokens if type(spec) is FullSpec else None
 
 
 def _probs(q, view, scale) -> torch.Tensor:

@@ -51,7 +51,11 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "RopeFn"]
+from .specs import FullSpec, LayerSpec
+from .storage import Store
+
+__all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
+           "CachePolicy", "Quantizer"]
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -130,3 +134,46 @@ class DecoderModel(Protocol):
                 cache: AttentionCache | None = None): ...
 
     def cache_specs(self) -> list: ...
+
+
+@runtime_checkable
+class HasCacheSpecs(Protocol):
+    """Anything that lists its layers' cache specs: a model, or a :class:`qkv.nn.DecoderConfig`."""
+
+    def cache_specs(self) -> list: ...
+
+
+@runtime_checkable
+class CachePolicy(Protocol):
+    """An eviction policy of :class:`qkv.cache.KVCache` (StreamingLLM, H2O, SnapKV, or your own).
+
+    - ``apply_spec(spec)``: the spec a layer gets under the policy (StreamingLLM turns full layers into
+      sink layers); return ``spec`` itself for layers it leaves alone.
+    - ``store_for(spec, layer=)``: the store that keeps such a layer's tokens (a
+      :class:`qkv.cache.storage.Store` subclass, which may override ``observe`` to see attention), or None
+      for the storage's own.
+    - ``token_cap(spec, new_tokens)``: the most tokens per row the layer holds once ``new_tokens`` tokens
+      were generated after the prompt (None: the policy does not bound it). Policies evict on a layer's
+      next update, so right after the prefill (``new_tokens = 0``) every prompt token is still held;
+      :func:`qkv.cache.plan_memory` applies the cap from the first generated token on.
+    """
+
+    def apply_spec(self, spec: LayerSpec) -> LayerSpec: ...
+
+    def store_for(self, spec: LayerSpec, *, layer: str) -> Store | None: ...
+
+    def token_cap(self, spec: LayerSpec, new_tokens: int = 0) -> int | None: ...
+
+
+@runtime_checkable
+class Quantizer(Protocol):
+    """A KV quantizer of :class:`qkv.cache.KVCache` (KIVI, Int8, or your own), for full-attention layers.
+
+    - ``store_for(spec, layer=)``: the store holding a layer's quantized tokens.
+    - ``bytes_for(spec, tokens, dtype)``: bytes that store holds for one row of ``tokens`` tokens (codes,
+      scales, zero-points and the full-precision residual in ``dtype``), as its ``used_bytes`` reports them.
+    """
+
+    def store_for(self, spec: FullSpec, *, layer: str) -> Store: ...
+
+    def bytes_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float: ...

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from .specs import FullSpec
+from .specs import FullSpec, element_bytes
 from .storage import Store
 
 __all__ = ["KIVI", "Int8", "QuantStore", "QuantError", "merge_errors", "pack", "unpack", "quantize_groups"]
@@ -92,6 +92,16 @@ class KIVI:
         pair per channel per group of tokens; values: one pair per token per group of channels)."""
         return self.bits / 8 + 4 / min(self.group_size, head_dim)
 
+    def bytes_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float:
+        """Bytes of one row of ``tokens`` tokens: the oldest ``floor((tokens - residual) / group_size)``
+        groups quantized (whatever order they arrived in), the rest in ``dtype``."""
+        H, D, Dv, G = spec.n_kv_heads, spec.head_dim, spec.dv, self.group_size
+        q = max(0, (tokens - self.residual) // G * G)
+        gv = G if Dv % G == 0 else Dv
+        keys = q * H * D * self.bits / 8 + (q // G) * H * D * 4  # codes, then a float16 scale and zero per group
+        values = q * H * Dv * self.bits / 8 + q * H * (Dv // gv) * 4
+        return keys + values + (tokens - q) * H * (D + Dv) * element_bytes(dtype)
+
 
 @dataclass(frozen=True)
 class Int8:
@@ -103,6 +113,11 @@ class Int8:
     def bytes_per_element(self, head_dim: int = 128) -> float:
         """Stored bytes per element: the int8 code plus a float16 scale and zero-point per token and head."""
         return 1 + 4 / head_dim
+
+    def bytes_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float:
+        """Bytes of one row of ``tokens`` tokens: int8 codes, and a float16 scale and zero per token, head and
+        tensor (``dtype`` plays no part: nothing stays in full precision)."""
+        return tokens * spec.n_kv_heads * (spec.head_dim + spec.dv) + tokens * spec.n_kv_heads * 2 * 4
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -88,6 +88,15 @@ class Store:
         """Slots currently held per row."""
         return 0
 
+    def observe(self, q: torch.Tensor, view, *, scale: float | None = None) -> None:
+        """See this step's rotated queries after attention (score-based eviction); default: nothing."""
+        return None
+
+    def error(self):
+        """The largest reconstruction errors so far (:class:`qkv.cache.QuantError`) of a lossy store; None
+        for an exact one."""
+        return None
+
     @property
     def batch(self) -> int | None:
         return None

@@ -184,7 +184,9 @@ class SentenceEncoder:
             raise FileNotFoundError(f"SentenceEncoder: no tokenizer.json in {path}; a sentence-transformers "
                                     "checkpoint directory holds config.json, *.safetensors and tokenizer.json")
         model = from_hf(path, dtype=dtype)
-        if not hasattr(model, "embeddings") or not hasattr(model, "encoder"):
+        from .family_bert import BertModel
+
+        if not isinstance(model, BertModel):
             raise ValueError(f"SentenceEncoder: {path} holds a {type(model).__name__}; sentence embeddings need a "
                              "BERT-family encoder (BertModel)")
         pooling, normalize = _modules_config(path)

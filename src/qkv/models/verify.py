@@ -245,7 +245,7 @@ def verify_cache(model, cache_factory: Callable[[], object], *, input_ids: torch
         return res
 
     probe_cache = cache_factory()
-    if prefix and getattr(getattr(probe_cache, "storage", None), "prefix_caching", False):
+    if prefix and probe_cache.prefix_caching:
         run("prefix", prefix_check)
 
     report = VerifyReport(all(c.ok for c in checks), tuple(checks))

@@ -55,7 +55,7 @@ from torch import nn
 from .. import masks, mods
 from .._attention import attention
 from ..cache.protocol import AttentionCache
-from ..cache.specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
+from ..cache.specs import LayerSpec
 from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions
 from ..pos.learned import LearnedPositionalEmbedding
@@ -462,9 +462,5 @@ class DecoderLM(nn.Module):
         self._head_packed = PackedWeight() if engine == "onednn" else None
 
     def cache_specs(self) -> list[LayerSpec]:
-        """One :mod:`qkv.cache` layer spec per layer."""
-        c = self.config
-        if c.latent is not None:
-            return [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim) for _ in c.layer_types]
-        return [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
-                FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
+        """One :mod:`qkv.cache` layer spec per layer (:meth:`qkv.nn.DecoderConfig.cache_specs`)."""
+        return self.config.cache_specs()
