@@ -85,16 +85,16 @@ def _flops(enc, lengths: list[int]) -> float:
 
 def _linear_rates(d: int = 384, f: int = 1536, rows: int = 4096) -> dict[str, float]:
     """FLOP/s of one of the model's own matmuls (rows x d times d x f) through ``F.linear`` (MKL) and through
-    oneDNN with the weight packed once (``qkv.nn.gemm``); the faster is the denominator of the floor."""
-    from qkv.nn.gemm import PackedWeight, onednn_available, packed_linear
+    oneDNN with the weight packed once (``qkv.cpu.gemm``); the faster is the denominator of the floor."""
+    from qkv.cpu.gemm import PrepackedWeight, onednn_available, prepacked_linear
 
     x, w = torch.randn(rows, d), torch.randn(f, d)
     flop = 2.0 * rows * d * f
     rates = {"blas": flop / time_fn(lambda: nn.functional.linear(x, w), warmup=2, repeat=7)}
     if onednn_available():
-        packed = PackedWeight()
+        packed = PrepackedWeight()
         with torch.inference_mode():
-            rates["onednn"] = flop / time_fn(lambda: packed_linear(x, w, None, packed), warmup=2, repeat=7)
+            rates["onednn"] = flop / time_fn(lambda: prepacked_linear(x, w, None, packed), warmup=2, repeat=7)
     return rates
 
 

@@ -6,7 +6,7 @@ and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
 
 - ``hf``: ``model.generate(do_sample=False)`` with HF's defaults (SDPA attention, ``DynamicCache``);
 - ``qkv``: ``qkv.models.generate`` with a preallocated ``KVCache(storage=Static(N + T))``;
-- ``qkv_onednn``: the same model after ``qkv.nn.gemm.use_onednn`` (several-row products through
+- ``qkv_onednn``: the same model after ``qkv.cpu.gemm.use_onednn`` (several-row products through
   oneDNN-packed copies of the weights; one more weight's worth of memory);
 - ``qkv_std_layout``: the same with ``input_major_weights=False`` (every weight in nn.Linear's layout),
   an ablation of the one change that is about memory traffic rather than Python overhead.
@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Suite  # noqa: E402
-from qkv.nn.gemm import use_onednn  # noqa: E402
+from qkv.cpu.gemm import use_onednn  # noqa: E402
 
 TARGET = 1.5  # qkv decode tokens/s over HF's
 

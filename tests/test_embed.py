@@ -11,8 +11,8 @@ from copy import deepcopy as copy_module
 import pytest
 import torch
 
+from qkv.cpu.gemm import onednn_available
 from qkv.models.embed import SentenceEncoder, pack, pool_packed
-from qkv.nn.gemm import onednn_available
 
 TEXTS = [
     "A man is eating food.",

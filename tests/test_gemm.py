@@ -1,4 +1,4 @@
-"""qkv.nn.gemm: the oneDNN packed linear equals F.linear (float64 reference, error budget), is used only
+"""qkv.cpu.gemm: the oneDNN packed linear equals F.linear (float64 reference, error budget), is used only
 for float32 CPU inference, follows in-place weight changes, and use_onednn swaps layers without changing
 parameters."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.nn import gemm
-from qkv.nn.gemm import PackedLinear, PackedWeight, onednn_available, packed_linear, use_onednn
+from qkv.cpu import gemm
+from qkv.cpu.gemm import PrepackedLinear, PrepackedWeight, onednn_available, prepacked_linear, use_onednn
 from qkv.testing import assert_within_budget
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
@@ -26,10 +26,10 @@ def test_matches_linear(lead, n_in, n_out, bias):
     w = torch.randn(n_out, n_in, generator=g) / n_in ** 0.5
     b = torch.randn(n_out, generator=g) if bias else None
     with torch.inference_mode():
-        got = packed_linear(x, w, b, PackedWeight())
+        got = prepacked_linear(x, w, b, PrepackedWeight())
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.shape == ref.shape and got.dtype == torch.float32
-    assert_within_budget(got, ref, F.linear(x, w, b), what="packed_linear")
+    assert_within_budget(got, ref, F.linear(x, w, b), what="prepacked_linear")
 
 
 def test_path_taken_only_for_float32_inference(monkeypatch):
@@ -42,7 +42,7 @@ def test_path_taken_only_for_float32_inference(monkeypatch):
             return real(*a)
 
     monkeypatch.setattr(gemm, "_pointwise", Spy())
-    lin = PackedLinear.from_linear(torch.nn.Linear(16, 32))
+    lin = PrepackedLinear.from_linear(torch.nn.Linear(16, 32))
     x = torch.randn(3, 16)
     with torch.no_grad():
         lin(x)
@@ -55,7 +55,7 @@ def test_path_taken_only_for_float32_inference(monkeypatch):
 
 
 def test_follows_in_place_weight_changes():
-    lin = PackedLinear.from_linear(torch.nn.Linear(8, 8))
+    lin = PrepackedLinear.from_linear(torch.nn.Linear(8, 8))
     x = torch.randn(2, 8)
     with torch.no_grad():
         before = lin(x)
@@ -74,7 +74,7 @@ def test_use_onednn_swaps_layers_and_keeps_parameters():
         want = model(x)
         use_onednn(model)
         got = model(x)
-    assert all(type(m) is PackedLinear for m in (model[0], model[2]))
+    assert all(type(m) is PrepackedLinear for m in (model[0], model[2]))
     assert model.state_dict().keys() == names.keys()
     assert all(model.state_dict()[k].data_ptr() == v.data_ptr() for k, v in names.items())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -90,7 +90,7 @@ def test_copies_and_pickles_repack():
     import copy
     import pickle
 
-    lin = PackedLinear.from_linear(torch.nn.Linear(8, 8))
+    lin = PrepackedLinear.from_linear(torch.nn.Linear(8, 8))
     x = torch.randn(2, 8)
     with torch.no_grad():
         want = lin(x)  # packs
@@ -119,8 +119,8 @@ def test_decoder_with_onednn_matches_and_decodes_the_same():
             a = generate(plain, ids, max_new_tokens=6, cache=KVCache(plain.cache_specs()))
             b = generate(fast, ids, max_new_tokens=6, cache=KVCache(fast.cache_specs()))
         assert torch.equal(a.new_tokens, b.new_tokens)
-        assert any(isinstance(m, PackedLinear) for m in fast.modules())
-        assert fast._head_packed is not None
+        assert any(isinstance(m, PrepackedLinear) for m in fast.modules())
+        assert fast._head_prepacked is not None
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "swiglu"])
@@ -138,7 +138,7 @@ def test_feed_forward_with_fused_activation(activation):
     fast(x).sum().backward()  # with gradients: the eager path, and they arrive
     assert fast.up_proj.weight.grad is not None
     with pytest.raises(ValueError, match="activation must be one of"):
-        packed_linear(x, fast.up_proj.weight, None, PackedWeight(), "silu")
+        prepacked_linear(x, fast.up_proj.weight, None, PrepackedWeight(), "silu")
 
 
 def test_strided_inputs():
@@ -146,7 +146,7 @@ def test_strided_inputs():
     w, b = torch.randn(40, 16, generator=g), torch.randn(40, generator=g)
     for x in (torch.randn(3, 7, 16, generator=g)[:, -2:], torch.randn(16, 5, generator=g).t()):
         with torch.inference_mode():
-            got = packed_linear(x, w, b, PackedWeight())
+            got = prepacked_linear(x, w, b, PrepackedWeight())
         ref = F.linear(x.double(), w.double(), b.double())
         assert_within_budget(got, ref, F.linear(x, w, b), what=f"strides {x.stride()}")
 
@@ -155,12 +155,12 @@ def test_another_tensor_is_repacked_even_at_the_same_address():
     """The packed copy follows the tensor object, not its address: a freed weight's storage can be
     handed to the next one (the fused QKV of a BERT layer is rebuilt that way)."""
     x = torch.randn(3, 8)
-    packed = PackedWeight()
+    packed = PrepackedWeight()
     with torch.inference_mode():
         w1 = torch.randn(16, 8)
-        packed_linear(x, w1, None, packed)
+        prepacked_linear(x, w1, None, packed)
         w2 = w1.view(16, 8)  # another tensor object on the same storage and address, same shape
         w2_values = torch.randn(16, 8)
         w1.copy_(w2_values)  # an inference tensor: no version counter sees this write
-        got = packed_linear(x, w2, None, packed)
+        got = prepacked_linear(x, w2, None, packed)
     torch.testing.assert_close(got, F.linear(x, w2_values), rtol=1e-5, atol=1e-5)

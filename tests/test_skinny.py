@@ -1,4 +1,4 @@
-"""qkv.nn.skinny: the blocked few-row product equals F.linear (float64 reference, error budget), takes the
+"""qkv.cpu.skinny: the blocked few-row product equals F.linear (float64 reference, error budget), takes the
 blocked path only where it should, and InputMajorLinear keeps nn.Linear's parameters and layout."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.nn.skinny import InputMajorLinear, input_major, skinny_blocks, skinny_linear
+from qkv.cpu.skinny import InputMajorLinear, input_major, skinny_blocks, skinny_linear
 from qkv.testing import assert_within_budget
 
 

@@ -20,7 +20,7 @@ would compute ``T^2`` scores, and on CPU block skipping in the tiled backend cos
 these sizes (``benchmarks/embed.py`` measures both).
 
 Matmuls. About 80% of the time is the linear layers' GEMMs, so by default (``gemm="auto"``) a float32 CPU
-model multiplies through weights packed once for oneDNN (:mod:`qkv.nn.gemm`), which runs these shapes at
+model multiplies through weights packed once for oneDNN (:mod:`qkv.cpu.gemm`), which runs these shapes at
 1.3-1.6x the rate of ``F.linear``'s MKL on the project's machine; ``gemm="blas"`` keeps ``F.linear``.
 
 Shape legend: S sentences in a pack, T packed tokens, d model width.
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .. import masks
-from ..nn.gemm import onednn_unavailable_reason, use_onednn
+from ..cpu.gemm import onednn_unavailable_reason, use_onednn
 
 __all__ = ["SentenceEncoder", "Packed", "pack", "pool_packed", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_TOKENS"]
 
@@ -121,7 +121,7 @@ class SentenceEncoder:
         normalize: L2-normalize each embedding.
         backend: the ``qkv.attention`` backend every layer uses (``"auto"`` or a name).
         gemm: how the linear layers multiply: ``"onednn"`` through weights packed once for oneDNN
-            (:mod:`qkv.nn.gemm`; 1.3-1.6x the GEMM rate of ``F.linear`` on CPU, float32 either way),
+            (:mod:`qkv.cpu.gemm`; 1.3-1.6x the GEMM rate of ``F.linear`` on CPU, float32 either way),
             ``"blas"`` through ``F.linear``, or ``"auto"``: ``"onednn"`` for a float32 CPU model where
             this torch build can, else ``"blas"``. The choice is the ``gemm`` attribute.
     """

@@ -32,10 +32,10 @@ from torch import nn
 
 from .. import masks
 from .._attention import attention
+from ..cpu.gemm import PrepackedWeight, prepacked_linear
 from ..masks.sequence import Document
 from ..nn import MultiHeadAttention, TransformerConfig, TransformerEncoder
 from ..nn.attention import AttentionModuleOutput
-from ..nn.gemm import PackedWeight, packed_linear
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["BertModel", "BertForMaskedLM", "BertOutput", "PackedSelfAttention", "build", "convert",
@@ -150,12 +150,12 @@ class PackedSelfAttention(MultiHeadAttention):
     calls under ``torch.no_grad``/``inference_mode`` while the parameters are unchanged).
     """
 
-    gemm = "blas"  # "onednn": the fused projection runs through a packed oneDNN weight (qkv.nn.gemm)
+    gemm = "blas"  # "onednn": the fused projection runs through a packed oneDNN weight (qkv.cpu.gemm)
 
     def set_gemm(self, engine: str) -> None:
-        """Called by :func:`qkv.nn.gemm.use_onednn` (``"onednn"``); ``"blas"`` is ``F.linear``."""
+        """Called by :func:`qkv.cpu.gemm.use_onednn` (``"onednn"``); ``"blas"`` is ``F.linear``."""
         self.gemm = engine
-        self._qkv_packed = PackedWeight()
+        self._qkv_prepacked = PrepackedWeight()
 
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         parts = [self.q_proj, self.k_proj, self.v_proj]
@@ -182,7 +182,7 @@ class PackedSelfAttention(MultiHeadAttention):
             return super().forward(x, context, mask=mask, positions=positions, cache=cache, need_lse=need_lse)
         H, D = self.n_heads, self.head_dim
         w, b = self._fused_qkv()
-        qkv = (packed_linear(x[0], w, b, self._qkv_packed) if self.gemm == "onednn"
+        qkv = (prepacked_linear(x[0], w, b, self._qkv_prepacked) if self.gemm == "onednn"
                else F.linear(x[0], w, b))  # (T, 3 H D)
         out = qkv.new_empty(x.shape[1], H * D)
         for g in groups:

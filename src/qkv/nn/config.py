@@ -315,11 +315,11 @@ class DecoderConfig:
             per :class:`qkv.nn.latent.LatentAttention`). None: always ``backend``.
         input_major_weights: store every projection with at least as many outputs as inputs (QKV, gate/up,
             square ones, such expert matrices, the LM head, a tied embedding) input-major: same shape, names
-            and values, transposed strides (:class:`qkv.nn.skinny.InputMajorLinear`). Decoding multiplies
+            and values, transposed strides (:class:`qkv.cpu.skinny.InputMajorLinear`). Decoding multiplies
             one row per sequence by each weight, and MKL streams an input-major matrix through that product
-            1.1-2x faster on CPU (the LM head most; ``benchmarks/generate.py``), and, with several threads,
-            few rows are spread over them (:func:`qkv.nn.skinny.skinny_linear`). Such weights are
-            non-contiguous: call ``.contiguous()`` on them before ``safetensors.torch.save_file``.
+            faster on CPU (``benchmarks/RESULTS.md``), and, with several threads, few rows are spread over
+            them (:func:`qkv.cpu.skinny.skinny_linear`). ``state_dict()`` still holds standard contiguous
+            tensors, so ``safetensors.torch.save_file(model.state_dict(), path)`` works as is.
     """
 
     vocab_size: int

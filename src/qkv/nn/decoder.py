@@ -27,9 +27,10 @@ overhead, so the decode path is kept short: fused QKV and gate/up projections; q
 one call from a cos/sin table and handed to the cache already rotated (when the cache keeps the layer's
 keys at absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
 backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; wide weights stored input-major
-(``input_major_weights``) with few-row products spread over torch's threads (:mod:`qkv.nn.skinny`); and
-``logits_to_keep`` for the prefill. ``qkv.nn.gemm.use_onednn(model)`` multiplies several-row products
-through oneDNN-packed weights, at the cost of a second copy of every weight.
+(``input_major_weights``) with few-row products spread over torch's threads (:mod:`qkv.cpu.skinny`); and
+``logits_to_keep`` for the prefill. ``qkv.cpu.use_onednn(model)`` multiplies several-row products through
+oneDNN-prepacked weights, at the cost of a second copy of every weight. Whatever the layout in memory,
+``state_dict()`` holds standard contiguous tensors.
 
 Shape legend: B batch, N new tokens, S cached slots, d hidden size, Hq query heads, Hkv key/value heads,
 D head dim, R rotary dim, V vocabulary.
@@ -56,18 +57,18 @@ from .. import masks, mods
 from .._attention import attention
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
+from ..cpu.gemm import PrepackedWeight
+from ..cpu.gemm import linear as gemm_linear
+from ..cpu.skinny import InputMajorLinear, input_major, standard_layout_state_dict
 from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
 from .config import DecoderConfig
 from .ffn import FeedForward, GatedMLP
-from .gemm import PackedWeight
-from .gemm import linear as gemm_linear
 from .latent import LatentAttention
 from .moe import Experts, MoE
 from .norm import RMSNorm
-from .skinny import InputMajorLinear, input_major
 
 __all__ = ["DecoderLM", "DecoderLayer", "DecoderOutput", "SelfAttention", "positions_from_attention_mask"]
 
@@ -306,7 +307,7 @@ class DecoderLayer(nn.Module):
 
 def _store_wide_weights_input_major(model: nn.Module) -> None:
     """Make every ``nn.Linear`` with at least as many outputs as inputs an
-    :class:`qkv.nn.skinny.InputMajorLinear` (same names and values, input-major storage), store such
+    :class:`qkv.cpu.skinny.InputMajorLinear` (same names and values, input-major storage), store such
     stacked expert matrices input-major too, and the embedding when it is the (tied) LM head."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -377,7 +378,8 @@ class DecoderLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.input_major_weights:
             _store_wide_weights_input_major(self)
-        self._head_packed: PackedWeight | None = None  # set_gemm("onednn")
+        self._register_state_dict_hook(standard_layout_state_dict)  # saved tensors: standard layout
+        self._head_prepacked: PrepackedWeight | None = None  # set_gemm("onednn")
 
     def _positions(self, input_ids: torch.Tensor, attention_mask, positions, cache) -> torch.Tensor | None:
         B, N = input_ids.shape
@@ -450,16 +452,16 @@ class DecoderLM(nn.Module):
             x = x[:, -logits_to_keep:]
         x = self.norm(x)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = gemm_linear(x, head.weight, None, self._head_packed)  # (B, N, V)
+        logits = gemm_linear(x, head.weight, None, self._head_prepacked)  # (B, N, V)
         cap = self.config.final_logit_softcapping
         return DecoderOutput(logits if cap is None else cap * torch.tanh(logits / cap), cache)
 
     def set_gemm(self, engine: str) -> None:
         """``"onednn"``: the LM head multiplies several rows through a packed oneDNN copy (called by
-        :func:`qkv.nn.gemm.use_onednn`, which also swaps the linear layers); ``"blas"``: ``skinny_linear``."""
+        :func:`qkv.cpu.gemm.use_onednn`, which also swaps the linear layers); ``"blas"``: ``skinny_linear``."""
         if engine not in ("onednn", "blas"):
             raise ValueError(f"DecoderLM.set_gemm: engine must be 'onednn' or 'blas', got {engine!r}")
-        self._head_packed = PackedWeight() if engine == "onednn" else None
+        self._head_prepacked = PrepackedWeight() if engine == "onednn" else None
 
     def cache_specs(self) -> list[LayerSpec]:
         """One :mod:`qkv.cache` layer spec per layer (:meth:`qkv.nn.DecoderConfig.cache_specs`)."""

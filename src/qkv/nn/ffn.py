@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cpu.gemm import PrepackedLinear, can_fuse
 from .activations import ACTIVATIONS, GATED, check_activation
-from .gemm import FUSED_ACTIVATIONS, PackedLinear
 
 __all__ = ["FeedForward", "GatedMLP", "ACTIVATIONS", "GATED"]
 
@@ -53,9 +53,9 @@ class FeedForward(nn.Module):
     fused = False  # set_gemm("onednn"): the activation runs inside the up projection's packed GEMM
 
     def set_gemm(self, engine: str) -> None:
-        """Called by :func:`qkv.nn.gemm.use_onednn` after it swapped the projections."""
+        """Called by :func:`qkv.cpu.gemm.use_onednn` after it swapped the projections."""
         self.fused = (engine == "onednn" and self.gate_proj is None
-                      and ACTIVATIONS[self.activation] in FUSED_ACTIVATIONS and isinstance(self.up_proj, PackedLinear))
+                      and can_fuse(ACTIVATIONS[self.activation]) and isinstance(self.up_proj, PrepackedLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and not (self.training and self.dropout.p > 0):

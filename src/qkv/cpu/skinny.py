@@ -3,25 +3,22 @@
 Shape legend: M rows (tokens in the step), K inputs, N outputs.
 
 A decode step multiplies one row per sequence by every weight. CPU BLAS handles such an ``(M, K) @ (K,
-N)`` product poorly in two ways, both measured on this project's 2-core machine with torch's MKL:
+N)`` product poorly in two ways (measured in ``benchmarks/generate.py``, see ``benchmarks/RESULTS.md``):
 
-- it runs it on one thread whatever ``torch.get_num_threads()`` says (an 8-row LM-head product,
-  32000 x 512, takes about 9 ms on one thread or two);
+- it runs it on one thread whatever ``torch.get_num_threads()`` says;
 - a weight stored the ``nn.Linear`` way, ``(N, K)`` row-major, is streamed through a one-row product
-  2x slower than the same weight stored input-major, ``(K, N)`` row-major (6.5 ms against 3.2 ms for
-  the same head).
+  slower than the same weight stored input-major, ``(K, N)`` row-major.
 
 :func:`skinny_linear` takes an input-major weight (a ``(N, K)`` tensor whose ``.t()`` is contiguous,
 so shape, names and values are those of ``nn.Linear``) and, when torch has more than one thread and
 there are few rows, cuts the outputs into column blocks, strided views of the same storage (no copy),
-multiplied as one batched GEMM that torch spreads over its threads (the 8-row head: 4.9 ms on 2
-threads). Every output is still one length-K dot product of the same operands; only the BLAS kernel
-that sums it differs. :class:`InputMajorLinear` is an ``nn.Linear`` that stores its weight that way
-and multiplies through :func:`skinny_linear`.
+multiplied as one batched GEMM that torch spreads over its threads. Every output is still one length-K
+dot product of the same operands; only the BLAS kernel that sums it differs. :class:`InputMajorLinear`
+is an ``nn.Linear`` that stores its weight that way and multiplies through :func:`skinny_linear`.
 
 Example:
     >>> import torch
-    >>> from qkv.nn.skinny import InputMajorLinear, skinny_linear
+    >>> from qkv.cpu.skinny import InputMajorLinear, skinny_linear
     >>> lin = InputMajorLinear.from_linear(torch.nn.Linear(16, 4096))
     >>> lin.weight.shape, lin.weight.t().is_contiguous()
     (torch.Size([4096, 16]), True)
@@ -36,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["skinny_linear", "skinny_blocks", "InputMajorLinear", "input_major"]
+__all__ = ["skinny_linear", "skinny_blocks", "InputMajorLinear", "input_major", "standard_layout_state_dict"]
 
 # Measured on a 2-core AMD EPYC (weights cold, ``benchmarks/generate.py``): blocks of ~256 outputs for
 # 2-32 rows; for one row, blocks of ~2048 (fewer, longer streams), at least one block per thread.
@@ -90,17 +87,27 @@ def input_major(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().t().contiguous().t()
 
 
+def standard_layout_state_dict(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    """A ``state_dict`` hook: every tensor in standard contiguous layout (input-major weights copied), so
+    the state saves with ``safetensors.torch.save_file`` and loads into any model of the same config.
+    Register it with ``module._register_state_dict_hook`` on a module that stores such weights."""
+    for key, t in state.items():
+        if key.startswith(prefix) and isinstance(t, torch.Tensor) and not t.is_contiguous():
+            state[key] = t.contiguous()
+
+
 class InputMajorLinear(nn.Linear):
     """``nn.Linear`` with an input-major weight, multiplied through :func:`skinny_linear`.
 
     Same parameters, names and values as ``nn.Linear``; ``load_state_dict`` and dtype/device casts keep
-    the layout (``copy_`` and ``preserve_format``). The weight is non-contiguous: call ``.contiguous()``
-    on it before ``safetensors.torch.save_file``.
+    the layout (``copy_`` and ``preserve_format``), and ``state_dict()`` hands out the weight in standard
+    (contiguous) layout, so ``safetensors.torch.save_file`` takes it as is.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.weight = nn.Parameter(input_major(self.weight), requires_grad=self.weight.requires_grad)
+        self._register_state_dict_hook(standard_layout_state_dict)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> InputMajorLinear:
@@ -110,6 +117,7 @@ class InputMajorLinear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = nn.Parameter(input_major(linear.weight), requires_grad=linear.weight.requires_grad)
         new.bias = linear.bias
+        new._register_state_dict_hook(standard_layout_state_dict)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,15 +2,17 @@
 
 Shape legend: M rows, K inputs, N outputs.
 
-``F.linear`` on CPU calls MKL's ``sgemm``, which re-packs the weight on every call and, on this project's
-AMD EPYC machine, runs a (4096, 384) x (384, 1536) float32 product at about 125 GFLOP/s on 2 threads. oneDNN
-(which torch ships as ``mkldnn``) runs the same product at 155-200 GFLOP/s once the weight has been
-reordered into its blocked layout, and that reorder can be done once for inference
-(``torch.ops.mkldnn._reorder_linear_weight``, the path ``torch.compile`` takes for frozen CPU linears).
+``F.linear`` on CPU calls MKL's ``sgemm``, which re-packs the weight on every call. oneDNN (which torch ships
+as ``mkldnn``) runs several-row products faster once the weight has been reordered into its blocked layout,
+and that reorder can be done once for inference (``torch.ops.mkldnn._reorder_linear_weight``, the path
+``torch.compile`` takes for frozen CPU linears); the measured rates are in ``benchmarks/RESULTS.md``.
+Those operators are private to torch: :func:`onednn_unavailable_reason` checks that they exist and compute
+``F.linear``'s product in this build (once, on a small probe), and when they do not every product here falls
+back to ``F.linear``.
 Inputs and outputs stay ordinary dense tensors. The products are float32 throughout; only the kernel, and
 so the order of the K-term sums, differs from MKL's.
 
-:class:`PackedLinear` is an ``nn.Linear`` (same parameters and names) that multiplies through the packed
+:class:`PrepackedLinear` is an ``nn.Linear`` (same parameters and names) that multiplies through the packed
 copy when no gradient is recorded, and through ``F.linear`` otherwise; the copy is rebuilt when the weight
 changes (another tensor, or an in-place write seen by its version counter). :func:`use_onednn` swaps a
 model's ``nn.Linear`` layers for it and calls ``set_gemm("onednn")`` on modules that multiply by weights
@@ -20,8 +22,8 @@ weight's worth of memory, which is why decoders opt in (``use_onednn(model)``) w
 
 Example:
     >>> import torch
-    >>> from qkv.nn.gemm import PackedLinear, onednn_available
-    >>> lin = PackedLinear.from_linear(torch.nn.Linear(8, 16))
+    >>> from qkv.cpu.gemm import PrepackedLinear, onednn_available
+    >>> lin = PrepackedLinear.from_linear(torch.nn.Linear(8, 16))
     >>> with torch.inference_mode():
     ...     y = lin(torch.randn(4, 8))
     >>> y.shape
@@ -30,32 +32,44 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activations import gelu_tanh
 from .skinny import InputMajorLinear, skinny_linear
 
-__all__ = ["onednn_available", "onednn_unavailable_reason", "packed_linear", "linear", "PackedWeight",
-           "PackedLinear", "use_onednn", "FUSED_ACTIVATIONS"]
+__all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "PrepackedWeight",
+           "PrepackedLinear", "use_onednn", "can_fuse"]
 
 
+@functools.cache
 def onednn_unavailable_reason() -> str | None:
-    """Why this torch build cannot run :func:`packed_linear`, or None when it can."""
+    """Why this torch build cannot run :func:`prepacked_linear`, or None when it can: oneDNN present, the private
+    operators ``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise`` present, and a probe
+    product through them equal to ``F.linear``'s (their signatures are not a public contract)."""
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
     ops = torch.ops.mkldnn
     for name in ("_reorder_linear_weight", "_linear_pointwise"):
         if not hasattr(ops, name):
-            return f"this torch build lacks torch.ops.mkldnn.{name}"
+            return f"this torch build ({torch.__version__}) lacks torch.ops.mkldnn.{name}"
+    x = torch.arange(6, dtype=torch.float32).view(2, 3) / 4
+    w = torch.arange(12, dtype=torch.float32).view(4, 3) / 8
+    try:
+        with torch.no_grad():
+            got = ops._linear_pointwise(x, ops._reorder_linear_weight(w), None, "none", [], "")
+    except (RuntimeError, TypeError) as e:
+        return f"torch.ops.mkldnn._linear_pointwise fails in torch {torch.__version__}: {e}"
+    if got.shape != (2, 4) or not torch.allclose(got, F.linear(x, w), atol=1e-5):
+        return f"torch.ops.mkldnn._linear_pointwise gives a wrong product in torch {torch.__version__}"
     return None
 
 
 def onednn_available() -> bool:
-    """True when oneDNN's packed linear can run here (CPU, float32)."""
+    """True when oneDNN's prepacked linear runs correctly here (CPU, float32)."""
     return onednn_unavailable_reason() is None
 
 
@@ -63,7 +77,7 @@ def _pointwise(*args):
     return torch.ops.mkldnn._linear_pointwise(*args)
 
 
-class PackedWeight:
+class PrepackedWeight:
     """A weight reordered for oneDNN, rebuilt when the source changes: another tensor object (a freed
     tensor's address can be reused, so the object itself is compared, and held), new storage, or an
     in-place write (the version counter). Inference tensors (made under ``inference_mode``) keep no version
@@ -74,8 +88,8 @@ class PackedWeight:
         self._key: tuple | None = None
         self._packed: torch.Tensor | None = None
 
-    def __deepcopy__(self, memo) -> PackedWeight:  # the packed tensor is opaque: a copy repacks lazily
-        return PackedWeight()
+    def __deepcopy__(self, memo) -> PrepackedWeight:  # the packed tensor is opaque: a copy repacks lazily
+        return PrepackedWeight()
 
     def __getstate__(self) -> dict:
         return {"_source": None, "_key": None, "_packed": None}
@@ -93,59 +107,64 @@ class PackedWeight:
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return (not grad and x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.numel() > 0)
+            and weight.dtype == torch.float32 and x.numel() > 0 and onednn_available())
 
 
-#: Activation functions (those of :data:`qkv.nn.activations.ACTIVATIONS`) oneDNN can apply to a GEMM's
-#: output in its epilogue: function -> (oneDNN attr, algorithm).
-FUSED_ACTIVATIONS = {
-    F.gelu: ("gelu", "none"),  # erf GELU
-    gelu_tanh: ("gelu", "tanh"),
-    F.relu: ("relu", ""),
-}
+@functools.cache
+def _fused_table() -> dict:
+    """Activation functions (those of :data:`qkv.nn.activations.ACTIVATIONS`) oneDNN applies to a GEMM's output
+    in its epilogue: function -> (oneDNN attr, algorithm). Built on first use (qkv.nn imports this module)."""
+    from ..nn.activations import gelu_tanh
+
+    return {F.gelu: ("gelu", "none"), gelu_tanh: ("gelu", "tanh"), F.relu: ("relu", "")}
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
+def can_fuse(activation: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether :func:`prepacked_linear` can apply ``activation`` inside the GEMM."""
+    return activation in _fused_table()
+
+
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PrepackedWeight,
                   activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``packed`` (the oneDNN copy of ``weight``) for float32 CPU
     inputs without gradient, else ``F.linear`` itself. x (..., K), weight (N, K) -> (..., N).
-    ``activation`` (a key of ``FUSED_ACTIVATIONS``) is applied to the result, inside the GEMM when packed."""
-    if activation is not None and activation not in FUSED_ACTIVATIONS:
-        names = [fn.__name__ for fn in FUSED_ACTIVATIONS]
-        raise ValueError(f"packed_linear: activation must be one of the functions {names} or None, "
+    ``activation`` (one :func:`can_fuse` accepts) is applied to the result, inside the GEMM when packed."""
+    if activation is not None and not can_fuse(activation):
+        names = [fn.__name__ for fn in _fused_table()]
+        raise ValueError(f"prepacked_linear: activation must be one of the functions {names} or None, "
                          f"got {activation!r}")
     if not _eligible(x, weight):
         y = F.linear(x, weight, bias)
         return y if activation is None else activation(y)
-    attr, algorithm = ("none", "") if activation is None else FUSED_ACTIVATIONS[activation]
+    attr, algorithm = ("none", "") if activation is None else _fused_table()[activation]
     K = x.shape[-1]
     y = _pointwise(x.reshape(-1, K), packed.get(weight), bias, attr, [], algorithm)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: PackedWeight | None = None) -> torch.Tensor:
+           packed: PrepackedWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` the fastest measured way: a single row (a one-sequence decode step)
-    through :func:`qkv.nn.skinny.skinny_linear` (MKL's GEMV is faster there, and an input-major weight is
-    streamed as stored), several rows through ``packed`` when given (oneDNN: 2.3x MKL for the 8-row
-    LM-head product of ``benchmarks/generate.py``, 1.3-1.6x for the embedding GEMMs)."""
+    through :func:`qkv.cpu.skinny.skinny_linear` (MKL's GEMV is faster there, and an input-major weight is
+    streamed as stored), several rows through ``packed`` when given (oneDNN; ``F.linear`` where it cannot
+    run)."""
     if packed is None or x.numel() <= x.shape[-1]:
         return skinny_linear(x, weight, bias)
-    return packed_linear(x, weight, bias, packed)
+    return prepacked_linear(x, weight, bias, packed)
 
 
-class PackedLinear(nn.Linear):
+class PrepackedLinear(nn.Linear):
     """``nn.Linear`` whose inference runs through a oneDNN-packed copy of its weight (see module notes);
-    one-row products go through :func:`qkv.nn.skinny.skinny_linear` instead (see :func:`linear`)."""
+    one-row products go through :func:`qkv.cpu.skinny.skinny_linear` instead (see :func:`linear`)."""
 
-    def _packed(self) -> PackedWeight:
-        p = self.__dict__.get("_packed_weight")
+    def _packed(self) -> PrepackedWeight:
+        p = self.__dict__.get("_prepacked_weight")
         if p is None:
-            p = self.__dict__["_packed_weight"] = PackedWeight()
+            p = self.__dict__["_prepacked_weight"] = PrepackedWeight()
         return p
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+    def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
         """The same layer, sharing ``linear``'s parameters."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
@@ -157,12 +176,12 @@ class PackedLinear(nn.Linear):
         return linear(x, self.weight, self.bias, self._packed())
 
     def forward_activated(self, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``act(self(x))`` with the activation (a key of ``FUSED_ACTIVATIONS``) fused into the GEMM."""
-        return packed_linear(x, self.weight, self.bias, self._packed(), activation)
+        """``act(self(x))`` with the activation (one :func:`can_fuse` accepts) fused into the GEMM."""
+        return prepacked_linear(x, self.weight, self.bias, self._packed(), activation)
 
 
 def use_onednn(model: nn.Module) -> nn.Module:
-    """Swap every plain ``nn.Linear`` inside ``model`` for a :class:`PackedLinear` sharing its parameters
+    """Swap every plain ``nn.Linear`` inside ``model`` for a :class:`PrepackedLinear` sharing its parameters
     (in place; returns ``model``). Raises ``RuntimeError`` saying why when oneDNN cannot run here."""
     why = onednn_unavailable_reason()
     if why is not None:
@@ -170,7 +189,7 @@ def use_onednn(model: nn.Module) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) in (nn.Linear, InputMajorLinear):  # the weight (and its layout) is shared
-                setattr(parent, name, PackedLinear.from_linear(child))
+                setattr(parent, name, PrepackedLinear.from_linear(child))
         if callable(getattr(parent, "set_gemm", None)):  # modules with their own fused products
             parent.set_gemm("onednn")
     return model
