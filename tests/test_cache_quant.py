@@ -8,15 +8,15 @@ import torch
 
 from _toy_lm import single_thread  # noqa: F401 (autouse fixture)
 from qkv.cache import KIVI, FullSpec, Int8, KVCache, plan_memory
-from qkv.cache.quant import pack, quantize_groups, unpack
+from qkv.cache.quant import pack_bits, quantize_groups, unpack_bits
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_round_trip(bits):
     codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
-    packed = pack(codes, bits)
+    packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8
-    assert torch.equal(unpack(packed, bits), codes)
+    assert torch.equal(unpack_bits(packed, bits), codes)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -40,7 +40,7 @@ import torch
 from .specs import FullSpec, element_bytes
 from .storage import Store
 
-__all__ = ["KIVI", "Int8", "QuantStore", "QuantError", "merge_errors", "pack", "unpack", "quantize_groups"]
+__all__ = ["KIVI", "Int8", "QuantStore", "QuantError", "merge_errors", "pack_bits", "unpack_bits", "quantize_groups"]
 
 
 class QuantError(NamedTuple):
@@ -120,7 +120,7 @@ class Int8:
         return tokens * spec.n_kv_heads * (spec.head_dim + spec.dv) + tokens * spec.n_kv_heads * 2 * 4
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes in ``[0, 2**bits)`` along the last dim, ``8 // bits`` per uint8, low bits first."""
     per = 8 // bits
     c = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // per, per)
@@ -130,8 +130,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: (..., D // p) uint8 -> (..., D) uint8 codes."""
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: (..., D // p) uint8 -> (..., D) uint8 codes."""
     per = 8 // bits
     mask = (1 << bits) - 1
     parts = [(packed >> (bits * i)) & mask for i in range(per)]
@@ -242,22 +242,22 @@ class QuantStore(Store):
         verr = torch.where(real, (vdeq - v.float()).abs(), torch.zeros_like(vdeq))
         self.err = [max(self.err[0], float(kerr.max())), max(self.err[1], float(ks.float().max()) / 2),
                     max(self.err[2], float(verr.max())), max(self.err[3], float(vs.float().max()) / 2)]
-        self.keys.append(pack(kc, self.bits))
+        self.keys.append(pack_bits(kc, self.bits))
         self.kscale.append(ks, kz)
-        self.values.append(pack(vc, self.bits))
+        self.values.append(pack_bits(vc, self.bits))
         self.vscale.append(vs, vz)
         self.qpos.append(pos)
 
     def _dequantized(self, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.keys.n == 0:
             return None
-        kc = unpack(self.keys.get(0), self.bits).float()  # (B, H, Nq, D)
+        kc = unpack_bits(self.keys.get(0), self.bits).float()  # (B, H, Nq, D)
         ks, kz = self.kscale.get(0).float(), self.kscale.get(1).float()
         if self.key_axis == "channel":
             ks, kz = ks.repeat_interleave(self.group, dim=2), kz.repeat_interleave(self.group, dim=2)
         else:
             ks, kz = ks.repeat_interleave(self.group, dim=3), kz.repeat_interleave(self.group, dim=3)
-        vc = unpack(self.values.get(0), self.bits).float()
+        vc = unpack_bits(self.values.get(0), self.bits).float()
         vs = self.vscale.get(0).float().repeat_interleave(self.vgroup, dim=3)
         vz = self.vscale.get(1).float().repeat_interleave(self.vgroup, dim=3)
         return (kc * ks + kz).to(dtype), (vc * vs + vz).to(dtype)

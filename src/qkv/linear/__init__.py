@@ -23,9 +23,10 @@ Example:
     (torch.Size([1, 2, 1, 16]), torch.Size([1, 2, 16, 16]))
 """
 
+from qkv.linear._common import DEFAULT_EPS, LinearAttentionOutput, LinearState
 from qkv.linear.chunk import DEFAULT_CHUNK_SIZE, linear_attention_chunked
 from qkv.linear.feature_maps import FEATURE_MAPS, FeatureMap, elu_plus_one, relu, resolve_feature_map
-from qkv.linear.naive import DEFAULT_EPS, LinearAttentionOutput, LinearState, linear_attention_parallel
+from qkv.linear.naive import linear_attention_parallel
 from qkv.linear.performer import (
     PERFORMER_EPS,
     default_num_features,

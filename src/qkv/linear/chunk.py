@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import pad as _pad
 
+from qkv.linear._common import DEFAULT_EPS, LinearAttentionOutput, LinearState, prepare
 from qkv.linear.feature_maps import FeatureMap, elu_plus_one
-from qkv.linear.naive import DEFAULT_EPS, LinearAttentionOutput, LinearState, _prepare
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "linear_attention_chunked"]
 
@@ -81,7 +81,7 @@ def linear_attention_chunked(
     fn = "linear_attention_chunked"
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}; try chunk_size=64")
-    fq, fk, v_acc, state0 = _prepare(q, k, v, feature_map=feature_map, causal=causal, initial_state=initial_state,
+    fq, fk, v_acc, state0 = prepare(q, k, v, feature_map=feature_map, causal=causal, initial_state=initial_state,
                                      eps=eps, fn=fn)
     if causal:
         out, state = _causal(fq, fk, v_acc, state0, chunk_size, normalize=normalize, eps=eps)

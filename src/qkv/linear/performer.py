@@ -38,8 +38,8 @@ import math
 
 import torch
 
+from qkv.linear._common import LinearAttentionOutput, LinearState, acc_dtype, check_qkv
 from qkv.linear.chunk import DEFAULT_CHUNK_SIZE, linear_attention_chunked
-from qkv.linear.naive import LinearAttentionOutput, LinearState, _acc_dtype, _check_qkv
 from qkv.linear.recurrent import linear_attention_step
 
 __all__ = [
@@ -138,7 +138,7 @@ def _check_projection(projection: torch.Tensor, D: int, *, fn: str) -> None:
 def _projected(x: torch.Tensor, projection: torch.Tensor, scale: float | None):
     """``(W x', |x'|^2 / 2)`` in the accumulation dtype, with ``x' = x * scale**0.5``."""
     D = x.shape[-1]
-    dt = _acc_dtype(x.dtype)
+    dt = acc_dtype(x.dtype)
     s = (D**-0.5 if scale is None else scale) ** 0.5
     x = x.to(dt) * s
     wx = x @ projection.to(dt).transpose(0, 1)  # (..., N, m)
@@ -241,7 +241,7 @@ def performer_attention(
         True
     """
     fn = "performer_attention"
-    _check_qkv(q, k, v, fn=fn, causal=causal)
+    check_qkv(q, k, v, fn=fn, causal=causal)
     _check_projection(projection, q.shape[-1], fn=fn)
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"{fn}: q and k must share the head dim, got q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -288,7 +288,7 @@ def performer_attention_step(
         True
     """
     fn = "performer_attention_step"
-    _check_qkv(q, k, v, fn=fn, causal=True)
+    check_qkv(q, k, v, fn=fn, causal=True)
     if q.shape[2] != 1:
         raise ValueError(
             f"{fn}: q, k, v must hold one token (B, H, 1, D), got q {tuple(q.shape)}; for several tokens "

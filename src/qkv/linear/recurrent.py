@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from qkv.linear._common import DEFAULT_EPS, LinearAttentionOutput, LinearState, prepare
 from qkv.linear.feature_maps import FeatureMap, elu_plus_one
-from qkv.linear.naive import DEFAULT_EPS, LinearAttentionOutput, LinearState, _prepare
 
 __all__ = ["linear_attention_recurrent", "linear_attention_step"]
 
@@ -76,7 +76,7 @@ def linear_attention_recurrent(
         (torch.Size([1, 2, 5, 4]), torch.Size([1, 2, 4, 4]))
     """
     fn = "linear_attention_recurrent"
-    fq, fk, v_acc, state0 = _prepare(q, k, v, feature_map=feature_map, causal=True, initial_state=initial_state,
+    fq, fk, v_acc, state0 = prepare(q, k, v, feature_map=feature_map, causal=True, initial_state=initial_state,
                                      eps=eps, fn=fn)
     S, z = state0 if state0 is not None else _zeros_state(fq, v_acc)
     outs = []
@@ -130,7 +130,7 @@ def linear_attention_step(
                 f"{fn}: {name} must hold one token (B, H, 1, D), got shape {tuple(t.shape)}; for several "
                 f"tokens use linear_attention_chunked(..., causal=True, initial_state=state)"
             )
-    fq, fk, v_acc, state0 = _prepare(q, k, v, feature_map=feature_map, causal=True, initial_state=state,
+    fq, fk, v_acc, state0 = prepare(q, k, v, feature_map=feature_map, causal=True, initial_state=state,
                                      eps=eps, fn=fn, state_name="state")
     S, z = state0 if state0 is not None else _zeros_state(fq, v_acc)
     out, S, z = _step(fq[:, :, 0], fk[:, :, 0], v_acc[:, :, 0], S, z, normalize=normalize, eps=eps)

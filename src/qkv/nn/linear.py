@@ -15,54 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qkv.linear._common import DEFAULT_EPS, LinearAttentionOutput, LinearState
 from qkv.linear.chunk import DEFAULT_CHUNK_SIZE, linear_attention_chunked
 from qkv.linear.feature_maps import FeatureMap, resolve_feature_map
-from qkv.linear.naive import DEFAULT_EPS, LinearAttentionOutput, LinearState
 from qkv.linear.recurrent import linear_attention_step
+from qkv.nn._heads import add_projections, check_dims, check_x, merge_heads, split_heads
 
 __all__ = ["LinearAttention"]
-
-
-def _check_dims(cls: str, d_model: int, n_heads: int) -> None:
-    for name, val in (("d_model", d_model), ("n_heads", n_heads)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{cls}: {name} must be a positive int, got {val!r}")
-    if d_model % n_heads:
-        raise ValueError(f"{cls}: d_model={d_model} must be divisible by n_heads={n_heads}")
-
-
-def _check_x(x: torch.Tensor, d_model: int, *, fn: str, one_token: bool = False) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{fn}: x must be a torch.Tensor (B, N, d_model), got {type(x).__name__}")
-    if x.dim() != 3 or x.shape[-1] != d_model:
-        raise ValueError(f"{fn}: x must have shape (B, N, d_model={d_model}), got {tuple(x.shape)}")
-    if one_token and x.shape[1] != 1:
-        raise ValueError(
-            f"{fn}: x must hold one token (B, 1, d_model), got {tuple(x.shape)}; use forward(x, state=state) "
-            f"for several tokens"
-        )
-
-
-def _add_projections(module: nn.Module, d_model: int, *, bias: bool, device, dtype) -> None:
-    """q/k/v/o projections named as in ``MultiHeadAttention`` (and HF), so checkpoints map by name."""
-    kw = {"bias": bias, "device": device, "dtype": dtype}
-    module.q_proj = nn.Linear(d_model, d_model, **kw)
-    module.k_proj = nn.Linear(d_model, d_model, **kw)
-    module.v_proj = nn.Linear(d_model, d_model, **kw)
-    module.o_proj = nn.Linear(d_model, d_model, **kw)
-
-
-def _split_heads(module: nn.Module, x: torch.Tensor, n_heads: int):
-    B, N, E = x.shape
-    q = module.q_proj(x).view(B, N, n_heads, E // n_heads).transpose(1, 2)  # (B, H, N, Dh)
-    k = module.k_proj(x).view(B, N, n_heads, E // n_heads).transpose(1, 2)  # (B, H, N, Dh)
-    v = module.v_proj(x).view(B, N, n_heads, E // n_heads).transpose(1, 2)  # (B, H, N, Dh)
-    return q, k, v
-
-
-def _merge_heads(module: nn.Module, out_BHND: torch.Tensor) -> torch.Tensor:
-    B, H, N, Dh = out_BHND.shape
-    return module.o_proj(out_BHND.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, E)
 
 
 class LinearAttention(nn.Module):
@@ -104,13 +63,13 @@ class LinearAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_dims("LinearAttention", d_model, n_heads)
+        check_dims("LinearAttention", d_model, n_heads)
         if feature_map is None:
             raise ValueError("LinearAttention: feature_map must be a name or a callable, got None")
         self.phi = resolve_feature_map(feature_map)
         self.d_model, self.n_heads = d_model, n_heads
         self.causal, self.normalize, self.eps, self.chunk_size = causal, normalize, eps, chunk_size
-        _add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
+        add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, *, state: LinearState | None = None) -> LinearAttentionOutput:
         """Attend over a whole sequence.
@@ -122,13 +81,13 @@ class LinearAttention(nn.Module):
         Returns:
             ``LinearAttentionOutput(out (B, N, E) in x's dtype, state after the last token)``.
         """
-        _check_x(x, self.d_model, fn="LinearAttention.forward")
-        q, k, v = _split_heads(self, x, self.n_heads)
+        check_x(x, self.d_model, fn="LinearAttention.forward")
+        q, k, v = split_heads(self, x, self.n_heads)
         out, new_state = linear_attention_chunked(
             q, k, v, feature_map=self.phi, causal=self.causal, normalize=self.normalize, eps=self.eps,
             chunk_size=self.chunk_size, initial_state=state,
         )
-        return LinearAttentionOutput(_merge_heads(self, out), new_state)
+        return LinearAttentionOutput(merge_heads(self, out), new_state)
 
     def step(self, x: torch.Tensor, state: LinearState | None) -> LinearAttentionOutput:
         """Decode one token in O(F Dh) per head, whatever the context length.
@@ -142,11 +101,11 @@ class LinearAttention(nn.Module):
         """
         if not self.causal:
             raise ValueError("LinearAttention.step decodes causally; build the module with causal=True")
-        _check_x(x, self.d_model, fn="LinearAttention.step", one_token=True)
-        q, k, v = _split_heads(self, x, self.n_heads)
+        check_x(x, self.d_model, fn="LinearAttention.step", one_token=True)
+        q, k, v = split_heads(self, x, self.n_heads)
         out, new_state = linear_attention_step(q, k, v, state, feature_map=self.phi, normalize=self.normalize,
                                                eps=self.eps)
-        return LinearAttentionOutput(_merge_heads(self, out), new_state)
+        return LinearAttentionOutput(merge_heads(self, out), new_state)
 
     def extra_repr(self) -> str:
         name = getattr(self.phi, "__name__", repr(self.phi))

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qkv.linear._common import LinearAttentionOutput, LinearState
 from qkv.linear.chunk import DEFAULT_CHUNK_SIZE
-from qkv.linear.naive import LinearAttentionOutput, LinearState
 from qkv.linear.performer import (
     PERFORMER_EPS,
     default_num_features,
@@ -30,7 +30,7 @@ from qkv.linear.performer import (
     performer_attention,
     performer_attention_step,
 )
-from qkv.nn.linear import _add_projections, _check_dims, _check_x, _merge_heads, _split_heads
+from qkv.nn._heads import add_projections, check_dims, check_x, merge_heads, split_heads
 
 __all__ = ["PerformerAttention"]
 
@@ -83,7 +83,7 @@ class PerformerAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_dims("PerformerAttention", d_model, n_heads)
+        check_dims("PerformerAttention", d_model, n_heads)
         head_dim = d_model // n_heads
         m = default_num_features(head_dim) if num_features is None else num_features
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
@@ -93,7 +93,7 @@ class PerformerAttention(nn.Module):
             raise ValueError(f"PerformerAttention: redraw_every must be a positive int or None, got {redraw_every!r}")
         self.d_model, self.n_heads, self.num_features = d_model, n_heads, m
         self.causal, self.redraw_every, self.chunk_size, self.eps = causal, redraw_every, chunk_size, eps
-        _add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
+        add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
 
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -137,12 +137,12 @@ class PerformerAttention(nn.Module):
         Returns:
             ``LinearAttentionOutput(out (B, N, E) in x's dtype, state after the last token)``.
         """
-        _check_x(x, self.d_model, fn="PerformerAttention.forward")
+        check_x(x, self.d_model, fn="PerformerAttention.forward")
         self._advance_schedule()
-        q, k, v = _split_heads(self, x, self.n_heads)
+        q, k, v = split_heads(self, x, self.n_heads)
         out, new_state = performer_attention(q, k, v, self.projection, causal=self.causal, eps=self.eps,
                                              chunk_size=self.chunk_size, initial_state=state)
-        return LinearAttentionOutput(_merge_heads(self, out), new_state)
+        return LinearAttentionOutput(merge_heads(self, out), new_state)
 
     def step(self, x: torch.Tensor, state: LinearState | None) -> LinearAttentionOutput:
         """Decode one token in O(m Dh) per head; never redraws (a redraw would invalidate ``state``).
@@ -156,10 +156,10 @@ class PerformerAttention(nn.Module):
         """
         if not self.causal:
             raise ValueError("PerformerAttention.step decodes causally; build the module with causal=True")
-        _check_x(x, self.d_model, fn="PerformerAttention.step", one_token=True)
-        q, k, v = _split_heads(self, x, self.n_heads)
+        check_x(x, self.d_model, fn="PerformerAttention.step", one_token=True)
+        q, k, v = split_heads(self, x, self.n_heads)
         out, new_state = performer_attention_step(q, k, v, self.projection, state, eps=self.eps)
-        return LinearAttentionOutput(_merge_heads(self, out), new_state)
+        return LinearAttentionOutput(merge_heads(self, out), new_state)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, num_features={self.num_features}, "
