@@ -151,104 +151,126 @@ def verify_cache(model, cache_factory: Callable[[], object], *, input_ids: torch
         :class:`VerifyReport`.
     """
     if input_ids is None:
-        device = _device_of(model)
-        zero = torch.zeros(1, 1, dtype=torch.int64, device=device)
-        vocab = logits_of(model(zero, positions=zero, cache=None)).shape[-1]
-        g = torch.Generator().manual_seed(seed)
-        N = max(prompt_lengths)
-        input_ids = torch.randint(0, vocab, (len(prompt_lengths), N), generator=g).to(device)
-        attention_mask = torch.zeros_like(input_ids)
-        for b, n in enumerate(prompt_lengths):
-            attention_mask[b, N - n:] = 1
+        input_ids, attention_mask = _random_prompts(model, prompt_lengths, seed)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    pos = prompt_positions(attention_mask)
-    B, N = input_ids.shape
-    reference = _Reference(model)
-    checks: list[CheckResult] = []
-    kw = dict(tolerance=tolerance, k=k, floor=floor)
+    run = _Checks(model, cache_factory, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                  prefill_chunk_size=prefill_chunk_size, tolerance=tolerance, k=k, floor=floor)
+    run.check("decode", run.decode)
+    if crop and run.decoded is not None:
+        run.check("crop", lambda: run.crop(crop))
+    if fork:
+        run.check("fork", run.fork)
+    if prefix and cache_factory().prefix_caching:
+        run.check("prefix", run.prefix)
+    report = VerifyReport(all(c.ok for c in run.results), tuple(run.results))
+    if raise_on_failure and not report.ok:
+        raise AssertionError(str(report))
+    return report
 
-    def run(check: str, fn) -> None:
+
+def _random_prompts(model, prompt_lengths: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded random prompts, one row per length, over the model's vocabulary."""
+    device = _device_of(model)
+    zero = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    vocab = logits_of(model(zero, positions=zero, cache=None)).shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    N = max(prompt_lengths)
+    input_ids = torch.randint(0, vocab, (len(prompt_lengths), N), generator=g).to(device)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, n in enumerate(prompt_lengths):
+        attention_mask[b, N - n:] = 1
+    return input_ids, attention_mask
+
+
+class _Decoded(NamedTuple):
+    cache: object
+    seq: torch.Tensor
+    seq_pos: torch.Tensor
+    ref: torch.Tensor
+    base: torch.Tensor
+
+
+class _Checks:
+    """The checks of one :func:`verify_cache` call, each a method returning a :class:`CheckResult`."""
+
+    def __init__(self, model, cache_factory, input_ids, attention_mask, *, max_new_tokens, prefill_chunk_size,
+                 **budget) -> None:
+        self.model, self.cache_factory = model, cache_factory
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+        self.pos = prompt_positions(attention_mask)
+        self.max_new, self.chunk, self.budget = max_new_tokens, prefill_chunk_size, budget
+        self.reference = _Reference(model)
+        self.results: list[CheckResult] = []
+        self.decoded: _Decoded | None = None
+        N = input_ids.shape[1]
+        self.cols = slice(N - 1, N - 1 + max_new_tokens)  # the logits each new token was chosen from
+
+    def check(self, name: str, fn: Callable[[], CheckResult]) -> None:
         try:
-            checks.append(fn())
+            self.results.append(fn())
         except Exception as e:  # a check that raises fails with the reason, the others still run
-            checks.append(CheckResult(check, False, float("inf"), 0.0, None, f"{type(e).__name__}: {e}"))
+            self.results.append(CheckResult(name, False, float("inf"), 0.0, None, f"{type(e).__name__}: {e}"))
 
-    # decode: (chunked) prefill + greedy decoding against recomputation of the same sequence.
-    state = {}
+    def decode(self) -> CheckResult:
+        """(Chunked) prefill + greedy decoding against recomputation of the same sequence."""
+        cache = self.cache_factory()
+        out = generate(self.model, self.input_ids, attention_mask=self.attention_mask, max_new_tokens=self.max_new,
+                       cache=cache, prefill_chunk_size=self.chunk, return_logits=True)
+        seq_pos = _positions_of(out.sequences, self.pos)
+        ref, base = self.reference.logits(out.sequences, seq_pos)
+        self.decoded = _Decoded(cache, out.sequences, seq_pos, ref, base)
+        return _compare("decode", out.logits, ref[:, self.cols], base[:, self.cols], tokens=out.new_tokens,
+                        **self.budget, detail=f"B={self.input_ids.shape[0]} prompts "
+                        f"{self.attention_mask.sum(1).tolist()} chunk={self.chunk}")
 
-    def decode() -> CheckResult:
-        cache = cache_factory()
-        out = generate(model, input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, cache=cache,
-                       prefill_chunk_size=prefill_chunk_size, return_logits=True)
-        seq_pos = _positions_of(out.sequences, pos)
-        ref, base = reference.logits(out.sequences, seq_pos)
-        cols = slice(N - 1, N - 1 + max_new_tokens)
-        state.update(cache=cache, seq=out.sequences, seq_pos=seq_pos, ref=ref, base=base)
-        return _compare("decode", out.logits, ref[:, cols], base[:, cols], tokens=out.new_tokens, **kw,
-                        detail=f"B={B} prompts {attention_mask.sum(1).tolist()} chunk={prefill_chunk_size}")
+    def crop(self, n: int) -> CheckResult:
+        """Roll back the last ``n`` tokens of the decode run and feed them again in one step."""
+        d = self.decoded
+        L = d.seq.shape[1] - 1  # the last generated token was never fed
+        d.cache.crop(-n)
+        logits = forward_step(self.model, d.cache, d.seq[:, L - n:L], d.seq_pos[:, L - n:L])
+        cols = slice(L - n, L)
+        return _compare("crop", logits, d.ref[:, cols], d.base[:, cols], **self.budget,
+                        detail=f"rolled back {n}, re-fed them in one step")
 
-    run("decode", decode)
-
-    def crop_check() -> CheckResult:
-        cache, seq, seq_pos = state["cache"], state["seq"], state["seq_pos"]
-        L = seq.shape[1] - 1  # the last generated token was never fed
-        cache.crop(-crop)
-        logits = forward_step(model, cache, seq[:, L - crop:L], seq_pos[:, L - crop:L])
-        cols = slice(L - crop, L)
-        return _compare("crop", logits, state["ref"][:, cols], state["base"][:, cols], **kw,
-                        detail=f"rolled back {crop}, re-fed them in one step")
-
-    if crop and "cache" in state:
-        run("crop", crop_check)
-
-    def fork_check() -> CheckResult:
-        cache = cache_factory()
-        logits = prefill(model, cache, input_ids, pos, prefill_chunk_size)
+    def fork(self) -> CheckResult:
+        """After prefill, ``fork(2)``: one copy follows the greedy token, the other the runner-up."""
+        B = self.input_ids.shape[0]
+        cache = self.cache_factory()
+        logits = prefill(self.model, cache, self.input_ids, self.pos, self.chunk)
         cache.fork(2)
-        rows_ids = input_ids.repeat_interleave(2, dim=0)
-        rows_pos = pos.repeat_interleave(2, dim=0)
+        rows_ids = self.input_ids.repeat_interleave(2, dim=0)
+        rows_pos = self.pos.repeat_interleave(2, dim=0)
         logits = logits.repeat_interleave(2, dim=0)
         nxt = rows_pos.max(1).values + 1
         got, toks = [], []
-        for _ in range(max_new_tokens):
+        for _ in range(self.max_new):
             top2 = logits.topk(2, dim=-1).indices  # copy 0 greedy, copy 1 runner-up: the copies diverge
             tok = torch.where(torch.arange(2 * B, device=top2.device) % 2 == 0, top2[:, 0], top2[:, 1])
             got.append(logits)
             toks.append(tok)
-            logits = forward_step(model, cache, tok.view(-1, 1), nxt.view(-1, 1))[:, -1]
+            logits = forward_step(self.model, cache, tok.view(-1, 1), nxt.view(-1, 1))[:, -1]
             nxt = nxt + 1
         seq = torch.cat([rows_ids, torch.stack(toks, 1)], dim=1)
-        ref, base = reference.logits(seq, _positions_of(seq, rows_pos))
-        cols = slice(N - 1, N - 1 + max_new_tokens)
-        return _compare("fork", torch.stack(got, 1), ref[:, cols], base[:, cols], **kw,
+        ref, base = self.reference.logits(seq, _positions_of(seq, rows_pos))
+        return _compare("fork", torch.stack(got, 1), ref[:, self.cols], base[:, self.cols], **self.budget,
                         detail="fork(2), copies take different tokens")
 
-    if fork:
-        run("fork", fork_check)
-
-    def prefix_check() -> CheckResult:
-        cache = cache_factory()
-        generate(model, input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, cache=cache)
+    def prefix(self) -> CheckResult:
+        """Run the batch, ``reset()``, then prompts sharing every full block: they must hit the prefix cache."""
+        cache = self.cache_factory()
+        generate(self.model, self.input_ids, attention_mask=self.attention_mask, max_new_tokens=self.max_new,
+                 cache=cache)
         cache.reset()
-        # Same prompts with a different last token: every full block before it can be reused.
-        ids2 = input_ids.clone()
-        ids2[:, -1] = (ids2[:, -1] + 1) % int(state["ref"].shape[-1]) if "ref" in state else ids2[:, -1]
-        out = generate(model, ids2, attention_mask=attention_mask, max_new_tokens=max_new_tokens, cache=cache,
-                       prefill_chunk_size=prefill_chunk_size, return_logits=True)
-        ref, base = reference.logits(out.sequences, _positions_of(out.sequences, pos))
-        cols = slice(N - 1, N - 1 + max_new_tokens)
-        res = _compare("prefix", out.logits, ref[:, cols], base[:, cols], tokens=out.new_tokens, **kw,
-                       detail=f"reused {out.prefix_hits.tolist()} prompt tokens")
+        ids2 = self.input_ids.clone()  # a different last token: every full block before it can be reused
+        if self.decoded is not None:
+            ids2[:, -1] = (ids2[:, -1] + 1) % int(self.decoded.ref.shape[-1])
+        out = generate(self.model, ids2, attention_mask=self.attention_mask, max_new_tokens=self.max_new,
+                       cache=cache, prefill_chunk_size=self.chunk, return_logits=True)
+        ref, base = self.reference.logits(out.sequences, _positions_of(out.sequences, self.pos))
+        res = _compare("prefix", out.logits, ref[:, self.cols], base[:, self.cols], tokens=out.new_tokens,
+                       **self.budget, detail=f"reused {out.prefix_hits.tolist()} prompt tokens")
         if not bool(out.prefix_hits.any()):
             res = res._replace(ok=False, detail=res.detail + "; expected a prefix-cache hit")
         return res
-
-    probe_cache = cache_factory()
-    if prefix and probe_cache.prefix_caching:
-        run("prefix", prefix_check)
-
-    report = VerifyReport(all(c.ok for c in checks), tuple(checks))
-    if raise_on_failure and not report.ok:
-        raise AssertionError(str(report))
-    return report
