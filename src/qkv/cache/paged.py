@@ -26,6 +26,7 @@ Shape legend: B rows (sequences), H key/value heads, P blocks in the pool, T blo
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -64,6 +65,15 @@ class Paged:
 
     def describe(self) -> str:
         return f"paged(block_size={self.block_size}, num_blocks={self.num_blocks})"
+
+    def layer_blocks(self, lengths: list[int], keep: int | None) -> int:
+        """Blocks a layer's rows reference after holding ``lengths`` tokens each (padding is never stored);
+        ``keep``: the tokens a bounded layer keeps, whose blocks wholly before them are released when the
+        next step is allocated."""
+        T = self.block_size
+        if keep is None:
+            return sum(math.ceil(n / T) for n in lengths)
+        return sum(math.ceil(n / T) - max(0, (n - 1 - keep) // T) for n in lengths)
 
 
 class PoolStats(NamedTuple):

@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -150,31 +149,6 @@ def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | None]:
                     f"{type(config).__name__}")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _dynamic_capacity(prompt: int, new_tokens: int, keep: int | None) -> int:
-    """Slots per row a :class:`qkv.cache.storage.DynamicStore` has after a ``prompt``-token step and
-    ``new_tokens`` one-token steps (its ``_reserve``, replayed on integers)."""
-    if prompt + new_tokens == 0:
-        return 0
-    if keep is None:  # full layers: doubling reaches the smallest power of two that holds every token
-        return _pow2(max(prompt + new_tokens, 16)) if prompt else _pow2(max(new_tokens, 16))
-    first = prompt if prompt else 1
-    cap = _pow2(max(first, 16))
-    start, end = max(0, first - keep), first
-    for _ in range(new_tokens - (0 if prompt else 1)):
-        if end + 1 > cap:
-            held = end - start
-            if held + 1 > cap // 2:
-                cap = _pow2(max(2 * cap, 2 * (held + 1)))
-            start, end = 0, held
-        end += 1
-        start = max(start, end - keep)
-    return cap
-
-
 def _kept(spec: LayerSpec, lengths: list[int], policy, new_tokens: int, rollback: int) -> list[int]:
     """Real tokens each row holds in a layer."""
     if isinstance(spec, CrossSpec):
@@ -189,33 +163,11 @@ def _kept(spec: LayerSpec, lengths: list[int], policy, new_tokens: int, rollback
     return [min(n, cap) if cap is not None else n for n in lengths]
 
 
-def _plan_paged(storage: Paged, spec: LayerSpec, lengths: list[int], kept: list[int], row: float, rollback: int,
-                blocks: dict) -> tuple[float, float]:
-    """Allocated bytes of a paged layer (the blocks its rows reference) and its pool's bytes."""
-    T = storage.block_size
-    cap = spec.max_tokens
-    if cap is None:
-        nblk = sum(math.ceil(n / T) for n in kept)
-    else:  # blocks wholly before the last `cap` tokens are released when the next step is allocated
-        cap += rollback if isinstance(spec, SlidingWindowSpec) else 0
-        nblk = sum(math.ceil(n / T) - max(0, (n - 1 - cap) // T) for n in lengths)
-    key = spec.window if isinstance(spec, SlidingWindowSpec) else None
-    blocks[key] = max(blocks.get(key, 0), nblk)
-    return nblk * T * row, storage.num_blocks * T * row
-
-
-def _plan_contiguous(storage, spec: LayerSpec, B: int, longest: int, new_tokens: int, row: float,
-                     rollback: int) -> float:
-    """Allocated bytes of a dynamic or static layer: keys, values and an int64 position per slot."""
-    if isinstance(spec, CrossSpec):
-        return B * spec.source_len * row
-    window = spec.max_tokens
-    keep = None if window is None else window + (rollback if isinstance(spec, SlidingWindowSpec) else 0)
-    if isinstance(storage, Static):
-        slots = keep if keep is not None and keep <= storage.max_len else storage.max_len
-    else:
-        slots = _dynamic_capacity(longest - new_tokens, new_tokens, keep)
-    return B * slots * (row + 8)
+def _keep(spec: LayerSpec, rollback: int) -> int | None:
+    """Tokens a bounded layer's store keeps (its window plus ``rollback`` for sliding layers)."""
+    if spec.max_tokens is None:
+        return None
+    return spec.max_tokens + (rollback if isinstance(spec, SlidingWindowSpec) else 0)
 
 
 def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int], dtype=None, storage=None,
@@ -264,11 +216,19 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
             alloc = needed
         elif policy is not None and policy.token_cap(spec, new_tokens) is not None:
             alloc = needed
-        elif isinstance(storage, Paged) and not isinstance(spec, CrossSpec):
-            alloc, layer_pool = _plan_paged(storage, spec, lengths, kept, row, rollback, blocks)
-            pool += layer_pool
+        elif isinstance(spec, CrossSpec):
+            alloc = B * spec.source_len * row
+        elif isinstance(storage, Paged):
+            nblk = storage.layer_blocks(lengths, _keep(spec, rollback))
+            key = spec.window if isinstance(spec, SlidingWindowSpec) else None
+            blocks[key] = max(blocks.get(key, 0), nblk)
+            alloc = nblk * storage.block_size * row
+            pool += storage.num_blocks * storage.block_size * row
+        elif isinstance(storage, Static):
+            alloc = storage.layer_bytes(batch=B, keep=_keep(spec, rollback), row_bytes=row)
         else:
-            alloc = _plan_contiguous(storage, spec, B, longest, new_tokens, row, rollback)
+            alloc = storage.layer_bytes(batch=B, prompt=longest - new_tokens, new_tokens=new_tokens,
+                                        keep=_keep(spec, rollback), row_bytes=row)
         layers.append(LayerPlan(i, spec.kind, max(kept), int(needed), int(alloc)))
     return _summarize(layers, blocks, pool, storage, budget_bytes)
 

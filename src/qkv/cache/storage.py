@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Dynamic", "Static", "DynamicStore", "StaticStore", "RingStore", "Store", "RopeStore"]
+__all__ = ["Dynamic", "Static", "DynamicStore", "StaticStore", "RingStore", "Store", "RopeStore", "dynamic_capacity"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,33 @@ class Dynamic:
 
     def describe(self) -> str:
         return "dynamic"
+
+    def layer_bytes(self, *, batch: int, prompt: int, new_tokens: int, keep: int | None, row_bytes: float) -> float:
+        """Bytes a :class:`DynamicStore` allocates (keys, values, an int64 position per slot) for ``batch``
+        rows after a ``prompt``-token step and ``new_tokens`` one-token steps; ``keep``: the slots a bounded
+        layer keeps (None: every slot)."""
+        return batch * dynamic_capacity(prompt, new_tokens, keep) * (row_bytes + 8)
+
+
+def dynamic_capacity(prompt: int, new_tokens: int, keep: int | None) -> int:
+    """Slots per row a :class:`DynamicStore` has after a ``prompt``-token step and ``new_tokens`` one-token
+    steps (its ``_reserve``, replayed on integers)."""
+    if prompt + new_tokens == 0:
+        return 0
+    if keep is None:  # full layers: doubling reaches the smallest power of two that holds every token
+        return _pow2(max(prompt + new_tokens, 16)) if prompt else _pow2(max(new_tokens, 16))
+    first = prompt if prompt else 1
+    cap = _pow2(max(first, 16))
+    start, end = max(0, first - keep), first
+    for _ in range(new_tokens - (0 if prompt else 1)):
+        if end + 1 > cap:
+            held = end - start
+            if held + 1 > cap // 2:
+                cap = _pow2(max(2 * cap, 2 * (held + 1)))
+            start, end = 0, held
+        end += 1
+        start = max(start, end - keep)
+    return cap
 
 
 @dataclass(frozen=True)
@@ -53,6 +80,12 @@ class Static:
 
     def describe(self) -> str:
         return f"static(max_len={self.max_len})"
+
+    def layer_bytes(self, *, batch: int, keep: int | None, row_bytes: float) -> float:
+        """Bytes a static layer allocates for ``batch`` rows: ``max_len`` slots, or a ring of ``keep`` slots
+        for a bounded layer that fits, each with keys, values and an int64 position."""
+        slots = keep if keep is not None and keep <= self.max_len else self.max_len
+        return batch * slots * (row_bytes + 8)
 
 
 class Store:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from torch import nn
 from .skinny import InputMajorLinear, skinny_linear
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "PrepackedWeight",
-           "PrepackedLinear", "use_onednn", "can_fuse"]
+           "PrepackedLinear", "use_onednn", "can_fuse", "GemmChoice"]
 
 
 @functools.cache
@@ -180,6 +181,14 @@ class PrepackedLinear(nn.Linear):
         return prepacked_linear(x, self.weight, self.bias, self._packed(), activation)
 
 
+@runtime_checkable
+class GemmChoice(Protocol):
+    """A module that multiplies by weights of its own making (a fused QKV, a tied LM head, a fused activation)
+    and so chooses its GEMM itself: ``set_gemm("onednn")`` (prepacked oneDNN) or ``set_gemm("blas")``."""
+
+    def set_gemm(self, engine: str) -> None: ...
+
+
 def use_onednn(model: nn.Module) -> nn.Module:
     """Swap every plain ``nn.Linear`` inside ``model`` for a :class:`PrepackedLinear` sharing its parameters
     (in place; returns ``model``). Raises ``RuntimeError`` saying why when oneDNN cannot run here."""
@@ -190,6 +199,6 @@ def use_onednn(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if type(child) in (nn.Linear, InputMajorLinear):  # the weight (and its layout) is shared
                 setattr(parent, name, PrepackedLinear.from_linear(child))
-        if callable(getattr(parent, "set_gemm", None)):  # modules with their own fused products
+        if isinstance(parent, GemmChoice):  # modules with their own fused products
             parent.set_gemm("onednn")
     return model
