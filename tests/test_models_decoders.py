@@ -319,3 +319,30 @@ def test_experts_single_token_path_equals_the_grouped_one():
             one = experts(x[t:t + 1], idx[t:t + 1], w[t:t + 1])[0]
             want = ref(x[t:t + 1].double(), idx[t:t + 1], w[t:t + 1].double())[0]
             assert_within_budget(one, want, grouped[t], what=f"token {t}")
+
+
+def test_a_new_family_is_one_module_and_a_registry_line(tmp_path, monkeypatch):
+    """A family defined in this test only (a Llama renamed): its module reads the config through
+    qkv.models.hf and registers one line in FAMILIES; from_hf then loads it with no change to qkv."""
+    import json
+    import sys
+    import types
+
+    from qkv.models.hf import decoder_config, rename_decoder
+    from qkv.models.loading import FAMILIES
+    from qkv.nn import DecoderLM
+
+    family = types.ModuleType("qkv_test_family_toy")
+    family.build = lambda cfg: DecoderLM(decoder_config(cfg, hidden_act=cfg.get("hidden_act", "silu")))
+    family.convert = lambda state, cfg: rename_decoder(state, decoder_config(cfg), norms={
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"})
+    monkeypatch.setitem(sys.modules, family.__name__, family)
+    monkeypatch.setitem(FAMILIES, "toy", family.__name__)  # the registry line
+    hf, _, llama = _models("llama-Hq8-Hkv2-llama3rope-untied")
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "toy"}))
+    toy = from_hf(tmp_path)
+    ids, _ = _prompt("llama-Hq8-Hkv2-llama3rope-untied", padded=False)
+    with torch.no_grad():
+        assert torch.equal(toy(ids).logits, llama(ids).logits)
