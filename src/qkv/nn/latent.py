@@ -74,6 +74,7 @@ from torch import nn
 
 from .. import masks
 from .._attention import attention
+from ..cache.protocol import LatentCache
 from ..costs.flops import attention_flops, mla_absorbed_flops
 from ..pos.rope import RotaryEmbedding
 from .norm import RMSNorm
@@ -494,9 +495,10 @@ class LatentAttention(nn.Module):
         c_kv_BNr = self.kv_a_layernorm(c_kv_BNr)  # (B, N, r): normalized before caching, as HF does
         pos = _as_2d(positions, B, N, "positions", x.device)
         if cache is not None:
-            if not hasattr(cache, "update_latent"):
-                raise TypeError(f"LatentAttention: the cache must have update_latent(...) (MLA caches latents, not "
-                                f"K/V); build it from this layer's spec, e.g. KVCache([attn.cache_spec()]), got "
+            if not isinstance(cache, LatentCache):
+                raise TypeError(f"LatentAttention: the cache must follow qkv.cache.LatentCache (update_latent: MLA "
+                                f"caches latents, not K/V); build it from this layer's spec, e.g. "
+                                f"KVCache([attn.cache_spec()]), got "
                                 f"{type(cache).__name__}")
             if pos is None:
                 raise ValueError("LatentAttention: a cache needs positions (B, N) of the new tokens")
