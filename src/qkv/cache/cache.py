@@ -112,7 +112,7 @@ class KVCache:
                             f"apply_spec, store_for and token_cap); got {policy!r}")
         if quant is not None and not isinstance(quant, Quantizer):
             raise TypeError(f"KVCache(quant): {type(quant).__name__} does not follow qkv.cache.Quantizer (it needs "
-                            f"store_for and bytes_for); got {quant!r}")
+                            f"store_for, bytes_for and allocated_for); got {quant!r}")
         if (quant is not None or policy is not None) and not isinstance(storage, Dynamic):
             raise ValueError(f"KVCache: quant={quant!r} / policy={policy!r} need storage=Dynamic(), got "
                              f"{storage.describe()}; quantized and evicting layers manage their own buffers")

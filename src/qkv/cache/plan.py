@@ -9,8 +9,9 @@ from the first generated token on, since policies evict on a layer's next update
 each storage: dynamic contiguous buffers hold every row at the longest row's length (left padding) and
 grow by doubling, with an int64 position per slot; static buffers hold ``max_len`` slots per row (rings of
 ``W + rollback`` for sliding layers); paged storage holds ``ceil(tokens / block_size)`` blocks per row and
-group (sliding groups at most the blocks that cover ``W + rollback`` tokens). Quantized and evicting
-layers count the bytes they hold (their buffers' spare capacity is not planned).
+group (sliding groups at most the blocks that cover ``W + rollback`` tokens); quantized layers as their
+quantizer says (``Quantizer.allocated_for``). Evicting layers count the bytes they hold (their buffers'
+spare capacity is not planned).
 
 Example:
     >>> import torch
@@ -211,9 +212,9 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
         row = spec.row_elements() * eb
         kept = _kept(spec, lengths, policy, new_tokens, rollback)
         needed = sum(kept) * row
-        if quant is not None and type(spec) is FullSpec:
+        if quant is not None and type(spec) is FullSpec:  # rows in lockstep: each holds the longest row's slots
             needed = sum(quant.bytes_for(spec, n, dtype) for n in kept)
-            alloc = needed
+            alloc = B * quant.allocated_for(spec, max(kept), dtype)
         elif policy is not None and policy.token_cap(spec, new_tokens) is not None:
             alloc = needed
         elif isinstance(spec, CrossSpec):
@@ -239,7 +240,7 @@ def _check_extensions(policy, quant) -> None:
                         f"(apply_spec, store_for, token_cap)")
     if quant is not None and not isinstance(quant, Quantizer):
         raise TypeError(f"plan_memory(quant): {type(quant).__name__} does not follow qkv.cache.Quantizer "
-                        f"(store_for, bytes_for)")
+                        f"(store_for, bytes_for, allocated_for)")
 
 
 def _lengths(context, batch: int) -> list[int]:

@@ -172,8 +172,11 @@ class Quantizer(Protocol):
     - ``store_for(spec, layer=)``: the store holding a layer's quantized tokens.
     - ``bytes_for(spec, tokens, dtype)``: bytes that store holds for one row of ``tokens`` tokens (codes,
       scales, zero-points and the full-precision residual in ``dtype``), as its ``used_bytes`` reports them.
+    - ``allocated_for(spec, tokens, dtype)``: bytes it allocates for that row (spare capacity included).
     """
 
     def store_for(self, spec: FullSpec, *, layer: str) -> Store: ...
 
     def bytes_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float: ...
+
+    def allocated_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float: ...

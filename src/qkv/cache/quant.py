@@ -95,12 +95,17 @@ class KIVI:
     def bytes_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float:
         """Bytes of one row of ``tokens`` tokens: the oldest ``floor((tokens - residual) / group_size)``
         groups quantized (whatever order they arrived in), the rest in ``dtype``."""
-        H, D, Dv, G = spec.n_kv_heads, spec.head_dim, spec.dv, self.group_size
-        q = max(0, (tokens - self.residual) // G * G)
-        gv = G if Dv % G == 0 else Dv
-        keys = q * H * D * self.bits / 8 + (q // G) * H * D * 4  # codes, then a float16 scale and zero per group
-        values = q * H * Dv * self.bits / 8 + q * H * (Dv // gv) * 4
-        return keys + values + (tokens - q) * H * (D + Dv) * element_bytes(dtype)
+        return _row_bytes(spec, tokens, dtype, **self._layout(spec), capacity=False)
+
+    def allocated_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float:
+        """Bytes the store allocates for one row of ``tokens`` tokens (code and scale buffers grow by
+        doubling, from 16)."""
+        return _row_bytes(spec, tokens, dtype, **self._layout(spec), capacity=True)
+
+    def _layout(self, spec: FullSpec) -> dict:
+        G = self.group_size
+        return dict(bits=self.bits, group=G, key_groups=True, value_group=G if spec.dv % G == 0 else spec.dv,
+                    residual=self.residual)
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,33 @@ class Int8:
 
     def bytes_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float:
         """Bytes of one row of ``tokens`` tokens: int8 codes, and a float16 scale and zero per token, head and
-        tensor (``dtype`` plays no part: nothing stays in full precision)."""
-        return tokens * spec.n_kv_heads * (spec.head_dim + spec.dv) + tokens * spec.n_kv_heads * 2 * 4
+        tensor (nothing stays in full precision)."""
+        return _row_bytes(spec, tokens, dtype, **self._layout(spec), capacity=False)
+
+    def allocated_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float:
+        """Bytes the store allocates for one row of ``tokens`` tokens (buffers grow by doubling, from 16)."""
+        return _row_bytes(spec, tokens, dtype, **self._layout(spec), capacity=True)
+
+    def _layout(self, spec: FullSpec) -> dict:
+        return dict(bits=8, group=spec.head_dim, key_groups=False, value_group=spec.dv, residual=0)
+
+
+def _row_bytes(spec: FullSpec, tokens: int, dtype, *, bits: int, group: int, key_groups: bool,
+               value_group: int, residual: int, capacity: bool) -> float:
+    """Bytes a :class:`QuantStore` holds (``capacity=False``) or allocates for one row of ``tokens`` tokens.
+    Keys in groups of ``group`` tokens (``key_groups``) or of ``group`` channels per token; values in groups
+    of ``value_group`` channels per token; the newest ``residual`` (+ < one step) tokens in ``dtype``."""
+    H, D, Dv = spec.n_kv_heads, spec.head_dim, spec.dv
+    step = group if key_groups else 1
+    q = max(0, (tokens - residual) // step * step)
+
+    def slots(n: int) -> int:  # _Buffer grows to max(16, the next power of two)
+        return 0 if n == 0 else max(16, 1 << (n - 1).bit_length()) if capacity else n
+
+    key_scales = slots(q // group) * H * D * 4 if key_groups else slots(q) * H * (D // group) * 4
+    codes = slots(q) * H * (D + Dv) * bits / 8
+    value_scales = slots(q) * H * (Dv // value_group) * 4  # a float16 scale and zero per group
+    return codes + key_scales + value_scales + (tokens - q) * H * (D + Dv) * element_bytes(dtype)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
