@@ -128,7 +128,7 @@ COMBOS = ([(s, None, None) for s in ("dynamic", "static", "paged")]
 @pytest.mark.parametrize("prompt,new", [(23, 6), (3, 2)], ids=["P23-new6", "P3-new2"])
 def test_plan_equals_measured_memory(storage, quant, policy, prompt, new):
     """plan_memory(model, ...) (dtype: the model's) equals cache.memory() after generate filled the cache:
-    the bytes held always, and the bytes allocated for every storage and quantizer."""
+    the bytes held and the bytes allocated, for every storage, quantizer and policy."""
     model = _decoder()
     storages = {"dynamic": Dynamic(), "static": Static(64), "paged": Paged(block_size=4, num_blocks=64)}
     quants = {None: None, "kivi": KIVI(bits=4, group_size=4, residual=4), "int8": Int8()}
@@ -142,8 +142,7 @@ def test_plan_equals_measured_memory(storage, quant, policy, prompt, new):
     mem = cache.memory()
     plan = plan_memory(model, batch=2, context=prompt + new, new_tokens=new, **kw)
     assert plan.needed_bytes == mem.used_bytes, (plan, mem)
-    if policy is None:
-        assert plan.allocated_bytes == mem.allocated_bytes, (plan, mem)
+    assert plan.allocated_bytes == mem.allocated_bytes, (plan, mem)
     if policy == "recent":
         assert policies["recent"].observed  # the decoder showed it the queries
 

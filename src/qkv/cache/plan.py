@@ -10,8 +10,8 @@ each storage: dynamic contiguous buffers hold every row at the longest row's len
 grow by doubling, with an int64 position per slot; static buffers hold ``max_len`` slots per row (rings of
 ``W + rollback`` for sliding layers); paged storage holds ``ceil(tokens / block_size)`` blocks per row and
 group (sliding groups at most the blocks that cover ``W + rollback`` tokens); quantized layers as their
-quantizer says (``Quantizer.allocated_for``). Evicting layers count the bytes they hold (their buffers'
-spare capacity is not planned).
+quantizer says (``Quantizer.allocated_for``); evicting layers as the store their policy gives them says
+(``Store.planned_bytes``, the bytes held when a store does not say).
 
 Example:
     >>> import torch
@@ -215,8 +215,10 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
         if quant is not None and type(spec) is FullSpec:  # rows in lockstep: each holds the longest row's slots
             needed = sum(quant.bytes_for(spec, n, dtype) for n in kept)
             alloc = B * quant.allocated_for(spec, max(kept), dtype)
-        elif policy is not None and policy.token_cap(spec, new_tokens) is not None:
-            alloc = needed
+        elif policy is not None and (store := policy.store_for(spec, layer=f"layer {i}")) is not None:
+            peak = max(longest - new_tokens, max(kept))  # the prompt is held whole until the first eviction
+            alloc = store.planned_bytes(batch=B, peak=peak, spec=spec, dtype=dtype)
+            alloc = needed if alloc is None else alloc
         elif isinstance(spec, CrossSpec):
             alloc = B * spec.source_len * row
         elif isinstance(storage, Paged):

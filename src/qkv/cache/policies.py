@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .specs import FullSpec, LayerSpec, SinkSpec
+from .specs import FullSpec, LayerSpec, SinkSpec, element_bytes
 from .storage import RopeStore, Store
 
 __all__ = ["StreamingLLM", "H2O", "SnapKV", "SinkStore", "HeadwiseStore"]
@@ -225,6 +225,13 @@ class HeadwiseStore(Store):
     def held(self):
         return self.end
 
+    def planned_bytes(self, *, batch: int, peak: int, spec, dtype) -> float:
+        """Keys, values, an int64 position and a float32 score per head and slot; slots grow by doubling
+        from 16 to cover the most tokens held at once."""
+        slots = 0 if peak == 0 else max(16, 1 << (peak - 1).bit_length())
+        eb = element_bytes(dtype)
+        return batch * slots * spec.n_kv_heads * ((spec.head_dim + spec.dv) * eb + 8 + 4)
+
 
 def _topk_sorted(score: torch.Tensor, k: int) -> torch.Tensor:
     return score.topk(k, dim=-1).indices.sort(dim=-1).values
@@ -353,3 +360,6 @@ class SinkStore(RopeStore):
 
     def held(self):
         return self.inner.held()
+
+    def planned_bytes(self, *, batch: int, peak: int, spec, dtype) -> float:
+        return self.inner.planned_bytes(batch=batch, peak=peak, spec=spec, dtype=dtype)

@@ -130,6 +130,11 @@ class Store:
         for an exact one."""
         return None
 
+    def planned_bytes(self, *, batch: int, peak: int, spec, dtype) -> float | None:
+        """Bytes this kind of store allocates for ``batch`` rows whose most tokens held at once is ``peak``
+        (for :func:`qkv.cache.plan_memory`); None when it does not say."""
+        return None
+
     @property
     def batch(self) -> int | None:
         return None
