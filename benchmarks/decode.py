@@ -149,7 +149,7 @@ def quantized(suite: Suite, prompt: int, steps: int) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, threads=1)  # the published configuration
     quick = args.quick
     repeat = args.repeat or (2 if quick else 5)
     ctx = dict(model="DecoderLM tiny-llama d256 L4 H4 KV2", dtype="float32", threads=torch.get_num_threads())

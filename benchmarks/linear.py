@@ -219,7 +219,7 @@ def report_targets(Ns: list[int], N_rec: int, contexts: list[int], ctx: dict, re
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], threads=1)  # the published configuration
     quick = args.quick
     repeat = args.repeat or (3 if quick else 7)
     Ns = [1024, 4096] if quick else [4096, 16384, 32768, 65536]
