@@ -120,8 +120,9 @@ def main(argv=None) -> None:
                   **ctx)
     dispatch(table, shapes, args.repeat or (5 if args.quick else 31), args.cpu_time)
     table.note(f"Target: at most {DISPATCH_TARGET_US:g} us over the direct SDPA call in every repeat, with and "
-               "without a mask (qkv_over_sdpa_us: the median, then the lowest and highest repeat of timed blocks). noise_us "
-               "is the median gap between two identical SDPA blocks: below it a difference is not resolved.")
+               "without a mask (qkv_over_sdpa_us: the median, then the lowest and highest repeat of timed "
+               "blocks). noise_us is the median gap between two identical SDPA blocks: below it a difference "
+               "is not resolved.")
     table.finish()
 
 
