@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml
 # Lint first: a lint failure fails `make test` (and CI, which runs it).
 test: install
 	$(VENV)/bin/ruff check src tests benchmarks examples
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m "not slow"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 test-slow: install
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m slow
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m slow
 
 demo: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv demo
