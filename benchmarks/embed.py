@@ -142,6 +142,7 @@ def main(argv=None) -> None:
         a = enc.encode(sub)
         b = torch.from_numpy(st.encode(sub, batch_size=32))
     cos = float(nn.functional.cosine_similarity(a, b).min())
+    suite.ctx["min_cosine_vs_st"] = cos
     suite.note(f"Agreement on the {sub_n}-sentence subset: min cosine similarity qkv vs sentence-transformers = "
                f"{cos:.7f}.")
 

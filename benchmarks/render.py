@@ -59,7 +59,9 @@ def machine(payloads: list[dict]) -> list[str]:
     def values(key: str) -> str:
         return ", ".join(sorted({str(c[key]) for c in ctxs if key in c})) or "?"
 
-    return [f"- Run: {dates[0]} to {dates[-1]} (UTC)" if dates else "- Run: ?",
+    walls = {p["suite"].split("_")[0]: p["wall_s"] for p in payloads if "wall_s" in p}  # one per script
+    took = f", {sum(walls.values()) / 60:.1f} minutes of suites" if walls else ""
+    return [f"- Run: {dates[0]} to {dates[-1]} (UTC){took}" if dates else "- Run: ?",
             f"- Machine: {values('cpu')}, {values('cpu_count')} CPUs, device {values('device')}",
             f"- torch {values('torch')}, Python {values('python')}, qkv {values('qkv')}"]
 
@@ -82,7 +84,8 @@ def render(results: Path) -> str:
         out += ["Context: " + ", ".join(f"{k}={v}" for k, v in ctx.items()), ""]
         out += table(p) + [""]
         out += [n for n in p.get("notes", [])] + ([""] if p.get("notes") else [])
-        out += [f"Raw: `benchmarks/results/{path.name}`", ""]
+        wall = f" (the suite's script ran {p['wall_s']:.0f} s)" if "wall_s" in p else ""
+        out += [f"Raw: `benchmarks/results/{path.name}`{wall}", ""]
         missed += [f"{p['suite']}: " + ", ".join(f"{k}={fmt(v)}" for k, v in r.items() if not isinstance(v, dict)
                                                   and k != "target")
                    for r in p.get("rows", []) if r.get("target") == "missed"]
