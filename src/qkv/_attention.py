@@ -79,7 +79,8 @@ def _choose(req: Request, backend: str):
         return impl
     # Small problems (decode steps, short sequences): the fused kernel wins and estimating every backend's
     # cost (block maps, compile caches) would cost more than the attention itself.
-    if req.B * req.Hq * req.Nq * req.Nk <= SMALL_PROBLEM:
+    qs = req.q.shape
+    if qs[0] * qs[1] * qs[2] * req.k.shape[2] <= SMALL_PROBLEM:
         sdpa = _backends.get("sdpa")
         if sdpa.decline(req) is None:
             return sdpa

@@ -26,7 +26,7 @@ __all__ = ["SDPABackend"]
 def _is_causal_flag(req: Request) -> bool:
     """True when the mask is exactly torch's ``is_causal`` (top-left aligned lower triangle)."""
     m = req.mask
-    return isinstance(m, Causal) and (m.align == "top_left" or req.Nq == req.Nk)
+    return type(m) is Causal and (m.align == "top_left" or req.q.shape[2] == req.k.shape[2])
 
 
 @lru_cache(maxsize=32)
@@ -42,7 +42,7 @@ def _mask_tensor(req: Request):
     """The boolean ``attn_mask`` for ``req.mask`` (``None`` when it allows every pair), built cheaply for
     bottom-right causal masks: one query sees every key, and the decode shapes reuse a cached one."""
     m = req.mask
-    if isinstance(m, Causal) and m.align == "bottom_right":
+    if type(m) is Causal and m.align == "bottom_right":
         if req.Nq == 1 and req.Nk >= 1:
             return None
         if torch.compiler.is_compiling():  # a traced graph must not capture a cached tensor
