@@ -141,7 +141,8 @@ def bench_recurrent(N: int, C: int, repeat: int, ctx: dict, results: dict) -> No
     with torch.no_grad():
         t_chunk = time_fn(lambda: linear_attention_chunked(q, k, v, causal=True, chunk_size=C), repeat=repeat)
         t_loop = time_fn(lambda: linear_attention_recurrent(q, k, v), warmup=1, repeat=3)
-        diff = linear_attention_chunked(q, k, v, causal=True, chunk_size=C) - linear_attention_recurrent(q, k, v)
+        diff = (linear_attention_chunked(q, k, v, causal=True, chunk_size=C).out
+                - linear_attention_recurrent(q, k, v).out)
     results["recurrent_ratio"] = t_loop / t_chunk
     suite.add({"N": N}, {"chunked_ms": t_chunk * 1e3, "recurrent_ms": t_loop * 1e3,
                          "recurrent_us_per_token": t_loop / N * 1e6, "speedup": t_loop / t_chunk,
