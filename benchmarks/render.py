@@ -91,8 +91,7 @@ def render(results: Path) -> str:
         out += [n for n in p.get("notes", [])] + ([""] if p.get("notes") else [])
         wall = f" (the suite's script ran {p['wall_s']:.0f} s)" if "wall_s" in p else ""
         out += [f"Raw: `benchmarks/results/{path.name}`{wall}", ""]
-        missed += [f"{p['suite']}: " + ", ".join(f"{k}={fmt(v)}" for k, v in r.items() if not isinstance(v, dict)
-                                                  and k != "target")
+        missed += [f"{p['suite']}: " + ", ".join(f"{k}={fmt(v)}" for k, v in r.items() if k != "target")
                    for r in p.get("rows", []) if _missed(r)]
     out += ["## Targets missed", ""] + ([f"- {m}" for m in missed] or ["None."]) + [""]
     return "\n".join(out)
