@@ -113,3 +113,14 @@ def test_fast_path_accepts_int_and_numpy_scale():
     a = qkv.attention(x, x, x, scale=1)
     torch.testing.assert_close(qkv.attention(x, x, x, scale=np.float64(1.0)), a)
     torch.testing.assert_close(qkv.attention(x, x, x, scale=torch.tensor(1.0)), a)
+
+
+def test_large_chunk_masks_are_not_kept():
+    """A long chunked prefill asks for a new (Nq, Nk) each chunk: masks past 1 Mi elements are built, not cached."""
+    sdpa_mod._bottom_right_causal.cache_clear()
+    q = torch.randn(1, 1, 600, 4)
+    k = v = torch.randn(1, 1, 2000, 4)
+    qkv.attention(q, k, v, mask=qkv.masks.causal(), backend="sdpa")
+    assert sdpa_mod._bottom_right_causal.cache_info().currsize == 0
+    qkv.attention(q[:, :, :3], k, v, mask=qkv.masks.causal(), backend="sdpa")
+    assert sdpa_mod._bottom_right_causal.cache_info().currsize == 1

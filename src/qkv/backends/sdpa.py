@@ -29,6 +29,9 @@ def _is_causal_flag(req: Request) -> bool:
     return type(m) is Causal and (m.align == "top_left" or req.q.shape[2] == req.k.shape[2])
 
 
+_CACHED_MASK_ELEMENTS = 1 << 20
+
+
 @lru_cache(maxsize=32)
 def _bottom_right_causal(nq: int, nk: int, device: torch.device) -> torch.Tensor:
     """(nq, nk) bool: query row ``i`` sees keys ``j <= i + nk - nq``. Cached: a decode loop asks for the
@@ -45,7 +48,8 @@ def _mask_tensor(req: Request):
     if type(m) is Causal and m.align == "bottom_right":
         if req.Nq == 1 and req.Nk >= 1:
             return None
-        if torch.compiler.is_compiling():  # a traced graph must not capture a cached tensor
+        # Cache only small masks (at most 32 x 1 MiB held), and never inside a traced graph.
+        if req.Nq * req.Nk > _CACHED_MASK_ELEMENTS or torch.compiler.is_compiling():
             return torch.ones(req.Nq, req.Nk, dtype=torch.bool, device=req.device).tril_(req.Nk - req.Nq)
         return _bottom_right_causal(req.Nq, req.Nk, req.device)
     return m.dense(req.B, req.Hq, req.Nq, req.Nk, device=req.device)
