@@ -19,17 +19,21 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[all]"
 	touch $(STAMP)
 
+# Lint first: a lint failure fails `make test` (and CI, which runs it).
 test: install
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m "not slow"
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 
 test-slow: install
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m slow
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m slow
 
 demo: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv demo
 
+# Every suite at its published defaults, JSON into benchmarks/results/, then RESULTS.md generated from it.
 bench: install
-	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv bench
+	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv bench --out benchmarks/results
+	$(PY) benchmarks/render.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -9,6 +9,14 @@ Usage inside a suite::
     t_qkv = time_fn(lambda: qkv.attention(q, k, v))
     suite.add({"N": 1024, "causal": True}, {"qkv_ms": t_qkv * 1e3, ...})
     suite.finish()   # prints a table, writes benchmarks/out/dense.json and dense.md
+
+Ratios carry their spread: ``time_interleaved(..., samples=True)`` keeps every repeat, ``ratio(a, b)``
+turns two paired sample lists into ``{"median", "min", "max"}`` over the repeats, and ``target(...)``
+calls a target met only when the slowest repeat meets it. ``benchmarks/render.py`` reads these fields.
+
+Each suite's command-line defaults are its published configuration (threads, clock, repeats, sizes), so
+``python benchmarks/SUITE.py`` and ``make bench`` reproduce the tables in ``RESULTS.md``; ``--quick`` is
+the smallest size, which the test suite runs.
 """
 
 from __future__ import annotations
@@ -29,17 +37,24 @@ import torch
 OUT_DIR = Path(os.environ.get("QKV_BENCH_OUT", Path(__file__).resolve().parent / "out"))
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """Common flags: ``--quick`` (smoke run), ``--repeat``, ``--threads`` and ``--cpu-time``.
+def parse_args(description: str, argv: list[str] | None = None, *, threads: int | None = None,
+               cpu_time: bool = False) -> argparse.Namespace:
+    """Common flags: ``--quick`` (smoke run), ``--repeat``, ``--threads`` and ``--cpu-time``/``--wall-time``.
 
-    ``--threads`` is applied here (``torch.set_num_threads``) so every suite honours it alike.
+    ``threads`` and ``cpu_time`` are the suite's published defaults. ``--threads`` is applied here
+    (``torch.set_num_threads``) so every suite honours it alike.
     """
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     p.add_argument("--repeat", type=int, default=None, help="timed repeats per case (median is reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with the process CPU clock (with --threads 1: robust on a shared, loaded machine)")
+    p.add_argument("--threads", type=int, default=threads,
+                   help="torch threads " + (f"(default: {threads})" if threads else "(default: torch's own)"))
+    clock = p.add_mutually_exclusive_group()
+    clock.add_argument("--cpu-time", dest="cpu_time", action="store_true", default=cpu_time,
+                       help="time with the process CPU clock (with --threads 1: robust on a shared, loaded machine)"
+                       + (" (default)" if cpu_time else ""))
+    clock.add_argument("--wall-time", dest="cpu_time", action="store_false",
+                       help="time with the wall clock" + ("" if cpu_time else " (default)"))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,22 +82,52 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, min_time
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7,
-                     cpu: bool = False) -> dict[str, float]:
-    """Median seconds per named callable, running them round-robin so drift hits all of them alike.
+                     cpu: bool = False, number: int = 1, samples: bool = False) -> dict[str, Any]:
+    """Median seconds per call of each named callable, running them round-robin so drift hits all alike.
 
-    ``cpu=True`` reads the process CPU clock instead of the wall clock.
+    ``cpu=True`` reads the process CPU clock instead of the wall clock. ``number`` calls are timed
+    together per repeat (for calls of microseconds). ``samples=True`` returns every repeat's seconds per
+    call (a list per name, paired across names by index) instead of the medians.
     """
     clock = time.process_time if cpu else time.perf_counter
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
             t0 = clock()
-            fn()
-            samples[name].append(clock() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
+            for _ in range(number):
+                fn()
+            times[name].append((clock() - t0) / number)
+    if samples:
+        return times
+    return {name: statistics.median(s) for name, s in times.items()}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """``{"median", "min", "max", "n"}`` of per-repeat values: what ``render.py`` prints as a range."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def ratio(num: list[float], den: list[float]) -> dict[str, float]:
+    """The spread of per-repeat ratios ``num[i] / den[i]`` of two paired sample lists."""
+    if len(num) != len(den) or not num:
+        raise ValueError(f"ratio: need paired, non-empty samples, got {len(num)} and {len(den)}")
+    return spread([a / b for a, b in zip(num, den)])
+
+
+def target(value: dict[str, float] | float, op: str, threshold: float) -> str:
+    """``"met"`` when every repeat meets ``value op threshold`` (``op`` is ``"<="`` or ``">="``), else
+    ``"missed"``: the slowest repeat decides, not the median."""
+    if op not in ("<=", ">="):
+        raise ValueError(f"target: op must be '<=' or '>=', got {op!r}")
+    if isinstance(value, dict):
+        worst = value["max"] if op == "<=" else value["min"]
+    else:
+        worst = value
+    ok = worst <= threshold if op == "<=" else worst >= threshold
+    return "met" if ok else "missed"
 
 
 def gemm_rate(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024) -> float:
@@ -213,6 +258,8 @@ class Suite:
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, dict) and "median" in v:
+        return f"{_fmt(v['median'])} [{_fmt(v['min'])}, {_fmt(v['max'])}]"
     if isinstance(v, float):
         if v == 0 or 1e-3 <= abs(v) < 1e5:
             return f"{v:.3f}"

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     thread_counts = ([int(t) for t in args.threads.split(",")] if args.threads
                      else list(dict.fromkeys([default, 1])))
     n_prompt, n_new = (16, 16) if args.quick else (64, 64)
-    repeat = args.repeat or 2
+    repeat = args.repeat or (2 if args.quick else 5)  # 5 interleaved repeats: the published configuration
     import transformers
 
     suite = Suite("generate", "greedy decode tokens/s, qkv vs HF transformers generate (same weights)",

@@ -128,8 +128,8 @@ def measure(module: LatentAttention, n: int, *, rate: float, bandwidth: float, r
 
 def main(argv=None) -> None:
     args = parse_args(__doc__, argv)
-    contexts = [1024, 4096] if args.quick else [4096, 32768]
-    repeat = args.repeat or (3 if args.quick else 5)
+    contexts = [256] if args.quick else [4096, 32768]
+    repeat = args.repeat or (2 if args.quick else 5)
     torch.manual_seed(0)
     cfg = LatentConfig(**CONFIG)
     rate, bandwidth = gemm_rate(), copy_bandwidth()

@@ -13,3 +13,20 @@ def test_masks_and_kv_table_steps():
 
 def test_operator_step_agrees_with_float64():
     assert demo.step_operator()["max_error"] < 1e-5
+
+
+def test_outputs_go_under_the_working_directory(tmp_path, monkeypatch):
+    """Run from any directory, ``qkv demo`` writes under ``./qkv-out`` there (or ``--out``)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from qkv.cli import _register, app
+
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda out: seen.append(Path(out).resolve()) or {})
+    monkeypatch.chdir(tmp_path)
+    _register()
+    assert CliRunner().invoke(app, ["demo"]).exit_code == 0
+    assert CliRunner().invoke(app, ["demo", "--out", "there"]).exit_code == 0
+    assert seen == [tmp_path / "qkv-out", tmp_path / "there"], seen

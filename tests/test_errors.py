@@ -65,7 +65,7 @@ def test_import_is_light():
     assert out.strip() == "[]"
 
 
-def test_budget_helper_fails_when_it_should():
+def test_budget_helper_fails_when_it_should():  # more in test_testing.py
     from qkv.testing import assert_within_budget, budget
 
     ref = torch.randn(100, dtype=torch.float64)

@@ -3,7 +3,10 @@
 Every numerical check is an error budget (qkv.testing): Flex's error against the float64 reference must
 be within k times the error of the reference backend run in the same dtype. Flex compiles one kernel per
 signature (5-10 s each on CPU, ~40 s for the first in a cold process), so the unmarked tests compile
-three kernels, each serving several checks; the rest of the matrix is ``@pytest.mark.slow``. On CPU
+seven kernels, each serving several checks (``CI_SUBSET`` folds the matrix's document, Longformer and
+BigBird masks, fully masked rows, MQA, fp16 softcap, relative and tensor bias, a per-head dense mask in
+bf16 and Nq = 1 into four), all on one xdist worker (``xdist_group``) so the first compile is paid once;
+the full matrix is ``@pytest.mark.slow``. On CPU
 FlexAttention is inference-only (no backward, no log-sum-exp; the backend declines those), so gradient
 and lse checks run where CUDA is present.
 """
@@ -24,6 +27,8 @@ from qkv.backends.flex import BLOCK_SIZE, to_block_mask
 from qkv.masks.base import EMPTY, FULL, PARTIAL
 from qkv.masks.causal import SlidingWindow
 from qkv.testing import assert_within_budget
+
+pytestmark = pytest.mark.xdist_group("flex")  # one worker pays the first compile for every kernel here
 
 FLEX = qkv.backends.get("flex")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -314,6 +319,45 @@ def _matrix():
 
 
 MATRIX = _matrix()
+
+
+def _ci_subset():
+    g = torch.Generator().manual_seed(11)
+    ids = torch.sort(torch.randint(0, 4, (2, 192), generator=g), dim=1).values
+    q_ids = ids.clone()
+    q_ids[1, :50] = 99  # 50 query rows of batch 1 carry an id no key has: fully masked rows
+    rel = lambda t: mods.relative_bias(t["table"], lambda d: d.clamp(-8, 8) + 8)  # Shaw clipping
+    return {
+        # name: (B, Hq, Hkv, Nq, Nk, D, Dv, dtype, mask, make_mod, extra)
+        "document-q_ids-empty-rows-MQA-tensor_bias": (
+            2, 4, 1, 192, 192, 32, 32, torch.float32, M.document(ids, q_ids=q_ids), lambda t: mods.bias(t["bias"]),
+            {"bias": torch.randn(2, 1, 192, 192, generator=g, dtype=torch.float64)}),
+        "longformer-softcap-fp16": (1, 4, 2, 256, 256, 64, 64, torch.float16,
+                                    M.sliding_window(32, 32) | M.global_tokens([0, 130]),
+                                    lambda t: mods.softcap(5.0), {}),
+        "bigbird-relative_bias": (1, 4, 4, 256, 256, 32, 32, torch.float32, M.bigbird(64, seed=1), rel,
+                                  {"table": torch.randn(17, 4, generator=g, dtype=torch.float64)}),
+        "head-dependent-dense-Nq1-D80-Dv48-bf16": (2, 2, 2, 1, 300, 80, 48, torch.bfloat16,
+                                                   M.dense(torch.rand(2, 2, 1, 300, generator=g) < 0.3), None, {}),
+    }
+
+
+CI_SUBSET = _ci_subset()
+
+
+@needs_flex
+@pytest.mark.parametrize("name", list(CI_SUBSET))
+def test_flex_equals_reference_ci_subset(name):
+    """Four kernels that together cover every kind of case in the slow matrix (small shapes)."""
+    B, Hq, Hkv, Nq, Nk, D, Dv, dtype, mask, make_mod, extra = CI_SUBSET[name]
+    qkv64 = inputs(B, Hq, Hkv, Nq, Nk, D, Dv, seed=len(name))
+    extra = {n: t.to(DEVICE) for n, t in extra.items()}
+    out = check(qkv64, dtype=dtype, mask=mask, make_mod=make_mod, extra=extra,
+                what=f"{name} {sid(B, Hq, Hkv, Nq, Nk, D, Dv, dtype)}")
+    allowed = mask.dense(B, Hq, Nq, Nk, device=DEVICE).any(-1).expand(B, Hq, Nq)
+    if "empty-rows" in name:
+        assert bool((~allowed).any()), "the case must have fully masked rows"
+    assert bool((out[~allowed] == 0).all()), "fully masked rows must be zeros"
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """Masks: materialize, block maps (exact where analytic), sparsity, drawings, composition, errors."""
 
+import copy
+
 import pytest
 import torch
 
@@ -47,20 +49,40 @@ def test_block_map_agrees_with_dense(kind, nq, nk, bq, bk):
         assert torch.equal(bm == FULL, all_) and torch.equal(bm == EMPTY, ~any_), "analytic block map not exact"
 
 
-def test_block_map_is_analytic_for_structured_masks():
-    """Block maps of analytic masks never evaluate the predicate (so cost is O(tiles))."""
-    calls = []
+def _counting(mask: M.Mask, calls: list) -> M.Mask:
+    """The same mask, as a subclass of its own class whose predicate records each call."""
+    cls = type(mask)
+    counting = type(f"Counting{cls.__name__}", (cls,), {
+        "allowed": lambda self, *a: calls.append(cls.__name__) or cls.allowed(self, *a)})
+    spy = copy.copy(mask)
+    spy.__class__ = counting
+    return spy
 
-    class Spy(M.Mask):
-        def allowed(self, *a):
-            calls.append(1)
-            return torch.tensor(True)
 
-    for m in (M.causal(), M.sliding_window(256), M.padding([3, 100_000]), M.bigbird(64, 3, 1, 2),
-              M.strided(128), M.fixed(128, 8), M.sliding_window(64) | M.global_tokens([0, 5])):
-        bm = (m & ~(Spy() & ~Spy()) if False else m).block_map(100_000, 100_000, 128, 128)
+ANALYTIC = {
+    "causal": lambda: M.causal(),
+    "window": lambda: M.sliding_window(256),
+    "padding": lambda: M.padding([3, 100_000]),
+    "bigbird": lambda: M.bigbird(64, 3, 1, 2),
+    "strided": lambda: M.strided(128),
+    "fixed": lambda: M.fixed(128, 8),
+    "global": lambda: M.global_tokens([0, 5]),
+    "prefix": lambda: M.prefix_lm([7, 300]),
+}
+
+
+@pytest.mark.parametrize("kind", list(ANALYTIC))
+def test_block_map_is_analytic_for_structured_masks(kind):
+    """Block maps of analytic masks never evaluate the predicate (so cost is O(tiles)), alone or composed."""
+    calls: list = []
+    spy = _counting(ANALYTIC[kind](), calls)
+    other = _counting(M.sliding_window(64), calls)
+    for m in (spy, spy & other, spy | ~other, ~(spy & other) | spy):
+        bm = m.block_map(100_000, 100_000, 128, 128)
         assert bm.shape[-2:] == (782, 782)
-    assert not calls
+        assert not calls, f"{m!r}: block_map evaluated the predicate of {calls}"
+    (spy | ~other).materialize(2, 1, 4, 100_000)  # the control: the spies are wired into the composition
+    assert sorted(set(calls)) == sorted({type(ANALYTIC[kind]()).__name__, "SlidingWindow"}), calls
 
 
 def test_window_sparsity_and_draw():

@@ -223,8 +223,8 @@ def test_backends_agree_within_budget(scheme):
     attn64.backend = "reference"
     want = attn64(x.double(), mask=mask).out
     attn.backend = "reference"
-    base = attn(x, mask=mask).out
-    for backend in _backends():
+    base = attn(x, mask=mask).out  # the float32 eager baseline; the reference backend is not a candidate here
+    for backend in [b for b in _backends() if b != "reference"]:
         attn.backend = backend
         assert_within_budget(attn(x, mask=mask).out, want, base, what=f"{scheme} on {backend}")
 

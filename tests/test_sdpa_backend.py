@@ -5,7 +5,7 @@ import torch
 
 import qkv
 from _helpers import DTYPES, eager_same_dtype, make_qkv, mask_catalogue, reference64, shape_id
-from qkv.testing import assert_within_budget
+from qkv.testing import DEFAULT_FLOOR, assert_within_budget
 
 MASK_KINDS = list(mask_catalogue(2, 8, 8))
 
@@ -24,8 +24,11 @@ def _check(B, Hq, Hkv, Nq, Nk, D, Dv, dtype, mask_kind, score_mod=None, grad=Tru
         ref.backward(g)
         out.backward(g.to(dtype))
         base.backward(g.to(dtype))
+        # A gradient that is exactly zero in float64 (a query that sees one key has dq = 0) is still held to
+        # rounding at the problem's gradient scale, not at 1: the floor scales with the largest gradient.
+        scale = max(1.0, *(float(m.grad.abs().max()) for m in master if m.grad.numel()))
         for name, m, c, b in zip("qkv", master, cast, base_in):
-            assert_within_budget(c.grad, m.grad, b.grad, what=f"{backend} d{name}")
+            assert_within_budget(c.grad, m.grad, b.grad, floor=DEFAULT_FLOOR[dtype] * scale, what=f"{backend} d{name}")
 
 
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)

@@ -37,11 +37,11 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _peak_growth(mask_name: str, backward: bool) -> dict:
+def _peak_growth(mask_name: str, backward: bool, n: int = N) -> dict:
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _SCRIPT, str(N), mask_name, "1" if backward else "0"],
+    res = subprocess.run([sys.executable, "-c", _SCRIPT, str(n), mask_name, "1" if backward else "0"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -51,6 +51,16 @@ def test_forward_memory_sliding_window_16k():
     r = _peak_growth("window", backward=False)
     assert r["finite"]
     assert r["growth"] < SCORE_MATRIX_BYTES / 8, f"peak grew {r['growth'] / 2**20:.0f} MiB; limit 128 MiB"
+
+
+def test_forward_backward_memory_causal_8k():
+    """The CI size of the test below: at N = 8192 one (N, N) float32 matrix is 256 MiB, and an implementation
+    that kept the scores (or probabilities) for backward would grow by at least that much."""
+    n = 8192
+    r = _peak_growth("causal", backward=True, n=n)
+    assert r["finite"]
+    limit = n * n * 4 / 2
+    assert r["growth"] < limit, f"peak grew {r['growth'] / 2**20:.0f} MiB; limit {limit / 2**20:.0f} MiB"
 
 
 @pytest.mark.slow

@@ -145,7 +145,9 @@ def _reference_curves(task: str, position: str, extra: tuple) -> tuple[torch.Ten
     return truth, torch.tensor(train(backend="reference", **kw)[0])
 
 
-BACKENDS = [b for b in ("reference", "sdpa", "tiled") if b in qkv.backends.names()]
+# The reference backend is the baseline (float32) and the truth (float64), so it is not a candidate here: a
+# run compared with itself cannot fail. It is checked against independent code in test_reference.py.
+BACKENDS = [b for b in ("sdpa", "tiled") if b in qkv.backends.names()]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -155,7 +157,7 @@ BACKENDS = [b for b in ("reference", "sdpa", "tiled") if b in qkv.backends.names
     ("encoder-decoder", "t5", {}),                  # T5 buckets, cross attention with source padding
 ], ids=["encoder-alibi-padding", "decoder-rope-gqa", "seq2seq-t5-padding"])
 def test_backends_give_the_same_loss_curve(task, position, extra, backend):
-    assert {"reference", "sdpa"} <= set(BACKENDS)
+    assert "sdpa" in BACKENDS and "reference" in qkv.backends.names()
     truth, baseline = _reference_curves(task, position, tuple(sorted(extra.items())))
     got = torch.tensor(_run_or_skip(backend, task=task, position=position, steps=10, padded=True, **extra))
     assert torch.isfinite(got).all()

@@ -12,6 +12,7 @@ import torch
 from . import backends as _backends
 from ._request import Request, build_request
 from .backends.base import Estimate
+from .masks.causal import Causal
 
 __all__ = ["attention", "explain", "Explanation", "SMALL_PROBLEM"]
 
@@ -67,9 +68,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
 
 
 def _choose(req: Request, backend: str):
-    if not isinstance(backend, str):
-        raise TypeError(f"attention: backend must be a string, got {type(backend).__name__}")
     if backend != "auto":
+        if not isinstance(backend, str):
+            raise TypeError(f"attention: backend must be a string, got {type(backend).__name__}")
         impl = _backends.get(backend)
         reason = impl.decline(req)
         if reason is not None:
@@ -78,10 +79,16 @@ def _choose(req: Request, backend: str):
         return impl
     # Small problems (decode steps, short sequences): the fused kernel wins and estimating every backend's
     # cost (block maps, compile caches) would cost more than the attention itself.
-    if req.B * req.Hq * req.Nq * req.Nk <= SMALL_PROBLEM:
+    qs = req.q.shape
+    if qs[0] * qs[1] * qs[2] * req.k.shape[2] <= SMALL_PROBLEM:
         sdpa = _backends.get("sdpa")
         if sdpa.decline(req) is None:
             return sdpa
+    key = _decision_key(req)
+    if key is not None:
+        name = _decisions.get(key)
+        if name is not None:
+            return _backends.get(name)
     best, best_cost = None, float("inf")
     for name in _backends.names():
         impl = _backends.get(name)
@@ -90,7 +97,26 @@ def _choose(req: Request, backend: str):
             if cost < best_cost:
                 best, best_cost = impl, cost
     assert best is not None, "the reference backend accepts every valid request"
+    if key is not None:
+        if len(_decisions) >= _MAX_DECISIONS:
+            _decisions.clear()
+        _decisions[key] = best.name
     return best
+
+
+# auto's choice for requests whose cost depends on shapes alone (no mask or a causal one, no modifier):
+# a long decode loop asks the same question every layer and step. Keyed on the backends' generation, which
+# moves when one is registered or compiles a kernel.
+_decisions: dict[tuple, str] = {}
+_MAX_DECISIONS = 1024
+
+
+def _decision_key(req: Request) -> tuple | None:
+    m = req.mask
+    if req.score_mod is not None or req.dropout_p > 0 or not (m is None or type(m) is Causal):
+        return None
+    return (_backends.generation(), None if m is None else m.align, req.q.shape, req.k.shape, req.v.shape,
+            req.dtype, req.device, req.requires_grad, req.return_lse)
 
 
 @dataclass

@@ -28,9 +28,10 @@ class AttentionOutput(NamedTuple):
     lse: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
-    """One validated call of :func:`qkv.attention`."""
+    """One validated call of :func:`qkv.attention`. Treat it as read-only (not ``frozen``: a frozen
+    dataclass's ``__init__`` costs microseconds, and one is built per attention call)."""
 
     q: torch.Tensor  # (B, Hq, Nq, Dqk)
     k: torch.Tensor  # (B, Hkv, Nk, Dqk)
@@ -99,9 +100,66 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
+
 def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
                   generator=None) -> Request:
-    """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix."""
+    """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix.
+
+    Valid calls take one combined test of shapes, dtypes and devices (attribute reads only, no tensor ops:
+    this runs on every decode step of every layer); only a failing call walks the checks one by one to
+    say what is wrong.
+    """
+    try:
+        qs, ks, vs = q.shape, k.shape, v.shape
+        dt = q.dtype
+        ok = (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+              and len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dt in _SUPPORTED
+              and k.dtype == dt and v.dtype == dt and q.device == k.device == v.device
+              and qs[0] == ks[0] == vs[0] and ks[1] == vs[1] and ks[2] == vs[2] and qs[3] == ks[3]
+              and ks[1] > 0 and qs[1] % ks[1] == 0)
+    except AttributeError:
+        ok = False
+    if not ok:
+        _raise_for_qkv(q, k, v)
+    if scale is None:
+        scale = qs[3] ** -0.5 if qs[3] > 0 else 1.0
+    elif type(scale) is not float:
+        scale = _check_scale(scale)
+    elif not math.isfinite(scale):
+        _check_scale(scale)
+    if mask is not None:
+        if not isinstance(mask, Mask):
+            hint = " (wrap a boolean tensor with qkv.masks.dense(t))" if isinstance(mask, torch.Tensor) else ""
+            raise TypeError(f"attention: mask must be a qkv.masks mask, got {type(mask).__name__}{hint}")
+        mask.check(qs[0], qs[1], qs[2], ks[2])
+    mod = None
+    if score_mod is not None:
+        mod = as_score_mod(score_mod)
+        if mod is not None:
+            mod.check(qs[0], qs[1], qs[2], ks[2])
+    if dropout_p != 0.0 or type(dropout_p) is not float:
+        if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
+        dropout_p = float(dropout_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"attention: generator must be a torch.Generator, got {type(generator).__name__}")
+    return Request(q, k, v, mask, mod, scale, bool(return_lse), dropout_p, generator)
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = float(scale)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"attention: scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"attention: scale must be finite, got {scale}; the default is head_dim ** -0.5")
+    return float(scale)
+
+
+def _raise_for_qkv(q, k, v) -> None:
+    """Walk the q/k/v checks one by one and raise the first failure with its fix."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -125,30 +183,7 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
         raise ValueError(f"attention: k and v must have the same length, got k {_shape(k)}, v {_shape(v)} (dim 2)")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"attention: q and k must have the same head dim, got q {_shape(q)}, k {_shape(k)} (dim 3)")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}) for "
-            "grouped-query attention; query head h reads kv head h // (Hq // Hkv)"
-        )
-    if scale is None:
-        scale = q.shape[3] ** -0.5 if q.shape[3] > 0 else 1.0
-    elif isinstance(scale, torch.Tensor) and scale.numel() == 1:
-        scale = float(scale)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"attention: scale must be a float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"attention: scale must be finite, got {scale}; the default is head_dim ** -0.5")
-    if mask is not None and not isinstance(mask, Mask):
-        hint = " (wrap a boolean tensor with qkv.masks.dense(t))" if isinstance(mask, torch.Tensor) else ""
-        raise TypeError(f"attention: mask must be a qkv.masks mask, got {type(mask).__name__}{hint}")
-    mod = as_score_mod(score_mod)
-    B, Hq, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    if mask is not None:
-        mask.check(B, Hq, Nq, Nk)
-    if mod is not None:
-        mod.check(B, Hq, Nq, Nk)
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"attention: generator must be a torch.Generator, got {type(generator).__name__}")
-    return Request(q, k, v, mask, mod, float(scale), bool(return_lse), float(dropout_p), generator)
+    raise ValueError(
+        f"attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}) for "
+        "grouped-query attention; query head h reads kv head h // (Hq // Hkv)"
+    )

@@ -10,11 +10,17 @@ eager computation *in the candidate's own dtype* makes against the same referenc
 where the baseline happens to be nearly exact (tiny sizes, float64 inputs); by default it is a per-dtype
 constant times ``max(1, max|reference|)``, so it stays one rounding step of the values compared.
 
+The helper refuses what would make the comparison vacuous: a reference that is not float64 (or holds
+NaN), a baseline or candidate of another shape than the reference (no silent broadcasting), and a
+baseline whose own error is non-finite or above ``baseline_ceiling`` (a baseline that disagrees in
+meaning, say a different mask, would otherwise inflate the allowance until anything passes).
+
 Example:
     >>> import torch
     >>> from qkv.testing import assert_within_budget
     >>> x = torch.randn(8, dtype=torch.float64)
-    >>> assert_within_budget(x.float() * 2, x * 2, x.float() * 2)
+    >>> assert_within_budget(x.float() * 2, x * 2, x.float() * 2).ok
+    True
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Budget", "DEFAULT_K", "DEFAULT_FLOOR", "max_error", "budget", "assert_within_budget"]
+__all__ = ["Budget", "DEFAULT_K", "DEFAULT_FLOOR", "DEFAULT_BASELINE_CEILING", "max_error", "budget",
+           "assert_within_budget"]
 
 DEFAULT_K: dict[torch.dtype, float] = {
     torch.float16: 2.0,
@@ -37,6 +44,14 @@ DEFAULT_FLOOR: dict[torch.dtype, float] = {
     torch.bfloat16: 8e-3,
     torch.float32: 1e-6,
     torch.float64: 1e-12,
+}
+#: Largest error a same-dtype baseline may plausibly have, relative to ``max(1, max|reference|)``:
+#: far above rounding (a long bf16 reduction stays below a few percent), far below a different meaning.
+DEFAULT_BASELINE_CEILING: dict[torch.dtype, float] = {
+    torch.float16: 0.25,
+    torch.bfloat16: 0.25,
+    torch.float32: 1e-2,
+    torch.float64: 1e-6,
 }
 
 
@@ -78,29 +93,44 @@ def max_error(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Tensor, *,
-           k: float | None = None, floor: float | None = None) -> Budget:
+           k: float | None = None, floor: float | None = None, baseline_ceiling: float | None = None) -> Budget:
     """Measure ``candidate`` against the float64 ``reference`` with the allowance set by ``baseline``.
 
     Args:
         candidate: the result under test, any dtype.
         reference: the float64 result of the specification (e.g. the reference backend on
             float64 inputs). Same shape as ``candidate``.
-        baseline: a plain eager computation in the candidate's dtype on the same inputs.
+        baseline: a plain eager computation in the candidate's dtype on the same inputs, same shape.
         k: multiplier on the baseline error; defaults by the candidate's dtype (``DEFAULT_K``).
         floor: absolute allowance added; defaults to ``DEFAULT_FLOOR[dtype] * max(1, max|reference|)``.
+        baseline_ceiling: the largest absolute error the baseline may have against the reference; defaults
+            to ``DEFAULT_BASELINE_CEILING[baseline dtype] * max(1, max|reference|)``. Pass ``math.inf`` to
+            turn the check off.
+
+    Raises:
+        TypeError: the reference is not float64.
+        ValueError: candidate, reference and baseline differ in shape.
+        AssertionError: the reference holds NaN, or the baseline's error is non-finite or above the ceiling
+            (the allowance it sets would mean nothing).
     """
+    if reference.dtype != torch.float64:
+        raise TypeError(f"budget: the reference must be float64 (the specification's exact result), got "
+                        f"{reference.dtype}; compute it on .double() inputs")
     if candidate.shape != reference.shape:
         raise ValueError(
             f"candidate shape {tuple(candidate.shape)} != reference shape {tuple(reference.shape)}"
         )
+    if baseline.shape != reference.shape:
+        raise ValueError(f"baseline shape {tuple(baseline.shape)} != reference shape {tuple(reference.shape)}; "
+                         "the baseline must be the same computation as the candidate, not a broadcast")
     dtype = candidate.dtype if candidate.dtype in DEFAULT_K else torch.float32
     k = DEFAULT_K[dtype] if k is None else k
+    finite = reference[torch.isfinite(reference)].detach()
+    scale = max(1.0, float(finite.abs().max()) if finite.numel() else 1.0)
     if floor is None:
         # The floor is one rounding step at the reference's scale: gradients reach |g| >> 1, where a fixed
         # absolute floor would be smaller than a single bf16/fp16 ulp of the values compared.
-        finite = reference[torch.isfinite(reference)]
-        scale = float(finite.abs().max()) if finite.numel() else 1.0
-        floor = DEFAULT_FLOOR[dtype] * max(1.0, scale)
+        floor = DEFAULT_FLOOR[dtype] * scale
     if torch.isnan(reference).any():
         raise AssertionError("budget: the float64 reference contains NaN; a budget against it would pass vacuously")
     cand_err = max_error(candidate, reference)
@@ -108,13 +138,22 @@ def budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Ten
     if not math.isfinite(base_err):
         raise AssertionError(f"budget: the baseline's error is {base_err} (NaN or inf where the reference is finite); "
                              "the allowance would be infinite, so nothing would be tested")
+    if baseline_ceiling is None:
+        base_dtype = baseline.dtype if baseline.dtype in DEFAULT_BASELINE_CEILING else torch.float32
+        baseline_ceiling = DEFAULT_BASELINE_CEILING[base_dtype] * scale
+    if base_err > baseline_ceiling:
+        raise AssertionError(f"budget: the baseline's own error {base_err:.3e} exceeds its ceiling "
+                             f"{baseline_ceiling:.3e}: it disagrees with the reference in meaning, not rounding, "
+                             "so the allowance it sets would hide a real error")
     return Budget(cand_err, base_err, k * base_err + floor, k, floor)
 
 
 def assert_within_budget(candidate: torch.Tensor, reference: torch.Tensor, baseline: torch.Tensor, *,
-                         k: float | None = None, floor: float | None = None, what: str = "output") -> Budget:
-    """Raise ``AssertionError`` with the measured numbers when ``candidate`` exceeds its budget."""
-    b = budget(candidate, reference, baseline, k=k, floor=floor)
+                         k: float | None = None, floor: float | None = None, baseline_ceiling: float | None = None,
+                         what: str = "output") -> Budget:
+    """Raise ``AssertionError`` with the measured numbers when ``candidate`` exceeds its budget (arguments as
+    :func:`budget`)."""
+    b = budget(candidate, reference, baseline, k=k, floor=floor, baseline_ceiling=baseline_ceiling)
     if not b.ok:
         raise AssertionError(f"{what}: {b}")
     return b

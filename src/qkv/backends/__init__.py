@@ -12,7 +12,7 @@ import importlib
 
 from .base import Backend, Estimate
 
-__all__ = ["Backend", "Estimate", "get", "names", "register"]
+__all__ = ["Backend", "Estimate", "get", "names", "register", "generation", "state_changed"]
 
 # name -> "module:Class", in the order auto-dispatch lists them.
 _BUILTIN: dict[str, str] = {
@@ -22,6 +22,19 @@ _BUILTIN: dict[str, str] = {
     "reference": "qkv.backends.reference:ReferenceBackend",
 }
 _loaded: dict[str, Backend] = {}
+_generation = 0
+
+
+def generation() -> int:
+    """A counter that moves whenever a backend is registered or a backend's cost picture changes (a
+    kernel compiled): ``backend="auto"`` keeps its per-shape decisions while it stays the same."""
+    return _generation
+
+
+def state_changed() -> None:
+    """Called by a backend whose estimates just changed (it compiled a new kernel), and by ``register``."""
+    global _generation
+    _generation += 1
 
 
 def names() -> list[str]:
@@ -34,6 +47,7 @@ def register(backend: Backend) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"register: expected a qkv.backends.Backend, got {type(backend).__name__}")
     _loaded[backend.name] = backend
+    state_changed()
 
 
 def get(name: str) -> Backend:

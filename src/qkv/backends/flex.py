@@ -69,6 +69,7 @@ import torch
 from .._request import AttentionOutput, Request
 from ..masks.base import FULL, PARTIAL, Mask
 from ..mods.base import ScoreMod
+from . import state_changed
 from .base import NOMINAL_FLOPS, Backend, Estimate
 
 __all__ = ["FlexBackend", "to_block_mask", "BLOCK_SIZE"]
@@ -304,7 +305,9 @@ class FlexBackend(Backend):
                     "A mask or modifier given as a function must be traceable by torch.compile (tensor ops, no "
                     "Python branching on values); use backend='tiled' or 'reference' otherwise"
                 ) from e
-        _compiled.add(sig)
+        if sig not in _compiled:
+            _compiled.add(sig)
+            state_changed()  # this signature's estimate no longer pays compile time
         if not want_lse:
             return AttentionOutput(result, None)  # type: ignore[arg-type]
         out, aux = result

@@ -11,6 +11,9 @@ pattern). Those are declined with the reason.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+import torch
 import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request
@@ -23,7 +26,33 @@ __all__ = ["SDPABackend"]
 def _is_causal_flag(req: Request) -> bool:
     """True when the mask is exactly torch's ``is_causal`` (top-left aligned lower triangle)."""
     m = req.mask
-    return isinstance(m, Causal) and (m.align == "top_left" or req.Nq == req.Nk)
+    return type(m) is Causal and (m.align == "top_left" or req.q.shape[2] == req.k.shape[2])
+
+
+_CACHED_MASK_ELEMENTS = 1 << 20
+
+
+@lru_cache(maxsize=32)
+def _bottom_right_causal(nq: int, nk: int, device: torch.device) -> torch.Tensor:
+    """(nq, nk) bool: query row ``i`` sees keys ``j <= i + nk - nq``. Cached: a decode loop asks for the
+    same one in every layer; SDPA only reads it. Built outside inference mode so that a later call with
+    autograd may save it for backward."""
+    with torch.inference_mode(False):
+        return torch.ones(nq, nk, dtype=torch.bool, device=device).tril_(nk - nq)
+
+
+def _mask_tensor(req: Request):
+    """The boolean ``attn_mask`` for ``req.mask`` (``None`` when it allows every pair), built cheaply for
+    bottom-right causal masks: one query sees every key, and the decode shapes reuse a cached one."""
+    m = req.mask
+    if type(m) is Causal and m.align == "bottom_right":
+        if req.Nq == 1 and req.Nk >= 1:
+            return None
+        # Cache only small masks (at most 32 x 1 MiB held), and never inside a traced graph.
+        if req.Nq * req.Nk > _CACHED_MASK_ELEMENTS or torch.compiler.is_compiling():
+            return torch.ones(req.Nq, req.Nk, dtype=torch.bool, device=req.device).tril_(req.Nk - req.Nq)
+        return _bottom_right_causal(req.Nq, req.Nk, req.device)
+    return m.dense(req.B, req.Hq, req.Nq, req.Nk, device=req.device)
 
 
 class SDPABackend(Backend):
@@ -57,9 +86,7 @@ class SDPABackend(Backend):
         if req.mask is not None and _is_causal_flag(req) and req.score_mod is None:
             is_causal = True
         else:
-            allowed = None
-            if req.mask is not None:
-                allowed = req.mask.dense(req.B, req.Hq, req.Nq, req.Nk, device=req.device)
+            allowed = None if req.mask is None else _mask_tensor(req)
             if req.score_mod is not None:
                 bias = req.score_mod.dense_bias(req.B, req.Hq, req.Nq, req.Nk, dtype=req.dtype, device=req.device)
                 if allowed is not None:

@@ -3,7 +3,9 @@
 Each suite is a script that measures qkv against a peer in one process and writes JSON with the full
 context (see ``benchmarks/_harness.py``). This command runs the chosen suites one after another (so
 they do not compete for the CPU), shows progress, and writes a combined Markdown table and one PNG
-plot per suite next to the JSON.
+plot per suite next to the JSON, under ``./qkv-bench`` of the directory it is run from (or ``--out``),
+never into the source tree. ``make bench`` passes ``--out benchmarks/results`` and renders
+``benchmarks/RESULTS.md`` from there.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def summarize(results: list[dict]) -> str:
 
 
 def _fmt(v) -> str:
+    if isinstance(v, dict) and "median" in v:  # a ratio's spread over the repeats
+        return f"{_fmt(v['median'])} [{_fmt(v['min'])}, {_fmt(v['max'])}]"
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
@@ -123,7 +127,8 @@ def run_suites(names: list[str], *, quick: bool, out: Path, bench_dir: Path) -> 
                     progress.console.print(f"[red]{name} wrote no JSON into {out}[/]")
                 for path in written:
                     payload = json.loads(path.read_text())
-                    payload["wall_s"] = round(time.perf_counter() - t0, 1)
+                    payload["wall_s"] = round(time.perf_counter() - t0, 1)  # the whole script, all its tables
+                    path.write_text(json.dumps(payload, indent=2, default=str))
                     results.append(payload)
                     png = plot_suite(payload, path.with_name(f"{path.stem}_times.png"))
                     if png:
@@ -140,7 +145,7 @@ def register(app: typer.Typer) -> None:
     def bench(
         suites: list[str] = typer.Argument(None, help=f"suites to run (default: all): {', '.join(SUITES)}"),
         quick: bool = typer.Option(False, "--quick", help="small sizes and few repeats (a smoke run)"),
-        out: Path = typer.Option(None, help="output folder (default: benchmarks/out)"),
+        out: Path = typer.Option(Path("qkv-bench"), help="output folder (default: ./qkv-bench)"),
     ) -> None:
         """Run benchmark suites and write JSON, a Markdown summary and PNG plots.
 
@@ -164,7 +169,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"qkv bench: suite script(s) missing in {bench_dir}: {missing}", err=True)
             raise typer.Exit(2)
         try:
-            run_suites(names, quick=quick, out=out or bench_dir / "out", bench_dir=bench_dir)
+            run_suites(names, quick=quick, out=out.resolve(), bench_dir=bench_dir)
         except RuntimeError as e:
             typer.echo(f"qkv bench: {e}", err=True)
             raise typer.Exit(1) from None

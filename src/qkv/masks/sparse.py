@@ -55,8 +55,9 @@ class GlobalTokens(Mask):
         self.table[self.indices] = True
 
     def _is_global(self, x):
+        # Negative positions (query rows before the first key when Nq > Nk) are never global.
         t = self.table.to(x.device)
-        return t[x.clamp(0, t.numel() - 1)]
+        return t[x.clamp(0, t.numel() - 1)] & (x >= 0)
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return self._is_global(q_idx + (nk - nq)) | self._is_global(kv_idx)

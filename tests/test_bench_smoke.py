@@ -1,0 +1,127 @@
+"""Every benchmark suite runs at its smallest size (``--quick``) and its agreement fields hold: a suite
+that measures a fast wrong answer, or that no longer runs, fails here rather than at ``make bench``.
+
+Each suite runs as ``make bench`` runs it (``qkv bench``: a fresh process, JSON into an output folder);
+the test reads the JSON back and checks the fields each suite records for agreement with its peer (max
+error, cosine similarity, same tokens) and the context every number needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qkv.cli.bench import SUITES
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _rows(tables: dict, name: str) -> list[dict]:
+    assert name in tables, f"no table {name!r} among {sorted(tables)}"
+    rows = tables[name]["rows"]
+    assert rows, f"table {name!r} has no rows"
+    return rows
+
+
+def _all_below(tables, table, field, bound):
+    vals = [r[field] for r in _rows(tables, table)]
+    assert all(v < bound for v in vals), f"{table}.{field} = {vals}; agreement bound {bound}"
+
+
+def _dense(t):
+    _all_below(t, "dense", "max_abs_err", 1e-4)
+    _all_below(t, "dense_dispatch", "max_abs_err", 1e-4)
+    over = _rows(t, "dense_dispatch")[0]["qkv_over_sdpa_us"]
+    assert {"median", "min", "max", "n"} <= set(over), f"dispatch overhead must carry its spread: {over}"
+
+
+def _tiled(t):
+    _all_below(t, "tiled", "max_abs_err", 1e-4)
+
+
+def _sparse(t):
+    _all_below(t, "sparse", "max|tiled-flex|", 1e-4)
+
+
+def _linear(t):
+    _all_below(t, "linear_recurrent", "max_abs_diff", 1e-3)
+
+
+def _mla(t):
+    _all_below(t, "mla", "max_abs_diff", 1e-3)
+
+
+def _decode(t):
+    rows = {r["cache"]: r for r in _rows(t, "decode_quant")}
+    assert rows, "decode_quant lists no cache"
+    for name, r in rows.items():
+        assert r["argmax_agree_pct"] >= 90, f"{name}: argmax agrees on {r['argmax_agree_pct']}% of tokens"
+
+
+def _embed(t):
+    cos = t["embed"]["context"]["min_cosine_vs_st"]
+    assert cos > 0.9999, f"min cosine similarity qkv vs sentence-transformers {cos}"
+
+
+def _generate(t):
+    same = [r["same_tokens"] for r in _rows(t, "generate")]
+    assert all(same), f"greedy tokens differ from HF in rows {[i for i, s in enumerate(same) if not s]}"
+
+
+AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "linear": _linear, "mla": _mla,
+             "decode": _decode, "embed": _embed, "generate": _generate}
+EXTRA_ARGS = {"generate": ["--threads", "1"]}
+
+
+def test_every_suite_is_smoke_tested():
+    assert set(AGREEMENT) == set(SUITES), f"suites without agreement checks: {set(SUITES) ^ set(AGREEMENT)}"
+
+
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_suite_runs_at_smallest_size_and_agrees(suite, tmp_path):
+    env = {**os.environ, "QKV_BENCH_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, str(BENCH / SUITES[suite]), "--quick", *EXTRA_ARGS.get(suite, [])]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, f"{suite} --quick failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    tables = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert tables, f"{suite} wrote no JSON into {tmp_path}"
+    for name, payload in tables.items():
+        ctx = payload["context"]
+        missing = {"torch", "threads", "date", "device"} - set(ctx)
+        assert not missing, f"{name}: context lacks {missing}"
+    AGREEMENT[suite](tables)
+
+
+def test_renderer_writes_ranges_targets_and_context(tmp_path):
+    """``render.py`` on two hand-made suite payloads: ranges, the slowest-repeat target, machine and raw paths."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import render
+        from _harness import ratio, target
+    finally:
+        sys.path.remove(str(BENCH))
+    r = ratio([1.02, 1.04, 1.07], [1.0, 1.0, 1.0])
+    assert r["min"] == pytest.approx(1.02) and r["max"] == pytest.approx(1.07) and r["median"] == pytest.approx(1.04)
+    assert target(r, "<=", 1.05) == "missed" and target(r, "<=", 1.1) == "met"
+    assert target(r, ">=", 1.02) == "met" and target(r, ">=", 1.03) == "missed"
+    ctx = {"torch": "2.x", "cpu": "x86_64", "cpu_count": 2, "device": "cpu", "date": "2026-01-01T00:00:00+00:00",
+           "python": "3.11", "qkv": "0.1", "threads": 1}
+    for name, rows in {"dense": [{"N": 1024, "qkv/sdpa": r, "target": target(r, "<=", 1.05)}],
+                       "tiled": [{"N": 1024, "tiled/sdpa": 1.3, "target": "met"}]}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"suite": name, "description": "d", "context": ctx,
+                                                           "rows": rows, "notes": ["a note"], "wall_s": 60.0}))
+    out = tmp_path / "RESULTS.md"
+    render.main(["--results", str(tmp_path), "--out", str(out)])
+    md = out.read_text()
+    assert "| 1024 | 1.040 [1.020, 1.070] | missed |" in md, md
+    assert "torch 2.x" in md and "2 CPUs" in md and "2.0 minutes of suites" in md
+    assert md.index("## dense") < md.index("## tiled") and "Raw: `benchmarks/results/dense.json`" in md
+    assert "## Targets missed" in md and "- dense: N=1024" in md
+    with pytest.raises(FileNotFoundError, match="no suite JSON"):
+        render.render(tmp_path / "empty")
