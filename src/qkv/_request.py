@@ -15,9 +15,11 @@ import torch
 from .masks.base import Mask
 from .mods.base import ScoreMod, as_score_mod
 
-__all__ = ["AttentionOutput", "Request", "build_request", "SUPPORTED_DTYPES"]
+__all__ = ["AttentionOutput", "Request", "build_request", "SUPPORTED_DTYPES", "LAYOUT_NAMES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The layouts ``qkv.attention(..., layout=)`` reads q, k, v (and writes ``out``) in.
+LAYOUT_NAMES = {"bhnd": "(B, H, N, D)", "bnhd": "(B, N, H, D)"}
 
 
 class AttentionOutput(NamedTuple):
@@ -41,6 +43,8 @@ class Request:
     return_lse: bool = False
     dropout_p: float = 0.0
     generator: torch.Generator | None = None
+    sinks: torch.Tensor | None = None  # (Hq,) learnable sink logits, see qkv._sinks
+    layout: str = "bhnd"  # the layout the caller's tensors had (q/k/v here are always (B, H, N, D) views)
 
     @property
     def B(self) -> int:
@@ -88,11 +92,13 @@ class Request:
         if not torch.is_grad_enabled():
             return False
         extra = self.score_mod.tensors() if self.score_mod is not None else ()
-        return any(t.requires_grad for t in (self.q, self.k, self.v, *extra))
+        sinks = (self.sinks,) if self.sinks is not None else ()
+        return any(t.requires_grad for t in (self.q, self.k, self.v, *extra, *sinks))
 
     def describe(self) -> str:
         return (f"B={self.B} Hq={self.Hq} Hkv={self.Hkv} Nq={self.Nq} Nk={self.Nk} Dqk={self.Dqk} Dv={self.Dv} "
-                f"{str(self.dtype).replace('torch.', '')} {self.device.type}")
+                f"{str(self.dtype).replace('torch.', '')} {self.device.type}, layout {LAYOUT_NAMES[self.layout]}"
+                + (", sinks" if self.sinks is not None else ""))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -100,7 +106,7 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-                  generator=None) -> Request:
+                  generator=None, sinks=None, layout="bhnd") -> Request:
     """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -108,7 +114,7 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
         if t.dim() != 4:
             raise ValueError(
                 f"attention: {name} must have rank 4 with layout (B, H, N, D), got shape {_shape(t)}; "
-                "for (B, N, H, D) inputs pass x.transpose(1, 2), for a single head add .unsqueeze(1)"
+                "for (B, N, H, D) inputs pass layout='bnhd', for a single head add .unsqueeze(1)"
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"attention: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
@@ -151,4 +157,16 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
         raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"attention: generator must be a torch.Generator, got {type(generator).__name__}")
-    return Request(q, k, v, mask, mod, float(scale), bool(return_lse), float(dropout_p), generator)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+    return Request(q, k, v, mask, mod, float(scale), bool(return_lse), float(dropout_p), generator, sinks, layout)
+
+
+def _check_sinks(sinks, q: torch.Tensor) -> None:
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"attention: sinks must be a float tensor of shape (Hq,) (one learnable logit per query "
+                        f"head), got {type(sinks).__name__} {getattr(sinks, 'dtype', '')}")
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"attention: sinks must have shape (Hq,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"attention: sinks are on {sinks.device} but q is on {q.device}; move them with .to(q.device)")
