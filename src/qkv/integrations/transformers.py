@@ -54,7 +54,8 @@ import torch
 
 from .. import masks as M
 from .. import mods
-from .._attention import Explanation, attention, explain as _explain
+from .._attention import Explanation, attention
+from .._attention import explain as _explain
 from .._probs import attention_probs
 from ..masks.base import Mask
 
