@@ -114,7 +114,7 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
         if t.dim() != 4:
             raise ValueError(
                 f"attention: {name} must have rank 4 with layout (B, H, N, D), got shape {_shape(t)}; "
-                "for (B, N, H, D) inputs pass layout='bnhd', for a single head add .unsqueeze(1)"
+                "for (B, N, H, D) inputs pass layout='bnhd' (or x.transpose(1, 2)), for a single head add .unsqueeze(1)"
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"attention: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
