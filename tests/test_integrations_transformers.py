@@ -284,6 +284,15 @@ def test_unreadable_attention_mask_is_a_clear_error():
         qhf.attention_forward(attn, q, k, k, torch.ones(3, 3))
 
 
+def test_packed_lengths_without_a_mask_are_refused():
+    _, _, cand, _ = _models("llama-Hq4-Hkv2")
+    attn = cand.model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        qhf.attention_forward(attn, q, k, k, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
 def test_4d_masks_from_the_caller_are_taken_as_dense():
     _, _, cand, _ = _models("llama-Hq4-Hkv2")
     attn = cand.model.layers[0].self_attn

@@ -107,11 +107,33 @@ def test_backends_without_native_sinks_get_them_merged_from_the_lse(monkeypatch)
     assert torch.allclose(gz.double(), gz_ref, atol=1e-4), (gz, gz_ref)
 
 
-def test_flex_on_cpu_declines_sinks_with_the_reason():
-    _, (q, k, v) = make_qkv(1, 2, 2, 8, 8, 16)
-    report = qkv.explain(q, k, v, sinks=torch.zeros(2))
-    assert report.declined["flex"].startswith("sinks are merged from the log-sum-exp, and "), report.declined
-    assert "sinks" in report.request, report.request
+@pytest.mark.parametrize("nk", [200, 256, 1], ids=["ragged-tile", "new-tile", "one-key"])
+def test_flex_sink_key_block_map_is_exact(nk):
+    """Flex runs sinks as one more key; its block map (from the mask's, O(tiles)) equals the dense count."""
+    from qkv.backends.flex import _SinkKey
+    from qkv.masks.base import _block_map_from_dense
+
+    for inner in (None, M.causal() & M.padding(torch.tensor([nk, min(3, nk)])), M.sliding_window(40)):
+        sk = _SinkKey(inner, nk)
+        got = sk.block_map(200, nk + 1, 128, 128)
+        want = _block_map_from_dense(sk.dense(2, 1, 200, nk + 1)[:, 0], 128, 128)
+        assert torch.equal(got[:, 0], want.expand(got.shape[0], -1, -1)), (inner, got, want)
+
+
+@pytest.mark.slow
+def test_flex_runs_sinks_as_one_more_key():
+    """Flex compiles (tens of seconds on CPU): forward with sinks, a mask with an empty row and softcap."""
+    if qkv.backends.get("flex").decline(qkv._request.build_request(*make_qkv(1, 2, 2, 8, 8, 16)[1])) is not None:
+        pytest.skip("FlexAttention cannot run here")
+    master, cast = make_qkv(2, 4, 2, 200, 200, 32)
+    z64, z = _sinks(4, torch.float32)
+    mask = M.causal() & M.padding(torch.tensor([200, 0]))
+    with torch.no_grad():
+        out = qkv.attention(*cast, mask=mask, sinks=z, backend="flex")
+    ref_out, _ = by_definition(*master, z64.detach(), mask.materialize(2, 4, 200, 200))
+    base_out, _ = by_definition(*cast, z.detach(), mask.materialize(2, 4, 200, 200))
+    assert_within_budget(out, ref_out.detach(), base_out.detach(), what="flex out")
+    assert (out[1] == 0).all()
 
 
 def test_probabilities_with_sinks_leave_the_sink_its_share():

@@ -294,6 +294,10 @@ def _forward_for(backend: str) -> Callable:
                           position_bias: torch.Tensor | None = None, is_causal: bool | None = None,
                           sliding_window: int | None = None, **kwargs):
         """HF's attention-function signature: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D) -> ((B, Nq, Hq, Dv), probs)."""
+        if attention_mask is None and ("cu_seq_lens_q" in kwargs or "cu_seq_lens_k" in kwargs):
+            raise ValueError("qkv attention: HF passed packed-sequence lengths (cu_seq_lens_q/k) without building a "
+                             "mask (continuous batching or a paged cache), which the 'qkv' implementation does not "
+                             "run; pack with position_ids (HF then builds a document mask) or call qkv.varlen_attention")
         mask, bias, source = _as_mask(attention_mask, module, is_causal, query.shape[2])
         score_mod = [m for m in (bias, None if position_bias is None else mods.bias(position_bias),
                                  None if not softcap else mods.softcap(float(softcap))) if m is not None]
