@@ -297,7 +297,8 @@ def _forward_for(backend: str) -> Callable:
         if attention_mask is None and ("cu_seq_lens_q" in kwargs or "cu_seq_lens_k" in kwargs):
             raise ValueError("qkv attention: HF passed packed-sequence lengths (cu_seq_lens_q/k) without building a "
                              "mask (continuous batching or a paged cache), which the 'qkv' implementation does not "
-                             "run; pack with position_ids (HF then builds a document mask) or call qkv.varlen_attention")
+                             "run; pack with position_ids (HF then builds a document mask) or use "
+                             "qkv.varlen_attention")
         mask, bias, source = _as_mask(attention_mask, module, is_causal, query.shape[2])
         score_mod = [m for m in (bias, None if position_bias is None else mods.bias(position_bias),
                                  None if not softcap else mods.softcap(float(softcap))) if m is not None]
