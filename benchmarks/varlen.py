@@ -24,7 +24,7 @@ import torch
 
 from _harness import Suite, gemm_rate, parse_args, time_interleaved
 from qkv import varlen
-from qkv.models.decoder import DecoderConfig, DecoderLM
+from qkv.nn import DecoderConfig, DecoderLM
 
 MODEL = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=512)
@@ -38,7 +38,7 @@ def lengths_for(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
 
 def padded_step(model, ids, mask):
     pos = (mask.cumsum(1) - 1).masked_fill(~mask, -1)
-    logits = model(ids, positions=pos)
+    logits = model(ids, positions=pos).logits
     valid = mask[:, :-1] & mask[:, 1:]
     loss = torch.nn.functional.cross_entropy(logits[:, :-1][valid], ids[:, 1:][valid], reduction="sum")
     loss.backward()
@@ -47,7 +47,7 @@ def padded_step(model, ids, mask):
 
 def packed_step(model, p: varlen.Packed):
     with varlen.packed_documents(model, p.cu_seqlens):
-        logits = model(p.values[None], positions=p.positions[None])[0]
+        logits = model(p.values[None], positions=p.positions[None]).logits[0]
     nxt = torch.ones(p.values.shape[0], dtype=torch.bool)
     nxt[p.cu_seqlens[1:].long() - 1] = False
     loss = torch.nn.functional.cross_entropy(logits[:-1][nxt[:-1]], p.values[1:][nxt[:-1]], reduction="sum")

@@ -125,7 +125,7 @@ def test_pack_unpack_roundtrip_any_padding_side():
 
 
 def _decoder():
-    from qkv.models.decoder import DecoderConfig, DecoderLM
+    from qkv.nn import DecoderConfig, DecoderLM
 
     cfg = DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=48, sliding_window=6,
@@ -136,7 +136,7 @@ def _decoder():
 
 def _loss_padded(model, ids, mask):
     pos = (mask.cumsum(1) - 1).masked_fill(mask == 0, -1)
-    logits = model(ids, positions=pos)  # (B, N, V)
+    logits = model(ids, positions=pos).logits  # (B, N, V)
     valid = (mask[:, :-1] & mask[:, 1:]).bool()
     return torch.nn.functional.cross_entropy(logits[:, :-1][valid].double(), ids[:, 1:][valid], reduction="sum")
 
@@ -144,7 +144,7 @@ def _loss_padded(model, ids, mask):
 def _loss_packed(model, ids, mask):
     p = varlen.pack(ids, mask)
     with varlen.packed_documents(model, p.cu_seqlens):
-        logits = model(p.values[None], positions=p.positions[None])[0]  # (total, V)
+        logits = model(p.values[None], positions=p.positions[None]).logits[0]  # (total, V)
     nxt = torch.ones(p.values.shape[0], dtype=torch.bool)
     nxt[p.cu_seqlens[1:].long() - 1] = False  # the last token of each sequence predicts nothing
     return torch.nn.functional.cross_entropy(logits[:-1][nxt[:-1]].double(), p.values[1:][nxt[:-1]],

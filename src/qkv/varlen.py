@@ -214,7 +214,7 @@ def packed_documents(model: torch.nn.Module, cu_seqlens: torch.Tensor) -> Iterat
 
         p = qkv.varlen.pack(input_ids, attention_mask)
         with qkv.varlen.packed_documents(model, p.cu_seqlens):
-            logits = model(p.values[None], positions=p.positions[None])   # (1, total, V)
+            logits = model(p.values[None], positions=p.positions[None]).logits   # (1, total, V)
     """
     doc = M.document_from_cu_seqlens(_cu(cu_seqlens, "cu_seqlens").cpu())
     hooked = [m for m in model.modules() if "attention_fn" in vars(m)]
