@@ -12,8 +12,9 @@ A row with no allowed key puts all its mass on the sink: ``out = 0``, ``lse = z[
 Backends either take the sink natively (the reference, as one more softmax column; SDPA and Flex, as one
 more key whose score is ``z[h]`` and whose value is zero; tiled, by :func:`apply_sinks` on its own
 log-sum-exp) or run without it and return their log-sum-exp, which ``qkv.attention`` merges with the sink
-by :func:`apply_sinks`, exactly as :func:`qkv.merge_states` merges a part with ``out = 0, lse = z[h]``. That merge is differentiable, so gradients reach ``z`` through autograd and reach
-q, k, v through the backend's own backward of ``out`` and ``lse``.
+by :func:`apply_sinks`, exactly as :func:`qkv.merge_states` merges a part with ``out = 0, lse = z[h]``.
+That merge is differentiable, so gradients reach ``z`` through autograd and reach q, k, v through the
+backend's own backward of ``out`` and ``lse``.
 """
 
 from __future__ import annotations
