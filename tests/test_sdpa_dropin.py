@@ -140,3 +140,42 @@ def test_bad_input_is_named(call, match):
     k = torch.randn(1, 4, 8, 16)
     with pytest.raises((ValueError, TypeError), match=match):
         call(q, k)
+
+
+def _random_case(seed: int):
+    """A random call: rank 3 or 4, GQA or not, lengths 1..40, one of five mask kinds, a random scale."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda *xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    rank, B, kv = pick(3, 4), pick(1, 2, 3), pick(1, 2)
+    H = kv * pick(1, 2, 4) if rank == 4 else 1
+    kv = kv if rank == 4 else 1
+    L, S = (int(torch.randint(1, 41, (1,), generator=g)) for _ in range(2))
+    E, Ev = pick(8, 16), pick(8, 24)
+    kind = pick("none", "causal", "bool", "float", "keypad")
+    lead_q, lead_k = ((B, H), (B, kv)) if rank == 4 else ((B,), (B,))
+    q = torch.randn(*lead_q, L, E, generator=g, dtype=torch.float64)
+    k = torch.randn(*lead_k, S, E, generator=g, dtype=torch.float64)
+    v = torch.randn(*lead_k, S, Ev, generator=g, dtype=torch.float64)
+    kw = dict(enable_gqa=H != kv, scale=pick(None, 0.2))
+    mask = None
+    if kind == "causal":
+        kw["is_causal"] = True
+    elif kind == "bool":
+        mask = torch.rand(L, S, generator=g) < 0.7
+    elif kind == "float":
+        mask = torch.randn(*lead_q[:1], 1, L, S, generator=g, dtype=torch.float64) if rank == 4 else \
+            torch.randn(L, S, generator=g, dtype=torch.float64)
+    elif kind == "keypad":
+        mask = (torch.arange(S) < torch.randint(1, S + 1, (B, 1), generator=g)).view(B, *([1] * (rank - 2)), S)
+    desc = f"r{rank}-B{B}-H{H}-KV{kv}-L{L}-S{S}-E{E}-Ev{Ev}-{kind}"
+    return desc, (q, k, v, mask, kw)
+
+
+@pytest.mark.parametrize("seed", range(16), ids=lambda s: _random_case(s)[0])
+def test_random_calls_match_torch(seed):
+    _, (q, k, v, mask, kw) = _random_case(seed)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref_out, ref_grads = _run(F.scaled_dot_product_attention, q, k, v, mask, kw, torch.float64)
+        base_out, base_grads = _run(F.scaled_dot_product_attention, q, k, v, mask, kw, dtype)
+        out, grads = _run(qkv.sdpa, q, k, v, mask, kw, dtype)
+        _check(f"seed {seed} {dtype}", out, grads, ref_out, ref_grads, base_out, base_grads, dtype)
