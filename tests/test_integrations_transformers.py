@@ -203,6 +203,25 @@ def test_greedy_generate_equals_eager(case):
     assert got.tolist() == expected.tolist(), f"{case}: qkv {got.tolist()} != eager {expected.tolist()}"
 
 
+@pytest.mark.parametrize("case", ["llama-Hq4-Hkv2", "mistral-W5-shorter-than-prompt", "gemma2-L4-W5-softcap"])
+def test_packed_sequences_from_position_ids_equal_each_sequence_alone(case):
+    """Padding-free batches (HF's DataCollatorWithFlattening): one row, positions restarting per sequence,
+    no attention_mask, no cache (HF looks for packed sequences only then, as in training). HF finds the
+    documents from position_ids; qkv reads them as a document mask."""
+    hf, ref, cand, _ = _models(case)
+    lengths = [5, 9, 3]
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, V, (1, sum(lengths)), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        truth = torch.cat([ref(input_ids=chunk).logits[0] for chunk in ids.split(lengths, dim=1)])
+        base = hf(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        got = cand(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+    assert_within_budget(got, truth, base, what=f"{case} packed logits")
+    reports = qhf.explain(cand, input_ids=ids, position_ids=pos, use_cache=False)
+    assert all(r.mask_source == "analytic" and "document" in str(r) for r in reports), [str(r) for r in reports]
+
+
 # --------------------------------------------------------------------------- backends, training, dropout
 def test_pinned_tiled_backend_runs_analytic_masks():
     """Sliding windows, left padding and softcap through the tiled backend (which skips tiles by the mask)."""
