@@ -24,12 +24,16 @@ _ATTRS = {
     "merge_states": "qkv._merge",
     "AttentionOutput": "qkv._request",
     "attention_probs": "qkv._probs",
+    "sdpa": "qkv.integrations.sdpa",
+    "scaled_dot_product_attention": "qkv.integrations.sdpa",
+    "varlen_attention": "qkv.varlen",
 }
 _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
-               "interpret", "distributed", "cli"}
+               "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
 
-__all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs",
-           "masks", "mods", "backends", "__version__"]
+__all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs", "sdpa",
+           "scaled_dot_product_attention", "varlen_attention", "masks", "mods", "backends", "lse", "varlen",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -52,3 +56,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._merge import merge_states  # noqa: F401
     from ._probs import attention_probs  # noqa: F401
     from ._request import AttentionOutput  # noqa: F401
+    from .integrations.sdpa import scaled_dot_product_attention, sdpa  # noqa: F401
+    from .varlen import varlen_attention  # noqa: F401

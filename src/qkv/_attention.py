@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import backends as _backends
-from ._request import Request, build_request
+from ._layout import from_bhnd, layout_hint, to_bhnd
+from ._request import AttentionOutput, Request, build_request
+from ._sinks import apply_sinks, without_sinks
 from .backends.base import Estimate
 from .masks.causal import Causal
 
@@ -22,7 +24,8 @@ SMALL_PROBLEM = 1 << 20
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
               scale: float | None = None, return_lse: bool = False, dropout_p: float = 0.0,
-              generator: torch.Generator | None = None, backend: str = "auto"):
+              generator: torch.Generator | None = None, backend: str = "auto", sinks: torch.Tensor | None = None,
+              layout: str = "bhnd"):
     """Scaled dot-product attention with masks and score modifiers.
 
     ``scores = scale * q @ k^T``, then each score modifier in order, then the mask; softmax over keys;
@@ -49,6 +52,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         generator: ``torch.Generator`` for the dropout seed.
         backend: ``"auto"`` (fastest backend that honours the request) or a name from
             ``qkv.backends.names()``; a named backend that cannot honour the request raises.
+        sinks: (Hq,) float learnable sink logits (GPT-OSS): each joins its head's softmax denominator
+            without a value, and the lse includes it (:mod:`qkv._sinks`). Gradients reach them.
+        layout: ``"bhnd"`` (default): q, k, v are (B, H, N, D) as above; ``"bnhd"``: they are (B, N, H, D)
+            (FlashAttention's and HF's projection layout), read through views without a transpose copy, and
+            ``out`` comes back (B, Nq, Hq, Dv). The lse is (B, Hq, Nq) in both (:mod:`qkv.lse`).
+            ``qkv.explain`` states the layout assumed.
 
     Returns:
         ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
@@ -60,11 +69,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 8, 16, 64])
     """
-    req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                        dropout_p=dropout_p, generator=generator)
+    req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                 dropout_p=dropout_p, generator=generator, sinks=sinks)
     impl = _choose(req, backend)
-    result = impl.run(req)
+    sub = _for_backend(impl, req)
+    result = impl.run(sub)
+    if sub is not req:  # the backend ran without the sinks and returned its lse: fold them in
+        result = apply_sinks(result.out, result.lse, req.sinks)
+    if layout != "bhnd":
+        result = AttentionOutput(from_bhnd(result.out, layout), result.lse)
     return result if return_lse else result.out
+
+
+def _build(q, k, v, layout: str, **kw) -> Request:
+    """Validate in the caller's layout; a shape error says when the other layout would have fit."""
+    q4, k4, v4 = to_bhnd(q, k, v, layout)
+    try:
+        return build_request(q4, k4, v4, layout=layout, **kw)
+    except ValueError as e:
+        read = " (q, k, v read as (B, N, H, D) and shown transposed)" if layout == "bnhd" else ""
+        raise ValueError(f"{e}{read}{layout_hint(q, k, v, layout)}") from None
+
+
+def _for_backend(impl, req: Request) -> Request:
+    """The request a backend sees: sinks go to backends that take them natively; the others run without them
+    and return their log-sum-exp, which :func:`qkv._sinks.apply_sinks` merges with the sinks."""
+    return req if req.sinks is None or impl.native_sinks else without_sinks(req)
+
+
+def _decline(impl, req: Request) -> str | None:
+    reason = impl.decline(_for_backend(impl, req))
+    if reason is not None and req.sinks is not None and not impl.native_sinks:
+        return f"sinks are merged from the log-sum-exp, and {reason}"
+    return reason
 
 
 def _choose(req: Request, backend: str):
@@ -72,7 +109,7 @@ def _choose(req: Request, backend: str):
         if not isinstance(backend, str):
             raise TypeError(f"attention: backend must be a string, got {type(backend).__name__}")
         impl = _backends.get(backend)
-        reason = impl.decline(req)
+        reason = _decline(impl, req)
         if reason is not None:
             raise ValueError(f"attention: backend {backend!r} cannot run this request: {reason}. "
                              f"Use backend='auto' or see qkv.explain(...) for the backends that can.")
@@ -82,7 +119,7 @@ def _choose(req: Request, backend: str):
     qs = req.q.shape
     if qs[0] * qs[1] * qs[2] * req.k.shape[2] <= SMALL_PROBLEM:
         sdpa = _backends.get("sdpa")
-        if sdpa.decline(req) is None:
+        if _decline(sdpa, req) is None:
             return sdpa
     key = _decision_key(req)
     if key is not None:
@@ -92,8 +129,8 @@ def _choose(req: Request, backend: str):
     best, best_cost = None, float("inf")
     for name in _backends.names():
         impl = _backends.get(name)
-        if impl.decline(req) is None:
-            cost = impl.estimate(req).seconds
+        if _decline(impl, req) is None:
+            cost = impl.estimate(_for_backend(impl, req)).seconds
             if cost < best_cost:
                 best, best_cost = impl, cost
     assert best is not None, "the reference backend accepts every valid request"
@@ -141,7 +178,7 @@ class Explanation:
 
 
 def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-            generator=None) -> Explanation:
+            generator=None, sinks=None, layout="bhnd") -> Explanation:
     """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not.
 
     Example:
@@ -150,8 +187,8 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
         >>> print(qkv.explain(x, x, x, return_lse=True).chosen != "sdpa")
         True
     """
-    req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                        dropout_p=dropout_p, generator=generator)
+    req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                 dropout_p=dropout_p, generator=generator, sinks=sinks)
     chosen = _choose(req, "auto").name
     report = Explanation(request=req.describe() + (f", mask={req.mask!r}" if req.mask is not None else "")
                          + (f", score_mod={req.score_mod!r}" if req.score_mod is not None else ""), chosen=chosen)
@@ -159,9 +196,9 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
         report.note = f"small problem (<= {SMALL_PROBLEM:,} score elements): the fused kernel without estimating"
     for name in _backends.names():
         impl = _backends.get(name)
-        reason = impl.decline(req)
+        reason = _decline(impl, req)
         if reason is None:
-            report.estimates[name] = impl.estimate(req)
+            report.estimates[name] = impl.estimate(_for_backend(impl, req))
         else:
             report.declined[name] = reason
     return report

@@ -7,7 +7,9 @@ identity drives FlashAttention's tiles, split-KV decoding and ring attention):
     lse = log(sum_i exp(lse_i)),   out = sum_i exp(lse_i - lse) * out_i
 
 Parts with ``lse = -inf`` (no allowed key) contribute nothing; if every part is empty the result is
-zeros with ``lse = -inf``.
+zeros with ``lse = -inf``. Every ``lse`` must follow qkv's contract (natural log, :mod:`qkv.lse`); partials
+from kernels that keep it in base 2 or token-major convert with ``qkv.lse.from_base2`` /
+``from_token_major`` first. The merge itself only needs ``lse.shape == out.shape[:-1]``, in any layout.
 """
 
 from __future__ import annotations

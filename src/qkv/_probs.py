@@ -50,7 +50,8 @@ def _selection(sel, n: int, name: str) -> torch.Tensor:
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
-                    scale: float | None = None, heads=None, rows=None, backend: str = "auto") -> torch.Tensor:
+                    scale: float | None = None, heads=None, rows=None, backend: str = "auto",
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention probabilities for the chosen query heads and rows.
 
     Args:
@@ -60,6 +61,8 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
         rows: query rows to return (in ``[0, Nq)``); default all.
         backend: the backend that computes the log-sum-exp; it must support ``return_lse``. With
             ``"auto"`` a tiled or Flex backend keeps that pass at O(N) memory.
+        sinks: (Hq,) sink logits as in :func:`qkv.attention`: they join the normalizer (the lse), so a
+            row's probabilities then sum to less than 1, the rest being the sink's.
 
     Returns:
         (B, nh, nr, Nk) float32 probabilities; each returned row sums to 1 over its allowed keys, and a
@@ -73,10 +76,11 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
         >>> p.shape, [round(float(s), 4) for s in p.sum(-1).flatten()]
         (torch.Size([1, 1, 2, 64]), [1.0, 1.0])
     """
-    req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale)
+    req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale, sinks=sinks)
     heads_t = _selection(heads, req.Hq, "heads")
     rows_t = _selection(rows, req.Nq, "rows")
-    lse = attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=True, backend=backend).lse
+    lse = attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=True, backend=backend,
+                    sinks=sinks).lse
     acc = torch.float64 if req.dtype == torch.float64 else torch.float32
     dev = req.device
     heads_d, rows_d = heads_t.to(dev), rows_t.to(dev)
@@ -101,6 +105,6 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
             if req.mask is not None:
                 s = s.masked_fill(~req.mask.allowed(b, h, qi, kj, req.Nq, nk), float("-inf"))
             l_r = lse_sel.index_select(2, r).unsqueeze(-1)
-            l_r = torch.where(torch.isinf(l_r), torch.full_like(l_r, float("inf")), l_r)  # empty rows: P = 0
+            l_r = torch.where(torch.isneginf(l_r), torch.full_like(l_r, float("inf")), l_r)  # empty rows: P = 0
             out[:, :, r0:r0 + r.numel()] = torch.exp(s - l_r).float()
     return out

@@ -15,14 +15,17 @@ import torch
 from .masks.base import Mask
 from .mods.base import ScoreMod, as_score_mod
 
-__all__ = ["AttentionOutput", "Request", "build_request", "SUPPORTED_DTYPES"]
+__all__ = ["AttentionOutput", "Request", "build_request", "SUPPORTED_DTYPES", "LAYOUT_NAMES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The layouts ``qkv.attention(..., layout=)`` reads q, k, v (and writes ``out``) in.
+LAYOUT_NAMES = {"bhnd": "(B, H, N, D)", "bnhd": "(B, N, H, D)"}
 
 
 class AttentionOutput(NamedTuple):
     """``out`` (B, Hq, Nq, Dv) in the input dtype; ``lse`` (B, Hq, Nq) float32, natural log of the sum of
-    exp of the final scores over allowed keys (``-inf`` for a row with no allowed key)."""
+    exp of the final scores over allowed keys (and the sink, with ``sinks=``), ``-inf`` for a row with no
+    allowed key. The contract, and conversions to base 2 and (B, Nq, Hq), are in :mod:`qkv.lse`."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -42,6 +45,8 @@ class Request:
     return_lse: bool = False
     dropout_p: float = 0.0
     generator: torch.Generator | None = None
+    sinks: torch.Tensor | None = None  # (Hq,) learnable sink logits, see qkv._sinks
+    layout: str = "bhnd"  # the layout the caller's tensors had (q/k/v here are always (B, H, N, D) views)
 
     @property
     def B(self) -> int:
@@ -89,11 +94,13 @@ class Request:
         if not torch.is_grad_enabled():
             return False
         extra = self.score_mod.tensors() if self.score_mod is not None else ()
-        return any(t.requires_grad for t in (self.q, self.k, self.v, *extra))
+        sinks = (self.sinks,) if self.sinks is not None else ()
+        return any(t.requires_grad for t in (self.q, self.k, self.v, *extra, *sinks))
 
     def describe(self) -> str:
         return (f"B={self.B} Hq={self.Hq} Hkv={self.Hkv} Nq={self.Nq} Nk={self.Nk} Dqk={self.Dqk} Dv={self.Dv} "
-                f"{str(self.dtype).replace('torch.', '')} {self.device.type}")
+                f"{str(self.dtype).replace('torch.', '')} {self.device.type}, layout {LAYOUT_NAMES[self.layout]}"
+                + (", sinks" if self.sinks is not None else ""))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -104,7 +111,7 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-                  generator=None) -> Request:
+                  generator=None, sinks=None, layout="bhnd") -> Request:
     """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix.
 
     Valid calls take one combined test of shapes, dtypes and devices (attribute reads only, no tensor ops:
@@ -145,7 +152,9 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
         dropout_p = float(dropout_p)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"attention: generator must be a torch.Generator, got {type(generator).__name__}")
-    return Request(q, k, v, mask, mod, scale, bool(return_lse), dropout_p, generator)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+    return Request(q, k, v, mask, mod, scale, bool(return_lse), dropout_p, generator, sinks, layout)
 
 
 def _check_scale(scale) -> float:
@@ -166,7 +175,7 @@ def _raise_for_qkv(q, k, v) -> None:
         if t.dim() != 4:
             raise ValueError(
                 f"attention: {name} must have rank 4 with layout (B, H, N, D), got shape {_shape(t)}; "
-                "for (B, N, H, D) inputs pass x.transpose(1, 2), for a single head add .unsqueeze(1)"
+                "for (B, N, H, D) inputs pass layout='bnhd' (or x.transpose(1, 2)), for a single head add .unsqueeze(1)"
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"attention: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
@@ -187,3 +196,13 @@ def _raise_for_qkv(q, k, v) -> None:
         f"attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}) for "
         "grouped-query attention; query head h reads kv head h // (Hq // Hkv)"
     )
+
+
+def _check_sinks(sinks, q: torch.Tensor) -> None:
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"attention: sinks must be a float tensor of shape (Hq,) (one learnable logit per query "
+                        f"head), got {type(sinks).__name__} {getattr(sinks, 'dtype', '')}")
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"attention: sinks must have shape (Hq,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"attention: sinks are on {sinks.device} but q is on {q.device}; move them with .to(q.device)")

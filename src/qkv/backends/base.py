@@ -29,6 +29,10 @@ class Estimate(NamedTuple):
 
 class Backend:
     name: str = "?"
+    #: True when ``run`` honours ``req.sinks`` itself; otherwise ``qkv.attention`` runs the backend without
+    #: them, asks for its log-sum-exp and merges the sinks in (``qkv._sinks``), so a backend that returns an
+    #: lse under autograd must also take its gradient (``dlse``) for the sinks' gradients to be right.
+    native_sinks: bool = False
 
     def decline(self, req: Request) -> str | None:
         """``None`` when this backend honours the request exactly; otherwise the reason it cannot."""

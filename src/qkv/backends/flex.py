@@ -38,6 +38,10 @@ torch's source and not run here):
   ids, bias values): the signature tracked here follows that.
 - Speed, sliding window of 256 keys, B=1 H=8 D=64 fp32, cached kernel, on a loaded 2-core CPU: N=4096
   ~7-10x faster than SDPA with the boolean mask, N=16384 ~25-40x (9% and 2% of tiles are visited).
+- Sinks (``qkv._sinks``) run as one more key: K and V get a zero row at index ``Nk`` (a copy), the mask
+  allows that key for every query (its block map adds it to the last key tile), and the score modifier
+  sets its score to the head's sink logit. So they need no log-sum-exp and run on CPU too (inference
+  only there, like everything on Flex's CPU kernel); on CUDA the sinks get gradients as a captured tensor.
 - Dynamo's default recompile limit (8 per function) would, once reached, silently run Flex's unfused
   eager path; calls here run under a raised limit so each signature gets its compiled kernel.
 - Auto-dispatch cost: ``estimate`` counts only the allowed tiles, and adds the compile cost until the
@@ -57,6 +61,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import shutil
@@ -67,7 +72,7 @@ from collections.abc import Callable
 import torch
 
 from .._request import AttentionOutput, Request
-from ..masks.base import FULL, PARTIAL, Mask
+from ..masks.base import EMPTY, FULL, PARTIAL, Mask
 from ..mods.base import ScoreMod
 from . import state_changed
 from .base import NOMINAL_FLOPS, Backend, Estimate
@@ -140,6 +145,62 @@ def _score_mod(mod: ScoreMod, nq: int, nk: int) -> Callable:
         return mod.apply(score, b, h, q_idx, kv_idx, nq, nk)
 
     return score_mod
+
+
+class _SinkKey(Mask):
+    """The request's mask over ``nk`` keys plus one key at index ``nk`` (the sink) that every query may see."""
+
+    def __init__(self, mask: Mask | None, nk: int) -> None:
+        self.mask, self.nk = mask, nk
+        self.batch = None if mask is None else mask.batch
+        self.depends_on_head = False if mask is None else mask.depends_on_head
+
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        sink = kv_idx == self.nk
+        if self.mask is None:
+            return sink | (kv_idx < self.nk)
+        return sink | self.mask.allowed(b, h, q_idx, torch.clamp(kv_idx, max=self.nk - 1), nq, self.nk)
+
+    def _block_map(self, nq, nk, bq, bk, device):
+        tq, tk = math.ceil(nq / bq), math.ceil(nk / bk)
+        inner = (torch.full((1, tq, math.ceil(self.nk / bk)), FULL, dtype=torch.int8, device=device)
+                 if self.mask is None else self.mask._block_map(nq, self.nk, bq, bk, device))
+        inner = inner if inner.dim() == 3 else inner.unsqueeze(0)
+        if tk > inner.shape[-1]:  # the sink key opens a tile of its own, allowed for every row
+            return torch.cat([inner, torch.full((*inner.shape[:-1], 1), FULL, dtype=torch.int8, device=device)], -1)
+        last = inner[..., -1:]
+        last = torch.where(last == EMPTY, torch.tensor(PARTIAL, dtype=torch.int8, device=device), last)
+        return torch.cat([inner[..., :-1], last], -1)
+
+    def __repr__(self):
+        return f"({self.mask!r} + sink key)"
+
+
+class _SinkScore(ScoreMod):
+    """The request's score modifier on the real keys; the sink key's score is its head's sink logit."""
+
+    def __init__(self, mod: ScoreMod | None, sinks: torch.Tensor, nk: int) -> None:
+        self.mod, self.sinks, self.nk = mod, sinks, nk
+
+    def apply(self, score, b, h, q_idx, kv_idx, nq, nk):
+        if self.mod is not None:
+            score = self.mod.apply(score, b, h, q_idx, torch.clamp(kv_idx, max=self.nk - 1), nq, self.nk)
+        return torch.where(kv_idx == self.nk, self.sinks[h].to(score.dtype), score)
+
+    def tensors(self):
+        return (*(self.mod.tensors() if self.mod is not None else ()), self.sinks)
+
+    def __repr__(self):
+        return f"({self.mod!r} + sinks)"
+
+
+def _with_sink_key(req: Request) -> Request:
+    """The request with its sinks as one more key (see the module docstring)."""
+    zk = req.k.new_zeros(req.B, req.Hkv, 1, req.Dqk)
+    zv = req.v.new_zeros(req.B, req.Hkv, 1, req.Dv)
+    return dataclasses.replace(req, k=torch.cat([req.k, zk], 2), v=torch.cat([req.v, zv], 2),
+                               mask=_SinkKey(req.mask, req.Nk), score_mod=_SinkScore(req.score_mod, req.sinks, req.Nk),
+                               sinks=None)
 
 
 # --------------------------------------------------------------------------- compile cache
@@ -226,6 +287,7 @@ class FlexBackend(Backend):
     """torch FlexAttention: block-sparse over the mask's allowed tiles, compiled once per signature."""
 
     name = "flex"
+    native_sinks = True
 
     def decline(self, req: Request) -> str | None:
         if req.dropout_p > 0:
@@ -279,6 +341,8 @@ class FlexBackend(Backend):
         return Estimate(seconds + compile_s, f"{work}, compile will be paid (~{compile_s:.0f} s)")
 
     def run(self, req: Request) -> AttentionOutput:
+        if req.sinks is not None and req.B * req.Hq * req.Nq > 0:
+            return self.run(_with_sink_key(req))
         if req.B * req.Hq * req.Nq == 0 or req.Nk == 0:  # nothing to compile: empty output or no keys
             out = req.q.new_zeros(req.B, req.Hq, req.Nq, req.Dv)
             lse = torch.full((req.B, req.Hq, req.Nq), float("-inf"), device=req.device)

@@ -38,9 +38,12 @@ def reference_attention(req: Request, *, dropout_seed: int | None = None) -> Att
     if req.mask is not None:
         allowed = req.mask.allowed(b, h, qi, kj, req.Nq, req.Nk)
         s = torch.where(allowed, s, torch.tensor(float("-inf"), dtype=acc, device=s.device))
+    if req.sinks is not None:  # the sink: one more softmax column, without a value (qkv._sinks)
+        sink = req.sinks.to(acc).view(1, -1, 1, 1).expand(req.B, req.Hq, req.Nq, 1)
+        s = torch.cat([s, sink], dim=-1)  # (B, Hq, Nq, Nk + 1)
 
     # Softmax that leaves rows with no allowed key at zero (no NaN in forward or backward).
-    if req.Nk == 0:
+    if s.shape[-1] == 0:
         m = torch.zeros(*s.shape[:-1], 1, dtype=acc, device=s.device)
     else:
         m = s.detach().amax(dim=-1, keepdim=True)
@@ -51,6 +54,8 @@ def reference_attention(req: Request, *, dropout_seed: int | None = None) -> Att
     safe_total = torch.where(nonempty, total, torch.ones_like(total))
     p = e / safe_total
     lse = torch.where(nonempty, m + torch.log(safe_total), torch.full_like(m, float("-inf"))).squeeze(-1)
+    if req.sinks is not None:
+        p = p[..., :-1]  # the sink's probability has no value
 
     if req.dropout_p > 0:
         seed = draw_seed(req.generator) if dropout_seed is None else dropout_seed
@@ -64,6 +69,7 @@ class ReferenceBackend(Backend):
     """Eager, any dtype including float64, every feature; O(Nq * Nk) memory. The specification."""
 
     name = "reference"
+    native_sinks = True
 
     def decline(self, req: Request) -> str | None:
         return None

@@ -7,6 +7,10 @@ modifiers folded into a float ``attn_mask``, GQA via ``enable_gqa``, ``Dv != Dqk
 non-additive modifiers (softcap, user functions), ``return_lse`` (torch's public API does not return
 the log-sum-exp) and dropout (torch draws it from its global RNG, so it cannot reproduce qkv's seeded
 pattern). Those are declined with the reason.
+
+Sinks (``qkv._sinks``) map as one more key: a zero key (score ``0`` before the bias) with a zero value,
+whose additive mask column holds the sink logit ``z[h]``. That costs a K/V copy with one more row and a
+materialized float mask, but no log-sum-exp; gradients reach the sinks through the float mask.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class SDPABackend(Backend):
     """torch's fused scaled-dot-product attention kernels."""
 
     name = "sdpa"
+    native_sinks = True
 
     def decline(self, req: Request) -> str | None:
         if req.return_lse:
@@ -72,16 +77,18 @@ class SDPABackend(Backend):
     def estimate(self, req: Request) -> Estimate:
         rate = NOMINAL_FLOPS.get(req.device.type, NOMINAL_FLOPS["cpu"])
         flops = dense_flops(req)
-        if _is_causal_flag(req) and req.score_mod is None:
+        if _is_causal_flag(req) and req.score_mod is None and req.sinks is None:
             return Estimate(flops / 2 / rate, "fused kernel, is_causal skips the upper triangle")
-        if req.mask is None and req.score_mod is None:
+        if req.mask is None and req.score_mod is None and req.sinks is None:
             return Estimate(flops / rate, "fused kernel, dense")
-        mask_bytes = req.Nq * req.Nk * (4 if req.score_mod is not None else 1) * (
+        mask_bytes = req.Nq * req.Nk * (4 if req.score_mod is not None or req.sinks is not None else 1) * (
             req.B if (req.mask is not None and req.mask.batch) else 1)
         return Estimate(flops / rate + mask_bytes / 1e10,
                         f"fused kernel over all pairs, materializes a {mask_bytes / 1e6:.3g} MB mask")
 
     def run(self, req: Request) -> AttentionOutput:
+        if req.sinks is not None:
+            return _run_with_sinks(req)
         attn_mask, is_causal = None, False
         if req.mask is not None and _is_causal_flag(req) and req.score_mod is None:
             is_causal = True
@@ -99,3 +106,23 @@ class SDPABackend(Backend):
             enable_gqa=req.Hq != req.Hkv,
         )
         return AttentionOutput(out, None)  # type: ignore[arg-type]
+
+
+def _run_with_sinks(req: Request) -> AttentionOutput:
+    """The sinks as one more key (see the module docstring)."""
+    B, Hq, Nq, Nk = req.B, req.Hq, req.Nq, req.Nk
+    dt, dev = req.dtype, req.device
+    zk = req.k.new_zeros(B, req.Hkv, 1, req.Dqk)
+    zv = req.v.new_zeros(B, req.Hkv, 1, req.Dv)
+    k, v = torch.cat([req.k, zk], dim=2), torch.cat([req.v, zv], dim=2)  # (B, Hkv, Nk + 1, D)
+    if req.score_mod is not None:
+        bias = req.score_mod.dense_bias(B, Hq, Nq, Nk, dtype=dt, device=dev)
+    else:
+        bias = torch.zeros(1, Hq, Nq, Nk, dtype=dt, device=dev)
+    if req.mask is not None:
+        bias = bias.masked_fill(~req.mask.dense(B, Hq, Nq, Nk, device=dev), float("-inf"))
+    sink = req.sinks.to(dt).view(1, Hq, 1, 1).expand(bias.shape[0], Hq, Nq, 1)
+    attn_mask = torch.cat([bias.expand(bias.shape[0], Hq, Nq, Nk), sink], dim=-1)  # (B or 1, Hq, Nq, Nk + 1)
+    out = F.scaled_dot_product_attention(req.q, k, v, attn_mask=attn_mask, scale=req.scale,
+                                         enable_gqa=req.Hq != req.Hkv)
+    return AttentionOutput(out, None)  # type: ignore[arg-type]

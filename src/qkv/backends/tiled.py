@@ -48,6 +48,7 @@ import torch
 
 from .._dropout import draw_seed
 from .._request import AttentionOutput, Request
+from .._sinks import apply_sinks
 from ._tiled_kernel import Problem, backward_slice, forward_slice, pad_keys, pad_rows, unpad_rows
 from ._tiled_plan import Plan, block_map_for, plan_for, tile_counts
 from .base import NOMINAL_FLOPS, Backend, Estimate
@@ -204,7 +205,7 @@ class _TiledAttention(torch.autograd.Function):
         ctx.spec = spec
         ctx.save_for_backward(q, k, v, out, lse)
         out_d = out.to(spec.dtype)
-        return out_d, lse.to(torch.float32)
+        return out_d, lse  # lse in the compute dtype: ``run`` folds in sinks at full precision, then casts
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -236,6 +237,7 @@ class TiledBackend(Backend):
     """Tiled online-softmax attention with block-sparse skipping; forward and backward; any device."""
 
     name = "tiled"
+    native_sinks = True
 
     def __init__(self, config: TiledConfig | None = None) -> None:
         self.config = config
@@ -276,4 +278,6 @@ class TiledBackend(Backend):
         spec = _Spec(req, cfg, seed, stats)
         mod_tensors = req.score_mod.tensors() if req.score_mod is not None else ()
         out, lse = _TiledAttention.apply(spec, req.q, req.k, req.v, *mod_tensors)
-        return AttentionOutput(out, lse)
+        if req.sinks is not None:  # merged with the compute-dtype lse, differentiably (qkv._sinks)
+            out, lse = apply_sinks(out, lse, req.sinks)
+        return AttentionOutput(out, lse.to(torch.float32))

@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "decode": "decode.py",
     "embed": "embed.py",
     "generate": "generate.py",
+    "varlen": "varlen.py",
 }
 
 

@@ -1,6 +1,7 @@
 """Masks built from per-sequence data: key padding, packed documents, prefix-LM.
 
-- ``padding(kv_lengths)`` allows key ``j < kv_lengths[b]`` (right-padded batches).
+- ``padding(kv_lengths)`` allows key ``j < kv_lengths[b]`` (right-padded batches); ``padding(valid)``
+  with a (B, Nk) boolean allows the keys marked valid (left padding, HF's ``attention_mask``).
 - ``document(ids)`` allows a pair when both tokens carry the same id (packed sequences, as in
   FlashAttention's varlen API and sequence packing for pre-training). Query row ``i`` reads the id at
   its position ``i + Nk - Nq``; pass ``q_ids`` for cross attention between different packings.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Mask, classify, row_index, tile_grid
+from .base import Mask, block_counts, classify, row_index, tile_grid
 
 __all__ = ["padding", "document", "document_from_cu_seqlens", "prefix_lm", "positions", "Padding", "Document",
            "PrefixLM", "Positions"]
@@ -43,28 +44,59 @@ def _as_lengths(x, name: str) -> torch.Tensor:
 
 
 class Padding(Mask):
+    """Key padding: per-row lengths (right padding), or a (B, Nk) boolean of valid keys (any padding)."""
+
     def __init__(self, kv_lengths) -> None:
+        self.valid = None
+        if isinstance(kv_lengths, torch.Tensor) and kv_lengths.dim() == 2:
+            self.valid = _as_valid(kv_lengths)
+            self.lengths = self.valid.sum(1)
+            self.batch = self.valid.shape[0]
+            return
         self.lengths = _as_lengths(kv_lengths, "padding(kv_lengths)")
         self.batch = self.lengths.shape[0]
 
     def check(self, B, H, nq, nk):
         super().check(B, H, nq, nk)
-        if self.lengths.numel() and int(self.lengths.max()) > nk:
+        if self.valid is not None:
+            if self.valid.shape[1] != nk:
+                raise ValueError(f"padding: the (B, Nk) key mask has {self.valid.shape[1]} keys but the keys have "
+                                 f"length {nk}")
+        elif self.lengths.numel() and int(self.lengths.max()) > nk:
             raise ValueError(f"padding: kv_lengths max {int(self.lengths.max())} exceeds the key length {nk}")
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        if self.valid is not None:
+            valid = self.valid.to(kv_idx.device)
+            return valid[row_index(valid, b), kv_idx]
         lengths = self.lengths.to(kv_idx.device)
         return kv_idx < lengths[row_index(lengths, b)]
 
     def _block_map(self, nq, nk, bq, bk, device):
+        tq = (nq + bq - 1) // bq
+        if self.valid is not None:  # per key tile: all valid / some valid, O(B * Nk)
+            counts = block_counts(self.valid.to(device).unsqueeze(1), 1, bk)  # (B, 1, TK)
+            _, _, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
+            return classify(counts == (k_hi - k_lo + 1), counts > 0).expand(-1, tq, -1)
         _, _, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
         n = self.lengths.to(device).view(-1, 1, 1)
         full, some = k_hi < n, k_lo < n
-        tq = (nq + bq - 1) // bq
         return classify(full, some).expand(-1, tq, -1)
 
     def __repr__(self):
+        if self.valid is not None:
+            return f"padding(valid keys of shape {tuple(self.valid.shape)})"
         return f"padding({self.lengths.tolist()})"
+
+
+def _as_valid(x: torch.Tensor) -> torch.Tensor:
+    """A (B, Nk) key mask (HF's ``attention_mask``): bool, or integers 0/1."""
+    if x.dtype != torch.bool:
+        if x.dtype.is_floating_point or (x.numel() and not bool(((x == 0) | (x == 1)).all())):
+            raise TypeError(f"padding: a 2-D key mask must be bool or 0/1 integers (1 = real token), got dtype "
+                            f"{x.dtype}; pass per-row lengths as a 1-D tensor instead")
+        x = x != 0
+    return x
 
 
 class Document(Mask):
@@ -147,7 +179,8 @@ class PrefixLM(Mask):
 
 
 def padding(kv_lengths) -> Padding:
-    """Allow key ``j < kv_lengths[b]``. ``kv_lengths``: int or (B,) integer tensor."""
+    """Allow key ``j < kv_lengths[b]``. ``kv_lengths``: int or (B,) integer tensor; or a (B, Nk) boolean
+    (or 0/1 integer) tensor of valid keys, HF's ``attention_mask``, for left or arbitrary padding."""
     return Padding(kv_lengths)
 
 

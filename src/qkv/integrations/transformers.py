@@ -1,0 +1,408 @@
+"""qkv as an attention implementation inside HF transformers: ``attn_implementation="qkv"``.
+
+Importing this module registers ``"qkv"`` with transformers' ``AttentionInterface`` (the attention call
+of every layer) and with ``AttentionMaskInterface`` (the mask a model builds once per forward), so::
+
+    import qkv.integrations.transformers  # noqa: F401  (registers "qkv")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="qkv")
+    model.set_attn_implementation("qkv")            # or on a loaded model
+    qkv.integrations.transformers.use(model)        # the same, after checking the family reaches the interface
+
+runs every attention call through :func:`qkv.attention` with ``backend="auto"``.
+
+What HF hands over, and what qkv makes of it:
+
+- The mask. HF describes a mask as a composition of index predicates (``causal_mask_function``,
+  ``sliding_window_overlay(W)``, the packed-sequence and chunked overlays, ``and_masks``/``or_masks``) plus
+  the 2-D ``attention_mask``. The mask function registered here reads that composition back into
+  analytic qkv masks: ``causal()``, ``sliding_window(W - 1)``, ``padding`` (right padding as lengths, left
+  padding as a (B, Nk) key mask), ``document`` (packed sequences found from ``position_ids``, chunked
+  attention, bidirectional image blocks) and ``positions`` (when HF's query and key offsets are not the
+  bottom-right alignment). The tiled and Flex backends then skip empty tiles. Reading the composition
+  looks at the closures of HF's public mask factories; a composition it does not know (a model's own
+  ``or_mask_function``, say) is taken as the dense boolean mask HF would build, and ``qkv.explain`` (and
+  :func:`explain` here) say so. A 4-D mask the caller prepared arrives as a tensor and is taken as is:
+  boolean as a dense mask, float as an additive bias (a dense ``mods.bias``).
+- ``scaling`` is the scale; ``softcap`` (Gemma 2) becomes ``mods.softcap``; T5's ``position_bias``, a
+  dense (1, H, Nq, Nk) tensor computed by the model, becomes ``mods.bias`` (dense: HF hands over only
+  that); ``s_aux`` (GPT-OSS's per-head sinks) becomes ``sinks=``; ``dropout`` (non-zero in training)
+  becomes ``dropout_p``, drawn from torch's default generator (so the pattern differs from eager's).
+  ``sliding_window`` needs nothing: the mask of a sliding layer already holds the window.
+- ``output_attentions=True``: the probabilities are recomputed from the log-sum-exp with
+  :func:`qkv.attention_probs` (exact, whatever backend ran), which HF's own fused paths cannot do. They are
+  the probabilities before dropout, float in the query dtype.
+
+Differences from eager, all on rows HF itself treats as padding: a query row with no allowed key (a left-pad
+token) returns zeros where eager averages every value; its attention row is zeros where eager's is uniform.
+
+Families checked against eager (random weights, tiny configs, ``tests/test_integrations_transformers.py``):
+Llama, Mistral, Qwen2, Gemma 2, Gemma 3 (text), GPT-2, GPT-OSS, BERT and T5 (encoder, decoder and
+cross-attention). Any family whose attention layers call ``ALL_ATTENTION_FUNCTIONS.get_interface`` works
+the same way; :func:`use` raises for a model whose layers do not (they would silently run eager).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks as M
+from .. import mods
+from .._attention import Explanation, attention
+from .._attention import explain as _explain
+from .._probs import attention_probs
+from ..masks.base import Mask
+
+__all__ = ["register", "use", "explain", "hf_mask", "attention_forward", "HFMask", "LayerReport", "NAME"]
+
+#: The name registered on import.
+NAME = "qkv"
+
+
+@dataclass(frozen=True)
+class HFMask:
+    """What the ``"qkv"`` mask function hands HF, which passes it unchanged to every attention call."""
+
+    mask: Mask | None  # None: every pair allowed
+    source: str  # "analytic" or why it is dense
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One attention call of a forward pass under :func:`explain`."""
+
+    module: str
+    mask_source: str
+    explanation: Explanation
+
+    def __str__(self) -> str:
+        return f"[{self.module}] mask: {self.mask_source}\n{self.explanation}"
+
+
+_recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("qkv_hf_recording", default=None)
+
+
+# --------------------------------------------------------------------------- reading HF's mask functions
+class _Unknown(Exception):
+    """A part of HF's mask composition that qkv does not read analytically."""
+
+
+@functools.cache
+def _factories() -> dict[str, object]:
+    """Code objects of HF's public mask factories' inner functions, to recognize a composition by."""
+    import transformers.masking_utils as mu
+
+    t1, t2 = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    makers = {
+        "and": lambda: mu.and_masks(mu.causal_mask_function),
+        "or": lambda: mu.or_masks(mu.causal_mask_function),
+        "sliding": lambda: mu.sliding_window_overlay(1),
+        "sliding_bidirectional": lambda: mu.sliding_window_bidirectional_overlay(1),
+        "chunked": lambda: mu.chunked_overlay(1, t1),
+        "packed": lambda: mu.packed_sequence_mask_function(t2),
+        "remap": lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t2),
+        "block": lambda: mu.blockwise_overlay(t2),
+        "padding": lambda: mu.padding_mask_function(t2),
+    }
+    codes: dict[str, object] = {"causal": mu.causal_mask_function.__code__,
+                                "bidirectional": mu.bidirectional_mask_function.__code__}
+    for name, make in makers.items():
+        try:
+            codes[name] = make().__code__
+        except (AttributeError, TypeError):  # a transformers without this factory: never matched
+            pass
+    return codes
+
+
+def _kind(fn) -> tuple[str, dict]:
+    """(factory name, closure variables) of an HF mask function."""
+    code = getattr(fn, "__code__", None)
+    for name, c in _factories().items():
+        if code is c:
+            cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in (fn.__closure__ or ()))))
+            return name, cells
+    raise _Unknown(getattr(fn, "__qualname__", type(fn).__name__))
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Sizes and absolute offsets of one mask request: query row i sits at i + q_off, key j at j + kv_off."""
+
+    B: int
+    nq: int
+    nk: int
+    q_off: int
+    kv_off: int
+    device: torch.device
+
+    @property
+    def aligned(self) -> bool:
+        """HF's offsets are qkv's bottom-right alignment (row i at position i + nk - nq)."""
+        return self.q_off - self.kv_off == self.nk - self.nq
+
+    def qpos(self) -> torch.Tensor:
+        return torch.arange(self.nq, device=self.device) + self.q_off
+
+    def kpos(self) -> torch.Tensor:
+        return torch.arange(self.nk, device=self.device) + self.kv_off
+
+
+_ALL = None  # the mask that allows every pair
+
+
+def _and(a, b):
+    return b if a is _ALL else a if b is _ALL else a & b
+
+
+def _or(a, b):
+    return _ALL if a is _ALL or b is _ALL else a | b
+
+
+def _translate(fn, g: _Geometry) -> Mask | None:
+    kind, cells = _kind(fn)
+    if kind == "and":
+        parts = list(cells["mask_functions"])
+        kinds = [_kind(p)[0] for p in parts]
+        # causal & sliding overlay: the sliding window of FlashAttention's convention (left = W - 1).
+        if g.aligned and "causal" in kinds and "sliding" in kinds:
+            w = _kind(parts[kinds.index("sliding")])[1]["sliding_window"]
+            rest = [p for p, k in zip(parts, kinds) if k not in ("causal", "sliding")]
+            out = M.sliding_window(int(w) - 1)
+        else:
+            rest, out = parts, _ALL
+        # packed sequences: HF remaps the inner predicate to position ids and ANDs the document ids. Within one
+        # document position ids step by one, so a translation-invariant predicate (causal, windows) on positions
+        # is the same predicate on indices.
+        if "remap" in kinds and "packed" in kinds:
+            inner = _kind(parts[kinds.index("remap")])[1]["mask_function"]
+            if not g.aligned or not _translation_invariant(inner):
+                raise _Unknown("packed sequences over a position-dependent mask")
+            rest = [p for p, k in zip(parts, kinds) if k != "remap"]
+            out = _and(out, _translate(inner, g))
+        for p in rest:
+            out = _and(out, _translate(p, g))
+        return out
+    if kind == "or":
+        out = None
+        for i, p in enumerate(cells["mask_functions"]):
+            m = _translate(p, g)
+            out = m if i == 0 else _or(out, m)
+        return out
+    if kind == "causal":
+        if g.aligned:
+            return M.causal()
+        return M.positions(g.qpos(), g.kpos(), causal=True)
+    if kind == "bidirectional":
+        return _ALL
+    if kind == "sliding":  # kv > q - W, no upper bound by itself
+        return M.positions(g.qpos(), g.kpos(), causal=False, window=int(cells["sliding_window"]))
+    if kind == "sliding_bidirectional":  # |q - kv| <= W
+        if not g.aligned:
+            raise _Unknown("a bidirectional window with unaligned offsets")
+        w = int(cells["sliding_window"])
+        return M.sliding_window(w, w)
+    if kind == "chunked":  # same chunk of C positions, counted from each row's left padding
+        c, lp = int(cells["chunk_size"]), cells["left_padding"].to(g.device).view(-1, 1)
+        return M.document((g.kpos().view(1, -1) - lp) // c, q_ids=(g.qpos().view(1, -1) - lp) // c)
+    if kind == "packed":
+        return M.document(cells["packed_sequence_mask"].to(g.device))
+    if kind == "padding":
+        return _padding(cells["padding_mask"], g)
+    if kind == "block":  # same block id, and not -1 (text), as in HF's blockwise overlay
+        ids = cells["block_sequence_ids"].to(g.device)
+        kv = ids[:, g.kv_off:g.kv_off + g.nk]
+        q = ids[:, g.q_off:g.q_off + g.nq]
+        return M.document(kv, q_ids=torch.where(q >= 0, q, torch.full_like(q, -2)))
+    raise _Unknown(kind)
+
+
+def _translation_invariant(fn) -> bool:
+    try:
+        kind, cells = _kind(fn)
+    except _Unknown:
+        return False
+    if kind in ("and", "or"):
+        return all(_translation_invariant(p) for p in cells["mask_functions"])
+    return kind in ("causal", "bidirectional", "sliding", "sliding_bidirectional")
+
+
+def _padding(attention_mask: torch.Tensor | None, g: _Geometry) -> Mask | None:
+    """HF's 2-D attention_mask, read at the keys' absolute positions (missing positions are padding)."""
+    if attention_mask is None:
+        return _ALL
+    valid = attention_mask.to(device=g.device, dtype=torch.bool)[:, g.kv_off:g.kv_off + g.nk]
+    if valid.shape[1] < g.nk:
+        valid = torch.nn.functional.pad(valid, (0, g.nk - valid.shape[1]), value=False)
+    if bool(valid.all()):
+        return _ALL
+    lengths = valid.sum(1)
+    if bool((valid == (torch.arange(g.nk, device=g.device) < lengths.view(-1, 1))).all()):
+        return M.padding(lengths)  # right padding: a length per row
+    return M.padding(valid)
+
+
+def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+            mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+            use_vmap: bool = False, device="cpu", **kwargs) -> HFMask:
+    """The mask function registered as ``"qkv"`` in ``AttentionMaskInterface``: HF's mask request as a qkv
+    mask, analytic where HF's composition is known, else the dense boolean HF would build."""
+    import transformers.masking_utils as mu
+
+    mask_function = mu.causal_mask_function if mask_function is None else mask_function
+    g = _Geometry(int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset), torch.device(device))
+    try:
+        mask = _and(_translate(mask_function, g), _padding(attention_mask, g))
+        return HFMask(mask, "analytic")
+    except _Unknown as e:
+        dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap,
+                             device=device)
+        return HFMask(M.dense(dense), f"dense: HF's mask composition holds {e}, which qkv does not read "
+                                      "analytically, so it takes the boolean mask HF builds")
+
+
+# --------------------------------------------------------------------------- the attention call
+def _as_mask(attention_mask, module, is_causal, nq: int) -> tuple[Mask | None, object, str]:
+    """(mask, additive bias or None, where the mask came from)."""
+    if isinstance(attention_mask, HFMask):
+        return attention_mask.mask, None, attention_mask.source
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+        if causal and nq > 1:
+            return M.causal(), None, "none from HF; the module is causal: causal() (bottom-right)"
+        return None, None, "none"
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:
+            return M.dense(attention_mask), None, "dense: a 4-D boolean mask prepared by the caller"
+        return None, mods.bias(attention_mask), "dense: a 4-D additive mask prepared by the caller, as a bias"
+    raise TypeError(f"qkv attention: cannot read attention_mask of type {type(attention_mask).__name__} "
+                    f"{tuple(getattr(attention_mask, 'shape', ()))}; HF builds it with the 'qkv' mask function "
+                    "(registered by importing qkv.integrations.transformers) or takes a 4-D boolean or additive tensor")
+
+
+def _forward_for(backend: str) -> Callable:
+    def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                          softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                          position_bias: torch.Tensor | None = None, is_causal: bool | None = None,
+                          sliding_window: int | None = None, **kwargs):
+        """HF's attention-function signature: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D) -> ((B, Nq, Hq, Dv), probs)."""
+        if attention_mask is None and ("cu_seq_lens_q" in kwargs or "cu_seq_lens_k" in kwargs):
+            raise ValueError("qkv attention: HF passed packed-sequence lengths (cu_seq_lens_q/k) without building a "
+                             "mask (continuous batching or a paged cache), which the 'qkv' implementation does not "
+                             "run; pack with position_ids (HF then builds a document mask) or use "
+                             "qkv.varlen_attention")
+        mask, bias, source = _as_mask(attention_mask, module, is_causal, query.shape[2])
+        score_mod = [m for m in (bias, None if position_bias is None else mods.bias(position_bias),
+                                 None if not softcap else mods.softcap(float(softcap))) if m is not None]
+        sinks = None if s_aux is None else s_aux.to(query.device)
+        kw = dict(mask=mask, score_mod=score_mod or None, scale=scaling, sinks=sinks)
+        record = _recording.get()
+        if record is not None:
+            record.append(LayerReport(_name_of(module), source, _explain(query, key, value, dropout_p=dropout, **kw)))
+        out = attention(query, key, value, dropout_p=float(dropout), backend=backend, **kw)
+        probs = None
+        if _attentions_requested(kwargs):
+            with torch.no_grad():
+                probs = attention_probs(query, key, value, backend=backend, **kw).to(query.dtype)
+        return out.transpose(1, 2).contiguous(), probs
+
+    return attention_forward
+
+
+#: The attention function registered as ``"qkv"`` (``backend="auto"``).
+attention_forward = _forward_for("auto")
+
+
+def _attentions_requested(kwargs: dict) -> bool:
+    """``output_attentions`` reaches the attention call as a keyword in most families; some (GPT-2) drop it
+    on the way, and then only transformers' output collector knows (read defensively: an unknown
+    transformers layout there means "not requested", so probabilities are never computed by mistake)."""
+    if "output_attentions" in kwargs:
+        return bool(kwargs["output_attentions"])
+    try:
+        from transformers.utils.output_capturing import _active_collector
+
+        collected = _active_collector.get()
+    except (ImportError, AttributeError, LookupError):
+        return False
+    return isinstance(collected, dict) and any(k.endswith("attentions") for k in collected)
+
+
+def _name_of(module: torch.nn.Module) -> str:
+    idx = getattr(module, "layer_idx", None)
+    return type(module).__name__ + (f"[{idx}]" if idx is not None else "")
+
+
+def register(name: str = NAME, *, backend: str = "auto") -> None:
+    """Register ``name`` with transformers' attention and mask interfaces, running ``backend``.
+
+    Importing this module calls ``register()``; ``register("qkv_tiled", backend="tiled")`` adds a variant
+    that pins a backend (it raises where that backend cannot honour a call, never falls back).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from .. import backends
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
+    if backend != "auto" and backend not in backends.names():
+        raise ValueError(f"register: unknown backend {backend!r}; valid: {', '.join(['auto', *backends.names()])}")
+    AttentionInterface.register(name, attention_forward if backend == "auto" else _forward_for(backend))
+    AttentionMaskInterface.register(name, hf_mask)
+
+
+def _uses_interface(cls: type) -> bool:
+    """Whether a model class's modeling file dispatches attention through ``AttentionInterface`` (the
+    heuristic transformers itself applies before switching implementations)."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        src = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in src or "ALL_ATTENTION_FUNCTIONS[" in src
+
+
+def use(model, name: str = NAME):
+    """Switch ``model`` (an HF ``PreTrainedModel``) to qkv attention, after checking that every one of its
+    (sub)models dispatches attention through the interface; ``TypeError`` naming the class otherwise."""
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"use: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        raise ValueError(f"use: {name!r} is not registered; call qkv.integrations.transformers.register({name!r})")
+    bad = sorted({type(m).__name__ for m in model.modules()
+                  if isinstance(m, PreTrainedModel) and not _uses_interface(type(m))})
+    if bad:
+        raise TypeError(f"use: {', '.join(bad)} do not dispatch attention through transformers' AttentionInterface, "
+                        "so attn_implementation='qkv' would silently run their own attention; port the model to "
+                        "qkv (qkv.models.from_hf) or use a family that does (Llama, Mistral, Qwen2, Gemma 2/3, GPT-2, "
+                        "BERT, T5, ...)")
+    model.set_attn_implementation(name)
+    return model
+
+
+def explain(model, *args, **kwargs) -> list[LayerReport]:
+    """Run ``model(*args, **kwargs)`` once without gradients and report, for every attention call, where its
+    mask came from (analytic or dense, and why) and :func:`qkv.explain`'s backend choice."""
+    reports: list[LayerReport] = []
+    token = _recording.set(reports)
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        _recording.reset(token)
+    return reports
+
+
+register()
