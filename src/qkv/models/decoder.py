@@ -480,6 +480,7 @@ class _SelfAttention(nn.Module):
         self.k_norm = _RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
         self.scale = c.attention_scale
         self.score_mod = mods.softcap(c.attn_logit_softcapping) if c.attn_logit_softcapping else None
+        self.attention_fn = attention  # the one hook: capture and context parallelism swap it
         self.backend = c.backend
         self.decode_backend = (c.decode_backend if c.backend == "auto" and c.decode_backend and self.score_mod is None
                                else c.backend)
@@ -515,7 +516,7 @@ class _SelfAttention(nn.Module):
             k, v = view.k, view.v  # (B, Hkv, S, D)
             mask = masks.positions(view.q_positions, view.kv_positions, causal=True, window=self.window)
         backend = self.decode_backend if N == 1 else self.backend
-        out = attention(q, k, v, mask=mask, score_mod=self.score_mod, scale=self.scale, backend=backend)
+        out = self.attention_fn(q, k, v, mask=mask, score_mod=self.score_mod, scale=self.scale, backend=backend)
         if cache is not None and hasattr(cache, "observe"):
             cache.observe(self.layer_idx, q, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)
