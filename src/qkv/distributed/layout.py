@@ -51,7 +51,10 @@ class Layout:
         return self.index[0].numel()
 
     def segments(self, rank: int) -> list[slice]:
-        """Local slices over which rank ``rank``'s global indices are consecutive."""
+        """Local slices over which rank ``rank``'s global indices are consecutive (a stripe is one block: its
+        tokens interleave with every other rank's, so no sub-block is ever empty under a causal mask)."""
+        if self.kind == "stripe":
+            return [slice(0, self.n_local)]
         return segments(self.index[rank])
 
     def to(self, device) -> Layout:
