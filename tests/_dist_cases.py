@@ -3,9 +3,8 @@ single-process reference (seeded), and the masks and modifiers each case uses.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +24,8 @@ class Case:
     docs: bool = False  # zigzag layouts balance per document
 
     def id(self, scheme: str, world: int) -> str:
-        return f"{scheme}-W{world}-{self.name}-B{self.B}-H{self.Hq}x{self.Hkv}-n{self.nq}x{self.nk}-D{self.Dqk}x{self.Dv}"
+        return (f"{scheme}-W{world}-{self.name}-B{self.B}-H{self.Hq}x{self.Hkv}-n{self.nq}x{self.nk}"
+                f"-D{self.Dqk}x{self.Dv}")
 
 
 def documents(n: int) -> torch.Tensor:

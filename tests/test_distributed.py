@@ -378,7 +378,8 @@ def test_dead_or_stalled_rank_raises_timeout(tmp_path, behaviour):
 def _example_worker(rank: int, port: int, outdir: str) -> None:
     import importlib.util
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     path = os.path.join(os.path.dirname(__file__), "..", "examples", "context_parallel.py")
     spec = importlib.util.spec_from_file_location("qkv_example_context_parallel", path)

@@ -2,8 +2,9 @@
 
 Pure arithmetic (no torch). The model of one attention layer on W devices, for a sequence of N tokens:
 
-- Compute. The larger of the HBM time (this rank's Q, K, V and output once) and attention FLOPs ``2 * B * Hq * N^2 * (Dqk + Dv)`` (half when causal; training x 3.5, FlashAttention-2's
-  count) over the device's attention throughput. Balanced layouts (zigzag, stripe, all-gather, Ulysses) give
+- Compute. The larger of the HBM time (this rank's Q, K, V and output once) and attention FLOPs
+  ``2 * B * Hq * N^2 * (Dqk + Dv)`` (half when causal; training x 3.5, FlashAttention-2's count) over the
+  device's attention throughput. Balanced layouts (zigzag, stripe, all-gather, Ulysses) give
   every rank ``1 / W`` of it; a contiguous ring under a causal mask gives the last rank ``2 / (W + 1)`` of it.
 - Communication over links of ``link_bytes_per_s`` with a per-message ``latency_s``. A chunk of K/V is
   ``c = B * (N / W) * Hkv * (Dqk + Dv) * e`` bytes (MLA passes its latent, ``kv_lora_rank + qk_rope_head_dim``
@@ -97,8 +98,12 @@ def ulysses_degree(p: ModelPreset, world: int) -> int:
 
 
 def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device: Device, batch: int = 1,
-               causal: bool = True, training: bool = True, bytes_per_element: float = 2.0) -> LayerTime:
-    """Predicted time of one attention layer of ``p`` over ``context`` tokens on ``world`` devices."""
+               causal: bool = True, training: bool = True, bytes_per_element: float = 2.0,
+               accumulate_bytes: float = 4.0) -> LayerTime:
+    """Predicted time of one attention layer of ``p`` over ``context`` tokens on ``world`` devices.
+
+    ``bytes_per_element``: K/V on the wire (2 for bf16); ``accumulate_bytes``: the dK/dV accumulators (float32).
+    """
     if scheme not in SCHEMES:
         raise ValueError(f"layer_time: unknown scheme {scheme!r}; choose one of {SCHEMES}")
     if world < 1 or context < world:
@@ -126,9 +131,10 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
         sent = (steps - 1) * chunk
         comm = (steps - 1) * t_c
         if training and steps > 1:
-            t_g = 2 * chunk / bw + lat  # float32 dK/dV
+            grad = chunk * accumulate_bytes / e  # float32 dK/dV
+            t_g = grad / bw + lat
             total += b_step + (steps - 1) * max(b_step, t_c + t_g) + t_g
-            sent += (steps - 1) * chunk + steps * 2 * chunk
+            sent += (steps - 1) * chunk + steps * grad
             comm += (steps - 1) * (t_c + t_g) + t_g
         elif training:
             total += b_step
@@ -142,8 +148,8 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
         comm = gather / bw + (W - 1) * lat
         sent = gather
         if training:
-            comm += 2 * gather / bw + (W - 1) * lat
-            sent += 2 * gather
+            comm += gather * accumulate_bytes / e / bw + (W - 1) * lat
+            sent += gather * accumulate_bytes / e
         total = fwd + bwd + comm
     else:
         a2a = _all_to_all(p, local, W, e) * (2 if training else 1)

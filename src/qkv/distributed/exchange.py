@@ -35,12 +35,14 @@ class CommLog:
     """What one rank's calls moved and computed. Pass one as ``log=`` to record.
 
     ``counts``: collectives by kind (``sendrecv`` = one ring shift, a batch of sends and receives);
-    ``bytes_sent``: payload bytes this rank sent; ``work``: score elements computed (B * H * nq * nk per
-    block); ``allowed``: of those, pairs the mask allows; ``events``: (phase, op, step) in order.
+    ``bytes_sent``: payload bytes this rank sent (``bytes_by_phase``: split by phase); ``work``: score
+    elements computed (B * H * nq * nk per block); ``allowed``: of those, pairs the mask allows; ``events``:
+    (phase, op, step) in order.
     """
 
     counts: Counter = field(default_factory=Counter)
     bytes_sent: int = 0
+    bytes_by_phase: Counter = field(default_factory=Counter)
     work: int = 0
     allowed: int = 0
     events: list = field(default_factory=list)
@@ -48,6 +50,7 @@ class CommLog:
     def record(self, phase: str, op: str, step: str, nbytes: int) -> None:
         self.counts[f"{phase}:{op}"] += 1
         self.bytes_sent += nbytes
+        self.bytes_by_phase[phase] += nbytes
         self.events.append((phase, op, step))
 
     def total(self, op: str) -> int:
@@ -149,7 +152,7 @@ class Exchange:
         out = [torch.empty_like(t) for _ in range(self.world)]
         saved, self.phase = self.phase, phase or self.phase
         try:
-            self._record("all_gather", step, _nbytes(t))
+            self._record("all_gather", step, (self.world - 1) * _nbytes(t))  # each peer needs this rank's part
             self.wait([dist.all_gather(out, t, group=self.group, async_op=True)], f"all-gather ({step})")
         finally:
             self.phase = saved

@@ -15,8 +15,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .. import masks
-from ..masks.sequence import Positions
 from .._attention import attention as _local_attention
+from ..masks.sequence import Positions
 from .api import attention
 from .exchange import CommLog, Exchange
 from .groups import UspGroups
