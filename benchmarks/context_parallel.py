@@ -92,11 +92,12 @@ def _torch_cp(n: int, repeat: int) -> dict:
         from torch.distributed.tensor.experimental import context_parallel
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        q, k, v = (t.clone().requires_grad_(True) for t in _inputs(n))
+        q, k, v = _inputs(n)
 
         def step():
-            qs, ks, vs = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            with context_parallel(mesh, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2]):
+            buffers = [t.clone() for t in (q, k, v)]  # sharded in place, restored on exit
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+                qs, ks, vs = (t.detach().requires_grad_(True) for t in buffers)
                 out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
                 out.sum().backward()
 

@@ -59,8 +59,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         backend: the qkv backend for each block.
         log: a :class:`CommLog` that records collectives, bytes and block work of this call (and its backward).
         all_to_all: ``"auto"``/``"native"`` (the backend's all-to-all) or ``"p2p"`` (pairwise sends).
-        check: agree on shapes, dtypes and the mask across ranks before any data moves (one small
-            all-gather); a mismatch raises ``ValueError`` naming the rank.
+        check: agree on shapes, dtypes, scale, the description of the mask and modifiers and the document
+            ids across ranks before any data moves (two small all-gathers); a mismatch raises ``ValueError``
+            naming the rank.
 
     Returns:
         ``out`` (B, Hq, n, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
@@ -107,8 +108,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         ex.agree({"scheme": (_SCHEME_IDS[scheme],), "dtype": (dtype_code(q.dtype),), "q shape": tuple(q.shape),
                   "k shape": tuple(k.shape), "v shape": tuple(v.shape), "mask": (_fingerprint(mask),),
                   "score_mod": (_fingerprint(mod),), "scale": (zlib.crc32(repr(req.scale).encode()),),
-                  "documents": (_fingerprint(None if documents is None else documents.tolist()),),
-                  "needs grad": (int(req.requires_grad),)})
+                  "documents": (0 if documents is None else zlib.crc32(documents.cpu().numpy().tobytes()),),
+                  "needs grad": (int(req.requires_grad),)}, device=q.device)
     if scheme in ("ring", "zigzag", "stripe", "allgather"):
         dev = q.device
         plan = Plan(ex, rank, world, [i.to(dev) for i in q_lay.index], [i.to(dev) for i in k_lay.index],

@@ -108,15 +108,17 @@ class Exchange:
                     f"({str(e).splitlines()[0][:200]})") from e
 
     # ------------------------------------------------------------------ agreement before data moves
-    def agree(self, fields: dict[str, tuple[int, ...]]) -> None:
+    def agree(self, fields: dict[str, tuple[int, ...]], device=None) -> None:
         """All-gather a small integer description of this rank's call and raise ``ValueError`` naming the
-        first rank whose description differs (every rank raises the same error)."""
+        first rank whose description differs (every rank raises the same error). ``device``: where the
+        backend takes tensors (the inputs' device; NCCL needs CUDA)."""
         flat = [v for vals in fields.values() for v in (len(vals), *vals)]
-        mine = torch.tensor(flat, dtype=torch.int64)
-        size = torch.tensor([mine.numel()], dtype=torch.int64)
+        mine = torch.tensor(flat, dtype=torch.int64, device=device)
+        size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
         sizes = self.all_gather(size, "description sizes", phase="check")
-        if len({int(s) for s in sizes}) > 1:
-            bad = next(r for r, s in enumerate(sizes) if int(s) != int(sizes[0]))
+        sizes = [int(s) for s in sizes]
+        if len(set(sizes)) > 1:
+            bad = next(r for r, s in enumerate(sizes) if s != sizes[0])
             raise ValueError(f"qkv.distributed {self.scheme}: rank {bad} describes its call differently from rank "
                              f"0 (a different mask, score modifier or tensor rank); every rank must make the same call")
         every = self.all_gather(mine, "shapes and dtypes", phase="check")
