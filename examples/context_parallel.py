@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import qkv.distributed as cp
-from qkv.models.decoder import DecoderConfig, DecoderLM
+from qkv.nn import DecoderConfig, DecoderLM
 
 __all__ = ["make_batch", "main"]
 
@@ -66,13 +66,13 @@ def main(*, steps: int = 30, seq_len: int = 512, scheme: str = "zigzag", seed: i
         n_scored = int((labels != -100).sum())
 
         opt.zero_grad()
-        loss_local = _loss(ctx(ctx.shard(ids)), ctx.shard(labels), n_scored)  # this rank's share of the loss
+        loss_local = _loss(ctx(ctx.shard(ids)).logits, ctx.shard(labels), n_scored)  # this rank's share of the loss
         loss_local.backward()
         ctx.all_reduce_gradients()
         loss = float(ctx.all_reduce(loss_local))
 
         opt_single.zero_grad()
-        loss_single = _loss(single(ids), labels, n_scored)
+        loss_single = _loss(single(ids).logits, labels, n_scored)
         loss_single.backward()
 
         grad_diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), single.parameters()))

@@ -260,12 +260,14 @@ def test_layouts():
 MODEL_SCHEMES = ["zigzag", "ulysses", "stripe"]
 
 
-def _model_config():
-    from qkv.models.decoder import DecoderConfig
+def _model_config(scheme: str):
+    """RoPE, a sliding-window layer and soft-capping; ALiBi at explicit positions for the stripe run."""
+    from qkv.nn import DecoderConfig
 
     return DecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=48, sliding_window=5,
-                         layer_types=("full_attention", "sliding_attention"), attn_logit_softcapping=20.0)
+                         layer_types=("full_attention", "sliding_attention"), attn_logit_softcapping=20.0,
+                         position="alibi" if scheme == "stripe" else "rope")
 
 
 def _model_data(world: int):
@@ -276,11 +278,11 @@ def _model_data(world: int):
     return ids, labels
 
 
-def _model(dtype):
-    from qkv.models.decoder import DecoderLM
+def _model(dtype, scheme: str):
+    from qkv.nn import DecoderLM
 
     torch.manual_seed(0)
-    return DecoderLM(_model_config()).to(dtype)
+    return DecoderLM(_model_config(scheme)).to(dtype)
 
 
 def _loss(logits, labels, n_valid):
@@ -291,11 +293,11 @@ def _loss(logits, labels, n_valid):
 def _model_steps(rank: int, world: int) -> dict:
     out = {}
     for scheme in MODEL_SCHEMES:
-        model = _model(torch.float32)
+        model = _model(torch.float32, scheme)
         ids, labels = _model_data(world)
         log = cp.CommLog()
         cpm = cp.context_parallel(model, scheme=scheme, timeout=TIMEOUT, log=log)
-        logits = cpm(cpm.shard(ids))
+        logits = cpm(cpm.shard(ids)).logits
         loss = _loss(logits, cpm.shard(labels), int((labels != -100).sum()))
         loss.backward()
         cpm.all_reduce_gradients()
@@ -313,8 +315,8 @@ def test_model_step_equals_single_process(w2, scheme):
     ids, labels = _model_data(2)
     ref = {}
     for dtype in (torch.float64, torch.float32):
-        model = _model(dtype)
-        logits = model(ids)
+        model = _model(dtype, scheme)
+        logits = model(ids).logits
         loss = _loss(logits, labels, int((labels != -100).sum()))
         loss.backward()
         ref[dtype] = (loss.detach(), logits.detach(), {n: p.grad for n, p in model.named_parameters()})

@@ -17,6 +17,8 @@ import torch
 from .. import masks
 from .._attention import attention as _local_attention
 from ..masks.sequence import Positions
+from ..mods.base import ScoreMod
+from ..pos.relative import RelativePositionMod
 from .api import attention
 from .exchange import CommLog, Exchange
 from .groups import UspGroups
@@ -47,7 +49,7 @@ class ContextParallel:
         self.hosts = [m for m in model.modules() if isinstance(m, AttentionHost)]
         if not self.hosts:
             raise TypeError(f"context_parallel: {type(model).__name__} has no attention module with an attention_fn "
-                            "hook; qkv's decoder (qkv.models.decoder.DecoderLM) has one per layer")
+                            "hook; qkv's decoder (qkv.nn.DecoderLM) has one per layer")
         self._saved = [m.attention_fn for m in self.hosts]
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         for m in self.hosts:
@@ -108,6 +110,14 @@ class ContextParallel:
         self._last = (local, out)
         return out
 
+    def _global_mod(self, mod: ScoreMod) -> ScoreMod:
+        """A modifier that read this shard's position ids (ALiBi at explicit positions) reads the global ones."""
+        if isinstance(mod, RelativePositionMod) and mod.qp is not None:
+            return RelativePositionMod(mod.term, q_positions=self._global_positions(mod.qp),
+                                       kv_positions=self._global_positions(mod.kp), tensors=mod.tensors(),
+                                       name=mod.name)
+        return mod
+
     def _attention(self, q, k, v, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False,
                    **kwargs):
         if kwargs:
@@ -119,6 +129,10 @@ class ContextParallel:
         if isinstance(mask, Positions):  # built from this shard's position ids: make it global
             qp, kp = self._global_positions(mask.qp), self._global_positions(mask.kp)
             mask = masks.positions(qp, kp, causal=mask.causal, window=mask.window)
+        if isinstance(score_mod, (list, tuple)):
+            score_mod = [self._global_mod(m) for m in score_mod]
+        elif score_mod is not None:
+            score_mod = self._global_mod(score_mod)
         if self.backend is not None:
             backend = self.backend
         if self.world == 1:
@@ -145,7 +159,7 @@ def context_parallel(model: torch.nn.Module, group=None, *, scheme: str = "zigza
 
     Example:
         >>> # cp = context_parallel(model, scheme="zigzag")
-        >>> # logits = cp(cp.shard(ids))                      # (B, N / W, V) of this rank's tokens
+        >>> # logits = cp(cp.shard(ids)).logits               # (B, N / W, V) of this rank's tokens
         >>> # loss = cross_entropy(logits, cp.shard(labels), reduction="sum") / n_tokens_global
         >>> # loss.backward(); cp.all_reduce_gradients()      # = the single-process gradients
     """
