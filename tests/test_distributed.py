@@ -387,7 +387,7 @@ def _example_worker(rank: int, port: int, outdir: str) -> None:
     spec = importlib.util.spec_from_file_location("qkv_example_context_parallel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    history = module.main(steps=6, seq_len=64, verbose=False)
+    history = module.main(steps=4, seq_len=64, verbose=False)
     torch.save(history, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
