@@ -16,8 +16,8 @@ Example:
 from .api import attention, ring_attention
 from .exchange import ALL_TO_ALL, DEFAULT_TIMEOUT, CollectiveTimeout, CommLog
 from .groups import UspGroups, usp_groups
-from .layout import SCHEMES, Layout, layout, shard, unshard
 from .model import ContextParallel, context_parallel
+from .sharding import SCHEMES, Layout, layout, shard, unshard
 
 __all__ = [
     "attention", "ring_attention", "shard", "unshard", "layout", "Layout", "SCHEMES", "usp_groups", "UspGroups",

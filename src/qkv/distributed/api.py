@@ -15,9 +15,9 @@ from ..mods.base import as_score_mod
 from .allgather import AllGatherAttention
 from .exchange import CommLog, Exchange, dtype_code
 from .groups import UspGroups
-from .layout import SCHEMES, layout, world_and_rank
 from .plan import Plan
 from .ring import RingAttention
+from .sharding import SCHEMES, layout, world_and_rank
 from .ulysses import ulysses_attention
 from .usp import usp_attention
 

@@ -22,7 +22,7 @@ from ..pos.relative import RelativePositionMod
 from .api import attention
 from .exchange import CommLog, Exchange
 from .groups import UspGroups
-from .layout import layout, shard, unshard, world_and_rank
+from .sharding import layout, shard, unshard, world_and_rank
 
 __all__ = ["AttentionHost", "ContextParallel", "context_parallel"]
 

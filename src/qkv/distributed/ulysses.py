@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from .exchange import Exchange
-from .layout import Layout
 from .plan import Plan
 from .ring import RingAttention
+from .sharding import Layout
 
 __all__ = ["AllToAll", "split_heads", "ulysses_attention"]
 

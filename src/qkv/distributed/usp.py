@@ -13,9 +13,9 @@ import torch
 
 from .exchange import Exchange
 from .groups import UspGroups
-from .layout import Layout, segments
 from .plan import Plan
 from .ring import RingAttention
+from .sharding import Layout, segments
 from .ulysses import AllToAll, split_heads
 
 __all__ = ["usp_attention"]
