@@ -22,10 +22,11 @@ class Case:
     Dqk: int = 8
     Dv: int = 6
     docs: bool = False  # zigzag layouts balance per document
+    dtype: torch.dtype = torch.float32
 
     def id(self, scheme: str, world: int) -> str:
         return (f"{scheme}-W{world}-{self.name}-B{self.B}-H{self.Hq}x{self.Hkv}-n{self.nq}x{self.nk}"
-                f"-D{self.Dqk}x{self.Dv}")
+                f"-D{self.Dqk}x{self.Dv}-{str(self.dtype).replace('torch.', '')}")
 
 
 def documents(n: int) -> torch.Tensor:
@@ -46,7 +47,7 @@ def build(case: Case, world: int):
     bias = torch.randn(1, case.Hq, NQ, NK, generator=g, dtype=torch.float64) * 0.5
     m, mods = qkv.masks, qkv.mods
     slopes = qkv.pos.alibi_slopes(case.Hq).to(torch.float32)
-    if case.name == "causal-bias":
+    if case.name in ("causal-bias", "causal-bias-bf16"):
         mask, mod = m.causal(), "bias"
     elif case.name == "window-alibi-softcap":
         mask, mod = m.sliding_window(5), [mods.alibi(slopes), mods.softcap(3.0)]
@@ -54,7 +55,7 @@ def build(case: Case, world: int):
         mask, mod = m.document(documents(NQ)) & m.causal(), None
     elif case.name == "padding-prefix":
         mask, mod = m.prefix_lm(torch.tensor([5, NQ // 2])) & m.padding(torch.tensor([NK - 3, NK])), None
-    elif case.name == "causal-br-cross":
+    elif case.name in ("causal-br-cross", "causal-br-empty-rows"):
         mask, mod = m.causal(), None
     elif case.name == "causal-tl-cross":
         mask, mod = m.causal(align="top_left"), None
@@ -71,11 +72,13 @@ def score_mod(mod, bias_tensor):
 
 CASES_W2 = [
     Case("causal-bias"),
+    Case("causal-bias-bf16", nq=8, nk=8, Dv=8, dtype=torch.bfloat16),
     Case("window-alibi-softcap", nq=6, nk=6),
     Case("documents", nq=12, nk=12, Hkv=1, docs=True),
     Case("padding-prefix", B=2, nq=6, nk=6, Hkv=4),
     Case("causal-br-cross", nq=2, nk=4),
     Case("causal-tl-cross", nq=4, nk=2),
+    Case("causal-br-empty-rows", nq=4, nk=2),  # the first queries see no key: zeros, lse -inf, zero gradients
 ]
 CASES_W4 = [Case("causal-bias"), Case("documents", nq=8, nk=8, docs=True), Case("causal-br-cross", nq=2, nk=4)]
 SCHEMES_W2 = ["ring", "zigzag", "stripe", "allgather", "ulysses"]

@@ -46,12 +46,12 @@ def _run_case(scheme: str, case: Case, world: int, group):
     q, k, v, dout, dlse, bias, mask, mod = build(case, world)
     docs = documents(q.shape[2]) if case.docs and scheme in ("zigzag", "allgather") else None
     kw = dict(scheme=scheme, group=group, documents=docs)
-    ql, kl, vl = (cp.shard(t.float(), **kw).clone().requires_grad_(True) for t in (q, k, v))
-    bias32 = bias.float().requires_grad_(True)
+    ql, kl, vl = (cp.shard(t.to(case.dtype), **kw).clone().requires_grad_(True) for t in (q, k, v))
+    bias32 = bias.to(case.dtype).requires_grad_(True)
     log = cp.CommLog()
     res = cp.attention(ql, kl, vl, mask=mask, score_mod=score_mod(mod, bias32), return_lse=True, timeout=TIMEOUT,
                        log=log, **kw)
-    loss = (res.out * cp.shard(dout.float(), **kw)).sum() + (res.lse * cp.shard(dlse.float(), **kw)).sum()
+    loss = (res.out.float() * cp.shard(dout.float(), **kw)).sum() + (res.lse * cp.shard(dlse.float(), **kw)).sum()
     loss.backward()
     out = cp.unshard(res.out.detach(), **kw)
     lse = cp.unshard(res.lse.detach().unsqueeze(-1), **kw).squeeze(-1)
@@ -105,13 +105,14 @@ def w4(tmp_path_factory):
 
 
 def _reference(case: Case, world: int):
-    """float64 reference and float32 eager baseline of out, lse, dq, dk, dv, dbias."""
+    """float64 reference and the eager baseline in the case's dtype of out, lse, dq, dk, dv, dbias."""
     results = []
-    for dtype in (torch.float64, torch.float32):
+    for dtype in (torch.float64, case.dtype):
         q, k, v, dout, dlse, bias, mask, mod = build(case, world)
         q, k, v, bias = (t.to(dtype).requires_grad_(True) for t in (q, k, v, bias))
         res = qkv.attention(q, k, v, mask=mask, score_mod=score_mod(mod, bias), return_lse=True, backend="reference")
-        ((res.out * dout.to(dtype)).sum() + (res.lse * dlse.to(dtype)).sum()).backward()
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        ((res.out.to(work) * dout.to(work)).sum() + (res.lse.to(work) * dlse.to(work)).sum()).backward()
         results.append((res.out.detach(), res.lse.detach(), [q.grad, k.grad, v.grad],
                         bias.grad if mod == "bias" else None))
     return results
@@ -121,6 +122,8 @@ def _check(results, scheme: str, case: Case, world: int) -> None:
     key = case.id(scheme, world)
     got = results[0][key]
     assert "error" not in got, f"{key} raised on rank 0:\n{got['error']}"
+    for name, t in (("out", got["out"]), ("lse", got["lse"]), *zip(("dq", "dk", "dv"), got["grads"])):
+        assert not torch.isnan(t).any(), f"{key}: NaN in {name}"
     (o64, l64, g64, b64), (o32, l32, g32, b32) = _reference(case, world)
     assert_within_budget(got["out"], o64, o32, what=f"{key} out")
     assert_within_budget(got["lse"], l64, l32, what=f"{key} lse")
@@ -200,6 +203,9 @@ def _bad_calls(rank: int) -> dict:
     attempt("shape-mismatch", lambda: cp.attention(y, y, y, timeout=TIMEOUT))
     z = x if rank == 0 else x.double()
     attempt("dtype-mismatch", lambda: cp.attention(z, z, z, timeout=TIMEOUT))
+    attempt("no-hook", lambda: cp.context_parallel(torch.nn.Linear(2, 2)))
+    attempt("shard-dim", lambda: cp.shard(x, scheme="ring", dim=5))
+    attempt("usp-ulysses", lambda: cp.usp_groups(ulysses=3))
     attempt("all-to-all-p2p", lambda: _p2p_all_to_all(rank))
     return errors
 
@@ -228,6 +234,9 @@ def test_bad_calls_raise_with_the_fix(w2):
     assert "documents= balances the zigzag layout" in e0["documents-ring"]
     assert "3 query heads do not divide over 2 ranks" in e0["ulysses-heads"]
     assert "timeout must be a positive number" in e0["timeout-value"]
+    assert e0["no-hook"].startswith("TypeError") and "attention_fn" in e0["no-hook"]
+    assert "dim=5 is out of range" in e0["shard-dim"]
+    assert "ulysses must be a positive divisor of the group size 2, got 3" in e0["usp-ulysses"]
     for errs in (e0, e1):  # detected before data moves, on both ranks, naming the rank that differs
         assert errs["shape-mismatch"].startswith("ValueError") and "rank 1 has q shape (1, 4, 6, 8)" in \
             errs["shape-mismatch"], errs["shape-mismatch"]

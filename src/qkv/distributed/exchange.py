@@ -9,6 +9,7 @@ process group's default (30 minutes on gloo). Transport errors (a peer's socket 
 from __future__ import annotations
 
 import datetime
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -27,7 +28,10 @@ _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.floa
 
 
 class CollectiveTimeout(TimeoutError):
-    """A collective of qkv.distributed did not complete in time (a rank died, stalled or diverged)."""
+    """A collective of qkv.distributed did not complete in time (a rank died, stalled or diverged).
+
+    The process group is left mid-collective: destroy it (``torch.distributed.destroy_process_group``) and
+    restart the job (torchrun's elastic restarts do this) rather than calling it again."""
 
 
 @dataclass
@@ -97,10 +101,10 @@ class Exchange:
             self.log.record(self.phase, op, step, nbytes)
 
     def wait(self, works, what: str) -> None:
-        limit = datetime.timedelta(seconds=self.timeout)
+        deadline = time.monotonic() + self.timeout  # one budget for the whole batch of sends and receives
         for w in works:
             try:
-                w.wait(limit)
+                w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except RuntimeError as e:
                 raise CollectiveTimeout(
                     f"qkv.distributed {self.scheme}: {self.phase} {what} did not complete within {self.timeout:g} s "
