@@ -75,12 +75,13 @@ def _worker(rank: int, world: int, port: int, outdir: str, schemes, cases, extra
                                                            allowed=log.allowed)
                 except Exception:
                     results[case.id(scheme, world)] = dict(error=traceback.format_exc())
-        if extra:
-            for key, fn in (("errors", _bad_calls), ("model", _model_steps)):
-                try:
-                    results[key] = fn(rank) if key == "errors" else fn(rank, world)
-                except Exception:
-                    results[key] = dict(error=traceback.format_exc())
+        jobs = (("errors", lambda: _bad_calls(rank)), ("model", lambda: _model_steps(world, MODEL_SCHEMES, None))) \
+            if extra else (("model", lambda: _model_steps(world, ["usp"], group)),)
+        for key, fn in jobs:
+            try:
+                results[key] = fn()
+            except Exception:
+                results[key] = dict(error=traceback.format_exc())
     finally:
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -89,8 +90,8 @@ def _worker(rank: int, world: int, port: int, outdir: str, schemes, cases, extra
 def _spawn(world: int, tmp_path_factory, schemes, cases, extra=False):
     outdir = str(tmp_path_factory.mktemp(f"cp{world}"))
     # fork: the workers start without importing torch again (seconds each on a loaded 2-core machine)
-    mp.start_processes(_worker, args=(world, _free_port(), outdir, schemes, cases, extra), nprocs=world, join=True,
-                       start_method="fork")
+    mp.start_processes(_worker, args=(world, _free_port(), outdir, schemes, cases, extra), nprocs=world,
+                       join=True, start_method="fork")
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -299,13 +300,13 @@ def _loss(logits, labels, n_valid):
                                              reduction="sum") / n_valid
 
 
-def _model_steps(rank: int, world: int) -> dict:
+def _model_steps(world: int, schemes, group) -> dict:
     out = {}
-    for scheme in MODEL_SCHEMES:
+    for scheme in schemes:
         model = _model(torch.float32, scheme)
         ids, labels = _model_data(world)
         log = cp.CommLog()
-        cpm = cp.context_parallel(model, scheme=scheme, timeout=TIMEOUT, log=log)
+        cpm = cp.context_parallel(model, group, scheme=scheme, timeout=TIMEOUT, log=log)
         logits = cpm(cpm.shard(ids)).logits
         loss = _loss(logits, cpm.shard(labels), int((labels != -100).sum()))
         loss.backward()
@@ -316,12 +317,13 @@ def _model_steps(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("scheme", MODEL_SCHEMES)
-def test_model_step_equals_single_process(w2, scheme):
-    """Loss, logits (prefill) and all-reduced gradients of a W=2 step equal the single-process step."""
-    assert "error" not in w2[0]["model"], w2[0]["model"]["error"]
-    got = w2[0]["model"][scheme]
-    ids, labels = _model_data(2)
+@pytest.mark.parametrize("world,scheme", [(2, s) for s in MODEL_SCHEMES] + [(4, "usp")])
+def test_model_step_equals_single_process(w2, w4, world, scheme):
+    """Loss, logits (prefill) and all-reduced gradients of a step on W ranks equal the single-process step."""
+    res = w2 if world == 2 else w4
+    assert "error" not in res[0]["model"], res[0]["model"]["error"]
+    got = res[0]["model"][scheme]
+    ids, labels = _model_data(world)
     ref = {}
     for dtype in (torch.float64, torch.float32):
         model = _model(dtype, scheme)
@@ -336,7 +338,7 @@ def test_model_step_equals_single_process(w2, scheme):
         assert_within_budget(got["grads"][name], g64[name], g32[name], what=f"{scheme} grad {name}")
     # the position ids travel once per forward; the gradients in one all-reduce
     assert got["counts"]["positions:all_gather"] == 1 and got["counts"]["gradients:all_reduce"] == 1, got["counts"]
-    assert w2[1]["model"][scheme]["loss"] == got["loss"]
+    assert all(res[r]["model"][scheme]["loss"] == got["loss"] for r in range(world))
 
 
 # --------------------------------------------------------------------- a dead or stalled rank: a timeout, in time
