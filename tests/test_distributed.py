@@ -267,13 +267,20 @@ def test_layouts():
 
 
 # --------------------------------------------------------------------- the model: a training step and a prefill
-MODEL_SCHEMES = ["zigzag", "ulysses", "stripe"]
+MODEL_SCHEMES = ["zigzag", "ulysses", "stripe", "ring-mla"]
 
 
 def _model_config(scheme: str):
-    """RoPE, a sliding-window layer and soft-capping; ALiBi at explicit positions for the stripe run."""
+    """RoPE, a sliding-window layer and soft-capping; ALiBi at explicit positions for the stripe run; MLA
+    (DeepSeek-V2's latent attention, expanded for prefill and training) for ring-mla."""
     from qkv.nn import DecoderConfig
+    from qkv.nn.latent import LatentConfig
 
+    if scheme == "ring-mla":
+        return DecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=48, latent=LatentConfig(hidden_size=32, num_attention_heads=4,
+                                                                       kv_lora_rank=16, qk_nope_head_dim=8,
+                                                                       qk_rope_head_dim=4, v_head_dim=8))
     return DecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=48, sliding_window=5,
                          layer_types=("full_attention", "sliding_attention"), attn_logit_softcapping=20.0,
@@ -306,7 +313,7 @@ def _model_steps(world: int, schemes, group) -> dict:
         model = _model(torch.float32, scheme)
         ids, labels = _model_data(world)
         log = cp.CommLog()
-        cpm = cp.context_parallel(model, group, scheme=scheme, timeout=TIMEOUT, log=log)
+        cpm = cp.context_parallel(model, group, scheme=scheme.removesuffix("-mla"), timeout=TIMEOUT, log=log)
         logits = cpm(cpm.shard(ids)).logits
         loss = _loss(logits, cpm.shard(labels), int((labels != -100).sum()))
         loss.backward()

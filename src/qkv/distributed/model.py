@@ -42,7 +42,7 @@ class ContextParallel:
     """
 
     def __init__(self, model: torch.nn.Module, group, scheme: str, timeout: float | None, log: CommLog | None,
-                 backend: str | None) -> None:
+                 backend: str) -> None:
         self.model, self.group, self.scheme, self.timeout, self.log = model, group, scheme, timeout, log
         self.backend = backend
         self.world, self.rank = world_and_rank(group)
@@ -51,7 +51,7 @@ class ContextParallel:
             raise TypeError(f"context_parallel: {type(model).__name__} has no attention module with an attention_fn "
                             "hook; qkv's decoder (qkv.nn.DecoderLM) has one per layer")
         self._saved = [m.attention_fn for m in self.hosts]
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._gathered: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # within one __call__
         for m in self.hosts:
             m.attention_fn = self._attention
 
@@ -74,7 +74,13 @@ class ContextParallel:
     def __call__(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None, **kwargs):
         if positions is None:
             positions = self.positions(input_ids.shape[1], input_ids.device)
-        return self.model(input_ids, positions=positions, **kwargs)
+        # Within one forward every layer sees the same position ids: gather them once. (Every rank runs the
+        # same layers on the same ids, so every rank finds the same entries and the collectives stay paired.)
+        self._gathered = []
+        try:
+            return self.model(input_ids, positions=positions, **kwargs)
+        finally:
+            self._gathered = None
 
     def all_reduce_gradients(self) -> None:
         """Sum every parameter's gradient across the ranks (one all-reduce of a flat float32 buffer)."""
@@ -100,14 +106,16 @@ class ContextParallel:
 
     def _global_positions(self, local: torch.Tensor) -> torch.Tensor:
         """(B or 1, N) global position ids in global order, from every rank's (B or 1, n) local ids."""
-        if self._last is not None and self._last[0] is local:
-            return self._last[1]
+        for seen, out in self._gathered or ():
+            if seen is local or (seen.shape == local.shape and torch.equal(seen, local)):
+                return out
         parts = Exchange(self._pg, self.scheme, self.timeout, self.log, phase="positions").all_gather(
             local.contiguous(), "position ids")
         lay = layout(self.scheme, local.shape[-1] * self.world, self.world)
         out = torch.empty(local.shape[0], lay.n_global, dtype=local.dtype, device=local.device)
         out[:, torch.cat(lay.index).to(local.device)] = torch.cat(parts, dim=-1)
-        self._last = (local, out)
+        if self._gathered is not None:
+            self._gathered.append((local, out))
         return out
 
     def _global_mod(self, mod: ScoreMod) -> ScoreMod:
@@ -119,9 +127,13 @@ class ContextParallel:
         return mod
 
     def _attention(self, q, k, v, *, mask=None, score_mod=None, scale=None, backend="auto", return_lse=False,
-                   **kwargs):
+                   dropout_p: float = 0.0, generator=None, **kwargs):
         if kwargs:
             raise TypeError(f"context_parallel: distributed attention does not take {sorted(kwargs)}")
+        if dropout_p:
+            raise ValueError(f"context_parallel: attention dropout (dropout_p={dropout_p}) is not supported: its "
+                             "pattern is drawn per block and would differ from one process's; set the model's "
+                             "attention dropout to 0 (model.eval() for the modules that drop only in training)")
         if q.shape[2] != k.shape[2]:
             raise ValueError("context_parallel: runs prefill and training steps (queries and keys of the same "
                              f"shard); got {q.shape[2]} queries and {k.shape[2]} keys (a decode step with a cache); "
@@ -133,8 +145,9 @@ class ContextParallel:
             score_mod = [self._global_mod(m) for m in score_mod]
         elif score_mod is not None:
             score_mod = self._global_mod(score_mod)
-        if self.backend is not None:
-            backend = self.backend
+        # Every block must return its log-sum-exp, so the module's own choice (e.g. SDPA for decoding) is not
+        # taken: blocks run on the backend given to context_parallel.
+        backend = self.backend
         if self.world == 1:
             return _local_attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, backend=backend,
                                     return_lse=return_lse)
@@ -143,7 +156,7 @@ class ContextParallel:
 
 
 def context_parallel(model: torch.nn.Module, group=None, *, scheme: str = "zigzag", timeout: float | None = None,
-                     log: CommLog | None = None, backend: str | None = None) -> ContextParallel:
+                     log: CommLog | None = None, backend: str = "auto") -> ContextParallel:
     """Make ``model`` run context-parallel over ``group``: swap every attention module's ``attention_fn``.
 
     Args:
@@ -152,7 +165,8 @@ def context_parallel(model: torch.nn.Module, group=None, *, scheme: str = "zigza
         scheme: any of :data:`qkv.distributed.SCHEMES`; ``zigzag`` balances causal work.
         timeout: seconds any collective may wait.
         log: a :class:`CommLog` recording every collective of the model's steps.
-        backend: the qkv backend of each block (default: the module's own).
+        backend: the qkv backend of each block (default ``"auto"``; the modules' own choices are not used,
+            since every block must return its log-sum-exp).
 
     Returns:
         A :class:`ContextParallel`; ``restore()`` undoes the swap.
