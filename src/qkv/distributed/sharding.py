@@ -41,6 +41,7 @@ class Layout:
     kind: str
     n_global: int
     index: tuple[torch.Tensor, ...]
+    pieces: tuple[tuple[int, ...], ...] | None = None  # zigzag: lengths of each rank's chunks, in order
 
     @property
     def world(self) -> int:
@@ -55,10 +56,15 @@ class Layout:
         tokens interleave with every other rank's, so no sub-block is ever empty under a causal mask)."""
         if self.kind == "stripe":
             return [slice(0, self.n_local)]
+        if self.pieces is not None and len(self.pieces[rank]) <= MAX_SEGMENTS:
+            # zigzag chunks stay apart even where they touch (rank W-1 holds chunks W-1 and W): each is its own
+            # block, so the causal skip sees the same shapes on every rank
+            bounds = [0]
+            for size in self.pieces[rank]:
+                bounds.append(bounds[-1] + size)
+            return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         return segments(self.index[rank])
 
-    def to(self, device) -> Layout:
-        return Layout(self.kind, self.n_global, tuple(i.to(device) for i in self.index))
 
 
 def segments(index: torch.Tensor) -> list[slice]:
@@ -100,9 +106,11 @@ def _document_runs(documents: torch.Tensor, n: int) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _zigzag(n: int, world: int, documents: torch.Tensor | None) -> list[list[int]]:
+def _zigzag(n: int, world: int, documents: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]]]:
+    """Global indices per rank (ascending) and the lengths of the pieces they come in."""
     runs = [n] if documents is None else _document_runs(documents, n)
     owned: list[list[int]] = [[] for _ in range(world)]
+    sizes: list[list[int]] = [[] for _ in range(world)]
     pointer, start = 0, 0
     for length in runs:
         pieces = [length // (2 * world)] * (2 * world)
@@ -116,9 +124,11 @@ def _zigzag(n: int, world: int, documents: torch.Tensor | None) -> list[list[int
         for i, size in enumerate(pieces):
             owner = i if i < world else 2 * world - 1 - i
             owned[owner].extend(range(at, at + size))
+            if size:
+                sizes[owner].append(size)
             at += size
         start += length
-    return owned
+    return owned, sizes
 
 
 def layout(scheme: str, n_global: int, world: int, *, documents: torch.Tensor | None = None) -> Layout:
@@ -154,8 +164,9 @@ def layout(scheme: str, n_global: int, world: int, *, documents: torch.Tensor | 
         if documents is None and n_global % (2 * world):
             raise ValueError(f"qkv.distributed: zigzag splits the sequence into 2W = {2 * world} chunks; length "
                              f"{n_global} does not divide, pad it to a multiple of {2 * world}")
-        owned = _zigzag(n_global, world, documents)
-        index = [torch.tensor(sorted(o), dtype=torch.int64) for o in owned]
+        owned, sizes = _zigzag(n_global, world, documents)
+        index = [torch.tensor(o, dtype=torch.int64) for o in owned]
+        return Layout(kind, n_global, tuple(index), tuple(tuple(s) for s in sizes))
     return Layout(kind, n_global, tuple(index))
 
 
