@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "embed": "embed.py",
     "generate": "generate.py",
     "varlen": "varlen.py",
+    "context_parallel": "context_parallel.py",
 }
 
 
