@@ -24,12 +24,14 @@ _ATTRS = {
     "merge_states": "qkv._merge",
     "AttentionOutput": "qkv._request",
     "attention_probs": "qkv._probs",
+    "attention_stats": "qkv._probs",
+    "AttentionStats": "qkv._probs",
 }
 _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
                "interpret", "distributed", "cli"}
 
 __all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs",
-           "masks", "mods", "backends", "__version__"]
+           "attention_stats", "AttentionStats", "masks", "mods", "backends", "__version__"]
 
 
 def __getattr__(name: str):
@@ -50,5 +52,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from . import backends, masks, mods  # noqa: F401
     from ._attention import Explanation, attention, explain  # noqa: F401
     from ._merge import merge_states  # noqa: F401
-    from ._probs import attention_probs  # noqa: F401
+    from ._probs import AttentionStats, attention_probs, attention_stats  # noqa: F401
     from ._request import AttentionOutput  # noqa: F401

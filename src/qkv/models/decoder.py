@@ -483,6 +483,8 @@ class _SelfAttention(nn.Module):
         self.backend = c.backend
         self.decode_backend = (c.decode_backend if c.backend == "auto" and c.decode_backend and self.score_mod is None
                                else c.backend)
+        self.attention_fn = attention  # the one hook: capture and context parallelism replace it
+        self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
 
     def _rotate_qk(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None, cos, sin):
         """Rotate queries and keys; in one call when they are still adjacent heads of ``qk``."""
@@ -515,7 +517,9 @@ class _SelfAttention(nn.Module):
             k, v = view.k, view.v  # (B, Hkv, S, D)
             mask = masks.positions(view.q_positions, view.kv_positions, causal=True, window=self.window)
         backend = self.decode_backend if N == 1 else self.backend
-        out = attention(q, k, v, mask=mask, score_mod=self.score_mod, scale=self.scale, backend=backend)
+        out = self.attention_fn(q, k, v, mask=mask, score_mod=self.score_mod, scale=self.scale, backend=backend)
+        if self.head_gate is not None:
+            out = out * self.head_gate.to(out.dtype).view(1, Hq, 1, 1)
         if cache is not None and hasattr(cache, "observe"):
             cache.observe(self.layer_idx, q, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)

@@ -142,6 +142,8 @@ class MultiHeadAttention(nn.Module):
         self.rope, self.position_bias, self.score_mod = rope, position_bias, score_mod
         self.scale, self.dropout, self.backend = scale, dropout, backend
         self.causal, self.window, self.cross, self.layer_idx = causal, window, cross, layer_idx
+        self.attention_fn = attention  # the one hook: capture and context parallelism replace it
+        self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
 
     def _heads(self, t: torch.Tensor, H: int) -> torch.Tensor:
         B, N, _ = t.shape
@@ -209,10 +211,12 @@ class MultiHeadAttention(nn.Module):
                   dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
         if self.position_bias is not None:
             res = self.position_bias.attend(q, k, v, q_positions=q_pos, kv_positions=kv_pos, score_mod=self.score_mod,
-                                            **kw)
+                                            attention_fn=self.attention_fn, **kw)
         else:
-            res = attention(q, k, v, score_mod=self.score_mod, **kw)
+            res = self.attention_fn(q, k, v, score_mod=self.score_mod, **kw)
         out, lse = (res.out, res.lse) if need_lse else (res, None)
+        if self.head_gate is not None:
+            out = out * self.head_gate.to(out.dtype).view(1, self.n_heads, 1, 1)
         if cache is not None and not self.cross and hasattr(cache, "observe"):
             cache.observe(self.layer_idx, q, scale=self.scale)  # score-based eviction (H2O, SnapKV)
         out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)  # (B, Nq, Hq * D)

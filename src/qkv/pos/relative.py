@@ -133,10 +133,11 @@ class PositionalBias(nn.Module):
         raise NotImplementedError
 
     def attend(self, q, k, v, *, scale=None, q_positions=None, kv_positions=None, score_mod=None,
-               **attention_kwargs):
-        """``qkv.attention(q, k, v, score_mod=[self(q, ...), *score_mod], ...)``."""
+               attention_fn=attention, **attention_kwargs):
+        """``attention_fn(q, k, v, score_mod=[self(q, ...), *score_mod], ...)`` (``attention_fn``: the calling
+        module's hook, :func:`qkv.attention` by default)."""
         own = self(q, scale=_scale(q, scale), q_positions=q_positions, kv_positions=kv_positions)
-        return attention(q, k, v, score_mod=[own, *_mod_list(score_mod)], scale=scale, **attention_kwargs)
+        return attention_fn(q, k, v, score_mod=[own, *_mod_list(score_mod)], scale=scale, **attention_kwargs)
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -375,7 +376,10 @@ class ShawRelativePosition(PositionalBias):
                              kv_positions=kv_positions)
 
     def attend(self, q, k, v, *, scale=None, q_positions=None, kv_positions=None, score_mod=None,
-               **attention_kwargs):
+               attention_fn=attention, **attention_kwargs):
+        if attention_fn is not attention:
+            raise ValueError("Shaw relative positions add a term to the values, which a replaced attention_fn "
+                             "(capture, context parallelism) cannot see; use ALiBi or T5 biases there")
         return shaw_attention(q, k, v, max_distance=self.max_distance, rel_k=self.rel_k, rel_v=self.rel_v,
                               score_mod=score_mod, scale=scale, q_positions=q_positions, kv_positions=kv_positions,
                               **attention_kwargs)
