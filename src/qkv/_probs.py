@@ -26,7 +26,7 @@ __all__ = ["attention_probs", "attention_stats", "AttentionStats"]
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _selection(sel, n: int, name: str, owner: str = "attention_probs") -> torch.Tensor:
+def index_selection(sel, n: int, name: str, owner: str = "attention_probs") -> torch.Tensor:
     """Validate ``heads``/``rows``: None (all), an int, a sequence of ints or a 1-D integer tensor."""
     if sel is None:
         return torch.arange(n)
@@ -116,8 +116,8 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
         (torch.Size([1, 1, 2, 64]), [1.0, 1.0])
     """
     req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale)
-    heads_t = _selection(heads, req.Hq, "heads")
-    rows_t = _selection(rows, req.Nq, "rows")
+    heads_t = index_selection(heads, req.Hq, "heads")
+    rows_t = index_selection(rows, req.Nq, "rows")
     lse = _lse(q, k, v, lse, mask=mask, score_mod=score_mod, scale=scale, backend=backend, req=req)
     out = torch.full((req.B, heads_t.numel(), rows_t.numel(), req.Nk), float("nan"), dtype=torch.float32,
                      device=req.device)
@@ -172,8 +172,8 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
     if block_rows is not None and (not isinstance(block_rows, int) or isinstance(block_rows, bool) or block_rows < 1):
         raise ValueError(f"attention_stats: block_rows must be a positive int or None, got {block_rows!r}")
     req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale)
-    rows_t = _selection(rows, req.Nq, "rows", "attention_stats")
-    pos_t = None if positions is None else _selection(positions, req.Nk, "positions", "attention_stats")
+    rows_t = index_selection(rows, req.Nq, "rows", "attention_stats")
+    pos_t = None if positions is None else index_selection(positions, req.Nk, "positions", "attention_stats")
     heads_t = torch.arange(req.Hq)
     lse = _lse(q, k, v, lse, mask=mask, score_mod=score_mod, scale=scale, backend=backend, req=req)
     acc = torch.float64 if req.dtype == torch.float64 else torch.float32
