@@ -54,8 +54,9 @@ def index_selection(sel, n: int, name: str, owner: str = "attention_probs") -> t
 
 
 def _row_blocks(req, lse: torch.Tensor, heads_t: torch.Tensor, rows_t: torch.Tensor, block_rows: int | None = None):
-    """Yield ``(start, P)`` with P (B, nh, r, Nk) in the accumulation dtype for consecutive blocks of
-    ``rows_t``: ``exp(score - lse)`` masked like the operator; rows with no allowed key are zeros."""
+    """Yield ``(start, k0, P)`` for consecutive blocks of ``rows_t``: P (B, nh, r, k1 - k0) in the accumulation
+    dtype holds ``exp(score - lse)`` masked like the operator over keys ``k0 .. k1 - 1``, the span of keys the
+    mask allows to any row of the block (outside it every probability is 0); rows with no allowed key are 0."""
     acc = torch.float64 if req.dtype == torch.float64 else torch.float32
     dev = req.device
     heads_d, rows_d = heads_t.to(dev), rows_t.to(dev)
@@ -70,14 +71,22 @@ def _row_blocks(req, lse: torch.Tensor, heads_t: torch.Tensor, rows_t: torch.Ten
     for r0 in range(0, nr, step):
         r = rows_d[r0:r0 + step]
         qi = r.view(1, 1, -1, 1)
-        s = req.scale * (q_sel.index_select(2, r) @ k_sel.transpose(-1, -2))  # (B, nh, r, Nk)
-        if req.score_mod is not None:
-            s = torch.broadcast_to(req.score_mod.apply(s, b, h, qi, kj, req.Nq, nk).to(acc), s.shape)
+        k0, k1, allowed = 0, nk, None
         if req.mask is not None:
-            s = s.masked_fill(~req.mask.allowed(b, h, qi, kj, req.Nq, nk), float("-inf"))
+            allowed = req.mask.allowed(b, h, qi, kj, req.Nq, nk)
+            if allowed.shape[-1] == nk:
+                hit = allowed.reshape(-1, nk).any(0).nonzero()
+                k0, k1 = (int(hit[0]), int(hit[-1]) + 1) if hit.numel() else (0, 0)
+                allowed = allowed[..., k0:k1]
+        kspan = kj[..., k0:k1]
+        s = req.scale * (q_sel.index_select(2, r) @ k_sel[:, :, k0:k1].transpose(-1, -2))  # (B, nh, r, span)
+        if req.score_mod is not None:
+            s = torch.broadcast_to(req.score_mod.apply(s, b, h, qi, kspan, req.Nq, nk).to(acc), s.shape)
+        if allowed is not None:
+            s = s.masked_fill(~allowed, float("-inf"))
         l_r = lse_sel.index_select(2, r).unsqueeze(-1)
         l_r = torch.where(torch.isinf(l_r), torch.full_like(l_r, float("inf")), l_r)  # empty rows: P = 0
-        yield r0, torch.exp(s - l_r)
+        yield r0, k0, torch.exp(s - l_r)
 
 
 def _lse(q, k, v, lse, *, mask, score_mod, scale, backend, req) -> torch.Tensor:
@@ -119,13 +128,12 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
     heads_t = index_selection(heads, req.Hq, "heads")
     rows_t = index_selection(rows, req.Nq, "rows")
     lse = _lse(q, k, v, lse, mask=mask, score_mod=score_mod, scale=scale, backend=backend, req=req)
-    out = torch.full((req.B, heads_t.numel(), rows_t.numel(), req.Nk), float("nan"), dtype=torch.float32,
-                     device=req.device)
+    out = torch.zeros((req.B, heads_t.numel(), rows_t.numel(), req.Nk), dtype=torch.float32, device=req.device)
     if out.numel() == 0:
         return out
     with torch.no_grad():
-        for r0, p in _row_blocks(req, lse, heads_t, rows_t):
-            out[:, :, r0:r0 + p.shape[2]] = p.float()
+        for r0, k0, p in _row_blocks(req, lse, heads_t, rows_t):
+            out[:, :, r0:r0 + p.shape[2], k0:k0 + p.shape[3]] = p.float()
     return out
 
 
@@ -184,10 +192,13 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
     to_pos = None if pos_t is None else torch.zeros(B, H, req.Nq, pos_t.numel(), dtype=acc, device=dev)
     pos_d = None if pos_t is None else pos_t.to(dev)
     with torch.no_grad():
-        for r0, p in _row_blocks(req, lse, heads_t, rows_t, block_rows):
+        for r0, k0, p in _row_blocks(req, lse, heads_t, rows_t, block_rows):
             r = rows_t[r0:r0 + p.shape[2]].to(dev)
-            cols += p.sum(2)
+            k1 = k0 + p.shape[3]
+            cols[..., k0:k1] += p.sum(2)
             ent[:, :, r] = -torch.xlogy(p, p).sum(-1)
             if to_pos is not None:
-                to_pos[:, :, r] = p.index_select(3, pos_d)
+                inside = (pos_d >= k0) & (pos_d < k1)
+                got = p.index_select(3, (pos_d - k0).clamp(0, max(p.shape[3] - 1, 0))) if p.shape[3] else None
+                to_pos[:, :, r] = got.masked_fill(~inside, 0.0) if got is not None else 0.0
     return AttentionStats(cols.float(), ent.float(), None if to_pos is None else to_pos.float())
