@@ -1,14 +1,18 @@
 """A real measure for head importance and pruning of sentence encoders (the bundled all-MiniLM-L6-v2).
 
-Michel et al. 2019 score heads by the gradient of a task loss with respect to head gates. For a sentence
-encoder the task is the one it was trained on: in-batch contrastive ranking of paraphrase pairs (the
-"MultipleNegativesRankingLoss" of sentence-transformers: cross-entropy of scaled cosine similarities,
-each sentence's paraphrase against the other sentences of the batch). ``PARAPHRASES`` holds such pairs,
-written for this purpose, so nothing is downloaded. The pruning measure is embedding agreement: the mean
-cosine similarity between the pruned model's embeddings and the unpruned ones on real sentences.
+Michel et al. 2019 score heads by the gradient of a task loss with respect to head gates. The pruning
+measure here is embedding agreement: the mean cosine similarity between the pruned model's embeddings and
+the unpruned ones on real sentences. The agreement itself has zero gradient at the unpruned model (it is
+maximal there), so importance comes from a ranking loss with a gradient (cross-entropy of scaled cosine
+similarities, the "MultipleNegativesRankingLoss" sentence-transformers trains with):
 
-(The agreement itself has zero gradient at the unpruned model, where it is maximal, so it cannot serve as
-the importance loss; the contrastive loss can.)
+- ``"agreement"`` (default): each sentence's gated embedding should pick its own unpruned embedding out of
+  the batch's; the importance that predicts the agreement measure best (heads ranked least important by
+  it cost the least agreement when removed).
+- ``"paraphrase"``: each sentence's embedding should pick its paraphrase out of the batch, the model's
+  training task, on ``PARAPHRASES``.
+
+``PARAPHRASES`` holds (sentence, paraphrase) pairs written for this purpose, so nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["PARAPHRASES", "batch_inputs", "embed", "contrastive_loss", "embedding_agreement",
+__all__ = ["PARAPHRASES", "batch_inputs", "embed", "contrastive_loss", "agreement_loss", "embedding_agreement",
            "encoder_head_importance"]
 
 #: (sentence, paraphrase) pairs.
@@ -85,18 +89,51 @@ def embedding_agreement(model: nn.Module, batch, reference: torch.Tensor) -> flo
     return float((e * reference).sum(-1).mean())
 
 
-def encoder_head_importance(encoder, pairs: Sequence[tuple[str, str]] = PARAPHRASES, *,
-                            batch_size: int = 8) -> torch.Tensor:
-    """Michel et al. head importance (L, H) of a :class:`qkv.models.embed.SentenceEncoder`'s model under the
-    contrastive loss on ``pairs`` (batches of ``batch_size`` pairs)."""
+def agreement_loss(model: nn.Module, batch, *, scale: float = 20.0) -> torch.Tensor:
+    """Ranking loss of ``batch = (ids, mask, reference)``: row ``i`` of the model's embeddings should be most
+    similar to ``reference[i]`` (the unpruned model's embedding of the same sentence)."""
+    ids, mask, reference = batch
+    e = embed(model, ids, mask)
+    return nn.functional.cross_entropy(scale * e @ reference.T, torch.arange(e.shape[0]))
+
+
+def encoder_head_importance(encoder, texts: Sequence[str] | None = None, *, loss: str = "agreement",
+                            batch_size: int = 16) -> torch.Tensor:
+    """Michel et al. head importance (L, H) of a :class:`qkv.models.embed.SentenceEncoder`'s model.
+
+    Args:
+        encoder: the sentence encoder (build it with ``gemm="blas"``: importance needs gradients).
+        texts: sentences for ``loss="agreement"`` (default: every sentence of ``PARAPHRASES``); for
+            ``"paraphrase"``, the (sentence, paraphrase) pairs (default ``PARAPHRASES``).
+        loss: ``"agreement"`` or ``"paraphrase"`` (see the module docstring).
+        batch_size: sentences (or pairs) per batch; the other rows of a batch are the ranking's negatives.
+    """
     from .gates import model_head_importance
 
-    if len(pairs) < 2 or batch_size < 2:
-        raise ValueError(f"encoder_head_importance: need at least 2 pairs and batch_size >= 2, got {len(pairs)} "
-                         f"pairs, batch_size={batch_size}")
-    batches = []
-    for s in range(0, len(pairs) - 1, batch_size):
-        chunk = pairs[s:s + batch_size]
-        if len(chunk) >= 2:
-            batches.append((batch_inputs(encoder, [a for a, _ in chunk]), batch_inputs(encoder, [b for _, b in chunk])))
-    return model_head_importance(encoder.model, batches, contrastive_loss)
+    if loss not in ("agreement", "paraphrase"):
+        raise ValueError(f"encoder_head_importance: loss must be 'agreement' or 'paraphrase', got {loss!r}")
+    if not isinstance(batch_size, int) or batch_size < 2:
+        raise ValueError(f"encoder_head_importance: batch_size must be an int >= 2, got {batch_size!r}")
+    if loss == "paraphrase":
+        pairs = list(PARAPHRASES if texts is None else texts)
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            raise ValueError("encoder_head_importance: loss='paraphrase' takes (sentence, paraphrase) pairs")
+        chunks = [pairs[s:s + batch_size] for s in range(0, len(pairs), batch_size)]
+        batches = [(batch_inputs(encoder, [a for a, _ in c]), batch_inputs(encoder, [b for _, b in c]))
+                   for c in chunks if len(c) >= 2]
+        fn = contrastive_loss
+    else:
+        sents = [s for p in PARAPHRASES for s in p] if texts is None else list(texts)
+        if not all(isinstance(t, str) for t in sents):
+            raise ValueError("encoder_head_importance: loss='agreement' takes a list of sentences")
+        batches = []
+        for s in range(0, len(sents), batch_size):
+            chunk = sents[s:s + batch_size]
+            if len(chunk) >= 2:
+                ids, mask = batch_inputs(encoder, chunk)
+                with torch.no_grad():
+                    batches.append((ids, mask, embed(encoder.model, ids, mask)))
+        fn = agreement_loss
+    if not batches:
+        raise ValueError("encoder_head_importance: need at least 2 sentences (or pairs)")
+    return model_head_importance(encoder.model, batches, fn)
