@@ -244,3 +244,27 @@ def test_more_plots(tmp_path):
         plot_layer_grid(torch.ones(1, 2, 4, 4), tmp_path / "x.png")
     with pytest.raises(ValueError, match="one \\(N, N\\) map"):
         plot_rollout(torch.ones(1, 4, 4), tmp_path / "x.png")
+
+
+def test_html_view_data_and_bad_input(tmp_path):
+    import base64
+    import json
+
+    from qkv.interpret import attention_html, view_data
+
+    maps = [torch.softmax(torch.randn(2, 3, 3), -1) for _ in range(2)]
+    data = view_data(["a", "</script>", "c"], maps, rollout=attention_rollout([m.unsqueeze(0) for m in maps])[0],
+                     importance=torch.rand(2, 2))
+    raw = base64.b64decode(data["maps"][1][0])
+    assert list(raw) == (maps[1][0] * 255).round().to(torch.uint8).flatten().tolist()
+    path = attention_html(tmp_path / "v.html", ["a", "</script>", "c"], maps)
+    text = path.read_text()
+    payload = text.split('id="qkv-data">')[1].split("</script>")[0]
+    assert json.loads(payload)["tokens"][1] == "</script>", "token text must not close the data script"
+    assert "http://" not in text and "https://" not in text
+    with pytest.raises(ValueError, match=r"must be \(H, N, N\) = \(2, 4, 4\)"):
+        view_data(list("abcd"), maps)
+    with pytest.raises(ValueError, match="importance must be"):
+        view_data(list("abc"), maps, importance=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="at least one layer"):
+        view_data(list("abc"), [])
