@@ -254,3 +254,18 @@ def test_real_minilm_equals_hf_eager(minilm_path):
     ours = capture(model, ids, am)
     assert len(ours) == 6 and ours[0].shape == (3, 12, n, n)
     _check_maps(ours, a32, a64, "all-MiniLM-L6-v2", rows_valid=am.bool())
+
+
+def test_capture_stats_equal_statistics_of_the_captured_maps():
+    from qkv.interpret import capture_stats
+
+    _, _, model = _decoder("gemma2-softcap-W5")
+    ids = torch.randint(1, 120, (2, 12), generator=torch.Generator().manual_seed(6))
+    maps = capture(model, ids)
+    stats = capture_stats(model, ids, positions=[0, 5], block_rows=5)
+    assert len(stats) == len(maps) == 4
+    for p, st in zip(maps, stats):
+        torch.testing.assert_close(st.column_sums, p.sum(2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(st.entropy, -torch.xlogy(p, p).sum(-1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(st.to_positions, p[..., [0, 5]], atol=1e-6, rtol=1e-5)
+    assert float(stats[0].to_positions[:, :, 5:, 0].max()) == 0.0, "window 5: position 0 unseen from row 5 on"

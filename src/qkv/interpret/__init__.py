@@ -23,7 +23,7 @@ Example:
 """
 
 from .._probs import AttentionStats, attention_stats
-from .capture import attention_modules, capture
+from .capture import attention_modules, capture, capture_stats
 from .contacts import ContactRegression, apc, contact_features, fit_contact_regression, precision_at, symmetrize
 from .gates import PruningCurve, head_counts, head_gates, model_head_importance, prune_heads, pruning_curve
 from .html import attention_html, render_page, view_data
@@ -33,7 +33,7 @@ from .plots import plot_attention, plot_layer_grid, plot_pruning_curve, plot_rol
 from .rollout import FLOW_MAX_COST, attention_flow, attention_rollout, head_importance
 
 __all__ = [
-    "capture", "attention_modules", "attention_stats", "AttentionStats",
+    "capture", "capture_stats", "attention_modules", "attention_stats", "AttentionStats",
     "attention_rollout", "attention_flow", "FLOW_MAX_COST", "head_importance",
     "head_gates", "prune_heads", "head_counts", "model_head_importance", "pruning_curve", "PruningCurve",
     "head_outputs", "patch_heads", "ablate_heads",

@@ -21,7 +21,7 @@ from torch import nn
 
 from .._probs import attention_probs
 
-__all__ = ["attention_modules", "capture", "hooked", "run_model"]
+__all__ = ["attention_modules", "capture", "capture_stats", "hooked", "run_model"]
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -195,6 +195,49 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         raise RuntimeError(f"capture: {missing} ran no attention in this forward (a cached cross attention, or a "
                            "module the model does not call)")
     return got  # type: ignore[return-value]
+
+
+def capture_stats(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                  layers=None, positions=None, block_rows: int | None = None, **forward_kwargs) -> list:
+    """Per captured module, :class:`qkv.AttentionStats` over every head and query row (column sums, entropy,
+    attention to the key ``positions``), streamed from the log-sum-exp with :func:`qkv.attention_stats`:
+    O(N) memory per layer, so long inputs need not choose rows. Arguments as in :func:`capture`.
+
+    Example:
+        >>> import torch
+        >>> from qkv.models.decoder import DecoderConfig, DecoderLM
+        >>> lm = DecoderLM(DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+        ...                              num_attention_heads=4, intermediate_size=64)).eval()
+        >>> st = capture_stats(lm, torch.randint(0, 50, (1, 9)), positions=[0])
+        >>> st[0].column_sums.shape, st[0].to_positions.shape
+        (torch.Size([1, 4, 9]), torch.Size([1, 4, 9, 1]))
+    """
+    from .._probs import attention_stats
+
+    chosen = choose_modules(model, layers)
+    modules = [m for _, m in chosen]
+    names = [n for n, _ in chosen]
+    got: list = [None] * len(modules)
+
+    def make(i, module, original):
+        def record(q, k, v, *, mask=None, score_mod=None, scale=None, **kw):
+            out = original(q, k, v, mask=mask, score_mod=score_mod, scale=scale, **kw)
+            if got[i] is not None:
+                raise RuntimeError(f"capture_stats: {names[i]} ran attention twice in one forward")
+            if _folded_heads(module, q) != 1:
+                raise ValueError(f"capture_stats: {names[i]} runs MLA's absorbed path (heads folded into rows); "
+                                 "build its LatentAttention with path='expanded'")
+            got[i] = attention_stats(q.detach(), k.detach(), v.detach(), mask=mask, score_mod=score_mod,
+                                     scale=scale, positions=positions, block_rows=block_rows)
+            return out
+        return record
+
+    with hooked(modules, make), torch.no_grad():
+        run_model(model, input_ids, attention_mask, **forward_kwargs)
+    missing = [n for n, g in zip(names, got) if g is None]
+    if missing:
+        raise RuntimeError(f"capture_stats: {missing} ran no attention in this forward")
+    return got
 
 
 def _as_index(sel, n: int, name: str) -> torch.Tensor:
