@@ -17,8 +17,7 @@ from qkv.interpret import (
     prune_heads,
     pruning_curve,
 )
-from qkv.models.decoder import DecoderConfig, DecoderLM
-from qkv.nn import LatentConfig, TransformerConfig, TransformerEncoder
+from qkv.nn import DecoderConfig, DecoderLM, LatentConfig, TransformerConfig, TransformerEncoder
 
 
 def _models():
@@ -34,7 +33,7 @@ def _models():
 
 
 def _run(model, ids):
-    return model(ids) if isinstance(model, DecoderLM) else model(torch.nn.functional.one_hot(ids, 32).float())
+    return model(ids).logits if isinstance(model, DecoderLM) else model(torch.nn.functional.one_hot(ids, 32).float())
 
 
 @pytest.mark.parametrize("name", ["decoder-gqa", "decoder-mla", "encoder-mha"])
@@ -69,16 +68,16 @@ def test_patching_another_inputs_head_output_moves_the_output_there():
     # Patching every head of every layer with b's outputs makes a's run attend like b's at every layer only
     # when the residual stream agrees too; patching the last layer alone must change the logits toward b's.
     with torch.no_grad():
-        la, lb = model(a), model(b)
+        la, lb = model(a).logits, model(b).logits
         with patch_heads(model, {(1, h): outs_b[1][:, h] for h in range(4)}):
-            patched = model(a)
+            patched = model(a).logits
     assert (patched - lb).norm() < (la - lb).norm()
     # Mean ablation with a reference batch equals patching the mean.
     ref = head_outputs(model, torch.randint(0, 50, (3, 6), generator=torch.Generator().manual_seed(4)))
     with torch.no_grad(), ablate_heads(model, [(0, 1)], reference=ref):
-        m1 = model(a)
+        m1 = model(a).logits
     with torch.no_grad(), patch_heads(model, {(0, 1): ref[0][:, 1].mean(dim=(0, 1))}):
-        m2 = model(a)
+        m2 = model(a).logits
     assert torch.equal(m1, m2) and not torch.allclose(m1, la)
 
 

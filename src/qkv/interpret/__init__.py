@@ -14,7 +14,7 @@
 Example:
     >>> import torch
     >>> from qkv.interpret import capture, attention_rollout
-    >>> from qkv.models.decoder import DecoderConfig, DecoderLM
+    >>> from qkv.nn import DecoderConfig, DecoderLM
     >>> lm = DecoderLM(DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
     ...                              num_attention_heads=4, intermediate_size=64)).eval()
     >>> maps = capture(lm, torch.randint(0, 50, (1, 6)))

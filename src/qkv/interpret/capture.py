@@ -38,15 +38,14 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         >>> [name for name, _ in attention_modules(enc)]
         ['layers.0.self_attn', 'layers.1.self_attn']
     """
-    from ..models.decoder import DecoderLayer
     from ..nn import LatentAttention, MultiHeadAttention
+    from ..nn.decoder import SelfAttention
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"attention_modules: model must be a torch nn.Module (a qkv model), got "
                         f"{type(model).__name__}")
-    decoder_attn = {id(m.self_attn) for m in model.modules() if isinstance(m, DecoderLayer)}
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, (MultiHeadAttention, LatentAttention)) or id(m) in decoder_attn]
+            if isinstance(m, (MultiHeadAttention, LatentAttention, SelfAttention))]
 
 
 def choose_modules(model: nn.Module, layers) -> list[tuple[str, nn.Module]]:
@@ -92,11 +91,9 @@ def hooked(modules: Sequence[nn.Module], make: Callable[[int, nn.Module, Callabl
 
 
 def run_model(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
-    """One forward of a qkv model on ``input_ids`` (B, N): ``attention_mask`` (B, N) 1 real / 0 padding goes
-    where the model takes it (BERT and T5 as ``attention_mask``, a decoder as positions with ``-1`` on
-    padding); T5 encoder-decoders take ``decoder_input_ids`` in ``kwargs``."""
-    from ..models.decoder import DecoderLM
-
+    """One forward of a qkv model on ``input_ids`` (B, N) with HF's ``attention_mask`` (B, N) 1 real / 0
+    padding (BERT, T5 and the decoder all take it); T5 encoder-decoders take ``decoder_input_ids`` in
+    ``kwargs``."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
         raise ValueError(f"capture: input_ids must be a (B, N) integer tensor, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
@@ -104,12 +101,6 @@ def run_model(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
                                        or attention_mask.shape != input_ids.shape):
         raise ValueError(f"capture: attention_mask must be (B, N) like input_ids {tuple(input_ids.shape)}, got "
                          f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
-    if isinstance(model, DecoderLM):
-        if attention_mask is not None:
-            am = attention_mask.to(torch.bool)
-            pos = (am.cumsum(1) - 1).masked_fill(~am, -1)
-            kwargs.setdefault("positions", pos)
-        return model(input_ids, **kwargs)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if "decoder_input_ids" in kwargs:
@@ -138,7 +129,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     """The attention probabilities of a qkv model's layers on one input, from its fast backend.
 
     Args:
-        model: a qkv model (``qkv.models.from_hf(...)``, a :class:`qkv.models.decoder.DecoderLM`, BERT, T5,
+        model: a qkv model (``qkv.models.from_hf(...)``, a :class:`qkv.nn.DecoderLM`, BERT, T5,
             any module built from ``qkv.nn`` attention modules). Run in eval mode: probabilities are those
             before dropout.
         input_ids: (B, N) int64 token ids.
@@ -155,7 +146,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     Example:
         >>> import torch
-        >>> from qkv.models.decoder import DecoderConfig, DecoderLM
+        >>> from qkv.nn import DecoderConfig, DecoderLM
         >>> lm = DecoderLM(DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
         ...                              num_attention_heads=4, intermediate_size=64)).eval()
         >>> maps = capture(lm, torch.randint(0, 50, (1, 6)), layers=[1], heads=[0, 2])
@@ -205,7 +196,7 @@ def capture_stats(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
 
     Example:
         >>> import torch
-        >>> from qkv.models.decoder import DecoderConfig, DecoderLM
+        >>> from qkv.nn import DecoderConfig, DecoderLM
         >>> lm = DecoderLM(DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
         ...                              num_attention_heads=4, intermediate_size=64)).eval()
         >>> st = capture_stats(lm, torch.randint(0, 50, (1, 9)), positions=[0])

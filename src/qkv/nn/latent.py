@@ -311,7 +311,7 @@ def mla_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
                  kv_b_weight: torch.Tensor, *, q_positions: torch.Tensor | None = None,
                  kv_positions: torch.Tensor | None = None, causal: bool = True, mask=None,
                  scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                 backend: str = "auto", attention_fn=attention) -> LatentHeads:
+                 backend: str = "auto", attention_fn: Callable = attention) -> LatentHeads:
     """MLA by decompression: per-head ``K = [c_kv W_UK_h^T | k_rope]``, ``V = c_kv W_UV_h^T``, then
     multi-head attention. Costs ``2 H Nk r (dn + dv)`` FLOPs to decompress all ``Nk`` keys.
 
@@ -329,7 +329,7 @@ def mla_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
         mask: an extra :mod:`qkv.masks` mask in (B, H, Nq, Nk) coordinates, AND-ed with the built one.
         scale: softmax scale (default ``(dn + dr) ** -0.5``).
         dropout_p, return_lse, backend: as in :func:`qkv.attention`.
-        attention_fn: the operator (a module's hook; :func:`qkv.attention` by default).
+        attention_fn: the attention operator, with :func:`qkv.attention`'s signature (default it).
 
     Returns:
         :class:`LatentHeads` ``(out (B, H, Nq, dv), lse (B, H, Nq) or None)``.
@@ -352,7 +352,7 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
                  kv_b_weight: torch.Tensor, *, q_positions: torch.Tensor | None = None,
                  kv_positions: torch.Tensor | None = None, causal: bool = True, mask=None,
                  scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                 backend: str = "auto", attention_fn=attention) -> LatentHeads:
+                 backend: str = "auto", attention_fn: Callable = attention) -> LatentHeads:
     """MLA in the latent space: ``q_lat_h = W_UK_h^T q_nope_h``, multi-query attention of
     ``[q_lat | q_rope]`` over ``K' = [c_kv | k_rope]``, ``V' = c_kv``, then ``out_h = W_UV_h o_lat_h``.
     The latents are never decompressed. Same arguments and result as :func:`mla_expanded`.
@@ -454,10 +454,10 @@ class LatentAttention(nn.Module):
             self.kv_a_layernorm.to(**kw)
             if c.q_lora_rank is not None:
                 self.q_a_layernorm.to(**kw)
+        self.attention_fn = attention  # the operator both paths call; replaceable (capture, context parallelism)
         self.rope = rope if rope is not None else RotaryEmbedding(
             c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
             max_position_embeddings=c.max_position_embeddings, interleaved=True)
-        self.attention_fn = attention  # the one hook: capture and context parallelism replace it
         self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
 
     def cache_spec(self):

@@ -134,8 +134,7 @@ class PositionalBias(nn.Module):
 
     def attend(self, q, k, v, *, scale=None, q_positions=None, kv_positions=None, score_mod=None,
                attention_fn=attention, **attention_kwargs):
-        """``attention_fn(q, k, v, score_mod=[self(q, ...), *score_mod], ...)`` (``attention_fn``: the calling
-        module's hook, :func:`qkv.attention` by default)."""
+        """``attention_fn(q, k, v, score_mod=[self(q, ...), *score_mod], ...)`` (default :func:`qkv.attention`)."""
         own = self(q, scale=_scale(q, scale), q_positions=q_positions, kv_positions=kv_positions)
         return attention_fn(q, k, v, score_mod=[own, *_mod_list(score_mod)], scale=scale, **attention_kwargs)
 
@@ -378,8 +377,9 @@ class ShawRelativePosition(PositionalBias):
     def attend(self, q, k, v, *, scale=None, q_positions=None, kv_positions=None, score_mod=None,
                attention_fn=attention, **attention_kwargs):
         if attention_fn is not attention:
-            raise ValueError("Shaw relative positions add a term to the values, which a replaced attention_fn "
-                             "(capture, context parallelism) cannot see; use ALiBi or T5 biases there")
+            raise ValueError("ShawRelativePosition: Shaw's relative representations change the values as well as "
+                             "the scores, so attention runs through shaw_attention; a replaced attention_fn "
+                             "cannot be honoured (use ALiBi, T5 buckets or RoPE with it)")
         return shaw_attention(q, k, v, max_distance=self.max_distance, rel_k=self.rel_k, rel_v=self.rel_v,
                               score_mod=score_mod, scale=scale, q_positions=q_positions, kv_positions=kv_positions,
                               **attention_kwargs)
