@@ -255,8 +255,10 @@ def test_html_view_data_and_bad_input(tmp_path):
     maps = [torch.softmax(torch.randn(2, 3, 3), -1) for _ in range(2)]
     data = view_data(["a", "</script>", "c"], maps, rollout=attention_rollout([m.unsqueeze(0) for m in maps])[0],
                      importance=torch.rand(2, 2))
-    raw = base64.b64decode(data["maps"][1][0])
-    assert list(raw) == (maps[1][0] * 255).round().to(torch.uint8).flatten().tolist()
+    raw = base64.b64decode(data["maps"][1][0]["b64"])
+    top = float(maps[1][0].max())
+    assert data["maps"][1][0]["scale"] == top and max(raw) == 255
+    assert list(raw) == (maps[1][0] * (255 / top)).round().to(torch.uint8).flatten().tolist()
     path = attention_html(tmp_path / "v.html", ["a", "</script>", "c"], maps)
     text = path.read_text()
     payload = text.split('id="qkv-data">')[1].split("</script>")[0]

@@ -4,7 +4,8 @@ data are inline).
 
 Maps are drawn on ``<canvas>`` elements from byte arrays (one pixel per (query, key) cell, scaled up for
 short inputs), never one DOM node per cell, so the page stays responsive at thousands of tokens. Each map is
-stored as ``round(255 * p)`` bytes in base64: a page holds ``layers * heads * N^2`` bytes of maps (choose
+stored as bytes ``round(255 * p / max(p))`` in base64 with its ``max(p)`` (so the diffuse maps of long inputs
+keep their shape): a page holds ``layers * heads * N^2`` bytes of maps (choose
 layers and heads when capturing long inputs). The same renderer serves ``qkv explore``.
 
 Shape legend: L layers, H heads, N tokens.
@@ -20,12 +21,20 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["view_data", "render_page", "attention_html"]
+__all__ = ["view_data", "render_page", "attention_html", "quantize"]
 
 
-def _bytes(a: torch.Tensor) -> str:
-    q = (a.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().contiguous()
-    return base64.b64encode(q.numpy().tobytes()).decode("ascii")
+def quantize(a: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(round(255 * a / max(a)) as uint8, max(a))`` for a map of probabilities (all zeros: scale 0)."""
+    a = a.detach().float().clamp_min(0).cpu()
+    top = float(a.max()) if a.numel() else 0.0
+    q = (a * (255.0 / top)).round() if top > 0 else torch.zeros_like(a)
+    return q.to(torch.uint8).contiguous(), top
+
+
+def _bytes(a: torch.Tensor) -> dict:
+    q, top = quantize(a)
+    return {"b64": base64.b64encode(q.numpy().tobytes()).decode("ascii"), "scale": top}
 
 
 def view_data(tokens: Sequence[str], maps: Sequence[torch.Tensor], *, rollout: torch.Tensor | None = None,

@@ -1,4 +1,5 @@
-// qkv attention view: draws attention maps on <canvas> from base64 bytes (round(255 * p) per cell).
+// qkv attention view: draws attention maps on <canvas> from base64 bytes (round(255 * p / max p) per cell,
+// with max p as "scale").
 // No network, no dependencies. window.qkvRender(data) draws a page; data comes from qkv.interpret.html.view_data.
 (function () {
   "use strict";
@@ -22,9 +23,11 @@
 
   function mapOf(l, h) {
     const key = l + ":" + h;
-    if (!(key in state.cache)) state.cache[key] = decode(state.data.maps[l][h]);
+    if (!(key in state.cache)) state.cache[key] = decode(state.data.maps[l][h].b64);
     return state.cache[key];
   }
+
+  function scaleOf(l, h) { return state.data.maps[l][h].scale; }
 
   // One pixel per cell, colour scaled to the map's maximum.
   function imageOf(bytes, n) {
@@ -60,8 +63,9 @@
 
   function showRow(row) {
     const d = state.data, n = d.tokens.length, bytes = mapOf(state.layer, state.head);
+    const s = scaleOf(state.layer, state.head) / 255;
     state.row = row;
-    const top = topKeys(bytes, n, row, 5).map(([v, j]) => `${d.tokens[j]} (${(v / 255).toFixed(2)})`).join(", ");
+    const top = topKeys(bytes, n, row, 5).map(([v, j]) => `${d.tokens[j]} (${(v * s).toFixed(2)})`).join(", ");
     el("top").textContent = `query ${row} '${d.tokens[row]}' attends most to: ${top}`;
   }
 
@@ -70,11 +74,11 @@
     return [Math.floor((e.clientY - r.top) * s / scale), Math.floor((e.clientX - r.left) * s / scale)];
   }
 
-  function interactive(canvas, getBytes, scale, clickRows) {
+  function interactive(canvas, getBytes, getScale, scale, clickRows) {
     canvas.onmousemove = function (e) {
       const d = state.data, n = d.tokens.length, [i, j] = cellAt(canvas, e, scale);
       if (i < 0 || j < 0 || i >= n || j >= n) return;
-      const v = getBytes()[i * n + j] / 255;
+      const v = getBytes()[i * n + j] / 255 * getScale();
       el("info").textContent = `query ${i} '${d.tokens[i]}' -> key ${j} '${d.tokens[j]}': ${v.toFixed(3)}`;
     };
     if (clickRows) {
@@ -88,7 +92,7 @@
   function renderHead() {
     const d = state.data, n = d.tokens.length, c = el("head-canvas");
     const scale = draw(c, mapOf(state.layer, state.head), n, Math.min(720, Math.max(n, 240)));
-    interactive(c, () => mapOf(state.layer, state.head), scale, true);
+    interactive(c, () => mapOf(state.layer, state.head), () => scaleOf(state.layer, state.head), scale, true);
     c.dataset.layer = state.layer; c.dataset.head = state.head;
     el("head-title").textContent = `${d.layer_names[state.layer]}, ${d.head_names[state.head]} (${n} tokens)`;
     el("tokens").textContent = n <= 400 ? d.tokens.map((t, i) => i + ":" + t).join("  ") : `${n} tokens (hover the map)`;
@@ -132,8 +136,8 @@
     const d = state.data, n = d.tokens.length;
     el("rollout-panel").style.display = d.rollout ? "" : "none";
     if (d.rollout) {
-      const bytes = decode(d.rollout), rc = el("rollout-canvas");
-      interactive(rc, () => bytes, draw(rc, bytes, n, Math.min(480, Math.max(n, 200))), false);
+      const bytes = decode(d.rollout.b64), rc = el("rollout-canvas");
+      interactive(rc, () => bytes, () => d.rollout.scale, draw(rc, bytes, n, Math.min(480, Math.max(n, 200))), false);
     }
     const t = el("importance");
     t.innerHTML = "";
