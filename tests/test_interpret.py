@@ -187,6 +187,9 @@ def test_pattern_scores_on_known_maps():
     ind[torch.arange(n), (torch.arange(n) - 2).clamp_min(0)] = 1
     assert induction_score([ind.view(1, 1, n, n)], 3)[0, 0] == 1.0
     assert induction_score([prev.view(1, 1, n, n)], 3)[0, 0] == 0.0
+    half = ind.clone()
+    half[3] = 0  # row 3 (the first of the second copy) stops attending to key 1
+    assert torch.isclose(induction_score([half.view(1, 1, n, n)], 3)[0, 0], torch.tensor(2 / 3))
     valid = torch.tensor([[False, True, True, True, True, True]])
     assert torch.isclose(first_token_score(maps, valid=valid)[0, 0], torch.tensor(1 / (n - 1)))
     with pytest.raises(ValueError, match="period must be"):

@@ -269,3 +269,18 @@ def test_capture_stats_equal_statistics_of_the_captured_maps():
         torch.testing.assert_close(st.entropy, -torch.xlogy(p, p).sum(-1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(st.to_positions, p[..., [0, 5]], atol=1e-6, rtol=1e-5)
     assert float(stats[0].to_positions[:, :, 5:, 0].max()) == 0.0, "window 5: position 0 unseen from row 5 on"
+
+
+def test_induction_maps_on_a_decoder():
+    from qkv.interpret import induction_maps, induction_score, previous_token_score
+
+    _, _, model = _decoder("qwen2-bias")
+    maps, period = induction_maps(model, 120, period=8, batch=2, seed=3)
+    assert period == 8 and len(maps) == 2 and maps[0].shape == (2, 4, 16, 16)
+    score = induction_score(maps, period)
+    want = torch.stack([torch.stack([m[:, h, torch.arange(8, 16), torch.arange(1, 9)].mean() for h in range(4)])
+                        for m in maps])
+    torch.testing.assert_close(score, want)
+    assert ((previous_token_score(maps) >= 0) & (previous_token_score(maps) <= 1)).all()
+    with pytest.raises(ValueError, match="vocab_size must be"):
+        induction_maps(model, 1)

@@ -68,7 +68,7 @@ def induction_score(maps: Sequence[torch.Tensor], period: int) -> torch.Tensor:
     n = maps[0].shape[-1]
     if not isinstance(period, int) or not 1 <= period < n:
         raise ValueError(f"induction_score: period must be an int in [1, N={n}), got {period!r}")
-    return torch.stack([torch.diagonal(a, offset=-(period - 1), dim1=-2, dim2=-1)[..., period - 1:]
+    return torch.stack([torch.diagonal(a, offset=-(period - 1), dim1=-2, dim2=-1)[..., 1:]  # rows period .. N-1
                         .double().mean(dim=(0, 2)) for a in maps]).float()
 
 
