@@ -1,9 +1,9 @@
 """qkv.interpret.capture: attention probabilities recomputed through each module's attention_fn hook equal HF's
 eager ``output_attentions=True`` within the error budget of HF's float64 model: the real all-MiniLM-L6-v2 on
 real padded sentences, random-weight HF decoders (Llama with GQA and padding, Gemma 2 with soft-capping and
-a sliding window, Qwen2, DeepSeek-V2 MLA) and T5 encoder self, decoder self and cross attention. Also:
-heads/rows selection, MLA's absorbed (folded) path, the forward's output and backend untouched, hooks
-restored after an error, and bad input."""
+a sliding window, Qwen2, DeepSeek-V2 MLA, GPT-2, BLOOM with ALiBi) and T5 encoder self, decoder self and
+cross attention. Also: heads/rows selection, MLA's absorbed (folded) path, the forward's output and backend
+untouched, hooks restored after an error, streamed statistics, induction maps, and bad input."""
 
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ DECODERS = {
         num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
         first_k_dense_replace=1, experts_implementation="eager")),
+    "gpt2-learned-positions": ("GPT2Config", "GPT2LMHeadModel", dict(num_attention_heads=4)),
+    "bloom-alibi": ("BloomConfig", "BloomForCausalLM", dict(num_attention_heads=4)),
 }
 _DEC: dict[str, tuple] = {}
 
