@@ -19,17 +19,31 @@ _register()
 TEXT = "The animal didn't cross the street because it was too tired."
 
 
-def test_attention_writes_pictures_and_prints_the_table(tmp_path):
+@pytest.fixture(scope="module")
+def encoder():
+    from qkv.cli.attention import bundled_encoder
+
+    return bundled_encoder()
+
+
+@pytest.fixture(autouse=True)
+def _load_once(encoder, monkeypatch):
+    """The commands load the bundled model through bundled_encoder; load it once for the module."""
+    import qkv.cli.attention
+
+    monkeypatch.setattr(qkv.cli.attention, "bundled_encoder", lambda **kw: encoder)
+
+
+def test_attention_writes_pictures_and_prints_the_table(tmp_path, encoder):
     res = runner.invoke(app, ["attention", TEXT, "--layer", "2", "--head", "3", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     for name in ("head_L2_H3.png", "layer_L2.png", "rollout.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG", name
     html = (tmp_path / "attention.html").read_text()
     assert "qkvRender" in html and "src=\"http" not in html and "cdn" not in html.lower()
-    from qkv.cli.attention import bundled_encoder, most_attended, text_attention
+    from qkv.cli.attention import most_attended, text_attention
 
-    enc = bundled_encoder()
-    ta = text_attention(enc, TEXT)
+    ta = text_attention(encoder, TEXT)
     assert ta.tokens[0] == "[CLS]" and len(ta.maps) == 6 and ta.maps[2].shape == (12, 16, 16)
     top = most_attended(ta.maps[2], ta.tokens, 3)
     line = next(ln for ln in res.output.splitlines() if ln.strip("│ ").startswith("11 "))
@@ -50,13 +64,12 @@ def test_attention_errors(tmp_path):
     assert res.exit_code == 2 and "the text is empty" in res.output
 
 
-def test_explorer_limits_and_registration():
+def test_explorer_limits_and_registration(encoder):
     res = runner.invoke(app, ["explore", "--help"])
     assert res.exit_code == 0 and "127.0.0.1" in res.output
-    from qkv.cli.attention import bundled_encoder
     from qkv.cli.explore import ExplorerApp
 
-    enc = bundled_encoder()
+    enc = encoder
     with pytest.raises(ValueError, match="max_tokens must be an int in"):
         ExplorerApp(enc, max_tokens=1000)
     app_ = ExplorerApp(enc, max_tokens=8, max_chars=50)
