@@ -286,3 +286,27 @@ def test_induction_maps_on_a_decoder():
     assert ((previous_token_score(maps) >= 0) & (previous_token_score(maps) <= 1)).all()
     with pytest.raises(ValueError, match="vocab_size must be"):
         induction_maps(model, 1)
+
+
+@pytest.mark.parametrize("need_lse", [False, True], ids=["lse-recomputed", "lse-reused"])
+def test_capture_reuses_the_operators_lse_when_the_module_asks_for_it(need_lse):
+    from qkv.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, causal=True).eval()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    attn.double()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, ids):
+            return self.attn(x, need_lse=need_lse)
+
+    got = capture(Wrap(), torch.zeros(2, 6, dtype=torch.int64))[0]
+    q = attn.q_proj(x).view(2, 6, 4, 8).transpose(1, 2)
+    k = attn.k_proj(x).view(2, 6, 4, 8).transpose(1, 2)
+    want = torch.softmax((q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~torch.ones(6, 6).tril().bool(), -1e300), -1)
+    torch.testing.assert_close(got.double(), want.detach(), atol=1e-6, rtol=1e-6)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .._probs import attention_probs
+from .._request import AttentionOutput
 
 __all__ = ["attention_modules", "capture", "capture_stats", "hooked", "run_model"]
 
@@ -166,15 +167,16 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
                                    "pass (no generation loop, no packed segments)")
             qd, kd, vd = q.detach(), k.detach(), v.detach()
             folded = _folded_heads(module, qd)
+            lse = out.lse.detach() if isinstance(out, AttentionOutput) else None  # the module asked for it: reuse
             if folded == 1:
                 got[i] = attention_probs(qd, kd, vd, mask=mask, score_mod=score_mod, scale=scale, heads=heads,
-                                         rows=rows)
+                                         rows=rows, lse=lse)
             else:
                 nq = qd.shape[2] // folded
                 h_sel = torch.arange(folded) if heads is None else _as_index(heads, folded, "heads")
                 r_sel = torch.arange(nq) if rows is None else _as_index(rows, nq, "rows")
                 flat = (h_sel.view(-1, 1) * nq + r_sel.view(1, -1)).reshape(-1)
-                p = attention_probs(qd, kd, vd, mask=mask, score_mod=score_mod, scale=scale, rows=flat)
+                p = attention_probs(qd, kd, vd, mask=mask, score_mod=score_mod, scale=scale, rows=flat, lse=lse)
                 got[i] = p.view(p.shape[0], h_sel.numel(), r_sel.numel(), p.shape[-1])
             return out
         return record
