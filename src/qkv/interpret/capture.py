@@ -5,8 +5,9 @@ subclass, :class:`qkv.nn.LatentAttention`, T5's self and cross attention) calls 
 attribute, ``attention_fn``. :func:`capture` swaps in a recorder for the chosen modules: it runs the
 module's own operator unchanged (the forward keeps its backend and result) and, from the very ``q``, ``k``
 (already rotated by RoPE), mask, score modifiers and scale the module passed, recomputes the chosen heads
-and query rows exactly with :func:`qkv.attention_probs` (a log-sum-exp pass, then the requested rows a
-chunk at a time). Memory is the returned maps: ``B * heads * rows * Nk`` floats per layer.
+and query rows exactly with :func:`qkv.attention_probs` (a log-sum-exp pass, skipped when the module
+asked its operator for the log-sum-exp, then the requested rows a chunk at a time). Memory is the returned
+maps: ``B * heads * rows * Nk`` floats per layer.
 
 Shape legend: B batch, H query heads, Nq query rows, Nk keys, nh/nr chosen heads/rows.
 """
@@ -50,6 +51,7 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def choose_modules(model: nn.Module, layers) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs ``layers`` selects (indices or names; None: all), validated."""
     mods = attention_modules(model)
     if not mods:
         raise ValueError(f"capture: {type(model).__name__} has no qkv attention module (MultiHeadAttention, "
