@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install test test-slow demo bench lint clean
+.PHONY: install browser test test-slow demo bench lint clean
 
 install: $(STAMP)
 
@@ -19,8 +19,17 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[all]"
 	touch $(STAMP)
 
+# Headless Chromium from Debian's packages for the browser tests (tests/test_explore.py); installed when
+# running as root on a Debian-like system, else those tests skip and say how to get it.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+		 >/dev/null) || echo "could not install chromium: the browser tests will skip"; \
+	else echo "no /usr/bin/chromium: the browser tests will skip (apt-get install chromium chromium-driver)"; fi
+
 # Lint first: a lint failure fails `make test` (and CI, which runs it).
-test: install
+test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
 

@@ -27,13 +27,15 @@ _ATTRS = {
     "sdpa": "qkv.integrations.sdpa",
     "scaled_dot_product_attention": "qkv.integrations.sdpa",
     "varlen_attention": "qkv.varlen",
+    "attention_stats": "qkv._probs",
+    "AttentionStats": "qkv._probs",
 }
 _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
                "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
 
-__all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs", "sdpa",
-           "scaled_dot_product_attention", "varlen_attention", "masks", "mods", "backends", "lse", "varlen",
-           "__version__"]
+__all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs",
+           "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention", "varlen_attention",
+           "masks", "mods", "backends", "lse", "varlen", "__version__"]
 
 
 def __getattr__(name: str):
@@ -54,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from . import backends, masks, mods  # noqa: F401
     from ._attention import Explanation, attention, explain  # noqa: F401
     from ._merge import merge_states  # noqa: F401
-    from ._probs import attention_probs  # noqa: F401
+    from ._probs import AttentionStats, attention_probs, attention_stats  # noqa: F401
     from ._request import AttentionOutput  # noqa: F401
     from .integrations.sdpa import scaled_dot_product_attention, sdpa  # noqa: F401
     from .varlen import varlen_attention  # noqa: F401

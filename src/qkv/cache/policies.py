@@ -16,8 +16,9 @@ Shape legend: B batch rows, Hkv key/value heads, Hq query heads, S held slots, K
   over the window, then pooled along keys so neighbours of a hit survive with it); per KV head the top
   ``budget - window`` prompt tokens plus the window are kept. Decoding then appends without eviction.
 
-Attention probabilities come from :func:`qkv.attention_probs` (exact, from the operator's
-log-sum-exp), reached through ``cache.observe(layer_idx, q)``, which modules call after attention.
+The attention each key receives comes from :func:`qkv.attention_stats` (exact, from the operator's
+log-sum-exp, streamed in blocks of query rows so a long prefill never forms its (Nq, S) probabilities),
+reached through ``cache.observe(layer_idx, q)``, which modules call after attention.
 Evictions happen on the layer's next ``update``, so a view being attended is never changed.
 
 Per-head policies keep the same number of slots for every head of a row, but not the same tokens.
@@ -127,12 +128,17 @@ class SnapKV:
         return self.budget + new_tokens if type(spec) is FullSpec else None
 
 
-def _probs(q, view, scale) -> torch.Tensor:
-    """Attention probabilities (B, Hq, Nq, S) float32 of ``q`` over the view, causal by position."""
-    import qkv
+def _mask(q, view):
+    from .. import masks
 
-    mask = qkv.masks.positions(view.q_positions[:, -q.shape[2]:], view.kv_positions, causal=True)
-    return qkv.attention_probs(q, view.k, view.v, mask=mask, scale=scale)
+    return masks.positions(view.q_positions[:, -q.shape[2]:], view.kv_positions, causal=True)
+
+
+def _column_sums(q, view, scale) -> torch.Tensor:
+    """(B, Hq, S) attention each cached key receives from ``q``'s rows, streamed in O(N) memory."""
+    from .._probs import attention_stats
+
+    return attention_stats(q, view.k, view.v, mask=_mask(q, view), scale=scale).column_sums
 
 
 def _per_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -259,9 +265,9 @@ class _H2ORule:
         st.keep(idx)
 
     def observe(self, st: HeadwiseStore, q, view, scale) -> None:
-        p = _probs(q, view, scale)  # (B, Hq, Nq, S)
-        S = p.shape[-1]
-        st.score[:, :, :S] += _per_kv_head(p.sum(2), st.k.shape[1])
+        cols = _column_sums(q, view, scale)  # (B, Hq, S): a long prefill never forms (Nq, S) probabilities
+        S = cols.shape[-1]
+        st.score[:, :, :S] += _per_kv_head(cols, st.k.shape[1])
 
 
 class _SnapRule:
@@ -293,8 +299,7 @@ class _SnapRule:
         if q.shape[2] < 2:
             return  # decoding: SnapKV never evicts after prefill
         w = min(self.cfg.window, q.shape[2])
-        p = _probs(q[:, :, -w:], view, scale)  # (B, Hq, w, S)
-        st.votes = p.sum(2)
+        st.votes = _column_sums(q[:, :, -w:], view, scale)  # (B, Hq, S)
 
 
 class SinkStore(RopeStore):

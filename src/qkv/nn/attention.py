@@ -147,6 +147,7 @@ class MultiHeadAttention(nn.Module):
         self.scale, self.dropout, self.backend = scale, dropout, backend
         self.causal, self.window, self.cross, self.layer_idx = causal, window, cross, layer_idx
         self.attention_fn = attention  # the operator; replaceable (capture, context parallelism)
+        self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
 
     def _heads(self, t: torch.Tensor, H: int) -> torch.Tensor:
         B, N, _ = t.shape
@@ -218,6 +219,8 @@ class MultiHeadAttention(nn.Module):
         else:
             res = self.attention_fn(q, k, v, score_mod=self.score_mod, **kw)
         out, lse = (res.out, res.lse) if need_lse else (res, None)
+        if self.head_gate is not None:
+            out = out * self.head_gate.to(out.dtype).view(1, self.n_heads, 1, 1)
         if cache is not None and not self.cross:
             cache.observe(self.layer_idx, q, scale=self.scale)  # score-based eviction (H2O, SnapKV)
         out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)  # (B, Nq, Hq * D)

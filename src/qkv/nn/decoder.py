@@ -203,6 +203,7 @@ class SelfAttention(nn.Module):
         plain = self.score_mod is None and self.alibi is None
         self.decode_backend = c.decode_backend if c.backend == "auto" and c.decode_backend and plain else c.backend
         self.attention_fn = attention
+        self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
 
     def _rotate_qk(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None, cos, sin):
         """Rotate queries and keys; in one call when they are still adjacent heads of ``qk``."""
@@ -248,6 +249,8 @@ class SelfAttention(nn.Module):
         backend = self.decode_backend if N == 1 else self.backend
         out = self.attention_fn(q, k, v, mask=mask, score_mod=self._score_mods(q_pos, kv_pos), scale=self.scale,
                                 backend=backend)
+        if self.head_gate is not None:
+            out = out * self.head_gate.to(out.dtype).view(1, Hq, 1, 1)
         if cache is not None:
             cache.observe(self.layer_idx, q, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)

@@ -459,6 +459,7 @@ class LatentAttention(nn.Module):
         self.rope = rope if rope is not None else RotaryEmbedding(
             c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
             max_position_embeddings=c.max_position_embeddings, interleaved=True)
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
 
     def cache_spec(self):
         """This layer's :class:`qkv.cache.LatentSpec`: ``kv_lora_rank + qk_rope_head_dim`` per token."""
@@ -516,7 +517,10 @@ class LatentAttention(nn.Module):
                    kv_positions=kv_pos, causal=self.causal, mask=mask, scale=c.softmax_scale,
                    dropout_p=c.attention_dropout if self.training else 0.0, return_lse=need_lse,
                    backend=self.backend, attention_fn=self.attention_fn)
-        out_BNv = heads.out.transpose(1, 2).reshape(B, N, H * c.v_head_dim)
+        out_BHNv = heads.out
+        if self.head_gate is not None:
+            out_BHNv = out_BHNv * self.head_gate.to(out_BHNv.dtype).view(1, H, 1, 1)
+        out_BNv = out_BHNv.transpose(1, 2).reshape(B, N, H * c.v_head_dim)
         return LatentAttentionOutput(self.o_proj(out_BNv), heads.lse, choice.path)
 
     def extra_repr(self) -> str:

