@@ -36,6 +36,19 @@ def _tanh(x):
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b accumulated in float32. PREC 0: the inputs' tensor-core precision; 1: IEEE float32 (float32
+    inputs, no TF32); 2: both upcast to float32 first (bfloat16 under the interpreter, whose bfloat16 dot is
+    wrong; products of bfloat16 values are exact in float32, so the arithmetic is the same)."""
+    if PREC == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif PREC == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _mix32(x):
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
@@ -130,7 +143,7 @@ def attn_fwd(Q, K, V, O, LSE,
              MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
              HAS_PREFIX: tl.constexpr, TILE_HEADS: tl.constexpr,
              ALIBI_POS: tl.constexpr, ALIBI_BIDIR: tl.constexpr, BIAS_POS: tl.constexpr, HAS_CAP: tl.constexpr,
-             HAS_DROP: tl.constexpr, IEEE: tl.constexpr,
+             HAS_DROP: tl.constexpr, PREC: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -157,10 +170,7 @@ def attn_fwd(Q, K, V, O, LSE,
         offs_n = kt * BN + tl.arange(0, BN)
         k = tl.load(k_base + offs_n[None, :].to(tl.int64) * sk_n + offs_d[:, None],
                     mask=(offs_n < Nk)[None, :] & (offs_d < D)[:, None], other=0.0)  # [BD, BN]
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, k) * scale  # [BM, BN] float32
+        s = _dot(q, k, PREC) * scale  # [BM, BN] float32
         s, _t = _modify(s, b, h, offs_m, offs_n, Nq, Nk, SLOPES, s_slope, BIAS, sb_b, sb_h, sb_q, sb_k, cap,
                         ALIBI_POS, ALIBI_BIDIR, BIAS_POS, HAS_CAP)
         if (kind >= 0) | ((kt + 1) * BN > Nk):
@@ -178,10 +188,7 @@ def attn_fwd(Q, K, V, O, LSE,
             p = tl.where(keep, p * keep_scale, 0.0)
         v = tl.load(v_base + offs_n[:, None].to(tl.int64) * sv_n + offs_dv[None, :],
                     mask=(offs_n < Nk)[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BN, BDV]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -199,14 +206,11 @@ def _tile_grads(q, k, v, do, lse, delta, b, h, Hq, offs_m, offs_n, kind, kt, Nq,
                 th, SLOPES, s_slope, BIAS, sb_b, sb_h, sb_q, sb_k, cap, seed, threshold, keep_scale,
                 MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
                 HAS_PREFIX: tl.constexpr, ALIBI_POS: tl.constexpr, ALIBI_BIDIR: tl.constexpr,
-                BIAS_POS: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DROP: tl.constexpr, IEEE: tl.constexpr,
+                BIAS_POS: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DROP: tl.constexpr, PREC: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr):
     """Recomputed P (dropped, for dV) and dS (w.r.t. the final score) and dS w.r.t. the raw score,
     for one [BM, BN] tile. q [BM, BD], k [BD, BN], v [BDV, BN], do [BM, BDV]."""
-    if IEEE:
-        s = tl.dot(q, k, input_precision="ieee") * scale
-    else:
-        s = tl.dot(q, k) * scale
+    s = _dot(q, k, PREC) * scale
     s, t = _modify(s, b, h, offs_m, offs_n, Nq, Nk, SLOPES, s_slope, BIAS, sb_b, sb_h, sb_q, sb_k, cap,
                    ALIBI_POS, ALIBI_BIDIR, BIAS_POS, HAS_CAP)
     if (kind >= 0) | ((kt + 1) * BN > Nk):  # rows past Nq have lse = +inf: P = 0 there
@@ -215,10 +219,7 @@ def _tile_grads(q, k, v, do, lse, delta, b, h, Hq, offs_m, offs_n, kind, kt, Nq,
                       HAS_DOC, HAS_PREFIX, BM, BN)
         s = tl.where(ok, s, float("-inf"))
     p = tl.exp(s - lse[:, None])  # lse = +inf on empty rows: P = 0
-    if IEEE:
-        dp = tl.dot(do, v, input_precision="ieee")
-    else:
-        dp = tl.dot(do, v)  # [BM, BN]
+    dp = _dot(do, v, PREC)  # [BM, BN]
     pd = p
     if HAS_DROP:
         keep = _keep(seed, threshold, b, h, Hq, offs_m, offs_n, Nq, Nk)
@@ -241,7 +242,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DBIAS, DSLOPE,
                 MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
                 HAS_PREFIX: tl.constexpr, TILE_HEADS: tl.constexpr,
                 ALIBI_POS: tl.constexpr, ALIBI_BIDIR: tl.constexpr, BIAS_POS: tl.constexpr, HAS_CAP: tl.constexpr,
-                HAS_DROP: tl.constexpr, IEEE: tl.constexpr, BIAS_GRAD: tl.constexpr, SLOPE_GRAD: tl.constexpr,
+                HAS_DROP: tl.constexpr, PREC: tl.constexpr, BIAS_GRAD: tl.constexpr, SLOPE_GRAD: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     """dQ of one query tile; also dS into DBIAS (B, Hq, Nq, Nk) and per-program ALiBi slope sums."""
     pid_m = tl.program_id(0)
@@ -279,11 +280,8 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DBIAS, DSLOPE,
                                      band_lo, band_hi, KVLEN, s_kvlen, QID, s_qid, KID, s_kid, PREFIX, s_prefix,
                                      TILES, s_tile, s_tile_h, th, SLOPES, s_slope, BIAS, sb_b, sb_h, sb_q, sb_k, cap,
                                      seed, threshold, keep_scale, MASK_KIND, HAS_BAND, HAS_KVLEN, HAS_DOC,
-                                     HAS_PREFIX, ALIBI_POS, ALIBI_BIDIR, BIAS_POS, HAS_CAP, HAS_DROP, IEEE, BM, BN)
-        if IEEE:
-            dq += tl.dot(ds_raw.to(k.dtype), tl.trans(k), input_precision="ieee")
-        else:
-            dq += tl.dot(ds_raw.to(k.dtype), tl.trans(k))
+                                     HAS_PREFIX, ALIBI_POS, ALIBI_BIDIR, BIAS_POS, HAS_CAP, HAS_DROP, PREC, BM, BN)
+        dq += _dot(ds_raw.to(k.dtype), tl.trans(k), PREC)
         if BIAS_GRAD:
             g = ds_raw if BIAS_POS == 1 else ds
             ptr = DBIAS + pid_bh.to(tl.int64) * Nq * Nk + offs_m[:, None].to(tl.int64) * Nk + offs_n[None, :]
@@ -310,7 +308,7 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT,
                   MASK_KIND: tl.constexpr, HAS_BAND: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
                   HAS_PREFIX: tl.constexpr, TILE_HEADS: tl.constexpr,
                   ALIBI_POS: tl.constexpr, ALIBI_BIDIR: tl.constexpr, BIAS_POS: tl.constexpr, HAS_CAP: tl.constexpr,
-                  HAS_DROP: tl.constexpr, IEEE: tl.constexpr,
+                  HAS_DROP: tl.constexpr, PREC: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     """dK, dV of one key tile of one kv head, summed over its G query heads (GQA without repeats)."""
     pid_n = tl.program_id(0)
@@ -351,13 +349,9 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT,
                                          s_prefix, TILES, s_tile, s_tile_h, th, SLOPES, s_slope, BIAS, sb_b, sb_h,
                                          sb_q, sb_k, cap, seed, threshold, keep_scale, MASK_KIND, HAS_BAND,
                                          HAS_KVLEN, HAS_DOC, HAS_PREFIX, ALIBI_POS, ALIBI_BIDIR, BIAS_POS, HAS_CAP,
-                                         HAS_DROP, IEEE, BM, BN)
-            if IEEE:
-                dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision="ieee")
-                dk += tl.dot(tl.trans(ds_raw.to(q.dtype)), q, input_precision="ieee")
-            else:
-                dv += tl.dot(tl.trans(pd.to(do.dtype)), do)
-                dk += tl.dot(tl.trans(ds_raw.to(q.dtype)), q)
+                                         HAS_DROP, PREC, BM, BN)
+            dv += _dot(tl.trans(pd.to(do.dtype)), do, PREC)
+            dk += _dot(tl.trans(ds_raw.to(q.dtype)), q, PREC)
     out = pid_bh.to(tl.int64) * Nk
     tl.store(DK + (out + offs_n[:, None]) * D + offs_d[None, :], dk * scale, mask=ncol[:, None] & (offs_d < D)[None, :])
     tl.store(DV_OUT + (out + offs_n[:, None]) * DV + offs_dv[None, :], dv,

@@ -61,7 +61,8 @@ class _Config:
         self.scale, self.mods, self.tiles = req.scale, mods, tiles
         self.dropout_p, self.seed = req.dropout_p, seed
         self.device = req.device
-        self.ieee = req.dtype == torch.float32
+        interpreted = req.device.type == "cpu"
+        self.prec = 1 if req.dtype == torch.float32 else (2 if interpreted and req.dtype == torch.bfloat16 else 0)
         self.plan: MaskPlan = lower_mask(req.mask, req.B, req.Hq, req.Nq, req.Nk, tiles.bm, tiles.bn, req.device)
 
     def common_args(self, bias: torch.Tensor | None, slopes: torch.Tensor | None, bwd: bool):
@@ -104,7 +105,7 @@ class _Config:
                       ALIBI_POS=mods.alibi_pos if mods.alibi is not None else 0,
                       ALIBI_BIDIR=bool(mods.alibi is not None and mods.alibi.bidirectional),
                       BIAS_POS=mods.bias_pos if bias is not None else 0, HAS_CAP=mods.cap is not None,
-                      HAS_DROP=self.dropout_p > 0, IEEE=self.ieee)
+                      HAS_DROP=self.dropout_p > 0, PREC=self.prec)
         return args, consts
 
 
