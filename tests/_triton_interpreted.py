@@ -1,11 +1,11 @@
 """The Triton backend's kernels, run on CPU tensors in Triton's interpreter, against the float64 reference.
 
 Not collected by itself: ``tests/test_triton.py`` runs this file in a child pytest process with
-``TRITON_INTERPRET=1`` set before triton is imported (triton decides at import whether its own
-library functions are interpreted), so no other test sees the variable or interpreted kernels. Sizes are tiny (the interpreter runs each tile as
-numpy arrays); the 16 x 16 tiles used on CPU still give several tiles, ragged edges and every tile kind.
-Every comparison is an error budget (qkv.testing), forward (out, lse) and backward (q, k, v and the
-modifier tensors).
+``TRITON_INTERPRET=1`` set before triton is imported (triton decides at import whether its own library
+functions are interpreted), so no other test sees the variable or interpreted kernels. Sizes are tiny
+(the interpreter runs each tile as numpy arrays); the 16 x 16 tiles used on CPU still give several
+tiles, ragged edges and every tile kind. Every comparison is an error budget (qkv.testing), forward
+(out, lse) and backward (q, k, v and the modifier tensors).
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def test_score_mods(case):
         "bias_broadcast": (lambda b: mods.bias(b), (torch.randn(N, N, generator=g),)),
         "bias_then_softcap": (lambda b: [mods.bias(b), mods.softcap(3.0)], (torch.randn(1, 2, N, N, generator=g),)),
         "softcap_then_alibi": (lambda s: [mods.softcap(3.0), mods.alibi(s)], (SLOPES,)),
-        "relative_bias": (lambda t: mods.relative_bias(t, lambda d: d.clamp(-4, 4) + 4), (torch.randn(9, 2, generator=g),)),
+        "relative_bias": (lambda t: mods.relative_bias(t, lambda d: d.clamp(-4, 4) + 4),
+                          (torch.randn(9, 2, generator=g),)),
     }
     fn, tensors = table[case]
     check(2, 2, 1, N, N, 16, mask=M.causal(), mods_fn=fn, mod_tensors=tensors, what=case)
@@ -169,7 +170,7 @@ def test_paged_decode_against_reference(window, splits):
 
     q, kp, vp, tables, kpos, qpos = _pool_case(window=window)
     out, lse = paged_decode(q, kp, vp, tables, kpos, qpos, window=window, splits=splits)
-    B, Hkv, T = q.shape[0], kp.shape[1], kp.shape[2]
+    B, Hkv = q.shape[0], kp.shape[1]
     k_all = kp[tables].permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, kp.shape[-1])
     v_all = vp[tables].permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, vp.shape[-1])
     mask = M.positions(qpos[:, None], kpos, causal=True, window=window)
