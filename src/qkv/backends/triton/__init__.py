@@ -32,10 +32,12 @@ import importlib.util
 import math
 import os
 
+import torch
+
 from ..._request import AttentionOutput, Request
 from ..base import NOMINAL_FLOPS, Backend, Estimate
 
-__all__ = ["TritonBackend", "triton_problem", "MAX_HEAD_DIM"]
+__all__ = ["TritonBackend", "triton_problem", "gpu_decode_ready", "MAX_HEAD_DIM"]
 
 #: Largest head dim (Dqk and Dv) the kernels take.
 MAX_HEAD_DIM = 256
@@ -69,6 +71,19 @@ def triton_problem(device) -> str | None:
         return ("CPU tensors: the Triton kernels need a CUDA GPU (set TRITON_INTERPRET=1 before triton is imported "
                 "to run them in Triton's slow interpreter, for testing)")
     return f"device {kind}: the Triton kernels run on CUDA (or CPU under TRITON_INTERPRET=1)"
+
+
+def gpu_decode_ready(*tensors) -> bool:
+    """True when the decode kernels should serve these tensors: all on CUDA in float16/bfloat16/float32,
+    none needing gradients (the decode kernels are inference only), and triton installed. The cache and
+    MLA code call this before taking the Triton path, and keep their own path otherwise."""
+    if not tensors or not all(t.is_cuda for t in tensors):
+        return False
+    if any(str(t.dtype).replace("torch.", "") not in _DTYPES for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return triton_problem(tensors[0].device) is None
 
 
 def kernels(name: str):
