@@ -226,3 +226,45 @@ def test_mla_decode_equals_absorbed_reference(splits):
     base = qkv.attention(q_all, k_all, c[:, None], mask=mask, scale=0.2, backend="reference", return_lse=True)
     assert_within_budget(out, ref.out[:, :, 0], base.out[:, :, 0], what="mla out")
     assert_within_budget(lse, ref.lse[:, :, 0], base.lse[:, :, 0], what="mla lse", floor=1e-5)
+
+
+# --------------------------------------------------------------------- wiring (the CUDA checks forced on CPU)
+def test_paged_store_decode_equals_attention_over_the_view(monkeypatch):
+    from qkv.backends import triton as tb
+    from qkv.cache import FullSpec, KVCache, Paged
+
+    monkeypatch.setattr(tb, "gpu_decode_ready", lambda *ts: True)
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache([FullSpec(2, 16)], storage=Paged(block_size=4, num_blocks=16))
+    B, n = 2, 7
+    k, v = torch.randn(B, 2, n, 16, generator=g), torch.randn(B, 2, n, 16, generator=g)
+    pos = torch.arange(n).expand(B, n).clone()
+    pos[1, :2] = -1  # left padding: not stored
+    cache.update(0, k, v, positions=pos)
+    step_pos = torch.tensor([[n], [n]])
+    view = cache.update(0, torch.randn(B, 2, 1, 16, generator=g), torch.randn(B, 2, 1, 16, generator=g),
+                        positions=step_pos)
+    q = torch.randn(B, 4, 1, 16, generator=g)
+    out = cache._layers[0].store.decode(q, step_pos, scale=0.25)
+    mask = M.positions(view.q_positions, view.kv_positions, causal=True)
+    ref = qkv.attention(q.double(), view.k.double(), view.v.double(), mask=mask, scale=0.25, backend="reference")
+    base = qkv.attention(q, view.k, view.v, mask=mask, scale=0.25, backend="reference")
+    assert out is not None and out.shape == (B, 4, 1, 16)
+    assert_within_budget(out, ref, base, what="paged store decode")
+
+
+def test_mla_absorbed_decode_through_the_kernel(monkeypatch):
+    from qkv.backends import triton as tb
+    from qkv.nn.latent import mla_absorbed
+
+    g = torch.Generator().manual_seed(0)
+    B, H, S, dn, dr, r, dv = 2, 3, 19, 8, 8, 32, 8
+    q_nope, q_rope = torch.randn(B, H, 1, dn, generator=g), torch.randn(B, H, 1, dr, generator=g)
+    c_kv, k_rope = torch.randn(B, S, r, generator=g), torch.randn(B, S, dr, generator=g)
+    w = torch.randn(H * (dn + dv), r, generator=g) * 0.2
+    plain = mla_absorbed(q_nope, q_rope, c_kv, k_rope, w, return_lse=True)
+    monkeypatch.setattr(tb, "gpu_decode_ready", lambda *ts: True)
+    fast = mla_absorbed(q_nope, q_rope, c_kv, k_rope, w, return_lse=True)
+    ref = mla_absorbed(*(t.double() for t in (q_nope, q_rope, c_kv, k_rope, w)), return_lse=True, backend="reference")
+    assert_within_budget(fast.out, ref.out, plain.out, what="mla fast out")
+    assert_within_budget(fast.lse, ref.lse, plain.lse, what="mla fast lse", floor=1e-5)
