@@ -61,6 +61,22 @@ def test_lowering_kinds():
     assert lower_mask(M.strided(8), 1, 1, 64, 64, 16, 16, "cpu").kind == 2
 
 
+@pytest.mark.parametrize("fwd,bwd", [((32, 16), (16, 32)), ((16, 32), (32, 16))], ids=["32x16-16x32", "16x32-32x16"])
+def test_backward_tiles_differ_from_forward(fwd, bwd):
+    """On a GPU the backward takes smaller tiles than the forward: its own lowering of the mask must agree."""
+    from qkv.backends.triton.attention import Tiles, run
+
+    class Sized:
+        name = "triton-sized"
+
+        def run(self, req):
+            return run(req, Tiles(*fwd, 4, 1), Tiles(*bwd, 4, 1))
+
+    be = Sized()
+    for mask in (M.causal(), M.sliding_window(9) | M.global_tokens([3]), MASKS["document"]):
+        check_against_reference(be, 2, 2, 1, 33, 33, 16, mask=mask, what=f"fwd{fwd} bwd{bwd} {mask!r}")
+
+
 # --------------------------------------------------------------------- shapes and dtypes
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (3, 1)], ids=["MHA", "GQA", "MQA"])
 def test_gqa_and_dv(hq, hkv):

@@ -118,7 +118,7 @@ class TritonBackend(Backend):
         from ._lower import lower_mask
         from .attention import tile_sizes
 
-        t = tile_sizes(req.Dqk, req.Dv, req.device)
+        t = tile_sizes(req.Dqk, req.Dv, req.device, req.dtype)
         plan = lower_mask(req.mask, req.B, req.Hq, req.Nq, req.Nk, t.bm, t.bn, req.device)
         per_row = req.B / plan.Bm
         tile_flops = 2.0 * req.Hq * t.bm * t.bn * (req.Dqk + req.Dv)

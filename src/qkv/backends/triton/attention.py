@@ -31,17 +31,26 @@ class Tiles:
     stages: int
 
 
-def tile_sizes(D: int, Dv: int, device: torch.device) -> Tiles:
-    """Tile sizes for head dims up to 256. The interpreter runs tiles as numpy arrays: small ones keep
-    many tiles (and their edges) in tiny test problems."""
+def tile_sizes(D: int, Dv: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
+               backward: bool = False) -> Tiles:
+    """Tile sizes for head dims up to 256 (shared memory bounds them: wider heads and float32 take smaller
+    tiles; the backward's two kernels keep more tiles live than the forward). The interpreter runs tiles as
+    numpy arrays: small ones keep many tiles (and their edges) in tiny test problems."""
     if device.type != "cuda":
         return Tiles(16, 16, 4, 1)
     widest = max(D, Dv)
+    wide = dtype == torch.float32
+    if backward:
+        if widest <= 64:
+            return Tiles(64, 64, 4, 2)
+        if widest <= 128:
+            return Tiles(32, 32, 4, 2) if wide else Tiles(64, 64, 8, 2)
+        return Tiles(32, 32, 4, 1) if wide else Tiles(32, 32, 4, 2)
     if widest <= 64:
-        return Tiles(128, 64, 4, 3)
+        return Tiles(64, 64, 4, 3) if wide else Tiles(128, 64, 4, 3)
     if widest <= 128:
-        return Tiles(128, 64, 8, 3)
-    return Tiles(64, 32, 8, 2)
+        return Tiles(64, 32, 4, 2) if wide else Tiles(128, 64, 8, 3)
+    return Tiles(32, 32, 4, 2) if wide else Tiles(64, 32, 8, 2)
 
 
 def _pow2(n: int) -> int:
@@ -55,22 +64,30 @@ def _strides4(t: torch.Tensor):
 class _Config:
     """Everything about one call except the differentiable tensors."""
 
-    def __init__(self, req: Request, mods: ModPlan, tiles: Tiles, seed: int) -> None:
+    def __init__(self, req: Request, mods: ModPlan, tiles: Tiles, bwd_tiles: Tiles, seed: int) -> None:
         self.req_shape = (req.B, req.Hq, req.Hkv, req.Nq, req.Nk, req.Dqk, req.Dv)
         self.mask = req.mask
-        self.scale, self.mods, self.tiles = req.scale, mods, tiles
+        self.scale, self.mods, self.tiles, self.bwd_tiles = req.scale, mods, tiles, bwd_tiles
         self.dropout_p, self.seed = req.dropout_p, seed
         self.device = req.device
         interpreted = req.device.type == "cpu"
         self.prec = 1 if req.dtype == torch.float32 else (2 if interpreted and req.dtype == torch.bfloat16 else 0)
-        self.plan: MaskPlan = lower_mask(req.mask, req.B, req.Hq, req.Nq, req.Nk, tiles.bm, tiles.bn, req.device)
+        self.fwd_plan: MaskPlan = lower_mask(req.mask, req.B, req.Hq, req.Nq, req.Nk, tiles.bm, tiles.bn, req.device)
+        self.bwd_plan: MaskPlan | None = None  # lowered on the first backward
 
-    def common_args(self, bias: torch.Tensor | None, slopes: torch.Tensor | None, bwd: bool):
-        """Mask, modifier and dropout arguments shared by the three kernels (after the list pointers)."""
-        B, Hq, Hkv, Nq, Nk, D, Dv = self.req_shape
-        plan, mods, dev = self.plan, self.mods, self.device
+    def backward_plan(self) -> MaskPlan:
+        if self.bwd_plan is None:
+            B, Hq, _, Nq, Nk, _, _ = self.req_shape
+            t = self.bwd_tiles
+            self.bwd_plan = lower_mask(self.mask, B, Hq, Nq, Nk, t.bm, t.bn, self.device)
+        return self.bwd_plan
+
+    def common_args(self, plan: MaskPlan, bias: torch.Tensor | None, slopes: torch.Tensor | None, by_key: bool):
+        """Mask, modifier and dropout arguments shared by the three kernels, from the list pointers on:
+        tile lists per query tile (forward, dQ) or per key tile (``by_key``: dK/dV)."""
+        mods, dev = self.mods, self.device
         dummy = torch.zeros(1, dtype=torch.int32, device=dev)
-        num, idx, kind = plan.bwd if bwd else plan.fwd
+        num, idx, kind = plan.bwd if by_key else plan.fwd
         rows = num.shape[1]
         lists = (num, idx, kind, rows if plan.Bm > 1 else 0, 1, idx.shape[2])
         band = plan.band if plan.band is not None else (0, 0)
@@ -120,7 +137,7 @@ def _forward(cfg: _Config, q, k, v, bias, slopes):
     t = cfg.tiles
     out = torch.empty(B, Hq, Nq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    args, consts = cfg.common_args(bias, slopes, bwd=False)
+    args, consts = cfg.common_args(cfg.fwd_plan, bias, slopes, by_key=False)
     grid = (math.ceil(Nq / t.bm), B * Hq)
     K.attn_fwd[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
                      Hq, Hq // Hkv, Nq, Nk, D, Dv, cfg.scale, *args, **consts,
@@ -130,7 +147,7 @@ def _forward(cfg: _Config, q, k, v, bias, slopes):
 
 def _backward(cfg: _Config, q, k, v, out, lse, dout, dlse, bias, slopes, want_bias: bool, want_slopes: bool):
     B, Hq, Hkv, Nq, Nk, D, Dv = cfg.req_shape
-    t = cfg.tiles
+    t, plan = cfg.bwd_tiles, cfg.backward_plan()
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, Nq): rowsum(dO * O)
@@ -145,13 +162,13 @@ def _backward(cfg: _Config, q, k, v, out, lse, dout, dlse, bias, slopes, want_bi
     dbias = torch.zeros(B, Hq, Nq, Nk, dtype=torch.float32, device=q.device) if want_bias else lse_safe
     dslope = torch.zeros(B, Hq, tq, dtype=torch.float32, device=q.device) if want_slopes else lse_safe
     BD, BDV = _pow2(D), _pow2(Dv)
-    args, consts = cfg.common_args(bias, slopes, bwd=False)
+    args, consts = cfg.common_args(plan, bias, slopes, by_key=False)
     K.attn_bwd_dq[(tq, B * Hq)](q, k, v, dout, lse_safe, delta, dq, dbias, dslope,
                                 *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout),
                                 Hq, Hq // Hkv, Nq, Nk, D, Dv, cfg.scale, tq, *args, **consts,
                                 BIAS_GRAD=want_bias, SLOPE_GRAD=want_slopes,
                                 BM=t.bm, BN=t.bn, BD=BD, BDV=BDV, num_warps=t.warps, num_stages=t.stages)
-    args, consts = cfg.common_args(bias, slopes, bwd=True)
+    args, consts = cfg.common_args(plan, bias, slopes, by_key=True)
     K.attn_bwd_dkdv[(tk, B * Hkv)](q, k, v, dout, lse_safe, delta, dk, dv,
                                    *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(dout),
                                    Hq, Hkv, Hq // Hkv, Nq, Nk, D, Dv, cfg.scale, *args, **consts,
@@ -187,8 +204,9 @@ class _TritonAttention(torch.autograd.Function):
         return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, dslope
 
 
-def run(req: Request, tiles: Tiles | None = None) -> AttentionOutput:
-    """Run ``req`` (already accepted by the backend) through the kernels."""
+def run(req: Request, tiles: Tiles | None = None, bwd_tiles: Tiles | None = None) -> AttentionOutput:
+    """Run ``req`` (already accepted by the backend) through the kernels; ``tiles``/``bwd_tiles`` override
+    the forward's and the backward's tile sizes (the backward lowers the mask again at its own size)."""
     if req.B * req.Hq * req.Nq == 0 or req.Nk == 0:
         out = req.q.new_zeros(req.B, req.Hq, req.Nq, req.Dv)
         lse = torch.full((req.B, req.Hq, req.Nq), float("-inf"), device=req.device)
@@ -198,7 +216,9 @@ def run(req: Request, tiles: Tiles | None = None) -> AttentionOutput:
     mods = lower_mods(req.score_mod)
     assert isinstance(mods, ModPlan), mods  # the backend declined otherwise
     seed = draw_seed(req.generator) if req.dropout_p > 0 else 0
-    cfg = _Config(req, mods, tiles or tile_sizes(req.Dqk, req.Dv, req.device), seed)
+    fwd_tiles = tiles or tile_sizes(req.Dqk, req.Dv, req.device, req.dtype)
+    bwd_tiles = bwd_tiles or tiles or tile_sizes(req.Dqk, req.Dv, req.device, req.dtype, backward=True)
+    cfg = _Config(req, mods, fwd_tiles, bwd_tiles, seed)
     bias = bias_tensor(mods, req.B, req.Hq, req.Nq, req.Nk, req.device)
     slopes = mods.alibi.slopes if mods.alibi is not None else None
     out, lse = _TritonAttention.apply(cfg, req.q, req.k, req.v, bias, slopes)
