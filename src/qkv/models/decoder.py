@@ -64,6 +64,7 @@ from torch import nn
 
 from .. import masks, mods
 from .._attention import attention
+from ..cache.cache import KVCache
 from ..cache.specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
 from ..nn.gemm import PackedWeight
 from ..nn.gemm import linear as gemm_linear
@@ -515,7 +516,11 @@ class _SelfAttention(nn.Module):
             k, v = view.k, view.v  # (B, Hkv, S, D)
             mask = masks.positions(view.q_positions, view.kv_positions, causal=True, window=self.window)
         backend = self.decode_backend if N == 1 else self.backend
-        out = attention(q, k, v, mask=mask, score_mod=self.score_mod, scale=self.scale, backend=backend)
+        out = None
+        if N == 1 and self.backend == "auto" and self.score_mod is None and isinstance(cache, KVCache):
+            out = cache.decode(self.layer_idx, q, scale=self.scale or D ** -0.5, window=self.window)  # paged on GPU
+        if out is None:
+            out = attention(q, k, v, mask=mask, score_mod=self.score_mod, scale=self.scale, backend=backend)
         if cache is not None and hasattr(cache, "observe"):
             cache.observe(self.layer_idx, q, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)
