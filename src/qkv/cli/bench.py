@@ -29,6 +29,7 @@ SUITES: dict[str, str] = {
     "decode": "decode.py",
     "embed": "embed.py",
     "generate": "generate.py",
+    "gpu": "gpu.py",  # CUDA only: on a machine without one it prints why and writes nothing
 }
 
 
