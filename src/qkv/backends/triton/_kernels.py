@@ -133,7 +133,7 @@ def _modify(s, b, h, offs_m, offs_n, Nq, Nk, SLOPES, s_slope, BIAS, sb_b, sb_h, 
 
 
 # --------------------------------------------------------------------- forward
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "threshold", "Nq", "Nk"])
 def attn_fwd(Q, K, V, O, LSE,
              sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
              Hq, G, Nq, Nk, D, DV, scale,
@@ -232,7 +232,7 @@ def _tile_grads(q, k, v, do, lse, delta, b, h, Hq, offs_m, offs_n, kind, kt, Nq,
     return pd, ds, ds_raw
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "threshold", "Nq", "Nk"])
 def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DBIAS, DSLOPE,
                 sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
                 Hq, G, Nq, Nk, D, DV, scale, TQ,
@@ -298,7 +298,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, DBIAS, DSLOPE,
         tl.store(DSLOPE + pid_bh.to(tl.int64) * TQ + pid_m, tl.sum(tl.sum(slope_acc, 1), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "threshold", "Nq", "Nk"])
 def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT,
                   sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
                   Hq, Hkv, G, Nq, Nk, D, DV, scale,

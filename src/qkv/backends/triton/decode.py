@@ -28,7 +28,7 @@ import triton.language as tl
 __all__ = ["paged_decode", "mla_decode", "merge_splits"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "blocks_per_split"])
 def _paged_decode_kernel(Q, KP, VP, TABLE, KPOS, QPOS, O_PART, L_PART,
                          sq_b, sq_h, sk_p, sk_h, sk_t, sv_p, sv_h, sv_t, st_b, skp_b,
                          Hq, Hkv, G, T, NB, D, DV, scale, window, blocks_per_split, NS,
@@ -91,7 +91,7 @@ def _paged_decode_kernel(Q, KP, VP, TABLE, KPOS, QPOS, O_PART, L_PART,
     tl.store(L_PART + row, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "slots_per_split"])
 def _mla_decode_kernel(QL, QR, C, R, KPOS, QPOS, O_PART, L_PART,
                        sql_b, sql_h, sqr_b, sqr_h, sc_b, sc_s, sr_b, sr_s, skp_b,
                        H, S, RANK, DR, scale, slots_per_split, NS,
