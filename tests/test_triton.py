@@ -27,12 +27,13 @@ def test_kernels_under_interpreter():
     here = Path(__file__).parent
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here.parent / "src"), str(here), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           str(here / "_triton_interpreted.py")], env=env, capture_output=True, text=True,
-                          cwd=here.parent, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rfE", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", str(here / "_triton_interpreted.py")], env=env, capture_output=True,
+                          text=True, cwd=here.parent, timeout=1200)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"interpreted Triton kernel tests failed (rc={proc.returncode}):\n{tail}"
-    assert " passed" in tail and "skipped" not in tail.splitlines()[-1], tail
+    summary = tail.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "deselected" not in summary, tail
 
 
 # --------------------------------------------------------------------- decline and dispatch
