@@ -290,7 +290,7 @@ def test_decoder_decode_step_through_the_paged_kernel(monkeypatch):
     """A decode step of the decoder over a paged cache, with the CUDA check forced on: same logits."""
     from qkv.backends import triton as tb
     from qkv.cache import KVCache, Paged
-    from qkv.models.decoder import DecoderConfig, DecoderLM
+    from qkv.nn import DecoderConfig, DecoderLM
 
     torch.manual_seed(0)
     cfg = DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -304,7 +304,7 @@ def test_decoder_decode_step_through_the_paged_kernel(monkeypatch):
         cache = KVCache(model.cache_specs(), storage=Paged(block_size=4, num_blocks=16))
         with torch.no_grad():
             model(ids, cache=cache)
-            return model(nxt, cache=cache)[:, -1]
+            return model(nxt, cache=cache).logits[:, -1]
 
     plain = step()
     calls = []
