@@ -19,6 +19,7 @@ _BUILTIN: dict[str, str] = {
     "sdpa": "qkv.backends.sdpa:SDPABackend",
     "tiled": "qkv.backends.tiled:TiledBackend",
     "flex": "qkv.backends.flex:FlexBackend",
+    "triton": "qkv.backends.triton:TritonBackend",
     "reference": "qkv.backends.reference:ReferenceBackend",
 }
 _loaded: dict[str, Backend] = {}

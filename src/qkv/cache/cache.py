@@ -186,6 +186,21 @@ class KVCache:
         layer.last_view = view
         return view
 
+    def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
+               ) -> torch.Tensor | None:
+        """Attention of the step just stored for ``layer_idx`` (one query per row) by the storage's own
+        decode kernel where it has one: paged pools on CUDA through Triton (:meth:`PagedStore.decode`),
+        reading the blocks in place. None otherwise: the caller attends over the view ``update`` returned.
+
+        Args:
+            q: (B, Hq, 1, D) queries, rotated like the stored keys.
+            window: as in ``masks.positions(..., window=W)``.
+        """
+        layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec), "decode")
+        if not isinstance(layer.store, PagedStore) or layer.last_view is None:
+            return None
+        return layer.store.decode(q, layer.last_view.q_positions, scale=scale, window=window)
+
     def update_latent(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor, *,
                       positions: torch.Tensor, rope: RopeFn | None = None) -> LatentView:
         """Store an MLA layer's latent and RoPE key for this step (see :class:`qkv.cache.LatentSpec`).

@@ -527,6 +527,31 @@ class PagedStore(Store):
         v_all = self.vp[tab].permute(0, 2, 1, 3, 4).reshape(B, H, nb * T, self.vp.shape[-1])
         return k_all, v_all, step.view_pos[self.gi]
 
+    def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
+               window: int | None = None) -> torch.Tensor | None:
+        """Attention of the step just written (one query per row) straight over this layer's blocks,
+        without gathering them: the Triton paged-decode kernel, when ``gpu_decode_ready`` holds for the
+        query and the pools (CUDA, no gradients, triton installed); None otherwise, and the caller
+        attends over the view :meth:`write` returned.
+
+        Args:
+            q: (B, Hq, 1, D) rotated queries; q_positions (B, 1) int64.
+            window: as in ``masks.positions(..., window=W)``.
+
+        Returns:
+            (B, Hq, 1, Dv) in q's dtype, or None.
+        """
+        from ..backends.triton import gpu_decode_ready
+
+        step = self.manager.step
+        if step is None or q.dim() != 4 or q.shape[2] != 1 or not gpu_decode_ready(q, self.kp, self.vp):
+            return None
+        from ..backends.triton.decode import paged_decode
+
+        out, _ = paged_decode(q[:, :, 0], self.kp, self.vp, step.tables[self.gi], step.view_pos[self.gi],
+                              q_positions[:, 0], scale=scale, window=window)
+        return out.unsqueeze(2)
+
     def cannot_drop(self, n):
         return None  # the manager checks for the whole cache
 

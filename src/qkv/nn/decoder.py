@@ -55,6 +55,7 @@ from torch import nn
 
 from .. import masks, mods
 from .._attention import attention
+from ..cache.cache import KVCache
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
 from ..cpu.gemm import PrepackedWeight
@@ -247,8 +248,13 @@ class SelfAttention(nn.Module):
             q_pos, kv_pos = view.q_positions, view.kv_positions
             mask = masks.positions(q_pos, kv_pos, causal=True, window=self.window)
         backend = self.decode_backend if N == 1 else self.backend
-        out = self.attention_fn(q, k, v, mask=mask, score_mod=self._score_mods(q_pos, kv_pos), scale=self.scale,
-                                backend=backend)
+        out = None
+        if (N == 1 and isinstance(cache, KVCache) and self.backend == "auto" and self.attention_fn is attention
+                and self.score_mod is None and self.alibi is None):  # paged pools on a GPU: Triton, in place
+            out = cache.decode(self.layer_idx, q, scale=self.scale or D ** -0.5, window=self.window)
+        if out is None:
+            out = self.attention_fn(q, k, v, mask=mask, score_mod=self._score_mods(q_pos, kv_pos), scale=self.scale,
+                                    backend=backend)
         if self.head_gate is not None:
             out = out * self.head_gate.to(out.dtype).view(1, Hq, 1, 1)
         if cache is not None:

@@ -308,6 +308,22 @@ def _built_mask(q_pos, kv_pos, causal: bool, extra):
     return built & extra
 
 
+def _gpu_decode(q_lat, q_rope, c_kv, k_rope, q_pos, kv_pos, scale):
+    """One decode step through the Triton MLA kernel when the tensors are on CUDA, triton is present and
+    nothing needs gradients: ``(o_lat (B, H, r), lse (B, H))``; otherwise None (the caller's path runs)."""
+    from ..backends.triton import gpu_decode_ready
+
+    if not gpu_decode_ready(q_lat, q_rope, c_kv, k_rope):
+        return None
+    from ..backends.triton.decode import mla_decode
+
+    B, Nk = c_kv.shape[0], c_kv.shape[1]
+    if q_pos is None:  # bottom-right: the query sits at the last key
+        kv_pos = torch.arange(Nk, device=c_kv.device).expand(B, Nk)
+        q_pos = torch.full((B, 1), Nk - 1, device=c_kv.device)
+    return mla_decode(q_lat[:, :, 0], q_rope[:, :, 0], c_kv, k_rope, kv_pos, q_pos[:, 0], scale=scale)
+
+
 def mla_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
                  kv_b_weight: torch.Tensor, *, q_positions: torch.Tensor | None = None,
                  kv_positions: torch.Tensor | None = None, causal: bool = True, mask=None,
@@ -382,7 +398,13 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     # needs (its math fallback is 2.5x slower for a decode step); the dr extra channels are dropped.
     scale = (dn + dr) ** -0.5 if scale is None else scale
     kw = dict(scale=scale, return_lse=return_lse, dropout_p=dropout_p, backend=backend)
-    if mask is None:
+    fast = None
+    if (mask is None and Nq == 1 and dropout_p == 0 and backend == "auto" and attention_fn is attention
+            and (causal or q_pos is None)):  # a decode step on a GPU: the Triton latent kernel
+        fast = _gpu_decode(q_lat_BHNr, q_rope, c_kv, k_rope, q_pos, kv_pos, scale)
+    if fast is not None:
+        o_lat_BHNr, lse = fast[0].unsqueeze(2), (fast[1].unsqueeze(2) if return_lse else None)
+    elif mask is None:
         if q_pos is None and causal:
             q_pos = (torch.arange(Nq, device=q_nope.device) + (Nk - Nq)).expand(B, Nq)
             kv_pos = torch.arange(Nk, device=q_nope.device).expand(B, Nk)
