@@ -205,7 +205,7 @@ def compare(
 
         qkv compare llama-70b-mha llama-3-70b deepseek-v2 gemma-3-27b
 
-        qkv compare llama-3-8b mistral-7b --context 32k --dtype fp8 --plot kv.png
+        qkv compare llama-3-8b mistral-7b-v0.1 --context 32k --dtype fp8 --plot kv.png
     """
     with _friendly():
         kw = dict(batch=batch, dtype=dtype, group_size=group_size)
