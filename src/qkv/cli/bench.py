@@ -29,6 +29,7 @@ SUITES: dict[str, str] = {
     "decode": "decode.py",
     "embed": "embed.py",
     "generate": "generate.py",
+    "gqa_conversion": "gqa_conversion.py",
 }
 
 
