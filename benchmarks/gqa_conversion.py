@@ -101,7 +101,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     for key, style, color in (("mean", "o-", "C0"), ("first", "s--", "C1"), ("mean+uptrain", "^-", "C2")):
-        pts = sorted((r["kv_heads"], r["cosine_mean"], r["mrr"], r["top5_overlap"]) for r in rows if r["pooling"] == key)
+        pts = sorted((r["kv_heads"], r["cosine_mean"], r["mrr"], r["top5_overlap"])
+                     for r in rows if r["pooling"] == key)
         if pts:
             kv, cos, mrr, top5 = zip(*pts)
             ax1.plot(kv, cos, style, color=color, label=key)

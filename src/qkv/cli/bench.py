@@ -30,6 +30,7 @@ SUITES: dict[str, str] = {
     "embed": "embed.py",
     "generate": "generate.py",
     "gqa_conversion": "gqa_conversion.py",
+    "quality": "quality.py",
 }
 
 
