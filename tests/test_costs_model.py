@@ -202,7 +202,7 @@ def _counted(model, ids) -> dict[str, int]:
 
 def test_forward_flops_match_counted_matmuls_of_a_real_decoder():
     """A qkv decoder's forward under torch's FLOP counter: every matmul outside attention is ours."""
-    from qkv.models.decoder import DecoderConfig, DecoderLM
+    from qkv.nn import DecoderConfig, DecoderLM
 
     cfg = DecoderConfig(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
                         num_key_value_heads=2, intermediate_size=80, backend="reference")
@@ -329,3 +329,55 @@ def test_linear_and_performer_flops_match_counted_matmuls():
 def test_presets_are_frozen_and_replaceable():
     p = dataclasses.replace(PRESETS["llama-3-8b"], num_hidden_layers=2, layer_types=None, name="two")
     assert num_parameters(p).total < num_parameters(PRESETS["llama-3-8b"]).total
+
+
+# --------------------------------------------------------------------------------- qkv.nn.get_config(preset)
+
+_SHRINK = dict(hidden_size=64, vocab_size=97, intermediate_size=96, head_dim=16, learned_positions=None)
+
+
+def _shrunk(name):
+    p = PRESETS[name]
+    kw = dict(_SHRINK, num_hidden_layers=4 if p.sliding_window else 2, layer_types=None,
+              num_attention_heads=8, num_key_value_heads=max(1, 8 * p.num_key_value_heads // p.num_attention_heads),
+              learned_positions=64 if p.learned_positions else None)
+    if "local" in p.layer_counts and "global" in p.layer_counts:
+        kw.update(layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
+    elif p.sliding_window:
+        kw.update(sliding_window=8)
+    if p.kv_lora_rank is not None:
+        kw.update(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, head_dim=16, v_head_dim=12, q_lora_rank=24,
+                  num_key_value_heads=8)
+    if p.n_routed_experts is not None:
+        kw.update(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
+    return dataclasses.replace(p, name=f"{name}-small", **kw)
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.encoder_layers])
+def test_preset_shaped_model_has_the_counted_parameters(name):
+    from qkv.nn import DecoderLM
+    from qkv.nn.config import decoder_config_from_preset
+
+    small = _shrunk(name)
+    model = DecoderLM(decoder_config_from_preset(small))
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel == num_parameters(small).total, (name, numel, num_parameters(small))
+    with torch.no_grad():
+        assert model(torch.randint(0, 97, (1, 9))).logits.shape == (1, 9, 97)
+
+
+def test_get_config_builds_a_small_model_shaped_like_a_preset():
+    from qkv.nn import DecoderLM, get_config
+
+    cfg = get_config("mistral-7b-v0.1", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                     num_key_value_heads=1, head_dim=16, intermediate_size=64, vocab_size=50)
+    assert cfg.sliding_window == 4096 and cfg.layer_types == ("sliding_attention",) * 2
+    assert DecoderLM(cfg)(torch.randint(0, 50, (1, 5))).logits.shape == (1, 5, 50)
+    full = get_config("llama-2-70b")
+    assert (full.num_key_value_heads, full.head_dim, full.intermediate_size) == (8, 128, 28672)
+    with pytest.raises(ValueError, match="pick one of"):
+        get_config("mistral-7b")
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        get_config("transformer-base")
+    with pytest.raises(ValueError, match="unknown preset 'llama-9'"):
+        get_config("llama-9")

@@ -13,16 +13,16 @@ after the projection and is linear, so pooling before it equals pooling after it
 The converted model's KV cache is ``Hkv / G`` times smaller (``model.cache_specs()`` where it has one).
 
 Supported: every :class:`qkv.nn.MultiHeadAttention` (BERT-family encoders, GPT-2, BLOOM, T5 self and
-cross attention) and the fused-QKV attention of :class:`qkv.models.decoder.DecoderLM` (Llama, Mistral,
+cross attention) and the fused-QKV attention of :class:`qkv.nn.DecoderLM` (Llama, Mistral,
 Qwen2, Gemma 2/3). Multi-head latent attention (DeepSeek-V2) caches a latent, not per-head keys: refused.
 
 Example:
     >>> import torch
-    >>> from qkv.models.decoder import DecoderConfig, DecoderLM
+    >>> from qkv.nn import DecoderConfig, DecoderLM
     >>> lm = DecoderLM(DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
     ...                              intermediate_size=64))
     >>> mqa = to_gqa(lm, 1)
-    >>> mqa.config.num_key_value_heads, mqa(torch.randint(0, 50, (1, 5))).shape
+    >>> mqa.config.num_key_value_heads, mqa(torch.randint(0, 50, (1, 5))).logits.shape
     (1, torch.Size([1, 5, 50]))
 """
 
@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from ..nn.attention import MultiHeadAttention
-from ..nn.config import TransformerConfig
+from ..nn.config import DecoderConfig, TransformerConfig
+from ..nn.decoder import SelfAttention
 from ..nn.latent import LatentAttention
 from ..nn.skinny import InputMajorLinear
-from .decoder import DecoderConfig, _SelfAttention
 
 __all__ = ["POOLINGS", "pool_heads", "to_gqa"]
 
@@ -104,7 +104,7 @@ def _convert_mha(name: str, m: MultiHeadAttention, g: int, pooling: str) -> None
         del m._fused_cache
 
 
-def _convert_fused(name: str, m: _SelfAttention, g: int, pooling: str) -> None:
+def _convert_fused(name: str, m: SelfAttention, g: int, pooling: str) -> None:
     Hq, Hkv, D = m.n_heads, m.n_kv_heads, m.head_dim
     _check_groups(name, Hq, Hkv, g)
     old = m.qkv_proj
@@ -132,7 +132,7 @@ def to_gqa(model: nn.Module, num_kv_heads: int, *, pooling: str = "mean") -> nn.
     """A copy of ``model`` whose attention layers have ``num_kv_heads`` key/value heads (mean-pooled groups).
 
     Args:
-        model: a qkv model (``qkv.models.from_hf`` output, a :class:`qkv.models.decoder.DecoderLM`, a
+        model: a qkv model (``qkv.models.from_hf`` output, a :class:`qkv.nn.DecoderLM`, a
             :class:`qkv.nn.DecoderLM`/encoder, a :class:`qkv.models.embed.SentenceEncoder`'s model, ...)
             holding :class:`qkv.nn.MultiHeadAttention` or fused-QKV decoder attention. Left unchanged.
         num_kv_heads: key/value heads after conversion, ``1`` for MQA; must divide every layer's query and
@@ -163,17 +163,17 @@ def to_gqa(model: nn.Module, num_kv_heads: int, *, pooling: str = "mean") -> nn.
     if latent:
         raise ValueError(f"to_gqa: {latent[0] or 'the model'} is multi-head latent attention (MLA), which caches a "
                          "shared latent rather than per-head keys and values; there are no heads to pool")
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (MultiHeadAttention, _SelfAttention))]
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (MultiHeadAttention, SelfAttention))]
     if not targets:
         raise ValueError(f"to_gqa: no attention module qkv can convert in {type(model).__name__} (expected "
-                         "qkv.nn.MultiHeadAttention or the fused attention of qkv.models.decoder.DecoderLM)")
+                         "qkv.nn.MultiHeadAttention or the fused attention of qkv.nn.DecoderLM)")
     for name, m in targets:  # check every layer before copying anything
         _check_groups(name or "the model", m.n_heads, m.n_kv_heads, num_kv_heads)
     new = copy.deepcopy(model)
     for name, m in new.named_modules():
         if isinstance(m, MultiHeadAttention):
             _convert_mha(name, m, num_kv_heads, pooling)
-        elif isinstance(m, _SelfAttention):
+        elif isinstance(m, SelfAttention):
             _convert_fused(name, m, num_kv_heads, pooling)
     configs: dict[int, object] = {}
     for m in new.modules():
