@@ -119,8 +119,10 @@ def test_attention_only_preset_refused():
 
 def test_bad_arguments():
     p = PRESETS["llama-3-8b"]
-    with pytest.raises(TypeError, match="expected a ModelPreset"):
-        num_parameters("llama-3-8b")
+    with pytest.raises(TypeError, match="expected a ModelPreset, a preset name"):
+        num_parameters(3)
+    assert num_parameters("llama-3-8b") == num_parameters(p)
+    assert generation_flops("gpt-2-small", 3, 3) == generation_flops(PRESETS["gpt-2-small"], 3, 3)
     with pytest.raises(ValueError, match="new_tokens must be a positive int"):
         generation_flops(p, 4, 0)
     with pytest.raises(TypeError, match="use_cache must be a bool"):

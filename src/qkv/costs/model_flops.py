@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .flops import attention_flops
-from .params import attention_weights, layer_ffn_params, require_whole_model
+from .params import attention_weights, layer_ffn_params, require_whole_model, resolve_preset
 from .presets import ModelPreset
 
 __all__ = [
@@ -72,13 +72,14 @@ class FlopBreakdown(NamedTuple):
         return self.attention / self.total if self.total else 0.0
 
 
-def _check(preset: ModelPreset, what: str) -> None:
-    if not isinstance(preset, ModelPreset):
-        raise TypeError(f"{what}: expected a ModelPreset (qkv.costs.get_preset(name)), got {type(preset).__name__}")
+def _check(preset, what: str) -> ModelPreset:
+    """The preset (a name, HF config path or dict resolved), checked for whole-model fields and decoder-only."""
+    preset = resolve_preset(preset, what)
     require_whole_model(preset, what)
     if preset.encoder_layers:
         raise ValueError(f"{what}: {preset.name!r} is an encoder-decoder; whole-model FLOPs cover decoder-only "
                          "models (num_parameters counts it)")
+    return preset
 
 
 def _positive(what: str, **values: int) -> None:
@@ -110,7 +111,7 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
         >>> f.lm_head == 2 * 1024 * 768 * 50257
         True
     """
-    _check(preset, "forward_flops")
+    preset = _check(preset, "forward_flops")
     kv_len = q_len if kv_len is None else kv_len
     _positive("forward_flops", q_len=q_len, kv_len=kv_len, batch=batch)
     if kv_len < q_len:
@@ -149,7 +150,7 @@ def model_flops(preset: ModelPreset, *, context: int, batch: int = 1) -> ModelFl
         >>> round(m.training.total / m.prefill.total, 2)
         3.26
     """
-    _check(preset, "model_flops")
+    preset = _check(preset, "model_flops")
     _positive("model_flops", context=context, batch=batch)
     prefill = forward_flops(preset, context, batch=batch, logits="last")
     decode = forward_flops(preset, 1, context, batch=batch, logits="last")
@@ -168,7 +169,7 @@ def crossover_context(preset: ModelPreset, *, limit: int = 1 << 40) -> int | Non
         >>> crossover_context(PRESETS["gpt-2-small"])
         13405
     """
-    _check(preset, "crossover_context")
+    preset = _check(preset, "crossover_context")
 
     def attention_dominates(n: int) -> bool:
         f = forward_flops(preset, n)
@@ -219,7 +220,7 @@ def generation_flops(preset: ModelPreset, prompt_tokens: int, new_tokens: int, *
         >>> g.total > 2 * 2000 * 68e9
         True
     """
-    _check(preset, "generation_flops")
+    preset = _check(preset, "generation_flops")
     _positive("generation_flops", prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch=batch)
     if not isinstance(use_cache, bool):
         raise TypeError(f"generation_flops: use_cache must be a bool, got {type(use_cache).__name__}")

@@ -25,13 +25,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
-from .presets import ModelPreset
+from .presets import ModelPreset, get_preset, preset_from_hf_config
 
 __all__ = [
     "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",
-    "require_whole_model",
+    "require_whole_model", "resolve_preset",
 ]
 
 
@@ -46,6 +48,18 @@ class ParamCount(NamedTuple):
     lm_head: int  # 0 when tied to the embedding
     total: int
     active: int
+
+
+def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[str, Any], what: str) -> ModelPreset:
+    """A :class:`ModelPreset` from itself, a preset name, a HF ``config.json`` path or a parsed HF config dict."""
+    if isinstance(preset_or_config, ModelPreset):
+        return preset_or_config
+    if isinstance(preset_or_config, (str, os.PathLike)):
+        return get_preset(preset_or_config)
+    if isinstance(preset_or_config, Mapping):
+        return preset_from_hf_config(preset_or_config)
+    raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path or a HF config dict, got "
+                    f"{type(preset_or_config).__name__}")
 
 
 def require_whole_model(preset: ModelPreset, what: str) -> None:
@@ -110,13 +124,13 @@ def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) 
     return router + p.n_routed_experts * expert + shared, router + p.num_experts_per_tok * expert + shared
 
 
-def num_parameters(preset: ModelPreset) -> ParamCount:
+def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) -> ParamCount:
     """Parameter count of the whole model ``preset`` describes (see the module docstring for the layout).
 
     Args:
         preset: a :class:`qkv.costs.ModelPreset` with the whole-model fields (``vocab_size``,
-            ``intermediate_size``, ...), e.g. ``PRESETS["llama-2-70b"]`` or
-            ``preset_from_hf_config(path)``.
+            ``intermediate_size``, ...), e.g. ``PRESETS["llama-2-70b"]``; or a preset name
+            (``"llama-2-70b"``), a HF ``config.json`` path or a parsed HF config dict.
 
     Returns:
         A :class:`ParamCount`.
@@ -130,9 +144,7 @@ def num_parameters(preset: ModelPreset) -> ParamCount:
         >>> c.total, c.lm_head == c.embedding
         (68976648192, True)
     """
-    if not isinstance(preset, ModelPreset):
-        raise TypeError(f"num_parameters: expected a ModelPreset (qkv.costs.get_preset(name)), got "
-                        f"{type(preset).__name__}")
+    preset = resolve_preset(preset, "num_parameters")
     require_whole_model(preset, "num_parameters")
     p, d = preset, preset.hidden_size
     norm = d if p.norm == "rms" else 2 * d
