@@ -15,8 +15,8 @@ Two data sets:
 
 Attention rollout (Abnar & Zuidema 2020, :func:`qkv.interpret.attention_rollout`) over the trained
 digits model shows which patches the [CLS] token draws on: ``rollout_picture`` draws digits beside
-their rollout maps. The per-layer probabilities are recomputed exactly by :func:`qkv.attention_probs`
-from each attention module's input (forward hooks; the model itself is unchanged).
+their rollout maps. The per-layer probabilities are recomputed exactly by :func:`qkv.attention_probs` from
+the queries and keys each attention module hands its ``attention_fn`` hook (restored afterwards).
 
 Run: ``python examples/vit.py`` (lines, seconds) or ``python examples/vit.py digits rollout.png``.
 """
@@ -155,22 +155,24 @@ def digits_main(epochs: int = 40, seed: int = 0, *, batch: int = 64, verbose: bo
 
 
 def attention_maps(model: ViT, images: torch.Tensor) -> list[torch.Tensor]:
-    """Exact per-layer attention probabilities (B, H, 1 + P, 1 + P) of ``model`` on ``images``."""
-    inputs: list[torch.Tensor] = []
+    """Exact per-layer attention probabilities (B, H, 1 + P, 1 + P) of ``model`` on ``images``, captured
+    through each attention module's ``attention_fn`` hook and recomputed by :func:`qkv.attention_probs`."""
     layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    hooks = [m.register_forward_pre_hook(lambda _m, args, _kw=None: inputs.append(args[0])) for m in layers]
+    maps: list[torch.Tensor] = []
+
+    def record(q, k, v, *, mask=None, score_mod=None, scale=None, **kw):
+        maps.append(qkv.attention_probs(q, k, v, mask=mask, score_mod=score_mod, scale=scale))
+        return qkv.attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, **kw)
+
+    saved = [m.attention_fn for m in layers]
     try:
+        for m in layers:
+            m.attention_fn = record
         with torch.no_grad():
             model(images)
     finally:
-        for h in hooks:
-            h.remove()
-    maps = []
-    with torch.no_grad():
-        for m, x in zip(layers, inputs):
-            q = m._heads(m.q_proj(x), m.n_heads)
-            k, v = m._project_kv(x)
-            maps.append(qkv.attention_probs(q, k, v, scale=m.scale))
+        for m, fn in zip(layers, saved):
+            m.attention_fn = fn
     return maps
 
 
