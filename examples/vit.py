@@ -5,21 +5,35 @@ An image is cut into patches, each patch is a token (a linear projection of its 
 token is prepended, learned absolute positions are added, and a bidirectional
 :class:`qkv.nn.TransformerEncoder` mixes the tokens; the [CLS] output is classified.
 
-Data: 16x16 grayscale images holding one line, horizontal, vertical, diagonal or anti-diagonal, at a random
-offset, under Gaussian noise. Four classes, chance is 25%.
+Two data sets:
 
-Run: ``python examples/vit.py`` (a few seconds on a CPU).
+- real: scikit-learn's bundled handwritten digits (``sklearn.datasets.load_digits``: 1,797 scanned 8x8
+  images, ten classes; no download), 2x2 patches, trained with one-pixel random shifts; reaches at least
+  95% held-out accuracy in about a minute on a laptop CPU (``digits_main``);
+- synthetic: 16x16 grayscale images holding one line, horizontal, vertical, diagonal or anti-diagonal, at
+  a random offset, under Gaussian noise; four classes, chance is 25% (``main``).
+
+Attention rollout (Abnar & Zuidema 2020, :func:`qkv.interpret.attention_rollout`) over the trained
+digits model shows which patches the [CLS] token draws on: ``rollout_picture`` draws digits beside
+their rollout maps. The per-layer probabilities are recomputed exactly by :func:`qkv.attention_probs` from
+the queries and keys each attention module hands its ``attention_fn`` hook (restored afterwards).
+
+Run: ``python examples/vit.py`` (lines, seconds) or ``python examples/vit.py digits rollout.png``.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkv.nn import TransformerConfig, TransformerEncoder
+import qkv
+from qkv.interpret import attention_rollout
+from qkv.nn import MultiHeadAttention, TransformerConfig, TransformerEncoder
 
-__all__ = ["ViT", "make_images", "main"]
+__all__ = ["ViT", "make_images", "main", "load_digits", "digits_main", "attention_maps", "rollout_picture"]
 
 CLASSES = ("horizontal", "vertical", "diagonal", "anti-diagonal")
 
@@ -89,5 +103,111 @@ def main(steps: int = 150, seed: int = 0, *, batch: int = 64, verbose: bool = Fa
             "chance": 1 / len(CLASSES)}
 
 
+def load_digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits as (train images (n, 1, 8, 8) in [0, 1], train labels, test images, test labels),
+    a stratified 80/20 split."""
+    from sklearn.datasets import load_digits as _load
+    from sklearn.model_selection import train_test_split
+
+    d = _load()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    itr, ite = train_test_split(range(len(y)), test_size=0.2, random_state=seed, stratify=d.target)
+    return x[itr], y[itr], x[ite], y[ite]
+
+
+def _shift(images: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Move each image by up to one pixel in each direction (zeros fill in)."""
+    padded = F.pad(images, (1, 1, 1, 1))
+    dy, dx = torch.randint(0, 3, (2, images.shape[0]), generator=g).tolist()
+    return torch.stack([p[:, y:y + 8, x:x + 8] for p, y, x in zip(padded, dy, dx)])
+
+
+def digits_main(epochs: int = 40, seed: int = 0, *, batch: int = 64, verbose: bool = False
+                ) -> tuple[dict[str, float], ViT, torch.Tensor]:
+    """Train a ViT on the digits; return (metrics, model, test images)."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    xtr, ytr, xte, yte = load_digits(seed)
+    model = ViT(image_size=8, patch=2, num_classes=10, d_model=64, n_heads=4, n_layers=3)
+    steps = epochs * ((len(ytr) + batch - 1) // batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    losses = []
+    for epoch in range(epochs):
+        model.train()
+        order = torch.randperm(len(ytr), generator=g)
+        for i in range(0, len(ytr), batch):
+            idx = order[i:i + batch]
+            loss = F.cross_entropy(model(_shift(xtr[idx], g)), ytr[idx], label_smoothing=0.1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        if verbose:
+            print(f"epoch {epoch:3d}  loss {losses[-1]:.3f}")
+    model.eval()
+    with torch.no_grad():
+        accuracy = float((model(xte).argmax(-1) == yte).float().mean())
+    return ({"loss_first": losses[0], "loss_last": sum(losses[-20:]) / 20, "accuracy": accuracy, "chance": 0.1},
+            model, xte)
+
+
+def attention_maps(model: ViT, images: torch.Tensor) -> list[torch.Tensor]:
+    """Exact per-layer attention probabilities (B, H, 1 + P, 1 + P) of ``model`` on ``images``, captured
+    through each attention module's ``attention_fn`` hook and recomputed by :func:`qkv.attention_probs`."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    maps: list[torch.Tensor] = []
+
+    def record(q, k, v, *, mask=None, score_mod=None, scale=None, **kw):
+        maps.append(qkv.attention_probs(q, k, v, mask=mask, score_mod=score_mod, scale=scale))
+        return qkv.attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale, **kw)
+
+    saved = [m.attention_fn for m in layers]
+    try:
+        for m in layers:
+            m.attention_fn = record
+        with torch.no_grad():
+            model(images)
+    finally:
+        for m, fn in zip(layers, saved):
+            m.attention_fn = fn
+    return maps
+
+
+def rollout_picture(model: ViT, images: torch.Tensor, path, *, count: int = 8) -> torch.Tensor:
+    """Draw ``count`` digits over their [CLS] attention rollout (patch grid upsampled); return the maps
+    (count, grid, grid)."""
+    from matplotlib.figure import Figure
+
+    images = images[:count]
+    roll = attention_rollout(attention_maps(model, images))  # (B, 1 + P, 1 + P)
+    side = images.shape[-1] // model.patch
+    cls = roll[:, 0, 1:].reshape(-1, side, side)  # how much [CLS] draws on each patch
+    with torch.no_grad():
+        pred = model(images).argmax(-1)
+    fig = Figure(figsize=(1.6 * count, 3.4), layout="constrained")
+    axes = fig.subplots(2, count, squeeze=False)
+    for i in range(count):
+        axes[0, i].imshow(images[i, 0].numpy(), cmap="gray_r")
+        axes[0, i].set_title(f"pred {int(pred[i])}", fontsize=9)
+        axes[1, i].imshow(cls[i].numpy(), cmap="viridis")
+        for ax in axes[:, i]:
+            ax.set_xticks([])
+            ax.set_yticks([])
+    axes[1, 0].set_ylabel("rollout", fontsize=9)
+    fig.suptitle("ViT on sklearn digits: attention rollout of [CLS] over 2x2 patches")
+    fig.savefig(path, dpi=100)
+    return cls
+
+
 if __name__ == "__main__":
-    print(main(verbose=True))
+    if len(sys.argv) > 1 and sys.argv[1] == "digits":
+        metrics, vit, test_images = digits_main(verbose=True)
+        print(metrics)
+        if len(sys.argv) > 2:
+            rollout_picture(vit, test_images, sys.argv[2])
+            print(f"wrote {sys.argv[2]}")
+    else:
+        print(main(verbose=True))

@@ -75,8 +75,8 @@ def test_compare_table_json_and_plot(tmp_path):
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert all(name in r.stdout for name in ("llama-70b-mha", "deepseek-v2", "9.06 GB", "343.60 GB"))
-    r = run("compare", "llama-3-8b", "mistral-7b", "--context", "32k", "--json")
-    assert [m["preset"] for m in json.loads(r.stdout)] == ["llama-3-8b", "mistral-7b"]
+    r = run("compare", "llama-3-8b", "mistral-7b-v0.1", "--context", "32k", "--json")
+    assert [m["preset"] for m in json.loads(r.stdout)] == ["llama-3-8b", "mistral-7b-v0.1"]
 
 
 @pytest.mark.parametrize("command", ["memory", "flops", "compare"])

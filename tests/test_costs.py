@@ -97,7 +97,7 @@ def test_hybrid_cap_is_min_context_window(context):
 
 
 def test_all_local_model_stops_growing_at_window():
-    p = PRESETS["mistral-7b"]
+    p = PRESETS["mistral-7b-v0.1"]
     sizes = [kv_cache_memory(p, context=n).total_bytes for n in (4096, 8192, 1 << 20)]
     assert sizes == [32 * 2 * 8 * 128 * 2 * 4096] * 3
 
@@ -267,7 +267,7 @@ def test_presets_are_consistent(name):
     "name, kind, layers, heads, kv_heads, head_dim",
     [("gpt-3-175b", "mha", 96, 96, 96, 128), ("llama-2-70b", "gqa", 80, 64, 8, 128),
      ("llama-3-8b", "gqa", 32, 32, 8, 128), ("llama-3-70b", "gqa", 80, 64, 8, 128),
-     ("mistral-7b", "gqa", 32, 32, 8, 128), ("gemma-2-27b", "gqa", 46, 32, 16, 128),
+     ("mistral-7b-v0.1", "gqa", 32, 32, 8, 128), ("gemma-2-27b", "gqa", 46, 32, 16, 128),
      ("gemma-3-27b", "gqa", 62, 32, 16, 128), ("deepseek-v2", "mla", 60, 128, 128, 192),
      ("llama-70b-mha", "mha", 80, 64, 64, 128)],
 )
@@ -282,7 +282,7 @@ def test_layer_patterns():
     assert PRESETS["gemma-2-27b"].layer_types[:2] == ("sliding_attention", "full_attention")
     g3 = PRESETS["gemma-3-27b"].layer_types
     assert [i for i, t in enumerate(g3) if t == "full_attention"] == list(range(5, 62, 6))
-    assert PRESETS["mistral-7b"].layer_counts == {"local": 32}
+    assert PRESETS["mistral-7b-v0.1"].layer_counts == {"local": 32}
     assert PRESETS["llama-3-8b"].layer_counts == {"global": 32}
 
 

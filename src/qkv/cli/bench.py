@@ -35,6 +35,8 @@ SUITES: dict[str, str] = {
     "context_parallel": "context_parallel.py",
     "head_pruning": "head_pruning.py",
     "gpu": "gpu.py",  # CUDA only: on a machine without one it prints why and writes nothing
+    "gqa_conversion": "gqa_conversion.py",
+    "quality": "quality.py",
 }
 
 

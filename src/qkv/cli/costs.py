@@ -129,39 +129,74 @@ def flops(
     batch: _Batch = 1,
     as_json: _Json = False,
 ) -> None:
-    """Attention FLOPs (QK^T and PV only, no projections): prefill, per-token decode, training.
+    """FLOPs of a model at a context: attention (QK^T and PV) beside the rest, and the crossover length.
 
     Prefill is the forward pass over a causal prompt of CONTEXT tokens (4*B*H*N*N*D, halved for
     causal); decode is one new token against CONTEXT cached tokens; training is forward + backward,
-    3.5x forward (FlashAttention-2's count). Local layers see at most their window.
+    3.5x forward for attention (FlashAttention-2's count) and 3x for the matmuls. Local layers see at
+    most their window. For presets with the whole-model shape (`qkv presets` lists them) the table adds
+    the projections, feed-forward (active experts) and LM head, and the crossover: the shortest context
+    at which attention's FLOPs reach the rest's.
 
     Examples:
 
         qkv flops llama-3-8b --context 8k
 
+        qkv flops gpt-3-175b --context 128k
+
         qkv flops deepseek-v2 --context 128k --json
     """
+    from qkv.costs import crossover_context, model_flops, score_elements
+
     with _friendly():
         p = get_preset(preset)
-        f = model_attention_flops(p, context=parse_context(context), batch=batch)
+        n = parse_context(context)
+        f = model_attention_flops(p, context=n, batch=batch)
+        whole = p.vocab_size is not None and p.intermediate_size is not None and not p.encoder_layers
+        m = model_flops(p, context=n, batch=batch) if whole else None
+        cross = crossover_context(p) if whole else None
+    scores = score_elements(n)
     if as_json:
-        typer.echo(json.dumps({**f._asdict(), "prefill_per_token": f.prefill / f.context}, indent=2))
+        out = {**f._asdict(), "prefill_per_token": f.prefill / f.context, "score_elements_per_head": scores}
+        if m is not None:
+            for name in ("prefill", "decode", "training"):
+                b = getattr(m, name)
+                out[f"{name}_breakdown"] = {**b._asdict(), "rest": b.rest, "total": b.total}
+            out["crossover_context"] = cross
+        typer.echo(json.dumps(out, indent=2))
         return
     console = Console(soft_wrap=True)
     console.print(_describe(p))
-    console.print(f"context {f.context:,} tokens, batch {f.batch}")
-    table = Table("pass", "FLOPs", "", title=None)
-    rows = [
-        ("prefill (causal prompt)", f.prefill),
-        ("prefill, per prompt token", f.prefill / f.context),
-        ("decode, per new token", f.decode),
-        ("training (fwd + bwd)", f.training),
-    ]
-    if f.decode_absorbed is not None:
-        rows.append(("decode, MLA absorbed", f.decode_absorbed))
-    for name, value in rows:
-        table.add_row(name, format_flops(value), f"{value:.4g}")
+    console.print(f"context {f.context:,} tokens, batch {f.batch}; one score matrix holds N^2 = {scores:,} "
+                  "elements per head and sequence")
+    if m is None:
+        table = Table("pass", "attention FLOPs", "")
+        rows = [
+            ("prefill (causal prompt)", f.prefill),
+            ("prefill, per prompt token", f.prefill / f.context),
+            ("decode, per new token", f.decode),
+            ("training (fwd + bwd)", f.training),
+        ]
+        if f.decode_absorbed is not None:
+            rows.append(("decode, MLA absorbed", f.decode_absorbed))
+        for name, value in rows:
+            table.add_row(name, format_flops(value), f"{value:.4g}")
+        console.print(table)
+        console.print("(attention only: this preset has no vocab_size/intermediate_size for the rest)")
+        return
+    table = Table("pass", "attention", "projections", "FFN", "LM head", "total", "attention share")
+    for name, b in (("prefill (causal prompt)", m.prefill), ("decode, per new token", m.decode),
+                    ("training (fwd + bwd)", m.training)):
+        table.add_row(name, format_flops(b.attention), format_flops(b.projections), format_flops(b.ffn),
+                      format_flops(b.lm_head), format_flops(b.total), f"{100 * b.attention_share:.1f}%")
     console.print(table)
+    if f.decode_absorbed is not None:
+        console.print(f"decode attention with MLA absorbed: {format_flops(f.decode_absorbed)}")
+    if cross is None:
+        console.print("crossover: attention never reaches the rest (every layer slides over a short window)")
+    else:
+        side = "past" if n >= cross else "below"
+        console.print(f"crossover: attention reaches the rest from {cross:,} tokens on ({side} it at {n:,})")
 
 
 def _plot(memories: dict[str, list[KVMemory]], context: int, path: Path) -> None:
@@ -205,7 +240,7 @@ def compare(
 
         qkv compare llama-70b-mha llama-3-70b deepseek-v2 gemma-3-27b
 
-        qkv compare llama-3-8b mistral-7b --context 32k --dtype fp8 --plot kv.png
+        qkv compare llama-3-8b mistral-7b-v0.1 --context 32k --dtype fp8 --plot kv.png
     """
     with _friendly():
         kw = dict(batch=batch, dtype=dtype, group_size=group_size)

@@ -17,7 +17,7 @@ from typing import Any
 
 from .layout import load_hf_config, read_layout
 
-__all__ = ["PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
+__all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _LAYER_KIND = {FULL: "global", SLIDING: "local"}
@@ -44,6 +44,22 @@ class ModelPreset:
         v_head_dim: value head width ``Dv`` when it differs from ``head_dim``.
         source: citation for the numbers (paper, model card, config).
         notes: caveats.
+        vocab_size, intermediate_size: token vocabulary and feed-forward width (needed, with the fields
+            below, only by :func:`qkv.costs.num_parameters` and the whole-model FLOPs).
+        mlp: ``"gated"`` (three matrices: SwiGLU/GeGLU) or ``"dense"`` (two: GPT-2, the 2017 Transformer).
+        norm: ``"rms"`` (a scale per channel) or ``"layer"`` (scale and shift).
+        attention_bias: biases on the query, key, value and output projections (GPT-2, BERT);
+            ``qkv_bias``: on query, key and value only (Qwen2). ``mlp_bias``: on the feed-forward.
+        qk_norm: per-head RMSNorm of queries and keys (Gemma 3). ``sandwich_norms``: a norm after
+            each branch too (Gemma 2/3).
+        tie_word_embeddings: the LM head is the embedding matrix.
+        learned_positions: rows of a learned absolute position table (GPT-2: 1024), else none.
+        encoder_layers: layers of a bidirectional encoder in front of the ``num_hidden_layers``
+            decoder layers, each of which then also cross-attends (encoder-decoder, Vaswani et al.).
+        q_lora_rank: MLA query compression width (DeepSeek-V2: 1536).
+        n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts,
+            first_k_dense_replace: DeepSeekMoE feed-forward (HF names); the first
+            ``first_k_dense_replace`` layers stay dense with ``intermediate_size``.
 
     Example:
         >>> p = PRESETS["gemma-3-27b"]
@@ -65,6 +81,25 @@ class ModelPreset:
     v_head_dim: int | None = None
     source: str = ""
     notes: str = ""
+    # Whole-model shape (for parameter counts and whole-model FLOPs in qkv.costs.params/model_flops).
+    vocab_size: int | None = None
+    intermediate_size: int | None = None
+    mlp: str = "gated"
+    norm: str = "rms"
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    tie_word_embeddings: bool = False
+    learned_positions: int | None = None
+    encoder_layers: int = 0
+    q_lora_rank: int | None = None
+    n_routed_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -90,6 +125,12 @@ class ModelPreset:
             raise ValueError(f"{self.name}: sliding layers need a positive sliding_window")
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ValueError(f"{self.name}: MLA needs both kv_lora_rank and qk_rope_head_dim")
+        if self.mlp not in ("gated", "dense") or self.norm not in ("rms", "layer"):
+            raise ValueError(f"{self.name}: mlp must be 'gated' or 'dense' and norm 'rms' or 'layer', got "
+                             f"mlp={self.mlp!r}, norm={self.norm!r}")
+        if (self.n_routed_experts is None) != (self.num_experts_per_tok is None):
+            raise ValueError(f"{self.name}: a mixture of experts needs both n_routed_experts and "
+                             "num_experts_per_tok")
 
     @property
     def attention_kind(self) -> str:
@@ -136,67 +177,110 @@ def _pattern(num_layers: int, period: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers))
 
 
+_GPT2 = dict(vocab_size=50257, mlp="dense", norm="layer", attention_bias=True, mlp_bias=True,
+             tie_word_embeddings=True, learned_positions=1024)
+
 _PRESET_LIST = (
     ModelPreset(
+        name="transformer-base", num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, hidden_size=512, encoder_layers=6, vocab_size=37000, intermediate_size=2048, mlp="dense",
+        norm="layer", attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        source="Vaswani et al. 2017, Attention Is All You Need, arXiv:1706.03762, Sec. 3.2.2 and 5.1, Table 3",
+        notes="Encoder-decoder, 6 + 6 layers, d_model 512 = 8 heads x 64; shared source-target BPE "
+        "vocabulary of about 37,000 tokens (English-German), one matrix for both embeddings and the "
+        "pre-softmax layer; sinusoidal positions (no parameters). Table 3 reports 65M parameters.",
+    ),
+    ModelPreset(
+        name="gpt-2-small", num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+        head_dim=64, hidden_size=768, intermediate_size=3072, **_GPT2,
+        source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
+        "openai-community/gpt2 config.json",
+        notes="Context 1024. 124,439,808 parameters with the tied LM head (the paper's table says 117M).",
+    ),
+    ModelPreset(
+        name="gpt-2-medium", num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=64, hidden_size=1024, intermediate_size=4096, **_GPT2,
+        source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
+        "openai-community/gpt2-medium config.json",
+        notes="Context 1024. 354,823,168 parameters (the paper's table says 345M).",
+    ),
+    ModelPreset(
         name="gpt-3-175b", num_hidden_layers=96, num_attention_heads=96, num_key_value_heads=96,
-        head_dim=128, hidden_size=12288,
+        head_dim=128, hidden_size=12288, intermediate_size=4 * 12288, **{**_GPT2, "learned_positions": 2048},
         source="Brown et al. 2020, Language Models are Few-Shot Learners, arXiv:2005.14165, Table 2.1",
         notes="Context 2048. The paper alternates dense and locally banded sparse layers without "
-        "publishing the band; modelled here as dense MHA.",
+        "publishing the band; modelled here as dense MHA. GPT-2's vocabulary and layout (Sec. 2.1).",
     ),
     ModelPreset(
         name="llama-2-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, hidden_size=8192,
+        head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
         source="Touvron et al. 2023, Llama 2, arXiv:2307.09288 (GQA for 34B/70B); "
         "meta-llama/Llama-2-70b-hf config.json",
         notes="Context 4096.",
     ),
     ModelPreset(
         name="llama-3-8b", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, hidden_size=4096,
+        head_dim=128, hidden_size=4096, vocab_size=128256, intermediate_size=14336,
         source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
         "meta-llama/Meta-Llama-3-8B config.json",
         notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
     ),
     ModelPreset(
         name="llama-3-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, hidden_size=8192,
+        head_dim=128, hidden_size=8192, vocab_size=128256, intermediate_size=28672,
         source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
         "meta-llama/Meta-Llama-3-70B config.json",
         notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
     ),
     ModelPreset(
-        name="mistral-7b", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, hidden_size=4096, sliding_window=4096,
+        name="mistral-7b-v0.1", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096, sliding_window=4096, vocab_size=32000, intermediate_size=14336,
         source="Jiang et al. 2023, Mistral 7B, arXiv:2310.06825, Table 1; "
-        "mistralai/Mistral-7B-v0.1 config.json",
-        notes="v0.1: every layer slides over 4096 tokens (rolling-buffer cache). v0.2 and later drop "
-        "the window.",
+        "mistralai/Mistral-7B-v0.1 config.json (sliding_window 4096)",
+        notes="Every layer slides over 4096 tokens (rolling-buffer cache): the cache stops growing at "
+        "4096 tokens, 8x less than v0.3 at 32K.",
+    ),
+    ModelPreset(
+        name="mistral-7b-v0.2", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096, vocab_size=32000, intermediate_size=14336,
+        source="mistralai/Mistral-7B-Instruct-v0.2 config.json (sliding_window null, rope_theta 1e6); "
+        "Mistral AI release notes",
+        notes="No sliding window: full attention over a 32K context.",
+    ),
+    ModelPreset(
+        name="mistral-7b-v0.3", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096, vocab_size=32768, intermediate_size=14336,
+        source="mistralai/Mistral-7B-v0.3 config.json (sliding_window null, vocab_size 32768)",
+        notes="No sliding window: full attention over a 32K context; vocabulary extended to 32768.",
     ),
     ModelPreset(
         name="gemma-2-27b", num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
         head_dim=128, hidden_size=4608, sliding_window=4096, layer_types=_pattern(46, 2),
+        vocab_size=256000, intermediate_size=36864, sandwich_norms=True, tie_word_embeddings=True,
         source="Gemma Team 2024, Gemma 2, arXiv:2408.00118, Table 1; google/gemma-2-27b config.json",
         notes="Local (window 4096) and global layers alternate, layer 0 local; context 8192.",
     ),
     ModelPreset(
         name="gemma-3-27b", num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
         head_dim=128, hidden_size=5376, sliding_window=1024, layer_types=_pattern(62, 6),
+        vocab_size=262208, intermediate_size=21504, qk_norm=True, sandwich_norms=True, tie_word_embeddings=True,
         source="Gemma Team 2025, Gemma 3 Technical Report, arXiv:2503.19786 (5 local : 1 global, "
         "local span 1024); google/gemma-3-27b-pt config.json text_config",
-        notes="Every 6th layer global (10 of 62); context 128K.",
+        notes="Every 6th layer global (10 of 62); context 128K. The language model only (no vision tower).",
     ),
     ModelPreset(
         name="deepseek-v2", num_hidden_layers=60, num_attention_heads=128, num_key_value_heads=128,
         head_dim=192, hidden_size=5120, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128,
-        source="DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, Sec. 2.1 and App. B; "
+        v_head_dim=128, vocab_size=102400, intermediate_size=12288, q_lora_rank=1536, n_routed_experts=160,
+        num_experts_per_tok=6, moe_intermediate_size=1536, n_shared_experts=2, first_k_dense_replace=1,
+        source="DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, Sec. 2.1, 3.1 and App. B; "
         "deepseek-ai/DeepSeek-V2 config.json",
-        notes="MLA caches kv_lora_rank + qk_rope_head_dim = 576 elements per token per layer.",
+        notes="MLA caches kv_lora_rank + qk_rope_head_dim = 576 elements per token per layer. 236B "
+        "parameters, 21B active per token (the paper's figures).",
     ),
     ModelPreset(
         name="llama-70b-mha", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=64,
-        head_dim=128, hidden_size=8192,
+        head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
         source="Teaching example: the Llama 2 70B shape (arXiv:2307.09288) without GQA",
         notes="2 x 128,000 x 64 x 128 x 2 B = 4.19 GB per layer, 335 GB for 80 layers at fp16; the "
         "texts' '128K' is decimal, 128,000 tokens.",
@@ -205,6 +289,12 @@ _PRESET_LIST = (
 
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType({p.name: p for p in _PRESET_LIST})
 
+#: Names that used to mean one version silently; ``get_preset`` asks for the version instead.
+AMBIGUOUS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "mistral-7b": ("mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3"),
+})
+
+_HF_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size"}
 
 
 def preset_from_hf_config(
@@ -232,6 +322,8 @@ def preset_from_hf_config(
         layout = read_layout(config)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
+    cfg = dict(config.get("text_config") or config) if "num_hidden_layers" not in config else dict(config)
+    cfg = {_HF_ALIASES.get(k, k): v for k, v in cfg.items()}
     return ModelPreset(
         name=name or layout.model_type or "config",
         num_hidden_layers=layout.num_hidden_layers,
@@ -246,7 +338,40 @@ def preset_from_hf_config(
         qk_nope_head_dim=layout.qk_nope_head_dim,
         v_head_dim=layout.v_head_dim,
         source=source,
+        **_whole_model_fields(cfg, layout.model_type or ""),
     )
+
+
+# HF model types whose feed-forward has two matrices and whose norms are LayerNorms with biases (GPT-2 layout).
+_DENSE_LAYER_NORM = {"gpt2", "gpt_bigcode", "opt"}
+_TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"}
+
+
+def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The fields beyond attention that parameter counts and whole-model FLOPs need (HF names, family
+    defaults where the config leaves them out)."""
+    gpt2 = model_type in _DENSE_LAYER_NORM
+    d = cfg.get("hidden_size")
+    out: dict[str, Any] = {
+        "vocab_size": cfg.get("vocab_size"),
+        "intermediate_size": cfg.get("intermediate_size") or cfg.get("n_inner") or (4 * d if gpt2 and d else None),
+        "mlp": "dense" if gpt2 else "gated",
+        "norm": "layer" if gpt2 else "rms",
+        "attention_bias": gpt2 or bool(cfg.get("attention_bias", False)),
+        "qkv_bias": model_type == "qwen2",
+        "mlp_bias": gpt2 or bool(cfg.get("mlp_bias", False)),
+        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3"),
+        "sandwich_norms": model_type in ("gemma2", "gemma3", "gemma3_text"),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
+        "learned_positions": (cfg.get("n_positions") or cfg.get("max_position_embeddings")) if gpt2 else None,
+        "q_lora_rank": cfg.get("q_lora_rank") if cfg.get("kv_lora_rank") is not None else None,
+    }
+    if cfg.get("n_routed_experts"):
+        out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
+                   moe_intermediate_size=cfg.get("moe_intermediate_size"),
+                   n_shared_experts=cfg.get("n_shared_experts") or 0,
+                   first_k_dense_replace=cfg.get("first_k_dense_replace") or 0)
+    return out
 
 
 def get_preset(name_or_path: str | os.PathLike) -> ModelPreset:
@@ -262,6 +387,11 @@ def get_preset(name_or_path: str | os.PathLike) -> ModelPreset:
     key = os.fspath(name_or_path).strip().lower().replace("_", "-").replace(" ", "-")
     if key in PRESETS:
         return PRESETS[key]
+    if key in AMBIGUOUS:
+        raise ValueError(
+            f"preset {os.fspath(name_or_path)!r} names several versions whose attention differs; pick one of "
+            f"{', '.join(AMBIGUOUS[key])} (see `qkv presets`)"
+        )
     if os.path.exists(name_or_path):
         return preset_from_hf_config(name_or_path)
     close = difflib.get_close_matches(key, PRESETS, n=1, cutoff=0.5)

@@ -180,15 +180,16 @@ class PackedSelfAttention(MultiHeadAttention):
             groups = _segment_groups(mask, x)
         if groups is None:
             return super().forward(x, context, mask=mask, positions=positions, cache=cache, need_lse=need_lse)
-        H, D = self.n_heads, self.head_dim
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         w, b = self._fused_qkv()
         qkv = (prepacked_linear(x[0], w, b, self._qkv_prepacked) if self.gemm == "onednn"
-               else F.linear(x[0], w, b))  # (T, 3 H D)
+               else F.linear(x[0], w, b))  # (T, (H + 2 Hkv) D)
         out = qkv.new_empty(x.shape[1], H * D)
         for g in groups:
             s, L = g.index.shape
-            t = qkv.index_select(0, g.index.view(-1)).view(s, L, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, s, H, L, D)
-            o = attention(t[0], t[1], t[2], mask=None if g.full else masks.padding(g.lengths), scale=self.scale,
+            t = qkv.index_select(0, g.index.view(-1)).view(s, L, H + 2 * Hkv, D).transpose(1, 2)
+            q, k, v = t.split((H, Hkv, Hkv), dim=1)  # (s, H, L, D), (s, Hkv, L, D) x 2
+            o = attention(q, k, v, mask=None if g.full else masks.padding(g.lengths), scale=self.scale,
                           dropout_p=self.dropout if self.training else 0.0, backend=self.backend)  # (s, H, L, D)
             o = o.transpose(1, 2).reshape(s * L, H * D)
             if g.full:

@@ -35,7 +35,8 @@ from .latent import LatentConfig
 from .moe import MoEConfig
 from .norm import NORMS
 
-__all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "POSITIONS",
+__all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "decoder_config_from_preset",
+           "POSITIONS",
            "DECODER_POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
 
 POSITIONS = ("rope", "learned", "sinusoidal", "alibi", "t5", "shaw", "none")
@@ -494,10 +495,87 @@ PRESETS: Mapping[str, DecoderConfig | TransformerConfig] = MappingProxyType(_PRE
 
 def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
     """The preset ``name`` (a :class:`DecoderConfig` for the decoder-only shapes, a :class:`TransformerConfig`
-    for the encoder and encoder-decoder ones), with ``overrides`` applied through its ``replace``."""
+    for the encoder and encoder-decoder ones), with ``overrides`` applied through its ``replace``.
+
+    ``name`` may also be a model preset of :mod:`qkv.costs` (``"llama-3-8b"``, ``"mistral-7b-v0.1"``,
+    ``"deepseek-v2"``, ...; ``qkv presets`` lists them): the result is a :class:`DecoderConfig` shaped like
+    that model (heads, KV heads, head width, window and layer pattern, feed-forward kind, norms, biases,
+    tying, MLA, MoE). A random model of the published size is large; shrink it with overrides. Fewer layers
+    keep the first layers of the preset's local/global pattern.
+
+    Example:
+        >>> cfg = get_config("llama-2-70b", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+        ...                  vocab_size=1000, head_dim=32)
+        >>> cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+        (64, 8, 2)
+    """
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, list(PRESETS), n=1)
+        from ..costs import AMBIGUOUS
+        from ..costs import PRESETS as MODEL_PRESETS
+
+        if name in MODEL_PRESETS or name in AMBIGUOUS:
+            from ..costs import get_preset
+
+            preset = get_preset(name)
+            n = overrides.get("num_hidden_layers", preset.num_hidden_layers)
+            if "layer_types" not in overrides and isinstance(n, int) and n > 0:  # keep the pattern's first n
+                types = preset.layer_types
+                overrides["layer_types"] = tuple(types[i % len(types)] for i in range(n))
+                if "local" not in preset.layer_counts:
+                    del overrides["layer_types"]
+            cfg = decoder_config_from_preset(preset)
+            return cfg.replace(**overrides) if overrides else cfg
+        known = list(PRESETS) + list(MODEL_PRESETS)
+        close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown preset {name!r}{hint} Known: {', '.join(sorted(PRESETS))}")
+        raise ValueError(f"unknown preset {name!r}{hint} Known: {', '.join(sorted(PRESETS))}; and the model "
+                         f"presets of qkv.costs: {', '.join(MODEL_PRESETS)}")
     cfg = PRESETS[name]
     return cfg.replace(**overrides) if overrides else cfg
+
+
+def decoder_config_from_preset(preset) -> DecoderConfig:
+    """A :class:`DecoderConfig` shaped like a :class:`qkv.costs.ModelPreset` with the whole-model fields.
+
+    What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
+    feed-forwards and for presets with sandwich norms, the Gemma layout), RoPE unless the preset has a
+    learned position table.
+
+    Raises:
+        ValueError: an encoder-decoder preset, or one that describes attention only.
+    """
+    from ..costs.params import require_whole_model
+    from .latent import LatentConfig
+    from .moe import MoEConfig
+
+    p = preset
+    require_whole_model(p, "get_config")
+    if p.encoder_layers:
+        raise ValueError(f"get_config: {p.name!r} is an encoder-decoder; qkv.nn.DecoderLM is decoder-only (use "
+                         "TransformerConfig with EncoderDecoder)")
+    dense = p.mlp == "dense"
+    kw: dict[str, Any] = dict(
+        vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+        intermediate_size=p.intermediate_size, gated_mlp=not dense,
+        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms else "silu"),
+        norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
+        qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
+        position="learned" if p.learned_positions else "rope",
+        max_position_embeddings=p.learned_positions or 4096, name=p.name,
+    )
+    if p.head_dim != p.hidden_size // p.num_attention_heads:
+        kw["head_dim"] = p.head_dim
+    if "local" in p.layer_counts:
+        kw.update(sliding_window=p.sliding_window, layer_types=p.layer_types)
+    if p.kv_lora_rank is not None:
+        kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
+                                    kv_lora_rank=p.kv_lora_rank, q_lora_rank=p.q_lora_rank,
+                                    qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
+                                    v_head_dim=p.value_head_dim)
+        kw.pop("head_dim", None)
+    if p.n_routed_experts is not None:
+        kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
+                              moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
+                              first_k_dense_replace=p.first_k_dense_replace)
+    return DecoderConfig(**kw)

@@ -1,0 +1,168 @@
+"""Parameter counts of a whole model from its preset: embeddings, attention, feed-forward, norms, LM head.
+
+Counted per layer, in HF's layout (the count equals ``sum(p.numel() for p in model.parameters())`` of the
+model :func:`qkv.models.from_hf` builds, which the tests check):
+
+- attention (MHA/GQA/MQA): ``d * Hq * Dqk`` (query) + ``d * Hkv * (Dqk + Dv)`` (key, value) + ``Hq * Dv * d``
+  (output), plus biases when the preset has them and ``2 * Dqk`` for a per-head QK norm. MLA
+  (DeepSeek-V2, arXiv:2405.04434): an optional query compression ``d * q_lora_rank`` (+ its norm) before
+  ``q_lora_rank * Hq * Dqk``, the joint down-projection ``d * (kv_lora_rank + qk_rope_head_dim)`` (+ norm),
+  the up-projection ``kv_lora_rank * Hq * (qk_nope_head_dim + Dv)`` and the output.
+- feed-forward: ``2 * d * f`` (dense, GPT-2) or ``3 * d * f`` (gated, SwiGLU/GeGLU, Shazeer 2020); a
+  mixture of experts (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066) holds ``E`` routed experts of width
+  ``moe_intermediate_size``, ``n_shared_experts`` always-on ones and a router ``d * E``; a token uses the
+  router, ``num_experts_per_tok`` routed experts and the shared ones (the *active* count).
+- norms: ``d`` per RMSNorm, ``2 d`` per LayerNorm; two per layer (four with sandwich norms) and a final one.
+- embeddings ``V * d`` (plus a learned position table), the LM head ``V * d`` unless tied.
+- an encoder-decoder (the 2017 Transformer) adds ``encoder_layers`` bidirectional layers and, in every
+  decoder layer, a cross-attention block with its norm.
+
+Example:
+    >>> from qkv.costs import PRESETS, num_parameters
+    >>> num_parameters(PRESETS["gpt-2-small"]).total
+    124439808
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from .presets import ModelPreset, get_preset, preset_from_hf_config
+
+__all__ = [
+    "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",
+    "require_whole_model", "resolve_preset",
+]
+
+
+class ParamCount(NamedTuple):
+    """Parameters by part. ``total`` is every parameter; ``active`` those one token uses (MoE: top-k)."""
+
+    preset: str
+    embedding: int  # token embeddings and any learned position table
+    attention: int  # every attention block (self and cross), biases and QK norms included
+    ffn: int  # every feed-forward block (all experts)
+    norms: int
+    lm_head: int  # 0 when tied to the embedding
+    total: int
+    active: int
+
+
+def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[str, Any], what: str) -> ModelPreset:
+    """A :class:`ModelPreset` from itself, a preset name, a HF ``config.json`` path or a parsed HF config dict."""
+    if isinstance(preset_or_config, ModelPreset):
+        return preset_or_config
+    if isinstance(preset_or_config, (str, os.PathLike)):
+        return get_preset(preset_or_config)
+    if isinstance(preset_or_config, Mapping):
+        return preset_from_hf_config(preset_or_config)
+    raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path or a HF config dict, got "
+                    f"{type(preset_or_config).__name__}")
+
+
+def require_whole_model(preset: ModelPreset, what: str) -> None:
+    """Raise a ValueError when ``preset`` lacks the fields a whole-model count needs."""
+    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(preset, f) is None]
+    if preset.n_routed_experts is not None and preset.moe_intermediate_size is None:
+        missing.append("moe_intermediate_size")
+    if missing:
+        raise ValueError(
+            f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
+            "preset listed with a parameter count by `qkv presets`, or a full HF config.json"
+        )
+
+
+def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
+    """Weights of one attention block's projection matrices (no biases, no norms): what a token multiplies
+    by. ``cross``: a plain MHA/GQA block (an encoder's or a cross-attention block), never MLA."""
+    p, d = preset, preset.hidden_size
+    Hq, Hkv, Dqk, Dv = p.num_attention_heads, p.num_key_value_heads, p.head_dim, p.value_head_dim
+    if p.kv_lora_rank is not None and not cross:
+        q = d * Hq * Dqk if p.q_lora_rank is None else p.q_lora_rank * (d + Hq * Dqk)
+        nope = p.qk_nope_head_dim or Dqk - p.qk_rope_head_dim
+        kv = d * (p.kv_lora_rank + p.qk_rope_head_dim) + p.kv_lora_rank * Hq * (nope + Dv)
+        return q + kv + Hq * Dv * d
+    return d * Hq * Dqk + d * Hkv * (Dqk + Dv) + Hq * Dv * d
+
+
+def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
+    """Parameters of one attention block: :func:`attention_weights` plus biases and norms."""
+    p, d = preset, preset.hidden_size
+    n = attention_weights(p, cross=cross)
+    if p.kv_lora_rank is not None and not cross:
+        return n + (p.q_lora_rank or 0) + p.kv_lora_rank + (d if p.attention_bias else 0)  # latent norms
+    Hq, Hkv, Dqk, Dv = p.num_attention_heads, p.num_key_value_heads, p.head_dim, p.value_head_dim
+    if p.attention_bias or p.qkv_bias:
+        n += Hq * Dqk + Hkv * (Dqk + Dv)
+    if p.attention_bias:
+        n += d
+    if p.qk_norm:
+        n += 2 * Dqk
+    return n
+
+
+def _mlp(preset: ModelPreset, width: int, *, bias: bool) -> int:
+    d = preset.hidden_size
+    if preset.mlp == "gated":
+        return 3 * d * width + (2 * width + d if bias else 0)
+    return 2 * d * width + (width + d if bias else 0)
+
+
+def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) -> tuple[int, int]:
+    """``(total, active)`` parameters of decoder layer ``layer_idx``'s feed-forward block (``bias=False``:
+    the weight matrices only, what a token multiplies by)."""
+    p = preset
+    b = bias and p.mlp_bias
+    if p.n_routed_experts is None or layer_idx < p.first_k_dense_replace:
+        n = _mlp(p, p.intermediate_size, bias=b)
+        return n, n
+    expert = _mlp(p, p.moe_intermediate_size, bias=b)
+    shared = _mlp(p, p.moe_intermediate_size * p.n_shared_experts, bias=b) if p.n_shared_experts else 0
+    router = p.hidden_size * p.n_routed_experts
+    return router + p.n_routed_experts * expert + shared, router + p.num_experts_per_tok * expert + shared
+
+
+def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) -> ParamCount:
+    """Parameter count of the whole model ``preset`` describes (see the module docstring for the layout).
+
+    Args:
+        preset: a :class:`qkv.costs.ModelPreset` with the whole-model fields (``vocab_size``,
+            ``intermediate_size``, ...), e.g. ``PRESETS["llama-2-70b"]``; or a preset name
+            (``"llama-2-70b"``), a HF ``config.json`` path or a parsed HF config dict.
+
+    Returns:
+        A :class:`ParamCount`.
+
+    Raises:
+        ValueError: the preset describes attention only.
+
+    Example:
+        >>> from qkv.costs import PRESETS
+        >>> c = num_parameters(PRESETS["llama-2-70b"])
+        >>> c.total, c.lm_head == c.embedding
+        (68976648192, True)
+    """
+    preset = resolve_preset(preset, "num_parameters")
+    require_whole_model(preset, "num_parameters")
+    p, d = preset, preset.hidden_size
+    norm = d if p.norm == "rms" else 2 * d
+    embedding = p.vocab_size * d + (p.learned_positions or 0) * d
+    lm_head = 0 if p.tie_word_embeddings else p.vocab_size * d
+    attention = p.num_hidden_layers * layer_attention_params(p)
+    ffn = active_ffn = 0
+    for i in range(p.num_hidden_layers):
+        total_i, active_i = layer_ffn_params(p, i)
+        ffn += total_i
+        active_ffn += active_i
+    norms = p.num_hidden_layers * (4 if p.sandwich_norms else 2) * norm + norm
+    if p.encoder_layers:  # bidirectional encoder layers, and a cross-attention block per decoder layer
+        plain = layer_attention_params(p, cross=True)
+        attention += (p.encoder_layers + p.num_hidden_layers) * plain
+        ffn += p.encoder_layers * _mlp(p, p.intermediate_size, bias=p.mlp_bias)
+        active_ffn += p.encoder_layers * _mlp(p, p.intermediate_size, bias=p.mlp_bias)
+        norms += p.encoder_layers * 2 * norm + norm + p.num_hidden_layers * norm  # encoder final, cross norms
+    total = embedding + attention + ffn + norms + lm_head
+    return ParamCount(p.name, embedding, attention, ffn, norms, lm_head, total, total - ffn + active_ffn)
+
