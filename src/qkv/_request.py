@@ -99,6 +99,26 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
+def _mask_hint(mask) -> str:
+    if isinstance(mask, torch.Tensor):
+        return " (wrap a boolean tensor with qkv.masks.dense(t))"
+    if isinstance(mask, type) and issubclass(mask, Mask) or (callable(mask) and getattr(mask, "__module__", "")
+                                                             .startswith("qkv.masks")):
+        name = getattr(mask, "__name__", "mask")
+        return f" (the mask constructor {name} itself: did you mean {name.lower()}()?)"
+    return ""
+
+
+def _check_devices(arg: str, owner, tensors, device: torch.device) -> None:
+    """Every tensor a mask or modifier holds must live on q's device, or on the CPU (masks and modifiers move
+    CPU data to where it is read, gradients included). A meta tensor or another accelerator is refused.
+    Attribute comparisons only: no tensor work per call."""
+    for t in tensors:
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"attention: {arg} {owner!r} holds a tensor on {t.device} but q is on {device}; "
+                             f"build it from tensors on {device} (or move them with .to(q.device))")
+
+
 def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
                   generator=None) -> Request:
     """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix."""
@@ -139,14 +159,15 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
     if not math.isfinite(scale):
         raise ValueError(f"attention: scale must be finite, got {scale}; the default is head_dim ** -0.5")
     if mask is not None and not isinstance(mask, Mask):
-        hint = " (wrap a boolean tensor with qkv.masks.dense(t))" if isinstance(mask, torch.Tensor) else ""
-        raise TypeError(f"attention: mask must be a qkv.masks mask, got {type(mask).__name__}{hint}")
+        raise TypeError(f"attention: mask must be a qkv.masks mask, got {type(mask).__name__}{_mask_hint(mask)}")
     mod = as_score_mod(score_mod)
     B, Hq, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if mask is not None:
         mask.check(B, Hq, Nq, Nk)
+        _check_devices("mask", mask, mask.tensors(), q.device)
     if mod is not None:
         mod.check(B, Hq, Nq, Nk)
+        _check_devices("score_mod", mod, mod.tensors(), q.device)
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):

@@ -69,7 +69,7 @@ import torch
 from .._request import AttentionOutput, Request
 from ..masks.base import FULL, PARTIAL, Mask
 from ..mods.base import ScoreMod
-from .base import NOMINAL_FLOPS, Backend, Estimate
+from .base import NOMINAL_FLOPS, Backend, Estimate, restore_nonfinite
 
 __all__ = ["FlexBackend", "to_block_mask", "BLOCK_SIZE"]
 
@@ -305,10 +305,10 @@ class FlexBackend(Backend):
                     "Python branching on values); use backend='tiled' or 'reference' otherwise"
                 ) from e
         _compiled.add(sig)
-        if not want_lse:
-            return AttentionOutput(result, None)  # type: ignore[arg-type]
+        if not want_lse:  # Flex on CPU returns zeros for a row of NaN scores: the contract wants NaN
+            return AttentionOutput(restore_nonfinite(req, result)[0], None)  # type: ignore[arg-type]
         out, aux = result
         lse = getattr(aux, "lse", aux)  # (B, Hq, Nq) float32, natural log
         out = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device),
                           out)
-        return AttentionOutput(out, lse)
+        return AttentionOutput(*restore_nonfinite(req, out, lse))

@@ -105,6 +105,14 @@ def default_config(req: Request) -> TiledConfig:
     return TiledConfig(bq, bk, chunk, budget)
 
 
+def _scores_surely_finite(req: Request, acc: torch.dtype) -> bool:
+    bound = abs(req.scale) * req.Dqk
+    for t in (req.q, req.k):
+        lo, hi = torch.aminmax(t.detach())
+        bound *= float(torch.maximum(hi, -lo))  # NaN stays NaN
+    return math.isfinite(bound) and bound < torch.finfo(acc).max / 4
+
+
 class _Spec:
     """Everything about a run except the tensors (shared by forward and backward)."""
 
@@ -123,10 +131,10 @@ class _Spec:
             return
         self.bm = block_map_for(self.mask, self.nq, self.nk, cfg.block_q, cfg.block_k, self.device, B=self.B,
                                 H=self.Hq)
-        # Finite q and k (and no modifier) give finite scores, which masking may hide by adding -inf.
-        # A sum is one cheap pass; it is non-finite if any input is (or, harmlessly, if it overflows).
-        total = float(req.q.detach().sum()) + float(req.k.detach().sum())
-        self.fill_masked = self.mod is not None or not math.isfinite(total)
+        # Scores that are finite everywhere may be masked by adding -inf; otherwise masked scores are filled, so an
+        # inf (q.k overflowing at a masked-out pair) or NaN there never reaches the softmax. |scale * q.k| is at
+        # most scale * D * max|q| * max|k|: one min/max pass per input bounds every score (NaN makes it NaN).
+        self.fill_masked = self.mod is not None or not _scores_surely_finite(req, self.acc)
 
     def slices(self):
         """(batch slice, plan) pairs: one slice for all of B, or one per batch row when the block map

@@ -133,7 +133,7 @@ class Bias(ScoreMod):
                              f"(B, H, Nq, Nk) = ({B}, {H}, {nq}, {nk})")
 
     def bias(self, b, h, q_idx, kv_idx, nq, nk):
-        t = self.t4
+        t = self.t4 if self.t4.device == kv_idx.device else self.t4.to(kv_idx.device)
         z = torch.zeros_like
         return t[b if t.shape[0] > 1 else z(b), h if t.shape[1] > 1 else z(h),
                  q_idx if t.shape[2] > 1 else z(q_idx), kv_idx if t.shape[3] > 1 else z(kv_idx)]
