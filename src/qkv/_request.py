@@ -105,7 +105,7 @@ def _mask_hint(mask) -> str:
     if isinstance(mask, type) and issubclass(mask, Mask) or (callable(mask) and getattr(mask, "__module__", "")
                                                              .startswith("qkv.masks")):
         name = getattr(mask, "__name__", "mask")
-        return f" (the mask constructor {name} itself: did you mean {name.lower()}()?)"
+        return f" (the function qkv.masks.{name} itself: did you mean {name}()?)"
     return ""
 
 

@@ -254,6 +254,9 @@ class TiledBackend(Backend):
         return self.config if self.config is not None else default_config(req)
 
     def decline(self, req: Request) -> str | None:
+        if req.device.type == "meta":
+            return ("meta tensors hold no values, and the tiled schedule reads them (to bound the scores); "
+                    "backend='reference' propagates shapes on meta tensors")
         return None
 
     def estimate(self, req: Request) -> Estimate:

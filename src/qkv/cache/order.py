@@ -32,7 +32,7 @@ class PositionOrder:
         """Raise ``ValueError`` (before anything is written) when ``pos`` (B, N) repeats or goes back."""
         if pos.shape[1] == 0:
             return
-        key = (given, given._version) if isinstance(given, torch.Tensor) else None
+        key = (given, given._version) if isinstance(given, torch.Tensor) and not given.is_inference() else None
         if key is not None and self._key is not None and given is self._key[0] and key[1] == self._key[1]:
             return
         if self._step is not None and pos.shape == self._step.shape and torch.equal(pos, self._step):
