@@ -37,6 +37,8 @@ def _as_lengths(x, name: str) -> torch.Tensor:
     if x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 1:
         raise TypeError(f"{name}: expected a 1-D integer tensor of shape (B,), got dtype {x.dtype} shape "
                         f"{tuple(x.shape)}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: got a meta tensor, which holds no lengths; pass lengths on the CPU or q's device")
     if x.numel() and int(x.min()) < 0:
         raise ValueError(f"{name}: lengths must be >= 0, got min {int(x.min())}")
     return x.to(torch.int64, copy=True)  # a mask is immutable: the caller may reuse its tensor
