@@ -54,6 +54,12 @@ def test_every_mask_with_more_queries_than_keys_agrees_across_backends(kind, bac
     ref = _run(q, k, v, "reference", mask=m)
     out = _run(q, k, v, backend, mask=m)
     assert torch.allclose(out, ref, atol=1e-9), f"{kind}: max diff {float((out - ref).abs().max())}"
+    d = m.materialize(2, 2, Nq, Nk).any(1)  # (B, Nq, Nk): a tile the predicate allows must not be EMPTY
+    bm = m.block_map(Nq, Nk, 2, 2, B=2, H=2)[:, 0].expand(2, -1, -1)
+    pad = torch.zeros(2, 14, 8, dtype=torch.bool)
+    pad[:, :Nq, :Nk] = d
+    any_tile = pad.view(2, 7, 2, 4, 2).any(4).any(2)
+    assert not ((bm == EMPTY) & any_tile).any(), f"{kind}: the block map skips a tile the predicate allows"
 
 
 @pytest.mark.parametrize("name", ["graph", "bigbird", "global_tokens"])
