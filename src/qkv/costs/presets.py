@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
+
+from .config_file import check_layout_fields, read_json_config
 
 __all__ = ["PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
 
@@ -230,10 +231,10 @@ def preset_from_hf_config(
     source = "HF config dict"
     if not isinstance(config, Mapping):
         path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_json_config(path)
         source = f"HF config {path}"
         name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+    check_layout_fields(config, source)
     cfg = dict(config.get("text_config") or config) if "num_hidden_layers" not in config else dict(config)
     cfg = {_HF_ALIASES.get(k, k): v for k, v in cfg.items()}
     model_type = cfg.get("model_type") or config.get("model_type") or ""

@@ -15,11 +15,12 @@ A family module (``qkv/models/<family>.py``) provides:
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..costs.config_file import read_json_config
 
 __all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load"]
 
@@ -43,22 +44,9 @@ def load_config(src: str | Path) -> dict[str, Any]:
 def _read_config_json(cfg: Path) -> dict[str, Any]:
     """The JSON object in ``cfg``; ``CheckpointError`` naming the file for anything else."""
     try:
-        text = cfg.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"from_hf: {cfg} is not UTF-8 text ({e.reason} at byte {e.start}); config.json must "
-                              "be a UTF-8 JSON object") from None
-    if not text.strip():
-        raise CheckpointError(f"from_hf: {cfg} is empty; config.json must be a JSON object with the model's "
-                              "settings (as written by transformers' save_pretrained)")
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"from_hf: {cfg} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
-            from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"from_hf: {cfg} holds a JSON {type(config).__name__}, expected an object "
-                              "({\"model_type\": ..., ...})")
-    return config
+        return read_json_config(cfg)
+    except ValueError as e:
+        raise CheckpointError(f"from_hf: {e}") from None
 
 
 #: dtype names ``from_hf(dtype=)`` accepts besides ``torch.dtype`` objects.
