@@ -134,7 +134,8 @@ class Bias(ScoreMod):
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-            raise TypeError(f"bias: expected a float tensor broadcastable to (B, H, Nq, Nk), got {tensor!r}; "
+            seen = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"bias: expected a float tensor broadcastable to (B, H, Nq, Nk), got {seen}; "
                             "a boolean tensor is a mask: use qkv.masks.dense")
         if tensor.dim() > 4:
             raise ValueError(f"bias: tensor must have at most 4 dims (B, H, Nq, Nk), got {tuple(tensor.shape)}")
