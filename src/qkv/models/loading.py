@@ -84,7 +84,7 @@ def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     owner: dict[str, str] = {}
     for f in files:
         shard = _load_shard(load_file, f)
-        for name, t in shard.items():
+        for name in shard:
             if name in owner:
                 raise CheckpointError(f"from_hf: tensor {name!r} is in two shards, {owner[name]} and {f.name}; a "
                                       "checkpoint holds each tensor once (remove the stale shard)")

@@ -134,7 +134,8 @@ class Bias(ScoreMod):
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-            seen = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            is_t = isinstance(tensor, torch.Tensor)
+            seen = f"{tensor.dtype} {tuple(tensor.shape)}" if is_t else type(tensor).__name__
             raise TypeError(f"bias: expected a float tensor broadcastable to (B, H, Nq, Nk), got {seen}; "
                             "a boolean tensor is a mask: use qkv.masks.dense")
         if tensor.dim() > 4:
