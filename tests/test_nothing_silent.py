@@ -251,3 +251,14 @@ def test_check_changes_nothing(kind):
     for key, val in before.items():
         same = torch.equal(val, after[key]) if isinstance(val, torch.Tensor) else val is after[key] or val == after[key]
         assert same, f"check() changed {key}"
+
+
+# ------------------------------------------------------------------------------- 13. units people read
+def test_explain_prints_sensible_units():
+    x = torch.randn(1, 2, 8, 16)
+    text = str(qkv.explain(x, x, x, return_lse=True, mask=M.causal()))
+    assert "e+" not in text and "e-" not in text and "0.000" not in text, text
+    from qkv.backends.base import format_seconds, format_size, format_work
+
+    assert format_seconds(40.0) == "40 s" and format_seconds(3.07e-4) == "307 us" and format_seconds(7200) == "2 h"
+    assert format_work(3.07e5) == "307 kFLOP" and format_size(512) == "512 B" and format_size(4.19e6) == "4.19 MB"

@@ -14,7 +14,8 @@ import torch
 
 from .._request import AttentionOutput, Request
 
-__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "dense_flops", "restore_nonfinite"]
+__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "dense_flops", "restore_nonfinite", "format_seconds", "format_size",
+           "format_work"]
 
 #: Nominal matmul rates (FLOP/s) used to turn work into an estimated time; only ratios matter.
 NOMINAL_FLOPS = {"cpu": 1.0e11, "cuda": 2.0e14}
@@ -27,7 +28,31 @@ class Estimate(NamedTuple):
     note: str
 
     def __str__(self) -> str:
-        return f"~{self.seconds * 1e3:.3g} ms ({self.note})"
+        return f"~{format_seconds(self.seconds)} ({self.note})"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in the unit that keeps 1-999 of it: ``'12.3 us'``, ``'4.5 ms'``, ``'40 s'``, ``'2.1 h'``."""
+    for unit, size in (("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def format_size(num_bytes: float) -> str:
+    """Bytes with a decimal prefix: ``'512 B'``, ``'4.19 MB'``."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.3g} {unit}"
+    return f"{num_bytes:.3g} B"
+
+
+def format_work(flops: float) -> str:
+    """A FLOP count with a decimal prefix: ``'307 kFLOP'``, ``'1.2 GFLOP'``."""
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= size:
+            return f"{flops / size:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
 
 
 class Backend:

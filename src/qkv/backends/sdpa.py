@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request
 from ..masks.causal import Causal
-from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, restore_nonfinite
+from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size, restore_nonfinite
 
 __all__ = ["SDPABackend"]
 
@@ -55,7 +55,7 @@ class SDPABackend(Backend):
         mask_bytes = req.Nq * req.Nk * (4 if req.score_mod is not None else 1) * (
             req.B if (req.mask is not None and req.mask.batch) else 1)
         return Estimate(flops / rate + mask_bytes / 1e10,
-                        f"fused kernel over all pairs, materializes a {mask_bytes / 1e6:.3g} MB mask")
+                        f"fused kernel over all pairs, materializes a {format_size(mask_bytes)} mask")
 
     def run(self, req: Request) -> AttentionOutput:
         attn_mask, is_causal = None, False

@@ -50,7 +50,7 @@ from .._dropout import draw_seed
 from .._request import AttentionOutput, Request
 from ._tiled_kernel import Problem, backward_slice, forward_slice, pad_keys, pad_rows, unpad_rows
 from ._tiled_plan import Plan, block_map_for, plan_for, tile_counts
-from .base import NOMINAL_FLOPS, Backend, Estimate
+from .base import NOMINAL_FLOPS, Backend, Estimate, format_work
 
 __all__ = ["TiledBackend", "TiledConfig", "TiledStats"]
 
@@ -277,7 +277,7 @@ class TiledBackend(Backend):
         seconds = (flops / rate + elem * (pairs * _PAIR_SECONDS + partial_pairs * _PARTIAL_PAIR_SECONDS)
                    + steps * _STEP_SECONDS + _CALL_SECONDS)
         return Estimate(seconds, f"{visited}/{bm.numel()} tiles of {cfg.block_q}x{cfg.block_k} ({partial} partial), "
-                                 f"{flops / 1e9:.3g} GFLOP on visited tiles, ~{int(steps)} steps")
+                                 f"{format_work(flops)} on visited tiles, ~{int(steps)} steps")
 
     def run(self, req: Request) -> AttentionOutput:
         cfg = self.config_for(req) if req.Nq and req.Nk else TiledConfig(1, 1, 1)
