@@ -29,8 +29,8 @@ def _model(dtype=torch.float32, max_pos=8192):
     from qkv.nn import DecoderLM, get_config
 
     torch.manual_seed(0)
-    cfg = get_config("tiny-llama", d_model=256, n_heads=4, n_kv_heads=2, n_layers=4, d_ff=688, vocab_size=512,
-                     max_position_embeddings=max_pos)
+    cfg = get_config("tiny-llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                     intermediate_size=688, vocab_size=512, max_position_embeddings=max_pos)
     return DecoderLM(cfg).to(dtype).eval(), cfg
 
 
@@ -64,7 +64,7 @@ def decode_speed(suite: Suite, contexts, repeat: int, steps: int = 8) -> None:
             row[f"{name}_tok_s"] = steps / t[name]
         row["speedup_dynamic"] = row["dynamic_tok_s"] / rec_tps
         row["target"] = "met" if ctx != 1024 or row["speedup_dynamic"] >= 10 else "MISSED"
-        suite.add({"context": ctx, "B": 1, "d_model": cfg.d_model, "layers": cfg.n_layers}, row)
+        suite.add({"context": ctx, "B": 1, "d_model": cfg.hidden_size, "layers": cfg.num_hidden_layers}, row)
 
 
 @torch.no_grad()

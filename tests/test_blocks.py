@@ -18,6 +18,7 @@ from qkv.nn import (
     EncoderDecoder,
     FeedForward,
     RMSNorm,
+    RopeParams,
     TransformerBlock,
     TransformerConfig,
     TransformerDecoder,
@@ -120,7 +121,7 @@ def test_presets_build_and_run(name):
     else:
         lm = DecoderLM(cfg)
         assert isinstance(lm, DecoderModel)
-        logits = lm(ids)
+        logits = lm(ids).logits
         assert logits.shape == (2, 10, cfg.vocab_size) and torch.isfinite(logits).all()
 
 
@@ -132,30 +133,71 @@ def test_decoder_lm_left_padding_with_positions(name):
     ids = torch.randint(0, 256, (1, 9))
     padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), ids), dim=1)
     positions = torch.cat((torch.full((1, 3), -1), torch.arange(9).unsqueeze(0)), dim=1)
-    assert torch.allclose(lm(padded, positions=positions)[:, 3:], lm(ids), atol=1e-10)
+    assert torch.allclose(lm(padded, positions=positions).logits[:, 3:], lm(ids).logits, atol=1e-10)
+    mask = (positions >= 0).long()  # HF's padding mask gives the same positions
+    assert torch.equal(lm(padded, mask).logits, lm(padded, positions=positions).logits)
 
 
-def test_decoder_lm_ties_embeddings_and_requires_positions_with_cache():
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt", "tiny-bloom"])
+def test_decoder_lm_right_padding_mask(name):
+    """A right-padded batch (training style): real tokens see only real tokens before them."""
+    torch.manual_seed(5)
+    lm = DecoderLM(get_config(name)).double()
+    ids = torch.randint(0, 256, (2, 7))
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    out = lm(ids, mask).logits
+    assert torch.allclose(out[1, :4], lm(ids[1:, :4]).logits[0], atol=1e-10)
+    assert torch.allclose(out[0], lm(ids[:1]).logits[0], atol=1e-10)
+
+
+def test_decoder_lm_attention_mask_with_cache_and_bad_input():
+    from qkv.cache import KVCache
+
+    torch.manual_seed(5)
+    lm = DecoderLM(get_config("tiny-llama")).double()
+    ids = torch.randint(0, 256, (2, 8))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])
+    full = lm(ids, mask).logits
+    cache = KVCache(lm.cache_specs())
+    first = lm(ids[:, :6], mask[:, :6], cache=cache)
+    assert first.cache is cache and cache.seq_length == 6
+    second = lm(ids[:, 6:], mask, cache=cache).logits  # the mask covers cached and new columns
+    assert torch.allclose(second, full[:, 6:], atol=1e-10)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        lm(ids[:, :2], mask[:, :3], cache=cache)
+    with pytest.raises(ValueError, match="not both"):
+        lm(ids, mask, positions=torch.arange(8))
+    with pytest.raises(ValueError, match="0 .padding. and 1"):
+        lm(ids, mask * 2)
+    with pytest.raises(TypeError, match="AttentionCache"):
+        lm(ids, cache=object())
+    with pytest.raises(ValueError, match="integer tensor"):
+        lm(ids.float())
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        lm(ids, logits_to_keep=-1)
+    assert torch.equal(lm(ids, logits_to_keep=2).logits, lm(ids).logits[:, -2:])
+
+
+def test_decoder_lm_ties_embeddings():
     lm = DecoderLM(get_config("tiny-gpt"))
-    assert lm.lm_head.weight is lm.embed_tokens.weight
+    assert lm.lm_head is None and "lm_head.weight" not in lm.state_dict()
     llama = DecoderLM(get_config("tiny-llama"))
     assert llama.lm_head.weight is not llama.embed_tokens.weight
-    with pytest.raises(ValueError, match="needs positions"):
-        lm(torch.zeros(1, 3, dtype=torch.long), cache=object())
 
 
 def test_models_deepcopy_and_pickle():
     import copy
     import io
 
-    lm = DecoderLM(get_config("tiny-llama", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    lm = DecoderLM(get_config("tiny-llama", rope={"full_attention": RopeParams(scaling={"rope_type": "linear",
+                                                                                       "factor": 2.0})}))
     twin = copy.deepcopy(lm)
     ids = torch.randint(0, 256, (1, 5))
-    assert torch.equal(twin(ids), lm(ids))
+    assert torch.equal(twin(ids).logits, lm(ids).logits)
     buf = io.BytesIO()
     torch.save(lm, buf)
     buf.seek(0)
-    assert torch.equal(torch.load(buf, weights_only=False)(ids), lm(ids))
+    assert torch.equal(torch.load(buf, weights_only=False)(ids).logits, lm(ids).logits)
 
 
 def test_encoder_decoder_uses_source_lengths():
@@ -194,14 +236,67 @@ def test_config_hf_names_derived_fields_and_errors():
         TransformerConfig(n_layers=2, layer_types=("sliding_attention", "full_attention"))
     with pytest.raises(ValueError, match="did you mean 'tiny-llama'"):
         get_config("tiny-lama")
-    mistral = get_config("tiny-mistral")
-    assert mistral.window_for(0) == 16 and mistral.replace(sliding_window=None).window_for(0) is None
     with pytest.raises(ValueError, match="not causal"):
-        TransformerEncoder(mistral)
+        TransformerEncoder(TransformerConfig(n_layers=1, sliding_window=4))
 
 
-@pytest.mark.parametrize("name", ["__init__", "attention", "norm", "ffn", "blocks", "transformer", "config"])
+def test_decoder_config_derived_fields_and_errors():
+    mistral = get_config("tiny-mistral")
+    assert mistral.window_for(0) == 16
+    assert mistral.replace(layer_types=None, sliding_window=None).window_for(0) is None
+    wider = get_config("tiny-llama", hidden_size=128)
+    assert (wider.head_dim, wider.num_key_value_heads) == (32, 2)  # head_dim derived again, kv heads kept
+    assert get_config("tiny-llama").replace(num_hidden_layers=3).layer_types == ("full_attention",) * 3
+    with pytest.raises(ValueError, match="did you mean 'hidden_size'"):
+        get_config("tiny-llama", hiden_size=128)
+    for bad, match in [(dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+                       (dict(hidden_act="tanh"), "hidden_act"), (dict(norm="batch"), "norm must be"),
+                       (dict(position="sinusoidal"), "position must be"),
+                       (dict(layer_types=("sliding_attention",) * 2), "sliding_window"),
+                       (dict(num_hidden_layers=0), "positive int")]:
+        with pytest.raises(ValueError, match=match):
+            get_config("tiny-llama", **bad)
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        DecoderLM(get_config("tiny-t5"))
+
+
+@pytest.mark.parametrize("name", ["__init__", "attention", "norm", "ffn", "blocks", "transformer", "config", "decoder",
+                                  "moe", "activations"])
 def test_docstring_examples_run(name):
     module = importlib.import_module("qkv.nn" if name == "__init__" else f"qkv.nn.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-bloom", "tiny-gemma", "mla", "mha"])
+def test_attention_fn_hook_sees_every_call(name):
+    """Replacing ``attention_fn`` on the attention modules routes every attention call through it (same
+    output when the replacement calls qkv.attention), with rotated q/k and the modules' masks and scale."""
+    import qkv
+    from qkv.nn import LatentAttention, LatentConfig, MultiHeadAttention
+    from qkv.pos import RotaryEmbedding
+
+    torch.manual_seed(7)
+    if name == "mla":
+        model = LatentAttention(LatentConfig(hidden_size=32, num_attention_heads=4, kv_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8))
+        modules, run = [model], lambda: model(torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))).out
+    elif name == "mha":
+        model = MultiHeadAttention(32, 4, rope=RotaryEmbedding(8), causal=True)
+        modules, run = [model], lambda: model(torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))).out
+    else:
+        model = DecoderLM(get_config(name)).eval()
+        modules = [layer.self_attn for layer in model.layers]
+        ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+        run = lambda: model(ids).logits  # noqa: E731
+    want = run()
+    calls = []
+
+    def recording(q, k, v, **kw):
+        calls.append((q.shape, kw.get("mask"), kw.get("scale")))
+        return qkv.attention(q, k, v, **kw)
+
+    for m in modules:
+        m.attention_fn = recording
+    assert torch.equal(run(), want)
+    assert len(calls) == len(modules) and all(mask is not None for _, mask, _ in calls), calls

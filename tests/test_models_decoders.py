@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from qkv.cache import KVCache, LatentSpec, Paged, SlidingWindowSpec, Static
+from qkv.cache import AttentionCache, KVCache, LatentSpec, Paged, SlidingWindowSpec, Static
 from qkv.models import CheckpointError, from_hf
 from qkv.models.generate import generate, prompt_positions
 from qkv.testing import assert_within_budget
@@ -120,7 +120,7 @@ def test_prefill_logits_within_budget(case):
     hf, ref, model = _models(case)
     ids, _ = _prompt(case, padded=False)
     with torch.no_grad():
-        ours, base, truth = model(ids), hf(ids).logits, ref(ids).logits
+        ours, base, truth = model(ids).logits, hf(ids).logits, ref(ids).logits
     _budget(ours, truth, base, what=f"{case} prefill logits")
     assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
 
@@ -140,7 +140,7 @@ def test_left_padded_prefill_within_budget(case):
     pos = prompt_positions(mask)  # -1 on padding
     real = mask.bool()
     with torch.no_grad():
-        ours = model(ids, positions=pos)
+        ours = model(ids, positions=pos).logits
         base = hf(ids, attention_mask=mask, position_ids=pos.clamp_min(0)).logits
         truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
     _budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
@@ -180,12 +180,20 @@ def test_verify_cache_decode_crop_fork(case, storage):
     assert report.ok, str(report)
 
 
-class _ProtocolOnlyCache:
-    """A cache offering only the protocol (no ``specs``): the model cannot know that it keeps absolute
-    positions, so it must hand it un-rotated keys with ``rope`` and rotate queries where it says."""
+class _ProtocolOnlyCache(AttentionCache):
+    """A cache offering only the protocol, saying that it re-positions keys (``keeps_absolute_positions``
+    False): the model must hand it un-rotated keys with ``rope`` and rotate queries where it says. The
+    no-op ``observe``/``prepare`` and ``prefix_caching`` come from the protocol's defaults."""
 
     def __init__(self, inner: KVCache) -> None:
         self.inner = inner
+
+    @property
+    def seq_length(self) -> int:
+        return self.inner.seq_length
+
+    def keeps_absolute_positions(self, layer_idx: int) -> bool:
+        return False
 
     def update(self, layer_idx, k, v, *, positions, rope=None):
         assert rope is not None, "un-rotated keys must come with rope"
@@ -199,7 +207,7 @@ class _ProtocolOnlyCache:
 
 
 @pytest.mark.parametrize("case", ["llama-Hq8-Hkv2-llama3rope-untied", "gemma3-L4-W5-qknorm-localbase"])
-def test_caches_that_do_not_expose_specs_get_unrotated_keys(case):
+def test_caches_that_reposition_keys_get_unrotated_keys(case):
     model = _models(case)[2]
     ids, mask = _prompt(case, padded=True)
     runs = [generate(model, ids, max_new_tokens=4, attention_mask=mask, cache=c, return_logits=True)
@@ -239,7 +247,7 @@ def test_checkpoint_directory_loads_like_the_model(case, tmp_path):
     loaded = from_hf(tmp_path)
     ids, _ = _prompt(case, padded=False)
     with torch.no_grad():
-        assert torch.equal(loaded(ids), model(ids))
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def _saved(case: str, tmp_path):
@@ -296,11 +304,11 @@ def test_experts_single_token_path_equals_the_grouped_one():
     grouped path that batches tokens per expert: both within the float32 budget of the float64 result."""
     import copy
 
-    from qkv.models.decoder import _Experts
+    from qkv.nn.moe import Experts
     from qkv.testing import assert_within_budget
 
     torch.manual_seed(0)
-    experts = _Experts(6, 16, 8, "silu")
+    experts = Experts(6, 16, 8, "silu")
     ref = copy.deepcopy(experts).double()
     x = torch.randn(3, 16)
     idx = torch.tensor([[4, 1], [0, 4], [5, 2]])

@@ -83,7 +83,7 @@ def test_prefill_left_padded_within_budget(family, name, cfg):
     hf32 = _hf_logits(hf, ids, mask, gpt2=family == "gpt2")  # the baseline: HF float32 on the padded batch
     hf64 = _hf_rows_alone(copy.deepcopy(hf).double(), ids, mask)
     with torch.no_grad():
-        ours = model(ids, positions=prompt_positions(mask))
+        ours = model(ids, positions=prompt_positions(mask)).logits
     real = mask.bool()  # padding rows attend to nothing: HF and qkv leave different (unused) values there
     assert ours.dtype == torch.float32 and ours.shape == hf32.shape
     b = assert_within_budget(ours[real], hf64[real], hf32[real], what=f"{family} {name} logits")
@@ -111,7 +111,7 @@ def test_from_saved_directory(tmp_path, family):
     model = from_hf(tmp_path)
     ids = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():
-        assert torch.allclose(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(model(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-4)
 
 
 def _tamper(path, fn):

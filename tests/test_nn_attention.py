@@ -21,11 +21,16 @@ def _backends():
     return [b for b in ("reference", "sdpa", "tiled") if b in names]
 
 
-class ConcatCache:
-    """The smallest protocol cache: keeps every key (rotated at its absolute position) and value.
+class ConcatCache(AttentionCache):
+    """The smallest protocol cache: keeps every key (rotated at its absolute position) and value; the
+    protocol's no-op defaults cover ``observe``/``prepare``.
 
     ``newest_first`` stores slots in reverse arrival order, so masking must go by position, not slot index.
     """
+
+    @property
+    def seq_length(self) -> int:
+        return max((p.shape[-1] for _, _, p in self.kv.values()), default=0)
 
     def __init__(self, newest_first: bool = False) -> None:
         self.newest_first = newest_first

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkv
-from qkv.nn import DecoderLM, EncoderDecoder, TransformerConfig, TransformerEncoder
+from qkv.nn import DecoderConfig, DecoderLM, EncoderDecoder, TransformerConfig, TransformerEncoder
 from qkv.testing import assert_within_budget
 
 V, SEP = 10, 10  # symbols 0..9, separator / BOS 10
@@ -61,7 +61,23 @@ def _step_encoder(model, g, *, padded):
 def _step_decoder(model, g, *, padded):
     a = torch.randint(0, V, (32, 6), generator=g)
     seq = torch.cat((a, torch.full((32, 1), SEP), a), dim=1)
-    return model(seq[:, :-1])[:, 6:], seq[:, 7:], None
+    return model(seq[:, :-1]).logits[:, 6:], seq[:, 7:], None
+
+
+def _decoder(cfg: TransformerConfig) -> DecoderLM:
+    """The decoder-only LM of the same shape (RoPE, LayerNorm, GELU MLP, biases, tied head)."""
+    dc = DecoderConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+                       num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.d_ff,
+                       hidden_act=cfg.activation, gated_mlp=False, norm="layer", qkv_bias=True, o_bias=True,
+                       mlp_bias=True, tie_word_embeddings=True, max_position_embeddings=cfg.max_position_embeddings,
+                       backend=cfg.backend, decode_backend=None)
+    model = DecoderLM(dc)
+    for m in model.modules():  # the stacks' init: normal(0.02) weights, zero biases
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=cfg.initializer_range)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+    return model
 
 
 def _step_seq2seq(model, g, *, padded):
@@ -76,7 +92,7 @@ def _step_seq2seq(model, g, *, padded):
 
 TASKS = {
     "encoder": (lambda cfg: _Tagger(cfg), _step_encoder),
-    "decoder": (lambda cfg: DecoderLM(cfg), _step_decoder),
+    "decoder": (_decoder, _step_decoder),
     "encoder-decoder": (lambda cfg: EncoderDecoder(cfg), _step_seq2seq),
 }
 

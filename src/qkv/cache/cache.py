@@ -237,6 +237,17 @@ class KVCache:
             return
         store.observe(q, layer.last_view, scale=scale)
 
+    def keeps_absolute_positions(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` keeps keys at their absolute positions (full, sliding-window, latent
+        and cross layers), so modules may hand it keys already rotated; False when it re-positions them
+        (StreamingLLM's sinks), so it needs un-rotated keys and ``rope``."""
+        return not isinstance(self._layers[layer_idx].store, RopeStore)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """True when ``match_prefix`` can reuse cached prompt prefixes (``Paged(prefix_caching=True)``)."""
+        return isinstance(self.storage, Paged) and self.storage.prefix_caching
+
     # ------------------------------------------------------------------ cache operations
     def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Announce the next step's tokens (B, N) before the forward pass. Paged storage allocates the

@@ -21,19 +21,27 @@ A module with a cache does, per layer and step::
 Cross attention computes encoder K/V once: ``cache.cross_kv(layer_idx, compute)`` returns the stored
 pair, calling ``compute()`` only the first time.
 
-Optional methods (a module checks ``hasattr(cache, name)`` before calling; ``qkv.cache.KVCache`` has
-all of them):
+Besides ``update`` and ``cross_kv`` a cache declares (``qkv.cache.KVCache`` implements all of them; a cache
+that subclasses :class:`AttentionCache` inherits the no-op defaults):
 
+- ``cache.seq_length``: slots written per row so far; a model continues positions from there.
+- ``cache.keeps_absolute_positions(layer_idx)``: True when the layer keeps keys at their absolute positions
+  (full and sliding-window layers), so a module may rotate keys with the queries before ``update`` and
+  pass ``rope=None``; False when the cache re-positions keys (StreamingLLM sinks), which then get
+  un-rotated keys and ``rope``.
 - ``cache.observe(layer_idx, q, scale=None)``: after attention, show the layer's (rotated) queries of
   this step, ``q`` (B, Hq, Nnew, Dqk), to an eviction policy (H2O accumulates attention, SnapKV votes
   with its observation window). It never changes the view just returned; evictions happen on the
   layer's next ``update``. Without a policy it does nothing. ``scale`` defaults to ``Dqk ** -0.5``.
-- ``cache.update_latent(layer_idx, c_kv, k_rope, positions=pos, rope=rope_fn) -> LatentView``: the
-  MLA path. ``c_kv`` (B, Nnew, kv_lora_rank) and ``k_rope`` (B, Nnew, qk_rope_head_dim, un-rotated
-  when ``rope`` is given; the cache calls ``rope(k_rope[:, None], positions)``) are stored once per
-  token for all heads; the view lists every cached latent with its position.
 - ``cache.prepare(input_ids, positions)``: called by ``generate`` before each forward pass with the
-  step's token ids, so paged storage can allocate blocks up front and index prefixes.
+  step's token ids, so paged storage can allocate blocks up front and index prefixes. Default: nothing.
+- ``cache.prefix_caching``: True when ``match_prefix(input_ids, positions, salt=)`` can reuse cached
+  prompt prefixes (paged storage built with ``prefix_caching=True``). Default: False.
+
+MLA layers call ``cache.update_latent(layer_idx, c_kv, k_rope, positions=pos, rope=rope_fn) -> LatentView``
+(:class:`LatentCache`): ``c_kv`` (B, Nnew, kv_lora_rank) and ``k_rope`` (B, Nnew, qk_rope_head_dim,
+un-rotated when ``rope`` is given; the cache calls ``rope(k_rope[:, None], positions)``) are stored once per
+token for all heads; the view lists every cached latent with its position.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CacheView", "LatentView", "AttentionCache", "DecoderModel", "RopeFn"]
+__all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "RopeFn"]
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -68,11 +76,41 @@ class LatentView(NamedTuple):
 
 @runtime_checkable
 class AttentionCache(Protocol):
+    """What attention modules and ``generate`` need from a KV cache (see the module notes)."""
+
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
                rope: RopeFn | None = None) -> CacheView: ...
 
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @property
+    def seq_length(self) -> int: ...
+
+    def keeps_absolute_positions(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` keeps keys at their absolute positions (default: True)."""
+        return True
+
+    def observe(self, layer_idx: int, q: torch.Tensor, *, scale: float | None = None) -> None:
+        """Show this step's rotated queries to an eviction policy (default: nothing)."""
+        return None
+
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Announce the next step's tokens before the forward pass (default: nothing)."""
+        return None
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether ``match_prefix`` can reuse cached prompt prefixes (default: False)."""
+        return False
+
+
+@runtime_checkable
+class LatentCache(Protocol):
+    """What an MLA layer (:class:`qkv.nn.LatentAttention`) needs from a cache."""
+
+    def update_latent(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor, *, positions: torch.Tensor,
+                      rope: RopeFn | None = None) -> LatentView: ...
 
 
 @runtime_checkable
@@ -83,11 +121,12 @@ class DecoderModel(Protocol):
         input_ids (B, N) int64; positions (B, N) int64 absolute positions (``-1`` marks padding tokens,
         which are never attended to); cache an ``AttentionCache`` (or None for full recomputation, in
         which case the model masks with ``masks.positions(positions, positions, causal=True, window=W)``).
-        Returns logits (B, N, vocab) float.
+        Returns logits (B, N, vocab) float, or an output with ``.logits`` (:class:`qkv.nn.DecoderOutput`).
+        A model whose ``forward`` takes ``logits_to_keep`` gets ``logits_to_keep=1`` for prefills.
     ``cache_specs()``: one layer spec per layer (``qkv.cache`` specs), from which caches are built.
     """
 
     def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None) -> torch.Tensor: ...
+                cache: AttentionCache | None = None): ...
 
     def cache_specs(self) -> list: ...

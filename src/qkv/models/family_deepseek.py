@@ -1,7 +1,7 @@
 """DeepSeek-V2 on qkv: HF ``model_type`` ``"deepseek_v2"``.
 
 DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language Model"
-(arXiv:2405.04434). A :class:`qkv.models.decoder.DecoderLM` whose layers use
+(arXiv:2405.04434). A :class:`qkv.nn.DecoderLM` whose layers use
 
 - Multi-head Latent Attention (:class:`qkv.nn.latent.LatentAttention`): a low-rank latent ``c_kv`` and a
   shared decoupled RoPE key are all the cache keeps (:class:`qkv.cache.LatentSpec`); the query is
@@ -35,16 +35,10 @@ from typing import Any
 
 import torch
 
-from ..nn.latent import LatentConfig
-from .decoder import (
-    FULL_ATTENTION,
-    DecoderConfig,
-    DecoderLM,
-    MoEConfig,
-    _hf_decoder_config,
-    _hf_rename,
-    _hf_rope_params,
-)
+from ..nn import DecoderConfig, DecoderLM, LatentConfig, MoEConfig
+from ..nn.config import FULL_ATTENTION
+from .hf import decoder_config as decoder_config_from
+from .hf import rename_decoder, rope_params
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
@@ -73,9 +67,9 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
         moe = _moe(cfg)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"from_hf: cannot build a deepseek_v2 model from its config: {e!r}") from e
-    return _hf_decoder_config(
+    return decoder_config_from(
         cfg, head_dim=None, hidden_act=cfg.get("hidden_act", "silu"), mlp_bias=bool(cfg.get("mlp_bias", False)),
-        latent=latent, moe=moe, rope={FULL_ATTENTION: _hf_rope_params(cfg, interleaved=True)})
+        latent=latent, moe=moe, rope={FULL_ATTENTION: rope_params(cfg, interleaved=True)})
 
 
 def build(config: dict[str, Any]) -> DecoderLM:
@@ -83,5 +77,5 @@ def build(config: dict[str, Any]) -> DecoderLM:
 
 
 def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return _hf_rename(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
+    return rename_decoder(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
                                                              "post_attention_layernorm": "ffn_norm"})

@@ -1,7 +1,7 @@
 """Gemma 2 and Gemma 3 (text) on qkv: HF ``model_type`` ``"gemma2"`` and ``"gemma3_text"``.
 
 Gemma Team 2024, "Gemma 2: Improving Open Language Models at a Practical Size" (arXiv:2408.00118);
-Gemma Team 2025, "Gemma 3 Technical Report" (arXiv:2503.19786). Both are :class:`qkv.models.decoder.DecoderLM`
+Gemma Team 2025, "Gemma 3 Technical Report" (arXiv:2503.19786). Both are :class:`qkv.nn.DecoderLM`
 with these switches on:
 
 - RMSNorm scaling by ``1 + w`` (weights stored around 0), embeddings times ``sqrt(hidden_size)``, and
@@ -35,16 +35,10 @@ from typing import Any
 
 import torch
 
-from .decoder import (
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
-    DecoderConfig,
-    DecoderLM,
-    RopeParams,
-    _hf_decoder_config,
-    _hf_rename,
-    _hf_rope_params,
-)
+from ..nn import DecoderConfig, DecoderLM, RopeParams
+from ..nn.config import FULL_ATTENTION, SLIDING_ATTENTION
+from .hf import decoder_config as decoder_config_from
+from .hf import rename_decoder, rope_params
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
@@ -76,12 +70,12 @@ def _layer_types(cfg: dict[str, Any], model_type: str) -> tuple[str, ...]:
 
 def _ropes(cfg: dict[str, Any], model_type: str) -> dict[str, RopeParams]:
     if model_type == "gemma2":
-        return {FULL_ATTENTION: _hf_rope_params(cfg)}
+        return {FULL_ATTENTION: rope_params(cfg)}
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and set(params) & {FULL_ATTENTION, SLIDING_ATTENTION}:
-        return {kind: _hf_rope_params(cfg, kind) for kind in (FULL_ATTENTION, SLIDING_ATTENTION)}
+        return {kind: rope_params(cfg, kind) for kind in (FULL_ATTENTION, SLIDING_ATTENTION)}
     # config.json before transformers 5: rope_theta/rope_scaling are global, rope_local_base_freq local
-    return {FULL_ATTENTION: _hf_rope_params(cfg),
+    return {FULL_ATTENTION: rope_params(cfg),
             SLIDING_ATTENTION: RopeParams(theta=float(cfg["rope_local_base_freq"]))}
 
 
@@ -96,7 +90,7 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
                               "supported; qkv builds the causal decoder")
     cfg = {**_DEFAULTS[model_type], **{k: v for k, v in cfg.items() if v is not None or k.endswith("softcapping")}}
     bias = bool(cfg.get("attention_bias", False))
-    return _hf_decoder_config(
+    return decoder_config_from(
         {**cfg, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)},
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
         norm_offset=1.0, scale_embeddings=True, sandwich_norms=True, qkv_bias=bias, o_bias=bias,
@@ -111,4 +105,4 @@ def build(config: dict[str, Any]) -> DecoderLM:
 
 
 def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return _hf_rename(state, decoder_config(config), norms=_NORMS)
+    return rename_decoder(state, decoder_config(config), norms=_NORMS)

@@ -1,6 +1,6 @@
 """Llama, Mistral and Qwen2 on qkv: HF ``model_type`` ``"llama"``, ``"mistral"``, ``"qwen2"``.
 
-All three are the same pre-norm decoder (:class:`qkv.models.decoder.DecoderLM`): RMSNorm, RoPE, GQA,
+All three are the same pre-norm decoder (:class:`qkv.nn.DecoderLM`): RMSNorm, RoPE, GQA,
 SwiGLU. They differ in switches:
 
 - Llama (Touvron et al. 2023): ``attention_bias`` on all four attention projections, ``mlp_bias``,
@@ -29,15 +29,10 @@ from typing import Any
 
 import torch
 
-from .decoder import (
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
-    DecoderConfig,
-    DecoderLM,
-    _hf_decoder_config,
-    _hf_rename,
-    _hf_rope_params,
-)
+from ..nn import DecoderConfig, DecoderLM
+from ..nn.config import FULL_ATTENTION, SLIDING_ATTENTION
+from .hf import decoder_config as decoder_config_from
+from .hf import rename_decoder, rope_params
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
@@ -75,10 +70,10 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
         qkv_bias, o_bias = True, False
     else:
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-    return _hf_decoder_config(
+    return decoder_config_from(
         cfg, hidden_act=cfg.get("hidden_act", "silu"), qkv_bias=qkv_bias, o_bias=o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), layer_types=layer_types, sliding_window=window,
-        rope={FULL_ATTENTION: _hf_rope_params(cfg)})
+        rope={FULL_ATTENTION: rope_params(cfg)})
 
 
 def build(config: dict[str, Any]) -> DecoderLM:
@@ -86,5 +81,5 @@ def build(config: dict[str, Any]) -> DecoderLM:
 
 
 def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return _hf_rename(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
+    return rename_decoder(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
                                                              "post_attention_layernorm": "ffn_norm"})

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next"]
+__all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next", "logits_of", "forward_step", "prefill"]
 
 Streamer = Callable[[torch.Tensor], None]
 
@@ -138,16 +138,22 @@ def _stop_set(eos_token_id) -> torch.Tensor | None:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def logits_of(output) -> torch.Tensor:
+    """The logits a :class:`qkv.cache.DecoderModel` returned: the tensor itself, or its output's ``.logits``
+    (:class:`qkv.nn.DecoderOutput`)."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 def forward_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, *, last_only: bool = False
                  ) -> torch.Tensor:
-    """One forward pass over new columns; announces them to the cache first (paged allocation).
-    ``last_only``: the model may compute logits for the last column only (``logits_to_keep=1`` where
-    its ``forward`` takes it)."""
-    if cache is not None and hasattr(cache, "prepare"):
+    """One forward pass over new columns; announces them to the cache first (``cache.prepare``: paged
+    allocation). Returns the logits. ``last_only``: the model may compute logits for the last column only
+    (``logits_to_keep=1`` where its ``forward`` takes it)."""
+    if cache is not None:
         cache.prepare(ids, positions)
     if last_only and ids.shape[1] > 1 and _takes_logits_to_keep(model):
-        return model(ids, positions=positions, cache=cache, logits_to_keep=1)
-    return model(ids, positions=positions, cache=cache)
+        return logits_of(model(ids, positions=positions, cache=cache, logits_to_keep=1))
+    return logits_of(model(ids, positions=positions, cache=cache))
 
 
 def _takes_logits_to_keep(model) -> bool:
@@ -235,10 +241,10 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         if cache is None:
             from ..cache import KVCache
             cache = KVCache(model.cache_specs())
-        if getattr(cache, "seq_length", 0):
+        if cache.seq_length:
             raise ValueError(f"generate: the cache already holds {cache.seq_length} tokens; pass a fresh cache "
                              f"(cache.reset() keeps a paged cache's prefix index)")
-        if getattr(getattr(cache, "storage", None), "prefix_caching", False):
+        if cache.prefix_caching:
             hits = cache.match_prefix(input_ids, positions, salt=salt)
         if bool(hits.any()):
             run_ids, run_pos = _remaining_prompt(input_ids, positions, hits, pad_token_id)

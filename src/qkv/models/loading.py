@@ -197,8 +197,9 @@ class Renamer:
     """Moves HF tensors to qkv names for a family's ``convert``, collecting every missing one.
 
     ``move(hf, qkv)`` renames a tensor; ``has(hf, qkv)`` checks for one (recording it as missing if absent) before
-    a family reshapes it itself. ``finish`` ties or moves the LM head, raises :class:`CheckpointError` naming all
-    missing tensors, and leaves unknown tensors under their HF names for the loader to report as unexpected.
+    a family reshapes it itself. ``finish`` drops a tied LM head (the model reads the embedding) or moves an
+    untied one, raises :class:`CheckpointError` naming all missing tensors, and leaves unknown tensors under
+    their HF names for the loader to report as unexpected.
     """
 
     def __init__(self, state: dict[str, torch.Tensor], family: str) -> None:
@@ -218,8 +219,6 @@ class Renamer:
     def finish(self, *, tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
         if tie_word_embeddings:
             self.src.pop("lm_head.weight", None)
-            if "embed_tokens.weight" in self.out:
-                self.out["lm_head.weight"] = self.out["embed_tokens.weight"]
         else:
             self.move("lm_head.weight", "lm_head.weight")
         if self.missing:

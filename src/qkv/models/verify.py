@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from ..testing import budget as _budget
-from .generate import forward_step, generate, prefill, prompt_positions
+from .generate import forward_step, generate, logits_of, prefill, prompt_positions
 
 __all__ = ["verify_cache", "VerifyReport", "CheckResult"]
 
@@ -86,14 +86,14 @@ class _Reference:
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        base = self.model(ids, positions=positions, cache=None)
+        base = logits_of(self.model(ids, positions=positions, cache=None))
         if self.model64 is not None:
-            return self.model64(ids, positions=positions, cache=None), base
+            return logits_of(self.model64(ids, positions=positions, cache=None)), base
         if self.dtype is None:
             return base.double(), base
         try:
             self.model.to(torch.float64)
-            ref = self.model(ids, positions=positions, cache=None)
+            ref = logits_of(self.model(ids, positions=positions, cache=None))
         finally:
             self.model.to(self.dtype)
         return ref, base
@@ -160,7 +160,7 @@ def verify_cache(model, cache_factory: Callable[[], object], *, input_ids: torch
     if input_ids is None:
         device = _device_of(model)
         zero = torch.zeros(1, 1, dtype=torch.int64, device=device)
-        vocab = model(zero, positions=zero, cache=None).shape[-1]
+        vocab = logits_of(model(zero, positions=zero, cache=None)).shape[-1]
         g = torch.Generator().manual_seed(seed)
         N = max(prompt_lengths)
         input_ids = torch.randint(0, vocab, (len(prompt_lengths), N), generator=g).to(device)

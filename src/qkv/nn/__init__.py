@@ -8,20 +8,24 @@ Example:
     torch.Size([2, 5, 32])
 """
 
+from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
-from .config import PRESETS, TransformerConfig, get_config
-from .ffn import FeedForward
+from .config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
+from .decoder import DecoderLM, DecoderOutput
+from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
+from .moe import MoE, MoEConfig
 from .norm import RMSNorm, make_norm, rms_norm
 from .performer import PerformerAttention
-from .transformer import DecoderLM, EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
+from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
 __all__ = [
     "MultiHeadAttention", "AttentionModuleOutput",
-    "RMSNorm", "rms_norm", "make_norm", "FeedForward", "TransformerBlock",
-    "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "DecoderLM", "init_weights",
+    "RMSNorm", "rms_norm", "make_norm", "FeedForward", "GatedMLP", "MoE", "MoEConfig", "ACTIVATIONS",
+    "TransformerBlock", "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights",
+    "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
 ]

@@ -91,6 +91,10 @@ class MultiHeadAttention(nn.Module):
         cross: cross attention over ``context`` (keys/values from the encoder, cached once with a cache).
         layer_idx: this layer's index in the KV cache.
 
+    Attention runs through the instance attribute ``attention_fn`` (default :func:`qkv.attention`, same
+    signature), which receives rotated queries and keys, the mask and score modifiers in absolute positions,
+    and the scale; replacing it is how interpretation captures and context parallelism distributes attention.
+
     ``forward(x, context=None, *, mask=None, positions=None, cache=None, need_lse=False)``:
         x: (B, Nq, d). context: (B, Nk, kv_dim), cross attention only. mask: a :mod:`qkv.masks` mask
         AND-ed with the built one. positions: (Nq,) or (B, Nq) int64 absolute positions of ``x``'s tokens
@@ -142,6 +146,7 @@ class MultiHeadAttention(nn.Module):
         self.rope, self.position_bias, self.score_mod = rope, position_bias, score_mod
         self.scale, self.dropout, self.backend = scale, dropout, backend
         self.causal, self.window, self.cross, self.layer_idx = causal, window, cross, layer_idx
+        self.attention_fn = attention  # the operator; replaceable (capture, context parallelism)
 
     def _heads(self, t: torch.Tensor, H: int) -> torch.Tensor:
         B, N, _ = t.shape
@@ -209,11 +214,11 @@ class MultiHeadAttention(nn.Module):
                   dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
         if self.position_bias is not None:
             res = self.position_bias.attend(q, k, v, q_positions=q_pos, kv_positions=kv_pos, score_mod=self.score_mod,
-                                            **kw)
+                                            attention_fn=self.attention_fn, **kw)
         else:
-            res = attention(q, k, v, score_mod=self.score_mod, **kw)
+            res = self.attention_fn(q, k, v, score_mod=self.score_mod, **kw)
         out, lse = (res.out, res.lse) if need_lse else (res, None)
-        if cache is not None and not self.cross and hasattr(cache, "observe"):
+        if cache is not None and not self.cross:
             cache.observe(self.layer_idx, q, scale=self.scale)  # score-based eviction (H2O, SnapKV)
         out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)  # (B, Nq, Hq * D)
         return AttentionModuleOutput(self.o_proj(out), lse)

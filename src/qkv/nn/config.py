@@ -1,7 +1,11 @@
-"""Transformer configs (frozen dataclasses) and the named preset registry that tests, benchmarks and the
-CLI read.
+"""Model configs (frozen dataclasses) and the named preset registry that tests, benchmarks and the CLI read.
 
-Field names are short (``d_model``, ``n_heads``); HF transformers' names are read-only aliases
+- :class:`DecoderConfig`: the one decoder-only language model, :class:`qkv.nn.DecoderLM` (Llama, Mistral,
+  Qwen2, Gemma 2/3, DeepSeek-V2, GPT-2, BLOOM shapes), under HF field names.
+- :class:`TransformerConfig`: the encoder, decoder and encoder-decoder stacks of :mod:`qkv.nn.transformer`
+  (BERT, T5, the Vaswani et al. model, the examples).
+
+TransformerConfig's field names are short (``d_model``, ``n_heads``); HF transformers' names are read-only aliases
 (``hidden_size``, ``num_attention_heads``, ...) and :meth:`TransformerConfig.from_dict` accepts either,
 so an HF ``config.json`` maps over directly. Positional schemes: ``"rope"`` (Su et al. 2021),
 ``"learned"`` (GPT-2/BERT), ``"sinusoidal"`` (Vaswani et al. 2017), ``"alibi"`` (Press et al. 2022),
@@ -9,7 +13,7 @@ so an HF ``config.json`` maps over directly. Positional schemes: ``"rope"`` (Su 
 
 Example:
     >>> from qkv.nn import PRESETS, get_config
-    >>> cfg = get_config("tiny-llama", n_layers=1)
+    >>> cfg = get_config("tiny-llama", num_hidden_layers=1)
     >>> cfg.hidden_size, cfg.num_key_value_heads, cfg.position
     (64, 2, 'rope')
     >>> sorted(PRESETS)[:3]
@@ -25,13 +29,36 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from .ffn import ACTIVATIONS
+from ..pos.rope import RotaryEmbedding
+from .activations import ACTIVATIONS
+from .latent import LatentConfig
+from .moe import MoEConfig
 from .norm import NORMS
 
-__all__ = ["TransformerConfig", "PRESETS", "get_config", "POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
+__all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "POSITIONS",
+           "DECODER_POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
 
 POSITIONS = ("rope", "learned", "sinusoidal", "alibi", "t5", "shaw", "none")
+DECODER_POSITIONS = ("rope", "learned", "alibi")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # HF ``layer_types`` values
+
+
+def _positive_ints(owner: str, obj, names) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{owner}: {name} must be a positive int, got {v!r}")
+
+
+def _check_layer_types(owner: str, layer_types: tuple[str, ...], n_layers: int, sliding_window) -> None:
+    if len(layer_types) != n_layers:
+        raise ValueError(f"{owner}: layer_types has {len(layer_types)} entries for {n_layers} layers")
+    bad = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if bad:
+        raise ValueError(f"{owner}: layer_types must be {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}, got {sorted(bad)}")
+    if SLIDING_ATTENTION in layer_types and not (isinstance(sliding_window, int) and sliding_window > 0):
+        raise ValueError(f"{owner}: sliding_attention layers need sliding_window (keys per query, a positive int), "
+                         f"got {sliding_window!r}")
 
 #: HF transformers names -> our field names.
 _HF_ALIASES = {
@@ -125,10 +152,7 @@ class TransformerConfig:
             derived.add(key)
             object.__setattr__(self, key, value)
 
-        for f in ("d_model", "n_heads", "n_layers"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"TransformerConfig: {f} must be a positive int, got {v!r}")
+        _positive_ints("TransformerConfig", self, ("d_model", "n_heads", "n_layers"))
         if self.n_kv_heads is None:
             set_("n_kv_heads", self.n_heads)
         if self.n_heads % self.n_kv_heads:
@@ -142,7 +166,8 @@ class TransformerConfig:
         if self.d_ff is None:
             set_("d_ff", 4 * self.d_model)
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"TransformerConfig: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+            raise ValueError(f"TransformerConfig: activation must be one of {tuple(ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
         if self.norm not in NORMS:
             raise ValueError(f"TransformerConfig: norm must be one of {NORMS}, got {self.norm!r}")
         if self.position not in POSITIONS:
@@ -155,15 +180,7 @@ class TransformerConfig:
             set_("layer_types", (kind,) * self.n_layers)
         else:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"TransformerConfig: layer_types has {len(self.layer_types)} entries for "
-                             f"{self.n_layers} layers")
-        bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
-        if bad:
-            raise ValueError(f"TransformerConfig: layer_types must be {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}, "
-                             f"got {sorted(bad)}")
-        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
-            raise ValueError("TransformerConfig: sliding_attention layers need sliding_window (keys per query)")
+        _check_layer_types("TransformerConfig", self.layer_types, self.n_layers, self.sliding_window)
         object.__setattr__(self, "_derived", frozenset(derived))
         if self.position == "rope":
             self.rotary_embedding()  # validates rope_scaling early
@@ -195,8 +212,6 @@ class TransformerConfig:
 
     def rotary_embedding(self):
         """The :class:`qkv.pos.RotaryEmbedding` this config describes."""
-        from ..pos.rope import RotaryEmbedding
-
         return RotaryEmbedding(self.head_dim, theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor,
                                scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
                                interleaved=self.rope_interleaved)
@@ -243,48 +258,233 @@ class TransformerConfig:
         return cls(**kwargs)
 
 
-_TINY = dict(d_model=64, n_heads=4, n_layers=2, vocab_size=256, max_position_embeddings=256)
+@dataclass(frozen=True, kw_only=True)
+class RopeParams:
+    """RoPE of one layer type: ``theta`` (HF ``rope_theta``), ``scaling`` (HF ``rope_parameters`` /
+    ``rope_scaling`` dict with ``rope_type``), ``interleaved`` pairs ``(2f, 2f+1)`` (DeepSeek-V2) instead
+    of ``(f, f + R/2)``."""
 
-_PRESETS: dict[str, TransformerConfig] = {
+    theta: float = 10000.0
+    scaling: Mapping[str, Any] | None = None
+    interleaved: bool = False
+
+    def embedding(self, rotary_dim: int, max_position_embeddings: int) -> RotaryEmbedding:
+        return RotaryEmbedding(rotary_dim, theta=self.theta, scaling=dict(self.scaling) if self.scaling else None,
+                               max_position_embeddings=max_position_embeddings, interleaved=self.interleaved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Everything that distinguishes the supported decoder families (HF field names where HF has one).
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size: as in HF.
+        num_key_value_heads: KV heads (default ``num_attention_heads``; 1 is MQA).
+        head_dim: per-head width (default ``hidden_size // num_attention_heads``).
+        hidden_act: activation of the feed-forward (its gate when ``gated_mlp``), a key of
+            :data:`qkv.nn.activations.ACTIVATIONS`.
+        gated_mlp: a gated feed-forward with fused gate/up projection (:class:`qkv.nn.GatedMLP`, Llama and
+            after); False: ``down(act(up(x)))`` (:class:`qkv.nn.FeedForward`, GPT-2, BLOOM).
+        norm: ``"rms"`` (:class:`qkv.nn.RMSNorm`) or ``"layer"`` (``nn.LayerNorm`` with bias, GPT-2, BLOOM).
+        rms_norm_eps: epsilon of every RMSNorm; layer_norm_eps: of every LayerNorm.
+        norm_offset: RMSNorm scales by ``norm_offset + weight`` (Gemma: 1.0, weights stored around 0).
+        position: ``"rope"`` (rotary, per layer type from ``rope``), ``"learned"`` (absolute embeddings added
+            to the tokens, GPT-2) or ``"alibi"`` (linear biases, Press et al. 2022, BLOOM).
+        embed_norm: a LayerNorm right after the token embedding (BLOOM).
+        scale_embeddings: multiply token embeddings by ``sqrt(hidden_size)`` (Gemma).
+        sandwich_norms: also normalize each branch's output (Gemma 2/3 post-attention and
+            post-feed-forward norms).
+        qkv_bias, o_bias, mlp_bias: biases of the QKV, output and feed-forward projections.
+        qk_norm: per-head RMSNorm of queries and keys before RoPE (Gemma 3).
+        attention_scale: score scale (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+        attn_logit_softcapping: ``cap * tanh(score / cap)`` on attention scores (Gemma 2).
+        final_logit_softcapping: the same on the output logits (Gemma 2).
+        tie_word_embeddings: the LM head is the embedding matrix.
+        sliding_window: keys per query on ``sliding_attention`` layers, the query included (HF convention).
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (default: all full).
+        rope: RoPE per layer type (a missing type uses ``"full_attention"``'s).
+        max_position_embeddings: context length (RoPE ``dynamic``/YaRN defaults).
+        latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
+            :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself).
+        moe: DeepSeekMoE feed-forward on the layers it selects.
+        backend: the :func:`qkv.attention` backend of every layer.
+        decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
+            ``"auto"`` and the layer's request allows it (no soft-capping). ``"sdpa"`` by default: measured
+            fastest for one query row on CPU, and it skips ``auto``'s per-call cost estimates, which cost
+            more than the attention itself at decode sizes. MLA layers use it for every step (one backend
+            per :class:`qkv.nn.latent.LatentAttention`). None: always ``backend``.
+        input_major_weights: store every projection with at least as many outputs as inputs (QKV, gate/up,
+            square ones, such expert matrices, the LM head, a tied embedding) input-major: same shape, names
+            and values, transposed strides (:class:`qkv.nn.skinny.InputMajorLinear`). Decoding multiplies
+            one row per sequence by each weight, and MKL streams an input-major matrix through that product
+            1.1-2x faster on CPU (the LM head most; ``benchmarks/generate.py``), and, with several threads,
+            few rows are spread over them (:func:`qkv.nn.skinny.skinny_linear`). Such weights are
+            non-contiguous: call ``.contiguous()`` on them before ``safetensors.torch.save_file``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    gated_mlp: bool = True
+    norm: str = "rms"
+    rms_norm_eps: float = 1e-6
+    layer_norm_eps: float = 1e-5
+    norm_offset: float = 0.0
+    position: str = "rope"
+    embed_norm: bool = False
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope: Mapping[str, RopeParams] = field(default_factory=lambda: {FULL_ATTENTION: RopeParams()})
+    max_position_embeddings: int = 2048
+    latent: LatentConfig | None = None
+    moe: MoEConfig | None = None
+    backend: str = "auto"
+    decode_backend: str | None = "sdpa"
+    input_major_weights: bool = True
+    name: str = ""
+    _derived: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __deepcopy__(self, memo) -> DecoderConfig:  # immutable (its mappings are read-only views): share it
+        return self
+
+    def __reduce__(self):  # pickle the explicit fields, with plain dicts (read-only views do not pickle)
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.init and f.name not in self._derived}
+        kept["rope"] = dict(self.rope)
+        return (_decoder_config, (kept,))
+
+    def __post_init__(self) -> None:
+        derived = set()
+
+        def set_(key, value):  # only derived fields are filled in, and remembered as derived
+            derived.add(key)
+            object.__setattr__(self, key, value)
+
+        _positive_ints("DecoderConfig", self, ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                "num_attention_heads", "intermediate_size"))
+        if self.num_key_value_heads is None:
+            set_("num_key_value_heads", self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"DecoderConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None:
+            set_("head_dim", self.hidden_size // self.num_attention_heads)
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"DecoderConfig: hidden_act {self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"DecoderConfig: norm must be one of {NORMS}, got {self.norm!r}")
+        if self.position not in DECODER_POSITIONS:
+            raise ValueError(f"DecoderConfig: position must be one of {DECODER_POSITIONS}, got {self.position!r}")
+        if self.layer_types is None:
+            set_("layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        _check_layer_types("DecoderConfig", self.layer_types, self.num_hidden_layers, self.sliding_window)
+        if self.latent is not None and SLIDING_ATTENTION in self.layer_types:
+            raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
+        if FULL_ATTENTION not in self.rope:
+            raise ValueError(f"DecoderConfig: rope needs a {FULL_ATTENTION!r} entry, got {sorted(self.rope)}")
+        set_("rope", MappingProxyType(dict(self.rope)))
+        for kind, softcap in (("attn_logit_softcapping", self.attn_logit_softcapping),
+                              ("final_logit_softcapping", self.final_logit_softcapping)):
+            if softcap is not None and not softcap > 0:
+                raise ValueError(f"DecoderConfig: {kind} must be > 0 or None, got {softcap!r}")
+        if self.latent is not None and self.position != "rope":
+            raise ValueError(f"DecoderConfig: latent attention (MLA) uses RoPE, got position={self.position!r}")
+        object.__setattr__(self, "_derived", frozenset(derived))
+
+    def window_for(self, layer_idx: int) -> int | None:
+        """Keys per query of layer ``layer_idx`` (None: full causal attention)."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    def rope_for(self, layer_type: str) -> RopeParams:
+        """The RoPE parameters of layers of ``layer_type`` (``"full_attention"``'s when it has none)."""
+        return self.rope.get(layer_type, self.rope[FULL_ATTENTION])
+
+    def replace(self, **changes) -> DecoderConfig:
+        """A copy with ``changes``; derived fields (``num_key_value_heads``, ``head_dim``, ``layer_types``
+        when they were left out) are derived again unless given.
+
+        Example:
+            >>> cfg = DecoderConfig(vocab_size=10, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            ...                     intermediate_size=128)
+            >>> cfg.replace(hidden_size=128).head_dim
+            32
+        """
+        names = {f.name for f in dataclasses.fields(self) if f.init}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"DecoderConfig: unknown field {unknown[0]!r}{hint}")
+        kept = {n: getattr(self, n) for n in names if n not in self._derived}
+        return DecoderConfig(**{**kept, **changes})
+
+
+def _decoder_config(kwargs: dict[str, Any]) -> DecoderConfig:
+    return DecoderConfig(**kwargs)
+
+
+_TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=256)
+_TINY_STACK = dict(d_model=64, n_heads=4, n_layers=2, vocab_size=256, max_position_embeddings=256)
+
+_PRESETS: dict[str, DecoderConfig | TransformerConfig] = {
     # Llama 2/3 shape: RMSNorm, SwiGLU, GQA, RoPE, no biases, untied head.
-    "tiny-llama": TransformerConfig(**_TINY, n_kv_heads=2, d_ff=172, activation="swiglu", norm="rms", norm_eps=1e-6,
-                                    attention_bias=False, mlp_bias=False, position="rope", rope_theta=10000.0,
-                                    tie_word_embeddings=False, name="tiny-llama"),
+    "tiny-llama": DecoderConfig(**_TINY, num_key_value_heads=2, intermediate_size=172, name="tiny-llama"),
     # Mistral 7B v0.1 shape: Llama plus a sliding window on every layer.
-    "tiny-mistral": TransformerConfig(**_TINY, n_kv_heads=2, d_ff=172, activation="swiglu", norm="rms",
-                                      norm_eps=1e-6, attention_bias=False, mlp_bias=False, position="rope",
-                                      sliding_window=16, tie_word_embeddings=False, name="tiny-mistral"),
-    # Gemma 2/3 shape: alternating local (sliding) and global layers, GeGLU, QK norm, scaled embeddings.
-    "tiny-gemma": TransformerConfig(**{**_TINY, "n_layers": 4}, n_kv_heads=1, d_ff=128, activation="geglu",
-                                    norm="rms", norm_eps=1e-6, attention_bias=False, mlp_bias=False, qk_norm="rms",
-                                    position="rope", sliding_window=8,
-                                    layer_types=(SLIDING_ATTENTION, FULL_ATTENTION) * 2, scale_embeddings=True,
-                                    name="tiny-gemma"),
-    # GPT-2 shape: learned absolute positions, LayerNorm, GELU, biases, tied head.
-    "tiny-gpt": TransformerConfig(**_TINY, activation="gelu_tanh", norm="layer", position="learned",
-                                  name="tiny-gpt"),
-    # BLOOM shape: ALiBi instead of positions, LayerNorm, GELU, tied head.
-    "tiny-bloom": TransformerConfig(**_TINY, activation="gelu_tanh", norm="layer", position="alibi",
-                                    name="tiny-bloom"),
+    "tiny-mistral": DecoderConfig(**_TINY, num_key_value_heads=2, intermediate_size=172, sliding_window=16,
+                                  layer_types=(SLIDING_ATTENTION,) * 2, name="tiny-mistral"),
+    # Gemma 2/3 shape: alternating local (sliding) and global layers, tanh-GeGLU, QK norm, RMSNorm around 1 + w,
+    # sandwich norms, scaled embeddings, tied head.
+    "tiny-gemma": DecoderConfig(**{**_TINY, "num_hidden_layers": 4}, num_key_value_heads=1, intermediate_size=128,
+                                hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True, qk_norm=True,
+                                scale_embeddings=True, sliding_window=8,
+                                layer_types=(SLIDING_ATTENTION, FULL_ATTENTION) * 2, tie_word_embeddings=True,
+                                name="tiny-gemma"),
+    # GPT-2 shape: learned absolute positions, LayerNorm, tanh-GELU MLP, biases, tied head.
+    "tiny-gpt": DecoderConfig(**_TINY, intermediate_size=256, hidden_act="gelu_tanh", gated_mlp=False, norm="layer",
+                              position="learned", qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                              name="tiny-gpt"),
+    # BLOOM shape: ALiBi instead of positions, LayerNorm (also on the embeddings), tanh-GELU MLP, tied head.
+    "tiny-bloom": DecoderConfig(**_TINY, intermediate_size=256, hidden_act="gelu_tanh", gated_mlp=False, norm="layer",
+                                position="alibi", embed_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                                tie_word_embeddings=True, name="tiny-bloom"),
     # BERT shape: bidirectional, post-norm, learned positions, GELU, biases.
-    "tiny-encoder": TransformerConfig(**_TINY, activation="gelu", norm="layer", norm_eps=1e-12, norm_first=False,
-                                      position="learned", name="tiny-encoder"),
+    "tiny-encoder": TransformerConfig(**_TINY_STACK, activation="gelu", norm="layer", norm_eps=1e-12,
+                                      norm_first=False, position="learned", name="tiny-encoder"),
     # T5 v1.1 shape: encoder-decoder, RMSNorm, GeGLU, bucketed relative bias, no biases, unscaled scores.
-    "tiny-t5": TransformerConfig(**_TINY, d_ff=128, activation="geglu", norm="rms", norm_eps=1e-6,
+    "tiny-t5": TransformerConfig(**_TINY_STACK, d_ff=128, activation="geglu", norm="rms", norm_eps=1e-6,
                                  attention_bias=False, mlp_bias=False, position="t5", relative_attention_num_buckets=32,
                                  relative_attention_max_distance=128, attention_scale=1.0, tie_word_embeddings=False,
                                  name="tiny-t5"),
     # Vaswani et al. 2017 base shape, shrunk: post-norm, ReLU, sinusoidal positions, scaled embeddings.
-    "tiny-transformer": TransformerConfig(**_TINY, activation="relu", norm="layer", norm_first=False,
+    "tiny-transformer": TransformerConfig(**_TINY_STACK, activation="relu", norm="layer", norm_first=False,
                                           position="sinusoidal", scale_embeddings=True, name="tiny-transformer"),
 }
 
 #: Named presets, read-only. ``get_config(name, **overrides)`` copies one with changes.
-PRESETS: Mapping[str, TransformerConfig] = MappingProxyType(_PRESETS)
+PRESETS: Mapping[str, DecoderConfig | TransformerConfig] = MappingProxyType(_PRESETS)
 
 
-def get_config(name: str, **overrides) -> TransformerConfig:
-    """The preset ``name``, with ``overrides`` applied (HF field names accepted)."""
+def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
+    """The preset ``name`` (a :class:`DecoderConfig` for the decoder-only shapes, a :class:`TransformerConfig`
+    for the encoder and encoder-decoder ones), with ``overrides`` applied through its ``replace``."""
     if name not in PRESETS:
         close = difflib.get_close_matches(name, list(PRESETS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

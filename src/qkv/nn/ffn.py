@@ -2,8 +2,10 @@
 
 - Plain: ``down(act(up(x)))`` with GELU (Hendrycks & Gimpel 2016) or ReLU, as in Vaswani et al. 2017.
 - Gated: ``down(act(gate(x)) * up(x))``: SwiGLU (SiLU gate) and GeGLU (GELU gate), Shazeer 2020,
-  "GLU Variants Improve Transformer". Projection names follow HF Llama (``gate_proj``, ``up_proj``,
-  ``down_proj``) so checkpoints map one to one.
+  "GLU Variants Improve Transformer". :class:`FeedForward` keeps HF Llama's three projections
+  (``gate_proj``, ``up_proj``, ``down_proj``); :class:`GatedMLP`, the decoder's, fuses gate and up into
+  one ``gate_up_proj`` (one matmul instead of two, which matters when decoding one token at a time).
+Activations come from the one table, :data:`qkv.nn.activations.ACTIVATIONS`.
 
 Shape legend: B batch, N tokens, d model width, f hidden width.
 
@@ -17,23 +19,12 @@ Example:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .activations import ACTIVATIONS, GATED, check_activation
 from .gemm import FUSED_ACTIVATIONS, PackedLinear
 
-__all__ = ["FeedForward", "ACTIVATIONS", "GATED"]
-
-_ACT = {
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swiglu": F.silu,
-    "geglu": F.gelu,
-}
-ACTIVATIONS = tuple(_ACT)
-GATED = ("swiglu", "geglu")
+__all__ = ["FeedForward", "GatedMLP", "ACTIVATIONS", "GATED"]
 
 
 class FeedForward(nn.Module):
@@ -52,8 +43,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", bias: bool = True,
                  dropout: float = 0.0) -> None:
         super().__init__()
-        if activation not in _ACT:
-            raise ValueError(f"FeedForward: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        check_activation("FeedForward", activation)
         self.activation = activation
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if activation in GATED else None
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
@@ -64,15 +54,43 @@ class FeedForward(nn.Module):
 
     def set_gemm(self, engine: str) -> None:
         """Called by :func:`qkv.nn.gemm.use_onednn` after it swapped the projections."""
-        self.fused = (engine == "onednn" and self.gate_proj is None and self.activation in FUSED_ACTIVATIONS
-                      and isinstance(self.up_proj, PackedLinear))
+        self.fused = (engine == "onednn" and self.gate_proj is None
+                      and ACTIVATIONS[self.activation] in FUSED_ACTIVATIONS and isinstance(self.up_proj, PackedLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and not (self.training and self.dropout.p > 0):
-            return self.down_proj(self.up_proj.forward_activated(x, self.activation))
-        act = _ACT[self.activation]
+            return self.down_proj(self.up_proj.forward_activated(x, ACTIVATIONS[self.activation]))
+        act = ACTIVATIONS[self.activation]
         h = act(self.gate_proj(x)) * self.up_proj(x) if self.gate_proj is not None else act(self.up_proj(x))
         return self.down_proj(self.dropout(h))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one projection ``gate_up_proj`` (d -> 2f,
+    gate rows first).
+
+    Args:
+        d_model: input and output width ``d``; d_ff: hidden width ``f``.
+        activation: the gate's activation, a key of ``ACTIVATIONS`` (``"silu"``: SwiGLU).
+        bias: biases on both projections.
+
+    ``forward(x)``: (..., d) -> (..., d).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, activation: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        check_activation("GatedMLP", activation)
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
+        self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., f) each
+        return self.down_proj(self.act(gate) * up)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

@@ -30,10 +30,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .activations import gelu_tanh
 from .skinny import InputMajorLinear, skinny_linear
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "packed_linear", "linear", "PackedWeight",
@@ -93,26 +96,28 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == torch.float32 and x.numel() > 0)
 
 
-# activations oneDNN can apply to a GEMM's output in its epilogue: name -> (oneDNN attr, algorithm, eager)
+#: Activation functions (those of :data:`qkv.nn.activations.ACTIVATIONS`) oneDNN can apply to a GEMM's
+#: output in its epilogue: function -> (oneDNN attr, algorithm).
 FUSED_ACTIVATIONS = {
-    "gelu": ("gelu", "none", F.gelu),  # erf GELU
-    "gelu_tanh": ("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
-    "relu": ("relu", "", F.relu),
+    F.gelu: ("gelu", "none"),  # erf GELU
+    gelu_tanh: ("gelu", "tanh"),
+    F.relu: ("relu", ""),
 }
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight,
-                  activation: str | None = None) -> torch.Tensor:
+                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``packed`` (the oneDNN copy of ``weight``) for float32 CPU
     inputs without gradient, else ``F.linear`` itself. x (..., K), weight (N, K) -> (..., N).
     ``activation`` (a key of ``FUSED_ACTIVATIONS``) is applied to the result, inside the GEMM when packed."""
     if activation is not None and activation not in FUSED_ACTIVATIONS:
-        raise ValueError(f"packed_linear: activation must be one of {tuple(FUSED_ACTIVATIONS)} or None, "
+        names = [fn.__name__ for fn in FUSED_ACTIVATIONS]
+        raise ValueError(f"packed_linear: activation must be one of the functions {names} or None, "
                          f"got {activation!r}")
     if not _eligible(x, weight):
         y = F.linear(x, weight, bias)
-        return y if activation is None else FUSED_ACTIVATIONS[activation][2](y)
-    attr, algorithm = ("none", "") if activation is None else FUSED_ACTIVATIONS[activation][:2]
+        return y if activation is None else activation(y)
+    attr, algorithm = ("none", "") if activation is None else FUSED_ACTIVATIONS[activation]
     K = x.shape[-1]
     y = _pointwise(x.reshape(-1, K), packed.get(weight), bias, attr, [], algorithm)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -151,7 +156,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self._packed())
 
-    def forward_activated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+    def forward_activated(self, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``act(self(x))`` with the activation (a key of ``FUSED_ACTIVATIONS``) fused into the GEMM."""
         return packed_linear(x, self.weight, self.bias, self._packed(), activation)
 

@@ -311,7 +311,7 @@ def mla_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
                  kv_b_weight: torch.Tensor, *, q_positions: torch.Tensor | None = None,
                  kv_positions: torch.Tensor | None = None, causal: bool = True, mask=None,
                  scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                 backend: str = "auto") -> LatentHeads:
+                 backend: str = "auto", attention_fn: Callable = attention) -> LatentHeads:
     """MLA by decompression: per-head ``K = [c_kv W_UK_h^T | k_rope]``, ``V = c_kv W_UV_h^T``, then
     multi-head attention. Costs ``2 H Nk r (dn + dv)`` FLOPs to decompress all ``Nk`` keys.
 
@@ -329,6 +329,7 @@ def mla_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
         mask: an extra :mod:`qkv.masks` mask in (B, H, Nq, Nk) coordinates, AND-ed with the built one.
         scale: softmax scale (default ``(dn + dr) ** -0.5``).
         dropout_p, return_lse, backend: as in :func:`qkv.attention`.
+        attention_fn: the attention operator, with :func:`qkv.attention`'s signature (default it).
 
     Returns:
         :class:`LatentHeads` ``(out (B, H, Nq, dv), lse (B, H, Nq) or None)``.
@@ -341,7 +342,7 @@ def mla_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     k_nope_BHSn, v_BHSv = kv_BHSe.split([dn, dv], dim=-1)
     k_BHSk = torch.cat((k_nope_BHSn, k_rope.unsqueeze(1).expand(B, H, Nk, dr)), dim=-1)  # (B, H, Nk, dn + dr)
     q_BHNk = torch.cat((q_nope, q_rope), dim=-1)  # (B, H, Nq, dn + dr)
-    res = attention(q_BHNk, k_BHSk, v_BHSv, mask=_built_mask(q_pos, kv_pos, causal, mask),
+    res = attention_fn(q_BHNk, k_BHSk, v_BHSv, mask=_built_mask(q_pos, kv_pos, causal, mask),
                     scale=(dn + dr) ** -0.5 if scale is None else scale, return_lse=return_lse,
                     dropout_p=dropout_p, backend=backend)
     return LatentHeads(res.out, res.lse) if return_lse else LatentHeads(res, None)
@@ -351,7 +352,7 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
                  kv_b_weight: torch.Tensor, *, q_positions: torch.Tensor | None = None,
                  kv_positions: torch.Tensor | None = None, causal: bool = True, mask=None,
                  scale: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                 backend: str = "auto") -> LatentHeads:
+                 backend: str = "auto", attention_fn: Callable = attention) -> LatentHeads:
     """MLA in the latent space: ``q_lat_h = W_UK_h^T q_nope_h``, multi-query attention of
     ``[q_lat | q_rope]`` over ``K' = [c_kv | k_rope]``, ``V' = c_kv``, then ``out_h = W_UV_h o_lat_h``.
     The latents are never decompressed. Same arguments and result as :func:`mla_expanded`.
@@ -385,11 +386,11 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
             q_pos = (torch.arange(Nq, device=q_nope.device) + (Nk - Nq)).expand(B, Nq)
             kv_pos = torch.arange(Nk, device=q_nope.device).expand(B, Nk)
         folded = masks.positions(q_pos.repeat(1, H), kv_pos, causal=causal) if q_pos is not None else None
-        res = attention(q_BHNc.reshape(B, 1, H * Nq, r + dr), kv_B1Sc, kv_B1Sc, mask=folded, **kw)
+        res = attention_fn(q_BHNc.reshape(B, 1, H * Nq, r + dr), kv_B1Sc, kv_B1Sc, mask=folded, **kw)
         out_B1Mc, lse = (res.out, res.lse.view(B, H, Nq)) if return_lse else (res, None)
         o_lat_BHNr = out_B1Mc[..., :r].view(B, H, Nq, r)
     else:
-        res = attention(q_BHNc, kv_B1Sc, kv_B1Sc, mask=_built_mask(q_pos, kv_pos, causal, mask), **kw)
+        res = attention_fn(q_BHNc, kv_B1Sc, kv_B1Sc, mask=_built_mask(q_pos, kv_pos, causal, mask), **kw)
         o_lat_BHNr, lse = (res.out[..., :r], res.lse) if return_lse else (res[..., :r], None)
     o_HMr = o_lat_BHNr.transpose(0, 1).reshape(H, B * Nq, r)
     out_BHNv = torch.bmm(o_HMr, w_uv_Hvr.transpose(1, 2)).view(H, B, Nq, dv).transpose(0, 1)  # W_UV after attention
@@ -453,6 +454,7 @@ class LatentAttention(nn.Module):
             self.kv_a_layernorm.to(**kw)
             if c.q_lora_rank is not None:
                 self.q_a_layernorm.to(**kw)
+        self.attention_fn = attention  # the operator both paths call; replaceable (capture, context parallelism)
         self.rope = rope if rope is not None else RotaryEmbedding(
             c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
             max_position_embeddings=c.max_position_embeddings, interleaved=True)
@@ -511,7 +513,7 @@ class LatentAttention(nn.Module):
         heads = fn(q_nope_BHNn, q_rope_BHNr, c_kv_BSr, k_rope_BSr, self.kv_b_proj.weight, q_positions=q_pos,
                    kv_positions=kv_pos, causal=self.causal, mask=mask, scale=c.softmax_scale,
                    dropout_p=c.attention_dropout if self.training else 0.0, return_lse=need_lse,
-                   backend=self.backend)
+                   backend=self.backend, attention_fn=self.attention_fn)
         out_BNv = heads.out.transpose(1, 2).reshape(B, N, H * c.v_head_dim)
         return LatentAttentionOutput(self.o_proj(out_BNv), heads.lse, choice.path)
 

@@ -2,7 +2,8 @@
 
 - LayerNorm: Ba et al. 2016, "Layer Normalization" (``torch.nn.LayerNorm``).
 - RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization": ``x / rms(x) * weight``, no
-  centering and no bias (Llama, T5, Mistral). Computed in float32 for low-precision inputs.
+  centering and no bias (Llama, T5, Mistral). Computed in float32 for low-precision inputs. Gemma's
+  variant scales by ``1 + weight`` (``offset=1``, weights stored around 0).
 
 Example:
     >>> import torch
@@ -14,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["rms_norm", "RMSNorm", "make_norm", "NORMS"]
@@ -32,18 +34,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float 
 
 
 class RMSNorm(nn.Module):
-    """RMS normalization with a learned per-channel gain (initialized to 1)."""
+    """RMS normalization scaling by ``offset + weight``.
 
-    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
+    ``offset = 0`` (Llama, T5): weights start at 1. ``offset = 1`` (Gemma): weights start at 0. float32 and
+    float64 inputs whose dtype matches the weight's go through torch's fused ``F.rms_norm`` (one op instead
+    of eight, which matters when decoding one token); low-precision inputs normalize in float32.
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, eps=self.eps)
+        full = x.dtype in (torch.float32, torch.float64)
+        if self.offset == 0:
+            if full and self.weight.dtype == x.dtype:
+                return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return rms_norm(x, self.weight, eps=self.eps)
+        work = x.dtype if full else torch.float32
+        return (rms_norm(x.to(work), eps=self.eps) * (self.offset + self.weight.to(work))).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset:g}" if self.offset else "")
 
 
 def make_norm(kind: str, dim: int, *, eps: float = 1e-5) -> nn.Module:

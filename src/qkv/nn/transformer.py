@@ -1,22 +1,19 @@
-"""Transformer stacks and models: encoder, decoder, encoder-decoder, decoder-only language model.
+"""Transformer stacks over embeddings: encoder, decoder (with cross attention), encoder-decoder.
 
-Vaswani et al. 2017, "Attention Is All You Need" (encoder, decoder with cross attention, encoder-decoder);
-Radford et al. 2019, "Language Models are Unsupervised Multitask Learners" (decoder-only LM, pre-norm,
-tied embeddings). Every stack reads one :class:`TransformerConfig`; positional schemes are wired once
-per stack: absolute embeddings at the input, RoPE and ALiBi/T5 biases shared by the layers, Shaw's
-representations per layer.
-
-:class:`DecoderLM` implements the :class:`qkv.cache.protocol.DecoderModel` protocol used by ``generate``
-and ``verify_cache``.
+Vaswani et al. 2017, "Attention Is All You Need". Every stack reads one :class:`TransformerConfig`;
+positional schemes are wired once per stack: absolute embeddings at the input, RoPE and ALiBi/T5 biases
+shared by the layers, Shaw's representations per layer. These serve encoders (BERT), encoder-decoders (T5)
+and models over non-token inputs (the examples); the decoder-only language model is
+:class:`qkv.nn.DecoderLM`.
 
 Shape legend: B batch, N tokens, S source tokens, T target tokens, d model width, V vocabulary.
 
 Example:
     >>> import torch
-    >>> from qkv.nn import DecoderLM, get_config
-    >>> lm = DecoderLM(get_config("tiny-llama"))
-    >>> lm(torch.randint(0, 256, (2, 12))).shape
-    torch.Size([2, 12, 256])
+    >>> from qkv.nn import EncoderDecoder, get_config
+    >>> model = EncoderDecoder(get_config("tiny-t5"))
+    >>> model(torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 4))).shape
+    torch.Size([2, 4, 256])
 """
 
 from __future__ import annotations
@@ -32,10 +29,10 @@ from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.relative import ShawRelativePosition, T5RelativeBias
 from ..pos.sinusoidal import sinusoidal_encoding
 from .blocks import TransformerBlock
-from .config import SLIDING_ATTENTION, TransformerConfig
+from .config import TransformerConfig
 from .norm import make_norm
 
-__all__ = ["TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "DecoderLM", "init_weights"]
+__all__ = ["TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights"]
 
 
 def init_weights(module: nn.Module, *, std: float = 0.02) -> None:
@@ -209,47 +206,3 @@ class EncoderDecoder(_TokenModel):
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor, *, src_lengths=None) -> torch.Tensor:
         return self.decode(tgt_ids, self.encode(src_ids, src_lengths=src_lengths), src_lengths=src_lengths)
-
-
-class DecoderLM(_TokenModel):
-    """Decoder-only language model: token embedding, causal :class:`TransformerDecoder` (with its final
-    norm), LM head (tied to the embedding when ``config.tie_word_embeddings``).
-
-    Implements :class:`qkv.cache.protocol.DecoderModel`:
-
-    ``forward(input_ids, *, positions=None, cache=None) -> logits``: input_ids (B, N) int64; positions (B, N)
-    int64 absolute positions (``-1`` marks padding, never attended; default ``0 .. N-1``; required with a
-    cache). Without a cache and with positions, attention is masked by
-    ``masks.positions(positions, positions, causal=True, window=W)``. Returns (B, N, V) logits.
-
-    ``cache_specs()``: one ``qkv.cache`` layer spec per layer (full or sliding window).
-
-    Example:
-        >>> import torch
-        >>> from qkv.nn import DecoderLM, get_config
-        >>> lm = DecoderLM(get_config("tiny-gpt"))
-        >>> ids = torch.randint(0, 256, (1, 6))
-        >>> lm(ids, positions=torch.arange(6).unsqueeze(0)).shape
-        torch.Size([1, 6, 256])
-    """
-
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.decoder = TransformerDecoder(config)
-        self._make_head(config)
-
-    def forward(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        if input_ids.dim() != 2:
-            raise ValueError(f"DecoderLM: input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
-        if cache is not None and positions is None:
-            raise ValueError("DecoderLM: a cache needs positions (B, N): the absolute position of each new token")
-        return self.lm_head(self.decoder(self._embed(input_ids), positions=positions, cache=cache))
-
-    def cache_specs(self) -> list:
-        from ..cache import FullSpec, SlidingWindowSpec
-
-        c = self.config
-        return [SlidingWindowSpec(c.sliding_window, c.n_kv_heads, c.head_dim) if kind == SLIDING_ATTENTION
-                else FullSpec(c.n_kv_heads, c.head_dim) for kind in c.layer_types]

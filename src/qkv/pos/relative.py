@@ -133,10 +133,10 @@ class PositionalBias(nn.Module):
         raise NotImplementedError
 
     def attend(self, q, k, v, *, scale=None, q_positions=None, kv_positions=None, score_mod=None,
-               **attention_kwargs):
-        """``qkv.attention(q, k, v, score_mod=[self(q, ...), *score_mod], ...)``."""
+               attention_fn=attention, **attention_kwargs):
+        """``attention_fn(q, k, v, score_mod=[self(q, ...), *score_mod], ...)`` (default :func:`qkv.attention`)."""
         own = self(q, scale=_scale(q, scale), q_positions=q_positions, kv_positions=kv_positions)
-        return attention(q, k, v, score_mod=[own, *_mod_list(score_mod)], scale=scale, **attention_kwargs)
+        return attention_fn(q, k, v, score_mod=[own, *_mod_list(score_mod)], scale=scale, **attention_kwargs)
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -375,7 +375,11 @@ class ShawRelativePosition(PositionalBias):
                              kv_positions=kv_positions)
 
     def attend(self, q, k, v, *, scale=None, q_positions=None, kv_positions=None, score_mod=None,
-               **attention_kwargs):
+               attention_fn=attention, **attention_kwargs):
+        if attention_fn is not attention:
+            raise ValueError("ShawRelativePosition: Shaw's relative representations change the values as well as "
+                             "the scores, so attention runs through shaw_attention; a replaced attention_fn "
+                             "cannot be honoured (use ALiBi, T5 buckets or RoPE with it)")
         return shaw_attention(q, k, v, max_distance=self.max_distance, rel_k=self.rel_k, rel_v=self.rel_v,
                               score_mod=score_mod, scale=scale, q_positions=q_positions, kv_positions=kv_positions,
                               **attention_kwargs)

@@ -1,0 +1,470 @@
+"""The decoder-only language model of qkv: one class for the tiny presets, the examples and every HF decoder
+family qkv loads, configured by fields (:class:`qkv.nn.DecoderConfig`), not copied per model.
+
+Llama (Touvron et al. 2023), Mistral (Jiang et al. 2023, arXiv:2310.06825), Qwen2 (Yang et al. 2024,
+arXiv:2407.10671), Gemma 2 (arXiv:2408.00118), Gemma 3 (arXiv:2503.19786), DeepSeek-V2 (arXiv:2405.04434),
+GPT-2 (Radford et al. 2019) and BLOOM (BigScience 2022) differ in a handful of switches. Each layer is two
+pre-norm residual branches::
+
+    x = x + attn_out_norm(attn(attn_norm(x)))     # attn_out_norm, ffn_out_norm: Gemma 2/3 only
+    x = x + ffn_out_norm(ffn(ffn_norm(x)))
+
+- attention (:class:`SelfAttention`): grouped-query attention (Ainslie et al. 2023) with one fused QKV
+  projection, RoPE (Su et al. 2021) per layer type, learned absolute positions (GPT-2) or ALiBi (Press et al.
+  2022, BLOOM), optional QKV bias, per-head QK RMSNorm (Gemma 3), a score scale, tanh score soft-capping
+  (Gemma 2) and a sliding window on local layers; or Multi-head Latent Attention (DeepSeek-V2) through
+  :class:`qkv.nn.LatentAttention`. Attention runs through the module's ``attention_fn`` (default
+  :func:`qkv.attention`), caches through the :mod:`qkv.cache` protocol.
+- feed-forward: :class:`qkv.nn.GatedMLP` (SwiGLU, tanh-GeGLU), :class:`qkv.nn.FeedForward` (GPT-2, BLOOM)
+  or :class:`qkv.nn.MoE` (DeepSeekMoE) on the layers the config selects.
+- :class:`qkv.nn.RMSNorm` (Gemma's ``1 + w`` variant included) or LayerNorm; embeddings optionally scaled by
+  ``sqrt(d)`` (Gemma); final logits optionally soft-capped (Gemma 2); LM head tied to the embedding or not.
+
+Reading HF checkpoints into it is :mod:`qkv.models`' business (``qkv.models.hf`` and one family file each).
+
+Decoding one token per row is bound by reading every weight once per step and, at small sizes, by per-op
+overhead, so the decode path is kept short: fused QKV and gate/up projections; queries and keys rotated in
+one call from a cos/sin table and handed to the cache already rotated (when the cache keeps the layer's
+keys at absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
+backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; wide weights stored input-major
+(``input_major_weights``) with few-row products spread over torch's threads (:mod:`qkv.nn.skinny`); and
+``logits_to_keep`` for the prefill. ``qkv.nn.gemm.use_onednn(model)`` multiplies several-row products
+through oneDNN-packed weights, at the cost of a second copy of every weight.
+
+Shape legend: B batch, N new tokens, S cached slots, d hidden size, Hq query heads, Hkv key/value heads,
+D head dim, R rotary dim, V vocabulary.
+
+Example:
+    >>> import torch
+    >>> from qkv.nn import DecoderConfig, DecoderLM
+    >>> cfg = DecoderConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                     num_key_value_heads=2, intermediate_size=64)
+    >>> lm = DecoderLM(cfg)
+    >>> lm(torch.randint(0, 100, (2, 7))).logits.shape
+    torch.Size([2, 7, 100])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .. import masks, mods
+from .._attention import attention
+from ..cache.protocol import AttentionCache
+from ..cache.specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
+from ..pos.alibi import ALiBiBias
+from ..pos.ids import batch_positions
+from ..pos.learned import LearnedPositionalEmbedding
+from ..pos.rope import RotaryEmbedding, apply_rotary
+from .config import DecoderConfig
+from .ffn import FeedForward, GatedMLP
+from .gemm import PackedWeight
+from .gemm import linear as gemm_linear
+from .latent import LatentAttention
+from .moe import Experts, MoE
+from .norm import RMSNorm
+from .skinny import InputMajorLinear, input_major
+
+__all__ = ["DecoderLM", "DecoderLayer", "DecoderOutput", "SelfAttention", "positions_from_attention_mask"]
+
+
+class DecoderOutput(NamedTuple):
+    """What :meth:`DecoderLM.forward` returns: ``logits`` (B, N or logits_to_keep, V) in the model's dtype,
+    and the ``cache`` it was given (updated in place), or None."""
+
+    logits: torch.Tensor
+    cache: AttentionCache | None
+
+
+def positions_from_attention_mask(attention_mask: torch.Tensor, n_new: int) -> torch.Tensor:
+    """Absolute positions (B, n_new) of the last ``n_new`` columns of a 0/1 padding mask (B, M), M >= n_new.
+
+    A real token's position counts the real tokens before it in its row; a padding token gets ``-1`` (never
+    attended). Padding may sit anywhere: on the left (generation), on the right (training batches).
+
+    Example:
+        >>> import torch
+        >>> positions_from_attention_mask(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0]]), 4).tolist()
+        [[-1, -1, 0, 1], [0, 1, 2, -1]]
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        seen = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        raise ValueError(f"attention_mask must be a (B, M) tensor of 0/1, got {seen!r}")
+    if attention_mask.dtype != torch.bool:
+        if attention_mask.dtype.is_floating_point or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only, as HF tokenizers return it")
+    real = attention_mask.to(torch.bool)
+    pos = torch.cumsum(real.to(torch.int64), dim=1) - 1
+    pos = torch.where(real, pos, torch.full_like(pos, -1))
+    return pos[:, pos.shape[1] - n_new:]
+
+
+class _RopeTable:
+    """cos/sin of a :class:`qkv.pos.RotaryEmbedding` kept as a table over positions ``0 .. L-1`` (grown by
+    doubling, angles in float64), so a decode step costs one gather per layer instead of recomputing
+    frequencies. ``dynamic`` scaling depends on the sequence length and is computed per call instead.
+
+    Calling it, ``table(x, positions)``, rotates ``x`` (B, H, N, R); that is the ``rope`` callable given to
+    caches that re-position keys (StreamingLLM sinks) and to MLA. Positions must be below the reserved
+    length (:meth:`DecoderLM.forward` reserves the step's largest position once).
+    """
+
+    def __init__(self, emb: RotaryEmbedding) -> None:
+        self.emb = emb
+        self.dynamic = emb.rope_type == "dynamic"
+        self.length = 0
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def reserve(self, n: int) -> None:
+        """Make positions ``< n`` available."""
+        if n > self.length and not self.dynamic:
+            self.length = max(64, 1 << (n - 1).bit_length())
+            self._tables.clear()
+
+    def _table(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        if key not in self._tables:
+            pos = torch.arange(self.length, device=device)
+            cos, sin = self.emb.cos_sin(pos, dtype=torch.float64)  # (L, R)
+            self._tables[key] = (cos.to(dtype), sin.to(dtype))
+        return self._tables[key]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, N) or (N,) (negative: padding, treated as 0) -> cos, sin (..., R) in ``dtype``."""
+        if self.dynamic:
+            return self.emb.cos_sin(positions, dtype=dtype)
+        cos, sin = self._table(positions.device, dtype)
+        p = positions.clamp_min(0)
+        return cos[p], sin[p]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(positions, x.dtype if x.dtype == torch.float64 else torch.float32)
+        return apply_rotary(x, cos, sin, interleaved=self.emb.interleaved)
+
+
+class _Step:
+    """What every layer of one forward pass shares: positions, cache, masks and RoPE tables of the step."""
+
+    __slots__ = ("positions", "cache", "n", "dtype", "_cos_sin", "_masks")
+
+    def __init__(self, positions: torch.Tensor | None, cache: AttentionCache | None, n: int,
+                 dtype: torch.dtype) -> None:
+        self.positions, self.cache, self.n, self.dtype = positions, cache, n, dtype
+        self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._masks: dict[int | None, masks.Mask] = {}
+
+    def cos_sin(self, table: _RopeTable, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(table)
+        if key not in self._cos_sin:
+            pos = self.positions if self.positions is not None else torch.arange(self.n, device=device)
+            work = torch.float64 if self.dtype == torch.float64 else torch.float32
+            self._cos_sin[key] = table.cos_sin(pos, work)
+        return self._cos_sin[key]
+
+    def self_mask(self, window: int | None) -> masks.Mask:
+        """Causal (and windowed) mask of a step without a cache."""
+        if window not in self._masks:
+            if self.positions is not None:
+                self._masks[window] = masks.positions(self.positions, self.positions, causal=True, window=window)
+            else:
+                self._masks[window] = masks.sliding_window(window - 1) if window else masks.causal()
+        return self._masks[window]
+
+
+class SelfAttention(nn.Module):
+    """Causal grouped-query self attention of :class:`DecoderLM`: one fused QKV projection, positions by RoPE
+    (a table of the model's), ALiBi or none (learned positions are added to the embeddings), the cache protocol.
+
+    ``qkv_proj`` (d -> (Hq + 2 Hkv) D) stacks HF's ``q_proj``, ``k_proj``, ``v_proj`` rows in that order, so
+    queries and keys are adjacent heads of one tensor and rotate in one call. Attention runs through
+    ``self.attention_fn`` (signature of :func:`qkv.attention`; default it), which receives rotated queries
+    and keys, the mask and the score modifiers in absolute positions, and the scale. ``scale`` may be set
+    per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``).
+    """
+
+    def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.layer_idx, self.window, self.rope = layer_idx, c.window_for(layer_idx), rope
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, (Hq + 2 * Hkv) * D, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
+        self.q_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.alibi = ALiBiBias(Hq) if c.position == "alibi" else None
+        self.scale = c.attention_scale
+        self.score_mod = mods.softcap(c.attn_logit_softcapping) if c.attn_logit_softcapping else None
+        self.backend = c.backend
+        plain = self.score_mod is None and self.alibi is None
+        self.decode_backend = c.decode_backend if c.backend == "auto" and c.decode_backend and plain else c.backend
+        self.attention_fn = attention
+
+    def _rotate_qk(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None, cos, sin):
+        """Rotate queries and keys; in one call when they are still adjacent heads of ``qk``."""
+        interleaved = self.rope.emb.interleaved
+        if qk is not None:
+            return apply_rotary(qk, cos, sin, interleaved=interleaved).split((self.n_heads, self.n_kv_heads), dim=1)
+        return (apply_rotary(q, cos, sin, interleaved=interleaved),
+                apply_rotary(k, cos, sin, interleaved=interleaved))
+
+    def _score_mods(self, q_positions: torch.Tensor | None, kv_positions: torch.Tensor | None):
+        if self.alibi is None:
+            return self.score_mod
+        alibi = self.alibi(q_positions=q_positions, kv_positions=kv_positions)
+        return alibi if self.score_mod is None else [alibi, self.score_mod]
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        B, N, _ = x.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
+        qk, v = qkv.split((Hq + Hkv, Hkv), dim=1)  # (B, Hq + Hkv, N, D), (B, Hkv, N, D)
+        q, k = qk.split((Hq, Hkv), dim=1)
+        if self.q_norm is not None:
+            q, k, qk = self.q_norm(q), self.k_norm(k), None
+        rope, cache = self.rope, step.cache
+        if rope is not None:
+            cos, sin = step.cos_sin(rope, x.device)  # (B, N, R) or (N, R)
+        if cache is None:
+            if rope is not None:
+                q, k = self._rotate_qk(q, k, qk, cos, sin)
+            mask = step.self_mask(self.window)
+            q_pos = kv_pos = step.positions
+        else:
+            if rope is None or cache.keeps_absolute_positions(self.layer_idx):
+                if rope is not None:
+                    q, k = self._rotate_qk(q, k, qk, cos, sin)
+                view = cache.update(self.layer_idx, k, v, positions=step.positions, rope=None)
+            else:  # the cache rotates keys where it keeps them and says where queries sit
+                view = cache.update(self.layer_idx, k, v, positions=step.positions, rope=rope)
+                q = rope(q, view.q_positions)
+            k, v = view.k, view.v  # (B, Hkv, S, D)
+            q_pos, kv_pos = view.q_positions, view.kv_positions
+            mask = masks.positions(q_pos, kv_pos, causal=True, window=self.window)
+        backend = self.decode_backend if N == 1 else self.backend
+        out = self.attention_fn(q, k, v, mask=mask, score_mod=self._score_mods(q_pos, kv_pos), scale=self.scale,
+                                backend=backend)
+        if cache is not None:
+            cache.observe(self.layer_idx, q, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)
+
+    def extra_repr(self) -> str:
+        extra = f", window={self.window}" if self.window else ""
+        extra += ", alibi" if self.alibi is not None else ""
+        extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""
+        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}{extra}"
+
+
+def _norm(c: DecoderConfig, dim: int) -> nn.Module:
+    if c.norm == "layer":
+        return nn.LayerNorm(dim, eps=c.layer_norm_eps)
+    return RMSNorm(dim, eps=c.rms_norm_eps, offset=c.norm_offset)
+
+
+def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
+    if c.moe is not None and c.moe.is_moe(layer_idx):
+        return MoE(c.hidden_size, c.moe, activation=c.hidden_act, bias=c.mlp_bias)
+    if c.gated_mlp:
+        return GatedMLP(c.hidden_size, c.intermediate_size, activation=c.hidden_act, bias=c.mlp_bias)
+    return FeedForward(c.hidden_size, c.intermediate_size, activation=c.hidden_act, bias=c.mlp_bias)
+
+
+class DecoderLayer(nn.Module):
+    """One layer: attention and feed-forward branches, each pre-normed (and post-normed with sandwich norms)."""
+
+    def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
+        super().__init__()
+        self.attn_norm = _norm(c, c.hidden_size)
+        self.latent = c.latent is not None
+        if self.latent:
+            backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
+                       and not c.latent.attention_dropout else c.backend)
+            self.self_attn = LatentAttention(c.latent, rope=rope, backend=backend, layer_idx=layer_idx)
+        else:
+            self.self_attn = SelfAttention(c, layer_idx, rope)
+        self.attn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
+        self.ffn_norm = _norm(c, c.hidden_size)
+        self.mlp = _feed_forward(c, layer_idx)
+        self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        if self.latent:
+            h = self.self_attn(self.attn_norm(x), positions=step.positions, cache=step.cache).out
+        else:
+            h = self.self_attn(self.attn_norm(x), step)
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
+        x = x + h
+        h = self.mlp(self.ffn_norm(x))
+        if self.ffn_out_norm is not None:
+            h = self.ffn_out_norm(h)
+        return x + h
+
+
+def _store_wide_weights_input_major(model: nn.Module) -> None:
+    """Make every ``nn.Linear`` with at least as many outputs as inputs an
+    :class:`qkv.nn.skinny.InputMajorLinear` (same names and values, input-major storage), store such
+    stacked expert matrices input-major too, and the embedding when it is the (tied) LM head."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.out_features >= child.in_features:
+                setattr(parent, name, InputMajorLinear.from_linear(child))
+        if isinstance(parent, Experts):
+            for name, p in list(parent.named_parameters(recurse=False)):
+                if p.shape[1] >= p.shape[2]:  # (E, out, in): each expert's (out, in) matrix input-major
+                    setattr(parent, name, nn.Parameter(p.detach().transpose(1, 2).contiguous().transpose(1, 2),
+                                                       requires_grad=p.requires_grad))
+    if model.lm_head is None:
+        emb = model.embed_tokens.weight
+        model.embed_tokens.weight = nn.Parameter(input_major(emb), requires_grad=emb.requires_grad)
+
+
+_PROTOCOL_CACHES: set[type] = set()  # cache types already checked against the protocol (a decode step is short)
+
+
+def _check_cache(cache) -> None:
+    if not isinstance(cache, AttentionCache):
+        raise TypeError(f"DecoderLM: cache must follow qkv.cache.AttentionCache (e.g. "
+                        f"qkv.cache.KVCache(model.cache_specs())), got {type(cache).__name__}")
+    _PROTOCOL_CACHES.add(type(cache))
+
+
+class DecoderLM(nn.Module):
+    """The decoder-only language model of a :class:`qkv.nn.DecoderConfig`; a :class:`qkv.cache.DecoderModel`.
+
+    Args:
+        config: the model's shape and switches (``qkv.nn.get_config("tiny-llama")``, or what
+            :func:`qkv.models.from_hf` reads from a checkpoint).
+
+    Submodules keep the names HF users know: ``embed_tokens``, ``layers[i].self_attn`` (``qkv_proj``,
+    ``o_proj``), ``layers[i].mlp``, ``norm``, ``lm_head`` (None when tied to ``embed_tokens``).
+
+    ``cache_specs()``: one :mod:`qkv.cache` layer spec per layer: ``FullSpec``, ``SlidingWindowSpec`` for
+    local layers, ``LatentSpec`` for MLA; ``KVCache(model.cache_specs())`` is a cache for it.
+
+    Example:
+        >>> import torch
+        >>> from qkv.cache import KVCache
+        >>> from qkv.nn import DecoderLM, get_config
+        >>> lm = DecoderLM(get_config("tiny-llama")).eval()
+        >>> ids = torch.randint(0, 256, (2, 6))
+        >>> out = lm(ids, cache=KVCache(lm.cache_specs()))
+        >>> step = lm(ids[:, :1], cache=out.cache)   # continues at position 6
+        >>> out.logits.shape, step.logits.shape
+        (torch.Size([2, 6, 256]), torch.Size([2, 1, 256]))
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"DecoderLM: config must be a qkv.nn.DecoderConfig (e.g. qkv.nn.get_config('tiny-llama')), "
+                            f"got {type(config).__name__}")
+        c = self.config = config
+        self.ropes: dict[str, _RopeTable] = {}
+        if c.position == "rope":
+            rotary_dim = c.latent.qk_rope_head_dim if c.latent is not None else c.head_dim
+            for kind in dict.fromkeys(c.layer_types):
+                self.ropes[kind] = _RopeTable(c.rope_for(kind).embedding(rotary_dim, c.max_position_embeddings))
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.pos_embed = (LearnedPositionalEmbedding(c.max_position_embeddings, c.hidden_size)
+                          if c.position == "learned" else None)
+        self.embed_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps) if c.embed_norm else None
+        self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t)) for i, t in enumerate(c.layer_types))
+        self.norm = _norm(c, c.hidden_size)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.input_major_weights:
+            _store_wide_weights_input_major(self)
+        self._head_packed: PackedWeight | None = None  # set_gemm("onednn")
+
+    def _positions(self, input_ids: torch.Tensor, attention_mask, positions, cache) -> torch.Tensor | None:
+        B, N = input_ids.shape
+        device = input_ids.device
+        if attention_mask is not None:
+            if positions is not None:
+                raise ValueError("DecoderLM: pass attention_mask or positions, not both (positions are absolute "
+                                 "token positions, -1 on padding; attention_mask is HF's 0/1 padding mask)")
+            past = cache.seq_length if cache is not None else 0
+            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) not in (
+                    (B, past + N),) + (((B, N),) if past == 0 else ()):
+                seen = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+                raise ValueError(f"DecoderLM: attention_mask must be (B, cached + new) = {(B, past + N)} (0 for "
+                                 f"padding, 1 for real tokens, the cached columns first), got {seen}")
+            return positions_from_attention_mask(attention_mask.to(device), N)
+        if positions is not None:
+            return batch_positions(positions, B, N, owner="DecoderLM", device=device)
+        if cache is not None:
+            offset = cache.seq_length
+            return torch.arange(offset, offset + N, device=device).expand(B, N)
+        return None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, cache: AttentionCache | None = None,
+                logits_to_keep: int = 0) -> DecoderOutput:
+        """Logits of the next token at every (or the last ``logits_to_keep``) position.
+
+        Args:
+            input_ids: (B, N) int64 token ids.
+            attention_mask: HF's (B, M) padding mask, 1 for real tokens and 0 for padding (left or right),
+                ``M = N`` without a cache, or the cached columns followed by the new ones. A token's position
+                counts the real tokens before it; padding tokens are never attended. Exclusive with
+                ``positions``.
+            positions: (B, N) or (N,) int64 absolute positions of the new tokens, ``-1`` for padding tokens.
+                Default: ``0 .. N-1``, or continuing from ``cache.seq_length`` with a cache.
+            cache: a :class:`qkv.cache.AttentionCache` (e.g. ``KVCache(model.cache_specs())``), updated in
+                place with this step's keys and values.
+            logits_to_keep: when > 0, only the last that many columns get logits (a prefill for generation
+                needs one).
+
+        Returns:
+            :class:`DecoderOutput` ``(logits (B, N or logits_to_keep, V), cache)``.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            seen = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+                    else type(input_ids).__name__)
+            raise ValueError(f"DecoderLM: input_ids must be an integer tensor (B, N), got {seen}")
+        if cache is not None and type(cache) not in _PROTOCOL_CACHES:
+            _check_cache(cache)
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"DecoderLM: logits_to_keep must be an int >= 0 (0: every position), got "
+                             f"{logits_to_keep!r}")
+        N = input_ids.shape[1]
+        positions = self._positions(input_ids, attention_mask, positions, cache)
+        longest = int(positions.max()) + 1 if positions is not None and positions.numel() else N
+        for table in self.ropes.values():
+            table.reserve(longest)
+        x = self.embed_tokens(input_ids)  # (B, N, d)
+        if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the weights' dtype, as HF does
+            x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
+        if self.pos_embed is not None:
+            pos = positions if positions is not None else torch.arange(N, device=x.device)
+            x = x + self.pos_embed(pos).to(x.dtype)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        step = _Step(positions, cache, N, x.dtype)
+        for layer in self.layers:
+            x = layer(x, step)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        x = self.norm(x)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        logits = gemm_linear(x, head.weight, None, self._head_packed)  # (B, N, V)
+        cap = self.config.final_logit_softcapping
+        return DecoderOutput(logits if cap is None else cap * torch.tanh(logits / cap), cache)
+
+    def set_gemm(self, engine: str) -> None:
+        """``"onednn"``: the LM head multiplies several rows through a packed oneDNN copy (called by
+        :func:`qkv.nn.gemm.use_onednn`, which also swaps the linear layers); ``"blas"``: ``skinny_linear``."""
+        if engine not in ("onednn", "blas"):
+            raise ValueError(f"DecoderLM.set_gemm: engine must be 'onednn' or 'blas', got {engine!r}")
+        self._head_packed = PackedWeight() if engine == "onednn" else None
+
+    def cache_specs(self) -> list[LayerSpec]:
+        """One :mod:`qkv.cache` layer spec per layer."""
+        c = self.config
+        if c.latent is not None:
+            return [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim) for _ in c.layer_types]
+        return [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
+                FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
