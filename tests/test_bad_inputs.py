@@ -255,7 +255,7 @@ def test_cache_refuses_and_changes_nothing(case, storage):
 # ------------------------------------------------------------------------- generate and verify_cache
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from qkv.models.decoder import DecoderConfig, DecoderLM
+    from qkv.nn import DecoderConfig, DecoderLM
 
     torch.manual_seed(0)
     return DecoderLM(DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
