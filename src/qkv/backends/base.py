@@ -78,17 +78,21 @@ def dense_flops(req: Request) -> float:
     return 2.0 * req.B * req.Hq * req.Nq * req.Nk * (req.Dqk + req.Dv)
 
 
-def restore_nonfinite(req: Request, out: torch.Tensor, lse: torch.Tensor | None = None):
+def restore_nonfinite(req: Request, out: torch.Tensor, lse: torch.Tensor | None = None, *, keys: bool = True):
     """Make non-finite inputs propagate as the contract says, for kernels that turn them into zeros.
 
     Some fused kernels (torch's CPU SDPA kernel when a row is shorter than one vector register, Flex on CPU)
     treat a row whose scores are all NaN like a fully masked row and return zeros. The reference gives NaN
     wherever an allowed score is NaN or +inf. The common case costs one sum over q and k and one sync: only
-    when that sum is not finite are the scores recomputed (detached) to find the rows to set to NaN.
+    when that sum is not finite are the scores recomputed (detached) to find the rows to set to NaN. ``keys=False``
+    sums q only (for kernels that drop a NaN score only when every score of the row is NaN, which a NaN key
+    does only with one key).
 
     Returns ``(out, lse)`` with those rows NaN (``lse`` passes through when None).
     """
-    total = req.q.detach().sum(dtype=torch.float32) + req.k.detach().sum(dtype=torch.float32)
+    total = req.q.detach().sum()
+    if keys:
+        total = total + req.k.detach().sum()
     if math.isfinite(float(total)):
         return out, lse
     rows = _nonfinite_rows(req)  # (B, Hq, Nq)

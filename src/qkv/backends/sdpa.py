@@ -77,5 +77,5 @@ class SDPABackend(Backend):
             enable_gqa=req.Hq != req.Hkv,
         )
         if req.Nk < _CPU_NAN_ROWS_BELOW and req.device.type == "cpu":
-            out = restore_nonfinite(req, out)[0]
+            out = restore_nonfinite(req, out, keys=req.Nk == 1)[0]
         return AttentionOutput(out, None)  # type: ignore[arg-type]
