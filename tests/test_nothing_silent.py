@@ -102,7 +102,7 @@ def test_nan_check_runs_only_where_the_cpu_kernel_drops_nan():
 
     calls = []
     real = sdpa_mod.restore_nonfinite
-    sdpa_mod.restore_nonfinite = lambda req, out, lse=None: (calls.append(req.Nk), real(req, out, lse))[1]
+    sdpa_mod.restore_nonfinite = lambda req, out, lse=None, **kw: (calls.append(req.Nk), real(req, out, lse, **kw))[1]
     try:
         for nk in (4, 16, 64):
             x = torch.randn(1, 1, 2, 8)
