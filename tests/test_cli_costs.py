@@ -126,3 +126,9 @@ def test_compare_plot_tells_overlapping_lines_apart_and_labels_the_context_line(
     assert len(looks) == 3, looks
     labels = ax.get_legend_handles_labels()[1]
     assert "context 4,096 tokens" in labels, labels
+
+
+def test_flops_table_columns_all_have_headers():
+    r = run("flops", "llama-3-8b", "--context", "8k")
+    assert r.exit_code == 0, r.output
+    assert "exact count" in r.stdout, r.stdout

@@ -150,7 +150,7 @@ def flops(
     console = Console(soft_wrap=True)
     console.print(_describe(p))
     console.print(f"context {f.context:,} tokens, batch {f.batch}")
-    table = Table("pass", "FLOPs", "", title=None)
+    table = Table("pass", "FLOPs", "exact count", title=None)
     rows = [
         ("prefill (causal prompt)", f.prefill),
         ("prefill, per prompt token", f.prefill / f.context),
