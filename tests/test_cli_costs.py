@@ -110,3 +110,25 @@ def test_help_has_examples(command):
     r = run(command, "--help")
     assert r.exit_code == 0
     assert "Examples" in r.stdout and f"qkv {command}" in r.stdout
+
+
+def test_compare_plot_tells_overlapping_lines_apart_and_labels_the_context_line():
+    pytest.importorskip("matplotlib")
+    from qkv.cli.costs import plot_figure
+
+    p = PRESETS["llama-3-8b"]
+    grid = [1024, 4096, 65536]
+    curve = [kv_cache_memory(p, context=c) for c in grid]
+    fig = plot_figure({"a": curve, "b": list(curve), "c": list(curve)}, 4096)
+    ax = fig.axes[0]
+    lines = [ln for ln in ax.get_lines() if ln.get_label() in ("a", "b", "c")]
+    looks = {(ln.get_linestyle(), ln.get_marker()) for ln in lines}
+    assert len(looks) == 3, looks
+    labels = ax.get_legend_handles_labels()[1]
+    assert "context 4,096 tokens" in labels, labels
+
+
+def test_flops_table_columns_all_have_headers():
+    r = run("flops", "llama-3-8b", "--context", "8k")
+    assert r.exit_code == 0, r.output
+    assert "exact count" in r.stdout, r.stdout

@@ -87,3 +87,32 @@ def test_errors_are_one_line_with_exit_code_2(args, message):
     r = run(*args)
     assert r.exit_code == 2, r.output
     assert message in r.stderr and "Traceback" not in r.output
+
+
+def test_json_holds_the_texts_blank_lines_are_skipped_and_counted():
+    r = run("a cat", "-", input="\n  \nthe dog\n")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["texts"] == ["a cat", "the dog"] and d["count"] == 2
+    assert "skipped 2 blank lines" in r.stderr
+
+
+def test_top_k_reports_the_most_similar_pairs(tmp_path, encoder):
+    texts = ["A man is eating food.", "A man is eating a meal.", "The stock market fell.", "A cat sleeps."]
+    r = run(*texts, "--top-k", "2")
+    assert r.exit_code == 0, r.output
+    pairs = json.loads(r.stdout)["most_similar"]
+    e = encoder.encode(texts)
+    sim = e @ e.T
+    want = sorted(((float(sim[i, j]), i, j) for i in range(4) for j in range(i + 1, 4)), reverse=True)[:2]
+    assert [(p["i"], p["j"]) for p in pairs] == [(i, j) for _, i, j in want]
+    assert abs(pairs[0]["cosine"] - want[0][0]) < 1e-5
+    out = tmp_path / "e.npy"
+    r = run(*texts, "--top-k", "1", "--format", "npy", "--output", str(out))
+    assert r.exit_code == 0 and "cosine" in r.stdout and "A man is eating food." in r.stdout, r.output
+
+
+def test_non_utf8_stdin_is_one_line_error():
+    r = runner.invoke(app, ["embed", "-"], input=b"caf\xe9\n")
+    assert r.exit_code == 2, r.output
+    assert "stdin (-) is not UTF-8" in r.stderr and "Traceback" not in r.output

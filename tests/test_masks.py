@@ -175,8 +175,10 @@ def test_mask_that_does_not_fit_is_refused():
 def test_from_fn_block_map_covers_every_head_and_batch_row():
     """A predicate that reads b and h must not have tiles skipped on the strength of batch 0 / head 0 alone."""
     m = M.from_fn(lambda b, h, q, k: (k <= q) | (h == 1) | (b == 1))
+    before = dict(vars(m))
     m.check(2, 3, 40, 40)
-    bm = m.block_map(40, 40, 8, 8)
+    assert vars(m) == before, "check() must not change the mask"
+    bm = m.block_map(40, 40, 8, 8, B=2, H=3)
     d = m.materialize(2, 3, 40, 40)
     any_, all_ = _tiles(d.any(1), 8, 8)
     assert bm.shape[0] == 2

@@ -110,6 +110,26 @@ def _shape(t: torch.Tensor) -> str:
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
+def _mask_hint(mask) -> str:
+    if isinstance(mask, torch.Tensor):
+        return " (wrap a boolean tensor with qkv.masks.dense(t))"
+    if isinstance(mask, type) and issubclass(mask, Mask) or (callable(mask) and getattr(mask, "__module__", "")
+                                                             .startswith("qkv.masks")):
+        name = getattr(mask, "__name__", "mask")
+        return f" (the function qkv.masks.{name} itself: did you mean {name}()?)"
+    return ""
+
+
+def _check_devices(arg: str, owner, tensors, device: torch.device) -> None:
+    """Every tensor a mask or modifier holds must live on q's device, or on the CPU (masks and modifiers move
+    CPU data to where it is read, gradients included). A meta tensor or another accelerator is refused.
+    Attribute comparisons only: no tensor work per call."""
+    for t in tensors:
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"attention: {arg} {owner!r} holds a tensor on {t.device} but q is on {device}; "
+                             f"build it from tensors on {device} (or move them with .to(q.device))")
+
+
 def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
                   generator=None, sinks=None, layout="bhnd") -> Request:
     """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix.
@@ -138,14 +158,15 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
         _check_scale(scale)
     if mask is not None:
         if not isinstance(mask, Mask):
-            hint = " (wrap a boolean tensor with qkv.masks.dense(t))" if isinstance(mask, torch.Tensor) else ""
-            raise TypeError(f"attention: mask must be a qkv.masks mask, got {type(mask).__name__}{hint}")
+            raise TypeError(f"attention: mask must be a qkv.masks mask, got {type(mask).__name__}{_mask_hint(mask)}")
         mask.check(qs[0], qs[1], qs[2], ks[2])
+        _check_devices("mask", mask, mask.tensors(), q.device)
     mod = None
     if score_mod is not None:
         mod = as_score_mod(score_mod)
         if mod is not None:
             mod.check(qs[0], qs[1], qs[2], ks[2])
+            _check_devices("score_mod", mod, mod.tensors(), q.device)
     if dropout_p != 0.0 or type(dropout_p) is not float:
         if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p!r}")

@@ -163,8 +163,9 @@ class _Step:
         return self.ch.cache[key]
 
     def may_empty(self) -> bool:
-        """Whether some row can have no allowed key in this chunk (only where something is masked)."""
-        return self.ch.partial_width > 0 or self.ch.colvalid is not None
+        """Whether some row can have no allowed key in this chunk: where something is masked, or where a score
+        modifier may give a whole row -inf (an HF-style additive mask), which must read as a fully masked row."""
+        return self.ch.partial_width > 0 or self.ch.colvalid is not None or self.pb.mod is not None
 
     def keep(self) -> torch.Tensor:
         pb = self.pb

@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masks.base import EMPTY, FULL, PARTIAL, Mask, block_counts, classify
-from ..masks.explicit import FromFn
+from ..masks.base import EMPTY, FULL, PARTIAL, Mask
 
 __all__ = ["Chunk", "RowBatch", "Plan", "plan_for", "block_map_for"]
 
@@ -81,20 +80,15 @@ class Plan:
 
 def block_map_for(mask: Mask | None, nq: int, nk: int, bq: int, bk: int, device, *, B: int = 1,
                   H: int = 1) -> torch.Tensor:
-    """``(Bm, TQ, TK)`` int8 tile classes (all FULL without a mask), cached per mask object.
-
-    A mask holding a user predicate (``masks.from_fn``, alone or composed) may read the batch and
-    head index, which the mask's own ``block_map`` does not see; its tiles are classified from the
-    predicate over every (batch, head) of the request instead (B, H)."""
+    """``(Bm, TQ, TK)`` int8 tile classes (all FULL without a mask), cached per mask object and per the
+    (batch rows, heads) of the request that the mask says it reads (``Mask.reads``)."""
     tq, tk = math.ceil(nq / bq), math.ceil(nk / bk)
     if mask is None:
         return torch.full((1, tq, tk), FULL, dtype=torch.int8, device=device)
-    user = _has_user_predicate(mask)
-    key = ("bm", nq, nk, bq, bk, str(device)) + ((B, H) if user else ())
+    key = ("bm", nq, nk, bq, bk, str(device), mask.reads(B, H))
     cache = _cache_of(mask)
     if key not in cache:
-        cache[key] = (_predicate_block_map(mask, B, H, nq, nk, bq, bk, device) if user
-                      else mask.block_map(nq, nk, bq, bk, device=device)[:, 0])
+        cache[key] = mask.block_map(nq, nk, bq, bk, B=B, H=H, device=device)[:, 0]
     return cache[key]
 
 
@@ -109,37 +103,6 @@ def tile_counts(mask: Mask | None, bm: torch.Tensor) -> tuple[int, int]:
         hit = (bm, int((bm != EMPTY).sum()), int((bm == PARTIAL).sum()))
         cache[key] = hit
     return hit[1], hit[2]
-
-
-def _has_user_predicate(mask: Mask) -> bool:
-    if isinstance(mask, FromFn):
-        return True
-    return any(_has_user_predicate(part) for part in (getattr(mask, "a", None), getattr(mask, "b", None))
-               if isinstance(part, Mask))
-
-
-def _predicate_block_map(mask: Mask, B: int, H: int, nq: int, nk: int, bq: int, bk: int, device) -> torch.Tensor:
-    """Tile classes from evaluating the predicate on every (b, h, q, k), a band of query tiles at a
-    time: FULL where every head allows the whole tile, EMPTY where no head allows any of it. One map
-    per batch row when the predicate differs across the batch."""
-    tq = math.ceil(nq / bq)
-    b = torch.arange(B, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, -1, 1, 1)
-    kj = torch.arange(nk, device=device).view(1, 1, 1, -1)
-    band = max(1, (1 << 24) // max(1, B * H * bq * nk))  # query tiles per evaluation
-    full, some = [], []
-    for t0 in range(0, tq, band):
-        qi = torch.arange(t0 * bq, min(nq, (t0 + band) * bq), device=device).view(1, 1, -1, 1)
-        allowed = torch.broadcast_to(mask.allowed(b, h, qi, kj, nq, nk), (B, H, qi.shape[2], nk))
-        full.append(block_counts(allowed.all(1), bq, bk))
-        some.append(block_counts(allowed.any(1), bq, bk))
-    full_c, some_c = torch.cat(full, 1), torch.cat(some, 1)  # [B, TQ, TK] allowed-pair counts
-    q_lo, k_lo = torch.arange(0, nq, bq, device=device), torch.arange(0, nk, bk, device=device)
-    sizes = (torch.clamp(q_lo + bq, max=nq) - q_lo).view(-1, 1) * (torch.clamp(k_lo + bk, max=nk) - k_lo).view(1, -1)
-    out = classify(full_c == sizes, some_c > 0)
-    if B > 1 and bool((out == out[:1]).all()):
-        out = out[:1]
-    return out
 
 
 _mask_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -7,11 +7,15 @@ only the allowed tiles) over a nominal rate, plus a fixed per-call overhead; ``q
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
+
+import torch
 
 from .._request import AttentionOutput, Request
 
-__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "dense_flops"]
+__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "dense_flops", "restore_nonfinite", "format_seconds", "format_size",
+           "format_work"]
 
 #: Nominal matmul rates (FLOP/s) used to turn work into an estimated time; only ratios matter.
 NOMINAL_FLOPS = {"cpu": 1.0e11, "cuda": 2.0e14}
@@ -24,7 +28,31 @@ class Estimate(NamedTuple):
     note: str
 
     def __str__(self) -> str:
-        return f"~{self.seconds * 1e3:.3g} ms ({self.note})"
+        return f"~{format_seconds(self.seconds)} ({self.note})"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in the unit that keeps 1-999 of it: ``'12.3 us'``, ``'4.5 ms'``, ``'40 s'``, ``'2.1 h'``."""
+    for unit, size in (("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def format_size(num_bytes: float) -> str:
+    """Bytes with a decimal prefix: ``'512 B'``, ``'4.19 MB'``."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.3g} {unit}"
+    return f"{num_bytes:.3g} B"
+
+
+def format_work(flops: float) -> str:
+    """A FLOP count with a decimal prefix: ``'307 kFLOP'``, ``'1.2 GFLOP'``."""
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= size:
+            return f"{flops / size:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
 
 
 class Backend:
@@ -52,3 +80,46 @@ class Backend:
 def dense_flops(req: Request) -> float:
     """FLOPs of the two attention matmuls over every (query, key) pair."""
     return 2.0 * req.B * req.Hq * req.Nq * req.Nk * (req.Dqk + req.Dv)
+
+
+def restore_nonfinite(req: Request, out: torch.Tensor, lse: torch.Tensor | None = None, *, keys: bool = True):
+    """Make non-finite inputs propagate as the contract says, for kernels that turn them into zeros.
+
+    Some fused kernels (torch's CPU SDPA kernel when a row is shorter than one vector register, Flex on CPU)
+    treat a row whose scores are all NaN like a fully masked row and return zeros. The reference gives NaN
+    wherever an allowed score is NaN or +inf. The common case costs one sum over q and k and one sync: only
+    when that sum is not finite are the scores recomputed (detached) to find the rows to set to NaN. ``keys=False``
+    sums q only (for kernels that drop a NaN score only when every score of the row is NaN, which a NaN key
+    does only with one key).
+
+    Returns ``(out, lse)`` with those rows NaN (``lse`` passes through when None).
+    """
+    total = req.q.detach().sum()
+    if keys:
+        total = total + req.k.detach().sum()
+    if math.isfinite(float(total)):
+        return out, lse
+    rows = _nonfinite_rows(req)  # (B, Hq, Nq)
+    if not bool(rows.any()):
+        return out, lse
+    out = out.masked_fill(rows.unsqueeze(-1), float("nan"))
+    return out, (None if lse is None else lse.masked_fill(rows, float("nan")))
+
+
+def _nonfinite_rows(req: Request) -> torch.Tensor:
+    """Query rows with an allowed score that is NaN or +inf, (B, Hq, Nq) bool."""
+    acc = torch.float64 if req.dtype == torch.float64 else torch.float32
+    B, Hq, Nq, D = req.q.shape
+    Hkv, Nk = req.Hkv, req.Nk
+    q = req.q.detach().to(acc).reshape(B, Hkv, req.group * Nq, D)  # query head h reads kv head h // group
+    s = (req.scale * (q @ req.k.detach().to(acc).transpose(-1, -2))).view(B, Hq, Nq, Nk)
+    dev = s.device
+    b, h = torch.arange(B, device=dev).view(-1, 1, 1, 1), torch.arange(Hq, device=dev).view(1, -1, 1, 1)
+    qi, kj = torch.arange(Nq, device=dev).view(1, 1, -1, 1), torch.arange(Nk, device=dev).view(1, 1, 1, -1)
+    if req.score_mod is not None:
+        with torch.no_grad():
+            s = req.score_mod.apply(s, b, h, qi, kj, Nq, Nk)
+    bad = torch.isnan(s) | torch.isposinf(s)
+    if req.mask is not None:
+        bad = bad & req.mask.dense(B, Hq, Nq, Nk, device=dev)
+    return torch.broadcast_to(bad, (B, Hq, Nq, Nk)).any(-1)

@@ -75,7 +75,7 @@ from .._request import AttentionOutput, Request
 from ..masks.base import EMPTY, FULL, PARTIAL, Mask
 from ..mods.base import ScoreMod
 from . import state_changed
-from .base import NOMINAL_FLOPS, Backend, Estimate
+from .base import NOMINAL_FLOPS, Backend, Estimate, restore_nonfinite
 
 __all__ = ["FlexBackend", "to_block_mask", "BLOCK_SIZE"]
 
@@ -98,7 +98,7 @@ _compiled: set[tuple] = set()
 
 # --------------------------------------------------------------------------- lowering
 def to_block_mask(mask: Mask | None, nq: int, nk: int, *, device=None, block_size=BLOCK_SIZE,
-                  with_q_blocks: bool = False):
+                  with_q_blocks: bool = False, B: int | None = None, H: int | None = None):
     """The Flex ``BlockMask`` of ``mask`` from its analytic block map; never evaluates ``allowed``.
 
     Args:
@@ -107,6 +107,8 @@ def to_block_mask(mask: Mask | None, nq: int, nk: int, *, device=None, block_siz
         nq, nk: query and key lengths.
         block_size: (rows, columns) of a tile, Flex's ``BLOCK_SIZE``.
         with_q_blocks: also build the transposed (query-major) indices that Flex's backward reads.
+        B, H: the request's batch size and query heads (a user predicate may read ``b`` and ``h``; the block
+            map then covers every row and head the mask reads).
 
     Returns:
         ``BlockMask`` with ``kv_num_blocks`` (Bm, 1, TQ) int32, ``kv_indices`` (Bm, 1, TQ, TK) int32 for
@@ -118,7 +120,7 @@ def to_block_mask(mask: Mask | None, nq: int, nk: int, *, device=None, block_siz
     if mask is None:
         states = torch.full((1, 1, math.ceil(nq / bq), math.ceil(nk / bk)), FULL, dtype=torch.int8, device=device)
     else:
-        states = mask.block_map(nq, nk, bq, bk, device=device)  # (Bm, 1, TQ, TK)
+        states = mask.block_map(nq, nk, bq, bk, B=B, H=H, device=device)  # (Bm, 1, TQ, TK)
     kv_num, kv_idx = _ordered(states == PARTIAL)
     full_num, full_idx = _ordered(states == FULL)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bq, bk),
@@ -323,7 +325,8 @@ class FlexBackend(Backend):
         dev = req.device.type
         rate = NOMINAL_FLOPS.get(dev, NOMINAL_FLOPS["cpu"])
         bq, bk = BLOCK_SIZE
-        states = None if req.mask is None else req.mask.block_map(req.Nq, req.Nk, bq, bk, device=req.device)
+        states = None if req.mask is None else req.mask.block_map(req.Nq, req.Nk, bq, bk, B=req.B, H=req.Hq,
+                                                                       device=req.device)
         tiles = math.ceil(req.Nq / bq) * math.ceil(req.Nk / bk)
         if states is None:
             full, partial = float(tiles * req.B), 0.0
@@ -352,7 +355,8 @@ class FlexBackend(Backend):
             raise RuntimeError(f"attention: backend 'flex' cannot run: {problem}")
         from torch._dynamo import config as dynamo_config
 
-        block_mask = to_block_mask(req.mask, req.Nq, req.Nk, device=req.device, with_q_blocks=req.requires_grad)
+        block_mask = to_block_mask(req.mask, req.Nq, req.Nk, device=req.device, with_q_blocks=req.requires_grad,
+                                   B=req.B, H=req.Hq)
         score_mod = None if req.score_mod is None else _score_mod(req.score_mod, req.Nq, req.Nk)
         want_lse = req.device.type != "cpu"  # CPU has none (declined); CUDA uses it to zero empty rows
         sig = _signature(req)
@@ -372,10 +376,10 @@ class FlexBackend(Backend):
         if sig not in _compiled:
             _compiled.add(sig)
             state_changed()  # this signature's estimate no longer pays compile time
-        if not want_lse:
-            return AttentionOutput(result, None)  # type: ignore[arg-type]
+        if not want_lse:  # Flex on CPU returns zeros for a row of NaN scores: the contract wants NaN
+            return AttentionOutput(restore_nonfinite(req, result)[0], None)  # type: ignore[arg-type]
         out, aux = result
         lse = getattr(aux, "lse", aux)  # (B, Hq, Nq) float32, natural log
         out = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros((), dtype=out.dtype, device=out.device),
                           out)
-        return AttentionOutput(out, lse)
+        return AttentionOutput(*restore_nonfinite(req, out, lse))

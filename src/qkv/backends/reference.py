@@ -14,7 +14,7 @@ import torch
 
 from .._dropout import draw_seed, keep_mask
 from .._request import AttentionOutput, Request
-from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops
+from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size
 
 __all__ = ["ReferenceBackend", "reference_attention"]
 
@@ -78,7 +78,7 @@ class ReferenceBackend(Backend):
         rate = NOMINAL_FLOPS.get(req.device.type, NOMINAL_FLOPS["cpu"]) / 4  # eager softmax passes over N^2
         score_bytes = 4.0 * req.B * req.Hq * req.Nq * req.Nk
         return Estimate(dense_flops(req) / rate + score_bytes / 2e10,
-                        f"dense, materializes {score_bytes / 1e6:.3g} MB of scores")
+                        f"dense, materializes {format_size(score_bytes)} of scores")
 
     def run(self, req: Request) -> AttentionOutput:
         return reference_attention(req)

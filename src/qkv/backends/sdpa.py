@@ -22,9 +22,14 @@ import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request
 from ..masks.causal import Causal
-from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops
+from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size, restore_nonfinite
 
 __all__ = ["SDPABackend"]
+
+#: Below this many keys torch's CPU kernel reduces a score row within one vector register, where a NaN
+#: score is dropped and the row returns zeros like a fully masked one (seen up to 7 keys in float32 with
+#: AVX2, reported up to 15 with AVX-512). Only these calls pay the non-finite check.
+_CPU_NAN_ROWS_BELOW = 16
 
 
 def _is_causal_flag(req: Request) -> bool:
@@ -84,7 +89,7 @@ class SDPABackend(Backend):
         mask_bytes = req.Nq * req.Nk * (4 if req.score_mod is not None or req.sinks is not None else 1) * (
             req.B if (req.mask is not None and req.mask.batch) else 1)
         return Estimate(flops / rate + mask_bytes / 1e10,
-                        f"fused kernel over all pairs, materializes a {mask_bytes / 1e6:.3g} MB mask")
+                        f"fused kernel over all pairs, materializes a {format_size(mask_bytes)} mask")
 
     def run(self, req: Request) -> AttentionOutput:
         if req.sinks is not None:
@@ -105,6 +110,8 @@ class SDPABackend(Backend):
             req.q, req.k, req.v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale,
             enable_gqa=req.Hq != req.Hkv,
         )
+        if req.Nk < _CPU_NAN_ROWS_BELOW and req.device.type == "cpu":
+            out = restore_nonfinite(req, out, keys=req.Nk == 1)[0]
         return AttentionOutput(out, None)  # type: ignore[arg-type]
 
 

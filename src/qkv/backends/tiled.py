@@ -51,7 +51,7 @@ from .._request import AttentionOutput, Request
 from .._sinks import apply_sinks
 from ._tiled_kernel import Problem, backward_slice, forward_slice, pad_keys, pad_rows, unpad_rows
 from ._tiled_plan import Plan, block_map_for, plan_for, tile_counts
-from .base import NOMINAL_FLOPS, Backend, Estimate
+from .base import NOMINAL_FLOPS, Backend, Estimate, format_work
 
 __all__ = ["TiledBackend", "TiledConfig", "TiledStats"]
 
@@ -106,6 +106,14 @@ def default_config(req: Request) -> TiledConfig:
     return TiledConfig(bq, bk, chunk, budget)
 
 
+def _scores_surely_finite(req: Request, acc: torch.dtype) -> bool:
+    bound = abs(req.scale) * req.Dqk
+    for t in (req.q, req.k):
+        lo, hi = torch.aminmax(t.detach())
+        bound *= float(torch.maximum(hi, -lo))  # NaN stays NaN
+    return math.isfinite(bound) and bound < torch.finfo(acc).max / 4
+
+
 class _Spec:
     """Everything about a run except the tensors (shared by forward and backward)."""
 
@@ -124,10 +132,10 @@ class _Spec:
             return
         self.bm = block_map_for(self.mask, self.nq, self.nk, cfg.block_q, cfg.block_k, self.device, B=self.B,
                                 H=self.Hq)
-        # Finite q and k (and no modifier) give finite scores, which masking may hide by adding -inf.
-        # A sum is one cheap pass; it is non-finite if any input is (or, harmlessly, if it overflows).
-        total = float(req.q.detach().sum()) + float(req.k.detach().sum())
-        self.fill_masked = self.mod is not None or not math.isfinite(total)
+        # Scores that are finite everywhere may be masked by adding -inf; otherwise masked scores are filled, so an
+        # inf (q.k overflowing at a masked-out pair) or NaN there never reaches the softmax. |scale * q.k| is at
+        # most scale * D * max|q| * max|k|: one min/max pass per input bounds every score (NaN makes it NaN).
+        self.fill_masked = self.mod is not None or not _scores_surely_finite(req, self.acc)
 
     def slices(self):
         """(batch slice, plan) pairs: one slice for all of B, or one per batch row when the block map
@@ -248,6 +256,9 @@ class TiledBackend(Backend):
         return self.config if self.config is not None else default_config(req)
 
     def decline(self, req: Request) -> str | None:
+        if req.device.type == "meta":
+            return ("meta tensors hold no values, and the tiled schedule reads them (to bound the scores); "
+                    "backend='reference' propagates shapes on meta tensors")
         return None
 
     def estimate(self, req: Request) -> Estimate:
@@ -268,7 +279,7 @@ class TiledBackend(Backend):
         seconds = (flops / rate + elem * (pairs * _PAIR_SECONDS + partial_pairs * _PARTIAL_PAIR_SECONDS)
                    + steps * _STEP_SECONDS + _CALL_SECONDS)
         return Estimate(seconds, f"{visited}/{bm.numel()} tiles of {cfg.block_q}x{cfg.block_k} ({partial} partial), "
-                                 f"{flops / 1e9:.3g} GFLOP on visited tiles, ~{int(steps)} steps")
+                                 f"{format_work(flops)} on visited tiles, ~{int(steps)} steps")
 
     def run(self, req: Request) -> AttentionOutput:
         cfg = self.config_for(req) if req.Nq and req.Nk else TiledConfig(1, 1, 1)

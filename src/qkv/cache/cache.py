@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from ..pos.ids import batch_positions
+from .order import PositionOrder
 from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CachePolicy, CacheView, HasCacheSpecs, LatentView, Quantizer, RopeFn
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec
@@ -132,6 +133,7 @@ class KVCache:
         self._layers = [_Layer(s, self._make_store(i, s), f"layer {i} ({type(s).__name__})")
                         for i, s in enumerate(self.specs)]
         self._cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._order = PositionOrder()
 
     def _make_store(self, i: int, spec: LayerSpec) -> Store | None:
         name = f"layer {i}"
@@ -174,6 +176,7 @@ class KVCache:
         layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec, SinkSpec), "update")
         spec = layer.spec
         pos = self._check_step(layer, k, v, positions, spec.n_kv_heads, spec.head_dim, spec.dv)
+        self._order.check(positions, pos)
         k, v = self._cast(k), self._cast(v)
         if isinstance(layer.store, RopeStore):
             k_all, v_all, kv_pos, q_pos = layer.store.write_rope(k, v, pos, rope)
@@ -225,6 +228,7 @@ class KVCache:
                              f"on (B, N)")
         k, v = c_kv.unsqueeze(1), k_rope.unsqueeze(1)
         pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.qk_rope_head_dim)
+        self._order.check(positions, pos, owner="update_latent")
         k, v = self._cast(k), self._cast(v)
         if rope is not None:
             v = rope(v, pos.clamp_min(0))
@@ -304,6 +308,7 @@ class KVCache:
             raise ValueError(f"crop({length}): cannot drop {n} slots; nothing was changed. " + "; ".join(problems))
         if self._manager is not None:
             self._manager.drop_last(n)
+        self._order.forget()
         for lay in self._layers:
             if lay.store is not None:
                 lay.store.drop_last(n)
@@ -319,6 +324,7 @@ class KVCache:
         if B is not None and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= B):
             raise ValueError(f"reorder(beam_idx): indices must lie in [0, {B}), got {idx.tolist()}")
         idx = idx.to(torch.int64)
+        self._order.forget()
         if self._manager is not None:
             self._manager.reorder(idx.tolist())
         dev_idx = idx.to(self._device) if self._device is not None else idx
@@ -345,6 +351,7 @@ class KVCache:
                     lay.store = self._make_store(self._layers.index(lay), lay.spec)
                 lay.last_view = None
             self._cross = {}
+            self._order.forget()
             return
         self._build()
 

@@ -293,8 +293,8 @@ class QuantStore(Store):
         return (kc * ks + kz).to(dtype), (vc * vs + vz).to(dtype)
 
     def write(self, k, v, pos):
-        if self.rk is None:
-            self.rk, self.rv, self.rpos = k, v, pos
+        if self.rk is None:  # copies: the caller may reuse its buffers in place (decode loops, CUDA graphs)
+            self.rk, self.rv, self.rpos = k.clone(), v.clone(), pos.clone()
         else:
             self.rk, self.rv = torch.cat([self.rk, k], dim=2), torch.cat([self.rv, v], dim=2)
             self.rpos = torch.cat([self.rpos, pos], dim=1)

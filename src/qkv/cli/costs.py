@@ -29,7 +29,7 @@ from qkv.costs import (
     parse_context,
 )
 
-__all__ = ["register"]
+__all__ = ["register", "plot_figure"]
 
 _PRESET_HELP = "A preset name (llama-3-70b, gemma-3-27b, deepseek-v2, ...) or the path of a HF config.json."
 _Context = Annotated[
@@ -170,7 +170,7 @@ def flops(
     console.print(f"context {f.context:,} tokens, batch {f.batch}; one score matrix holds N^2 = {scores:,} "
                   "elements per head and sequence")
     if m is None:
-        table = Table("pass", "attention FLOPs", "")
+        table = Table("pass", "attention FLOPs", "exact count")
         rows = [
             ("prefill (causal prompt)", f.prefill),
             ("prefill, per prompt token", f.prefill / f.context),
@@ -200,17 +200,27 @@ def flops(
 
 
 def _plot(memories: dict[str, list[KVMemory]], context: int, path: Path) -> None:
+    plot_figure(memories, context).savefig(path, dpi=120)
+
+
+def plot_figure(memories: dict[str, list[KVMemory]], context: int):
+    """The KV-cache-vs-context figure (a matplotlib ``Figure``) of ``qkv compare --plot``."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.add_subplot()
-    for name, ms in memories.items():
-        ax.plot([m.context for m in ms], [m.total_bytes / GB for m in ms], label=name)
+    # Models with the same cache per token draw the same line: distinct styles and sparse markers keep each visible.
+    styles = ("-", "--", "-.", ":")
+    markers = ("o", "s", "^", "D", "v", "P", "X", "*")
+    for i, (name, ms) in enumerate(memories.items()):
+        ax.plot([m.context for m in ms], [m.total_bytes / GB for m in ms], label=name,
+                linestyle=styles[i % len(styles)], marker=markers[i % len(markers)], markevery=(i % 8, 8),
+                markersize=4, linewidth=1.5 + 0.5 * (i % 2))
     for g in DEVICE_GB:
         ax.axhline(g, color="grey", linestyle=":", linewidth=1)
         ax.annotate(f"{g} GB", (1024, g), xytext=(2, 2), textcoords="offset points", fontsize=8)
-    ax.axvline(context, color="black", linestyle="--", linewidth=1)
+    ax.axvline(context, color="black", linestyle=(0, (6, 3)), linewidth=1, label=f"context {context:,} tokens")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     tokens = FuncFormatter(lambda x, _: f"{x / 1024:g}k" if x < 2**20 else f"{x / 2**20:g}M")
@@ -220,7 +230,7 @@ def _plot(memories: dict[str, list[KVMemory]], context: int, path: Path) -> None
            title=f"KV cache vs context: batch {first.batch}, {first.dtype}")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def compare(

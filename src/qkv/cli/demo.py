@@ -146,7 +146,7 @@ def step_embed() -> dict:
     enc = SentenceEncoder.from_pretrained(path)
     emb = enc.encode(list(SENTENCES))
     sim = emb @ emb.T
-    table = Table("", *[f"s{i}" for i in range(len(SENTENCES))])
+    table = Table("sentence", *[f"s{i}" for i in range(len(SENTENCES))])
     for i, row in enumerate(sim.tolist()):
         table.add_row(f"s{i}: {SENTENCES[i][:40]}", *[f"{x:.2f}" for x in row])
     console.print(table)

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["register", "read_texts", "PROGRESS_THRESHOLD"]
+__all__ = ["register", "read_texts", "drop_blank", "most_similar", "PROGRESS_THRESHOLD"]
 
 #: Inputs of at least this many texts show a progress bar unless ``--no-progress``.
 PROGRESS_THRESHOLD = 512
@@ -39,17 +39,45 @@ def read_texts(texts: list[str], file: Path | None, stdin=None) -> list[str]:
     out: list[str] = []
     for t in texts:
         if t == "-":
-            out.extend((stdin or sys.stdin).read().splitlines())
+            out.extend(_decoded((stdin or sys.stdin), "stdin (-)").splitlines())
         else:
             out.append(t)
     if file is not None:
         if not file.is_file():
             raise FileNotFoundError(f"--file {file}: no such file")
-        out.extend(file.read_text(encoding="utf-8").splitlines())
+        with open(file, encoding="utf-8") as f:
+            out.extend(_decoded(f, f"--file {file}").splitlines())
     if not out:
         raise ValueError("nothing to embed: give texts as arguments, --file PATH (one text per line), or - to read "
                          "stdin")
     return out
+
+
+def _decoded(stream, what: str) -> str:
+    try:
+        return stream.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start}); convert it first, e.g. "
+                         "iconv -f LATIN1 -t UTF-8") from None
+
+
+def drop_blank(texts: list[str]) -> tuple[list[str], int]:
+    """The texts without blank (empty or whitespace-only) lines, and how many were dropped."""
+    kept = [t for t in texts if t.strip()]
+    return kept, len(texts) - len(kept)
+
+
+def most_similar(vectors, k: int) -> list[tuple[int, int, float]]:
+    """The ``k`` pairs ``(i, j, cosine)`` with ``i < j`` of highest cosine similarity, best first."""
+    import torch
+
+    n = vectors.shape[0]
+    unit = torch.nn.functional.normalize(vectors.float(), dim=-1)
+    sim = unit @ unit.T
+    i, j = torch.triu_indices(n, n, offset=1)
+    vals = sim[i, j]
+    top = torch.topk(vals, min(k, vals.numel())).indices
+    return [(int(i[t]), int(j[t]), float(vals[t])) for t in top]
 
 
 def _model_path(model: str | None) -> tuple[Path, str]:
@@ -84,6 +112,8 @@ def embed(
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress",
                                                   help=f"Progress bar on stderr (default: from "
                                                        f"{PROGRESS_THRESHOLD} texts).")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Also report the N most similar pairs "
+                                                                     "(cosine similarity).")] = None,
 ) -> None:
     """Embed texts with a sentence-transformers model running on qkv: mean-pooled, L2-normalized vectors.
 
@@ -94,6 +124,12 @@ def embed(
         qkv embed --file corpus.txt --format npy --output corpus.npy --batch-size 128
 
         cat corpus.txt | qkv embed - > corpus.json
+
+        qkv embed --file faq.txt --output faq.npy --format npy --top-k 5
+
+    Blank input lines are skipped (their count goes to stderr). The JSON output holds the texts with their
+    embeddings, and with --top-k the most similar pairs ("most_similar"); with --output the pairs also print
+    as a table.
     """
     with _friendly():
         if fmt not in _FORMATS:
@@ -104,7 +140,11 @@ def embed(
             from qkv import backends
 
             backends.get(backend)  # an unknown name raises, listing the valid ones
-        items = read_texts(texts or [], file)
+        items, blank = drop_blank(read_texts(texts or [], file))
+        if blank:
+            typer.echo(f"skipped {blank} blank line{'s' if blank != 1 else ''}", err=True)
+        if not items:
+            raise ValueError("nothing to embed: every input line is blank")
         path, name = _model_path(model)
 
         from qkv.models.embed import DEFAULT_BATCH_SIZE, SentenceEncoder
@@ -122,10 +162,24 @@ def embed(
                 vectors = encoder.encode(items, progress=lambda n: bar.advance(task, n), **kw)
         else:
             vectors = encoder.encode(items, **kw)
-        _write(vectors, fmt, output, model=name, normalized=encoder.normalize)
+        pairs = most_similar(vectors, top_k) if top_k else None
+        _write(vectors, fmt, output, model=name, normalized=encoder.normalize, texts=items, pairs=pairs)
+        if pairs is not None and output is not None:
+            _print_pairs(pairs, items)
 
 
-def _write(vectors, fmt: str, output: Path | None, *, model: str, normalized: bool) -> None:
+def _print_pairs(pairs, texts) -> None:
+    typer.echo(f"{'cosine':>7}  {'i':>5}  {'j':>5}  text i | text j")
+    for i, j, c in pairs:
+        typer.echo(f"{c:7.4f}  {i:5d}  {j:5d}  {_short(texts[i])} | {_short(texts[j])}")
+
+
+def _short(t: str, n: int = 40) -> str:
+    return t if len(t) <= n else t[: n - 3] + "..."
+
+
+def _write(vectors, fmt: str, output: Path | None, *, model: str, normalized: bool, texts: list[str],
+           pairs=None) -> None:
     if fmt == "npy":
         import numpy as np
 
@@ -134,7 +188,9 @@ def _write(vectors, fmt: str, output: Path | None, *, model: str, normalized: bo
         typer.echo(f"wrote {vectors.shape[0]} x {vectors.shape[1]} float32 to {output}", err=True)
         return
     payload = {"model": model, "dimension": vectors.shape[1], "normalized": normalized, "count": vectors.shape[0],
-               "embeddings": vectors.tolist()}
+               "texts": texts, "embeddings": vectors.tolist()}
+    if pairs is not None:
+        payload["most_similar"] = [{"i": i, "j": j, "cosine": c} for i, j, c in pairs]
     text = json.dumps(payload)
     if output is None:
         typer.echo(text)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .layout import load_hf_config, read_layout
+from .config_file import check_layout_fields, read_json_config
+from .layout import read_layout
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
 
@@ -315,9 +316,10 @@ def preset_from_hf_config(
     source = "HF config dict"
     if not isinstance(config, Mapping):
         path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
-        config = load_hf_config(path)
+        config = read_json_config(path)
         source = f"HF config {path}"
         name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+    check_layout_fields(config, source)
     try:
         layout = read_layout(config)
     except ValueError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DTYPE_BYTES", "GB", "GiB", "format_bytes", "format_flops", "parse_context", "parse_dtype"]
+__all__ = ["DTYPE_BYTES", "GB", "GiB", "MAX_CONTEXT", "format_bytes", "format_flops", "parse_context", "parse_dtype"]
 
 GB = 10**9
 GiB = 2**30
@@ -28,9 +28,12 @@ _DTYPE_ALIASES = {
 
 _CONTEXT_RE = re.compile(r"(\d+(?:\.\d+)?)([kKmM]?)")
 _MULTIPLIER = {"": 1, "k": 1024, "m": 1024**2}
+#: The longest context parsed (2**40 tokens): one rule for every spelling, so ``99999999999999999999999M`` is
+#: refused like ``1e30``.
+MAX_CONTEXT = 2**40
 _CONTEXT_FORMS = (
     "a positive integer (131072, 131_072, 131,072) or a number with a binary suffix "
-    "k = 1024 or M = 1024**2 (128k = 131072, 1.5k = 1536, 1M = 1048576)"
+    "k = 1024 or M = 1024**2 (128k = 131072, 1.5k = 1536, 1M = 1048576), at most 2**40 tokens"
 )
 
 
@@ -52,7 +55,7 @@ def parse_context(text: str | int) -> int:
         (131072, 128000, 2048)
     """
     if isinstance(text, int) and not isinstance(text, bool):
-        if text > 0:
+        if 0 < text <= MAX_CONTEXT:
             return text
     elif isinstance(text, str):
         m = _CONTEXT_RE.fullmatch(text.strip().replace("_", "").replace(",", ""))
@@ -62,7 +65,7 @@ def parse_context(text: str | int) -> int:
             whole, _, frac = number.partition(".")
             # Exact integer arithmetic: "1.5k" is 15 * 1024 / 10, refused unless it divides evenly.
             num, den = int(whole + frac) * mult, 10 ** len(frac)
-            if num > 0 and num % den == 0:
+            if num > 0 and num % den == 0 and num // den <= MAX_CONTEXT:
                 return num // den
     raise ValueError(f"context length {text!r} not understood; use {_CONTEXT_FORMS}")
 

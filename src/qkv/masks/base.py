@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Mask", "EMPTY", "PARTIAL", "FULL", "And", "Or", "Not"]
+__all__ = ["Mask", "EMPTY", "PARTIAL", "FULL", "And", "Or", "Not", "predicate_block_map",
+           "block_map_from_dense"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -63,9 +64,26 @@ class Mask:
         """Vectorized predicate over broadcastable int64 index tensors; returns a bool tensor."""
         raise NotImplementedError
 
+    # ----------------------------------------------------------------- what the mask reads
+    #: Whether the predicate looks at the head index (lets ``dense`` keep H = 1 otherwise).
+    depends_on_head: bool = False
+    #: Whether the predicate tells batch rows apart beyond the per-row data it carries (``batch``): a user
+    #: predicate may read ``b`` directly, so its views and block maps need the request's batch size.
+    depends_on_batch: bool = False
+
+    def reads(self, B: int, H: int) -> tuple[int, int]:
+        """(batch rows, heads) of a (B, H) request that the predicate can tell apart; every view and block
+        map evaluates exactly these (1 where the mask is the same for all)."""
+        rows = B if self.depends_on_batch else (self.batch or 1)
+        return rows, (H if self.depends_on_head else 1)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the mask holds (checked against the request's device; CPU data is moved as needed)."""
+        return ()
+
     # ----------------------------------------------------------------- derived views
     def check(self, B: int, H: int, nq: int, nk: int) -> None:
-        """Raise ``ValueError`` when the mask cannot apply to a (B, H, nq, nk) problem."""
+        """Raise ``ValueError`` when the mask cannot apply to a (B, H, nq, nk) problem. Changes nothing."""
         if self.batch is not None and self.batch not in (1, B):
             raise ValueError(
                 f"mask: {self!r} carries data for batch {self.batch} but q has batch {B}; "
@@ -79,8 +97,7 @@ class Mask:
     def dense(self, B: int, H: int, nq: int, nk: int, device=None) -> torch.Tensor:
         """Dense boolean with the smallest broadcastable shape ``(B or 1, H or 1, nq, nk)``."""
         self.check(B, H, nq, nk)
-        bsz = self.batch or 1
-        hs = H if self.depends_on_head else 1
+        bsz, hs = self.reads(B, H)
         b = torch.arange(bsz, device=device).view(-1, 1, 1, 1)
         h = torch.arange(hs, device=device).view(1, -1, 1, 1)
         qi = torch.arange(nq, device=device).view(1, 1, -1, 1)
@@ -88,26 +105,27 @@ class Mask:
         out = self.allowed(b, h, qi, kj, nq, nk)
         return torch.broadcast_to(out, (bsz, hs, nq, nk))
 
-    #: Whether the predicate looks at the head index (lets ``dense`` keep H = 1 otherwise).
-    depends_on_head: bool = False
-
     def block_map(self, nq: int, nk: int, block_q: int = 128, block_k: int = 128, *, B: int | None = None,
-                  device=None) -> torch.Tensor:
+                  H: int | None = None, device=None) -> torch.Tensor:
         """Tile classes ``(Bm, 1, TQ, TK)`` int8 with values EMPTY / PARTIAL / FULL.
 
-        ``Bm`` is 1 unless the mask carries per-batch data. Tiles at the ragged end (when the block
-        does not divide the length) cover only the valid rows/columns.
+        A tile is FULL only when every head the mask reads allows all of it, EMPTY only when no head allows
+        any of it. ``Bm`` is 1 unless the mask differs across batch rows. ``B`` and ``H`` are the request's
+        batch size and head count (a user predicate may read ``b`` and ``h``). Tiles at the ragged end (when
+        the block does not divide the length) cover only the valid rows/columns.
         """
         if block_q <= 0 or block_k <= 0:
             raise ValueError(f"block_map: block sizes must be positive, got block_q={block_q}, block_k={block_k}")
         if B is not None and self.batch is not None and self.batch not in (1, B):
             raise ValueError(f"block_map: {self!r} carries data for batch {self.batch}, not {B}")
-        bm = self._block_map(nq, nk, block_q, block_k, device)
+        bm = self._block_map(nq, nk, block_q, block_k, device, B or (self.batch or 1), H or 1)
         return bm.view(bm.shape[0] if bm.dim() == 3 else 1, 1, *bm.shape[-2:])
 
-    def _block_map(self, nq: int, nk: int, bq: int, bk: int, device) -> torch.Tensor:
-        """Default: evaluate every element (for masks with no exploitable structure)."""
-        return _block_map_from_dense(self.dense(self.batch or 1, 1, nq, nk, device=device)[:, 0], bq, bk)
+    def _block_map(self, nq: int, nk: int, bq: int, bk: int, device, B: int = 1, H: int = 1) -> torch.Tensor:
+        """Default (for masks with no exploitable structure): evaluate every pair of every batch row and head
+        the mask reads, a band of query tiles at a time; (Bm, TQ, TK)."""
+        rows, heads = self.reads(B, H)
+        return predicate_block_map(self, rows, heads, nq, nk, bq, bk, device)
 
     def sparsity(self, nq: int, nk: int, *, B: int | None = None) -> float:
         """Fraction of (query, key) pairs that are masked out (0 = dense, 1 = nothing allowed)."""
@@ -161,14 +179,18 @@ class _Combined(Mask):
         self.a, self.b = a, b
         self.batch = _merge_batch((a, b))
         self.depends_on_head = a.depends_on_head or b.depends_on_head
+        self.depends_on_batch = a.depends_on_batch or b.depends_on_batch
+
+    def tensors(self):
+        return self.a.tensors() + self.b.tensors()
 
     def check(self, B, H, nq, nk):
         self.a.check(B, H, nq, nk)
         self.b.check(B, H, nq, nk)
 
-    def _both_maps(self, nq, nk, bq, bk, device):
-        ma = self.a._block_map(nq, nk, bq, bk, device)
-        mb = self.b._block_map(nq, nk, bq, bk, device)
+    def _both_maps(self, nq, nk, bq, bk, device, B, H):
+        ma = self.a._block_map(nq, nk, bq, bk, device, B, H)
+        mb = self.b._block_map(nq, nk, bq, bk, device, B, H)
         return torch.broadcast_tensors(_as3(ma), _as3(mb))
 
 
@@ -180,8 +202,8 @@ class And(_Combined):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return self.a.allowed(b, h, q_idx, kv_idx, nq, nk) & self.b.allowed(b, h, q_idx, kv_idx, nq, nk)
 
-    def _block_map(self, nq, nk, bq, bk, device):
-        ma, mb = self._both_maps(nq, nk, bq, bk, device)
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
+        ma, mb = self._both_maps(nq, nk, bq, bk, device, B, H)
         return torch.minimum(ma, mb)  # EMPTY < PARTIAL < FULL: the weaker tile wins
 
     def __repr__(self):
@@ -192,8 +214,8 @@ class Or(_Combined):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return self.a.allowed(b, h, q_idx, kv_idx, nq, nk) | self.b.allowed(b, h, q_idx, kv_idx, nq, nk)
 
-    def _block_map(self, nq, nk, bq, bk, device):
-        ma, mb = self._both_maps(nq, nk, bq, bk, device)
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
+        ma, mb = self._both_maps(nq, nk, bq, bk, device, B, H)
         return torch.maximum(ma, mb)  # the stronger tile wins
 
     def __repr__(self):
@@ -205,6 +227,10 @@ class Not(Mask):
         self.a = a
         self.batch = a.batch
         self.depends_on_head = a.depends_on_head
+        self.depends_on_batch = a.depends_on_batch
+
+    def tensors(self):
+        return self.a.tensors()
 
     def check(self, B, H, nq, nk):
         self.a.check(B, H, nq, nk)
@@ -212,8 +238,8 @@ class Not(Mask):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return ~self.a.allowed(b, h, q_idx, kv_idx, nq, nk)
 
-    def _block_map(self, nq, nk, bq, bk, device):
-        return (FULL - self.a._block_map(nq, nk, bq, bk, device)).to(torch.int8)
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
+        return (FULL - self.a._block_map(nq, nk, bq, bk, device, B, H)).to(torch.int8)
 
     def __repr__(self):
         return f"~{self.a!r}"
@@ -229,7 +255,7 @@ def tile_grid(nq: int, nk: int, bq: int, bk: int, device=None):
     return (q_lo + off).view(-1, 1), (q_hi + off).view(-1, 1), k_lo.view(1, -1), k_hi.view(1, -1)
 
 
-def _block_map_from_dense(d: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
+def block_map_from_dense(d: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
     """Tile classes from a dense boolean (Bm, nq, nk) by counting allowed pairs per tile."""
     bm, nq, nk = d.shape
     counts = block_counts(d, bq, bk)
@@ -237,6 +263,31 @@ def _block_map_from_dense(d: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
     k_lo, k_hi = _tile_bounds(nk, bk, d.device)
     size = (q_hi - q_lo + 1).view(-1, 1) * (k_hi - k_lo + 1).view(1, -1)
     return classify(counts == size, counts > 0)
+
+
+def predicate_block_map(mask: Mask, B: int, H: int, nq: int, nk: int, bq: int, bk: int, device) -> torch.Tensor:
+    """Tile classes (Bm, TQ, TK) from evaluating ``mask.allowed`` on every (b < B, h < H, q, k), a band of
+    query tiles at a time: FULL where every head allows the whole tile, EMPTY where no head allows any of
+    it. One map per batch row when the rows differ (Bm = B), else Bm = 1."""
+    tq = math.ceil(nq / bq)
+    b = torch.arange(B, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, -1, 1, 1)
+    kj = torch.arange(nk, device=device).view(1, 1, 1, -1)
+    band = max(1, (1 << 24) // max(1, B * H * bq * nk))  # query tiles per evaluation
+    full, some = [], []
+    for t0 in range(0, max(tq, 1), band):
+        qi = torch.arange(t0 * bq, min(nq, (t0 + band) * bq), device=device).view(1, 1, -1, 1)
+        allowed = torch.broadcast_to(mask.allowed(b, h, qi, kj, nq, nk), (B, H, qi.shape[2], nk))
+        full.append(block_counts(allowed.all(1), bq, bk))
+        some.append(block_counts(allowed.any(1), bq, bk))
+    full_c, some_c = torch.cat(full, 1), torch.cat(some, 1)  # [B, TQ, TK] allowed-pair counts
+    q_lo, q_hi = _tile_bounds(nq, bq, device)
+    k_lo, k_hi = _tile_bounds(nk, bk, device)
+    sizes = (q_hi - q_lo + 1).view(-1, 1) * (k_hi - k_lo + 1).view(1, -1)
+    out = classify(full_c == sizes, some_c > 0)
+    if B > 1 and bool((out == out[:1]).all()):
+        out = out[:1]
+    return out
 
 
 def block_counts(d: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
@@ -255,8 +306,13 @@ def coarse_block_map(coarse: torch.Tensor, cq: int, ck: int, nq: int, nk: int, b
     ``coarse`` is (Bm, RQ, RK) bool: cell (r, c) allows every pair with query *coordinate* in
     [r*cq, (r+1)*cq) and key in [c*ck, (c+1)*ck). Query coordinates are ``row + q_offset`` (pass
     ``nk - nq`` for position-based masks). A tile is FULL when every cell it touches is True and
-    EMPTY when none is, found with 2-D prefix sums in O(cells + tiles).
+    EMPTY when none is, found with 2-D prefix sums in O(cells + tiles). Negative query coordinates (query
+    rows before the first position when Nq > Nk) lie in no cell: they allow nothing.
     """
+    if q_offset < 0:
+        lead = -(q_offset // cq)  # all-False cell rows in front cover the negative coordinates
+        coarse = torch.cat([coarse.new_zeros(coarse.shape[0], lead, coarse.shape[2]), coarse], dim=1)
+        q_offset += lead * cq
     bm, rq, rk = coarse.shape
     ps = torch.zeros(bm, rq + 1, rk + 1, dtype=torch.int64, device=coarse.device)
     ps[:, 1:, 1:] = coarse.to(torch.int64).cumsum(1).cumsum(2)

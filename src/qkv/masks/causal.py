@@ -35,7 +35,7 @@ class Causal(Mask):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return kv_idx <= q_idx + self._offset(nq, nk)
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         p_lo, p_hi, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
         shift = self._offset(nq, nk) - (nk - nq)  # tile_grid is bottom-right; move to this alignment
         return classify(k_hi <= p_lo + shift, k_lo <= p_hi + shift)
@@ -58,7 +58,7 @@ class SlidingWindow(Mask):
         p = q_idx + (nk - nq)
         return (kv_idx >= p - self.left) & (kv_idx <= p + self.right)
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         p_lo, p_hi, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
         full = (k_lo >= p_hi - self.left) & (k_hi <= p_lo + self.right)
         some = (k_hi >= p_lo - self.left) & (k_lo <= p_hi + self.right)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import EMPTY, FULL, Mask, _block_map_from_dense, classify, coarse_block_map, row_index
+from .base import EMPTY, FULL, Mask, block_map_from_dense, classify, coarse_block_map, row_index
 
 __all__ = ["dense", "graph", "graph_from_edges", "from_fn", "Dense", "Graph", "FromFn"]
 
@@ -44,7 +44,7 @@ class Dense(Mask):
             raise ValueError(f"dense: expected shape (Nq, Nk), (B, Nq, Nk) or (B, H, Nq, Nk), got {tuple(m.shape)}")
         while m.dim() < 4:
             m = m.unsqueeze(0) if m.dim() != 3 else m.unsqueeze(1)
-        self.mask = m
+        self.mask = m.clone()  # a mask is immutable: later in-place edits of the caller's tensor do not reach it
         self.batch = m.shape[0] if m.shape[0] > 1 else None
         self.depends_on_head = m.shape[1] > 1
 
@@ -55,16 +55,19 @@ class Dense(Mask):
             raise ValueError(f"dense: mask of shape {tuple(self.mask.shape)} does not fit (B={B}, H={H}, Nq={nq}, "
                              f"Nk={nk}); it must broadcast to (B, H, Nq, Nk)")
 
+    def tensors(self):
+        return (self.mask,)
+
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         m = self.mask.to(kv_idx.device)
         hi = h if m.shape[1] > 1 else torch.zeros_like(h)
         return m[row_index(m, b), hi, q_idx, kv_idx]
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         # A tile is FULL only if full for every head and EMPTY only if empty for every head.
         m = self.mask.to(device)
-        full = _block_map_from_dense(m.all(1), bq, bk) == FULL
-        some = _block_map_from_dense(m.any(1), bq, bk) != EMPTY
+        full = block_map_from_dense(m.all(1), bq, bk) == FULL
+        some = block_map_from_dense(m.any(1), bq, bk) != EMPTY
         return classify(full, some)
 
     def __repr__(self):
@@ -85,7 +88,7 @@ class Graph(Mask):
             raise ValueError(f"graph: adjacency must be square (N, N) or (B, N, N), got {tuple(adjacency.shape)}")
         if self_loops:
             a = a | torch.eye(a.shape[-1], dtype=torch.bool, device=a.device)
-        self.adj = a
+        self.adj = a if self_loops else a.clone()  # never the caller's tensor: a mask is immutable
         self.batch = a.shape[0] if a.shape[0] > 1 else None
 
     def check(self, B, H, nq, nk):
@@ -93,11 +96,16 @@ class Graph(Mask):
         if self.adj.shape[-1] != nk:
             raise ValueError(f"graph: adjacency has {self.adj.shape[-1]} nodes but keys have length {nk}")
 
-    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
-        a = self.adj.to(kv_idx.device)
-        return a[row_index(a, b), q_idx + (nk - nq), kv_idx]
+    def tensors(self):
+        return (self.adj,)
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        # A query row at a negative position (Nq > Nk) is no node of the graph: it sees nothing.
+        a = self.adj.to(kv_idx.device)
+        p = q_idx + (nk - nq)
+        return a[row_index(a, b), p.clamp(min=0), kv_idx] & (p >= 0)
+
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         return coarse_block_map(self.adj.to(device), 1, 1, nq, nk, bq, bk, q_offset=nk - nq)
 
     def __repr__(self):
@@ -107,11 +115,12 @@ class Graph(Mask):
 class FromFn(Mask):
     """A user predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on raw row/column indices.
 
-    Its batch and head counts are those of the last problem it was checked against (``qkv.attention`` checks
-    every mask), so views and block maps evaluate every (b, h) the predicate may distinguish.
+    The predicate may read ``b`` and ``h``, so views and block maps evaluate every batch row and head of the
+    request they are given (``block_map(..., B=, H=)``).
     """
 
     depends_on_head = True
+    depends_on_batch = True
 
     def __init__(self, fn: Callable) -> None:
         if not callable(fn):
@@ -123,17 +132,6 @@ class FromFn(Mask):
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             raise TypeError(f"from_fn: fn must return a bool tensor, got {getattr(out, 'dtype', type(out).__name__)}")
         return out
-
-    def check(self, B, H, nq, nk):
-        # The predicate may read b and h: remember the problem's sizes so dense views and block maps cover every
-        # batch row and head (a tile is FULL only if full for all heads, EMPTY only if empty for all).
-        self.batch, self._heads = B, H
-
-    def _block_map(self, nq, nk, bq, bk, device):
-        d = self.dense(self.batch or 1, getattr(self, "_heads", 1), nq, nk, device=device)
-        full = _block_map_from_dense(d.all(1), bq, bk) == FULL
-        some = _block_map_from_dense(d.any(1), bq, bk) != EMPTY
-        return classify(full, some)
 
     def __repr__(self):
         return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
@@ -154,8 +152,16 @@ def graph_from_edges(edge_index: torch.Tensor, num_nodes: int, *, self_loops: bo
     if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
         shape = getattr(edge_index, "shape", "?")
         raise ValueError(f"graph_from_edges: edge_index must have shape (2, E), got {shape}")
+    if edge_index.dtype.is_floating_point or edge_index.dtype == torch.bool:
+        raise TypeError(f"graph_from_edges: edge_index must hold integer node ids, got dtype {edge_index.dtype}")
+    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes <= 0:
+        raise ValueError(f"graph_from_edges: num_nodes must be a positive int, got {num_nodes!r}")
+    if edge_index.numel() and (int(edge_index.min()) < 0 or int(edge_index.max()) >= num_nodes):
+        raise ValueError(f"graph_from_edges: edge_index holds node ids in [{int(edge_index.min())}, "
+                         f"{int(edge_index.max())}] but nodes are 0 .. {num_nodes - 1}; negative ids are not "
+                         "counted from the end")
     adj = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
-    adj[edge_index[0], edge_index[1]] = True
+    adj[edge_index[0].cpu(), edge_index[1].cpu()] = True
     return Graph(adj, self_loops=self_loops)
 
 

@@ -38,9 +38,11 @@ def _as_lengths(x, name: str) -> torch.Tensor:
     if x.dtype.is_floating_point or x.dtype == torch.bool or x.dim() != 1:
         raise TypeError(f"{name}: expected a 1-D integer tensor of shape (B,), got dtype {x.dtype} shape "
                         f"{tuple(x.shape)}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: got a meta tensor, which holds no lengths; pass lengths on the CPU or q's device")
     if x.numel() and int(x.min()) < 0:
         raise ValueError(f"{name}: lengths must be >= 0, got min {int(x.min())}")
-    return x.to(torch.int64)
+    return x.to(torch.int64, copy=True)  # a mask is immutable: the caller may reuse its tensor
 
 
 class Padding(Mask):
@@ -65,6 +67,9 @@ class Padding(Mask):
         elif self.lengths.numel() and int(self.lengths.max()) > nk:
             raise ValueError(f"padding: kv_lengths max {int(self.lengths.max())} exceeds the key length {nk}")
 
+    def tensors(self):
+        return (self.lengths,) if self.valid is None else (self.lengths, self.valid)
+
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         if self.valid is not None:
             valid = self.valid.to(kv_idx.device)
@@ -72,7 +77,7 @@ class Padding(Mask):
         lengths = self.lengths.to(kv_idx.device)
         return kv_idx < lengths[row_index(lengths, b)]
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         tq = (nq + bq - 1) // bq
         if self.valid is not None:  # per key tile: all valid / some valid, O(B * Nk)
             counts = block_counts(self.valid.to(device).unsqueeze(1), 1, bk)  # (B, 1, TK)
@@ -117,10 +122,17 @@ class Document(Mask):
             ids = ids.unsqueeze(0)
         if ids.dim() != 2:
             raise ValueError(f"{name}: expected shape (N,) or (B, N), got {tuple(ids.shape)}")
-        return ids.to(torch.int64)
+        return ids.to(torch.int64, copy=True)  # a mask is immutable: the caller may reuse its tensor
+
+    def tensors(self):
+        return (self.kv_ids,) if self.q_ids is None else (self.kv_ids, self.q_ids)
 
     def check(self, B, H, nq, nk):
         super().check(B, H, nq, nk)
+        if self.q_ids is None and nq > nk:
+            raise ValueError(f"document: {nq} queries but only {nk} keys, so the queries have no ids of their own "
+                             "(query row i reads the id at position i + Nk - Nq); pass q_ids=(B, Nq) ids for "
+                             "the queries")
         if self.kv_ids.shape[1] != nk:
             raise ValueError(f"document: ids have length {self.kv_ids.shape[1]} but keys have length {nk}")
         if self.q_ids is not None and self.q_ids.shape[1] != nq:
@@ -136,7 +148,7 @@ class Document(Mask):
         qd = self._query_ids(nq, nk).to(kv_idx.device)
         return qd[row_index(qd, b), q_idx] == kv[row_index(kv, b), kv_idx]
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         # Per tile, the range of ids on each side. Disjoint ranges: EMPTY; one id on both: FULL.
         q_lo, q_hi = _tile_range(self._query_ids(nq, nk).to(device), bq)
         k_lo, k_hi = _tile_range(self.kv_ids.to(device), bk)
@@ -165,11 +177,14 @@ class PrefixLM(Mask):
         self.lengths = _as_lengths(prefix_lengths, "prefix_lm(prefix_lengths)")
         self.batch = self.lengths.shape[0] if self.lengths.shape[0] > 1 else None
 
+    def tensors(self):
+        return (self.lengths,)
+
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         n = self.lengths.to(kv_idx.device)
         return (kv_idx <= q_idx + (nk - nq)) | (kv_idx < n[row_index(n, b)])
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         p_lo, p_hi, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
         n = self.lengths.to(device).view(-1, 1, 1)
         return classify((k_hi <= p_lo) | (k_hi < n), (k_lo <= p_hi) | (k_lo < n))
@@ -222,6 +237,9 @@ class Positions(Mask):
             raise ValueError(f"positions: q_positions and kv_positions have different batch sizes {sorted(rows)}")
         self.batch = max(self.qp.shape[0], self.kp.shape[0])
 
+    def tensors(self):
+        return (self.qp, self.kp)
+
     def check(self, B, H, nq, nk):
         super().check(B, H, nq, nk)
         if self.qp.shape[1] != nq or self.kp.shape[1] != nk:
@@ -247,7 +265,7 @@ class Positions(Mask):
         qp, kp = self.qp.to(device), self.kp.to(device)
         return self._rule(qp[:, None, :, None], kp[:, None, None, :])  # (B or 1, 1, nq, nk)
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         # Conservative from per-tile position ranges: EMPTY only when no pair can pass.
         q_lo, q_hi = _tile_range(self.qp.to(device), bq)
         k_lo, k_hi = _tile_range(self.kp.to(device), bk)

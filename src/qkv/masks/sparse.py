@@ -46,7 +46,11 @@ class GlobalTokens(Mask):
     """Pairs where the query position or the key is one of the global indices."""
 
     def __init__(self, indices) -> None:
-        idx = torch.as_tensor(indices, dtype=torch.int64).flatten()
+        raw = torch.as_tensor(indices.detach().cpu() if isinstance(indices, torch.Tensor) else indices)
+        if raw.dtype.is_floating_point or raw.dtype.is_complex or raw.dtype == torch.bool:
+            raise TypeError(f"global_tokens: indices must be integer positions, got dtype {raw.dtype} "
+                            f"({raw.flatten()[:4].tolist()}...); pass ints")
+        idx = raw.to(torch.int64).flatten()
         if idx.numel() and int(idx.min()) < 0:
             raise ValueError(f"global_tokens: indices must be >= 0, got min {int(idx.min())}")
         self.indices = torch.unique(idx)
@@ -68,7 +72,7 @@ class GlobalTokens(Mask):
         cs = torch.nn.functional.pad(self._is_global(pos).to(torch.int64).cumsum(0), (1, 0))
         return cs[hi + 1] - cs[lo], hi - lo + 1
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         gq, sq = self._counts(nq, bq, nk - nq, device)
         gk, sk = self._counts(nk, bk, 0, device)
         full = (gq == sq).view(-1, 1) | (gk == sk).view(1, -1)
@@ -88,7 +92,7 @@ class _Residue(Mask):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return torch.remainder(q_idx + (nk - nq) - kv_idx, self.stride) == 0
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         p_lo, p_hi, k_lo, k_hi = tile_grid(nq, nk, bq, bk, device)
         d_lo, d_hi = p_lo - k_hi, p_hi - k_lo
         some = torch.div(d_hi, self.stride, rounding_mode="floor") * self.stride >= d_lo
@@ -108,7 +112,7 @@ class _SameBlock(Mask):
         return torch.div(q_idx + (nk - nq), self.block, rounding_mode="floor") == torch.div(
             kv_idx, self.block, rounding_mode="floor")
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         p_lo, p_hi, k_lo, k_hi = (t // self.block for t in tile_grid(nq, nk, bq, bk, device))
         return classify((p_lo == p_hi) & (k_lo == k_hi) & (p_lo == k_lo), (p_lo <= k_hi) & (k_lo <= p_hi))
 
@@ -128,7 +132,7 @@ class _SummaryColumns(Mask):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return self._col(kv_idx) & (q_idx >= 0)
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         lo, hi = _tile_bounds(nk, bk, device)
         cs = torch.nn.functional.pad(self._col(torch.arange(nk, device=device)).to(torch.int64).cumsum(0), (1, 0))
         cnt = (cs[hi + 1] - cs[lo]).view(1, -1)
@@ -144,6 +148,10 @@ class BigBird(Mask):
 
     def __init__(self, block: int, window_blocks: int, global_blocks: int, random_blocks: int, seed: int) -> None:
         self.block = _positive_int(block, "bigbird", "block")
+        for name, v in (("window_blocks", window_blocks), ("global_blocks", global_blocks),
+                        ("random_blocks", random_blocks), ("seed", seed)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"bigbird: {name} must be an int (a count of blocks), got {type(v).__name__} {v!r}")
         if window_blocks < 1 or window_blocks % 2 == 0:
             raise ValueError(f"bigbird: window_blocks must be a positive odd number (centred window), got "
                              f"{window_blocks}")
@@ -171,11 +179,12 @@ class BigBird(Mask):
         return self._cache[nk]
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
+        # A query row at a negative position (Nq > Nk) is in no block: it sees nothing.
         c = self.coarse(nk).to(kv_idx.device)
         qb = torch.div(q_idx + (nk - nq), self.block, rounding_mode="floor")
-        return c[qb, torch.div(kv_idx, self.block, rounding_mode="floor")]
+        return c[qb.clamp(min=0), torch.div(kv_idx, self.block, rounding_mode="floor")] & (qb >= 0)
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         c = self.coarse(nk).to(device).unsqueeze(0)
         return coarse_block_map(c, self.block, self.block, nq, nk, bq, bk, q_offset=nk - nq)[0]
 

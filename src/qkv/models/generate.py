@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -98,13 +99,34 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: f
 def _check_sampling(do_sample, temperature, top_k, top_p) -> None:
     if not do_sample:
         return
-    if not isinstance(temperature, (int, float)) or temperature <= 0:
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature!r}; use "
                          f"do_sample=False for greedy decoding")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"generate: top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"generate: top_p must lie in (0, 1], got {top_p!r}")
+
+
+def check_token_ids(input_ids: torch.Tensor, pad_token_id, vocab_size: int | None) -> None:
+    """Token ids of a ``generate`` call inside the vocabulary (``vocab_size`` None: only non-negative), up front,
+    before any work is done."""
+    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0 or (
+            vocab_size is not None and pad_token_id >= vocab_size):
+        limit = f" < vocab_size {vocab_size}" if vocab_size is not None else ""
+        raise ValueError(f"generate: pad_token_id must be an int >= 0{limit}, got {pad_token_id!r}; finished rows "
+                         "emit it")
+    if input_ids.numel():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+            raise ValueError(f"generate: input_ids hold token ids in [{lo}, {hi}] but the vocabulary is 0 .. "
+                             f"{'?' if vocab_size is None else vocab_size - 1}; tokenize with the model's tokenizer")
+
+
+def _vocab_size(model) -> int | None:
+    """The model config's ``vocab_size`` (qkv and HF models carry one), else None."""
+    v = getattr(getattr(model, "config", None), "vocab_size", None)
+    return v if isinstance(v, int) else None
 
 
 def _stop_set(eos_token_id) -> torch.Tensor | None:
@@ -202,6 +224,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
     if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
         raise ValueError(f"generate: prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
     _check_sampling(do_sample, temperature, top_k, top_p)
+    check_token_ids(input_ids, pad_token_id, _vocab_size(model))
     B, N = input_ids.shape
     device = input_ids.device
     if attention_mask is None:
@@ -233,6 +256,9 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         seq_ids, seq_pos = input_ids, positions
         logits = forward_step(model, None, seq_ids, seq_pos, last_only=True)[:, -1]
 
+    if pad_token_id >= logits.shape[-1]:  # a model without a config: its logits tell the vocabulary
+        raise ValueError(f"generate: pad_token_id {pad_token_id} is outside the model's vocabulary of "
+                         f"{logits.shape[-1]} tokens")
     next_pos = positions.max(dim=1).values + 1  # (B,)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     new_tokens, kept_logits = [], []

@@ -15,11 +15,12 @@ A family module (``qkv/models/<family>.py``) provides:
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..costs.config_file import read_json_config
 
 __all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load"]
 
@@ -37,7 +38,36 @@ def load_config(src: str | Path) -> dict[str, Any]:
     if not cfg.is_file():
         raise FileNotFoundError(f"from_hf: no config.json in {path}; pass a checkpoint directory holding "
                                 "config.json and *.safetensors")
-    return json.loads(cfg.read_text())
+    return _read_config_json(cfg)
+
+
+def _read_config_json(cfg: Path) -> dict[str, Any]:
+    """The JSON object in ``cfg``; ``CheckpointError`` naming the file for anything else."""
+    try:
+        return read_json_config(cfg)
+    except ValueError as e:
+        raise CheckpointError(f"from_hf: {e}") from None
+
+
+#: dtype names ``from_hf(dtype=)`` accepts besides ``torch.dtype`` objects.
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64,
+               "double": torch.float64}
+
+
+def as_float_dtype(dtype, owner: str = "from_hf") -> torch.dtype:
+    """A floating ``torch.dtype`` from a dtype or one of :data:`DTYPE_NAMES`; ``ValueError`` otherwise."""
+    if isinstance(dtype, str):
+        name = dtype.lower().removeprefix("torch.")
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"{owner}: dtype {dtype!r} is not known; use a torch.dtype or one of "
+                             f"{', '.join(sorted(DTYPE_NAMES))}")
+        return DTYPE_NAMES[name]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{owner}: dtype must be a floating torch.dtype (e.g. torch.bfloat16) or a name such as "
+                         f"'bf16', got {dtype!r}")
+    return dtype
 
 
 def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -51,9 +81,24 @@ def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
         extra = f" (found {pickled}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
         raise FileNotFoundError(f"from_hf: no *.safetensors files in {directory}{extra}")
     state: dict[str, torch.Tensor] = {}
+    owner: dict[str, str] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        shard = _load_shard(load_file, f)
+        for name in shard:
+            if name in owner:
+                raise CheckpointError(f"from_hf: tensor {name!r} is in two shards, {owner[name]} and {f.name}; a "
+                                      "checkpoint holds each tensor once (remove the stale shard)")
+            owner[name] = f.name
+        state.update(shard)
     return state
+
+
+def _load_shard(load_file, f: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(f))
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt headers
+        raise CheckpointError(f"from_hf: cannot read the safetensors shard {f}: {type(e).__name__}: {e}; the file "
+                              "is truncated or not a safetensors file (download it again)") from None
 
 
 def _family(config: dict[str, Any]):
@@ -91,6 +136,11 @@ def check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], *, so
         problems.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     if shapes:
         problems.append("shape mismatches: " + "; ".join(shapes[:8]))
+    ints = [f"{name} ({state[name].dtype})" for name in sorted(set(state) & set(expected))
+            if expected[name].dtype.is_floating_point and not state[name].dtype.is_floating_point]
+    if ints:
+        problems.append(f"non-float weights {ints[:8]}: model weights must be floating point (quantized integer "
+                        "checkpoints are not supported)")
     if problems:
         raise CheckpointError(f"from_hf: {source} does not fit {type(model).__name__}: " + " | ".join(problems))
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
@@ -102,7 +152,8 @@ def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
     Args:
         src: path to a directory with ``config.json`` and ``*.safetensors``, or a ``transformers``
             ``PreTrainedModel`` instance (its config and weights are used directly).
-        dtype: cast the model to this dtype after loading (default: float32).
+        dtype: cast the model to this dtype after loading (default: float32): a ``torch.dtype`` or a name
+            such as ``"bf16"``, ``"float16"``.
 
     Example:
         >>> import qkv.models  # doctest: +SKIP
@@ -119,11 +170,27 @@ def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
     else:
         raise TypeError(f"from_hf: expected a checkpoint directory or a transformers PreTrainedModel, got "
                         f"{type(src).__name__}")
+    dtype = torch.float32 if dtype is None else as_float_dtype(dtype)
     family = _family(config)
-    model = family.build(config)
+    model = _build(family, config)
     check_and_load(model, family.convert(state, config), source=source)
     model.eval()
-    return model.to(dtype or torch.float32)
+    return model.to(dtype)
+
+
+def _build(family, config: dict[str, Any]) -> torch.nn.Module:
+    """The family's model for ``config``; a config value of the wrong kind is a ``CheckpointError`` naming it."""
+    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
+        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] <= 0):
+            raise CheckpointError(f"from_hf: config {key} must be a positive int, got {config[key]!r}")
+    eps = config.get("rms_norm_eps", config.get("layer_norm_eps", config.get("layer_norm_epsilon")))
+    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0):
+        raise CheckpointError(f"from_hf: config norm epsilon must be a number > 0, got {eps!r}")
+    try:
+        return family.build(config)
+    except KeyError as e:
+        raise CheckpointError(f"from_hf: the {config.get('model_type')} config lacks {e.args[0]!r}; "
+                              "config.json must hold every field its model type needs") from None
 
 
 class Renamer:

@@ -125,6 +125,12 @@ def _compare(name, cand, ref, base, *, tolerance, k, floor, tokens=None, detail=
 
 
 @torch.no_grad()
+def _check_factory(cache_factory) -> None:
+    if not callable(cache_factory) or isinstance(cache_factory, torch.Tensor):
+        raise TypeError(f"verify_cache: cache_factory must be a function returning a fresh cache, got "
+                        f"{type(cache_factory).__name__}; pass e.g. lambda: KVCache(model.cache_specs())")
+
+
 def verify_cache(model, cache_factory: Callable[[], object], *, input_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, prompt_lengths: tuple[int, ...] = (11, 7),
                  max_new_tokens: int = 6, prefill_chunk_size: int | None = None, crop: int = 2,
@@ -150,6 +156,7 @@ def verify_cache(model, cache_factory: Callable[[], object], *, input_ids: torch
     Returns:
         :class:`VerifyReport`.
     """
+    _check_factory(cache_factory)
     if input_ids is None:
         input_ids, attention_mask = _random_prompts(model, prompt_lengths, seed)
     if attention_mask is None:

@@ -85,9 +85,19 @@ class RelativeBias(ScoreMod):
         if not (callable(buckets) or (isinstance(buckets, torch.Tensor) and buckets.dim() == 2)):
             raise TypeError("relative_bias: buckets must be a function of the relative distance (j - p) "
                             "returning bucket ids, or a precomputed (Nq, Nk) LongTensor")
+        if not table.dtype.is_floating_point:
+            raise TypeError(f"relative_bias: table must be a float tensor, got {table.dtype}")
+        if isinstance(buckets, torch.Tensor):
+            _check_bucket_ids(buckets, table.shape[0], "precomputed buckets")
         self.table, self.buckets = table, buckets
+        self._checked: set[tuple[int, int]] = set()  # (nq, nk) whose bucket ids were range-checked
 
     def check(self, B, H, nq, nk):
+        if callable(self.buckets) and (nq, nk) not in self._checked:
+            # Every relative distance j - p of an (nq, nk) problem, checked once per size.
+            _check_bucket_ids(self.buckets(torch.arange(-(nk - 1), max(nq, 1), device=self.table.device)),
+                              self.table.shape[0], "buckets(j - p)")
+            self._checked.add((nq, nk))
         if self.table.shape[1] not in (1, H):
             raise ValueError(f"relative_bias: table has {self.table.shape[1]} heads but q has {H}")
         if isinstance(self.buckets, torch.Tensor) and tuple(self.buckets.shape) != (nq, nk):
@@ -109,12 +119,24 @@ class RelativeBias(ScoreMod):
         return f"relative_bias(buckets={self.table.shape[0]}, H={self.table.shape[1]})"
 
 
+def _check_bucket_ids(ids, num_buckets: int, what: str) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"relative_bias: {what} must be integer bucket ids, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_buckets):
+        raise ValueError(f"relative_bias: {what} gives bucket ids in [{int(ids.min())}, {int(ids.max())}] but the "
+                         f"table has {num_buckets} rows (0 .. {num_buckets - 1}); negative ids are not counted "
+                         "from the end: shift or clamp the buckets")
+
+
 class Bias(ScoreMod):
     additive = True
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-            raise TypeError(f"bias: expected a float tensor broadcastable to (B, H, Nq, Nk), got {tensor!r}; "
+            is_t = isinstance(tensor, torch.Tensor)
+            seen = f"{tensor.dtype} {tuple(tensor.shape)}" if is_t else type(tensor).__name__
+            raise TypeError(f"bias: expected a float tensor broadcastable to (B, H, Nq, Nk), got {seen}; "
                             "a boolean tensor is a mask: use qkv.masks.dense")
         if tensor.dim() > 4:
             raise ValueError(f"bias: tensor must have at most 4 dims (B, H, Nq, Nk), got {tuple(tensor.shape)}")
@@ -133,7 +155,7 @@ class Bias(ScoreMod):
                              f"(B, H, Nq, Nk) = ({B}, {H}, {nq}, {nk})")
 
     def bias(self, b, h, q_idx, kv_idx, nq, nk):
-        t = self.t4
+        t = self.t4 if self.t4.device == kv_idx.device else self.t4.to(kv_idx.device)
         z = torch.zeros_like
         return t[b if t.shape[0] > 1 else z(b), h if t.shape[1] > 1 else z(h),
                  q_idx if t.shape[2] > 1 else z(q_idx), kv_idx if t.shape[3] > 1 else z(kv_idx)]
@@ -152,7 +174,14 @@ class FromFn(ScoreMod):
         self.fn = fn
 
     def apply(self, score, b, h, q_idx, kv_idx, nq, nk):
-        return self.fn(score, b, h, q_idx, kv_idx)
+        out = self.fn(score, b, h, q_idx, kv_idx)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"mods.from_fn: fn must return a tensor of scores, got {type(out).__name__}")
+        if out.shape != score.shape:
+            raise ValueError(f"mods.from_fn: fn returned shape {tuple(out.shape)} for scores of shape "
+                             f"{tuple(score.shape)}; it must return one score per input score (e.g. score + term), "
+                             "not a reduction or a broadcastable part")
+        return out
 
     def __repr__(self):
         return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
