@@ -7,7 +7,7 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.masks.base import _block_map_from_dense
+from qkv.masks.base import block_map_from_dense
 
 
 def test_key_mask_allows_exactly_the_valid_keys_and_its_block_map_is_exact():
@@ -20,7 +20,7 @@ def test_key_mask_allows_exactly_the_valid_keys_and_its_block_map_is_exact():
     assert torch.equal(dense, valid[:, None, None, :].expand(3, 2, 70, 300))
     for bq, bk in ((64, 64), (32, 128), (70, 7)):
         got = m.block_map(70, 300, bq, bk)[:, 0]
-        assert torch.equal(got, _block_map_from_dense(m.dense(3, 1, 70, 300)[:, 0], bq, bk)), (bq, bk)
+        assert torch.equal(got, block_map_from_dense(m.dense(3, 1, 70, 300)[:, 0], bq, bk)), (bq, bk)
 
 
 def test_key_mask_matches_lengths_for_right_padding_and_accepts_01_integers():

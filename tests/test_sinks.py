@@ -111,12 +111,12 @@ def test_backends_without_native_sinks_get_them_merged_from_the_lse(monkeypatch)
 def test_flex_sink_key_block_map_is_exact(nk):
     """Flex runs sinks as one more key; its block map (from the mask's, O(tiles)) equals the dense count."""
     from qkv.backends.flex import _SinkKey
-    from qkv.masks.base import _block_map_from_dense
+    from qkv.masks.base import block_map_from_dense
 
     for inner in (None, M.causal() & M.padding(torch.tensor([nk, min(3, nk)])), M.sliding_window(40)):
         sk = _SinkKey(inner, nk)
         got = sk.block_map(200, nk + 1, 128, 128)
-        want = _block_map_from_dense(sk.dense(2, 1, 200, nk + 1)[:, 0], 128, 128)
+        want = block_map_from_dense(sk.dense(2, 1, 200, nk + 1)[:, 0], 128, 128)
         assert torch.equal(got[:, 0], want.expand(got.shape[0], -1, -1)), (inner, got, want)
 
 

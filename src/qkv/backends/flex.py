@@ -163,10 +163,10 @@ class _SinkKey(Mask):
             return sink | (kv_idx < self.nk)
         return sink | self.mask.allowed(b, h, q_idx, torch.clamp(kv_idx, max=self.nk - 1), nq, self.nk)
 
-    def _block_map(self, nq, nk, bq, bk, device):
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         tq, tk = math.ceil(nq / bq), math.ceil(nk / bk)
         inner = (torch.full((1, tq, math.ceil(self.nk / bk)), FULL, dtype=torch.int8, device=device)
-                 if self.mask is None else self.mask._block_map(nq, self.nk, bq, bk, device))
+                 if self.mask is None else self.mask._block_map(nq, self.nk, bq, bk, device, B, H))
         inner = inner if inner.dim() == 3 else inner.unsqueeze(0)
         if tk > inner.shape[-1]:  # the sink key opens a tile of its own, allowed for every row
             return torch.cat([inner, torch.full((*inner.shape[:-1], 1), FULL, dtype=torch.int8, device=device)], -1)

@@ -199,8 +199,9 @@ class KVCache:
             q: (B, Hq, 1, D) queries, rotated like the stored keys.
             window: as in ``masks.positions(..., window=W)``.
         """
-        layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec), "decode")
-        if not isinstance(layer.store, PagedStore) or layer.last_view is None:
+        layer = self._layer(layer_idx, None, "decode")
+        if (not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or not isinstance(layer.store, PagedStore)
+                or layer.last_view is None):  # other layers (sinks, latent, quantized) attend over their view
             return None
         return layer.store.decode(q, layer.last_view.q_positions, scale=scale, window=window)
 

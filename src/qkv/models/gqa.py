@@ -37,7 +37,7 @@ from ..nn.attention import MultiHeadAttention
 from ..nn.config import DecoderConfig, TransformerConfig
 from ..nn.decoder import SelfAttention
 from ..nn.latent import LatentAttention
-from ..nn.skinny import InputMajorLinear
+from ..cpu.skinny import InputMajorLinear
 
 __all__ = ["POOLINGS", "pool_heads", "to_gqa"]
 
