@@ -33,11 +33,11 @@ import copy
 import torch
 from torch import nn
 
+from ..cpu.skinny import InputMajorLinear
 from ..nn.attention import MultiHeadAttention
 from ..nn.config import DecoderConfig, TransformerConfig
 from ..nn.decoder import SelfAttention
 from ..nn.latent import LatentAttention
-from ..cpu.skinny import InputMajorLinear
 
 __all__ = ["POOLINGS", "pool_heads", "to_gqa"]
 
