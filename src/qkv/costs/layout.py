@@ -32,11 +32,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from .config_file import read_json_config
 
 __all__ = ["Layout", "RopeLayout", "read_layout", "load_hf_config", "text_config", "hf_defaults", "HF_DEFAULTS",
            "FULL_ATTENTION", "SLIDING_ATTENTION"]
@@ -68,8 +69,7 @@ def load_hf_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
         raise TypeError(f"HF config: expected a dict, a config.json path or a checkpoint directory, got "
                         f"{type(config).__name__}")
     path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_config(path)
 
 
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
