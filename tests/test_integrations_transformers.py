@@ -24,8 +24,8 @@ from qkv.masks.explicit import Dense
 from qkv.testing import assert_within_budget
 
 transformers = pytest.importorskip("transformers")
-qhf = pytest.importorskip("qkv.integrations.transformers")
 mu = pytest.importorskip("transformers.masking_utils")
+import qkv.integrations.transformers as qhf  # noqa: E402  (after transformers is known to be there)
 
 N, N_PAD, N_NEW, V = 12, 3, 6, 96
 _DEC = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64)
