@@ -161,7 +161,7 @@ class _Spec:
                        device=self.device, fill_masked=self.fill_masked)
 
 
-# --------------------------------------------------------------------- forward / backward
+# forward / backward
 def _forward(spec: _Spec, q, k, v):
     """Returns out (B, Hq, Nq, Dv) and lse (B, Hq, Nq), both in the compute dtype."""
     if spec.empty:  # no queries, or no keys: zeros and lse = -inf
@@ -229,7 +229,7 @@ class _TiledAttention(torch.autograd.Function):
         return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *mod_grads)
 
 
-# --------------------------------------------------------------------- the backend
+# the backend
 #: Fitted on a 2-core AVX-512 CPU (one thread, ``benchmarks/tiled.py``), in the same nominal units as
 #: the ``sdpa`` estimate (whose nominal rate reads about 0.75x its measured time): matmuls on the
 #: visited tiles run near the nominal rate, the softmax passes cost ~1.5 ns per computed score (~2 ns

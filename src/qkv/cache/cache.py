@@ -125,7 +125,7 @@ class KVCache:
         self._device: torch.device | None = None
         self._build()
 
-    # ------------------------------------------------------------------ construction
+    # construction
     def _build(self) -> None:
         if isinstance(self.storage, Paged):
             windows = [_window(s) for s in self.specs if isinstance(s, (FullSpec, SlidingWindowSpec, LatentSpec))]
@@ -158,7 +158,7 @@ class KVCache:
             return StaticStore(self.storage.max_len, layer=name)
         return DynamicStore(keep=keep, window=window)
 
-    # ------------------------------------------------------------------ protocol
+    # protocol
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
                rope: RopeFn | None = None) -> CacheView:
         """Store this step's keys/values for a layer and return what its queries attend over.
@@ -267,7 +267,7 @@ class KVCache:
         """True when ``match_prefix`` can reuse cached prompt prefixes (``Paged(prefix_caching=True)``)."""
         return isinstance(self.storage, Paged) and self.storage.prefix_caching
 
-    # ------------------------------------------------------------------ cache operations
+    # cache operations
     def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Announce the next step's tokens (B, N) before the forward pass. Paged storage allocates the
         step's blocks here (raising :class:`qkv.cache.CacheFull` before anything is written) and learns
@@ -356,7 +356,7 @@ class KVCache:
             return
         self._build()
 
-    # ------------------------------------------------------------------ introspection
+    # introspection
     @property
     def seq_length(self) -> int:
         """Slots written per row (padding included), the length ``crop`` counts in."""
@@ -422,7 +422,7 @@ class KVCache:
         return (f"KVCache({len(self.specs)} layers {kinds}, {self.storage.describe()}{extra}, "
                 f"length={self.seq_length}, batch={self._batch()})")
 
-    # ------------------------------------------------------------------ helpers
+    # helpers
     def _layer(self, i: int, kinds, what: str) -> _Layer:
         if not isinstance(i, int) or not 0 <= i < len(self._layers):
             raise IndexError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers")

@@ -222,7 +222,7 @@ class BlockManager:
         self.stores: list[PagedStore] = []
         self.pending: list[tuple[_Group, int, bytes]] = []
 
-    # ------------------------------------------------------------------ rows
+    # rows
     def _init_rows(self, B: int, salt=None) -> None:
         salts = salt if isinstance(salt, (list, tuple)) else [salt] * B
         if len(salts) != B:
@@ -247,7 +247,7 @@ class BlockManager:
         self.rows, self.seen, self.step = 0, 0, None
         self.lens, self.base, self.tokens, self.salts, self.hashes, self.history = [], [], [], [], [], []
 
-    # ------------------------------------------------------------------ prefix caching
+    # prefix caching
     def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
         if not self.config.prefix_caching:
             raise ValueError("match_prefix: this cache was built with Paged(prefix_caching=False); build it with "
@@ -289,7 +289,7 @@ class BlockManager:
         start = 0 if g.keep is None else max(0, h - (g.window - 1)) // self.T
         return all(chain[i] in g.by_hash for i in range(start, j))
 
-    # ------------------------------------------------------------------ steps
+    # steps
     def step_for(self, store_seen: int, positions: torch.Tensor) -> _Step:
         """The slot map of the step a layer is writing, allocating it on the step's first write."""
         n = positions.shape[1]
@@ -410,7 +410,7 @@ class BlockManager:
             view_pos.append(torch.where(slot < lens.view(-1, 1), pos, torch.full_like(pos, -1)))
         return tables, view_pos
 
-    # ------------------------------------------------------------------ crop and reorder
+    # crop and reorder
     def _lens_after_drop(self, n: int) -> list[int]:
         kept = self.history[:len(self.history)]
         total, out = 0, list(self.base)

@@ -88,7 +88,7 @@ class LayerReport:
 _recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("qkv_hf_recording", default=None)
 
 
-# --------------------------------------------------------------------------- reading HF's mask functions
+# reading HF's mask functions
 class _Unknown(Exception):
     """A part of HF's mask composition that qkv does not read analytically."""
 
@@ -268,7 +268,7 @@ def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offse
                                       "analytically, so it takes the boolean mask HF builds")
 
 
-# --------------------------------------------------------------------------- the attention call
+# the attention call
 def _as_mask(attention_mask, module, is_causal, nq: int) -> tuple[Mask | None, object, str]:
     """(mask, additive bias or None, where the mask came from)."""
     if isinstance(attention_mask, HFMask):

@@ -59,12 +59,12 @@ class Mask:
     #: Batch size the mask carries data for (``None`` when it is the same for every batch row).
     batch: int | None = None
 
-    # ----------------------------------------------------------------- the predicate
+    # the predicate
     def allowed(self, b: Index, h: Index, q_idx: Index, kv_idx: Index, nq: int, nk: int) -> torch.Tensor:
         """Vectorized predicate over broadcastable int64 index tensors; returns a bool tensor."""
         raise NotImplementedError
 
-    # ----------------------------------------------------------------- what the mask reads
+    # what the mask reads
     #: Whether the predicate looks at the head index (lets ``dense`` keep H = 1 otherwise).
     depends_on_head: bool = False
     #: Whether the predicate tells batch rows apart beyond the per-row data it carries (``batch``): a user
@@ -81,7 +81,7 @@ class Mask:
         """The tensors the mask holds (checked against the request's device; CPU data is moved as needed)."""
         return ()
 
-    # ----------------------------------------------------------------- derived views
+    # derived views
     def check(self, B: int, H: int, nq: int, nk: int) -> None:
         """Raise ``ValueError`` when the mask cannot apply to a (B, H, nq, nk) problem. Changes nothing."""
         if self.batch is not None and self.batch not in (1, B):
@@ -145,7 +145,7 @@ class Mask:
         rows = ["".join("x" if a else "." for a in row.tolist()) for row in d]
         return "\n".join(rows)
 
-    # ----------------------------------------------------------------- composition
+    # composition
     def __and__(self, other: Mask) -> Mask:
         return And(self, _as_mask(other, "&"))
 
@@ -245,7 +245,7 @@ class Not(Mask):
         return f"~{self.a!r}"
 
 
-# --------------------------------------------------------------------- helpers for subclasses
+# helpers for subclasses
 def tile_grid(nq: int, nk: int, bq: int, bk: int, device=None):
     """Per-tile first/last query position (bottom-right aligned) and key index, shaped to broadcast
     to (TQ, TK): (pq_lo, pq_hi) are (TQ, 1), (k_lo, k_hi) are (1, TK)."""

@@ -87,7 +87,7 @@ PATHS = ("auto", "expanded", "absorbed")
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# ------------------------------------------------------------------------------------------ config
+# config
 @dataclass(frozen=True, kw_only=True)
 class LatentConfig:
     """Shape of one MLA layer, under HF ``DeepseekV2Config`` field names.
@@ -196,7 +196,7 @@ class LatentConfig:
                    rope_scaling=params or None, **kw)
 
 
-# ------------------------------------------------------------------------------ path choice (FLOPs)
+# path choice (FLOPs)
 class PathChoice(NamedTuple):
     """Which path a forward takes and the FLOP counts behind it (forward, all ``batch`` sequences, the
     parts that differ between paths: projections common to both are left out)."""
@@ -252,7 +252,7 @@ def _choose(config: LatentConfig, nq: int, nk: int, *, causal: bool, path: str) 
     return PathChoice(chosen, expanded, absorbed, n_star, why)
 
 
-# -------------------------------------------------------------------------------- the two paths
+# the two paths
 class LatentHeads(NamedTuple):
     """Per-head attention output of :func:`mla_expanded` / :func:`mla_absorbed`: ``out`` (B, H, Nq, dv)
     in the input dtype; ``lse`` (B, H, Nq) float32 when ``return_lse``, else None."""
@@ -420,7 +420,7 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     return LatentHeads(out_BHNv, lse)
 
 
-# ------------------------------------------------------------------------------------------ module
+# module
 class LatentAttentionOutput(NamedTuple):
     """``out`` (B, N, d); ``lse`` (B, H, N) float32 when ``need_lse=True`` else None; ``path`` taken."""
 

@@ -56,7 +56,7 @@ __all__ = [
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
-# --------------------------------------------------------------------------------- frequency functions
+# frequency functions
 def default_inv_freq(rotary_dim: int, *, theta: float = 10000.0) -> torch.Tensor:
     """``theta ** (-2f / R)`` for ``f = 0 .. R/2 - 1``: (F,) float64."""
     return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
@@ -125,7 +125,7 @@ def llama3_inv_freq(rotary_dim: int, *, theta: float, factor: float, low_freq_fa
     return torch.where(wavelength < n / high_freq_factor, inv, out)
 
 
-# ------------------------------------------------------------------------------------------ rotation
+# rotation
 def _rotate_pairs(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """The 90-degree rotation of each channel pair: (a, b) -> (-b, a)."""
     if interleaved:
@@ -213,7 +213,7 @@ class RotaryEmbedding:
         self._base = self._inv_freq_for(None)  # (F,) float64 on CPU
         self._by_device: dict[tuple[torch.device, int | None], torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ construction from configs
+    # construction from configs
     @classmethod
     def from_config(cls, config, *, layer_type: str | None = None, interleaved: bool = False) -> RotaryEmbedding:
         """Build from an HF config object or a dict with HF field names.
@@ -279,7 +279,7 @@ class RotaryEmbedding:
                                                                 self.max_position_embeddings)))
         raise ValueError(f"RotaryEmbedding: unsupported rope_type {t!r}; supported: {', '.join(ROPE_TYPES)}")
 
-    # ------------------------------------------------------------------------------ the math
+    # the math
     def inv_freq(self, seq_len: int | None = None, *, device=None) -> torch.Tensor:
         """(F,) float64 inverse frequencies; ``seq_len`` matters only for ``dynamic``."""
         dynamic = self.rope_type == "dynamic" and seq_len is not None and seq_len > self._dynamic_limit()
