@@ -46,6 +46,7 @@ def test_declines_without_interpreter_on_cpu(monkeypatch):
     assert "CUDA" in qkv.explain(x, x, x, return_lse=True).declined["triton"]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_declines_float64_and_large_head_dims(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # declining reads the variable only; no kernel is imported
     x = torch.randn(1, 1, 8, 16, dtype=torch.float64)
@@ -70,5 +71,15 @@ def test_declines_without_triton(monkeypatch):
     monkeypatch.setattr(tb, "_installed", lambda: False)
     x = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r"pip install 'qkv\[gpu\]'"):
+        qkv.attention(x, x, x, backend="triton")
+    assert "not installed" in qkv.explain(x, x, x).declined["triton"]
+
+
+def test_declines_when_triton_is_missing(monkeypatch):
+    from qkv.backends import triton as tb
+
+    monkeypatch.setattr(tb, "_installed", lambda: False)
+    x = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match=r"triton is not installed; install it with pip install 'qkv\[gpu\]'"):
         qkv.attention(x, x, x, backend="triton")
     assert "not installed" in qkv.explain(x, x, x).declined["triton"]
