@@ -74,13 +74,13 @@ def _generate(t):
 
 
 def _quality(t):
-    # --quick trains at N = 64 for 150 steps (dense only here: tests/test_quality_bench.py checks that a narrow
-    # window stays at chance). Floors well under what seed 0 reaches, far over the most frequent answer.
-    floors = {"recall": 0.6, "copy": 0.2, "listops": 0.5}
+    # --quick trains at N = 64 for 250 steps (dense only here: tests/test_quality_bench.py checks that a narrow
+    # window stays at chance). Floors under what seeds 0 and 1 reach, far over the most frequent answer.
+    floors = {"recall": 0.85, "copy": 0.5, "listops": 0.55}
     rows = {r["task"]: r for r in _rows(t, "quality") if r["attention"] == "dense"}
     assert set(rows) == set(floors), f"dense rows for tasks {sorted(rows)}, expected {sorted(floors)}"
     for task, r in rows.items():
-        assert r["N"] == 64 and r["accuracy"] >= floors[task] and r["accuracy"] >= r["chance"] + 0.15, \
+        assert r["N"] == 64 and r["accuracy"] >= floors[task] and r["accuracy"] >= r["chance"] + 0.3, \
             f"dense did not learn {task} at --quick: {r}"
 
 

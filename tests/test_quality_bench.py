@@ -63,17 +63,18 @@ def test_every_attention_has_the_same_parameters(quality):
     assert len(set(counts.values())) == 1, counts
 
 
-# Dense attention at the suite's smallest size (--quick: N = 64, 150 steps), one thread. The floors sit
-# well under what seed 0 reaches and far over the most frequent answer (``chance``).
-DENSE_FLOOR = {"recall": 0.6, "copy": 0.2, "listops": 0.5}
+# Dense attention at the suite's smallest size (--quick: N = 64, 250 steps), one thread. The floors sit
+# under what seeds 0 and 1 reach (recall 0.97, copy 0.67, listops 0.70 to 0.75) and far over the most
+# frequent answer (``chance``: 0.26, 0.08, 0.2).
+DENSE_FLOOR = {"recall": 0.85, "copy": 0.5, "listops": 0.55}
 
 
 @pytest.mark.parametrize("task", list(DENSE_FLOOR))
 def test_dense_learns_each_task_at_the_smallest_size(quality, task):
     torch.set_num_threads(1)
-    r = quality.train(task, "dense", n=64, steps=150, measure_memory=False)
+    r = quality.train(task, "dense", n=64, steps=250, measure_memory=False)
     assert r.accuracy >= DENSE_FLOOR[task], r
-    assert r.accuracy >= r.chance + 0.15, r
+    assert r.accuracy >= r.chance + 0.3, r
     assert r.loss_last < 0.6 * r.loss_first, r
 
 
@@ -81,5 +82,5 @@ def test_a_narrow_window_cannot_recall_far_keys(quality):
     """Two layers of a +-4 window reach 8 positions from a read-out: most pairs sit out of sight, so
     window-only attention stays at the most frequent answer where dense attention (above) learns."""
     torch.set_num_threads(1)
-    r = quality.train("recall", "window", n=64, steps=150, measure_memory=False, window=4)
+    r = quality.train("recall", "window", n=64, steps=250, measure_memory=False, window=4)
     assert r.accuracy <= r.chance + 0.1, r
