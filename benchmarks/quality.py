@@ -43,7 +43,7 @@ Reported per task, length and attention: held-out accuracy beside the accuracy o
 most frequent class (``chance``), training time per step and peak memory of one training step (CPU
 profiler or CUDA allocator), in one table and one plot.
 
-    python benchmarks/quality.py                 # default: N = 512, all tasks and attentions (minutes)
+    python benchmarks/quality.py                 # default: N = 512, 300 steps, all tasks and attentions
     python benchmarks/quality.py --lengths 512 1024 2048 --steps 600
     python benchmarks/quality.py --quick         # smallest size: N = 64, for `make test` and smoke runs
 """
