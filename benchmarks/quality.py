@@ -205,13 +205,17 @@ class Result:
 def train(task: str, method: str, *, n: int, steps: int, batch: int = 16, lr: float = 3e-3, seed: int = 0,
           eval_batches: int = 4, measure_memory: bool = True, **model_kw) -> Result:
     """Train one model for ``steps`` steps on fresh batches; evaluate on held-out batches."""
+    if steps < 3:
+        raise ValueError(f"train: steps must be at least 3 (warm-up, peak and decay of the one-cycle schedule), "
+                         f"got {steps}")
     torch.manual_seed(seed)
     R = make_batch(task, 1, n, torch.Generator().manual_seed(0)).readout
     if method == "bigbird":  # whole blocks: trim the body so that read-out + body is a multiple of the block
         n -= (n + R) % model_kw.get("block", 16)
     model = Model(method, n=n, readout=R, seed=seed, **model_kw)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    # 10% warm-up, at least two steps (torch's OneCycleLR divides by zero when the warm-up is one step)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=max(0.1, 2 / steps))
     g = torch.Generator().manual_seed(seed + 1)
     losses = []
 

@@ -58,6 +58,14 @@ def test_tasks_are_well_formed(quality, task):
         quality.make_batch(task, 2, 3, g)
 
 
+def test_train_rejects_too_few_steps_and_runs_short_schedules(quality):
+    with pytest.raises(ValueError, match="steps must be at least 3"):
+        quality.train("recall", "dense", n=16, steps=2, measure_memory=False)
+    for steps in (3, 10):  # 10: a one-step warm-up would divide by zero inside OneCycleLR
+        r = quality.train("recall", "dense", n=16, steps=steps, measure_memory=False, eval_batches=1)
+        assert 0 < r.loss_last < float("inf"), r
+
+
 def test_every_attention_has_the_same_parameters(quality):
     counts = {m: sum(p.numel() for p in quality.Model(m, n=63, readout=1).parameters()) for m in quality.METHODS}
     assert len(set(counts.values())) == 1, counts
