@@ -101,7 +101,7 @@ def shared_prefix(suite: Suite, system_len: int, users: int, user_len: int, repe
             t0 = time.perf_counter()
             out = generate(model, batch, max_new_tokens=1, cache=cache)
             times.append(time.perf_counter() - t0)
-            blocks, hits = cache.pool_stats()[None].in_use, int(out.prefix_hits.sum())
+            blocks, hits = cache.pool_stats()["full_attention"].blocks_in_use, int(out.prefix_hits.sum())
         results[caching] = (sorted(times)[len(times) // 2], blocks, hits)
     base = results[False]
     for caching, (t, blocks, hits) in results.items():
