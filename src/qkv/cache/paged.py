@@ -98,7 +98,7 @@ class PoolStats(NamedTuple):
     ``prefix_lookup_tokens``    prompt tokens looked up by ``match_prefix`` since the cache was built (whole
                                 cache: the same in every group)
     ``prefix_hit_tokens``       of those, tokens whose keys and values were reused instead of recomputed
-    ``prefix_hit_tokens_in_batch``  of the hits, tokens reused from another row of the same batch
+    ``prefix_hit_tokens_in_batch``  of the hits, tokens in blocks another row of the same batch wrote
     ``hit_rate``                ``prefix_hit_tokens / prefix_lookup_tokens`` (0.0 before any lookup)
     ==========================  ================================================================================
 
@@ -311,7 +311,7 @@ class BlockManager:
         for i, b in enumerate(order):
             shared = self._share_in_batch(b, order[:i], prompts, chains, hits[b])
             if shared > hits[b]:
-                self.hit_tokens_in_batch += shared
+                self.hit_tokens_in_batch += shared - hits[b]
                 hits[b] = shared
         self.lookup_tokens += sum(len(p) for p in prompts)
         self.hit_tokens += sum(hits)
