@@ -77,7 +77,8 @@ def test_rows_share_blocks_and_decode_the_same(model, layout, chunk):
     plain = _run(model, rows, chunk=chunk, cache=plain_cache)
     assert torch.equal(out.new_tokens, plain.new_tokens), (
         f"{layout}: tokens with sharing {out.new_tokens.tolist()} vs without {plain.new_tokens.tolist()}")
-    assert max_error(out.logits, plain.logits) < 1e-4, f"{layout}: logits differ by {max_error(out.logits, plain.logits)}"
+    err = max_error(out.logits, plain.logits)
+    assert err < 1e-4, f"{layout}: logits differ by {err}"
     for b, r in enumerate(rows):
         alone = generate(model, torch.tensor([r]), max_new_tokens=NEW, return_logits=True)
         assert torch.equal(alone.new_tokens[0], out.new_tokens[b]), f"{layout}: row {b} differs from running alone"
