@@ -457,8 +457,8 @@ class BlockManager:
                                      f"this batch, but row {w} has written only {done} of them by this step; feed "
                                      f"the rows right-aligned (left padding) so the longer row's prompt comes first, "
                                      f"or prefill row {w} before row {b}")
-        for b in [b for b in self.waits if counts[b]]:
-            del self.waits[b]
+        self.waits = {b: waits for b, waits in self.waits.items()
+                      if any(self.lens[w] + counts[w] < tokens for w, tokens in waits.items())}
 
     def _must_copy(self, g: _Group, b: int, length: int) -> bool:
         """Row ``b`` appends into a partial last block that other rows can see: copy it first. A block the row
