@@ -57,7 +57,7 @@ class Paged:
         block_size: tokens per block (vLLM's default is 16).
         num_blocks: blocks in each layer's pool; exhausting them raises :class:`CacheFull`.
         prefix_caching: index full blocks by the hash of their token prefix and reuse them
-            (``cache.match_prefix``).
+            (``cache.match_prefix``), across requests and between rows of one batch.
     """
 
     block_size: int = 16
@@ -86,21 +86,21 @@ class Paged:
 class PoolStats(NamedTuple):
     """Occupancy of the block pool of one group of layers, and the prefix cache's record.
 
-    ==========================  ================================================================================
-    field                       meaning
-    ==========================  ================================================================================
-    ``block_size``              tokens per block
-    ``blocks_total``            blocks in the pool (``Paged.num_blocks``); each layer of the group has one
-    ``blocks_in_use``           blocks referenced by at least one row now
-    ``blocks_cached_reusable``  blocks no row references that still hold an indexed prompt prefix: a later
-                                request reuses them, or they are evicted (least recently used first)
-    ``blocks_free``             blocks holding nothing
-    ``prefix_lookup_tokens``    prompt tokens looked up by ``match_prefix`` since the cache was built (whole
-                                cache: the same in every group)
-    ``prefix_hit_tokens``       of those, tokens whose keys and values were reused instead of recomputed
+    ==============================  ==========================================================================
+    field                           meaning
+    ==============================  ==========================================================================
+    ``block_size``                  tokens per block
+    ``blocks_total``                blocks in the pool (``Paged.num_blocks``); each layer of the group has one
+    ``blocks_in_use``               blocks referenced by at least one row now
+    ``blocks_cached_reusable``      blocks no row references that still hold an indexed prompt prefix: a later
+                                    request reuses them, or they are evicted (least recently used first)
+    ``blocks_free``                 blocks holding nothing
+    ``prefix_lookup_tokens``        prompt tokens looked up by ``match_prefix`` since the cache was built
+                                    (whole cache: the same in every group)
+    ``prefix_hit_tokens``           of those, tokens whose keys and values were reused instead of recomputed
     ``prefix_hit_tokens_in_batch``  of the hits, tokens in blocks another row of the same batch wrote
-    ``hit_rate``                ``prefix_hit_tokens / prefix_lookup_tokens`` (0.0 before any lookup)
-    ==========================  ================================================================================
+    ``hit_rate``                    ``prefix_hit_tokens / prefix_lookup_tokens`` (0.0 before any lookup)
+    ==============================  ==========================================================================
 
     ``blocks_in_use + blocks_cached_reusable + blocks_free == blocks_total``.
     """
@@ -246,7 +246,7 @@ class BlockManager:
         self.tokens: list[list[int] | None] = []
         self.salts: list[bytes] = []
         self.hashes: list[list[bytes]] = []
-        self.promised: list[int] = []  # tokens a row still has to write into blocks other rows of its batch reuse
+        self.promised: list[int] = []  # length by which a row has written the blocks other rows reuse (0: done)
         self.waits: dict[int, dict[int, int]] = {}  # reader row -> {writer row: tokens it must have written}
         self.history: list[torch.Tensor] = []  # per step (B, n) bool: which tokens were real
         self.seen = 0
@@ -286,10 +286,10 @@ class BlockManager:
         """Why rows cannot be reordered or cropped yet: a row still has to write blocks another row of its
         batch reuses (None when every such block is written)."""
         busy = [b for b, t in enumerate(self.promised) if t]
-        if not busy and not self.waits:
+        if not busy:
             return None
-        return (f"rows {busy or sorted(self.waits)} share prompt blocks that are not all written yet; finish the "
-                f"prefill first")
+        return (f"row(s) {busy} have not yet written every prompt block that other rows of this batch reuse; "
+                f"finish the prefill first")
 
     # prefix caching
     def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
