@@ -34,13 +34,13 @@ __all__ = ["register", "plot_figure", "compare_figure", "context_axis_end", "con
 
 _PRESET_HELP = "A preset name (llama-3-70b, gemma-3-27b, deepseek-v2, ...) or the path of a HF config.json."
 _Context = Annotated[
-    str, typer.Option("--context", "-c", help="Tokens per sequence: 131072, 128k (= 131,072), 1M, 128000.")
+    str, typer.Option("--context", "-c", help="Tokens per sequence: 131072, 128k (=131,072), 1M, 128000.")
 ]
 _Batch = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences in the batch.")]
 _Dtype = Annotated[str, typer.Option("--dtype", help="Cache dtype: fp32 fp16 bf16 fp8 int8 int4 int2.")]
 _Group = Annotated[
     int | None,
-    typer.Option("--group-size", min=1, help="int dtypes: count an fp16 scale + zero-point per group."),
+    typer.Option("--group-size", min=1, help="int dtypes: count an fp16 scale and zero-point per group."),
 ]
 _Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
 
@@ -157,8 +157,8 @@ def flops(
     """FLOPs of a model at a context: attention (QK^T and PV) beside the rest, and the crossover length.
 
     Prefill is the forward pass over a causal prompt of CONTEXT tokens (4*B*H*N*N*D, halved for
-    causal); decode is one new token against CONTEXT cached tokens; training is forward + backward,
-    3.5x forward for attention (FlashAttention-2's count) and 3x for the matmuls. Local layers see at
+    causal); decode is one new token against CONTEXT cached tokens; training is the forward and backward
+    passes, 3.5x forward for attention (FlashAttention-2's count) and 3x for the matmuls. Local layers see at
     most their window. For presets with the whole-model shape (`qkv presets` lists them) the table adds
     the projections, feed-forward (active experts) and LM head, and the crossover: the shortest context
     at which attention's FLOPs reach the rest's.
