@@ -212,6 +212,26 @@ def test_sinks_lse_and_layout_forward_backward(dtype, layout):
         assert_within_budget(a, r, b, what=f"{layout} {dtype} {name}")
 
 
+def test_sinks_with_dropout_keep_the_reference_pattern():
+    """Dropout drops the keys' probabilities after the sink joined the normalizer: same seed, same result
+    and gradients as the reference backend in float64."""
+    master, (q, k, v), dout = inputs(1, 2, 1, 21, 21, 16)
+    z = torch.tensor([0.5, -1.0])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, z)]
+    ref_leaves = [t.clone().requires_grad_() for t in (*master, z.double())]
+    kw = dict(mask=M.causal(), dropout_p=0.3)
+    out = qkv.attention(*leaves[:3], sinks=leaves[3], generator=torch.Generator().manual_seed(5), backend="triton",
+                        **kw)
+    ref = qkv.attention(*ref_leaves[:3], sinks=ref_leaves[3], generator=torch.Generator().manual_seed(5),
+                        backend="reference", **kw)
+    base = qkv.attention(q, k, v, sinks=z, generator=torch.Generator().manual_seed(5), backend="reference", **kw)
+    assert_within_budget(out.detach(), ref.detach(), base, what="sinks+dropout out")
+    g = torch.autograd.grad(out, leaves, dout.float())
+    g_ref = torch.autograd.grad(ref, ref_leaves, dout)
+    for name, a, r in zip(["dq", "dk", "dv", "dsinks"], g, g_ref):
+        assert (a.double() - r).abs().max() < 1e-5, f"{name}: {(a.double() - r).abs().max():.3e}"
+
+
 def test_bnhd_is_the_same_kernel_result():
     """layout='bnhd' reads (B, N, H, D) through strided views: the same numbers as the (B, H, N, D) call."""
     _, (q, k, v), _ = inputs(1, 4, 2, 23, 23, 16)
