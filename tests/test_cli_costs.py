@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 
 import pytest
@@ -229,3 +230,10 @@ def test_hf_config_max_position_embeddings_is_read_from_text_config(tmp_path):
         "model_type": "gemma3_text", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 131072}}))
     assert get_preset(str(path)).max_position_embeddings == 131072
+
+
+def test_docstring_examples_run():
+    from qkv.cli import costs as cli_costs
+
+    result = doctest.testmod(cli_costs, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, result

@@ -251,7 +251,7 @@ def compare_figure(models: Sequence[ModelPreset], context: int, *, batch: int = 
                    group_size: int | None = None):
     """The figure of ``qkv compare --plot``: each model's KV cache against context.
 
-    The x axis runs from ``min(1024, context, end / 16)`` to ``end =``:func:`context_axis_end`. Each
+    The x axis runs from ``min(1024, context, end / 16)`` to ``end``, :func:`context_axis_end`. Each
     model's curve stops at its own ``max_position_embeddings`` (or at ``context`` when the user asked
     for more), so a curve never claims a length its model was not configured for unasked.
     """
