@@ -237,3 +237,16 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(cli_costs, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result
+
+
+def test_compare_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    png = tmp_path / "kv.png"
+    r = run("compare", "llama-3-8b", "--context", "8k", "--plot", str(png))
+    assert r.exit_code == 2, r.output
+    assert "pip install 'qkv[plot]'" in r.stderr and "Traceback" not in r.output, r.output
+    assert r.stdout == "" and not png.exists()

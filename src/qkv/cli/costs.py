@@ -335,7 +335,12 @@ def compare(
         for p in models.values():
             _warn_context(p, n)
         if plot is not None:
-            compare_figure(list(models.values()), n, **kw).savefig(plot, dpi=120)
+            try:
+                fig = compare_figure(list(models.values()), n, **kw)
+            except ImportError as e:
+                raise ValueError(f"--plot needs matplotlib ({e}); install it with pip install 'qkv[plot]', or "
+                                 "drop --plot") from None
+            fig.savefig(plot, dpi=120)
     if as_json:
         typer.echo(json.dumps([{**m.as_dict(), "attention_kind": models[m.preset].attention_kind}
                                for m in ms.values()], indent=2))
