@@ -168,6 +168,8 @@ def test_compare_plot_axis_ends_at_the_longest_context(tmp_path, models, context
     lo, hi = ax.get_xlim()
     assert hi == end, f"x axis ends at {hi}, expected {end} for {models} at context {context}"
     assert lo <= min(1024, context), f"x axis starts at {lo}, after the context {context} or 1k"
+    labels = ax.get_legend_handles_labels()[1]
+    assert f"context {context:,} tokens" in labels and all(p.name in labels for p in presets), labels
     for p in presets:
         (line,) = [ln for ln in ax.get_lines() if ln.get_label() == p.name]
         last = max(p.max_position_embeddings or end, context)
