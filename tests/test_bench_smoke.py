@@ -73,8 +73,15 @@ def _generate(t):
     assert all(same), f"greedy tokens differ from HF in rows {[i for i, s in enumerate(same) if not s]}"
 
 
+def _varlen(t):
+    _all_below(t, "varlen", "max_err_vs_fp64", 1e-4)
+    packed = {r["path"]: r for r in _rows(t, "varlen")}["packed"]
+    assert packed["max|packed-padded|"] < 1e-4, f"packed vs padded logits differ by {packed['max|packed-padded|']}"
+    assert {"median", "min", "max", "n"} <= set(packed["vs_padded"]), f"vs_padded lacks its spread: {packed}"
+
+
 AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "linear": _linear, "mla": _mla,
-             "decode": _decode, "embed": _embed, "generate": _generate}
+             "decode": _decode, "embed": _embed, "generate": _generate, "varlen": _varlen}
 EXTRA_ARGS = {"generate": ["--threads", "1"]}
 
 
@@ -83,7 +90,6 @@ EXTRA_ARGS = {"generate": ["--threads", "1"]}
 NOT_SMOKED = {
     "gpu": "CUDA only: prints why and exits on a machine without one",
     "quality": "minutes even at --quick; tests/test_examples.py runs its smallest size and checks dense learns",
-    "varlen": "agreement field not yet asserted; tests/test_varlen.py checks packed == padded",
     "context_parallel": "spawns gloo ranks; tests/test_distributed.py checks every scheme",
     "head_pruning": "agreement field not yet asserted; tests/test_interpret_gates.py covers the curve",
     "gqa_conversion": "agreement field not yet asserted; tests/test_gqa.py covers the conversion",
