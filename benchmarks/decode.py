@@ -16,8 +16,8 @@ every repeat a pair; each ratio is its median and range over the paired repeats,
 only when the slowest repeat meets it.
 
 Published configuration (the defaults): 1 thread, process CPU time (everything runs single-threaded), 7
-paired repeats for decode speed and 5 for prefix caching. Expected time on a 2-core machine: about 5
-minutes.
+paired repeats for decode speed and 5 for prefix caching. Expected time on a quiet 2-core machine: about
+1.5 minutes.
 
     python benchmarks/decode.py [--quick] [--repeat R] [--threads N] [--wall-time]
 """

@@ -26,8 +26,8 @@ Target: qkv >= 1.3x sentence-transformers at batch 32, met only when the slowest
 Published configuration (the defaults): torch's default threads (the whole CPU), wall clock, 2000
 sentences, 5 paired repeats in every section. The wall clock because the end-to-end comparison is
 multi-threaded (both libraries' intra-op threads and the tokenizers'), where process CPU time would count
-threads' spinning and waiting rather than the time a user waits. Expected time on a 2-core machine: about
-11 minutes, most of it the main section (about 90 s per repeat).
+threads' spinning and waiting rather than the time a user waits. Expected time on a quiet 2-core machine:
+about 13 minutes (8 with the earlier 3 repeats), most of it the main section (about 100 s per repeat).
 
     python benchmarks/embed.py [--quick] [--repeat N] [--sentences N]
 """

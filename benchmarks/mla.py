@@ -22,8 +22,8 @@ and range over the paired repeats, and the target is met only when the slowest r
 agreement pass before timing is the warm-up.
 
 Published configuration (the defaults): 1 thread, process CPU time (every path runs single-threaded),
-5 repeats. Expected time on a 2-core machine: about 4 minutes, most of it the expanded and HF paths
-at N = 32768.
+5 repeats. Expected time on a quiet 2-core machine: about 2 minutes, most of it the expanded and HF
+paths at N = 32768.
 
     python benchmarks/mla.py [--quick] [--repeat R] [--threads N] [--wall-time]
 """

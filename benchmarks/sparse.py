@@ -18,8 +18,8 @@ Targets: qkv at most 1.0x Flex's time; at least 10x faster than dense-masked SDP
 every repeat.
 
 Published configuration (the defaults): 1 thread, process CPU time (every contender runs single-threaded),
-5 repeats. Expected time on a 2-core machine: about 12 minutes, most of it dense-masked SDPA at 16384 and
-32768 (the full N^2 work) and Flex compiles.
+5 repeats. Expected time on a quiet 2-core machine: about 8 minutes (4 with the earlier single SDPA call),
+most of it dense-masked SDPA at 16384 and 32768 (the full N^2 work: about 10 s and 40 s a call).
 
     python benchmarks/sparse.py [--quick] [--repeat R] [--threads N] [--wall-time]
 """

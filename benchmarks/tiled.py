@@ -16,8 +16,9 @@ the agreement.
 
 Published configuration (the defaults): 1 thread, process CPU time (both sides run single-threaded, so
 the CPU clock is robust to other processes), 5 paired repeats at every N (one untimed warm-up below
-16384). Expected time on a 2-core machine: about 30 minutes, nearly all of it at N = 16384 (one
-non-causal repeat there, forward and forward+backward for both, is about 3.5 minutes).
+16384). Expected time on a quiet 2-core machine: about 13 minutes (6 with the earlier single repeat at
+16384), nearly all of it at N = 16384, where one non-causal repeat (forward and forward+backward, both
+sides) takes about 95 s.
 
     python benchmarks/tiled.py [--quick] [--repeat R] [--threads N] [--wall-time]
 """

@@ -21,7 +21,8 @@ Timing: the two steps run round-robin, every repeat a pair; ``vs_padded`` is the
 the packed one's, its median and range over the paired repeats.
 
 Published configuration (the defaults): 1 thread, process CPU time (both steps run single-threaded), 5
-paired repeats. Expected time on a 2-core machine: about 5 minutes.
+paired repeats. Expected time on a quiet 2-core machine: about 3 minutes (a padded step is about 12 s
+on 2 threads, more on 1).
 
     python benchmarks/varlen.py [--quick] [--repeat R] [--threads T] [--wall-time]
 """
