@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from _toy_lm import ToyLM, single_thread  # noqa: F401 (single_thread: autouse fixture)
-from qkv.cache import FullSpec, KVCache, Paged
+from qkv.cache import CacheFull, FullSpec, KVCache, Paged
 from qkv.models.generate import generate
 from qkv.testing import max_error
 
@@ -181,3 +183,55 @@ def test_pool_stats_fields_add_up(model):
     assert stats["full_attention"].blocks_cached_reusable > 0
     with pytest.raises(ValueError, match="only paged caches"):
         KVCache(model).pool_stats()
+
+
+def _expected_hits(rows, salts):
+    """Reused tokens per row from the token lists alone: the longest common token prefix with a row ordered before
+    it (longer, or as long and earlier) under the same salt, in whole blocks, never the row's last token."""
+    hits = []
+    for b, r in enumerate(rows):
+        best = 0
+        for a, other in enumerate(rows):
+            if (len(other), -a) <= (len(r), -b) or salts[a] != salts[b]:
+                continue
+            common = 0
+            while common < min(len(r), len(other)) and r[common] == other[common]:
+                common += 1
+            best = max(best, min(common // T, (len(r) - 1) // T) * T)
+        hits.append(best)
+    return hits
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_batches_share_and_decode_the_same(model, data):
+    prefix = data.draw(st.lists(st.integers(1, 60), min_size=0, max_size=13), label="prefix")
+    B = data.draw(st.integers(2, 4), label="rows")
+    rows, salts = [], []
+    for _ in range(B):
+        cut = data.draw(st.integers(0, len(prefix)))
+        suffix = data.draw(st.lists(st.integers(1, 60), min_size=1, max_size=6))
+        rows.append(prefix[:cut] + suffix)
+        salts.append(data.draw(st.sampled_from([None, "t"])))
+    chunk = data.draw(st.sampled_from([None, 1, 2, 3, 5]), label="chunk")
+    cache = _paged(model)
+    out = _run(model, rows, salt=salts, chunk=chunk, cache=cache)
+    assert out.prefix_hits.tolist() == _expected_hits(rows, salts), (rows, salts)
+    plain_cache = _paged(model, caching=False)
+    plain = _run(model, rows, chunk=chunk, cache=plain_cache)
+    assert torch.equal(out.new_tokens, plain.new_tokens), (rows, salts, chunk)
+    assert max_error(out.logits, plain.logits) < 1e-4, (rows, salts, chunk)
+    used = cache.pool_stats()["full_attention"].blocks_in_use
+    assert used == plain_cache.pool_stats()["full_attention"].blocks_in_use - int(out.prefix_hits.sum()) // T
+
+
+def test_sharing_fits_a_batch_the_pool_could_not_hold_otherwise():
+    m = ToyLM(layers=("full", "full"), seed=3).eval()
+    rows = [P9 + [5, 6, 7, 8]] * 3  # 13 prompt tokens + 4 fed back: 5 blocks a row, 15 without sharing
+    with pytest.raises(CacheFull, match="need"):
+        _run(m, rows, cache=KVCache(m, storage=Paged(block_size=T, num_blocks=10)))
+    cache = KVCache(m, storage=Paged(block_size=T, num_blocks=10, prefix_caching=True))
+    out = _run(m, rows, cache=cache)  # 5 blocks for the writer, 2 each for the others
+    assert out.prefix_hits.tolist() == [0, 12, 12]
+    assert torch.equal(out.new_tokens, _run(m, rows).new_tokens)
