@@ -143,6 +143,18 @@ def test_reading_unwritten_shared_blocks_is_refused_and_changes_nothing():
     assert torch.equal(view.k[1, :, order[:8]], k[0, :, :8]) and torch.equal(view.k[1, :, order[8:]], k[1, :, 8:])
 
 
+def test_writer_must_write_the_prompt_it_was_matched_with():
+    cache, ids = _shared_pair()
+    before = cache.pool_stats()
+    other = ids.clone()
+    other[0, 5] += 1  # row 0 would fill the shared blocks with another prompt
+    with pytest.raises(ValueError, match="row 0 writes prompt blocks .* differ from the prompt match_prefix"):
+        cache.prepare(other, torch.cat([torch.arange(12).view(1, 12), torch.tensor([[-1] * 8 + [8, 9, 10, 11]])]))
+    with pytest.raises(ValueError, match=r"cache.prepare\(input_ids, positions\)"):
+        cache.update(0, *_kv(2, 12), positions=torch.arange(12).expand(2, 12))  # no token ids announced
+    assert cache.seq_length == 0 and cache.pool_stats() == before
+
+
 def test_writer_fills_a_shared_block_in_place_across_chunks():
     cache, ids = _shared_pair()
     seen = []

@@ -247,6 +247,7 @@ class BlockManager:
         self.salts: list[bytes] = []
         self.hashes: list[list[bytes]] = []
         self.promised: list[int] = []  # length by which a row has written the blocks other rows reuse (0: done)
+        self.promised_ids: list[list[int]] = []  # the prompt tokens those blocks hold
         self.waits: dict[int, dict[int, int]] = {}  # reader row -> {writer row: tokens it must have written}
         self.history: list[torch.Tensor] = []  # per step (B, n) bool: which tokens were real
         self.seen = 0
@@ -262,6 +263,7 @@ class BlockManager:
             raise ValueError(f"salt: got {len(salts)} salts for {B} rows; pass one salt or one per row")
         self.rows = B
         self.lens, self.base, self.promised = [0] * B, [0] * B, [0] * B
+        self.promised_ids = [[] for _ in range(B)]
         self.tokens = [[] for _ in range(B)]
         self.salts = [_salt_bytes(s) for s in salts]
         self.hashes = [[] for _ in range(B)]
@@ -280,7 +282,7 @@ class BlockManager:
             g.tables, g.first = [], []
         self.rows, self.seen, self.step = 0, 0, None
         self.lens, self.base, self.tokens, self.salts, self.hashes, self.history = [], [], [], [], [], []
-        self.promised, self.waits = [], {}
+        self.promised, self.promised_ids, self.waits = [], [], {}
 
     def sharing_in_progress(self) -> str | None:
         """Why rows cannot be reordered or cropped yet: a row still has to write blocks another row of its
@@ -382,6 +384,7 @@ class BlockManager:
             g.tables[b], g.first[b] = table, start
         if new_h > self.base[writer]:
             self.promised[writer] = max(self.promised[writer], new_h)
+            self.promised_ids[writer] = prompts[writer][:self.promised[writer]]
         waits = {w: min(t, new_h) for w, t in self.waits.get(writer, {}).items()}
         if new_h > self.base[writer]:
             waits[writer] = new_h
@@ -424,6 +427,7 @@ class BlockManager:
         real = positions >= 0
         counts = real.sum(1).tolist()
         self._check_reuse_ready(counts)
+        self._check_promised_tokens(positions, input_ids, counts)
         releases = [self._plan_group(g, counts) for g in self.groups]
         blocks, offsets = self._assign_slots(releases, counts)
         self._record_positions(blocks, offsets, positions, real)
@@ -459,6 +463,22 @@ class BlockManager:
                                      f"or prefill row {w} before row {b}")
         self.waits = {b: waits for b, waits in self.waits.items()
                       if any(self.lens[w] + counts[w] < tokens for w, tokens in waits.items())}
+
+    def _check_promised_tokens(self, positions: torch.Tensor, input_ids: torch.Tensor | None, counts: list[int]
+                               ) -> None:
+        """A row writing blocks other rows of its batch reuse must write the prompt ``match_prefix`` saw."""
+        for w, until in enumerate(self.promised):
+            if not until or not counts[w]:
+                continue
+            if input_ids is None:
+                raise ValueError(f"paged cache: row {w} writes prompt blocks other rows of this batch reuse; announce "
+                                 f"each step's token ids with cache.prepare(input_ids, positions) before the forward "
+                                 f"pass (generate does)")
+            fed = input_ids[w][positions[w] >= 0].tolist()[:until - self.lens[w]]
+            if fed != self.promised_ids[w][self.lens[w]:self.lens[w] + len(fed)]:
+                raise ValueError(f"paged cache: row {w} writes prompt blocks other rows of this batch reuse, but its "
+                                 f"tokens differ from the prompt match_prefix was given; feed each row the prompt it "
+                                 f"was matched with, from its reused length on")
 
     def _must_copy(self, g: _Group, b: int, length: int) -> bool:
         """Row ``b`` appends into a partial last block that other rows can see: copy it first. A block the row
@@ -643,7 +663,7 @@ class BlockManager:
         self.tokens = [None if self.tokens[i] is None else list(self.tokens[i]) for i in idx]
         self.salts = [self.salts[i] for i in idx]
         self.hashes = [list(self.hashes[i]) for i in idx]
-        self.promised = [0] * len(idx)
+        self.promised, self.promised_ids = [0] * len(idx), [[] for _ in idx]
         t = torch.tensor(idx, dtype=torch.int64)
         self.history = [r.index_select(0, t.to(r.device)) for r in self.history]
         self.rows, self.step = len(idx), None
