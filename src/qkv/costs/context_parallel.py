@@ -12,8 +12,9 @@ qkv's own implementation (:mod:`qkv.distributed`) and says what it assumes:
   forward is the larger of those FLOPs over the attention throughput and the HBM time (this rank's Q, K, V and
   output once); the backward costs ``Device.backward_multiplier`` times the forward's FLOP time (2.5 for
   FlashAttention-2's count). Each block the rank computes adds ``Device.block_overhead_s`` per pass (host work:
-  the block's mask, the merge, kernel launches). Everything a rank computes runs at ``Device.compute_share`` of
-  its device (below 1 when ranks share cores, as W processes on fewer CPU cores do).
+  the block's mask, the merge, kernel launches). When ranks share cores (``Device.compute_share`` below 1, as
+  W processes on fewer CPU cores), a pass takes at least the mean rank's work over its share: balanced schemes
+  slow down by the full factor, an unbalanced ring less (its idle ranks leave their cores to the busy one).
 - Communication over links of ``link_bytes_per_s`` with a per-message ``latency_s``. A chunk of K/V is
   ``c = B * (N / W) * Hkv * (Dqk + Dv) * e`` bytes (MLA passes its latent, ``kv_lora_rank + qk_rope_head_dim``
   per token, and expands it locally).
@@ -147,30 +148,34 @@ class LayerTime:
 
 
 class SchemeWork(NamedTuple):
-    """The busiest rank's share of one pass: ``fraction`` of the ``B * Hq * N^2`` (query, key, head) triples it
-    scores, and the number of ``blocks`` (block calls) they come in."""
+    """One pass of a scheme: the busiest rank scores ``fraction`` of the ``B * Hq * N^2`` (query, key, head)
+    triples in ``blocks`` block calls; ``mean_fraction`` and ``mean_blocks`` are the averages over the ranks
+    (what ranks that share cores share)."""
 
     fraction: float
     blocks: int
+    mean_fraction: float
+    mean_blocks: float
 
 
 def scheme_work(scheme: str, world: int, *, causal: bool = True, skips_masked_tiles: bool = True,
                 ulysses: int = 1) -> SchemeWork:
-    """The busiest rank's work in one pass of qkv's ``scheme`` over ``world`` ranks (self-attention, N x N).
+    """The work of one pass of qkv's ``scheme`` over ``world`` ranks (self-attention, N x N).
 
     Blocks follow :mod:`qkv.distributed`: ring and stripe compute one block of ``N/W`` queries by ``N/W`` keys
     per step; zigzag and all-gather one block per pair of their ``N/(2W)`` chunks (``2W+1`` non-empty under a
     causal mask, ``4W`` without); Ulysses one block per pair of the W sequence shards for ``Hq/W`` heads; usp
-    a ring over ``W/U`` groups of ``U = ulysses`` ranks, for ``Hq/U`` heads.
+    a ring over ``R = W/U`` groups of ``U = ulysses`` ranks, for ``Hq/U`` heads. Under a causal mask the
+    contiguous ring (and usp's ring) is unbalanced: ring rank ``i`` computes ``i + 1`` blocks.
 
     ``skips_masked_tiles``: the kernel skips masked tiles inside a block, so the fraction is that of allowed pairs;
     otherwise every non-empty block counts in full.
 
     Example:
         >>> scheme_work("ring", 4)                                  # the last rank: 7/32 of the square
-        SchemeWork(fraction=0.21875, blocks=4)
-        >>> scheme_work("zigzag", 4, skips_masked_tiles=False)      # 9 blocks of (N/8)^2
-        SchemeWork(fraction=0.140625, blocks=9)
+        SchemeWork(fraction=0.21875, blocks=4, mean_fraction=0.125, mean_blocks=2.5)
+        >>> scheme_work("zigzag", 4, skips_masked_tiles=False)      # 9 blocks of (N/8)^2 on every rank
+        SchemeWork(fraction=0.140625, blocks=9, mean_fraction=0.140625, mean_blocks=9.0)
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme_work: unknown scheme {scheme!r}; choose one of {SCHEMES}")
@@ -179,19 +184,24 @@ def scheme_work(scheme: str, world: int, *, causal: bool = True, skips_masked_ti
     if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
         raise ValueError(f"scheme_work: ulysses must be an int >= 1 that divides world={world}, got {ulysses!r}")
     W = world
-    R = W // ulysses if scheme == "usp" else W
+    U = ulysses if scheme == "usp" else 1
+    R = W // U
     blocks = {"ring": W, "stripe": W, "zigzag": 2 * W + 1 if causal else 4 * W, "usp": R,
               "ulysses": W * (W + 1) // 2 if causal else W * W}
     blocks["allgather"] = blocks["zigzag"]
+    n_blocks = blocks[scheme]
     if not causal:
-        return SchemeWork(1 / W, blocks[scheme])
+        return SchemeWork(1 / W, n_blocks, 1 / W, float(n_blocks))
+    contiguous = scheme in ("ring", "usp")  # ring rank i computes i + 1 blocks of (N/R)^2 for Hq/U heads
+    mean_blocks = (R + 1) / 2 if contiguous else float(n_blocks)
     if skips_masked_tiles:
-        ring = (2 * R - 1) / (2 * R * R)  # the last rank: R-1 full blocks and half a diagonal one, of (N/R)^2
-        fraction = {"ring": ring, "usp": ring / ulysses}.get(scheme, 1 / (2 * W))
-    else:
-        fraction = {"zigzag": (2 * W + 1) / (4 * W * W), "allgather": (2 * W + 1) / (4 * W * W),
-                    "ulysses": (W + 1) / (2 * W * W)}.get(scheme, 1 / W)
-    return SchemeWork(fraction, blocks[scheme])
+        # the last ring rank: R-1 full blocks and half a diagonal one; in all, half the square
+        fraction = (2 * R - 1) / (2 * R * R) / U if contiguous else 1 / (2 * W)
+        return SchemeWork(fraction, n_blocks, 1 / (2 * W), mean_blocks)
+    fraction = {"zigzag": (2 * W + 1) / (4 * W * W), "allgather": (2 * W + 1) / (4 * W * W),
+                "ulysses": (W + 1) / (2 * W * W)}.get(scheme, 1 / W)
+    mean = (R + 1) / (2 * R * R) / U if contiguous else fraction
+    return SchemeWork(fraction, n_blocks, mean, mean_blocks)
 
 
 def _payload_per_token(p: ModelPreset, e: float) -> float:
@@ -230,10 +240,14 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
     flops_all = 2.0 * batch * p.num_attention_heads * context ** 2 * (p.head_dim + p.value_head_dim)
     # A block is bound by its FLOPs or by reading its Q, K, V and writing its output from HBM.
     hbm = batch * (context / W) * (p.num_attention_heads + p.num_key_value_heads) * (p.head_dim + p.value_head_dim) * e
-    core = max(flops_all * work.fraction / device.attention_flops_per_s, hbm / device.hbm_bytes_per_s)
-    overhead = work.blocks * device.block_overhead_s
-    fwd = (core + overhead) / device.compute_share
-    bwd = (device.backward_multiplier * core + overhead) / device.compute_share if training else 0.0
+    hbm_s = hbm / device.hbm_bytes_per_s
+    core = max(flops_all * work.fraction / device.attention_flops_per_s, hbm_s)
+    core_mean = max(flops_all * work.mean_fraction / device.attention_flops_per_s, hbm_s)
+    ovh, share, bm = device.block_overhead_s, device.compute_share, device.backward_multiplier
+    # The busiest rank's own work, or, where ranks share cores, every rank's work over the cores they share (a
+    # rank that waits for its peer leaves its core to the others).
+    fwd = max(core + work.blocks * ovh, (core_mean + work.mean_blocks * ovh) / share)
+    bwd = max(bm * core + work.blocks * ovh, (bm * core_mean + work.mean_blocks * ovh) / share) if training else 0.0
     chunk = batch * (context / W) * _payload_per_token(p, e)
     local = batch * (context / W)
     if scheme in ("ring", "zigzag", "stripe", "usp"):
