@@ -266,8 +266,8 @@ def main() -> None:
                        f"{tcp['torch_cp_error']}")
         bw, lat = ranks[0]["link"]
         suite.note(f"W={world}: measured model terms: qkv block attention {cal['rate'] / 1e9:.2f} GFLOP/s, backward "
-                   f"{cal['backward_multiplier']:.2f} x forward, {cal['block_overhead_s'] * 1e3:.2f} ms fixed per block "
-                   f"and pass, compute share {cal['compute_share']:.2f} per rank ({world} ranks, "
+                   f"{cal['backward_multiplier']:.2f} x forward, {cal['block_overhead_s'] * 1e3:.2f} ms fixed "
+                   f"per block and pass, compute share {cal['compute_share']:.2f} per rank ({world} ranks, "
                    f"{len(os.sched_getaffinity(0))} cores), gloo {bw / 1e9:.2f} GB/s, latency {lat * 1e6:.0f} us")
     suite.finish()
 
