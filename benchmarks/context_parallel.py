@@ -269,6 +269,17 @@ def main() -> None:
                    f"{cal['backward_multiplier']:.2f} x forward, {cal['block_overhead_s'] * 1e3:.2f} ms fixed "
                    f"per block and pass, compute share {cal['compute_share']:.2f} per rank ({world} ranks, "
                    f"{len(os.sched_getaffinity(0))} cores), gloo {bw / 1e9:.2f} GB/s, latency {lat * 1e6:.0f} us")
+    missed = [f"W={r['W']} {r['scheme']} ({r['predicted/measured']:.2f})" for r in suite.rows
+              if r.get("target") == "missed"]
+    suite.note(f"predicted / measured: target band [{BAND[0]}, {BAND[1]}] for every scheme; "
+               + (f"outside it: {', '.join(missed)}" if missed else "every scheme inside it"))
+    suite.note("The model assumes (qkv.costs.context_parallel): qkv's blocks score every pair of a block the mask "
+               "leaves non-empty; the block rate, backward ratio and fixed cost are those of a causal-diagonal and a "
+               "full block of the ring's size (zigzag's blocks are half as long, Ulysses' hold Hq/W heads); ranks "
+               "that share cores share the mean rank's work at the measured compute share (an idle ring rank leaves "
+               "its core to the busy one); K/V shifts overlap a step's blocks, dK/dV shifts do not; the link terms "
+               "are a 4 MB and an 8-byte ping-pong between ranks 0 and 1. Each term is measured in this run, so "
+               "load from other processes on the machine moves both sides of the ratio, but not by the same amount.")
     suite.finish()
 
 
