@@ -5,9 +5,9 @@ qkv's own implementation (:mod:`qkv.distributed`) and says what it assumes:
 
 - Compute: the busiest rank's work. Attention FLOPs are ``2 * B * Hq * N^2 * (Dqk + Dv)`` for the whole problem;
   the busiest rank computes a fraction of them that depends on the scheme's layout and on the device's kernel
-  (:func:`work_fraction`): with ``Device.skips_masked_tiles`` (FlashAttention-style kernels skip masked tiles, so
+  (:func:`scheme_work`): with ``Device.skips_masked_tiles`` (FlashAttention-style kernels skip masked tiles, so
   a causal diagonal block costs half) zigzag, stripe, all-gather and Ulysses give every rank ``1 / (2W)`` of the
-  causal square and a contiguous ring gives the last rank ``(2W - 1) / (2W^2)``; without it (qkv's CPU blocks:
+  ``N^2`` square and a contiguous ring gives the last rank ``(2W - 1) / (2W^2)``; without it (qkv's CPU blocks:
   any block the mask leaves non-empty is computed in full) the fractions are counts of whole blocks. The
   forward is the larger of those FLOPs over the attention throughput and the HBM time (this rank's Q, K, V and
   output once); the backward costs ``Device.backward_multiplier`` times the forward's FLOP time (2.5 for
@@ -141,7 +141,7 @@ class LayerTime:
 
     scheme: str
     world: int
-    compute_s: float  # the busiest rank's attention compute, block overheads included
+    compute_s: float  # the slowest rank's attention compute (block overheads and shared cores included)
     comm_s: float  # transfer time, overlapped or not
     total_s: float  # with the overlap the scheme allows
     bytes_sent: float  # per rank, forward (and backward when training)
