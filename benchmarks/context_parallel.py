@@ -17,6 +17,10 @@ For W = 2 and 4 ranks on this machine, causal attention over one sequence (float
 - PyTorch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``) where it
   runs on CPU/gloo; where it does not, the reason it gave.
 
+Published configuration (the defaults): N = 4096, 5 repeats, wall clock (ranks sharing cores is part of what
+is measured), 1 torch thread per rank. Expected time on a quiet 2-core machine: not yet measured at this size;
+about 5 to 10 minutes by extrapolation from N = 1024.
+
     python benchmarks/context_parallel.py [--quick] [--repeat R]
 """
 
