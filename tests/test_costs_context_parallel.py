@@ -88,9 +88,10 @@ def _brute_work(scheme: str, world: int, n: int, *, causal: bool, dense: bool, u
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense-blocks", "skips-tiles"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("scheme,world,ulysses", [(s, w, 1) for s in SCHEMES if s != "usp" for w in (1, 2, 3, 4)]
-                         + [("usp", 4, 2), ("usp", 8, 2), ("usp", 8, 4), ("usp", 4, 4)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("scheme,world,ulysses",
+                         [pytest.param(s, w, 1, id=f"{s}-W{w}") for s in SCHEMES if s != "usp" for w in (1, 2, 3, 4)]
+                         + [pytest.param("usp", w, u, id=f"usp-W{w}-U{u}")
+                            for w, u in ((4, 2), (8, 2), (8, 4), (4, 4))])
 def test_scheme_work_counts_qkv_blocks(scheme, world, ulysses, causal, dense):
     n = 48  # tokens per rank: divides into 2W zigzag chunks for W <= 4
     per_rank = _brute_work(scheme, world, n, causal=causal, dense=dense, ulysses=ulysses)
