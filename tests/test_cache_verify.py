@@ -1,8 +1,8 @@
 """Cached decoding equals full recomputation: ``verify_cache`` over every lossless spec x storage, the
 sliding-window boundary, chunked prefill, crop, fork and prefix-cache hits; lossy caches within their
 stated bounds (a multiple of what the correct implementation measures); a heavy-hitter model on which H2O must beat
-random eviction; and checks that a broken cache (lost bit, dropped residual, wrong tokens kept, missing
-copy-on-write, wrong positions) is caught."""
+random eviction; and checks that a broken cache (lost bit, a neighbour group's scale, dropped residual, wrong
+tokens kept, missing copy-on-write, wrong positions) is caught."""
 
 from __future__ import annotations
 
@@ -181,9 +181,21 @@ def _no_residual(orig):
     return store_for
 
 
-@pytest.mark.parametrize("name", ["kivi4-g4", "kivi2-g4", "int8"])
-def test_bound_catches_a_lost_bit(name, monkeypatch):
-    monkeypatch.setattr(quant_mod, "quantize_groups", _signed_range(quant_mod.quantize_groups))
+def _neighbour_scale(orig):
+    """Defect: each group is stored with the scale and zero-point of the group before it (an index off by one)."""
+    def quantize(x, bits, dim):
+        codes, scale, zero = orig(x, bits, dim)
+        return codes, scale.roll(1, dims=dim - 1), zero.roll(1, dims=dim - 1)
+    return quantize
+
+
+QUANT_DEFECTS = {"lost-bit": _signed_range, "neighbour-group-scale": _neighbour_scale}
+
+
+@pytest.mark.parametrize("name, defect", [(n, d) for d in QUANT_DEFECTS for n in ("kivi4-g4", "kivi2-g4", "int8")
+                                          if not (n == "int8" and d == "neighbour-group-scale")])  # int8: one group
+def test_bound_catches_a_broken_quantizer(name, defect, monkeypatch):
+    monkeypatch.setattr(quant_mod, "quantize_groups", QUANT_DEFECTS[defect](quant_mod.quantize_groups))
     _over_bound(_lossy(name, _toy("gqa"), raise_on_failure=False))
 
 
