@@ -9,9 +9,9 @@ both curves and their ratio; a PNG draws them.
 
 Agreement, per point of the curve: ``max|gate-surgery|`` is the largest embedding difference between pruning by
 gates (``head_gate = 0``, what the curve measures) and pruning by weight surgery on a copy of the model (the
-output projection's input columns of each removed head set to zero, as HF's ``prune_heads`` removes them, and
-run without gates, so through the packed attention path). ``order_follows_importance`` in the context says the
-curve removed heads in non-decreasing importance.
+output projection's input columns of each removed head set to zero, as HF's ``prune_heads`` removes them; no
+gates), so a gate applied to the wrong head or layer shows here. ``order_follows_importance`` in the context
+says the curve removed heads in non-decreasing importance.
 
     python benchmarks/head_pruning.py [--quick]
 """
