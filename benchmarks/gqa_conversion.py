@@ -15,7 +15,7 @@ text, the second half is evaluated):
   cosine gives recall@1 and the mean reciprocal rank (the original model's beside them), and the share of
   its 5 nearest neighbours the original model also ranks there (``top5_overlap``);
 - cache: KV-cache size relative to the 12-head original (``Hkv / 12``);
-- agreement of the grouped attention itself: ``max|gqa-repeated_kv|`` is the largest embedding difference
+- agreement of the grouped attention itself: ``max_abs_diff_vs_repeated_kv`` is the largest embedding difference
   between the converted model and a multi-head copy of it whose key/value projection heads are the converted
   ones repeated across each group (GQA equals repeated KV), so a query reading the wrong KV head shows here;
   at 12 KV heads the conversion is the identity (cosine 1).
@@ -191,7 +191,7 @@ def main(argv=None) -> None:
         row = suite.add({"kv_heads": kv, "pooling": pooling, "cache_vs_mha": kv / H},
                         {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()), "recall@1": r1, "mrr": mrr,
                          "top5_overlap": neighbour_overlap(emb, ref), "recall@1_original": r1_orig,
-                         "mrr_original": mrr_orig, "max|gqa-repeated_kv|": float((rep - a).abs().max()),
+                         "mrr_original": mrr_orig, "max_abs_diff_vs_repeated_kv": float((rep - a).abs().max()),
                          **(extra or {})})
         print(f"  kv={kv:2d} {pooling:13s} cos {row['cosine_mean']:.4f}  recall@1 {r1:.3f}  mrr {mrr:.3f}")
 

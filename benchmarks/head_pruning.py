@@ -7,11 +7,11 @@ similarity of pruned and unpruned embeddings) on the held-out half. Heads are re
 first; the peer, run in the same process, removes them in random orders (mean over seeds). The table gives
 both curves and their ratio; a PNG draws them.
 
-Agreement, per point of the curve: ``max|gate-surgery|`` is the largest embedding difference between pruning by
-gates (``head_gate = 0``, what the curve measures) and pruning by weight surgery on a copy of the model (the
-output projection's input columns of each removed head set to zero, as HF's ``prune_heads`` removes them; no
-gates), so a gate applied to the wrong head or layer shows here. ``order_follows_importance`` in the context
-says the curve removed heads in non-decreasing importance.
+Agreement, per point of the curve: ``max_abs_diff_gate_vs_surgery`` is the largest embedding difference
+between pruning by gates (``head_gate = 0``, what the curve measures) and pruning by weight surgery on a copy
+of the model (the output projection's input columns of each removed head set to zero, as HF's
+``prune_heads`` removes them; no gates), so a gate applied to the wrong head or layer shows here.
+``order_follows_importance`` in the context says the curve removed heads in non-decreasing importance.
 
     python benchmarks/head_pruning.py [--quick]
 """
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     for r, m, rnd, diff in zip(curve.removed, curve.measure, random_mean, surgery_diff):
         suite.add({"heads_removed": r}, {"agreement_importance_order": m, "agreement_random_order": rnd,
                                          "ratio_vs_random": m / rnd if rnd else float("nan"),
-                                         "max|gate-surgery|": diff})
+                                         "max_abs_diff_gate_vs_surgery": diff})
     suite.note("importance (layers x heads): " + "; ".join(" ".join(f"{x:.2f}" for x in row) for row in importance))
     png = plot_pruning_curve(curve.removed, curve.measure, OUT_DIR / "head_pruning.png",
                              ylabel="embedding agreement (cosine)", title="all-MiniLM-L6-v2 head pruning")
