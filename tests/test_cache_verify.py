@@ -330,7 +330,7 @@ def test_h2o_beats_random_eviction_when_one_key_dominates():
     assert 3 * ours < min(controls), f"H2O max logit error {ours:.3f} vs random eviction {controls}"
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+@pytest.mark.parametrize("name", list(HEAVY_LOSSY))
 def test_heavy_hitter_bound_catches_evicting_the_most_important(name, monkeypatch):
     _evict_the_most_important(monkeypatch)
     _over_bound(_heavy(name, raise_on_failure=False))
