@@ -33,6 +33,15 @@ def _all_below(tables, table, field, bound):
     assert all(v < bound for v in vals), f"{table}.{field} = {vals}; agreement bound {bound}"
 
 
+def _ranged(tables, table, field):
+    """Every row's ``field`` is a ratio over paired repeats (median, lowest, highest) and its target, if any,
+    is judged on it."""
+    for r in _rows(tables, table):
+        v = r[field]
+        assert isinstance(v, dict) and {"median", "min", "max", "n"} <= set(v), f"{table}.{field} lacks its range: {v}"
+        assert v["min"] <= v["median"] <= v["max"] and v["n"] >= 2, f"{table}.{field}: {v}"
+
+
 def _dense(t):
     _all_below(t, "dense", "max_abs_err", 1e-4)
     _all_below(t, "dense_dispatch", "max_abs_err", 1e-4)
@@ -42,18 +51,29 @@ def _dense(t):
 
 def _tiled(t):
     _all_below(t, "tiled", "max_abs_err", 1e-4)
+    _ranged(t, "tiled", "tiled/sdpa")
+    _ranged(t, "tiled", "fb tiled/sdpa")
 
 
 def _sparse(t):
     _all_below(t, "sparse", "max|tiled-flex|", 1e-4)
+    _ranged(t, "sparse", "tiled/flex")
+    _ranged(t, "sparse", "sdpa/tiled")
+    compile_s = [r["flex_compile_s"] for r in _rows(t, "sparse")]
+    assert all(c >= 0 for c in compile_s), f"a compile time cannot be negative: {compile_s}"
 
 
 def _linear(t):
     _all_below(t, "linear_recurrent", "max_abs_diff", 1e-3)
+    for table, field in (("linear_prefill", "speedup"), ("linear_train", "speedup"), ("linear_recurrent", "speedup"),
+                         ("linear_decode", "softmax/linear"), ("linear_targets", "measured")):
+        _ranged(t, table, field)
+    assert {r["target"] for r in _rows(t, "linear_targets")} <= {"met", "missed"}
 
 
 def _mla(t):
     _all_below(t, "mla", "max_abs_diff", 1e-3)
+    _ranged(t, "mla", "expanded/absorbed")
 
 
 def _decode(t):
@@ -61,16 +81,28 @@ def _decode(t):
     assert rows, "decode_quant lists no cache"
     for name, r in rows.items():
         assert r["argmax_agree_pct"] >= 90, f"{name}: argmax agrees on {r['argmax_agree_pct']}% of tokens"
+    _ranged(t, "decode", "speedup_dynamic")
+    _ranged(t, "decode_prefix", "speedup")
 
 
 def _embed(t):
     cos = t["embed"]["context"]["min_cosine_vs_st"]
     assert cos > 0.9999, f"min cosine similarity qkv vs sentence-transformers {cos}"
+    _ranged(t, "embed", "speedup_vs_st32")
 
 
 def _generate(t):
     same = [r["same_tokens"] for r in _rows(t, "generate")]
     assert all(same), f"greedy tokens differ from HF in rows {[i for i, s in enumerate(same) if not s]}"
+    for field in ("decode_ratio", "onednn_ratio", "e2e_ratio"):
+        _ranged(t, "generate", field)
+
+
+def _varlen(t):
+    _all_below(t, "varlen", "max_err_vs_fp64", 1e-4)
+    packed = {r["path"]: r for r in _rows(t, "varlen")}["packed"]
+    assert packed["max|packed-padded|"] < 1e-4, f"packed vs padded logits differ by {packed['max|packed-padded|']}"
+    _ranged(t, "varlen", "vs_padded")
 
 
 def _head_pruning(t):
@@ -129,8 +161,8 @@ def _gpu(t, sections=("correctness", "decode", "flex_backend")):
 
 
 AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "linear": _linear, "mla": _mla,
-             "decode": _decode, "embed": _embed, "generate": _generate, "head_pruning": _head_pruning,
-             "gqa_conversion": _gqa_conversion, "gpu": _gpu}
+             "decode": _decode, "embed": _embed, "generate": _generate, "varlen": _varlen,
+             "head_pruning": _head_pruning, "gqa_conversion": _gqa_conversion, "gpu": _gpu}
 # The gpu suite runs on CPU through Triton's interpreter (--dry-run), without its speed section here: that one
 # compiles FlexAttention for the CPU (about a minute); test_gpu_dry_run_with_speed_section runs it under -m slow.
 EXTRA_ARGS = {"generate": ["--threads", "1"], "gpu": ["--dry-run", "--sections", "correctness,decode,flex_backend"]}
@@ -140,7 +172,6 @@ EXTRA_ARGS = {"generate": ["--threads", "1"], "gpu": ["--dry-run", "--sections",
 # each is tested at its smallest size elsewhere or needs hardware CI lacks.
 NOT_SMOKED = {
     "quality": "minutes even at --quick; tests/test_examples.py runs its smallest size and checks dense learns",
-    "varlen": "agreement field not yet asserted; tests/test_varlen.py checks packed == padded",
     "context_parallel": "spawns gloo ranks; tests/test_distributed.py checks every scheme",
 }
 
