@@ -82,14 +82,16 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, min_time
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7,
-                     cpu: bool = False, number: int = 1, samples: bool = False) -> dict[str, Any]:
+                     cpu: bool = False, number: int | dict[str, int] = 1, samples: bool = False) -> dict[str, Any]:
     """Median seconds per call of each named callable, running them round-robin so drift hits all alike.
 
     ``cpu=True`` reads the process CPU clock instead of the wall clock. ``number`` calls are timed
-    together per repeat (for calls of microseconds). ``samples=True`` returns every repeat's seconds per
-    call (a list per name, paired across names by index) instead of the medians.
+    together per repeat (for calls of microseconds); a dict gives each name its own count (callables of
+    very different lengths). ``samples=True`` returns every repeat's seconds per call (a list per name,
+    paired across names by index) instead of the medians.
     """
     clock = time.process_time if cpu else time.perf_counter
+    counts = {name: number.get(name, 1) if isinstance(number, dict) else number for name in fns}
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -97,9 +99,9 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repe
     for _ in range(repeat):
         for name, fn in fns.items():
             t0 = clock()
-            for _ in range(number):
+            for _ in range(counts[name]):
                 fn()
-            times[name].append((clock() - t0) / number)
+            times[name].append((clock() - t0) / counts[name])
     if samples:
         return times
     return {name: statistics.median(s) for name, s in times.items()}
@@ -108,6 +110,16 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repe
 def spread(values: list[float]) -> dict[str, float]:
     """``{"median", "min", "max", "n"}`` of per-repeat values: what ``render.py`` prints as a range."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def median_ms(samples: list[float]) -> float:
+    """The median of per-repeat seconds, in milliseconds (a time column next to a ratio's range)."""
+    return statistics.median(samples) * 1e3
+
+
+def calls_for(seconds: float, block: float = 2e-3, most: int = 2000) -> int:
+    """How many calls of ``seconds`` each to time together so a timed block lasts about ``block`` seconds."""
+    return max(1, min(most, int(block / max(seconds, 1e-7))))
 
 
 def ratio(num: list[float], den: list[float]) -> dict[str, float]:

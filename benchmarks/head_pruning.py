@@ -7,15 +7,23 @@ similarity of pruned and unpruned embeddings) on the held-out half. Heads are re
 first; the peer, run in the same process, removes them in random orders (mean over seeds). The table gives
 both curves and their ratio; a PNG draws them.
 
+Agreement, per point of the curve: ``max_abs_diff_gate_vs_surgery`` is the largest embedding difference
+between pruning by gates (``head_gate = 0``, what the curve measures) and pruning by weight surgery on a copy
+of the model (the output projection's input columns of each removed head set to zero, as HF's
+``prune_heads`` removes them; no gates), so a gate applied to the wrong head or layer shows here.
+``order_follows_importance`` in the context says the curve removed heads in non-decreasing importance.
+
     python benchmarks/head_pruning.py [--quick]
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from _harness import OUT_DIR, Suite, parse_args
-from qkv.interpret import plot_pruning_curve, pruning_curve
+from qkv.interpret import attention_modules, plot_pruning_curve, prune_heads, pruning_curve
 from qkv.interpret.sentences import PARAPHRASES, batch_inputs, embed, embedding_agreement, encoder_head_importance
 
 
@@ -50,18 +58,36 @@ def main(argv=None) -> None:
         random_curves.append(pruning_curve(enc.model, shuffled, measure, steps).measure)
     random_mean = [sum(c[i] for c in random_curves) / seeds for i in range(len(steps))]
 
+    surgery_diff = [gate_vs_surgery(enc.model, curve.order[:r], batch) for r in curve.removed]
+    ranked = [float(importance[layer, head]) for layer, head in curve.order]
+    follows = all(a <= b for a, b in zip(ranked, ranked[1:]))
+
     suite = Suite("head_pruning", "all-MiniLM-L6-v2 heads removed vs embedding agreement (Michel et al. order "
                   "against random orders)", model="all-MiniLM-L6-v2", layers=L, heads=H,
                   importance_sentences=len(train), measure_sentences=len(held_out), random_seeds=seeds,
-                  importance_loss="agreement ranking (qkv.interpret.sentences)")
-    for r, m, rnd in zip(curve.removed, curve.measure, random_mean):
+                  importance_loss="agreement ranking (qkv.interpret.sentences)", order_follows_importance=follows)
+    for r, m, rnd, diff in zip(curve.removed, curve.measure, random_mean, surgery_diff):
         suite.add({"heads_removed": r}, {"agreement_importance_order": m, "agreement_random_order": rnd,
-                                         "ratio_vs_random": m / rnd if rnd else float("nan")})
+                                         "ratio_vs_random": m / rnd if rnd else float("nan"),
+                                         "max_abs_diff_gate_vs_surgery": diff})
     suite.note("importance (layers x heads): " + "; ".join(" ".join(f"{x:.2f}" for x in row) for row in importance))
     png = plot_pruning_curve(curve.removed, curve.measure, OUT_DIR / "head_pruning.png",
                              ylabel="embedding agreement (cosine)", title="all-MiniLM-L6-v2 head pruning")
     suite.note(f"curve: {png.name}")
     suite.finish()
+
+
+def gate_vs_surgery(model, heads, batch) -> float:
+    """Largest embedding difference between gating ``heads`` off and zeroing their output-projection columns."""
+    with prune_heads(model, heads), torch.no_grad():
+        gated = embed(model, *batch)
+    cut = copy.deepcopy(model)
+    mods = [m for _, m in attention_modules(cut)]
+    with torch.no_grad():
+        for layer, head in heads:
+            m = mods[layer]
+            m.o_proj.weight[:, head * m.head_dim:(head + 1) * m.head_dim] = 0.0
+        return float((embed(cut, *batch) - gated).abs().max())
 
 
 if __name__ == "__main__":

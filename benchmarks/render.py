@@ -52,8 +52,12 @@ def table(payload: dict) -> list[str]:
     if not rows:
         return ["(no rows)"]
     cols = list(dict.fromkeys(c for r in rows for c in r))
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+
+    def cell(text: str) -> str:  # a "|" inside a cell (a column named max|a-b|) would split it
+        return str(text).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(fmt(r.get(c, ""))) for c in cols) + " |" for r in rows]
     return lines
 
 

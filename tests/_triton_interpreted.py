@@ -163,6 +163,85 @@ def test_dropout_matches_reference_pattern():
         assert (a.double() - r).abs().max() < 1e-5, f"d{name}: {(a.double() - r).abs().max():.3e}"
 
 
+
+# --------------------------------------------------------------------- sinks, layout and the log-sum-exp
+def _with_sinks(q, k, v, sinks, allowed):
+    """Attention with a sink written out (one more softmax logit per head, without a value), in the inputs'
+    dtype: (out, lse), lse including the sink."""
+    B, Hq, Nq, D = q.shape
+    g = Hq // k.shape[1]
+    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) * D ** -0.5
+    s = s.masked_fill(~allowed, float("-inf"))
+    s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(B, Hq, Nq, 1)], -1)
+    return torch.softmax(s, -1)[..., :-1] @ v.repeat_interleave(g, 1), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sinks_lse_and_layout_forward_backward(dtype, layout):
+    """The Triton kernels take no sink: qkv.attention merges it from their log-sum-exp, and the lse's own
+    gradient reaches the kernels' backward. Checked against the float64 definition: out, lse (with the
+    sink), and the gradients of q, k, v and the sinks; one batch row has no key (all its mass on the sink)."""
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 19, 21, 16
+    master, cast, dout = inputs(B, Hq, Hkv, Nq, Nk, D, dtype=dtype)
+    z = (torch.randn(Hq, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2).to(dtype)
+    mask = M.causal() & M.padding(torch.tensor([Nk, 0]))
+    allowed = mask.materialize(B, Hq, Nq, Nk)
+    to_layout = (lambda t: t.transpose(1, 2).contiguous()) if layout == "bnhd" else (lambda t: t)
+    leaves = [to_layout(t).requires_grad_() for t in (*cast, z)[:3]] + [z.clone().requires_grad_()]
+    res = qkv.attention(*leaves[:3], mask=mask, sinks=leaves[3], return_lse=True, layout=layout, backend="triton")
+    out = res.out.transpose(1, 2) if layout == "bnhd" else res.out
+    ref_leaves = [t.clone().requires_grad_() for t in (*master, z.double())]
+    base_leaves = [t.detach().clone().requires_grad_() for t in (*cast, z)]
+    ref_out, ref_lse = _with_sinks(*ref_leaves, allowed)
+    base_out, base_lse = _with_sinks(*base_leaves, allowed)
+    assert out.dtype == dtype and res.lse.dtype == torch.float32 and res.lse.shape == (B, Hq, Nq)
+    assert bool((out[1] == 0).all()), "a row with no key puts all its mass on the sink"
+    assert_within_budget(out.detach(), ref_out.detach(), base_out.detach(), what=f"{layout} out")
+    assert_within_budget(res.lse.detach(), ref_lse.detach(), base_lse.detach().float(), what=f"{layout} lse")
+    w = torch.randn(Nq, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def loss(o, lse):
+        return (o * dout.to(o.dtype)).sum() + (lse * w.to(lse.dtype)).sum()
+
+    g = torch.autograd.grad(loss(out, res.lse), leaves)
+    g = [t.transpose(1, 2) for t in g[:3]] + [g[3]] if layout == "bnhd" else list(g)
+    g_ref = torch.autograd.grad(loss(ref_out, ref_lse), ref_leaves)
+    g_base = torch.autograd.grad(loss(base_out, base_lse), base_leaves)
+    for name, a, r, b in zip(["dq", "dk", "dv", "dsinks"], g, g_ref, g_base):
+        assert_within_budget(a, r, b, what=f"{layout} {dtype} {name}")
+
+
+def test_sinks_with_dropout_keep_the_reference_pattern():
+    """Dropout drops the keys' probabilities after the sink joined the normalizer: same seed, same result
+    and gradients as the reference backend in float64."""
+    master, (q, k, v), dout = inputs(1, 2, 1, 21, 21, 16)
+    z = torch.tensor([0.5, -1.0])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, z)]
+    ref_leaves = [t.clone().requires_grad_() for t in (*master, z.double())]
+    kw = dict(mask=M.causal(), dropout_p=0.3)
+    out = qkv.attention(*leaves[:3], sinks=leaves[3], generator=torch.Generator().manual_seed(5), backend="triton",
+                        **kw)
+    ref = qkv.attention(*ref_leaves[:3], sinks=ref_leaves[3], generator=torch.Generator().manual_seed(5),
+                        backend="reference", **kw)
+    base = qkv.attention(q, k, v, sinks=z, generator=torch.Generator().manual_seed(5), backend="reference", **kw)
+    assert_within_budget(out.detach(), ref.detach(), base, what="sinks+dropout out")
+    g = torch.autograd.grad(out, leaves, dout.float())
+    g_ref = torch.autograd.grad(ref, ref_leaves, dout)
+    for name, a, r in zip(["dq", "dk", "dv", "dsinks"], g, g_ref):
+        assert (a.double() - r).abs().max() < 1e-5, f"{name}: {(a.double() - r).abs().max():.3e}"
+
+
+def test_bnhd_is_the_same_kernel_result():
+    """layout='bnhd' reads (B, N, H, D) through strided views: the same numbers as the (B, H, N, D) call."""
+    _, (q, k, v), _ = inputs(1, 4, 2, 23, 23, 16)
+    mod = mods.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    a = qkv.attention(q, k, v, mask=M.sliding_window(6), score_mod=mod, backend="triton", return_lse=True)
+    b = qkv.attention(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), mask=M.sliding_window(6), score_mod=mod,
+                      backend="triton", return_lse=True, layout="bnhd")
+    assert torch.allclose(a.out, b.out.transpose(1, 2), atol=1e-6) and torch.allclose(a.lse, b.lse, atol=1e-6)
+
+
 # --------------------------------------------------------------------- decode kernels
 def _pool_case(seed=0, window=None, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)

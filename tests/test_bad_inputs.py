@@ -403,6 +403,18 @@ def test_from_hf_accepts_common_dtype_names(checkpoint, name):
     assert next(model.parameters()).dtype == DTYPE_NAMES[name.removeprefix("torch.")]
 
 
+def test_from_hf_refuses_an_object_that_only_looks_like_a_transformers_model():
+    """A module with ``config`` and ``state_dict`` that is not a ``transformers.PreTrainedModel`` is refused by type,
+    not read as a checkpoint."""
+    pytest.importorskip("transformers")
+    from qkv.models import from_hf
+
+    lookalike = torch.nn.Linear(2, 2)
+    lookalike.config = {"model_type": "llama"}
+    with pytest.raises(TypeError, match="a transformers PreTrainedModel, got Linear"):
+        from_hf(lookalike)
+
+
 # ----------------------------------------------------------------------------------------------- the CLI
 def _cli(*args):
     from typer.testing import CliRunner

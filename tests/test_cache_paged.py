@@ -29,8 +29,8 @@ def test_blocks_hold_only_real_tokens():
     k, v = _kv(2, 13)
     pos = prompt_positions(torch.tensor([[0] * 8 + [1] * 5, [1] * 13]))
     view = cache.update(0, k, v, positions=pos)
-    stats = cache.pool_stats()[None]
-    assert stats.in_use == 2 + 4  # ceil(5 / 4) + ceil(13 / 4)
+    stats = cache.pool_stats()["full_attention"]
+    assert stats.blocks_in_use == 2 + 4  # ceil(5 / 4) + ceil(13 / 4)
     p0, k0 = _rows(view, 0)
     assert p0 == list(range(5)) and torch.equal(k0, k[0, :, 8:])
     mem = cache.memory()
@@ -41,13 +41,13 @@ def test_fork_shares_blocks_and_copies_on_write():
     cache = KVCache([FullSpec(1, 4)], storage=Paged(block_size=4, num_blocks=16))
     k, v = _kv(1, 6)
     cache.update(0, k, v, positions=torch.arange(6).view(1, 6))
-    assert cache.pool_stats()[None].in_use == 2
+    assert cache.pool_stats()["full_attention"].blocks_in_use == 2
     cache.fork(3)
-    assert cache.pool_stats()[None].in_use == 2  # shared, nothing copied
+    assert cache.pool_stats()["full_attention"].blocks_in_use == 2  # shared, nothing copied
     k_new, v_new = _kv(3, 1, seed=1)
     view = cache.update(0, k_new, v_new, positions=torch.full((3, 1), 6))
     # Each row wrote into the shared partial block: two copies made, the last writer may keep the original.
-    assert cache.pool_stats()[None].in_use in (4, 5)
+    assert cache.pool_stats()["full_attention"].blocks_in_use in (4, 5)
     for b in range(3):
         p, kb = _rows(view, b)
         assert p == list(range(7))
@@ -59,7 +59,7 @@ def test_beam_reorder_shares_and_drops_blocks():
     k, v = _kv(3, 6)
     cache.update(0, k, v, positions=torch.arange(6).expand(3, 6))
     cache.reorder(torch.tensor([1, 1, 0]))  # row 2's blocks lose their last reference
-    assert cache.pool_stats()[None].in_use == 4
+    assert cache.pool_stats()["full_attention"].blocks_in_use == 4
     view = cache.update(0, *_kv(3, 1, seed=2), positions=torch.full((3, 1), 6))
     for b, src in enumerate([1, 1, 0]):
         assert torch.equal(_rows(view, b)[1][:, :6], k[src])
@@ -69,9 +69,9 @@ def test_reset_frees_blocks_for_reuse():
     cache = KVCache([FullSpec(1, 4)], storage=Paged(block_size=4, num_blocks=4))
     for _ in range(3):
         cache.update(0, *_kv(2, 8), positions=torch.arange(8).expand(2, 8))
-        assert cache.pool_stats()[None].free == 0
+        assert cache.pool_stats()["full_attention"].blocks_free == 0
         cache.reset()
-        assert cache.pool_stats()[None].free == 4
+        assert cache.pool_stats()["full_attention"].blocks_free == 4
 
 
 def test_exhausted_pool_raises_and_corrupts_nothing():
@@ -119,11 +119,11 @@ def test_lru_eviction_of_cached_prefixes():
 
     assert run("a") == 0 and run("b") == 0  # 2 cached blocks each, 4 of 6
     assert run("a") == 4  # a is now the most recently used
-    assert cache.pool_stats()[None].cached == 4
+    assert cache.pool_stats()["full_attention"].blocks_cached_reusable == 4
     assert run("c") == 0  # needs 3 blocks: 2 free, then evicts the least recently used: b's first block
     assert run("a") == 4  # a survived: it was used after b
     assert run("b") == 0  # b's chain is broken at its first block
-    assert cache.pool_stats()[None].in_use == 0
+    assert cache.pool_stats()["full_attention"].blocks_in_use == 0
 
 
 def test_half_written_step_is_never_indexed():
@@ -143,8 +143,8 @@ def test_sliding_group_releases_blocks():
         for layer in (0, 1):
             cache.update(layer, *_kv(1, 1, seed=t), positions=torch.tensor([[t]]))
     stats = cache.pool_stats()
-    assert stats[None].in_use == 20
-    assert stats[3].in_use <= 3  # ceil(3 / 2) + 1 blocks cover the window
+    assert stats["full_attention"].blocks_in_use == 20
+    assert stats["sliding_window_3"].blocks_in_use <= 3  # ceil(3 / 2) + 1 blocks cover the window
 
 
 def test_generate_shared_prefix_batch_saves_prefill():
@@ -158,7 +158,7 @@ def test_generate_shared_prefix_batch_saves_prefill():
     assert out.prefix_hits.tolist() == [16, 16, 16]
     ref = generate(m, users, max_new_tokens=4, use_cache=False, return_logits=True)
     assert torch.equal(out.new_tokens, ref.new_tokens) and max_error(out.logits, ref.logits) < 1e-4
-    assert cache.pool_stats()[None].in_use < 3 * 6  # the 4 system blocks are shared by the 3 rows
+    assert cache.pool_stats()["full_attention"].blocks_in_use < 3 * 6  # the 4 system blocks: shared by the 3 rows
 
 
 def test_paged_needs_fresh_rows_for_prefix_match():

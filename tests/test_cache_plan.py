@@ -48,7 +48,8 @@ def test_plan_matches_paged_and_static_allocation():
     mem = cache.memory()
     assert plan.needed_bytes == mem.used_bytes
     stats = cache.pool_stats()
-    assert plan.blocks[None] == stats[None].in_use and plan.blocks[5] == stats[5].in_use
+    assert plan.blocks[None] == stats["full_attention"].blocks_in_use
+    assert plan.blocks[5] == stats["sliding_window_5"].blocks_in_use
     static = _run(Static(32), lengths)
     splan = plan_memory(SPECS, context=ctx, dtype=torch.float32, storage=Static(32))
     # keys, values and an int64 position per slot: the plan counts what the cache allocates

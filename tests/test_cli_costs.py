@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 
 import pytest
@@ -134,3 +135,120 @@ def test_flops_table_columns_all_have_headers():
     header = next(line for line in r.stdout.splitlines() if "pass" in line and "┃" in line)
     cells = [c.strip() for c in header.strip().strip("┃").split("┃")]
     assert cells and all(cells), f"a column without a header: {cells}"
+
+
+def _hf_config(tmp_path, name: str, **fields) -> str:
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "hidden_size": 256, **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "models, context, end",
+    [
+        (("llama-3-8b", "deepseek-v2"), 4096, 163840),  # a model's max_position_embeddings is the longest
+        (("llama-3-8b", "gpt-2-small"), 2**20, 2**20),  # the requested context is the longest
+        (("gpt-2-small", "gpt-3-175b"), 1000, 2048),
+        (("hf-40k", "llama-3-8b"), 1024, 40960),  # a config.json's max_position_embeddings
+        (("hf-gpt2-style", "llama-70b-mha"), 1024, 3000),  # GPT-2's n_positions; a preset that states none
+    ],
+    ids=["model-longest", "context-longest", "gpt", "hf-config", "hf-n_positions"],
+)
+def test_compare_plot_axis_ends_at_the_longest_context(tmp_path, models, context, end):
+    pytest.importorskip("matplotlib")
+    from qkv.cli.costs import compare_figure
+    from qkv.costs import get_preset
+
+    configs = {"hf-40k": _hf_config(tmp_path, "hf-40k", max_position_embeddings=40960),
+               "hf-gpt2-style": _hf_config(tmp_path, "hf-gpt2-style", n_positions=3000)}
+    presets = [get_preset(configs.get(m, m)) for m in models]
+    ax = compare_figure(presets, context).axes[0]
+    lo, hi = ax.get_xlim()
+    assert hi == end, f"x axis ends at {hi}, expected {end} for {models} at context {context}"
+    assert lo <= min(1024, context), f"x axis starts at {lo}, after the context {context} or 1k"
+    labels = ax.get_legend_handles_labels()[1]
+    assert f"context {context:,} tokens" in labels and all(p.name in labels for p in presets), labels
+    for p in presets:
+        (line,) = [ln for ln in ax.get_lines() if ln.get_label() == p.name]
+        last = max(p.max_position_embeddings or end, context)
+        assert line.get_xdata()[-1] == min(last, end), f"{p.name}'s curve ends at {line.get_xdata()[-1]}"
+
+
+def test_compare_plot_png_through_the_cli(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "kv.png"
+    r = run("compare", "gpt-2-small", _hf_config(tmp_path, "m", max_position_embeddings=4096), "--context", "2k",
+            "--plot", str(png))
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert r.stderr.splitlines() == [
+        "warning: gpt-2-small: context 2,048 tokens exceeds its max_position_embeddings 1,024; the numbers are "
+        "arithmetic for a length the model was not configured for"
+    ], r.stderr
+
+
+@pytest.mark.parametrize("command", ["compare", "memory", "flops"])
+def test_context_past_max_position_embeddings_warns_one_line_per_model(tmp_path, command):
+    config = _hf_config(tmp_path, "my-model", max_position_embeddings=16384)
+    models = (config, "llama-3-8b", "deepseek-v2") if command == "compare" else (config,)
+    r = run(command, *models, "--context", "32k")
+    assert r.exit_code == 0, r.output
+    expected = ["warning: my-model: context 32,768 tokens exceeds its max_position_embeddings 16,384; "
+                "the numbers are arithmetic for a length the model was not configured for"]
+    if command == "compare":
+        expected.append("warning: llama-3-8b: context 32,768 tokens exceeds its max_position_embeddings 8,192; "
+                        "the numbers are arithmetic for a length the model was not configured for")
+    assert r.stderr.splitlines() == expected, r.stderr
+    assert "warning" not in r.stdout
+
+
+@pytest.mark.parametrize("args", [("compare", "llama-3-8b", "deepseek-v2", "--context", "8k"),
+                                  ("memory", "llama-70b-mha", "--context", "1M"),
+                                  ("compare", "gpt-2-small", "--context", "1024", "--json")],
+                         ids=["at-the-limit", "no-limit-stated", "json"])
+def test_context_within_max_position_embeddings_does_not_warn(args):
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    assert r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "8k"], ids=repr)
+def test_preset_refuses_a_bad_max_position_embeddings(bad):
+    from qkv.costs import ModelPreset
+
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ModelPreset(name="t", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    hidden_size=32, max_position_embeddings=bad)
+
+
+def test_hf_config_max_position_embeddings_is_read_from_text_config(tmp_path):
+    from qkv.costs import get_preset
+
+    path = tmp_path / "mm" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 131072}}))
+    assert get_preset(str(path)).max_position_embeddings == 131072
+
+
+def test_docstring_examples_run():
+    from qkv.cli import costs as cli_costs
+
+    result = doctest.testmod(cli_costs, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, result
+
+
+def test_compare_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    png = tmp_path / "kv.png"
+    r = run("compare", "llama-3-8b", "--context", "8k", "--plot", str(png))
+    assert r.exit_code == 2, r.output
+    assert "pip install 'qkv[plot]'" in r.stderr and "Traceback" not in r.output, r.output
+    assert r.stdout == "" and not png.exists()

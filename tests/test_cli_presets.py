@@ -39,6 +39,8 @@ def test_presets_json_has_sources_and_counts():
     assert rows["gpt-2-small"]["parameters"] == num_parameters(PRESETS["gpt-2-small"]).total
     assert all(p["source"] for p in rows.values())
     assert out["ambiguous"]["mistral-7b"][0] == "mistral-7b-v0.1"
+    assert rows["deepseek-v2"]["max_position_embeddings"] == 163840
+    assert rows["transformer-base"]["max_position_embeddings"] is None
 
 
 def test_flops_prints_attention_beside_the_rest_and_the_crossover():

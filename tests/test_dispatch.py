@@ -41,7 +41,7 @@ def test_causal_on_sdpa_never_builds_the_mask_elementwise(nq, nk, align, no_dens
 
 
 def test_chunk_mask_is_cached_and_safe_under_inference_mode():
-    sdpa_mod._bottom_right_causal.cache_clear()
+    sdpa_mod._BOTTOM_RIGHT.clear()
     with torch.inference_mode():
         m = sdpa_mod._bottom_right_causal(3, 7, torch.device("cpu"))
     assert not m.is_inference(), "a cached mask made in inference mode could not be saved for backward later"
@@ -117,10 +117,19 @@ def test_fast_path_accepts_int_and_numpy_scale():
 
 def test_large_chunk_masks_are_not_kept():
     """A long chunked prefill asks for a new (Nq, Nk) each chunk: masks past 1 Mi elements are built, not cached."""
-    sdpa_mod._bottom_right_causal.cache_clear()
+    sdpa_mod._BOTTOM_RIGHT.clear()
     q = torch.randn(1, 1, 600, 4)
     k = v = torch.randn(1, 1, 2000, 4)
     qkv.attention(q, k, v, mask=qkv.masks.causal(), backend="sdpa")
-    assert sdpa_mod._bottom_right_causal.cache_info().currsize == 0
+    assert len(sdpa_mod._BOTTOM_RIGHT) == 0
     qkv.attention(q[:, :, :3], k, v, mask=qkv.masks.causal(), backend="sdpa")
-    assert sdpa_mod._bottom_right_causal.cache_info().currsize == 1
+    assert len(sdpa_mod._BOTTOM_RIGHT) == 1
+
+
+def test_chunk_mask_cache_holds_a_bounded_number():
+    sdpa_mod._BOTTOM_RIGHT.clear()
+    for nq in range(1, 3 * sdpa_mod._BOTTOM_RIGHT_HELD):
+        sdpa_mod._bottom_right_causal(nq + 1, 64, torch.device("cpu"))
+        assert len(sdpa_mod._BOTTOM_RIGHT) <= sdpa_mod._BOTTOM_RIGHT_HELD
+    m = sdpa_mod._bottom_right_causal(5, 9, torch.device("cpu"))
+    torch.testing.assert_close(m, torch.ones(5, 9, dtype=torch.bool).tril(4))

@@ -179,6 +179,26 @@ def _check_generation(case: str, ids: torch.Tensor, mask: torch.Tensor | None) -
                              f"hf  {expected.tolist()}\n(top-2 logit margins there {margins})")
 
 
+@pytest.mark.parametrize("chunk", [None, 3], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("case", ["gemma3-L4-W5-qknorm-localbase", "deepseek-qlora0-yarn-moe"])
+def test_rows_sharing_a_prompt_prefix_generate_hfs_tokens(case, chunk):
+    """Paged prefix caching shares a common prompt prefix between rows of one batch (the longest row writes its
+    blocks, the others point at them), left-padded and in chunks that end inside a shared block: HF's tokens."""
+    hf, _, model = _models(case)
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(1, _BASE["vocab_size"], (10,), generator=gen).tolist()
+    rows = [prefix + torch.randint(1, _BASE["vocab_size"], (n,), generator=gen).tolist() for n in (4, 1, 2)]
+    N = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (N - len(r)) + r for r in rows])
+    mask = (torch.arange(N) >= torch.tensor([N - len(r) for r in rows]).view(-1, 1)).long()
+    cache = KVCache(model, storage=Paged(block_size=4, num_blocks=64, prefix_caching=True))
+    out = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, cache=cache, prefill_chunk_size=chunk)
+    assert out.prefix_hits.tolist() == [0, 8, 8]  # two full blocks of the 10-token prefix, written by row 0
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False)[:, N:]
+    assert torch.equal(out.new_tokens, expected), f"{case}: qkv {out.new_tokens.tolist()}\nhf  {expected.tolist()}"
+
+
 @pytest.mark.parametrize("case, storage", [
     ("gemma3-L4-W5-qknorm-localbase", "paged"),
     ("mistral-Hq4-Hkv2-W5", "static"),

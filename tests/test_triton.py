@@ -18,6 +18,7 @@ import torch
 
 import qkv
 from qkv import masks as M
+from qkv import mods
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -55,6 +56,39 @@ def test_declines_float64_and_large_head_dims(monkeypatch):
     y = torch.randn(1, 1, 8, 320)
     with pytest.raises(ValueError, match="head dims"):
         qkv.attention(y, y, y, backend="triton")
+
+
+_TWICE = {
+    "two-alibi": ([mods.alibi(torch.tensor([0.5, 0.25])), mods.alibi(torch.tensor([0.1, 0.2]))], "two ALiBi"),
+    "two-softcap": ([mods.softcap(2.0), mods.softcap(3.0)], "two softcaps"),
+    "two-bias": ([mods.bias(torch.zeros(8, 8)), mods.bias(torch.ones(8, 8))], "two tensor/relative bias"),
+    "bias-and-relative": ([mods.bias(torch.zeros(8, 8)),
+                           mods.relative_bias(torch.zeros(3, 2), lambda d: d.clamp(0, 2))], "two tensor/relative bias"),
+    "python-fn": (mods.from_fn(lambda s, b, h, q, k: s), "a Python function cannot run inside a Triton kernel"),
+}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("case", list(_TWICE))
+def test_declines_modifiers_the_kernels_lack_and_explain_says_why(monkeypatch, case):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # declining reads the variable only; no kernel is imported
+    mod, reason = _TWICE[case]
+    x = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=f"backend 'triton' cannot run this request: .*{reason}"):
+        qkv.attention(x, x, x, score_mod=mod, backend="triton")
+    assert reason in qkv.explain(x, x, x, score_mod=mod).declined["triton"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("kw", [dict(sinks=torch.zeros(2)), dict(return_lse=True), dict(dropout_p=0.1),
+                                dict(layout="bnhd"), dict(score_mod=[mods.softcap(2.0), mods.alibi(torch.ones(2))]),
+                                dict(sinks=torch.zeros(2), layout="bnhd", mask=M.causal(), return_lse=True)],
+                         ids=["sinks", "return_lse", "dropout", "bnhd", "softcap-alibi", "sinks-bnhd-causal-lse"])
+def test_accepts_what_the_interpreted_tests_check(monkeypatch, kw):
+    """Each of these is run against the float64 reference in tests/_triton_interpreted.py."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(1, 2, 2, 16)  # two heads in either layout
+    assert "triton" not in qkv.explain(x, x, x, **kw).declined
 
 
 def test_auto_never_picks_the_interpreter(monkeypatch):

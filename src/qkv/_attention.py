@@ -83,7 +83,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
 
 def _build(q, k, v, layout: str, **kw) -> Request:
     """Validate in the caller's layout; a shape error says when the other layout would have fit."""
-    q4, k4, v4 = to_bhnd(q, k, v, layout)
+    q4, k4, v4 = (q, k, v) if layout == "bhnd" else to_bhnd(q, k, v, layout)
     try:
         return build_request(q4, k4, v4, layout=layout, **kw)
     except ValueError as e:

@@ -15,8 +15,6 @@ materialized float mask, but no log-sum-exp; gradients reach the sinks through t
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 
@@ -41,13 +39,23 @@ def _is_causal_flag(req: Request) -> bool:
 _CACHED_MASK_ELEMENTS = 1 << 20
 
 
-@lru_cache(maxsize=32)
+_BOTTOM_RIGHT: dict[tuple, torch.Tensor] = {}
+_BOTTOM_RIGHT_HELD = 32
+
+
 def _bottom_right_causal(nq: int, nk: int, device: torch.device) -> torch.Tensor:
-    """(nq, nk) bool: query row ``i`` sees keys ``j <= i + nk - nq``. Cached: a decode loop asks for the
-    same one in every layer; SDPA only reads it. Built outside inference mode so that a later call with
-    autograd may save it for backward."""
-    with torch.inference_mode(False):
-        return torch.ones(nq, nk, dtype=torch.bool, device=device).tril_(nk - nq)
+    """(nq, nk) bool: query row ``i`` sees keys ``j <= i + nk - nq``. Cached (at most 32 held): a decode loop
+    asks for the same one in every layer; SDPA only reads it. Built outside inference mode so that a later call
+    with autograd may save it for backward."""
+    key = (nq, nk, device)
+    t = _BOTTOM_RIGHT.get(key)
+    if t is None:
+        with torch.inference_mode(False):
+            t = torch.ones(nq, nk, dtype=torch.bool, device=device).tril_(nk - nq)
+        if len(_BOTTOM_RIGHT) >= _BOTTOM_RIGHT_HELD:
+            _BOTTOM_RIGHT.clear()
+        _BOTTOM_RIGHT[key] = t
+    return t
 
 
 def _mask_tensor(req: Request):
@@ -55,12 +63,13 @@ def _mask_tensor(req: Request):
     bottom-right causal masks: one query sees every key, and the decode shapes reuse a cached one."""
     m = req.mask
     if type(m) is Causal and m.align == "bottom_right":
-        if req.Nq == 1 and req.Nk >= 1:
+        nq, nk = req.q.shape[2], req.k.shape[2]
+        if nq == 1 and nk >= 1:
             return None
         # Cache only small masks (at most 32 x 1 MiB held), and never inside a traced graph.
-        if req.Nq * req.Nk > _CACHED_MASK_ELEMENTS or torch.compiler.is_compiling():
-            return torch.ones(req.Nq, req.Nk, dtype=torch.bool, device=req.device).tril_(req.Nk - req.Nq)
-        return _bottom_right_causal(req.Nq, req.Nk, req.device)
+        if nq * nk > _CACHED_MASK_ELEMENTS or torch.compiler.is_compiling():
+            return torch.ones(nq, nk, dtype=torch.bool, device=req.q.device).tril_(nk - nq)
+        return _bottom_right_causal(nq, nk, req.q.device)
     return m.dense(req.B, req.Hq, req.Nq, req.Nk, device=req.device)
 
 
@@ -94,24 +103,26 @@ class SDPABackend(Backend):
     def run(self, req: Request) -> AttentionOutput:
         if req.sinks is not None:
             return _run_with_sinks(req)
+        # Read each attribute once: this runs on every decode step of every layer.
+        q, k, mask, mod = req.q, req.k, req.mask, req.score_mod
+        nk = k.shape[2]
         attn_mask, is_causal = None, False
-        if req.mask is not None and _is_causal_flag(req) and req.score_mod is None:
-            is_causal = True
+        if mod is None:
+            if mask is not None:
+                if type(mask) is Causal and (mask.align == "top_left" or q.shape[2] == nk):
+                    is_causal = True
+                else:
+                    attn_mask = _mask_tensor(req)
         else:
-            allowed = None if req.mask is None else _mask_tensor(req)
-            if req.score_mod is not None:
-                bias = req.score_mod.dense_bias(req.B, req.Hq, req.Nq, req.Nk, dtype=req.dtype, device=req.device)
-                if allowed is not None:
-                    bias = bias.masked_fill(~allowed, float("-inf"))
-                attn_mask = bias
-            else:
-                attn_mask = allowed
-        out = F.scaled_dot_product_attention(
-            req.q, req.k, req.v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale,
-            enable_gqa=req.Hq != req.Hkv,
-        )
-        if req.Nk < _CPU_NAN_ROWS_BELOW and req.device.type == "cpu":
-            out = restore_nonfinite(req, out, keys=req.Nk == 1)[0]
+            bias = mod.dense_bias(req.B, req.Hq, req.Nq, nk, dtype=req.dtype, device=req.device)
+            allowed = None if mask is None else _mask_tensor(req)
+            if allowed is not None:
+                bias = bias.masked_fill(~allowed, float("-inf"))
+            attn_mask = bias
+        out = F.scaled_dot_product_attention(q, k, req.v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        if nk < _CPU_NAN_ROWS_BELOW and q.is_cpu:
+            out = restore_nonfinite(req, out, keys=nk == 1)[0]
         return AttentionOutput(out, None)  # type: ignore[arg-type]
 
 

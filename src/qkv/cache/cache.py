@@ -277,10 +277,13 @@ class KVCache:
             self._manager.allocate(pos, input_ids)
 
     def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
-        """Attach cached blocks of each row's longest indexed prompt prefix (paged storage with
-        ``prefix_caching=True``, on a fresh cache). Returns the reused tokens per row (B,) int64; the
-        caller feeds only the remaining tokens, at positions from there on. ``salt`` (bytes or str, one or
-        one per row) isolates tenants: blocks are shared only between equal salts."""
+        """Attach to each row the blocks of its longest reusable prompt prefix (paged storage with
+        ``prefix_caching=True``, on a fresh cache): full blocks indexed by earlier requests, or full blocks a
+        longer row of this batch (ties: the earlier row) is about to write, so rows with a common prefix share
+        one copy. Returns the reused tokens per row (B,) int64; the caller feeds only the remaining tokens, at
+        positions from there on, right-aligned (left padding) so a shared block is written no later than the
+        step that first reads it (a step that would read an unwritten block is refused). ``salt`` (bytes or
+        str, one or one per row) isolates tenants: blocks are shared only between equal salts."""
         if self._manager is None:
             raise ValueError(f"match_prefix: needs storage=Paged(..., prefix_caching=True), this cache uses "
                              f"{self.storage.describe()}")
@@ -325,9 +328,9 @@ class KVCache:
         if B is not None and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= B):
             raise ValueError(f"reorder(beam_idx): indices must lie in [0, {B}), got {idx.tolist()}")
         idx = idx.to(torch.int64)
-        self._order.forget()
         if self._manager is not None:
             self._manager.reorder(idx.tolist())
+        self._order.forget()
         dev_idx = idx.to(self._device) if self._device is not None else idx
         for lay in self._layers:
             if lay.store is not None:
@@ -385,8 +388,7 @@ class KVCache:
                 a = sum(t.numel() * t.element_size() for t in self._cross.get(i, ()))
                 u = a
             elif isinstance(lay.store, PagedStore):
-                stats = self._manager.groups[lay.store.gi].stats()
-                a = stats.in_use * lay.store.block_bytes()
+                a = self._manager.groups[lay.store.gi].blocks_in_use() * lay.store.block_bytes()
                 u = lay.store.used_bytes()
                 pool += lay.store.nbytes()
             else:
@@ -402,8 +404,20 @@ class KVCache:
         return self.memory().pool_bytes + sum(t.numel() * t.element_size() for kv in self._cross.values()
                                               for t in kv)
 
-    def pool_stats(self) -> dict[int | None, PoolStats]:
-        """Paged storage only: block occupancy per layer group (keyed by window, ``None`` = full)."""
+    def pool_stats(self) -> dict[str, PoolStats]:
+        """Paged storage only: block occupancy and prefix-cache hits per group of layers that share block tables,
+        keyed ``"full_attention"`` (full and latent layers) and ``"sliding_window_<W>"`` (one per window ``W``).
+        The fields are explained in :class:`qkv.cache.PoolStats`.
+
+        Example:
+            >>> import torch
+            >>> from qkv.cache import KVCache, FullSpec, Paged
+            >>> cache = KVCache([FullSpec(1, 4)], storage=Paged(block_size=4, num_blocks=8))
+            >>> _ = cache.update(0, torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 4), positions=torch.arange(6)[None])
+            >>> s = cache.pool_stats()["full_attention"]
+            >>> s.blocks_total, s.blocks_in_use, s.blocks_free
+            (8, 2, 6)
+        """
         if self._manager is None:
             raise ValueError("pool_stats: only paged caches have a block pool")
         return self._manager.stats()

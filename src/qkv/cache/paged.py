@@ -21,6 +21,13 @@ Shape legend: B rows (sequences), H key/value heads, P blocks in the pool, T blo
   prefix, seeded with an optional ``salt`` (so tenants never share blocks). A block whose last
   reference goes away keeps its contents and hash; it is reused on a hit, or evicted least recently
   used first when the pool needs room.
+- Sharing within one batch: ``match_prefix`` also lets a row reuse the full blocks of its prompt that
+  a longer row of the same batch (ties: the earlier row) is about to write. The writer's blocks are
+  reserved at once and both tables point at them; the writer fills them during the prefill, and the
+  reader's queries see them in the very step they are written (each layer writes every row before
+  any row attends). Because the writer is at least as long, its tokens come no later than the
+  reader's first token when the rows are right-aligned (left padding), in one pass or in chunks. A
+  step in which a reader would attend to blocks that are still unwritten is refused.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ class Paged:
         block_size: tokens per block (vLLM's default is 16).
         num_blocks: blocks in each layer's pool; exhausting them raises :class:`CacheFull`.
         prefix_caching: index full blocks by the hash of their token prefix and reuse them
-            (``cache.match_prefix``).
+            (``cache.match_prefix``), across requests and between rows of one batch.
     """
 
     block_size: int = 16
@@ -77,12 +84,36 @@ class Paged:
 
 
 class PoolStats(NamedTuple):
-    """Occupancy of one group's pool."""
+    """Occupancy of the block pool of one group of layers, and the prefix cache's record.
 
-    num_blocks: int
-    in_use: int  # referenced by at least one row
-    cached: int  # unreferenced but holding a reusable prefix (evictable)
-    free: int
+    ==============================  ==========================================================================
+    field                           meaning
+    ==============================  ==========================================================================
+    ``block_size``                  tokens per block
+    ``blocks_total``                blocks in the pool (``Paged.num_blocks``); each layer of the group has one
+    ``blocks_in_use``               blocks referenced by at least one row now
+    ``blocks_cached_reusable``      blocks no row references that still hold an indexed prompt prefix: a later
+                                    request reuses them, or they are evicted (least recently used first)
+    ``blocks_free``                 blocks holding nothing
+    ``prefix_lookup_tokens``        prompt tokens looked up by ``match_prefix`` since the cache was built
+                                    (whole cache: the same in every group)
+    ``prefix_hit_tokens``           of those, tokens whose keys and values were reused instead of recomputed
+    ``prefix_hit_tokens_in_batch``  of the hits, tokens in blocks another row of the same batch wrote
+    ``hit_rate``                    ``prefix_hit_tokens / prefix_lookup_tokens`` (0.0 before any lookup)
+    ==============================  ==========================================================================
+
+    ``blocks_in_use + blocks_cached_reusable + blocks_free == blocks_total``.
+    """
+
+    block_size: int
+    blocks_total: int
+    blocks_in_use: int
+    blocks_cached_reusable: int
+    blocks_free: int
+    prefix_lookup_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_tokens_in_batch: int
+    hit_rate: float
 
 
 def _salt_bytes(salt) -> bytes:
@@ -184,9 +215,8 @@ class _Group:
             return 0
         return max(0, (length - self.keep) // self.T - self.first[b])
 
-    def stats(self) -> PoolStats:
-        in_use = sum(1 for r in self.ref if r > 0)
-        return PoolStats(self.P, in_use, len(self.lru), len(self.free))
+    def blocks_in_use(self) -> int:
+        return sum(1 for r in self.ref if r > 0)
 
 
 class _Step(NamedTuple):
@@ -216,11 +246,15 @@ class BlockManager:
         self.tokens: list[list[int] | None] = []
         self.salts: list[bytes] = []
         self.hashes: list[list[bytes]] = []
+        self.promised: list[int] = []  # length by which a row has written the blocks other rows reuse (0: done)
+        self.promised_ids: list[list[int]] = []  # the prompt tokens those blocks hold
+        self.waits: dict[int, dict[int, int]] = {}  # reader row -> {writer row: tokens it must have written}
         self.history: list[torch.Tensor] = []  # per step (B, n) bool: which tokens were real
         self.seen = 0
         self.step: _Step | None = None
         self.stores: list[PagedStore] = []
         self.pending: list[tuple[_Group, int, bytes]] = []
+        self.lookup_tokens = self.hit_tokens = self.hit_tokens_in_batch = 0
 
     # rows
     def _init_rows(self, B: int, salt=None) -> None:
@@ -228,10 +262,12 @@ class BlockManager:
         if len(salts) != B:
             raise ValueError(f"salt: got {len(salts)} salts for {B} rows; pass one salt or one per row")
         self.rows = B
-        self.lens, self.base = [0] * B, [0] * B
+        self.lens, self.base, self.promised = [0] * B, [0] * B, [0] * B
+        self.promised_ids = [[] for _ in range(B)]
         self.tokens = [[] for _ in range(B)]
         self.salts = [_salt_bytes(s) for s in salts]
         self.hashes = [[] for _ in range(B)]
+        self.waits = {}
         for g in self.groups:
             g.tables, g.first = [[] for _ in range(B)], [0] * B
 
@@ -246,9 +282,21 @@ class BlockManager:
             g.tables, g.first = [], []
         self.rows, self.seen, self.step = 0, 0, None
         self.lens, self.base, self.tokens, self.salts, self.hashes, self.history = [], [], [], [], [], []
+        self.promised, self.promised_ids, self.waits = [], [], {}
+
+    def sharing_in_progress(self) -> str | None:
+        """Why rows cannot be reordered or cropped yet: a row still has to write blocks another row of its
+        batch reuses (None when every such block is written)."""
+        busy = [b for b, t in enumerate(self.promised) if t]
+        if not busy:
+            return None
+        return (f"row(s) {busy} have not yet written every prompt block that other rows of this batch reuse; "
+                f"finish the prefill first")
 
     # prefix caching
     def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
+        """Attach to each row the longest prefix of its prompt that is indexed, or that a longer row of this
+        batch is about to write (see the module docstring); the reused tokens per row (B,) int64."""
         if not self.config.prefix_caching:
             raise ValueError("match_prefix: this cache was built with Paged(prefix_caching=False); build it with "
                              "Paged(..., prefix_caching=True)")
@@ -258,35 +306,95 @@ class BlockManager:
                              "(cache.reset() releases rows and keeps cached prefixes)")
         B = input_ids.shape[0]
         self._init_rows(B, salt)
-        hits = []
-        for b in range(B):
-            ids = input_ids[b][positions[b] >= 0].tolist()
-            chain = prefix_hashes(ids, self.T, salt=self.salts[b])
-            j = len(chain)
-            while j > 0 and not all(self._group_has(g, chain, j) for g in self.groups):
-                j -= 1
-            h = min(j * self.T, max(len(ids) - 1, 0))  # the last token is recomputed for its logits
-            if h == 0:
-                hits.append(0)
-                continue
-            nblk = -(-h // self.T)
-            for g in self.groups:
-                start = 0 if g.keep is None else max(0, h - (g.window - 1)) // self.T
-                table = [g.null] * start + [g.by_hash[chain[i]] for i in range(start, nblk)]
-                for blk in table[start:]:
-                    g.incref(blk)
-                    if blk in g.lru:
-                        g.lru.move_to_end(blk)
-                g.tables[b], g.first[b] = table, start
-            self.lens[b] = self.base[b] = h
-            self.tokens[b] = ids[:h]
-            self.hashes[b] = chain[:h // self.T]
-            hits.append(h)
+        prompts = [input_ids[b][positions[b] >= 0].tolist() for b in range(B)]
+        chains = [prefix_hashes(p, self.T, salt=self.salts[b]) for b, p in enumerate(prompts)]
+        hits = [self._attach_indexed(b, prompts[b], chains[b]) for b in range(B)]
+        order = sorted(range(B), key=lambda b: (-len(prompts[b]), b))  # writers first: longest, then earliest
+        for i, b in enumerate(order):
+            shared = self._share_in_batch(b, order[:i], prompts, chains, hits[b])
+            if shared > hits[b]:
+                self.hit_tokens_in_batch += shared - hits[b]
+                hits[b] = shared
+        self.lookup_tokens += sum(len(p) for p in prompts)
+        self.hit_tokens += sum(hits)
         return torch.tensor(hits, dtype=torch.int64)
 
+    def _window_start(self, g: _Group, tokens: int) -> int:
+        """First block a group still needs after ``tokens`` tokens (0 for full-attention groups)."""
+        return 0 if g.keep is None else max(0, tokens - (g.window - 1)) // self.T
+
+    def _attach_indexed(self, b: int, ids: list[int], chain: list[bytes]) -> int:
+        """Attach row ``b`` to the indexed blocks of its longest cached prefix; the tokens reused (the last
+        prompt token is always left to compute, for its logits)."""
+        j = len(chain)
+        while j > 0 and not all(self._group_has(g, chain, j) for g in self.groups):
+            j -= 1
+        h = min(j * self.T, max(len(ids) - 1, 0))
+        if h == 0:
+            return 0
+        nblk = -(-h // self.T)
+        for g in self.groups:
+            start = self._window_start(g, h)
+            table = [g.null] * start + [g.by_hash[chain[i]] for i in range(start, nblk)]
+            for blk in table[start:]:
+                g.incref(blk)
+                if blk in g.lru:
+                    g.lru.move_to_end(blk)
+            g.tables[b], g.first[b] = table, start
+        self._set_prefix(b, h, ids, chain)
+        return h
+
+    def _set_prefix(self, b: int, h: int, ids: list[int], chain: list[bytes]) -> None:
+        self.lens[b] = self.base[b] = h
+        self.tokens[b] = ids[:h]
+        self.hashes[b] = chain[:h // self.T]
+
+    def _share_in_batch(self, b: int, writers: list[int], prompts: list[list[int]], chains: list[list[bytes]],
+                        h: int) -> int:
+        """Point row ``b`` at the blocks an earlier-ordered row of this batch holds or will write for their common
+        full blocks, when that reuses more than the index gave (``h`` tokens). Returns the tokens reused."""
+        limit = (len(prompts[b]) - 1) // self.T  # full blocks b may reuse: its last token is computed
+        best, writer = 0, -1
+        for a in writers:
+            common = 0
+            while common < min(limit, len(chains[a])) and chains[a][common] == chains[b][common]:
+                common += 1
+            if common > best:
+                best, writer = common, a
+        new_h = best * self.T
+        if new_h <= h:
+            return h
+        for g in self.groups:
+            start = self._window_start(g, new_h)
+            held = g.tables[writer][start:best]
+            if start < g.first[writer] or g.null in held:
+                return h  # the writer released blocks this row would need
+            if max(0, best - len(g.tables[writer])) > g.available():
+                return h  # no room to reserve them now; the prefill will say CacheFull if it matters
+        for g in self.groups:
+            while len(g.tables[writer]) < best:
+                g.tables[writer].append(g.take())  # reserved: the writer fills it during its prefill
+            start = self._window_start(g, new_h)
+            table = [g.null] * start + g.tables[writer][start:best]
+            for blk in table[start:]:
+                g.incref(blk)
+            for blk in g.tables[b][g.first[b]:]:
+                if blk != g.null:
+                    g.decref(blk)
+            g.tables[b], g.first[b] = table, start
+        if new_h > self.base[writer]:
+            self.promised[writer] = max(self.promised[writer], new_h)
+            self.promised_ids[writer] = prompts[writer][:self.promised[writer]]
+        waits = {w: min(t, new_h) for w, t in self.waits.get(writer, {}).items()}
+        if new_h > self.base[writer]:
+            waits[writer] = new_h
+        if waits:
+            self.waits[b] = waits
+        self._set_prefix(b, new_h, prompts[b], chains[b])
+        return new_h
+
     def _group_has(self, g: _Group, chain: list[bytes], j: int) -> bool:
-        h = j * self.T
-        start = 0 if g.keep is None else max(0, h - (g.window - 1)) // self.T
+        start = self._window_start(g, j * self.T)
         return all(chain[i] in g.by_hash for i in range(start, j))
 
     # steps
@@ -309,55 +417,115 @@ class BlockManager:
         self.pending = []
 
     def allocate(self, positions: torch.Tensor, input_ids: torch.Tensor | None) -> _Step:
+        """Give a step's real tokens (``positions >= 0``, (B, n)) their slots in every group, all or nothing:
+        check the rows, check that rows reusing blocks of their batch read only written ones, plan each group
+        (raising :class:`CacheFull` before any change), then release, copy-on-write and take blocks, record
+        the positions and token ids, and queue newly filled blocks for the prefix index."""
         self.commit()
         B, n = positions.shape
+        self._check_rows(B)
+        real = positions >= 0
+        counts = real.sum(1).tolist()
+        self._check_reuse_ready(counts)
+        self._check_promised_tokens(positions, input_ids, counts)
+        releases = [self._plan_group(g, counts) for g in self.groups]
+        blocks, offsets = self._assign_slots(releases, counts)
+        self._record_positions(blocks, offsets, positions, real)
+        self._record_tokens(positions, input_ids, counts)
+        self.history.append(real)
+        self.seen += n
+        device = positions.device
+        tables, view_pos = self._views(device)
+        self.step = _Step(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
+                          torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos)
+        return self.step
+
+    def _check_rows(self, B: int) -> None:
+        """The step's batch is the cache's (the first step of a fresh cache sets it)."""
         if self.rows == 0 and self.seen == 0:
             self._init_rows(B)
         if B != self.rows:
             raise ValueError(f"paged cache: got {B} rows but the cache holds {self.rows}; use cache.reorder(idx) "
                              f"to change the batch")
-        real = positions >= 0
-        counts = real.sum(1).tolist()
-        # Plan every group first; nothing changes unless every group has room.
-        plans = []
-        for g in self.groups:
-            release = [g.releasable(b, self.lens[b]) for b in range(B)]
-            need = 0
-            for b in range(B):
-                length, c = self.lens[b], counts[b]
-                if c == 0:
-                    continue
-                need += -(-(length + c) // self.T) - len(g.tables[b])
-                if length % self.T and g.shared(g.tables[b][-1]):
-                    need += 1  # copy-on-write of the partial last block
-            freed = sum(1 for b in range(B) for blk in g.tables[b][g.first[b]:g.first[b] + release[b]]
-                        if g.ref[blk] == 1)
-            if need > g.available() + freed:
-                what = "full-attention layers" if g.window is None else f"window-{g.window} layers"
-                raise CacheFull(f"paged cache: the {what} need {need} more blocks of {self.T} tokens but only "
-                                f"{g.available() + freed} of {g.P} are free; nothing was written. Build the cache "
-                                f"with Paged(num_blocks > {g.P}), shorten the request, or reset() finished rows")
-            plans.append(release)
-        ids = None if input_ids is None else input_ids.tolist()
-        pos_list = positions.tolist()
+
+    def _check_reuse_ready(self, counts: list[int]) -> None:
+        """A row that reuses blocks another row of its batch writes attends only once they are written (by the
+        end of this step at the latest: each layer writes every row before any row attends)."""
+        for b, waits in self.waits.items():
+            if not counts[b]:
+                continue
+            for w, tokens in waits.items():
+                done = self.lens[w] + counts[w]
+                if done < tokens:
+                    raise ValueError(f"paged cache: row {b} reuses the first {tokens} prompt tokens of row {w} of "
+                                     f"this batch, but row {w} has written only {done} of them by this step; feed "
+                                     f"the rows right-aligned (left padding) so the longer row's prompt comes first, "
+                                     f"or prefill row {w} before row {b}")
+        self.waits = {b: waits for b, waits in self.waits.items()
+                      if any(self.lens[w] + counts[w] < tokens for w, tokens in waits.items())}
+
+    def _check_promised_tokens(self, positions: torch.Tensor, input_ids: torch.Tensor | None, counts: list[int]
+                               ) -> None:
+        """A row writing blocks other rows of its batch reuse must write the prompt ``match_prefix`` saw."""
+        for w, until in enumerate(self.promised):
+            if not until or not counts[w]:
+                continue
+            if input_ids is None:
+                raise ValueError(f"paged cache: row {w} writes prompt blocks other rows of this batch reuse; announce "
+                                 f"each step's token ids with cache.prepare(input_ids, positions) before the forward "
+                                 f"pass (generate does)")
+            fed = input_ids[w][positions[w] >= 0].tolist()[:until - self.lens[w]]
+            if fed != self.promised_ids[w][self.lens[w]:self.lens[w] + len(fed)]:
+                raise ValueError(f"paged cache: row {w} writes prompt blocks other rows of this batch reuse, but its "
+                                 f"tokens differ from the prompt match_prefix was given; feed each row the prompt it "
+                                 f"was matched with, from its reused length on")
+
+    def _must_copy(self, g: _Group, b: int, length: int) -> bool:
+        """Row ``b`` appends into a partial last block that other rows can see: copy it first. A block the row
+        fills for other rows of its batch (below ``promised``) is written in place: that is what they wait for."""
+        return bool(length % self.T) and length >= self.promised[b] and g.shared(g.tables[b][length // self.T])
+
+    def _plan_group(self, g: _Group, counts: list[int]) -> list[int]:
+        """Blocks each row releases from group ``g`` (out of its window); raises :class:`CacheFull`, changing
+        nothing, when the group cannot hold the step."""
+        release = [g.releasable(b, self.lens[b]) for b in range(self.rows)]
+        need = 0
+        for b in range(self.rows):
+            length, c = self.lens[b], counts[b]
+            if c == 0:
+                continue
+            need += max(0, -(-(length + c) // self.T) - len(g.tables[b]))
+            if self._must_copy(g, b, length):
+                need += 1
+        freed = sum(1 for b in range(self.rows) for blk in g.tables[b][g.first[b]:g.first[b] + release[b]]
+                    if g.ref[blk] == 1)
+        if need > g.available() + freed:
+            what = "full-attention layers" if g.window is None else f"window-{g.window} layers"
+            raise CacheFull(f"paged cache: the {what} need {need} more blocks of {self.T} tokens but only "
+                            f"{g.available() + freed} of {g.P} are free; nothing was written. Build the cache "
+                            f"with Paged(num_blocks > {g.P}), shorten the request, or reset() finished rows")
+        return release
+
+    def _assign_slots(self, releases: list[list[int]], counts: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Release out-of-window blocks, copy shared partial blocks, take new ones; the block of every real
+        token per group and its slot inside the block (the same in every group)."""
         offsets: list[int] = []
         blocks: list[list[int]] = [[] for _ in self.groups]
         for gi, g in enumerate(self.groups):
-            for b in range(B):
-                for _ in range(plans[gi][b]):
+            for b in range(self.rows):
+                for _ in range(releases[gi][b]):
                     blk = g.tables[b][g.first[b]]
                     g.tables[b][g.first[b]] = g.null
                     g.first[b] += 1
                     g.decref(blk)
-            for b in range(B):
+            for b in range(self.rows):
                 length, c = self.lens[b], counts[b]
                 if c == 0:
                     continue
-                if length % self.T and g.shared(g.tables[b][-1]):
-                    old = g.tables[b][-1]
-                    new = g.take()
+                if self._must_copy(g, b, length):
+                    old, new = g.tables[b][length // self.T], g.take()
                     g.copy_block(old, new)
-                    g.tables[b][-1] = new
+                    g.tables[b][length // self.T] = new
                     g.decref(old)
                 while len(g.tables[b]) * self.T < length + c:
                     g.tables[b].append(g.take())
@@ -365,14 +533,24 @@ class BlockManager:
                     blocks[gi].append(g.tables[b][t // self.T])
                     if gi == 0:
                         offsets.append(t % self.T)
+        return blocks, offsets
+
+    def _record_positions(self, blocks: list[list[int]], offsets: list[int], positions: torch.Tensor,
+                          real: torch.Tensor) -> None:
+        """Write the real tokens' positions into each group's position table."""
         device = positions.device
         for gi, g in enumerate(self.groups):
             if g.pos is None:
                 g.pos = torch.full((g.P + 1, self.T), -1, dtype=torch.int64, device=device)
             if blocks[gi]:
                 g.pos[torch.tensor(blocks[gi], device=device), torch.tensor(offsets, device=device)] = positions[real]
-        # Token bookkeeping and the prefix index.
-        for b in range(B):
+
+    def _record_tokens(self, positions: torch.Tensor, input_ids: torch.Tensor | None, counts: list[int]) -> None:
+        """Advance the rows' lengths and token ids, and queue their newly filled blocks for the prefix index
+        (registered by :meth:`commit` once every layer wrote the step)."""
+        ids = None if input_ids is None else input_ids.tolist()
+        pos_list = positions.tolist()
+        for b in range(self.rows):
             row_real = [t for t, p in enumerate(pos_list[b]) if p >= 0]
             if self.tokens[b] is not None:
                 if ids is None or (self.lens[b] == 0 and row_real and pos_list[b][row_real[0]] != 0):
@@ -380,6 +558,8 @@ class BlockManager:
                 else:
                     self.tokens[b].extend(ids[b][t] for t in row_real)
             self.lens[b] += counts[b]
+            if self.lens[b] >= self.promised[b]:
+                self.promised[b] = 0
             if self.config.prefix_caching and self.tokens[b] is not None:
                 full = self.lens[b] // self.T
                 if full > len(self.hashes[b]):
@@ -388,12 +568,6 @@ class BlockManager:
                     for g in self.groups:
                         for j in range(max(done, g.first[b]), full):
                             self.pending.append((g, g.tables[b][j], self.hashes[b][j]))
-        self.history.append(real)
-        self.seen += n
-        tables, view_pos = self._views(device)
-        self.step = _Step(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
-                          torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos)
-        return self.step
 
     def _views(self, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         tables, view_pos = [], []
@@ -429,6 +603,8 @@ class BlockManager:
     def cannot_drop(self, n: int) -> str | None:
         if n > self.seen:
             return f"paged cache holds {self.seen} written slots, cannot drop {n}"
+        if (busy := self.sharing_in_progress()) is not None:
+            return busy
         new = self._lens_after_drop(n)
         for g in self.groups:
             if g.keep is None:
@@ -467,6 +643,8 @@ class BlockManager:
         self.history, self.seen, self.step = hist, target, None
 
     def reorder(self, idx: list[int]) -> None:
+        if (busy := self.sharing_in_progress()) is not None:
+            raise ValueError(f"reorder: {busy}; nothing was changed")
         self.commit()
         for g in self.groups:
             tables = [list(g.tables[i]) for i in idx]
@@ -485,12 +663,22 @@ class BlockManager:
         self.tokens = [None if self.tokens[i] is None else list(self.tokens[i]) for i in idx]
         self.salts = [self.salts[i] for i in idx]
         self.hashes = [list(self.hashes[i]) for i in idx]
+        self.promised, self.promised_ids = [0] * len(idx), [[] for _ in idx]
         t = torch.tensor(idx, dtype=torch.int64)
         self.history = [r.index_select(0, t.to(r.device)) for r in self.history]
         self.rows, self.step = len(idx), None
 
-    def stats(self) -> dict[int | None, PoolStats]:
-        return {w: self.groups[i].stats() for w, i in self.group_of.items()}
+    def stats(self) -> dict[str, PoolStats]:
+        """:class:`PoolStats` per group of layers: ``"full_attention"`` (full and latent layers) and
+        ``"sliding_window_<W>"`` per window."""
+        rate = self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+        out = {}
+        for w, i in self.group_of.items():
+            g = self.groups[i]
+            name = "full_attention" if w is None else f"sliding_window_{w}"
+            out[name] = PoolStats(self.T, g.P, g.blocks_in_use(), len(g.lru), len(g.free), self.lookup_tokens,
+                                  self.hit_tokens, self.hit_tokens_in_batch, rate)
+        return out
 
 
 class PagedStore(Store):

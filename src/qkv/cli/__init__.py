@@ -6,6 +6,7 @@ Run ``qkv --help`` for the list; every command has ``--help`` with examples.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import typer
 
@@ -31,7 +32,21 @@ def _register() -> None:
         return
     for name in _COMMAND_MODULES:
         importlib.import_module(f"qkv.cli.{name}").register(app)
+    for info in app.registered_commands:
+        if info.help is None and info.callback is not None:
+            info.help = _unwrap_help(inspect.getdoc(info.callback) or "")
     _registered = True
+
+
+def _unwrap_help(doc: str) -> str:
+    """A command's docstring as its help: each prose paragraph joined into one line, so the terminal wraps it at
+    its own width (typer keeps a docstring's hard line breaks and rich then breaks each of them again);
+    paragraphs with an indented line (examples) stay as written."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(
+        p if any(line[:1].isspace() for line in p.splitlines()) else " ".join(line.strip() for line in p.splitlines())
+        for p in paragraphs
+    )
 
 
 def main() -> None:

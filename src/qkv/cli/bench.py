@@ -156,9 +156,12 @@ def register(app: typer.Typer) -> None:
         """Run benchmark suites and write JSON, a Markdown summary and PNG plots.
 
         Examples:
-          qkv bench                 # every suite
-          qkv bench dense sparse    # two suites
-          qkv bench --quick linear  # a smoke run
+
+            qkv bench                 # every suite
+
+            qkv bench dense sparse    # two suites
+
+            qkv bench --quick linear  # a smoke run
         """
         names = suites or list(SUITES)
         unknown = [n for n in names if n not in SUITES]

@@ -7,7 +7,8 @@ imported lazily, drawing on an Agg canvas without pyplot).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -29,17 +30,17 @@ from qkv.costs import (
     parse_context,
 )
 
-__all__ = ["register", "plot_figure"]
+__all__ = ["register", "plot_figure", "compare_figure", "context_axis_end", "context_warning"]
 
 _PRESET_HELP = "A preset name (llama-3-70b, gemma-3-27b, deepseek-v2, ...) or the path of a HF config.json."
 _Context = Annotated[
-    str, typer.Option("--context", "-c", help="Tokens per sequence: 131072, 128k (= 131,072), 1M, 128000.")
+    str, typer.Option("--context", "-c", help="Tokens per sequence: 131072, 128k (=131,072), 1M, 128000.")
 ]
 _Batch = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences in the batch.")]
 _Dtype = Annotated[str, typer.Option("--dtype", help="Cache dtype: fp32 fp16 bf16 fp8 int8 int4 int2.")]
 _Group = Annotated[
     int | None,
-    typer.Option("--group-size", min=1, help="int dtypes: count an fp16 scale + zero-point per group."),
+    typer.Option("--group-size", min=1, help="int dtypes: count an fp16 scale and zero-point per group."),
 ]
 _Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
 
@@ -62,6 +63,29 @@ def _describe(p: ModelPreset) -> str:
     layers = ", ".join(f"{n} {kind}" for kind, n in p.layer_counts.items())
     window = f", window {p.sliding_window:,}" if "local" in p.layer_counts else ""
     return f"{p.name} [{p.attention_kind.upper()}]: {p.num_hidden_layers} layers ({layers}{window}), {heads}"
+
+
+def context_warning(p: ModelPreset, context: int) -> str | None:
+    """The one-line warning for a context past the model's ``max_position_embeddings``, or None.
+
+    Example:
+        >>> from qkv.costs import PRESETS
+        >>> print(context_warning(PRESETS["llama-3-8b"], 32768))
+        warning: llama-3-8b: context 32,768 tokens exceeds its max_position_embeddings 8,192; ...
+        >>> context_warning(PRESETS["llama-3-8b"], 8192) is None
+        True
+    """
+    limit = p.max_position_embeddings
+    if limit is None or context <= limit:
+        return None
+    return (f"warning: {p.name}: context {context:,} tokens exceeds its max_position_embeddings {limit:,}; "
+            "the numbers are arithmetic for a length the model was not configured for")
+
+
+def _warn_context(p: ModelPreset, context: int) -> None:
+    line = context_warning(p, context)
+    if line is not None:
+        typer.echo(line, err=True)
 
 
 def _fits(m: KVMemory) -> str:
@@ -94,6 +118,7 @@ def memory(
         p = get_preset(preset)
         kw = dict(context=parse_context(context), batch=batch, dtype=dtype, group_size=group_size)
         m = kv_cache_memory(p, **kw)
+        _warn_context(p, m.context)
         mha = kv_cache_memory(p.mha_equivalent(), **kw) if p.attention_kind != "mha" else None
     if as_json:
         out = {**m.as_dict(), "attention_kind": p.attention_kind}
@@ -132,8 +157,8 @@ def flops(
     """FLOPs of a model at a context: attention (QK^T and PV) beside the rest, and the crossover length.
 
     Prefill is the forward pass over a causal prompt of CONTEXT tokens (4*B*H*N*N*D, halved for
-    causal); decode is one new token against CONTEXT cached tokens; training is forward + backward,
-    3.5x forward for attention (FlashAttention-2's count) and 3x for the matmuls. Local layers see at
+    causal); decode is one new token against CONTEXT cached tokens; training is the forward and backward
+    passes, 3.5x forward for attention (FlashAttention-2's count) and 3x for the matmuls. Local layers see at
     most their window. For presets with the whole-model shape (`qkv presets` lists them) the table adds
     the projections, feed-forward (active experts) and LM head, and the crossover: the shortest context
     at which attention's FLOPs reach the rest's.
@@ -151,6 +176,7 @@ def flops(
     with _friendly():
         p = get_preset(preset)
         n = parse_context(context)
+        _warn_context(p, n)
         f = model_attention_flops(p, context=n, batch=batch)
         whole = p.vocab_size is not None and p.intermediate_size is not None and not p.encoder_layers
         m = model_flops(p, context=n, batch=batch) if whole else None
@@ -199,12 +225,54 @@ def flops(
         console.print(f"crossover: attention reaches the rest from {cross:,} tokens on ({side} it at {n:,})")
 
 
-def _plot(memories: dict[str, list[KVMemory]], context: int, path: Path) -> None:
-    plot_figure(memories, context).savefig(path, dpi=120)
+def context_axis_end(models: Sequence[ModelPreset], context: int) -> int:
+    """Where the x axis of ``qkv compare --plot`` ends: the largest of the requested ``context`` and the
+    compared models' ``max_position_embeddings`` (models that state none do not count), so the longest
+    context any model was configured for, and the one the user asked for, are both on the plot.
+
+    Example:
+        >>> from qkv.costs import PRESETS
+        >>> context_axis_end([PRESETS["llama-3-8b"], PRESETS["deepseek-v2"]], 4096)
+        163840
+    """
+    return max([context, *(p.max_position_embeddings for p in models if p.max_position_embeddings)])
 
 
-def plot_figure(memories: dict[str, list[KVMemory]], context: int):
-    """The KV-cache-vs-context figure (a matplotlib ``Figure``) of ``qkv compare --plot``."""
+def _context_grid(start: int, end: int) -> list[int]:
+    """Contexts from ``start`` to ``end`` (both included), 8 per octave, for smooth log-axis curves."""
+    octaves = math.log2(end / start)
+    steps = max(1, math.ceil(8 * octaves))
+    grid = sorted({round(start * 2 ** (octaves * i / steps)) for i in range(steps + 1)})
+    grid[-1] = end
+    return grid
+
+
+def compare_figure(models: Sequence[ModelPreset], context: int, *, batch: int = 1, dtype: str = "bf16",
+                   group_size: int | None = None):
+    """The figure of ``qkv compare --plot``: each model's KV cache against context.
+
+    The x axis runs from ``min(1024, context, end / 16)`` to ``end``, :func:`context_axis_end`. Each
+    model's curve stops at its own ``max_position_embeddings`` (or at ``context`` when the user asked
+    for more), so a curve never claims a length its model was not configured for unasked.
+    """
+    end = context_axis_end(models, context)
+    start = max(1, min(1024, context, end // 16))
+    grid = _context_grid(start, end)
+    curves = {}
+    for p in models:
+        last = max(p.max_position_embeddings or end, context)
+        points = sorted({c for c in grid if c < last} | {context, last})
+        curves[p.name] = [kv_cache_memory(p, context=c, batch=batch, dtype=dtype, group_size=group_size)
+                          for c in points]
+    return plot_figure(curves, context, x_range=(start, end))
+
+
+def plot_figure(memories: Mapping[str, list[KVMemory]], context: int, *, x_range: tuple[int, int] | None = None):
+    """A KV-cache-vs-context figure (a matplotlib ``Figure``) from precomputed curves.
+
+    ``x_range`` fixes the x axis (default: from the first point drawn to the larger of the last point
+    drawn and ``context``).
+    """
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
@@ -217,13 +285,18 @@ def plot_figure(memories: dict[str, list[KVMemory]], context: int):
         ax.plot([m.context for m in ms], [m.total_bytes / GB for m in ms], label=name,
                 linestyle=styles[i % len(styles)], marker=markers[i % len(markers)], markevery=(i % 8, 8),
                 markersize=4, linewidth=1.5 + 0.5 * (i % 2))
+    if x_range is None:
+        x_range = (min(ms[0].context for ms in memories.values()),
+                   max(context, *(ms[-1].context for ms in memories.values())))
     for g in DEVICE_GB:
         ax.axhline(g, color="grey", linestyle=":", linewidth=1)
-        ax.annotate(f"{g} GB", (1024, g), xytext=(2, 2), textcoords="offset points", fontsize=8)
+        ax.annotate(f"{g} GB", (x_range[0], g), xytext=(2, 2), textcoords="offset points", fontsize=8)
     ax.axvline(context, color="black", linestyle=(0, (6, 3)), linewidth=1, label=f"context {context:,} tokens")
     ax.set_xscale("log", base=2)
+    if x_range[0] < x_range[1]:
+        ax.set_xlim(*x_range)
     ax.set_yscale("log")
-    tokens = FuncFormatter(lambda x, _: f"{x / 1024:g}k" if x < 2**20 else f"{x / 2**20:g}M")
+    tokens = FuncFormatter(lambda x, _: f"{x:g}" if x < 1024 else f"{x / 1024:g}k" if x < 2**20 else f"{x / 2**20:g}M")
     ax.xaxis.set_major_formatter(tokens)
     first = next(iter(memories.values()))[0]
     ax.set(xlabel="context (tokens, k = 1024)", ylabel="KV cache (GB = 1e9 bytes)",
@@ -240,7 +313,9 @@ def compare(
     dtype: _Dtype = "bf16",
     group_size: _Group = None,
     plot: Annotated[
-        Path | None, typer.Option("--plot", help="Write a PNG of KV cache vs context (1k..1M, log axes).")
+        Path | None,
+        typer.Option("--plot", help="Write a PNG of KV cache vs context (log axes, up to the longest context of "
+                     "the models or --context)."),
     ] = None,
     as_json: _Json = False,
 ) -> None:
@@ -257,10 +332,15 @@ def compare(
         models = {p.name: p for p in map(get_preset, presets)}
         n = parse_context(context)
         ms = {name: kv_cache_memory(p, context=n, **kw) for name, p in models.items()}
+        for p in models.values():
+            _warn_context(p, n)
         if plot is not None:
-            grid = [round(1024 * 2 ** (i / 8)) for i in range(81)]  # 1k..1M, 8 points per octave
-            curves = {name: [kv_cache_memory(p, context=c, **kw) for c in grid] for name, p in models.items()}
-            _plot(curves, n, plot)
+            try:
+                fig = compare_figure(list(models.values()), n, **kw)
+            except ImportError as e:
+                raise ValueError(f"--plot needs matplotlib ({e}); install it with pip install 'qkv[plot]', or "
+                                 "drop --plot") from None
+            fig.savefig(plot, dpi=120)
     if as_json:
         typer.echo(json.dumps([{**m.as_dict(), "attention_kind": models[m.preset].attention_kind}
                                for m in ms.values()], indent=2))

@@ -121,7 +121,7 @@ def embed(
 
         qkv embed "A man is eating food." "A man is riding a horse."
 
-        qkv embed --file corpus.txt --format npy --output corpus.npy --batch-size 128
+        qkv embed -f corpus.txt --format npy -o corpus.npy --batch-size 128
 
         cat corpus.txt | qkv embed - > corpus.json
 

@@ -30,10 +30,11 @@ def plan_cp(
     = H200.attention_flops_per_s / 1e12,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")] = False,
 ) -> None:
-    """Longest context that fits for training on W = 1, 2, 4, ... devices, and the step time there.
+    """Longest context that fits for training on W=1,2,4,... devices, and the step time there.
 
     Defaults: H200 (141 GB, 4.8 TB/s, 450 GB/s links). Memory: ZeRO-3 sharded training state (16 bytes per
-    parameter / W) and checkpointed activations of the local tokens; see qkv.costs.context_parallel.
+    parameter, divided among the W devices) and checkpointed activations of the local tokens; see
+    qkv.costs.context_parallel.
 
     Examples:
 

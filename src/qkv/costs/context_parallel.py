@@ -1,19 +1,31 @@
 """Context parallelism arithmetic: a layer's time on W devices per scheme, and the longest context that fits.
 
-Pure arithmetic (no torch). The model of one attention layer on W devices, for a sequence of N tokens:
+Pure arithmetic (no torch). The model of one attention layer on W devices, for a sequence of N tokens, describes
+qkv's own implementation (:mod:`qkv.distributed`) and says what it assumes:
 
-- Compute. The larger of the HBM time (this rank's Q, K, V and output once) and attention FLOPs
-  ``2 * B * Hq * N^2 * (Dqk + Dv)`` (half when causal; training x 3.5, FlashAttention-2's count) over the
-  device's attention throughput. Balanced layouts (zigzag, stripe, all-gather, Ulysses) give
-  every rank ``1 / W`` of it; a contiguous ring under a causal mask gives the last rank ``2 / (W + 1)`` of it.
+- Compute: the busiest rank's work. Attention FLOPs are ``2 * B * Hq * N^2 * (Dqk + Dv)`` for the whole problem;
+  the busiest rank computes a fraction of them that depends on the scheme's layout and on the device's kernel
+  (:func:`scheme_work`): with ``Device.skips_masked_tiles`` (FlashAttention-style kernels skip masked tiles, so
+  a causal diagonal block costs half) zigzag, stripe, all-gather and Ulysses give every rank ``1 / (2W)`` of the
+  ``N^2`` square and a contiguous ring gives the last rank ``(2W - 1) / (2W^2)``; without it (qkv's CPU blocks:
+  any block the mask leaves non-empty is computed in full) the fractions are counts of whole blocks. The
+  forward is the larger of those FLOPs over the attention throughput and the HBM time (this rank's Q, K, V and
+  output once); the backward costs ``Device.backward_multiplier`` times the forward's FLOP time (2.5 for
+  FlashAttention-2's count). Each block the rank computes adds ``Device.block_overhead_s`` per pass (host work:
+  the block's mask, the merge, kernel launches). When ranks share cores (``Device.compute_share`` below 1, as
+  W processes on fewer CPU cores), a pass takes at least the mean rank's work over its share: balanced schemes
+  slow down by the full factor, an unbalanced ring less (its idle ranks leave their cores to the busy one).
 - Communication over links of ``link_bytes_per_s`` with a per-message ``latency_s``. A chunk of K/V is
   ``c = B * (N / W) * Hkv * (Dqk + Dv) * e`` bytes (MLA passes its latent, ``kv_lora_rank + qk_rope_head_dim``
   per token, and expands it locally).
-  - ring / zigzag / stripe: W-1 forward steps, each overlapping one block of compute with one chunk's transfer,
-    so a step costs ``max(block, c / bw + latency)``; backward W-1 steps of K/V and W of float32 dK/dV (2c).
+  - ring / zigzag / stripe: W-1 forward steps, each overlapping one step's blocks with one chunk's transfer,
+    so a step costs ``max(blocks, c / bw + latency)``; backward W-1 steps of K/V (overlapped the same way) and
+    W of float32 dK/dV (2c), each after its step's blocks (not overlapped).
   - allgather: one all-gather ((W-1) c sent per rank) before compute, one float32 reduce-scatter after backward.
   - ulysses: all-to-alls of Q, K, V and the output, ``(W-1) / W`` of each local tensor sent; again in backward.
   - usp: Ulysses over U ranks (U = the largest power of two <= min(8, Hkv) dividing W) and a ring over W / U.
+  - ``check=True`` adds qkv's pre-flight agreement on shapes and dtypes: two small all-gathers, ``2 (W-1)``
+    latencies.
 
 Memory per device, training with ZeRO-3/FSDP over the W devices and full activation checkpointing:
 ``16 bytes * params / W`` (bf16 weights and gradients, float32 master copy and two Adam moments) plus, per local
@@ -34,20 +46,45 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from .flops import TRAINING_MULTIPLIER
 from .presets import ModelPreset
 
-__all__ = ["Device", "H200", "PARAMETERS", "SCHEMES", "LayerTime", "layer_time", "longest_context", "plan", "PlanRow",
-           "ulysses_degree"]
+__all__ = ["Device", "H200", "PARAMETERS", "SCHEMES", "LayerTime", "SchemeWork", "layer_time", "longest_context",
+           "plan", "PlanRow", "scheme_work", "ulysses_degree"]
 
 SCHEMES = ("ring", "zigzag", "stripe", "allgather", "ulysses", "usp")
+
+_POSITIVE = ("hbm_bytes_per_s", "attention_flops_per_s", "matmul_flops_per_s", "link_bytes_per_s")
+_NON_NEGATIVE = ("memory_bytes", "latency_s", "backward_multiplier", "block_overhead_s")
 
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator: memory, HBM bandwidth, sustained attention and matmul throughput, link to its peers."""
+    """One accelerator: memory, HBM bandwidth, sustained attention and matmul throughput, the link to its peers,
+    and what the implementation costs beyond FLOPs and bytes.
+
+    Attributes:
+        name: a label.
+        memory_bytes: device memory (0 for a device that only times layers).
+        hbm_bytes_per_s: memory bandwidth.
+        attention_flops_per_s: sustained forward attention throughput inside one block, FLOP/s.
+        matmul_flops_per_s: sustained GEMM throughput (the per-token matmuls of a training step).
+        link_bytes_per_s: bandwidth to a peer, each way.
+        latency_s: fixed cost of one message.
+        backward_multiplier: a block's backward time over its forward's (2.5: FlashAttention-2's count, which
+            recomputes the scores; qkv's CPU blocks recompute them too and measure their own ratio).
+        block_overhead_s: fixed cost of one block in one pass (forward or backward) beyond its FLOPs: building
+            the block's mask, merging the partial result, launching kernels, Python.
+        compute_share: the fraction of its device that each rank's compute gets: 1 when every rank owns its
+            device; about ``cores / (ranks * threads)`` when W processes share fewer CPU cores.
+        skips_masked_tiles: the block kernel skips masked tiles inside a block (FlashAttention: a causal diagonal
+            block costs half); False: every block the mask leaves non-empty is computed in full (qkv's
+            distributed blocks on CPU score every pair of a block).
+    """
 
     name: str
     memory_bytes: float
@@ -56,12 +93,40 @@ class Device:
     matmul_flops_per_s: float
     link_bytes_per_s: float
     latency_s: float
+    backward_multiplier: float = TRAINING_MULTIPLIER - 1
+    block_overhead_s: float = 0.0
+    compute_share: float = 1.0
+    skips_masked_tiles: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name":
+                if not isinstance(value, str):
+                    raise TypeError(f"Device: name must be a str, got {type(value).__name__}")
+                continue
+            if f.name == "skips_masked_tiles":
+                if not isinstance(value, bool):
+                    raise TypeError(f"Device: skips_masked_tiles must be a bool, got {value!r}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Device: {f.name} must be a number, got {type(value).__name__} {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"Device: {f.name} must be finite, got {value!r}")
+            if f.name in _POSITIVE and value <= 0:
+                raise ValueError(f"Device: {f.name} must be > 0, got {value!r}; give the measured rate")
+            if f.name in _NON_NEGATIVE and value < 0:
+                raise ValueError(f"Device: {f.name} must be >= 0, got {value!r}; a cost cannot be negative")
+        if not 0 < self.compute_share <= 1:
+            raise ValueError(f"Device: compute_share must be in (0, 1], got {self.compute_share!r}; it is the "
+                             "fraction of the device each rank gets (1 when ranks do not share it)")
 
 
 #: NVIDIA H200 SXM: 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional (450 GB/s each way). Sustained
 #: throughputs are assumptions: 50% (attention, FlashAttention-3's bf16 forward reaches ~75%) and 60% (GEMMs)
-#: of the 989 TFLOP/s dense bf16 peak.
-H200 = Device("h200", 141e9, 4.8e12, 0.5 * 989e12, 0.6 * 989e12, 450e9, 5e-6)
+#: of the 989 TFLOP/s dense bf16 peak; FlashAttention-2's backward (2.5 x the forward); 10 us per block and pass
+#: (a block kernel and a merge kernel launched from Python); one rank per GPU.
+H200 = Device("h200", 141e9, 4.8e12, 0.5 * 989e12, 0.6 * 989e12, 450e9, 5e-6, block_overhead_s=10e-6)
 
 #: Total and active (per token) parameters of the presets the planner covers, from the model cards.
 PARAMETERS: dict[str, tuple[float, float]] = {
@@ -76,10 +141,67 @@ class LayerTime:
 
     scheme: str
     world: int
-    compute_s: float  # the busiest rank's attention compute
+    compute_s: float  # the slowest rank's attention compute (block overheads and shared cores included)
     comm_s: float  # transfer time, overlapped or not
     total_s: float  # with the overlap the scheme allows
     bytes_sent: float  # per rank, forward (and backward when training)
+
+
+class SchemeWork(NamedTuple):
+    """One pass of a scheme: the busiest rank scores ``fraction`` of the ``B * Hq * N^2`` (query, key, head)
+    triples in ``blocks`` block calls; ``mean_fraction`` and ``mean_blocks`` are the averages over the ranks
+    (what ranks that share cores share)."""
+
+    fraction: float
+    blocks: int
+    mean_fraction: float
+    mean_blocks: float
+
+
+def scheme_work(scheme: str, world: int, *, causal: bool = True, skips_masked_tiles: bool = True,
+                ulysses: int = 1) -> SchemeWork:
+    """The work of one pass of qkv's ``scheme`` over ``world`` ranks (self-attention, N x N).
+
+    Blocks follow :mod:`qkv.distributed`: ring and stripe compute one block of ``N/W`` queries by ``N/W`` keys
+    per step; zigzag and all-gather one block per pair of their ``N/(2W)`` chunks (``2W+1`` non-empty under a
+    causal mask, ``4W`` without); Ulysses one block per pair of the W sequence shards for ``Hq/W`` heads; usp
+    a ring over ``R = W/U`` groups of ``U = ulysses`` ranks, for ``Hq/U`` heads. Under a causal mask the
+    contiguous ring (and usp's ring) is unbalanced: ring rank ``i`` computes ``i + 1`` blocks.
+
+    ``skips_masked_tiles``: the kernel skips masked tiles inside a block, so the fraction is that of allowed pairs;
+    otherwise every non-empty block counts in full.
+
+    Example:
+        >>> scheme_work("ring", 4)                                  # the last rank: 7/32 of the square
+        SchemeWork(fraction=0.21875, blocks=4, mean_fraction=0.125, mean_blocks=2.5)
+        >>> scheme_work("zigzag", 4, skips_masked_tiles=False)      # 9 blocks of (N/8)^2 on every rank
+        SchemeWork(fraction=0.140625, blocks=9, mean_fraction=0.140625, mean_blocks=9.0)
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme_work: unknown scheme {scheme!r}; choose one of {SCHEMES}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"scheme_work: world must be an int >= 1, got {world!r}")
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
+        raise ValueError(f"scheme_work: ulysses must be an int >= 1 that divides world={world}, got {ulysses!r}")
+    W = world
+    U = ulysses if scheme == "usp" else 1
+    R = W // U
+    blocks = {"ring": W, "stripe": W, "zigzag": 2 * W + 1 if causal else 4 * W, "usp": R,
+              "ulysses": W * (W + 1) // 2 if causal else W * W}
+    blocks["allgather"] = blocks["zigzag"]
+    n_blocks = blocks[scheme]
+    if not causal:
+        return SchemeWork(1 / W, n_blocks, 1 / W, float(n_blocks))
+    contiguous = scheme in ("ring", "usp")  # ring rank i computes i + 1 blocks of (N/R)^2 for Hq/U heads
+    mean_blocks = (R + 1) / 2 if contiguous else float(n_blocks)
+    if skips_masked_tiles:
+        # the last ring rank: R-1 full blocks and half a diagonal one; in all, half the square
+        fraction = (2 * R - 1) / (2 * R * R) / U if contiguous else 1 / (2 * W)
+        return SchemeWork(fraction, n_blocks, 1 / (2 * W), mean_blocks)
+    fraction = {"zigzag": (2 * W + 1) / (4 * W * W), "allgather": (2 * W + 1) / (4 * W * W),
+                "ulysses": (W + 1) / (2 * W * W)}.get(scheme, 1 / W)
+    mean = (R + 1) / (2 * R * R) / U if contiguous else fraction
+    return SchemeWork(fraction, n_blocks, mean, mean_blocks)
 
 
 def _payload_per_token(p: ModelPreset, e: float) -> float:
@@ -99,28 +221,36 @@ def ulysses_degree(p: ModelPreset, world: int) -> int:
 
 def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device: Device, batch: int = 1,
                causal: bool = True, training: bool = True, bytes_per_element: float = 2.0,
-               accumulate_bytes: float = 4.0) -> LayerTime:
+               accumulate_bytes: float = 4.0, check: bool = False, ulysses: int | None = None) -> LayerTime:
     """Predicted time of one attention layer of ``p`` over ``context`` tokens on ``world`` devices.
 
-    ``bytes_per_element``: K/V on the wire (2 for bf16); ``accumulate_bytes``: the dK/dV accumulators (float32).
+    ``bytes_per_element``: K/V on the wire (2 for bf16); ``accumulate_bytes``: the dK/dV accumulators (float32);
+    ``check``: include qkv's pre-flight agreement (``qkv.distributed.attention(check=True)``, its default);
+    ``ulysses``: the Ulysses degree U of ``usp`` (default :func:`ulysses_degree`).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"layer_time: unknown scheme {scheme!r}; choose one of {SCHEMES}")
     if world < 1 or context < world:
         raise ValueError(f"layer_time: need 1 <= world <= context, got world={world}, context={context}")
+    if not isinstance(device, Device):
+        raise TypeError(f"layer_time: device must be a qkv.costs.context_parallel.Device, got {type(device).__name__}")
     e, bw, lat, W = bytes_per_element, device.link_bytes_per_s, device.latency_s, world
-    flops_fwd = 2.0 * batch * p.num_attention_heads * context ** 2 * (p.head_dim + p.value_head_dim)
-    if causal:
-        flops_fwd /= 2
-    share = 2 / (W + 1) if (causal and scheme == "ring") else 1 / W
+    U = (ulysses_degree(p, W) if ulysses is None else ulysses) if scheme == "usp" else 1
+    work = scheme_work(scheme, W, causal=causal, skips_masked_tiles=device.skips_masked_tiles, ulysses=U)
+    flops_all = 2.0 * batch * p.num_attention_heads * context ** 2 * (p.head_dim + p.value_head_dim)
     # A block is bound by its FLOPs or by reading its Q, K, V and writing its output from HBM.
     hbm = batch * (context / W) * (p.num_attention_heads + p.num_key_value_heads) * (p.head_dim + p.value_head_dim) * e
-    fwd = max(flops_fwd * share / device.attention_flops_per_s, hbm / device.hbm_bytes_per_s)
-    bwd = fwd * (TRAINING_MULTIPLIER - 1) if training else 0.0
+    hbm_s = hbm / device.hbm_bytes_per_s
+    core = max(flops_all * work.fraction / device.attention_flops_per_s, hbm_s)
+    core_mean = max(flops_all * work.mean_fraction / device.attention_flops_per_s, hbm_s)
+    ovh, share, bm = device.block_overhead_s, device.compute_share, device.backward_multiplier
+    # The busiest rank's own work, or, where ranks share cores, every rank's work over the cores they share (a
+    # rank that waits for its peer leaves its core to the others).
+    fwd = max(core + work.blocks * ovh, (core_mean + work.mean_blocks * ovh) / share)
+    bwd = max(bm * core + work.blocks * ovh, (bm * core_mean + work.mean_blocks * ovh) / share) if training else 0.0
     chunk = batch * (context / W) * _payload_per_token(p, e)
     local = batch * (context / W)
     if scheme in ("ring", "zigzag", "stripe", "usp"):
-        U = ulysses_degree(p, W) if scheme == "usp" else 1
         R = W // U
         if p.kv_lora_rank is not None:
             chunk *= U  # MLA's latent is shared by the heads: Ulysses cannot split it
@@ -133,7 +263,8 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
         if training and steps > 1:
             grad = chunk * accumulate_bytes / e  # float32 dK/dV
             t_g = grad / bw + lat
-            total += b_step + (steps - 1) * max(b_step, t_c + t_g) + t_g
+            # qkv's backward overlaps the K/V shift with the step's blocks, then shifts dK/dV (not overlapped)
+            total += b_step + (steps - 1) * max(b_step, t_c) + steps * t_g
             sent += (steps - 1) * chunk + steps * grad
             comm += (steps - 1) * (t_c + t_g) + t_g
         elif training:
@@ -156,6 +287,9 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
         comm = a2a / bw + 4 * (W - 1) * lat * (2 if training else 1)
         sent = a2a
         total = fwd + bwd + comm
+    if check and W > 1:
+        comm += 2 * (W - 1) * lat
+        total += 2 * (W - 1) * lat
     return LayerTime(scheme, W, fwd + bwd, comm, total, sent)
 
 

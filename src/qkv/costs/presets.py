@@ -55,6 +55,9 @@ class ModelPreset:
             each branch too (Gemma 2/3).
         tie_word_embeddings: the LM head is the embedding matrix.
         learned_positions: rows of a learned absolute position table (GPT-2: 1024), else none.
+        max_position_embeddings: the longest context the released checkpoint is configured for (HF's
+            ``max_position_embeddings``, GPT-2's ``n_positions``); ``None`` when none is stated. The
+            arithmetic runs at any context; the CLI warns past this one.
         encoder_layers: layers of a bidirectional encoder in front of the ``num_hidden_layers``
             decoder layers, each of which then also cross-attends (encoder-decoder, Vaswani et al.).
         q_lora_rank: MLA query compression width (DeepSeek-V2: 1536).
@@ -94,6 +97,7 @@ class ModelPreset:
     sandwich_norms: bool = False
     tie_word_embeddings: bool = False
     learned_positions: int | None = None
+    max_position_embeddings: int | None = None
     encoder_layers: int = 0
     q_lora_rank: int | None = None
     n_routed_experts: int | None = None
@@ -126,6 +130,9 @@ class ModelPreset:
             raise ValueError(f"{self.name}: sliding layers need a positive sliding_window")
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ValueError(f"{self.name}: MLA needs both kv_lora_rank and qk_rope_head_dim")
+        mpe = self.max_position_embeddings
+        if mpe is not None and (not isinstance(mpe, int) or isinstance(mpe, bool) or mpe <= 0):
+            raise ValueError(f"{self.name}: max_position_embeddings must be a positive int or None, got {mpe!r}")
         if self.mlp not in ("gated", "dense") or self.norm not in ("rms", "layer"):
             raise ValueError(f"{self.name}: mlp must be 'gated' or 'dense' and norm 'rms' or 'layer', got "
                              f"mlp={self.mlp!r}, norm={self.norm!r}")
@@ -194,6 +201,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="gpt-2-small", num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
         head_dim=64, hidden_size=768, intermediate_size=3072, **_GPT2,
+        max_position_embeddings=1024,
         source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
         "openai-community/gpt2 config.json",
         notes="Context 1024. 124,439,808 parameters with the tied LM head (the paper's table says 117M).",
@@ -201,6 +209,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="gpt-2-medium", num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
         head_dim=64, hidden_size=1024, intermediate_size=4096, **_GPT2,
+        max_position_embeddings=1024,
         source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
         "openai-community/gpt2-medium config.json",
         notes="Context 1024. 354,823,168 parameters (the paper's table says 345M).",
@@ -208,6 +217,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="gpt-3-175b", num_hidden_layers=96, num_attention_heads=96, num_key_value_heads=96,
         head_dim=128, hidden_size=12288, intermediate_size=4 * 12288, **{**_GPT2, "learned_positions": 2048},
+        max_position_embeddings=2048,
         source="Brown et al. 2020, Language Models are Few-Shot Learners, arXiv:2005.14165, Table 2.1",
         notes="Context 2048. The paper alternates dense and locally banded sparse layers without "
         "publishing the band; modelled here as dense MHA. GPT-2's vocabulary and layout (Sec. 2.1).",
@@ -215,6 +225,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="llama-2-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
+        max_position_embeddings=4096,
         source="Touvron et al. 2023, Llama 2, arXiv:2307.09288 (GQA for 34B/70B); "
         "meta-llama/Llama-2-70b-hf config.json",
         notes="Context 4096.",
@@ -222,6 +233,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="llama-3-8b", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, hidden_size=4096, vocab_size=128256, intermediate_size=14336,
+        max_position_embeddings=8192,
         source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
         "meta-llama/Meta-Llama-3-8B config.json",
         notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
@@ -229,6 +241,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="llama-3-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         head_dim=128, hidden_size=8192, vocab_size=128256, intermediate_size=28672,
+        max_position_embeddings=8192,
         source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
         "meta-llama/Meta-Llama-3-70B config.json",
         notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
@@ -236,6 +249,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="mistral-7b-v0.1", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, hidden_size=4096, sliding_window=4096, vocab_size=32000, intermediate_size=14336,
+        max_position_embeddings=32768,
         source="Jiang et al. 2023, Mistral 7B, arXiv:2310.06825, Table 1; "
         "mistralai/Mistral-7B-v0.1 config.json (sliding_window 4096)",
         notes="Every layer slides over 4096 tokens (rolling-buffer cache): the cache stops growing at "
@@ -244,6 +258,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="mistral-7b-v0.2", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, hidden_size=4096, vocab_size=32000, intermediate_size=14336,
+        max_position_embeddings=32768,
         source="mistralai/Mistral-7B-Instruct-v0.2 config.json (sliding_window null, rope_theta 1e6); "
         "Mistral AI release notes",
         notes="No sliding window: full attention over a 32K context.",
@@ -251,6 +266,7 @@ _PRESET_LIST = (
     ModelPreset(
         name="mistral-7b-v0.3", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, hidden_size=4096, vocab_size=32768, intermediate_size=14336,
+        max_position_embeddings=32768,
         source="mistralai/Mistral-7B-v0.3 config.json (sliding_window null, vocab_size 32768)",
         notes="No sliding window: full attention over a 32K context; vocabulary extended to 32768.",
     ),
@@ -258,6 +274,7 @@ _PRESET_LIST = (
         name="gemma-2-27b", num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
         head_dim=128, hidden_size=4608, sliding_window=4096, layer_types=_pattern(46, 2),
         vocab_size=256000, intermediate_size=36864, sandwich_norms=True, tie_word_embeddings=True,
+        max_position_embeddings=8192,
         source="Gemma Team 2024, Gemma 2, arXiv:2408.00118, Table 1; google/gemma-2-27b config.json",
         notes="Local (window 4096) and global layers alternate, layer 0 local; context 8192.",
     ),
@@ -265,6 +282,7 @@ _PRESET_LIST = (
         name="gemma-3-27b", num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
         head_dim=128, hidden_size=5376, sliding_window=1024, layer_types=_pattern(62, 6),
         vocab_size=262208, intermediate_size=21504, qk_norm=True, sandwich_norms=True, tie_word_embeddings=True,
+        max_position_embeddings=131072,
         source="Gemma Team 2025, Gemma 3 Technical Report, arXiv:2503.19786 (5 local : 1 global, "
         "local span 1024); google/gemma-3-27b-pt config.json text_config",
         notes="Every 6th layer global (10 of 62); context 128K. The language model only (no vision tower).",
@@ -274,6 +292,7 @@ _PRESET_LIST = (
         head_dim=192, hidden_size=5120, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, vocab_size=102400, intermediate_size=12288, q_lora_rank=1536, n_routed_experts=160,
         num_experts_per_tok=6, moe_intermediate_size=1536, n_shared_experts=2, first_k_dense_replace=1,
+        max_position_embeddings=163840,
         source="DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, Sec. 2.1, 3.1 and App. B; "
         "deepseek-ai/DeepSeek-V2 config.json",
         notes="MLA caches kv_lora_rank + qk_rope_head_dim = 576 elements per token per layer. 236B "
@@ -366,6 +385,7 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
         "sandwich_norms": model_type in ("gemma2", "gemma3", "gemma3_text"),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
         "learned_positions": (cfg.get("n_positions") or cfg.get("max_position_embeddings")) if gpt2 else None,
+        "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("n_positions"),
         "q_lora_rank": cfg.get("q_lora_rank") if cfg.get("kv_lora_rank") is not None else None,
     }
     if cfg.get("n_routed_experts"):

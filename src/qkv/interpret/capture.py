@@ -183,13 +183,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
             return out
         return record
 
-    with hooked(modules, make), torch.no_grad():
-        run_model(model, input_ids, attention_mask, **forward_kwargs)
-    missing = [n for n, g in zip(names, got) if g is None]
-    if missing:
-        raise RuntimeError(f"capture: {missing} ran no attention in this forward (a cached cross attention, or a "
-                           "module the model does not call)")
-    return got  # type: ignore[return-value]
+    return _collect("capture", model, modules, names, got, make, input_ids, attention_mask, forward_kwargs)
 
 
 def capture_stats(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -227,11 +221,18 @@ def capture_stats(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
             return out
         return record
 
+    return _collect("capture_stats", model, modules, names, got, make, input_ids, attention_mask, forward_kwargs)
+
+
+def _collect(caller: str, model, modules, names, got: list, make, input_ids, attention_mask, forward_kwargs) -> list:
+    """Run the model once with ``make``'s recorders on ``modules`` and return what they filled in ``got``;
+    raises naming the modules that ran no attention."""
     with hooked(modules, make), torch.no_grad():
         run_model(model, input_ids, attention_mask, **forward_kwargs)
     missing = [n for n, g in zip(names, got) if g is None]
     if missing:
-        raise RuntimeError(f"capture_stats: {missing} ran no attention in this forward")
+        raise RuntimeError(f"{caller}: {missing} ran no attention in this forward (a cached cross attention, or a "
+                           "module the model does not call)")
     return got
 
 

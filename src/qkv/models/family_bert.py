@@ -157,6 +157,10 @@ class PackedSelfAttention(MultiHeadAttention):
         self.gemm = engine
         self._qkv_prepacked = PrepackedWeight()
 
+    def invalidate_fused_weights(self) -> None:
+        """Drop the fused QKV weight kept between calls (after the projections were replaced)."""
+        self._fused_cache = None
+
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         parts = [self.q_proj, self.k_proj, self.v_proj]
         tensors = [p.weight for p in parts] + [p.bias for p in parts if p.bias is not None]

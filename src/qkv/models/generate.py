@@ -11,7 +11,9 @@ arXiv:1904.09751) from a seeded ``torch.Generator``. A row that emits a stop tok
 keeps emitting ``pad_token_id`` at position ``-1``, so it costs nothing in a paged cache.
 
 With a paged cache built with ``prefix_caching=True``, each row's longest cached prompt prefix is
-reused (``cache.match_prefix``) and only the rest is prefilled.
+reused (``cache.match_prefix``) and only the rest is prefilled. Rows of one batch with a common prompt
+prefix share it too: a row reuses the full blocks a longer row of the batch writes in the same prefill
+(no extra pass and no extra columns; the prefill is as wide as the longest remaining prompt either way).
 
 Example:
     >>> import torch
@@ -49,7 +51,8 @@ class GenerateOutput(NamedTuple):
     new_tokens: (B, T) generated tokens (``pad_token_id`` after a row finished).
     logits: (B, T, V) float32 logits each new token was chosen from (``return_logits=True``), else None.
     finished: (B,) bool, rows that emitted a stop token.
-    prefix_hits: (B,) int64 prompt tokens reused from the prefix cache (zeros without one).
+    prefix_hits: (B,) int64 prompt tokens reused from the prefix cache, written by an earlier request or by a
+        longer row of this batch (zeros without prefix caching).
     cache: the cache after decoding (None without a cache).
     """
 
@@ -198,6 +201,9 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
              return_logits: bool = False, salt=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens per row.
 
+    The steps: check the arguments (before any work), set up the cache and reuse cached prompt prefixes,
+    prefill the rest of the prompts, decode token by token, assemble the output.
+
     Args:
         model: a :class:`qkv.cache.DecoderModel` (``forward(ids, positions=, cache=)`` and ``cache_specs()``).
         input_ids: (B, N) int64 prompts, left-padded.
@@ -216,6 +222,34 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
     Returns:
         :class:`GenerateOutput`.
     """
+    positions, stops = _check_arguments(model, input_ids, max_new_tokens, attention_mask, prefill_chunk_size,
+                                        do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id)
+    B = input_ids.shape[0]
+    if use_cache:
+        cache, hits = _open_cache(model, cache, input_ids, positions, salt)
+        logits = _prefill_rest(model, cache, input_ids, positions, hits, pad_token_id, prefill_chunk_size)
+    else:
+        cache, hits = None, torch.zeros(B, dtype=torch.int64)
+        logits = forward_step(model, None, input_ids, positions, last_only=True)[:, -1]
+    if pad_token_id >= logits.shape[-1]:  # a model without a config: its logits tell the vocabulary
+        raise ValueError(f"generate: pad_token_id {pad_token_id} is outside the model's vocabulary of "
+                         f"{logits.shape[-1]} tokens")
+
+    def pick(step_logits: torch.Tensor) -> torch.Tensor:
+        return sample_next(step_logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                           generator=generator)
+
+    new_tokens, kept_logits, finished = _decode(model, cache, input_ids, positions, logits, pick,
+                                                max_new_tokens=max_new_tokens, stops=stops,
+                                                pad_token_id=pad_token_id, streamer=streamer,
+                                                keep_logits=return_logits)
+    return _assemble(input_ids, new_tokens, kept_logits if return_logits else None, finished, hits, cache)
+
+
+def _check_arguments(model, input_ids, max_new_tokens, attention_mask, prefill_chunk_size, do_sample, temperature,
+                     top_k, top_p, eos_token_id, pad_token_id) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 1: every argument checked before any work is done. Returns the prompt positions (B, N) and the
+    stop tokens (None without any) on ``input_ids``' device."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
         seen = f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}"
         raise ValueError(f"generate: input_ids must be an integer tensor (B, N), got {seen}")
@@ -233,40 +267,51 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         raise ValueError(f"generate: attention_mask must match input_ids {(B, N)}, got {tuple(attention_mask.shape)}")
     positions = prompt_positions(attention_mask.to(device))
     stops = _stop_set(eos_token_id)
-    if stops is not None:
-        stops = stops.to(device)
+    return positions, None if stops is None else stops.to(device)
 
-    hits = torch.zeros(B, dtype=torch.int64)
-    if use_cache:
-        if cache is None:
-            from ..cache import KVCache
-            cache = KVCache(model.cache_specs())
-        if cache.seq_length:
-            raise ValueError(f"generate: the cache already holds {cache.seq_length} tokens; pass a fresh cache "
-                             f"(cache.reset() keeps a paged cache's prefix index)")
-        if cache.prefix_caching:
-            hits = cache.match_prefix(input_ids, positions, salt=salt)
-        if bool(hits.any()):
-            run_ids, run_pos = _remaining_prompt(input_ids, positions, hits, pad_token_id)
-        else:
-            run_ids, run_pos = input_ids, positions
-        logits = prefill(model, cache, run_ids, run_pos, prefill_chunk_size)
+
+def _open_cache(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, salt):
+    """Step 2: the cache to decode with (a new dynamic one by default; a given one must be empty) and, with
+    prefix caching, each row's reused prompt tokens (B,) int64: blocks indexed by earlier requests or written
+    by a longer row of this batch (``cache.match_prefix``)."""
+    if cache is None:
+        from ..cache import KVCache
+        cache = KVCache(model.cache_specs())
+    if cache.seq_length:
+        raise ValueError(f"generate: the cache already holds {cache.seq_length} tokens; pass a fresh cache "
+                         f"(cache.reset() keeps a paged cache's prefix index)")
+    if cache.prefix_caching:
+        return cache, cache.match_prefix(input_ids, positions, salt=salt)
+    return cache, torch.zeros(input_ids.shape[0], dtype=torch.int64)
+
+
+def _prefill_rest(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, hits: torch.Tensor,
+                  pad_token_id: int, chunk: int | None) -> torch.Tensor:
+    """Step 3: prefill what the cache does not hold yet, each row's remaining prompt right-aligned (so a block
+    shared with a longer row is written no later than its first reader); logits (B, V) of the last column."""
+    if bool(hits.any()):
+        run_ids, run_pos = _remaining_prompt(input_ids, positions, hits, pad_token_id)
     else:
-        cache = None
-        seq_ids, seq_pos = input_ids, positions
-        logits = forward_step(model, None, seq_ids, seq_pos, last_only=True)[:, -1]
+        run_ids, run_pos = input_ids, positions
+    return prefill(model, cache, run_ids, run_pos, chunk)
 
-    if pad_token_id >= logits.shape[-1]:  # a model without a config: its logits tell the vocabulary
-        raise ValueError(f"generate: pad_token_id {pad_token_id} is outside the model's vocabulary of "
-                         f"{logits.shape[-1]} tokens")
+
+def _decode(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor,
+            pick: Callable[[torch.Tensor], torch.Tensor], *, max_new_tokens: int, stops: torch.Tensor | None,
+            pad_token_id: int, streamer: Streamer | None, keep_logits: bool
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Step 4: the decode loop from the prefill's last logits (B, V). A finished row emits ``pad_token_id`` at
+    position -1. Without a cache, each step recomputes the whole sequence. Returns the tokens (B,) and, when
+    ``keep_logits``, the float32 logits (B, V) of every step, and the finished rows (B,) bool."""
+    B, device = input_ids.shape[0], input_ids.device
+    seq_ids, seq_pos = input_ids, positions
     next_pos = positions.max(dim=1).values + 1  # (B,)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     new_tokens, kept_logits = [], []
     for t in range(max_new_tokens):
-        tok = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                          generator=generator).to(device)
+        tok = pick(logits).to(device)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
-        if return_logits:
+        if keep_logits:
             kept_logits.append(logits.float())
         new_tokens.append(tok)
         if streamer is not None:
@@ -283,12 +328,18 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
             seq_pos = torch.cat([seq_pos, step_pos.view(B, 1)], dim=1)
             logits = forward_step(model, None, seq_ids, seq_pos, last_only=True)[:, -1]
         next_pos = next_pos + 1
+    return new_tokens, kept_logits, finished
 
+
+def _assemble(input_ids: torch.Tensor, new_tokens: list[torch.Tensor], kept_logits: list[torch.Tensor] | None,
+              finished: torch.Tensor, hits: torch.Tensor, cache) -> GenerateOutput:
+    """Step 5: stack the steps into a :class:`GenerateOutput`."""
+    B = input_ids.shape[0]
     gen = torch.stack(new_tokens, dim=1) if new_tokens else input_ids.new_zeros(B, 0)
     return GenerateOutput(
         sequences=torch.cat([input_ids, gen], dim=1),
         new_tokens=gen,
-        logits=torch.stack(kept_logits, dim=1) if return_logits and kept_logits else None,
+        logits=torch.stack(kept_logits, dim=1) if kept_logits else None,
         finished=finished,
         prefix_hits=hits,
         cache=cache,

@@ -100,8 +100,7 @@ def _convert_mha(name: str, m: MultiHeadAttention, g: int, pooling: str) -> None
             b = None if old.bias is None else pool_heads(old.bias.detach(), m.n_kv_heads, g, pooling=pooling)
             setattr(m, proj, _linear_like(old, w, b))
     m.n_kv_heads = g
-    if hasattr(m, "_fused_cache"):  # PackedSelfAttention keeps its fused QKV weight between calls
-        del m._fused_cache
+    m.invalidate_fused_weights()
 
 
 def _convert_fused(name: str, m: SelfAttention, g: int, pooling: str) -> None:

@@ -163,7 +163,7 @@ def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
         config = load_config(src)
         state = load_state_dict(src)
         source = str(src)
-    elif hasattr(src, "config") and hasattr(src, "state_dict"):
+    elif _is_transformers_model(src):
         config = src.config.to_dict()
         state = dict(src.state_dict())
         source = f"in-memory {type(src).__name__}"
@@ -176,6 +176,15 @@ def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
     check_and_load(model, family.convert(state, config), source=source)
     model.eval()
     return model.to(dtype)
+
+
+def _is_transformers_model(src) -> bool:
+    """True for a ``transformers.PreTrainedModel`` (transformers imported only when it is installed)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(src, PreTrainedModel)
 
 
 def _build(family, config: dict[str, Any]) -> torch.nn.Module:

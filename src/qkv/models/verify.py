@@ -12,8 +12,10 @@ prompts of different lengths:
 - ``fork``: after prefill, ``cache.fork(2)``; one copy of each row follows the greedy token, the other
   the runner-up, so the copies diverge (copy-on-write under paged storage); each against its own
   recomputation;
-- ``prefix``: for paged caches with prefix caching, run the batch, ``reset()``, then run prompts that
-  share the prefix: the second run must hit the prefix cache and still match.
+- ``prefix``: for paged caches with prefix caching, run the batch with every prompt twice (the second
+  copy reuses the blocks the first writes in the same prefill, and must match), ``reset()``, then run
+  prompts that share the prefix: the second run must hit the prefix cache, as much as the copies did
+  within the batch, and still match.
 
 A lossy cache (quantized, evicting) passes ``tolerance=``: the largest absolute logit error allowed
 (it replaces the budget and tokens are reported, not required, to match).
@@ -265,10 +267,18 @@ class _Checks:
                         detail="fork(2), copies take different tokens")
 
     def prefix(self) -> CheckResult:
-        """Run the batch, ``reset()``, then prompts sharing every full block: they must hit the prefix cache."""
+        """Run every prompt twice in one batch (the copies share blocks), ``reset()``, then prompts sharing every
+        full block: they must hit the prefix cache."""
         cache = self.cache_factory()
-        generate(self.model, self.input_ids, attention_mask=self.attention_mask, max_new_tokens=self.max_new,
-                 cache=cache)
+        twice_pos = self.pos.repeat_interleave(2, dim=0)
+        first = generate(self.model, self.input_ids.repeat_interleave(2, dim=0), max_new_tokens=self.max_new,
+                         attention_mask=self.attention_mask.repeat_interleave(2, dim=0), cache=cache,
+                         prefill_chunk_size=self.chunk, return_logits=True)
+        ref, base = self.reference.logits(first.sequences, _positions_of(first.sequences, twice_pos))
+        shared = _compare("prefix", first.logits, ref[:, self.cols], base[:, self.cols], tokens=first.new_tokens,
+                          **self.budget, detail=f"every prompt twice in one batch, reused {first.prefix_hits.tolist()}")
+        if not shared.ok:
+            return shared
         cache.reset()
         ids2 = self.input_ids.clone()  # a different last token: every full block before it can be reused
         if self.decoded is not None:
@@ -280,4 +290,7 @@ class _Checks:
                        **self.budget, detail=f"reused {out.prefix_hits.tolist()} prompt tokens")
         if not bool(out.prefix_hits.any()):
             res = res._replace(ok=False, detail=res.detail + "; expected a prefix-cache hit")
+        elif first.prefix_hits[0::2].any() or not torch.equal(first.prefix_hits[1::2], out.prefix_hits):
+            res = res._replace(ok=False, detail=res.detail + f"; within one batch the second copies of the prompts "
+                               f"should reuse as much, and the first copies nothing: {first.prefix_hits.tolist()}")
         return res

@@ -149,6 +149,10 @@ class MultiHeadAttention(nn.Module):
         self.attention_fn = attention  # the operator; replaceable (capture, context parallelism)
         self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
 
+    def invalidate_fused_weights(self) -> None:
+        """Forget weights derived from the projections (a fused QKV copy) after they were replaced; a no-op
+        here, overridden by subclasses that keep such copies between calls."""
+
     def _heads(self, t: torch.Tensor, H: int) -> torch.Tensor:
         B, N, _ = t.shape
         return t.view(B, N, H, self.head_dim).transpose(1, 2)  # (B, H, N, D)

@@ -9,7 +9,11 @@ without mask arithmetic, PARTIAL tiles masked in the kernel: analytically for ca
 padding, documents and prefix-LM, from dense per-tile maps otherwise), GQA/MQA without repeating K/V,
 ``Dv != Dqk``, ALiBi, softcap, tensor and relative bias (with gradients), the log-sum-exp, seeded
 dropout with the same keep pattern as every other backend, float16/bfloat16/float32 with float32
-accumulation, head dims up to 256. Forward and backward.
+accumulation, head dims up to 256. Forward and backward. Learnable ``sinks=``: the kernels have no sink
+term; ``qkv.attention`` merges the sinks into their output and log-sum-exp (``qkv._sinks``), and the
+gradient of that lse runs through the kernels' backward. ``layout="bnhd"`` reaches the kernels as strided
+views. Declined, with the reason: a Python ``mods.from_fn``, and two modifiers of one kind in a chain
+(two ALiBi, two softcaps, two tensor/relative biases).
 
 Where it runs: CUDA tensors with ``triton`` installed (``pip install 'qkv[gpu]'``), or CPU tensors under
 ``TRITON_INTERPRET=1`` (Triton's interpreter: slow, for tests). Otherwise it declines with the reason,
