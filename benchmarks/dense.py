@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     args = parse_args(__doc__, argv, threads=1, cpu_time=True)
     torch.manual_seed(0)
     ctx = {"dtype": "float32", "clock": "process CPU time" if args.cpu_time else "wall"}
-    rate = gemm_rate()
+    rate = gemm_rate(cpu=args.cpu_time)
     suite = Suite("dense", "qkv.attention(auto) vs torch SDPA, prefill forward, float32",
                   gemm_gflops=round(rate / 1e9, 1), B=1, H=8, D=64, kernel="sdpa (auto)", cache=False, **ctx)
     prefill(suite, [256] if args.quick else [1024, 4096], args.repeat or (3 if args.quick else 9), args.cpu_time, rate)

@@ -234,7 +234,7 @@ def main(argv=None) -> None:
            "chunk_size": C, "peer": "torch SDPA (CPU)", "clock": "process CPU time" if cpu else "wall",
            "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
 
-    rate = gemm_rate(DTYPE)
+    rate = gemm_rate(DTYPE, cpu=args.cpu_time)
     bw = read_bandwidth()
     print(f"GEMM rate {rate / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s, threads {torch.get_num_threads()}")
     results: dict[str, dict] = {}

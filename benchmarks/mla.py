@@ -142,7 +142,7 @@ def main(argv=None) -> None:
     repeat = args.repeat or (2 if args.quick else 5)
     torch.manual_seed(0)
     cfg = LatentConfig(**CONFIG)
-    rate, bandwidth = gemm_rate(), copy_bandwidth()
+    rate, bandwidth = gemm_rate(cpu=args.cpu_time), copy_bandwidth()
     suite = Suite("mla", "MLA decode per token: absorbed vs expanded (and HF DeepseekV2Attention), float32",
                   gemm_gflops=round(rate / 1e9, 1), copy_gbps=round(bandwidth / 1e9, 1), B=1, Nq=1, dtype="float32",
                   **CONFIG, cache="qkv.cache.KVCache(LatentSpec), Dynamic", repeats=repeat,

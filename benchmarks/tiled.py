@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from _harness import Suite, attention_flops, gemm_rate, median_ms, parse_args, ratio, target, time_interleaved
+from _harness import Suite, attention_flops, gemm_rate, median_ms, parse_args, ratio, target
 
 
 def _libc():
@@ -88,12 +88,6 @@ def timed_with_memory(fns, *, warmup: int, repeat: int, cpu: bool):
     return times, mem, outs
 
 
-def _cpu_gemm_rate(n: int = 1024) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t = time_interleaved({"mm": lambda: torch.mm(a, b)}, warmup=2, repeat=5, cpu=True)["mm"]
-    return 2.0 * n**3 / t
-
-
 def _mib(x: float | None) -> float | str:
     return round(x / 2**20, 1) if x is not None else "n/a"
 
@@ -104,7 +98,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     B, H, D = 1, 8, 64
     lengths = [256] if args.quick else [1024, 4096, 16384]
-    rate = gemm_rate() if not args.cpu_time else _cpu_gemm_rate()
+    rate = gemm_rate(cpu=args.cpu_time)
     suite = Suite("tiled", "tiled backend vs torch SDPA, dense, float32", gemm_gflops=round(rate / 1e9, 1),
                   B=B, H=H, D=D, dtype="float32", kernel="tiled (plain PyTorch) vs sdpa (fused C++)", cache=False,
                   clock="process CPU time" if args.cpu_time else "wall")

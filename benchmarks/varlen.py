@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     ids = torch.randint(0, MODEL["vocab_size"], (B, N)).masked_fill(~mask, 0)
     packed = varlen.pack(ids, mask)
     total = int(mask.sum())
-    rate = gemm_rate()
+    rate = gemm_rate(cpu=args.cpu_time)
     suite = Suite("varlen", "one training step, padded batch vs packed sequences (qkv.varlen), float32",
                   gemm_gflops=round(rate / 1e9, 1), sequences=n_seq, min_len=min(lengths), max_len=N,
                   real_tokens=total, padded_tokens=B * N, **MODEL, repeats=repeat,
