@@ -110,7 +110,7 @@ def _positions_of(sequences: torch.Tensor, prompt_pos: torch.Tensor) -> torch.Te
 
 def _compare(name, cand, ref, base, *, tolerance, k, floor, tokens=None, detail="") -> CheckResult:
     if tolerance is not None:
-        err = float((cand.double() - ref).abs().max()) if cand.numel() else 0.0
+        err = float((cand.detach().double() - ref).abs().max()) if cand.numel() else 0.0
         allowed = float(tolerance)
     else:
         b = _budget(cand, ref, base, k=k, floor=floor)
