@@ -383,3 +383,13 @@ def test_get_config_builds_a_small_model_shaped_like_a_preset():
         get_config("transformer-base")
     with pytest.raises(ValueError, match="unknown preset 'llama-9'"):
         get_config("llama-9")
+
+
+def test_get_config_takes_the_presets_context_length():
+    from qkv.costs import get_preset
+    from qkv.nn import get_config
+
+    for name in ("llama-3-8b", "mistral-7b-v0.3", "gpt-2-small", "gemma-3-27b"):
+        p = get_preset(name)
+        want = p.learned_positions or p.max_position_embeddings
+        assert get_config(name).max_position_embeddings == want, name

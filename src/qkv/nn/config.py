@@ -539,7 +539,8 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
 
     What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
     feed-forwards and for presets with sandwich norms, the Gemma layout), RoPE unless the preset has a
-    learned position table.
+    learned position table. The context length is the learned table's size, else the preset's stated
+    ``max_position_embeddings``, else 4096.
 
     Raises:
         ValueError: an encoder-decoder preset, or one that describes attention only.
@@ -562,7 +563,7 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
         qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
         position="learned" if p.learned_positions else "rope",
-        max_position_embeddings=p.learned_positions or 4096, name=p.name,
+        max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
     )
     if p.head_dim != p.hidden_size // p.num_attention_heads:
         kw["head_dim"] = p.head_dim
