@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from qkv.cli.bench import SUITES
 
@@ -278,3 +279,21 @@ def test_renderer_writes_ranges_targets_and_context(tmp_path):
     assert "| max\\|a-b\\| |" in render.table({"rows": [{"max|a-b|": 1e-6}]})[0], "a | in a column name splits it"
     with pytest.raises(FileNotFoundError, match="no suite JSON"):
         render.render(tmp_path / "empty")
+
+
+def test_cpu_peak_memory_counts_nested_allocations_once():
+    """Twenty products of 4 MiB each, freed in turn (allocated inside ``matmul -> bmm``, nested profiler events):
+    the peak is a few MiB, not the sum over the calls."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _harness import peak_memory_during
+    finally:
+        sys.path.remove(str(BENCH))
+    a, b = torch.randn(4, 256, 64), torch.randn(4, 64, 1024)
+
+    def many():
+        for _ in range(20):
+            torch.matmul(a, b).exp_()
+
+    peak = peak_memory_during(many) / 2**20
+    assert 4 <= peak < 16, f"peak {peak:.1f} MiB for 4 MiB products freed one by one"
