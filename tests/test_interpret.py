@@ -273,3 +273,28 @@ def test_html_view_data_and_bad_input(tmp_path):
         view_data(list("abc"), maps, importance=torch.ones(3, 2))
     with pytest.raises(ValueError, match="at least one layer"):
         view_data(list("abc"), [])
+
+
+def test_bad_input_gets_a_clear_error_not_a_torch_one():
+    """Layers of different sizes, non-tensors, mismatched contact maps and an out-of-range head are refused
+    with ValueError/TypeError naming the argument, before any arithmetic (old code: torch RuntimeError,
+    AttributeError, IndexError, or nothing until the forward)."""
+    from qkv.interpret import patch_heads
+    from qkv.nn import DecoderConfig, DecoderLM
+
+    a6, a5 = torch.rand(1, 2, 6, 6), torch.rand(1, 2, 5, 5)
+    with pytest.raises(ValueError, match="attention_rollout: every layer must have the same batch and tokens"):
+        attention_rollout([a6, a5])
+    with pytest.raises(TypeError, match="list of .B, H, N, N. tensors"):
+        attention_rollout([a6.tolist()])
+    with pytest.raises(ValueError, match="attention_flow: every layer must have the same"):
+        attention_flow([a6, a5])
+    with pytest.raises(ValueError, match=r"precision_at: pred and contacts must both be \(B, N, N\)"):
+        precision_at(torch.rand(1, 8, 8), torch.rand(1, 7, 7))
+    with pytest.raises(ValueError, match="precision_at: top must be a positive int"):
+        precision_at(torch.rand(1, 8, 8), torch.rand(1, 8, 8), top=0)
+    lm = DecoderLM(DecoderConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16)).eval()
+    with pytest.raises(ValueError, match=r"patch_heads: head 2 is out of range for layers.0.self_attn \(2 heads\)"):
+        with patch_heads(lm, {(0, 2): torch.zeros(())}):
+            pass

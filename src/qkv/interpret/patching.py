@@ -79,6 +79,9 @@ def patch_heads(model: nn.Module, replacements: Mapping[tuple[int, int], torch.T
         l, h = key
         if not 0 <= l < len(mods):
             raise ValueError(f"patch_heads: module {l} is out of range; the model has {len(mods)} attention modules")
+        if not 0 <= h < module_heads(mods[l][1]):
+            raise ValueError(f"patch_heads: head {h} is out of range for {mods[l][0]} "
+                             f"({module_heads(mods[l][1])} heads)")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"patch_heads: replacement for {key} must be a tensor, got {type(t).__name__}")
         per_module.setdefault(l, {})[h] = t
