@@ -180,7 +180,7 @@ def main(argv=None) -> None:
         ids = torch.randint(0, LLAMA["vocab_size"], (1, N), generator=torch.Generator().manual_seed(N))
         compare(suite, "random Llama (HF eager)", llama, ours, ids, repeat=repeat, cpu=args.cpu_time,
                 subset=N == sizes[-1])
-    suite.note("hf/qkv: HF eager time over qkv capture time per paired repeat, median [min, max] (above 1: qkv "
+    suite.note("hf/qkv: HF eager time over qkv capture time per paired repeat, median and range (above 1: qkv "
                "faster). peak_MB: peak memory of one call above its inputs (torch profiler). maps_MB: the float32 "
                "maps returned. full/subset: full capture time over the subset's.")
     suite.finish()
