@@ -298,3 +298,24 @@ def test_bad_input_gets_a_clear_error_not_a_torch_one():
     with pytest.raises(ValueError, match=r"patch_heads: head 2 is out of range for layers.0.self_attn \(2 heads\)"):
         with patch_heads(lm, {(0, 2): torch.zeros(())}):
             pass
+    from qkv.interpret import ablate_heads, head_outputs, model_head_importance, pruning_curve, render_page
+
+    with pytest.raises(TypeError, match="head_importance: loss_fn must be callable"):
+        head_importance("loss", 2, 4)
+    with pytest.raises(ValueError, match="head_importance: batches must be a positive int, got 0"):
+        head_importance(lambda g, i: g.sum(), 2, 4, batches=0)
+    with pytest.raises(ValueError, match=r"head_importance: loss_fn must return a scalar tensor .* got \(2, 4\)"):
+        head_importance(lambda g, i: g * 2, 2, 4)
+    with pytest.raises(TypeError, match="model_head_importance: loss_fn must be callable"):
+        model_head_importance(lm, lambda m, b: 0, [0])
+    with pytest.raises(TypeError, match="pruning_curve: measure.model. must return a number, got str"):
+        pruning_curve(lm, torch.rand(1, 2), lambda m: "high", [0])
+    ids = torch.randint(0, 20, (1, 5))
+    with pytest.raises(ValueError, match="ablate_heads: reference must be head_outputs.model, ids. for all 1"):
+        with ablate_heads(lm, [(0, 1)], reference=head_outputs(lm, ids) * 2):
+            pass
+    with pytest.raises(TypeError, match=r"ablate_heads: heads must be \(module index, head\) pairs, got 1"):
+        with ablate_heads(lm, [1]):
+            pass
+    with pytest.raises(TypeError, match="render_page: data must be view_data"):
+        render_page("data")

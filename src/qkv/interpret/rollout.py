@@ -156,10 +156,20 @@ def head_importance(loss_fn: Callable[[torch.Tensor], torch.Tensor], num_layers:
     Returns:
         (L, H) float32 importance scores.
     """
+    if not callable(loss_fn):
+        raise TypeError(f"head_importance: loss_fn must be callable as loss_fn(gates, batch_index), got "
+                        f"{type(loss_fn).__name__}")
+    for name, value in (("num_layers", num_layers), ("num_heads", num_heads), ("batches", batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"head_importance: {name} must be a positive int, got {value!r}")
     gates = torch.ones(num_layers, num_heads, requires_grad=True)
     total = torch.zeros(num_layers, num_heads)
     for i in range(batches):
         loss = loss_fn(gates, i)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise ValueError(f"head_importance: loss_fn must return a scalar tensor that depends on the gates, got "
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+                             f"{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without grad'}")
         (grad,) = torch.autograd.grad(loss, gates)
         total += grad.abs()
     scores = total / batches
