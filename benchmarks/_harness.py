@@ -196,14 +196,16 @@ def peak_memory_during(fn: Callable[[], Any]) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    # Walk allocation events in order and track the running total to find the peak.
+    # Walk allocation events in order and track the running total to find the peak. Each event's own
+    # allocations only (``self_cpu_memory_usage``): ``cpu_memory_usage`` includes its children's, so an
+    # allocation inside ``matmul -> bmm`` would count twice while its free counts once, and the total drifts up.
     current = peak = 0
     events = sorted(
-        (e for e in prof.events() if getattr(e, "cpu_memory_usage", 0)),
+        (e for e in prof.events() if getattr(e, "self_cpu_memory_usage", 0)),
         key=lambda e: e.time_range.start,
     )
     for e in events:
-        current += e.cpu_memory_usage
+        current += e.self_cpu_memory_usage
         peak = max(peak, current)
     return peak
 

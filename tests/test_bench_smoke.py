@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from qkv.cli.bench import SUITES
 
@@ -123,6 +124,26 @@ def _context_parallel(t):
     assert band[0] < 1 < band[1], f"the suite's target band {band} must hold 1"
 
 
+def _interpret(t):
+    _all_below(t, "interpret", "max_abs_diff", 1e-4)
+    rows = _rows(t, "interpret")
+    full = [r for r in rows if not r["captured"].startswith("subset")]
+    assert {r["model"] for r in full} == {"all-MiniLM-L6-v2", "random Llama (HF eager)"}, rows
+    for r in full:
+        v = r["hf/qkv"]
+        assert {"median", "min", "max", "n"} <= set(v) and v["n"] >= 2, f"interpret.hf/qkv lacks its range: {v}"
+    sub = next(r for r in rows if r["captured"].startswith("subset"))
+    whole = next(r for r in full if r["model"] == sub["model"] and r["N"] == sub["N"])
+    assert sub["maps_MB"] * 100 < whole["maps_MB"] and sub["qkv_peak_MB"] < whole["qkv_peak_MB"], (sub, whole)
+    stats = _rows(t, "interpret_stats")
+    per_token = [r["peak_bytes_per_token"] for r in sorted(stats, key=lambda r: r["N"])]
+    assert all(b < 1.1 * a for a, b in zip(per_token, per_token[1:])), \
+        f"stats memory per token must not grow with N (O(N) memory): {per_token}"
+    assert max(stats, key=lambda r: r["N"])["peak/full_matrix"] < 0.5, stats
+    dense = [r for r in stats if "max_abs_diff_vs_dense" in r]
+    assert dense and all(r["max_abs_diff_vs_dense"] < 1e-3 for r in dense), dense
+
+
 def _head_pruning(t):
     ctx = t["head_pruning"]["context"]
     assert ctx["order_follows_importance"], "the curve did not remove heads in non-decreasing importance"
@@ -192,6 +213,7 @@ def _quality(t):
 AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "linear": _linear, "mla": _mla,
              "decode": _decode, "embed": _embed, "generate": _generate, "varlen": _varlen,
              "context_parallel": _context_parallel, "head_pruning": _head_pruning,
+             "interpret": _interpret,
              "gqa_conversion": _gqa_conversion, "gpu": _gpu, "quality": _quality}
 # The gpu suite runs on CPU through Triton's interpreter (--dry-run), without its speed section here: that one
 # compiles FlexAttention for the CPU (about a minute); test_gpu_dry_run_with_speed_section runs it under -m slow.
@@ -278,3 +300,21 @@ def test_renderer_writes_ranges_targets_and_context(tmp_path):
     assert "| max\\|a-b\\| |" in render.table({"rows": [{"max|a-b|": 1e-6}]})[0], "a | in a column name splits it"
     with pytest.raises(FileNotFoundError, match="no suite JSON"):
         render.render(tmp_path / "empty")
+
+
+def test_cpu_peak_memory_counts_nested_allocations_once():
+    """Twenty products of 4 MiB each, freed in turn (allocated inside ``matmul -> bmm``, nested profiler events):
+    the peak is a few MiB, not the sum over the calls."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _harness import peak_memory_during
+    finally:
+        sys.path.remove(str(BENCH))
+    a, b = torch.randn(4, 256, 64), torch.randn(4, 64, 1024)
+
+    def many():
+        for _ in range(20):
+            torch.matmul(a, b).exp_()
+
+    peak = peak_memory_during(many) / 2**20
+    assert 4 <= peak < 16, f"peak {peak:.1f} MiB for 4 MiB products freed one by one"

@@ -273,3 +273,49 @@ def test_html_view_data_and_bad_input(tmp_path):
         view_data(list("abc"), maps, importance=torch.ones(3, 2))
     with pytest.raises(ValueError, match="at least one layer"):
         view_data(list("abc"), [])
+
+
+def test_bad_input_gets_a_clear_error_not_a_torch_one():
+    """Layers of different sizes, non-tensors, mismatched contact maps and an out-of-range head are refused
+    with ValueError/TypeError naming the argument, before any arithmetic (old code: torch RuntimeError,
+    AttributeError, IndexError, or nothing until the forward)."""
+    from qkv.interpret import patch_heads
+    from qkv.nn import DecoderConfig, DecoderLM
+
+    a6, a5 = torch.rand(1, 2, 6, 6), torch.rand(1, 2, 5, 5)
+    with pytest.raises(ValueError, match="attention_rollout: every layer must have the same batch and tokens"):
+        attention_rollout([a6, a5])
+    with pytest.raises(TypeError, match="list of .B, H, N, N. tensors"):
+        attention_rollout([a6.tolist()])
+    with pytest.raises(ValueError, match="attention_flow: every layer must have the same"):
+        attention_flow([a6, a5])
+    with pytest.raises(ValueError, match=r"precision_at: pred and contacts must both be \(B, N, N\)"):
+        precision_at(torch.rand(1, 8, 8), torch.rand(1, 7, 7))
+    with pytest.raises(ValueError, match="precision_at: top must be a positive int"):
+        precision_at(torch.rand(1, 8, 8), torch.rand(1, 8, 8), top=0)
+    lm = DecoderLM(DecoderConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16)).eval()
+    with pytest.raises(ValueError, match=r"patch_heads: head 2 is out of range for layers.0.self_attn \(2 heads\)"):
+        with patch_heads(lm, {(0, 2): torch.zeros(())}):
+            pass
+    from qkv.interpret import ablate_heads, head_outputs, model_head_importance, pruning_curve, render_page
+
+    with pytest.raises(TypeError, match="head_importance: loss_fn must be callable"):
+        head_importance("loss", 2, 4)
+    with pytest.raises(ValueError, match="head_importance: batches must be a positive int, got 0"):
+        head_importance(lambda g, i: g.sum(), 2, 4, batches=0)
+    with pytest.raises(ValueError, match=r"head_importance: loss_fn must return a scalar tensor .* got \(2, 4\)"):
+        head_importance(lambda g, i: g * 2, 2, 4)
+    with pytest.raises(TypeError, match="model_head_importance: loss_fn must be callable"):
+        model_head_importance(lm, lambda m, b: 0, [0])
+    with pytest.raises(TypeError, match="pruning_curve: measure.model. must return a number, got str"):
+        pruning_curve(lm, torch.rand(1, 2), lambda m: "high", [0])
+    ids = torch.randint(0, 20, (1, 5))
+    with pytest.raises(ValueError, match="ablate_heads: reference must be head_outputs.model, ids. for all 1"):
+        with ablate_heads(lm, [(0, 1)], reference=head_outputs(lm, ids) * 2):
+            pass
+    with pytest.raises(TypeError, match=r"ablate_heads: heads must be \(module index, head\) pairs, got 1"):
+        with ablate_heads(lm, [1]):
+            pass
+    with pytest.raises(TypeError, match="render_page: data must be view_data"):
+        render_page("data")

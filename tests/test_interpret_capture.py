@@ -310,3 +310,39 @@ def test_capture_reuses_the_operators_lse_when_the_module_asks_for_it(need_lse):
     k = attn.k_proj(x).view(2, 6, 4, 8).transpose(1, 2)
     want = torch.softmax((q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~torch.ones(6, 6).tril().bool(), -1e300), -1)
     torch.testing.assert_close(got.double(), want.detach(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_bidirectional_qkv_nn_encoder_over_embeddings_with_padding(position):
+    """A qkv.nn TransformerEncoder takes embeddings, not ids: capture runs it on them, padding by ``lengths``,
+    and equals softmax of scores rebuilt by hand in float64 from each layer's input (GQA, RoPE, padding)."""
+    from qkv.nn import TransformerConfig, TransformerEncoder
+
+    torch.manual_seed(0)
+    enc = TransformerEncoder(TransformerConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, position=position,
+                                               initializer_range=0.3)).eval().double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    lengths = torch.tensor([9, 5])
+    maps = capture(enc, x, lengths=lengths)
+    inputs = []
+    mods = [m for _, m in attention_modules(enc)]
+    hooks = [m.register_forward_pre_hook(lambda mod, args: inputs.append(args[0])) for m in mods]
+    with torch.no_grad():
+        enc(x, lengths=lengths)
+    for h in hooks:
+        h.remove()
+    allowed = (torch.arange(9)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, Nk)
+    with torch.no_grad():
+        for i, (m, h) in enumerate(zip(mods, inputs)):
+            q, k = m._heads(m.q_proj(h), 4), m._heads(m.k_proj(h), 2)
+            if m.rope is not None:
+                q, k = m.rope(q, torch.arange(9)), m.rope(k, torch.arange(9))
+            s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 8 ** -0.5
+            want = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+            assert maps[i].shape == (2, 4, 9, 9)
+            torch.testing.assert_close(maps[i].double(), want, atol=2e-6, rtol=1e-5, msg=f"layer {i}")
+            assert float(want.max()) > 0.3, "reference too flat to test anything"
+    with pytest.raises(ValueError, match="attention_mask .* is for models that take token ids"):
+        capture(enc, x, torch.ones(2, 9))
+    with pytest.raises(ValueError, match=r"or a \(B, N, d\) floating tensor"):
+        capture(enc, x[0])

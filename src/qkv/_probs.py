@@ -79,14 +79,14 @@ def _row_blocks(req, lse: torch.Tensor, heads_t: torch.Tensor, rows_t: torch.Ten
                 k0, k1 = (int(hit[0]), int(hit[-1]) + 1) if hit.numel() else (0, 0)
                 allowed = allowed[..., k0:k1]
         kspan = kj[..., k0:k1]
-        s = req.scale * (q_sel.index_select(2, r) @ k_sel[:, :, k0:k1].transpose(-1, -2))  # (B, nh, r, span)
+        s = (q_sel.index_select(2, r) @ k_sel[:, :, k0:k1].transpose(-1, -2)).mul_(req.scale)  # (B, nh, r, span)
         if req.score_mod is not None:
-            s = torch.broadcast_to(req.score_mod.apply(s, b, h, qi, kspan, req.Nq, nk).to(acc), s.shape)
+            s = torch.broadcast_to(req.score_mod.apply(s, b, h, qi, kspan, req.Nq, nk).to(acc), s.shape).contiguous()
         if allowed is not None:
-            s = s.masked_fill(~allowed, float("-inf"))
+            s.masked_fill_(~allowed, float("-inf"))
         l_r = lse_sel.index_select(2, r).unsqueeze(-1)
         l_r = torch.where(torch.isinf(l_r), torch.full_like(l_r, float("inf")), l_r)  # empty rows: P = 0
-        yield r0, k0, torch.exp(s - l_r)
+        yield r0, k0, s.sub_(l_r).exp_()  # in place: one block of scores is the only large buffer
 
 
 def _lse(q, k, v, lse, *, mask, score_mod, scale, backend, req, sinks=None) -> torch.Tensor:
@@ -131,11 +131,16 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=N
     heads_t = index_selection(heads, req.Hq, "heads")
     rows_t = index_selection(rows, req.Nq, "rows")
     lse = _lse(q, k, v, lse, mask=mask, score_mod=score_mod, scale=scale, backend=backend, req=req, sinks=sinks)
-    out = torch.zeros((req.B, heads_t.numel(), rows_t.numel(), req.Nk), dtype=torch.float32, device=req.device)
-    if out.numel() == 0:
-        return out
+    shape = (req.B, heads_t.numel(), rows_t.numel(), req.Nk)
+    if 0 in shape:
+        return torch.zeros(shape, dtype=torch.float32, device=req.device)
+    out = None
     with torch.no_grad():
         for r0, k0, p in _row_blocks(req, lse, heads_t, rows_t):
+            if out is None and tuple(p.shape) == shape and p.dtype == torch.float32:
+                return p  # one block spans every row and key: it is the answer, no copy
+            if out is None:
+                out = torch.zeros(shape, dtype=torch.float32, device=req.device)
             out[:, :, r0:r0 + p.shape[2], k0:k0 + p.shape[3]] = p.float()
     return out
 

@@ -34,6 +34,7 @@ SUITES: dict[str, str] = {
     "varlen": "varlen.py",
     "context_parallel": "context_parallel.py",
     "head_pruning": "head_pruning.py",
+    "interpret": "interpret.py",
     "gpu": "gpu.py",  # CUDA only: on a machine without one it prints why and writes nothing
     "gqa_conversion": "gqa_conversion.py",
     "quality": "quality.py",

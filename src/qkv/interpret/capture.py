@@ -96,10 +96,21 @@ def hooked(modules: Sequence[nn.Module], make: Callable[[int, nn.Module, Callabl
 def run_model(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
     """One forward of a qkv model on ``input_ids`` (B, N) with HF's ``attention_mask`` (B, N) 1 real / 0
     padding (BERT, T5 and the decoder all take it); T5 encoder-decoders take ``decoder_input_ids`` in
-    ``kwargs``."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-        raise ValueError(f"capture: input_ids must be a (B, N) integer tensor, got "
-                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    ``kwargs``. A :mod:`qkv.nn` stack over embeddings (``TransformerEncoder``, ``TransformerDecoder``, a
+    ``MultiHeadAttention``) takes a floating (B, N, d) ``input_ids``; its padding goes in ``kwargs``
+    (``lengths=``, ``mask=``)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"capture: input_ids must be a (B, N) integer tensor (token ids) or a (B, N, d) floating "
+                         f"tensor (embeddings for a qkv.nn stack), got {type(input_ids).__name__}")
+    embeddings = input_ids.dtype.is_floating_point
+    if input_ids.dim() != (3 if embeddings else 2) or input_ids.dtype == torch.bool:
+        raise ValueError(f"capture: input_ids must be a (B, N) integer tensor (token ids) or a (B, N, d) floating "
+                         f"tensor (embeddings for a qkv.nn stack), got {input_ids.dtype} of shape "
+                         f"{tuple(input_ids.shape)}")
+    if attention_mask is not None and embeddings:
+        raise ValueError("capture: attention_mask (B, N) is for models that take token ids; a qkv.nn stack over "
+                         "embeddings takes its padding as a forward keyword: capture(model, x, lengths=...) or "
+                         "mask=qkv.masks.padding(...)")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or attention_mask.shape != input_ids.shape):
         raise ValueError(f"capture: attention_mask must be (B, N) like input_ids {tuple(input_ids.shape)}, got "
@@ -135,8 +146,10 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         model: a qkv model (``qkv.models.from_hf(...)``, a :class:`qkv.nn.DecoderLM`, BERT, T5,
             any module built from ``qkv.nn`` attention modules). Run in eval mode: probabilities are those
             before dropout.
-        input_ids: (B, N) int64 token ids.
-        attention_mask: (B, N) 1 for real tokens, 0 for padding (HF convention), or None.
+        input_ids: (B, N) int64 token ids, or (B, N, d) floating embeddings for a :mod:`qkv.nn` stack that
+            takes them (``TransformerEncoder``, ``TransformerDecoder``; its padding goes in ``forward_kwargs``:
+            ``lengths=`` or ``mask=``).
+        attention_mask: (B, N) 1 for real tokens, 0 for padding (HF convention), or None; token ids only.
         layers: which attention modules (indices into :func:`attention_modules` or module names); default all.
         heads: query heads to keep (int, list or 1-D integer tensor); default all.
         rows: query rows to keep; default all. Bound memory on long inputs by choosing heads and rows (or use

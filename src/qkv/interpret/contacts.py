@@ -114,6 +114,12 @@ def precision_at(pred: torch.Tensor, contacts: torch.Tensor, *, top: int | None 
                  min_separation: int = 6) -> float:
     """Precision of the ``top`` highest-scored pairs with ``|i - j| >= min_separation`` (default ``top = N``,
     "precision at L"), averaged over the batch."""
+    if (not isinstance(pred, torch.Tensor) or not isinstance(contacts, torch.Tensor) or pred.dim() != 3
+            or pred.shape[-1] != pred.shape[-2] or contacts.shape != pred.shape):
+        raise ValueError(f"precision_at: pred and contacts must both be (B, N, N), got "
+                         f"{tuple(getattr(pred, 'shape', ()))} and {tuple(getattr(contacts, 'shape', ()))}")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+        raise ValueError(f"precision_at: top must be a positive int or None, got {top!r}")
     n = pred.shape[-1]
     i, j = _pairs(n, min_separation)
     k = n if top is None else top

@@ -105,6 +105,9 @@ def model_head_importance(model: nn.Module, batches: Iterable, loss_fn: Callable
     Returns:
         (L, H) float32 importance scores.
     """
+    if not callable(loss_fn):
+        raise TypeError(f"model_head_importance: loss_fn must be callable as loss_fn(model, batch), got "
+                        f"{type(loss_fn).__name__} (arguments: model, batches, loss_fn)")
     mods, H = _shape(model)
     total = torch.zeros(len(mods), H, dtype=torch.float64)
     n = 0
@@ -162,5 +165,8 @@ def pruning_curve(model: nn.Module, importance: torch.Tensor, measure: Callable[
     values = []
     for s in steps:
         with prune_heads(model, order[:s]), torch.no_grad():
-            values.append(float(measure(model)))
+            value = measure(model)
+            if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+                raise TypeError(f"pruning_curve: measure(model) must return a number, got {type(value).__name__}")
+            values.append(float(value))
     return PruningCurve(steps, values, order)

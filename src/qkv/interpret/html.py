@@ -91,6 +91,8 @@ _BODY = """
 
 def render_page(data: dict | None, *, title: str = "qkv attention", explorer: str = "") -> str:
     """The whole page as one string: inline style, script and (when given) data."""
+    if data is not None and not isinstance(data, dict):
+        raise TypeError(f"render_page: data must be view_data(...)'s dict or None, got {type(data).__name__}")
     payload = "" if data is None else json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_html.escape(title)}</title><style>{_asset('view.css')}</style></head><body>"

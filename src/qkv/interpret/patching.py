@@ -79,6 +79,9 @@ def patch_heads(model: nn.Module, replacements: Mapping[tuple[int, int], torch.T
         l, h = key
         if not 0 <= l < len(mods):
             raise ValueError(f"patch_heads: module {l} is out of range; the model has {len(mods)} attention modules")
+        if not 0 <= h < module_heads(mods[l][1]):
+            raise ValueError(f"patch_heads: head {h} is out of range for {mods[l][0]} "
+                             f"({module_heads(mods[l][1])} heads)")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"patch_heads: replacement for {key} must be a tensor, got {type(t).__name__}")
         per_module.setdefault(l, {})[h] = t
@@ -114,9 +117,19 @@ def ablate_heads(model: nn.Module, heads: Iterable[tuple[int, int]], *,
                  reference: list[torch.Tensor] | None = None) -> Iterator[None]:
     """Within the block, the listed ``(module, head)`` pairs output zeros, or, with ``reference`` (the
     :func:`head_outputs` of a reference batch), their mean output over that batch and its positions."""
+    n_mods = len(attention_modules(model))
+    if reference is not None and (not isinstance(reference, (list, tuple)) or len(reference) != n_mods):
+        raise ValueError(f"ablate_heads: reference must be head_outputs(model, ids) for all {n_mods} attention "
+                         f"modules (layers=None), got {type(reference).__name__} of "
+                         f"{len(reference) if isinstance(reference, (list, tuple)) else '?'} items")
     reps = {}
-    for l, h in heads:
+    for pair in heads:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(f"ablate_heads: heads must be (module index, head) pairs, got {pair!r}")
+        l, h = pair
         if reference is None:
+            reps[(l, h)] = torch.zeros(())
+        elif not 0 <= l < n_mods:  # patch_heads words the error
             reps[(l, h)] = torch.zeros(())
         else:
             reps[(l, h)] = reference[l][:, h].mean(dim=(0, 1))  # (Dv,)

@@ -30,6 +30,9 @@ FLOW_MAX_COST = 2 * 10**9
 
 
 def _fuse(a: torch.Tensor, head_fusion: str) -> torch.Tensor:
+    if not isinstance(a, torch.Tensor):
+        raise TypeError(f"attention maps must be a list of (B, H, N, N) tensors, one per layer, got an item of type "
+                        f"{type(a).__name__}")
     if a.dim() != 4 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"attention maps must be (B, H, N, N) self-attention, got {tuple(a.shape)}")
     if head_fusion == "mean":
@@ -70,7 +73,10 @@ def attention_rollout(attentions: Sequence[torch.Tensor], *, head_fusion: str = 
         raise ValueError("attention_rollout: need at least one layer of attention maps")
     out = None
     for a in attentions:
-        a_BNN = _with_residual(_fuse(a.double(), head_fusion), residual)
+        a_BNN = _with_residual(_fuse(a, head_fusion).double(), residual)
+        if out is not None and a_BNN.shape != out.shape:
+            raise ValueError(f"attention_rollout: every layer must have the same batch and tokens (B, _, N, N), got "
+                             f"{[tuple(getattr(x, 'shape', ())) for x in attentions]}")
         out = a_BNN if out is None else a_BNN @ out
     return out.float()
 
@@ -105,7 +111,7 @@ def attention_flow(attentions: Sequence[torch.Tensor], *, head_fusion: str = "me
         raise ValueError("attention_flow: need at least one layer of attention maps")
     if not isinstance(resolution, int) or not 1 <= resolution <= 2**30 // max(1, len(attentions)):
         raise ValueError(f"attention_flow: resolution must be an int in [1, 2**30 / layers], got {resolution!r}")
-    fused = [_with_residual(_fuse(a.double(), head_fusion), residual) for a in attentions]
+    fused = [_with_residual(_fuse(a, head_fusion).double(), residual) for a in attentions]
     B, N = fused[0].shape[0], fused[0].shape[-1]
     if any(f.shape != fused[0].shape for f in fused):
         raise ValueError(f"attention_flow: every layer must have the same (B, H, N, N) shape, got "
@@ -150,10 +156,20 @@ def head_importance(loss_fn: Callable[[torch.Tensor], torch.Tensor], num_layers:
     Returns:
         (L, H) float32 importance scores.
     """
+    if not callable(loss_fn):
+        raise TypeError(f"head_importance: loss_fn must be callable as loss_fn(gates, batch_index), got "
+                        f"{type(loss_fn).__name__}")
+    for name, value in (("num_layers", num_layers), ("num_heads", num_heads), ("batches", batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"head_importance: {name} must be a positive int, got {value!r}")
     gates = torch.ones(num_layers, num_heads, requires_grad=True)
     total = torch.zeros(num_layers, num_heads)
     for i in range(batches):
         loss = loss_fn(gates, i)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise ValueError(f"head_importance: loss_fn must return a scalar tensor that depends on the gates, got "
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+                             f"{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without grad'}")
         (grad,) = torch.autograd.grad(loss, gates)
         total += grad.abs()
     scores = total / batches
