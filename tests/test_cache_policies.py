@@ -108,3 +108,46 @@ def test_policy_errors():
     from qkv.cache import Paged
     with pytest.raises(ValueError, match="storage=Dynamic"):
         KVCache([FullSpec(1, 8)], policy=H2O(), storage=Paged())
+
+
+def test_scores_attention_says_which_layers_rank_by_observed_attention():
+    from qkv.cache import SlidingWindowSpec
+
+    specs = [FullSpec(2, 8), SlidingWindowSpec(4, 2, 8)]
+    assert [KVCache(specs).scores_attention(i) for i in (0, 1)] == [False, False]
+    assert [KVCache(specs, policy=H2O(heavy=2, recent=2)).scores_attention(i) for i in (0, 1)] == [True, False]
+    assert KVCache(specs, policy=SnapKV(budget=8, window=2)).scores_attention(0)
+    with pytest.raises(IndexError, match="layer_idx 5 out of range"):
+        KVCache(specs).scores_attention(5)
+
+
+@pytest.mark.parametrize("policy", [H2O(heavy=4, recent=4), SnapKV(budget=8, window=2)], ids=["h2o", "snapkv"])
+@pytest.mark.parametrize("kind", ["softcap", "alibi"])
+def test_models_with_score_modifiers_refuse_scoring_policies_before_writing(policy, kind):
+    """H2O/SnapKV rank tokens by softmax(q.k); a softcapped or ALiBi model attends with other scores, so it
+    refuses them (a clear error, the cache untouched) instead of ranking tokens by the wrong numbers."""
+    from qkv.models.generate import generate
+    from qkv.nn import DecoderLM, get_config
+
+    cfg = get_config("tiny-bloom") if kind == "alibi" else get_config("tiny-gemma", attn_logit_softcapping=50.0)
+    lm = DecoderLM(cfg).eval()
+    cache = KVCache(lm.cache_specs(), policy=policy)
+    with pytest.raises(ValueError, match=r"evicts by observed attention.*(softcap|ALiBi)"):
+        generate(lm, torch.randint(0, 100, (1, 6)), max_new_tokens=2, cache=cache)
+    assert cache.seq_length == 0 and all(cache.layer_tokens(i) == 0 for i in range(len(lm.cache_specs())))
+    out = generate(lm, torch.randint(0, 100, (1, 6)), max_new_tokens=2,
+                   cache=KVCache(lm.cache_specs(), policy=StreamingLLM(n_sink=2, window=8)))
+    assert out.new_tokens.shape == (1, 2)
+
+
+def test_module_with_score_mod_refuses_a_scoring_policy():
+    from qkv import mods
+    from qkv.nn import MultiHeadAttention
+
+    mha = MultiHeadAttention(16, 2, score_mod=mods.softcap(20.0), layer_idx=0)
+    cache = KVCache([FullSpec(2, 8)], policy=H2O(heavy=2, recent=2))
+    with pytest.raises(ValueError, match="evicts by observed attention"):
+        mha(torch.randn(1, 3, 16), positions=torch.arange(3), cache=cache)
+    assert cache.seq_length == 0
+    plain = MultiHeadAttention(16, 2, layer_idx=0)
+    assert plain(torch.randn(1, 3, 16), positions=torch.arange(3), cache=cache).out.shape == (1, 3, 16)

@@ -256,6 +256,12 @@ class KVCache:
         if layer.store is not None and layer.last_view is not None:
             layer.store.observe(q, layer.last_view, scale=scale)
 
+    def scores_attention(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx``'s store ranks tokens by observed attention (its ``observe`` is not the
+        no-op of :class:`qkv.cache.storage.Store`: H2O, SnapKV or a policy of the same kind)."""
+        store = self._layer(layer_idx, None, "scores_attention").store
+        return store is not None and type(store).observe is not Store.observe
+
     def keeps_absolute_positions(self, layer_idx: int) -> bool:
         """True when layer ``layer_idx`` keeps keys at their absolute positions (full, sliding-window, latent
         and cross layers), so modules may hand it keys already rotated; False when it re-positions them

@@ -33,6 +33,8 @@ that subclasses :class:`AttentionCache` inherits the no-op defaults):
   this step, ``q`` (B, Hq, Nnew, Dqk), to an eviction policy (H2O accumulates attention, SnapKV votes
   with its observation window). It never changes the view just returned; evictions happen on the
   layer's next ``update``. Without a policy it does nothing. ``scale`` defaults to ``Dqk ** -0.5``.
+- ``cache.scores_attention(layer_idx)``: True when that layer's policy ranks tokens by the attention
+  ``observe`` computes from ``q`` and the stored keys (no score modifiers). Default: False.
 - ``cache.prepare(input_ids, positions)``: called by ``generate`` before each forward pass with the
   step's token ids, so paged storage can allocate blocks up front and index prefixes. Default: nothing.
 - ``cache.prefix_caching``: True when ``match_prefix(input_ids, positions, salt=)`` can reuse cached
@@ -98,6 +100,12 @@ class AttentionCache(Protocol):
     def observe(self, layer_idx: int, q: torch.Tensor, *, scale: float | None = None) -> None:
         """Show this step's rotated queries to an eviction policy (default: nothing)."""
         return None
+
+    def scores_attention(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` evicts by the attention its queries pay (H2O, SnapKV), computed from
+        ``q`` and the stored keys alone (default: False). A module whose scores carry modifiers (ALiBi,
+        softcap, relative biases) must refuse such a layer rather than let it rank tokens by other scores."""
+        return False
 
     def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Announce the next step's tokens before the forward pass (default: nothing)."""

@@ -206,6 +206,13 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 if positions is None:
                     raise ValueError("MultiHeadAttention: a cache needs positions (B, N) of the new tokens")
+                if (self.score_mod is not None or self.position_bias is not None) and \
+                        cache.scores_attention(self.layer_idx):
+                    raise ValueError(f"MultiHeadAttention: layer {self.layer_idx}'s cache evicts by observed "
+                                     "attention (H2O/SnapKV), computed from q.k alone, but this module's scores "
+                                     "carry modifiers (score_mod or position_bias); it would rank tokens by other "
+                                     "scores than the module attends with. Use a policy that does not score "
+                                     "(StreamingLLM, a sliding window) or none here")
                 view = cache.update(self.layer_idx, k, v, positions=positions, rope=self.rope)
                 k, v, kv_pos, q_pos = view.k, view.v, view.kv_positions, view.q_positions
                 if self.rope is not None:

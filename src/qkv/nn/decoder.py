@@ -342,6 +342,18 @@ def _check_cache(cache) -> None:
     _PROTOCOL_CACHES.add(type(cache))
 
 
+def _refuse_scoring_cache(model: DecoderLM, cache: AttentionCache) -> None:
+    """Before anything is written: a layer with score modifiers cannot be ranked by q.k alone (H2O, SnapKV)."""
+    for i in model._modified_scores:
+        if cache.scores_attention(i):
+            attn = model.layers[i].self_attn
+            mods = ", ".join(repr(m) for m in (attn.score_mod, "ALiBi" if attn.alibi is not None else None) if m)
+            raise ValueError(f"DecoderLM: layer {i}'s cache evicts by observed attention (H2O/SnapKV), which is "
+                             f"computed from q.k alone, but this model's scores carry modifiers ({mods}); it would "
+                             f"rank tokens by other scores than the model attends with. Use a policy that does not "
+                             f"score (StreamingLLM, a sliding window) or none for this model")
+
+
 class DecoderLM(nn.Module):
     """The decoder-only language model of a :class:`qkv.nn.DecoderConfig`; a :class:`qkv.cache.DecoderModel`.
 
@@ -389,6 +401,9 @@ class DecoderLM(nn.Module):
             _store_wide_weights_input_major(self)
         self._register_state_dict_hook(standard_layout_state_dict)  # saved tensors: standard layout
         self._head_prepacked: PrepackedWeight | None = None  # set_gemm("onednn")
+        # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused
+        self._modified_scores = [i for i, layer in enumerate(self.layers) if not layer.latent
+                                 and (layer.self_attn.score_mod is not None or layer.self_attn.alibi is not None)]
 
     def _positions(self, input_ids: torch.Tensor, attention_mask, positions, cache) -> torch.Tensor | None:
         B, N = input_ids.shape
@@ -441,6 +456,8 @@ class DecoderLM(nn.Module):
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"DecoderLM: logits_to_keep must be an int >= 0 (0: every position), got "
                              f"{logits_to_keep!r}")
+        if cache is not None and self._modified_scores:
+            _refuse_scoring_cache(self, cache)
         N = input_ids.shape[1]
         positions = self._positions(input_ids, attention_mask, positions, cache)
         longest = int(positions.max()) + 1 if positions is not None and positions.numel() else N
