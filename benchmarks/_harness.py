@@ -196,14 +196,16 @@ def peak_memory_during(fn: Callable[[], Any]) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    # Walk allocation events in order and track the running total to find the peak.
+    # Walk allocation events in order and track the running total to find the peak. Each event's *self*
+    # memory: its inclusive ``cpu_memory_usage`` also holds its children's, so an allocation inside nested
+    # ops (linear -> addmm -> empty) would count once per level.
     current = peak = 0
     events = sorted(
-        (e for e in prof.events() if getattr(e, "cpu_memory_usage", 0)),
+        (e for e in prof.events() if getattr(e, "self_cpu_memory_usage", 0)),
         key=lambda e: e.time_range.start,
     )
     for e in events:
-        current += e.cpu_memory_usage
+        current += e.self_cpu_memory_usage
         peak = max(peak, current)
     return peak
 
