@@ -21,11 +21,18 @@ Published configuration (the defaults): 1 thread, process CPU time (every conten
 5 repeats. Expected time on a quiet 2-core machine: about 8 minutes (4 with the earlier single SDPA call),
 most of it dense-masked SDPA at 16384 and 32768 (the full N^2 work: about 10 s and 40 s a call).
 
-    python benchmarks/sparse.py [--quick] [--repeat R] [--threads N] [--wall-time]
+A second table (``sparse_train``) times a training step (forward and backward) of the narrow sparse
+patterns that ``benchmarks/quality.py`` trains with: a +-16 window, the window with 8 global tokens
+(Longformer) and BigBird with 16-token blocks, at B=16, H=4, N=520 (512 for BigBird), D=16. It compares
+auto (which picks the tiled backend there) against SDPA with the same mask as a dense boolean tensor and
+against dense unmasked SDPA, and checks auto's gradients against SDPA's.
+
+    python benchmarks/sparse.py [--quick] [--repeat R] [--threads N] [--wall-time] [--sections forward,train]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -61,10 +68,74 @@ def cases(quick: bool):
     return out
 
 
+def train_cases():
+    """(name, N, mask): the narrow patterns of ``benchmarks/quality.py`` at its default size."""
+    window = qkv.masks.sliding_window(16, 16)
+    return [("sliding_window(16, 16)", 520, window),
+            ("longformer(+-16, 8 global)", 520, window | qkv.masks.global_tokens(list(range(8)))),
+            ("bigbird(16, 3 window, 1 global, 1 random)", 512, qkv.masks.bigbird(16, 3, 1, 1, seed=0))]
+
+
+def train_section(args) -> None:
+    """Forward + backward of narrow sparse masks: auto vs SDPA with the dense boolean mask vs dense SDPA."""
+    B, H, D = 16, 4, 16
+    suite = Suite("sparse_train", "narrow sparse masks, training step (forward + backward), float32", B=B, H=H,
+                  D=D, dtype="float32", kernel="qkv auto / sdpa + bool mask / sdpa dense",
+                  clock="process CPU time" if args.cpu_time else "wall")
+    repeat = args.repeat or (2 if args.quick else 7)
+    torch.manual_seed(0)
+    for name, n, mask in train_cases():
+        leaves = [torch.randn(B, H, n, D, requires_grad=True) for _ in range(3)]
+        dout = torch.randn(B, H, n, D)
+        allowed = mask.materialize(1, 1, n, n)[0, 0]
+
+        def step(fn):
+            def run():
+                for t in leaves:
+                    t.grad = None
+                fn(*leaves).backward(dout)
+            return run
+
+        runs = {"auto": step(lambda q, k, v: qkv.attention(q, k, v, mask=mask)),
+                "sdpa_mask": step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)),
+                "sdpa_dense": step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))}
+        grads = {}
+        for key in ("auto", "sdpa_mask"):
+            runs[key]()
+            grads[key] = [t.grad.clone() for t in leaves]
+        err = max(float((a - b).abs().max()) for a, b in zip(grads["auto"], grads["sdpa_mask"]))
+        chosen = qkv.explain(*leaves, mask=mask).chosen
+        t = time_interleaved(runs, warmup=1, repeat=repeat, cpu=args.cpu_time, samples=True)
+        suite.add({"mask": name, "N": n, "auto": chosen},
+                  {"allowed_%": 100.0 * int(allowed.sum()) / n**2, "auto_ms": median_ms(t["auto"]),
+                   "sdpa_mask_ms": median_ms(t["sdpa_mask"]), "sdpa_dense_ms": median_ms(t["sdpa_dense"]),
+                   "sdpa_mask/auto": ratio(t["sdpa_mask"], t["auto"]),
+                   "sdpa_dense/auto": ratio(t["sdpa_dense"], t["auto"]), "max|dgrad auto-sdpa|": err})
+    suite.note("One training step of the attention alone: forward, then backward of a fixed output gradient. "
+               "sdpa_mask is torch SDPA with the mask as a dense boolean tensor (all N^2 pairs); sdpa_dense is "
+               "unmasked SDPA, the cost of dense attention in benchmarks/quality.py. Ratios above 1 mean auto "
+               "is faster (the median, then the lowest and highest paired repeat).")
+    suite.finish()
+
+
 def main(argv=None) -> None:
-    args = parse_args(__doc__.splitlines()[0], argv, threads=1, cpu_time=True)  # the published configuration
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--sections", default="forward,train", help="comma-separated: forward (the sparse table), "
+                     "train (the sparse_train table)")
+    known, rest = pre.parse_known_args(argv)
+    sections = set(known.sections.split(","))
+    if sections - {"forward", "train"}:
+        raise SystemExit(f"sparse.py: --sections takes forward and/or train, got {known.sections!r}")
+    args = parse_args(__doc__.splitlines()[0], rest, threads=1, cpu_time=True)  # the published configuration
     if args.threads:
         torch.set_num_threads(args.threads)
+    if "train" in sections:
+        train_section(args)
+    if "forward" in sections:
+        forward_section(args)
+
+
+def forward_section(args) -> None:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, H, D = 1, 8, 64

@@ -62,6 +62,10 @@ def _sparse(t):
     _ranged(t, "sparse", "sdpa/tiled")
     compile_s = [r["flex_compile_s"] for r in _rows(t, "sparse")]
     assert all(c >= 0 for c in compile_s), f"a compile time cannot be negative: {compile_s}"
+    # training step of quality.py's narrow masks: auto's gradients equal SDPA's with the dense boolean mask
+    _all_below(t, "sparse_train", "max|dgrad auto-sdpa|", 1e-4)
+    _ranged(t, "sparse_train", "sdpa_mask/auto")
+    _ranged(t, "sparse_train", "sdpa_dense/auto")
 
 
 def _linear(t):

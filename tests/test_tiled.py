@@ -38,6 +38,25 @@ def test_default_tiles_through_attention(name):
     check_against_reference("tiled", 2, 4, 4, 300, 300, 32, mask=mask, what=name)
 
 
+@pytest.mark.parametrize("name,block", [("window", 16), ("longformer", 16), ("bigbird", 16), ("window256", 64)])
+def test_narrow_bands_take_fine_default_tiles(name, block):
+    """Default tiles go from 128 to 64 when most visited tiles are PARTIAL, then halve while that cuts the
+    computed pairs by a third: a +-16 window (with or without global tokens) and BigBird's 16-token blocks
+    at N = 520 end at 16 x 16 tiles, a 256-key window stays at 64. The chosen tiles equal the float64
+    reference forward and backward through ``qkv.attention``."""
+    mask = {"window": M.sliding_window(16, 16), "longformer": M.sliding_window(16, 16) | M.global_tokens([0, 7]),
+            "bigbird": M.bigbird(16, 3, 1, 1, seed=0), "window256": M.sliding_window(255)}[name]
+    for n in (520, 4096):
+        q = torch.zeros(1, 4, n, 16)
+        cfg = qkv.backends.get("tiled").config_for(build_request(q, q, q, mask=mask))
+        assert (cfg.block_q, cfg.block_k) == (block, block), (n, cfg)
+    if block == 16:  # auto trains these on the tiled backend, not SDPA with a dense boolean mask
+        for B in (2, 16):
+            qb = torch.zeros(B, 4, 520, 16, requires_grad=True)
+            assert qkv.explain(qb, qb, qb, mask=mask).chosen == "tiled", (B, qkv.explain(qb, qb, qb, mask=mask))
+    check_against_reference("tiled", 2, 4, 4, 520, 520, 16, mask=mask, what=name)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=list(DTYPE_NAMES.values()))
 @pytest.mark.parametrize("mask_name", ["none", "causal", "window"])
 def test_dtypes(dtype, mask_name):

@@ -90,17 +90,33 @@ class TiledStats:
 def default_config(req: Request) -> TiledConfig:
     """Tile sizes chosen by measurement on CPU (``benchmarks/tiled.py``, ``benchmarks/sparse.py``).
 
-    Dense problems take wide steps (fewer, larger matmuls). Masked ones take 128 x 128 tiles, or
-    64 x 64 when more than a third of at least 16 visited 128-tiles are PARTIAL (windows, documents,
-    block patterns), where finer tiles skip more and waste less on the ragged edges."""
+    Dense problems take wide steps (fewer, larger matmuls). Masked ones take 128 x 128 tiles, or 64 x 64
+    when more than a third of the visited 128-tiles of a grid of at least 16 are PARTIAL (windows,
+    documents, block patterns), where finer tiles skip more and waste less on the ragged edges. From 64
+    they halve again (to 32, then 16) while the finer tiles compute at most 2/3 of the pairs: a +-16
+    window at N = 520 ends at 16 x 16 tiles, computing 1/11 of the pairs where every 64-tile is PARTIAL
+    (``benchmarks/sparse.py``, table ``sparse_train``), while a 256-key window stays at 64 (32-tiles would
+    save 10% of the pairs and cost more per pair)."""
     if req.mask is None:
         bq, bk, chunk, budget = 256, 512, 2, 1 << 21
     else:
         bq, bk, chunk, budget = 128, 128, 4, 1 << 20
         bm = block_map_for(req.mask, req.Nq, req.Nk, bq, bk, req.device, B=req.B, H=req.Hq)
         visited, partial = tile_counts(req.mask, bm)
-        if visited >= 16 and partial > visited / 3:
-            bq, bk, chunk, budget = 64, 64, 8, 1 << 19
+        if bm.shape[-2] * bm.shape[-1] >= 16 and partial > visited / 3:
+            bq = bk = 64
+            chunk, budget = 8, 1 << 19
+            visited, _ = tile_counts(req.mask, block_map_for(req.mask, req.Nq, req.Nk, 64, 64, req.device, B=req.B,
+                                                             H=req.Hq))
+            while bq > 16:
+                finer = bq // 2
+                fm = block_map_for(req.mask, req.Nq, req.Nk, finer, finer, req.device, B=req.B, H=req.Hq)
+                fine_visited, _ = tile_counts(req.mask, fm)
+                if fine_visited * finer * finer * 3 > visited * bq * bq * 2:
+                    break
+                bq = bk = finer
+                visited = fine_visited
+                chunk = 8 if bq > 16 else 16
     bq = min(bq, max(1, req.Nq))
     bk = min(bk, max(1, req.Nk))
     return TiledConfig(bq, bk, chunk, budget)
