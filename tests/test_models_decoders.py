@@ -16,6 +16,7 @@ tied/untied heads. Checkpoints on disk and bad checkpoints are tested at the end
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -123,6 +124,30 @@ def test_prefill_logits_within_budget(case):
         ours, base, truth = model(ids).logits, hf(ids).logits, ref(ids).logits
     _budget(ours, truth, base, what=f"{case} prefill logits")
     assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replaced_config_builds_the_same_model(case):
+    """``config.replace`` keeps every field it is not told to change (RoPE base, scaling and pair layout
+    included: it once reset them), and the input-major layout computes the same logits, prefill and a
+    one-token decode step."""
+    from qkv.models.loading import _family
+
+    hf, ref, model = _models(case)
+    config = model.config.replace(input_major_weights=True)
+    assert config == dataclasses.replace(model.config, input_major_weights=True)
+    assert dict(config.rope) == dict(model.config.rope)
+    other = type(model)(config).eval()
+    other.load_state_dict(model.state_dict())
+    assert any(not p.is_contiguous() for p in other.parameters())
+    ids, _ = _prompt(case, padded=False)
+    with torch.no_grad():
+        _budget(other(ids).logits, ref(ids).logits, hf(ids).logits, what=f"{case} input-major prefill logits")
+        cache = KVCache(other.cache_specs())
+        other(ids[:, :-1], cache=cache)
+        step = other(ids[:, -1:], cache=cache).logits[:, -1]
+        _budget(step, ref(ids).logits[:, -1], hf(ids).logits[:, -1], what=f"{case} input-major decode step")
+    assert _family(hf.config.to_dict()).decoder_config(hf.config.to_dict()) == model.config
 
 
 def _budget(ours, truth, base, what):

@@ -401,7 +401,7 @@ class DecoderConfig:
             raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
         if FULL_ATTENTION not in self.rope:
             raise ValueError(f"DecoderConfig: rope needs a {FULL_ATTENTION!r} entry, got {sorted(self.rope)}")
-        set_("rope", MappingProxyType(dict(self.rope)))
+        object.__setattr__(self, "rope", MappingProxyType(dict(self.rope)))  # given (or defaulted), never derived
         for kind, softcap in (("attn_logit_softcapping", self.attn_logit_softcapping),
                               ("final_logit_softcapping", self.final_logit_softcapping)):
             if softcap is not None and not softcap > 0:
