@@ -203,6 +203,15 @@ def _gpu(t, sections=("correctness", "decode", "flex_backend")):
         assert r.get("triton_fwd_tflops", 0) > 0 and r.get("triton_fwdbwd_tflops", 0) > 0, f"speed row: {r}"
 
 
+def _skinny(t):
+    _all_below(t, "skinny", "max_abs_diff", 1e-4)
+    _ranged(t, "skinny", "linear/rows")
+    rows = _rows(t, "skinny")
+    assert {r["rows"] for r in rows} == {1, 2, 4, 8} and all(r["read_GB_s"] > 0 for r in rows)
+    assert any("row blocks" in r["rows_path"] for r in rows) and any(r["rows_path"] == "F.linear" for r in rows), \
+        "the quick run must show the rule both taking row blocks and declining"
+
+
 def _quality(t):
     # --quick trains at N = 64 for 250 steps (dense only here: tests/test_quality_bench.py checks that a narrow
     # window stays at chance). Floors under what seeds 0 and 1 reach, far over the most frequent answer.
@@ -217,7 +226,7 @@ def _quality(t):
 AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "linear": _linear, "mla": _mla,
              "decode": _decode, "embed": _embed, "generate": _generate, "varlen": _varlen,
              "context_parallel": _context_parallel, "head_pruning": _head_pruning,
-             "interpret": _interpret,
+             "interpret": _interpret, "skinny": _skinny,
              "gqa_conversion": _gqa_conversion, "gpu": _gpu, "quality": _quality}
 # The gpu suite runs on CPU through Triton's interpreter (--dry-run), without its speed section here: that one
 # compiles FlexAttention for the CPU (about a minute); test_gpu_dry_run_with_speed_section runs it under -m slow.

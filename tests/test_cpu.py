@@ -12,23 +12,26 @@ from qkv.cpu import gemm
 from qkv.nn import DecoderLM, get_config
 
 
+@pytest.mark.parametrize("input_major", [False, True])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma", "tiny-gpt"])
-def test_state_dict_is_standard_layout_and_round_trips_through_safetensors(name, tmp_path):
+def test_state_dict_is_standard_layout_and_round_trips_through_safetensors(name, input_major, tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
+    config = get_config(name).replace(input_major_weights=input_major)
     torch.manual_seed(0)
-    model = DecoderLM(get_config(name)).eval()
-    assert any(not p.is_contiguous() for p in model.parameters()), "input-major weights expected in memory"
+    model = DecoderLM(config).eval()
+    in_memory = any(not p.is_contiguous() for p in model.parameters())
+    assert in_memory == input_major, "input-major weights in memory exactly when asked for"
     state = model.state_dict()
     bad = [k for k, t in state.items() if not t.is_contiguous()]
     assert not bad, f"non-contiguous tensors in state_dict: {bad}"
     path = tmp_path / "model.safetensors"
     safetensors.save_file(state, str(path))  # raises on non-contiguous tensors
     torch.manual_seed(1)
-    fresh = DecoderLM(get_config(name)).eval()
+    fresh = DecoderLM(config).eval()
     fresh.load_state_dict(safetensors.load_file(str(path)))
     ids = torch.randint(0, 256, (2, 7))
     assert torch.equal(fresh(ids).logits, model(ids).logits)
-    assert any(not p.is_contiguous() for p in fresh.parameters())  # loading kept the fast layout
+    assert any(not p.is_contiguous() for p in fresh.parameters()) == input_major  # loading kept the layout
 
 
 def test_onednn_probe_and_fallback(monkeypatch):

@@ -1,5 +1,6 @@
-"""qkv.cpu.skinny: the blocked few-row product equals F.linear (float64 reference, error budget), takes the
-blocked path only where it should, and InputMajorLinear keeps nn.Linear's parameters and layout."""
+"""qkv.cpu.skinny: the blocked few-row products (row blocks of a standard weight, column blocks of an
+input-major one) equal F.linear (float64 reference, error budget), take the blocked path only where they
+should, and SkinnyLinear / InputMajorLinear keep nn.Linear's parameters and layout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.cpu.skinny import InputMajorLinear, input_major, skinny_blocks, skinny_linear
+from qkv.cpu.skinny import InputMajorLinear, SkinnyLinear, input_major, row_blocks, skinny_blocks, skinny_linear
 from qkv.testing import assert_within_budget
 
 
@@ -26,20 +27,45 @@ def _check(x, w, b):
     assert_within_budget(got, ref, F.linear(x, w.contiguous(), b), what="skinny_linear")
 
 
-@pytest.mark.parametrize("lead", [(1,), (3,), (8, 1), (2, 16), (33,)])
+@pytest.mark.parametrize("layout", ["standard", "input_major"])
+@pytest.mark.parametrize("lead", [(1,), (3,), (4,), (8, 1), (2, 16), (33,)])
 @pytest.mark.parametrize("n_out", [4096, 4100, 700])  # 4100: blocks plus a remainder; 700: few blocks
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_linear(two_threads, lead, n_out, bias):
+def test_matches_linear(two_threads, layout, lead, n_out, bias):
     g = torch.Generator().manual_seed(n_out + len(lead))
     K = 48
     x = torch.randn(*lead, K, generator=g)
-    w = input_major(torch.randn(n_out, K, generator=g) / K ** 0.5)
+    w = torch.randn(n_out, K, generator=g) / K ** 0.5
+    w = input_major(w) if layout == "input_major" else w
     b = torch.randn(n_out, generator=g) if bias else None
     _check(x, w, b)
 
 
-def test_blocking_rule():
-    assert skinny_blocks(8, 32000, threads=1) == 1  # one thread: plain GEMM
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,K", [(1, 1024), (2, 300), (4, 64)])
+def test_row_blocks_match_linear(threads, dtype, rows, K):
+    """The standard-layout path at one and two threads, in both BLAS dtypes, taken (checked) and exact to budget."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert row_blocks(rows, 2050, K) > 1
+        g = torch.Generator().manual_seed(rows + K)
+        x = torch.randn(rows, K, generator=g, dtype=dtype)
+        w = torch.randn(2050, K, generator=g, dtype=dtype) / K ** 0.5
+        _check(x, w, torch.randn(2050, generator=g, dtype=dtype))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_blocking_rules():
+    assert row_blocks(1, 32000, 512, threads=1) == 4  # one thread: short rows still blocked
+    assert row_blocks(1, 32000, 4096, threads=1) == 1  # ... long rows read faster through F.linear
+    assert row_blocks(4, 32000, 4096, threads=2) == 4  # at least ROW_BLOCKS blocks
+    assert row_blocks(1, 32000, 512, threads=16) == 16  # ... and one per thread
+    assert row_blocks(5, 32000, 512, threads=2) == 1  # more rows: F.linear
+    assert row_blocks(1, 256, 512, threads=2) == 1  # narrow weights
+    assert skinny_blocks(8, 32000, threads=1) == 1  # input-major, one thread: plain GEMM
     assert skinny_blocks(8, 32000, threads=2) == 125  # ~256 outputs per block
     assert skinny_blocks(1, 32000, threads=2) == 16  # one row: ~2048 per block
     assert skinny_blocks(1, 700, threads=2) == 2  # at least one block per thread
@@ -51,13 +77,29 @@ def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch):
     calls = []
     real_bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or real_bmm(*a, **k))
-    x, w = torch.randn(4, 32), input_major(torch.randn(2048, 32))
-    skinny_linear(x, w)
-    assert calls, "expected the blocked GEMM for 4 rows, an input-major weight and 2 threads"
-    calls.clear()
-    skinny_linear(x, w.contiguous())  # nn.Linear layout: plain F.linear
-    skinny_linear(torch.randn(64, 32), w)  # many rows
-    assert not calls
+    w = torch.randn(2048, 32)
+    for x, weight in ((torch.randn(4, 32), w), (torch.randn(8, 32), input_major(w))):
+        skinny_linear(x, weight)
+        assert calls, f"expected the blocked GEMM for {x.shape[0]} rows and 2 threads"
+        calls.clear()
+    skinny_linear(torch.randn(8, 32), w)  # standard layout, more rows than ROW_BLOCK_ROWS
+    skinny_linear(torch.randn(64, 32), input_major(w))  # many rows
+    skinny_linear(torch.randn(1, 32), w[:, ::2].repeat(1, 2))  # neither layout (a copy: contiguous) ...
+    skinny_linear(torch.randn(1, 16), w[:, ::2])  # ... a strided view: neither
+    skinny_linear(torch.randn(1, 32, dtype=torch.bfloat16), w.bfloat16())  # not a measured dtype
+    x = torch.randn(1, 32, requires_grad=True)
+    skinny_linear(x, w)  # a gradient is recorded
+    assert len(calls) == 1, "only the contiguous copy takes the blocked path"
+
+
+def test_skinny_linear_shares_parameters():
+    ref = torch.nn.Linear(8, 600)
+    lin = SkinnyLinear.from_linear(ref)
+    assert lin.weight is ref.weight and lin.bias is ref.bias and lin.weight.is_contiguous()
+    assert set(lin.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 8)
+    assert_within_budget(lin(x), F.linear(x.double(), ref.weight.double(), ref.bias.double()), ref(x),
+                         what="SkinnyLinear")
 
 
 def test_gradients_flow_through_plain_linear(two_threads):

@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "decode": "decode.py",
     "embed": "embed.py",
     "generate": "generate.py",
+    "skinny": "skinny.py",
     "varlen": "varlen.py",
     "context_parallel": "context_parallel.py",
     "head_pruning": "head_pruning.py",

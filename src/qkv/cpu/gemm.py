@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .skinny import InputMajorLinear, skinny_linear
+from .skinny import SkinnyLinear, skinny_linear
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "PrepackedWeight",
            "PrepackedLinear", "use_onednn", "can_fuse", "GemmChoice"]
@@ -146,9 +146,8 @@ def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PrepackedWeight | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` the fastest measured way: a single row (a one-sequence decode step)
-    through :func:`qkv.cpu.skinny.skinny_linear` (MKL's GEMV is faster there, and an input-major weight is
-    streamed as stored), several rows through ``packed`` when given (oneDNN; ``F.linear`` where it cannot
-    run)."""
+    through :func:`qkv.cpu.skinny.skinny_linear` (blocked over threads, faster there), several rows
+    through ``packed`` when given (oneDNN; ``F.linear`` where it cannot run)."""
     if packed is None or x.numel() <= x.shape[-1]:
         return skinny_linear(x, weight, bias)
     return prepacked_linear(x, weight, bias, packed)
@@ -197,7 +196,7 @@ def use_onednn(model: nn.Module) -> nn.Module:
         raise RuntimeError(f"use_onednn: {why}; keep torch's default GEMM (gemm='blas')")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) in (nn.Linear, InputMajorLinear):  # the weight (and its layout) is shared
+            if type(child) is nn.Linear or isinstance(child, SkinnyLinear):  # the weight (and its layout) is shared
                 setattr(parent, name, PrepackedLinear.from_linear(child))
         if isinstance(parent, GemmChoice):  # modules with their own fused products
             parent.set_gemm("onednn")

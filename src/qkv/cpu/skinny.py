@@ -2,28 +2,35 @@
 
 Shape legend: M rows (tokens in the step), K inputs, N outputs.
 
-A decode step multiplies one row per sequence by every weight. CPU BLAS handles such an ``(M, K) @ (K,
-N)`` product poorly in two ways (measured in ``benchmarks/generate.py``, see ``benchmarks/RESULTS.md``):
+A decode step multiplies one row per sequence by every weight, so it streams every weight from memory
+once per step; the floor is bytes over bandwidth. ``F.linear`` on CPU falls well short of that floor for
+few rows (measured in ``benchmarks/skinny.py``, see ``benchmarks/RESULTS.md``): MKL runs such a product on
+one thread whatever ``torch.get_num_threads()`` says, and through a kernel that reads the ``(N, K)``
+weight slower than memory allows. :func:`skinny_linear` cuts the outputs into blocks, strided views of the
+same storage (no copy), and multiplies them as one batched GEMM, which torch spreads over its threads and
+MKL runs through its batched kernel:
 
-- it runs it on one thread whatever ``torch.get_num_threads()`` says;
-- a weight stored the ``nn.Linear`` way, ``(N, K)`` row-major, is streamed through a one-row product
-  slower than the same weight stored input-major, ``(K, N)`` row-major.
+- weight in ``nn.Linear``'s standard layout, ``(N, K)`` row-major: row blocks, ``(nb, N/nb, K) @ (nb, K,
+  M)``. The default; for at most ``ROW_BLOCK_ROWS`` rows, and with one thread only for ``K <=
+  ONE_THREAD_MAX_K`` (longer rows read faster through ``F.linear`` there).
+- weight stored input-major (a ``(N, K)`` tensor whose ``.t()`` is contiguous: same shape, names and
+  values as ``nn.Linear``): column blocks, ``(nb, M, K) @ (nb, K, N/nb)``, for at most ``MAX_ROWS`` rows
+  and several threads (:class:`InputMajorLinear`, opt-in through ``DecoderConfig.input_major_weights``).
 
-:func:`skinny_linear` takes an input-major weight (a ``(N, K)`` tensor whose ``.t()`` is contiguous,
-so shape, names and values are those of ``nn.Linear``) and, when torch has more than one thread and
-there are few rows, cuts the outputs into column blocks, strided views of the same storage (no copy),
-multiplied as one batched GEMM that torch spreads over its threads. Every output is still one length-K
-dot product of the same operands; only the BLAS kernel that sums it differs. :class:`InputMajorLinear`
-is an ``nn.Linear`` that stores its weight that way and multiplies through :func:`skinny_linear`.
+Every output is still one length-K dot product of the same operands; only the BLAS kernel that sums it
+differs. :class:`SkinnyLinear` is an ``nn.Linear`` (same parameters, names and layout) that multiplies
+through :func:`skinny_linear`; :class:`InputMajorLinear` stores its weight input-major.
 
 Example:
     >>> import torch
-    >>> from qkv.cpu.skinny import InputMajorLinear, skinny_linear
-    >>> lin = InputMajorLinear.from_linear(torch.nn.Linear(16, 4096))
-    >>> lin.weight.shape, lin.weight.t().is_contiguous()
-    (torch.Size([4096, 16]), True)
+    >>> from qkv.cpu.skinny import InputMajorLinear, SkinnyLinear, skinny_linear
+    >>> lin = SkinnyLinear.from_linear(torch.nn.Linear(16, 4096))
+    >>> lin.weight.is_contiguous()
+    True
     >>> x = torch.randn(3, 16)
     >>> torch.allclose(lin(x), x @ lin.weight.t() + lin.bias, atol=1e-5)
+    True
+    >>> InputMajorLinear.from_linear(torch.nn.Linear(16, 4096)).weight.t().is_contiguous()
     True
 """
 
@@ -33,19 +40,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["skinny_linear", "skinny_blocks", "InputMajorLinear", "input_major", "standard_layout_state_dict"]
+__all__ = ["skinny_linear", "skinny_blocks", "row_blocks", "SkinnyLinear", "InputMajorLinear", "input_major",
+           "standard_layout_state_dict"]
 
-# Measured on a 2-core AMD EPYC (weights cold, ``benchmarks/generate.py``): blocks of ~256 outputs for
-# 2-32 rows; for one row, blocks of ~2048 (fewer, longer streams), at least one block per thread.
-MAX_ROWS = 32
-MIN_OUTPUTS = 512
-BLOCK_ROWS = 256
-BLOCK_ONE_ROW = 2048
+# The rules below were chosen from benchmarks/skinny.py's table (a 2-core AMD EPYC, weights cold, MKL):
+MIN_OUTPUTS = 512  # narrower weights: F.linear
+ROW_BLOCK_ROWS = 4  # standard layout: row blocks up to this many rows ...
+ROW_BLOCKS = 4  # ... in at least this many blocks (and at least one per thread)
+ONE_THREAD_MAX_K = 1024  # ... and with one thread only for rows this short
+MAX_ROWS = 32  # input-major layout: column blocks up to this many rows, with several threads,
+BLOCK_ROWS = 256  # of ~256 outputs for 2-32 rows,
+BLOCK_ONE_ROW = 2048  # of ~2048 for one row (fewer, longer streams), at least one block per thread
+
+
+def row_blocks(rows: int, n_out: int, k: int, threads: int | None = None) -> int:
+    """How many row blocks :func:`skinny_linear` cuts a standard-layout ``(n_out, k)`` weight into for
+    ``rows`` rows (1 means ``F.linear``)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if not 0 < rows <= ROW_BLOCK_ROWS or n_out < MIN_OUTPUTS or threads < 2 and k > ONE_THREAD_MAX_K:
+        return 1
+    return max(ROW_BLOCKS, threads)
 
 
 def skinny_blocks(rows: int, n_out: int, threads: int | None = None) -> int:
-    """How many column blocks :func:`skinny_linear` cuts ``n_out`` outputs into for ``rows`` rows
-    (1 means a plain GEMM)."""
+    """How many column blocks :func:`skinny_linear` cuts an input-major weight's ``n_out`` outputs into for
+    ``rows`` rows (1 means ``F.linear``)."""
     threads = torch.get_num_threads() if threads is None else threads
     if threads < 2 or not 0 < rows <= MAX_ROWS or n_out < MIN_OUTPUTS:
         return 1
@@ -53,30 +72,66 @@ def skinny_blocks(rows: int, n_out: int, threads: int | None = None) -> int:
     return max(threads, round(n_out / target))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x (..., K), weight (N, K), bias (N,) or None; result (..., N).
-
-    Blocked over torch's threads (see the module notes) when the weight is input-major (``weight.t()``
-    contiguous), x is a CPU tensor with at most ``MAX_ROWS`` rows, and no gradient is being recorded;
-    otherwise exactly ``F.linear``.
-    """
-    K = x.shape[-1]
-    rows = x.numel() // K if K else 0
+def _by_rows(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
+    """x2 (M, K) @ weight (N, K).T through ``nb`` row blocks of a contiguous weight -> (M, N)."""
+    rows, K = x2.shape
     N = weight.shape[0]
-    nb = skinny_blocks(rows, N)
-    wt = weight.t()
-    if (nb == 1 or not wt.is_contiguous() or x.device.type != "cpu" or weight.shape[1] != K
-            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return F.linear(x, weight, bias)
     block = N // nb
     main = nb * block
-    x2 = x.reshape(rows, K)
+    blocks = weight[:main].view(nb, block, K)
+    xt = x2.t().expand(nb, K, rows)  # transposed operand: MKL's fast batched kernel for this shape
+    out = x2.new_empty(rows, N)
+    if rows == 1:
+        torch.bmm(blocks, xt, out=out[:, :main].view(nb, block, 1))
+    else:
+        out[:, :main].copy_(torch.bmm(blocks, xt).view(main, rows).t())
+    if main < N:
+        out[:, main:] = F.linear(x2, weight[main:])
+    return out
+
+
+def _by_columns(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
+    """x2 (M, K) @ weight (N, K).T through ``nb`` column blocks of an input-major weight -> (M, N)."""
+    rows, K = x2.shape
+    N = weight.shape[0]
+    wt = weight.t()
+    block = N // nb
+    main = nb * block
     blocks = wt.as_strided((nb, K, block), (block, N, 1))  # block j: outputs [j * block, (j + 1) * block)
     y = torch.bmm(x2.expand(nb, rows, K), blocks)  # (nb, rows, block)
     out = x2.new_empty(rows, N)
     out[:, :main].view(rows, nb, block).copy_(y.transpose(0, 1))
     if main < N:
         out[:, main:] = x2 @ wt[:, main:]
+    return out
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x (..., K), weight (N, K), bias (N,) or None; result (..., N).
+
+    Blocked (see the module notes) when x is a float32/float64 CPU tensor with few rows, the weight is
+    standard (contiguous) or input-major (``.t()`` contiguous), and no gradient is being recorded; otherwise
+    exactly ``F.linear``.
+    """
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    N = weight.shape[0]
+    if (rows > MAX_ROWS or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
+            or weight.dtype != x.dtype or weight.shape[1] != K
+            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)
+    if weight.is_contiguous():
+        nb = row_blocks(rows, N, K)
+        if nb == 1:
+            return F.linear(x, weight, bias)
+        out = _by_rows(x.reshape(rows, K), weight, nb)
+    elif weight.t().is_contiguous():
+        nb = skinny_blocks(rows, N)
+        if nb == 1:
+            return F.linear(x, weight, bias)
+        out = _by_columns(x.reshape(rows, K), weight, nb)
+    else:
+        return F.linear(x, weight, bias)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], N)
@@ -96,8 +151,24 @@ def standard_layout_state_dict(module: nn.Module, state: dict, prefix: str, loca
             state[key] = t.contiguous()
 
 
-class InputMajorLinear(nn.Linear):
-    """``nn.Linear`` with an input-major weight, multiplied through :func:`skinny_linear`.
+class SkinnyLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, names and layout) multiplied through :func:`skinny_linear`."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> SkinnyLinear:
+        """The same layer, sharing ``linear``'s parameters."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, self.weight, self.bias)
+
+
+class InputMajorLinear(SkinnyLinear):
+    """:class:`SkinnyLinear` with an input-major weight.
 
     Same parameters, names and values as ``nn.Linear``; ``load_state_dict`` and dtype/device casts keep
     the layout (``copy_`` and ``preserve_format``), and ``state_dict()`` hands out the weight in standard
@@ -119,6 +190,3 @@ class InputMajorLinear(nn.Linear):
         new.bias = linear.bias
         new._register_state_dict_hook(standard_layout_state_dict)
         return new
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias)

@@ -33,7 +33,7 @@ import copy
 import torch
 from torch import nn
 
-from ..cpu.skinny import InputMajorLinear
+from ..cpu.skinny import SkinnyLinear
 from ..nn.attention import MultiHeadAttention
 from ..nn.config import DecoderConfig, TransformerConfig
 from ..nn.decoder import SelfAttention
@@ -73,15 +73,15 @@ def pool_heads(t: torch.Tensor, num_heads: int, num_groups: int, *, pooling: str
 
 
 def _linear_like(old: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """A linear layer of ``old``'s kind (plain or input-major) holding ``weight`` and ``bias``."""
+    """A linear layer of ``old``'s kind (plain, skinny or input-major) holding ``weight`` and ``bias``."""
     new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         new.weight.copy_(weight)
         if bias is not None:
             new.bias.copy_(bias)
     new.weight.requires_grad_(old.weight.requires_grad)
-    if isinstance(old, InputMajorLinear):
-        new = InputMajorLinear.from_linear(new)
+    if isinstance(old, SkinnyLinear):
+        new = type(old).from_linear(new)
     return new
 
 

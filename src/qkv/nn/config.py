@@ -315,12 +315,11 @@ class DecoderConfig:
             more than the attention itself at decode sizes. MLA layers use it for every step (one backend
             per :class:`qkv.nn.latent.LatentAttention`). None: always ``backend``.
         input_major_weights: store every projection with at least as many outputs as inputs (QKV, gate/up,
-            square ones, such expert matrices, the LM head, a tied embedding) input-major: same shape, names
-            and values, transposed strides (:class:`qkv.cpu.skinny.InputMajorLinear`). Decoding multiplies
-            one row per sequence by each weight, and MKL streams an input-major matrix through that product
-            faster on CPU (``benchmarks/RESULTS.md``), and, with several threads, few rows are spread over
-            them (:func:`qkv.cpu.skinny.skinny_linear`). ``state_dict()`` still holds standard contiguous
-            tensors, so ``safetensors.torch.save_file(model.state_dict(), path)`` works as is.
+            square ones, such expert matrices, a tied embedding) input-major: same shape, names and values,
+            transposed strides (:class:`qkv.cpu.skinny.InputMajorLinear`). Off by default: every projection
+            multiplies few rows through :func:`qkv.cpu.skinny.skinny_linear` in either layout, and the standard
+            one reads faster for 1-4 rows; input-major reads faster for 5-32 rows with several threads
+            (``benchmarks/RESULTS.md``, "skinny"). ``state_dict()`` holds standard contiguous tensors either way.
     """
 
     vocab_size: int
@@ -356,7 +355,7 @@ class DecoderConfig:
     moe: MoEConfig | None = None
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
-    input_major_weights: bool = True
+    input_major_weights: bool = False
     name: str = ""
     _derived: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 

@@ -26,8 +26,9 @@ Decoding one token per row is bound by reading every weight once per step and, a
 overhead, so the decode path is kept short: fused QKV and gate/up projections; queries and keys rotated in
 one call from a cos/sin table and handed to the cache already rotated (when the cache keeps the layer's
 keys at absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
-backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; wide weights stored input-major
-(``input_major_weights``) with few-row products spread over torch's threads (:mod:`qkv.cpu.skinny`); and
+backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; few-row products cut into
+blocks of the weight spread over torch's threads (:mod:`qkv.cpu.skinny`, every projection and the LM head);
+and
 ``logits_to_keep`` for the prefill. ``qkv.cpu.use_onednn(model)`` multiplies several-row products through
 oneDNN-prepacked weights, at the cost of a second copy of every weight. Whatever the layout in memory,
 ``state_dict()`` holds standard contiguous tensors.
@@ -60,7 +61,7 @@ from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
 from ..cpu.gemm import PrepackedWeight
 from ..cpu.gemm import linear as gemm_linear
-from ..cpu.skinny import InputMajorLinear, input_major, standard_layout_state_dict
+from ..cpu.skinny import InputMajorLinear, SkinnyLinear, input_major, standard_layout_state_dict
 from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions
 from ..pos.learned import LearnedPositionalEmbedding
@@ -314,20 +315,22 @@ class DecoderLayer(nn.Module):
         return x + h
 
 
-def _store_wide_weights_input_major(model: nn.Module) -> None:
-    """Make every ``nn.Linear`` with at least as many outputs as inputs an
-    :class:`qkv.cpu.skinny.InputMajorLinear` (same names and values, input-major storage), store such
-    stacked expert matrices input-major too, and the embedding when it is the (tied) LM head."""
+def _route_products(model: nn.Module, input_major_weights: bool) -> None:
+    """Multiply every ``nn.Linear`` through :func:`qkv.cpu.skinny.skinny_linear` (a
+    :class:`qkv.cpu.skinny.SkinnyLinear` sharing its parameters). With ``input_major_weights``, layers
+    with at least as many outputs as inputs become :class:`qkv.cpu.skinny.InputMajorLinear` (same names and
+    values, input-major storage), and so do such stacked expert matrices and a tied embedding."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.out_features >= child.in_features:
-                setattr(parent, name, InputMajorLinear.from_linear(child))
-        if isinstance(parent, Experts):
+            if type(child) is nn.Linear:
+                wide = input_major_weights and child.out_features >= child.in_features
+                setattr(parent, name, (InputMajorLinear if wide else SkinnyLinear).from_linear(child))
+        if input_major_weights and isinstance(parent, Experts):
             for name, p in list(parent.named_parameters(recurse=False)):
                 if p.shape[1] >= p.shape[2]:  # (E, out, in): each expert's (out, in) matrix input-major
                     setattr(parent, name, nn.Parameter(p.detach().transpose(1, 2).contiguous().transpose(1, 2),
                                                        requires_grad=p.requires_grad))
-    if model.lm_head is None:
+    if input_major_weights and model.lm_head is None:
         emb = model.embed_tokens.weight
         model.embed_tokens.weight = nn.Parameter(input_major(emb), requires_grad=emb.requires_grad)
 
@@ -397,8 +400,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t)) for i, t in enumerate(c.layer_types))
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.input_major_weights:
-            _store_wide_weights_input_major(self)
+        _route_products(self, c.input_major_weights)
         self._register_state_dict_hook(standard_layout_state_dict)  # saved tensors: standard layout
         self._head_prepacked: PrepackedWeight | None = None  # set_gemm("onednn")
         # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused

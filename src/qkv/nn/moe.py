@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cpu.skinny import skinny_linear
 from .activations import ACTIVATIONS, check_activation
 from .ffn import GatedMLP
 
@@ -87,8 +88,8 @@ class Experts(nn.Module):
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
             out = torch.zeros_like(x)
             for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
-                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                out += (F.linear(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
+                gate, up = skinny_linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                out += (skinny_linear(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
             return out
         flat = idx.reshape(-1)  # (T * k,)
         order = flat.argsort(stable=True)  # assignments grouped by expert
@@ -101,8 +102,8 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             t = token[start:start + n]
-            gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
+            gate, up = skinny_linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
+            y = skinny_linear(self.act(gate) * up, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
             out.index_add_(0, t, y.to(out.dtype))
             start += n
         return out
