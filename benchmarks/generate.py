@@ -10,7 +10,7 @@ MoE for the latter), random weights, built by HF and converted with ``qkv.models
   oneDNN-packed copies of the weights; one more weight's worth of memory);
 - ``qkv_input_major``: the same with ``input_major_weights=True`` (wide weights stored input-major and
   multiplied by column blocks, the default before row blocks of standard-layout weights measured faster
-  for 1-4 rows), an ablation of the one choice that is about memory traffic rather than Python overhead.
+  for a few rows), an ablation of the one choice that is about memory traffic rather than Python overhead.
 
 A streamer timestamps every new token (HF's ``streamer.put``, qkv's ``streamer(tokens)``), so each
 decode step (forward, sampling, cache update) is timed on its own: ``decode tok/s = B / median step``

@@ -18,6 +18,12 @@ weight, reported as the median and range over repeats. ``rows_path`` says which 
 row where it is ``F.linear`` shows the rule declining). ``max_abs_diff`` compares both blocked results with
 ``F.linear`` in float64.
 
+Timed alone with the caches flushed, a small weight's product also pays for Python and torch state that
+the flush evicted, so the table understates row blocks on small weights. ``decode_step`` settles those in
+place: a one-token decode step of a 4-layer, width-512 Llama-shaped ``qkv.nn.DecoderLM`` (vocabulary 32000)
+with the rule as it is (``rule``), against the same step with every weight under ``SMALL_BYTES`` through
+``F.linear`` (``small_linear``), paired repeats of 32 steps each.
+
 Published configuration (the defaults): torch's default thread count, then 1 thread; wall clock; 7 paired
 repeats. Expected time on a quiet 2-core machine: about 2 minutes.
 
@@ -41,7 +47,8 @@ from qkv.cpu.skinny import input_major, row_blocks, skinny_blocks, skinny_linear
 
 SHAPES = [(32000, 512), (2752, 512), (512, 1376), (4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K)
 QUICK_SHAPES = [(2048, 64), (600, 256)]
-ROWS = [1, 2, 4, 8]
+ROWS = [1, 2, 4, 6, 8]
+SMALL_BYTES = 4 << 20
 
 
 def read_rate(threads: int) -> float:
@@ -77,6 +84,66 @@ def _path(rows: int, n: int, k: int, threads: int, layout: str) -> str:
         return f"{nb} row blocks" if nb > 1 else "F.linear"
     nb = skinny_blocks(rows, n, threads)
     return f"{nb} column blocks" if nb > 1 else "F.linear"
+
+
+def _decode_step(threads_list: list[int], repeat: int, quick: bool) -> None:
+    """One-token decode steps with the rule as it is against small weights through ``F.linear`` (table
+    ``skinny_decode``)."""
+    import qkv.cpu.skinny as skinny
+    from qkv.cache import KVCache, Static
+    from qkv.nn import DecoderConfig, DecoderLM
+
+    rule = skinny.row_blocks
+
+    def small_linear(rows, n_out, k, threads=None):
+        return 1 if n_out * k * 4 < SMALL_BYTES else rule(rows, n_out, k, threads)
+
+    width, vocab = (64, 512) if quick else (512, 32000)
+    config = DecoderConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=2, intermediate_size=width * 43 // 16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = DecoderLM(config).eval()
+    steps, prompt = (8, 8) if quick else (32, 64)
+    suite = Suite("skinny_decode", "decode steps: row blocks on every weight against small weights through F.linear",
+                  model=f"Llama-shaped DecoderLM, 4 layers, width {width}, vocabulary {vocab}", steps=steps,
+                  prompt=prompt, repeat=repeat, clock="wall", dtype="float32", small_bytes=SMALL_BYTES)
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        for B in (1, 4):
+            ids = torch.randint(0, vocab, (B, prompt))
+
+            def run(choice):
+                def go():
+                    skinny.row_blocks = choice
+                    try:
+                        cache = KVCache(model.cache_specs(), storage=Static(prompt + steps))
+                        model(ids, cache=cache, logits_to_keep=1)
+                        tok = ids[:, -1:]
+                        t0 = time.perf_counter()
+                        for _ in range(steps):
+                            tok = model(tok, cache=cache).logits.argmax(-1)
+                        return (time.perf_counter() - t0) / steps
+                    finally:
+                        skinny.row_blocks = rule
+                return go
+
+            with torch.inference_mode():
+                run(rule)()
+                t: dict[str, list[float]] = {"rule": [], "small_linear": []}
+                for _ in range(repeat):
+                    for name, choice in (("rule", rule), ("small_linear", small_linear)):
+                        t[name].append(run(choice)())
+            suite.add({"B": B, "threads": threads}, {
+                "rule_us": statistics.median(t["rule"]) * 1e6,
+                "small_linear_us": statistics.median(t["small_linear"]) * 1e6,
+                "small_linear/rule": ratio(t["small_linear"], t["rule"]),
+                "weights_under_small_bytes": sum(1 for p in model.parameters() if p.dim() == 2
+                                                 and p.numel() * 4 < SMALL_BYTES)})
+            print(f"  decode step B={B} threads={threads}: small_linear/rule "
+                  f"{suite.rows[-1]['small_linear/rule']['median']:.2f}")
+    suite.note("small_linear/rule > 1: the step is faster with row blocks on the small weights too (every "
+               "weight here but the embedding and the LM head is under small_bytes).")
+    suite.finish()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,9 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(default_threads)
     suite.note("linear/rows > 1: skinny_linear on the standard weight (the decoder's default) is faster than "
                "F.linear; rows/floor: its time over the weight's bytes at the read rate (1 = bound by memory). "
-               "The rule in qkv.cpu.skinny (row blocks for 1-4 rows; with one thread only for K <= 1024; column "
-               "blocks of input-major weights for 1-32 rows and several threads) was chosen from this table.")
+               "The rule in qkv.cpu.skinny (row blocks for 1-8 rows; with one thread 1-4 rows of K <= 1024; column "
+               "blocks of input-major weights for 1-32 rows and several threads) was chosen from this table and its "
+               "skinny_decode table.")
     suite.finish()
+    _decode_step(threads_list, repeat, args.quick)
+    torch.set_num_threads(default_threads)
 
 
 if __name__ == "__main__":

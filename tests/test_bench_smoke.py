@@ -207,9 +207,10 @@ def _skinny(t):
     _all_below(t, "skinny", "max_abs_diff", 1e-4)
     _ranged(t, "skinny", "linear/rows")
     rows = _rows(t, "skinny")
-    assert {r["rows"] for r in rows} == {1, 2, 4, 8} and all(r["read_GB_s"] > 0 for r in rows)
+    assert {r["rows"] for r in rows} == {1, 2, 4, 6, 8} and all(r["read_GB_s"] > 0 for r in rows)
     assert any("row blocks" in r["rows_path"] for r in rows) and any(r["rows_path"] == "F.linear" for r in rows), \
         "the quick run must show the rule both taking row blocks and declining"
+    _ranged(t, "skinny_decode", "small_linear/rule")
 
 
 def _quality(t):

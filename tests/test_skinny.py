@@ -63,7 +63,9 @@ def test_blocking_rules():
     assert row_blocks(1, 32000, 4096, threads=1) == 1  # ... long rows read faster through F.linear
     assert row_blocks(4, 32000, 4096, threads=2) == 4  # at least ROW_BLOCKS blocks
     assert row_blocks(1, 32000, 512, threads=16) == 16  # ... and one per thread
-    assert row_blocks(5, 32000, 512, threads=2) == 1  # more rows: F.linear
+    assert row_blocks(8, 32000, 512, threads=2) == 4  # up to 8 rows with several threads
+    assert row_blocks(9, 32000, 512, threads=2) == 1  # more rows: F.linear
+    assert row_blocks(5, 32000, 512, threads=1) == 1  # one thread: up to 4 rows
     assert row_blocks(1, 256, 512, threads=2) == 1  # narrow weights
     assert skinny_blocks(8, 32000, threads=1) == 1  # input-major, one thread: plain GEMM
     assert skinny_blocks(8, 32000, threads=2) == 125  # ~256 outputs per block
@@ -78,11 +80,11 @@ def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch):
     real_bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or real_bmm(*a, **k))
     w = torch.randn(2048, 32)
-    for x, weight in ((torch.randn(4, 32), w), (torch.randn(8, 32), input_major(w))):
+    for x, weight in ((torch.randn(8, 32), w), (torch.randn(16, 32), input_major(w))):
         skinny_linear(x, weight)
         assert calls, f"expected the blocked GEMM for {x.shape[0]} rows and 2 threads"
         calls.clear()
-    skinny_linear(torch.randn(8, 32), w)  # standard layout, more rows than ROW_BLOCK_ROWS
+    skinny_linear(torch.randn(9, 32), w)  # standard layout, more rows than ROW_BLOCK_ROWS
     skinny_linear(torch.randn(64, 32), input_major(w))  # many rows
     skinny_linear(torch.randn(1, 32), w[:, ::2].repeat(1, 2))  # neither layout (a copy: contiguous) ...
     skinny_linear(torch.randn(1, 16), w[:, ::2])  # ... a strided view: neither

@@ -11,8 +11,8 @@ same storage (no copy), and multiplies them as one batched GEMM, which torch spr
 MKL runs through its batched kernel:
 
 - weight in ``nn.Linear``'s standard layout, ``(N, K)`` row-major: row blocks, ``(nb, N/nb, K) @ (nb, K,
-  M)``. The default; for at most ``ROW_BLOCK_ROWS`` rows, and with one thread only for ``K <=
-  ONE_THREAD_MAX_K`` (longer rows read faster through ``F.linear`` there).
+  M)``. The default; for at most ``ROW_BLOCK_ROWS`` rows, and with one thread only for at most
+  ``ONE_THREAD_ROWS`` rows of ``K <= ONE_THREAD_MAX_K`` (longer rows read faster through ``F.linear`` there).
 - weight stored input-major (a ``(N, K)`` tensor whose ``.t()`` is contiguous: same shape, names and
   values as ``nn.Linear``): column blocks, ``(nb, M, K) @ (nb, K, N/nb)``, for at most ``MAX_ROWS`` rows
   and several threads (:class:`InputMajorLinear`, opt-in through ``DecoderConfig.input_major_weights``).
@@ -45,9 +45,9 @@ __all__ = ["skinny_linear", "skinny_blocks", "row_blocks", "SkinnyLinear", "Inpu
 
 # The rules below were chosen from benchmarks/skinny.py's table (a 2-core AMD EPYC, weights cold, MKL):
 MIN_OUTPUTS = 512  # narrower weights: F.linear
-ROW_BLOCK_ROWS = 4  # standard layout: row blocks up to this many rows ...
+ROW_BLOCK_ROWS = 8  # standard layout: row blocks up to this many rows ...
 ROW_BLOCKS = 4  # ... in at least this many blocks (and at least one per thread)
-ONE_THREAD_MAX_K = 1024  # ... and with one thread only for rows this short
+ONE_THREAD_ROWS, ONE_THREAD_MAX_K = 4, 1024  # ... and with one thread up to 4 rows this short
 MAX_ROWS = 32  # input-major layout: column blocks up to this many rows, with several threads,
 BLOCK_ROWS = 256  # of ~256 outputs for 2-32 rows,
 BLOCK_ONE_ROW = 2048  # of ~2048 for one row (fewer, longer streams), at least one block per thread
@@ -57,7 +57,9 @@ def row_blocks(rows: int, n_out: int, k: int, threads: int | None = None) -> int
     """How many row blocks :func:`skinny_linear` cuts a standard-layout ``(n_out, k)`` weight into for
     ``rows`` rows (1 means ``F.linear``)."""
     threads = torch.get_num_threads() if threads is None else threads
-    if not 0 < rows <= ROW_BLOCK_ROWS or n_out < MIN_OUTPUTS or threads < 2 and k > ONE_THREAD_MAX_K:
+    if not 0 < rows <= ROW_BLOCK_ROWS or n_out < MIN_OUTPUTS:
+        return 1
+    if threads < 2 and (rows > ONE_THREAD_ROWS or k > ONE_THREAD_MAX_K):
         return 1
     return max(ROW_BLOCKS, threads)
 

@@ -318,8 +318,9 @@ class DecoderConfig:
             square ones, such expert matrices, a tied embedding) input-major: same shape, names and values,
             transposed strides (:class:`qkv.cpu.skinny.InputMajorLinear`). Off by default: every projection
             multiplies few rows through :func:`qkv.cpu.skinny.skinny_linear` in either layout, and the standard
-            one reads faster for 1-4 rows; input-major reads faster for 5-32 rows with several threads
-            (``benchmarks/RESULTS.md``, "skinny"). ``state_dict()`` holds standard contiguous tensors either way.
+            one reads faster for a few rows (small-batch decoding); input-major can read faster for about 8-32
+            rows with several threads (``benchmarks/RESULTS.md``, "skinny"). ``state_dict()`` holds standard
+            contiguous tensors either way.
     """
 
     vocab_size: int
