@@ -183,6 +183,27 @@ def context(**extra: Any) -> dict[str, Any]:
     return ctx
 
 
+_READ_RATE: dict[int, float] = {}
+
+
+def read_rate(threads: int) -> float:
+    """Bytes/s at which ``threads`` threads read a 256 MB float32 matrix (far larger than any cache) once, by a
+    sum over it, the best of 7 (cached per thread count): the memory floor of a step that must read every
+    weight once (a matrix-vector product reads slower than a sum; how much slower depends on the BLAS kernel).
+    Leaves torch at ``threads`` threads."""
+    torch.set_num_threads(threads)
+    if threads not in _READ_RATE:
+        w = torch.randn(32768, 2048)
+        w.sum()
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            w.sum()
+            times.append(time.perf_counter() - t0)
+        _READ_RATE[threads] = w.numel() * w.element_size() / min(times)
+    return _READ_RATE[threads]
+
+
 def peak_memory_during(fn: Callable[[], Any]) -> int:
     """Peak bytes allocated by ``fn`` above the allocation at entry (CUDA allocator or CPU profiler)."""
     if torch.cuda.is_available():

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Suite, ratio, target  # noqa: E402
+from _harness import Suite, ratio, read_rate, target  # noqa: E402
 from qkv.cpu.gemm import use_onednn  # noqa: E402
 
 TARGET = 1.5  # qkv decode tokens/s over HF's
@@ -115,27 +115,6 @@ class _Clock:
     _seen_prompt = False
 
 
-_STREAM: dict[int, float] = {}
-
-
-def stream_rate(threads: int) -> float:
-    """Bytes/s at which ``threads`` threads read a 256 MB float32 matrix (far larger than any cache) once, by a
-    sum over it, the best of 7: the memory floor of a one-row decode step, which must read every weight once
-    (a matrix-vector product reads slower than a sum; how much slower depends on the BLAS kernel)."""
-    if threads not in _STREAM:
-        torch.set_num_threads(threads)
-        w = torch.randn(32768, 2048)
-        for _ in range(2):
-            w.sum()
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            w.sum()
-            times.append(time.perf_counter() - t0)
-        _STREAM[threads] = w.numel() * w.element_size() / min(times)
-    return _STREAM[threads]
-
-
 def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int, repeat: int,
               thread_counts: list[int]) -> None:
     from qkv.cache import KVCache, Static
@@ -183,7 +162,7 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
         decode = {k: B / statistics.median(v) for k, v in steps.items()}
         e2e = {k: B * n_new / statistics.median(total[k]) for k in contenders}
         weight_rate = weight_bytes / statistics.median(steps["qkv"])
-        floor_s = weight_bytes / stream_rate(threads)  # every weight streamed once per step from memory
+        floor_s = weight_bytes / read_rate(threads)  # every weight streamed once per step from memory
         r = ratio(step_med["hf"], step_med["qkv"])  # qkv decode tok/s over HF's, per repeat
         r_onednn = ratio(step_med["hf"], step_med["qkv_onednn"])
         suite.add({"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {

@@ -42,26 +42,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Suite, ratio  # noqa: E402
+from _harness import Suite, ratio, read_rate  # noqa: E402
 from qkv.cpu.skinny import input_major, row_blocks, skinny_blocks, skinny_linear  # noqa: E402
 
 SHAPES = [(32000, 512), (2752, 512), (512, 1376), (4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K)
 QUICK_SHAPES = [(2048, 64), (600, 256)]
 ROWS = [1, 2, 4, 6, 8]
 SMALL_BYTES = 4 << 20
-
-
-def read_rate(threads: int) -> float:
-    """Bytes/s at which ``threads`` threads read a 256 MB float32 matrix once (a sum), the best of 7."""
-    torch.set_num_threads(threads)
-    w = torch.randn(32768, 2048)
-    w.sum()
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        w.sum()
-        times.append(time.perf_counter() - t0)
-    return w.numel() * w.element_size() / min(times)
 
 
 def _cold_times(fns: dict, repeat: int, evict: torch.Tensor) -> dict[str, list[float]]:

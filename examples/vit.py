@@ -13,8 +13,9 @@ Two data sets:
   initialised at std 0.125 = ``d_model ** -0.5``) and ``"ci"`` (width 32, two layers, 20 epochs, no shifts,
   initialised at std 0.15, near ``d_model ** -0.5``). BERT's 0.02 leaves a width-32 model on a long plateau
   and the width-64 one short of 95% after 40 epochs. Both reach at least 95% held-out accuracy (the full
-  recipe 96-99% over seeds 0-3); ``"ci"`` in seconds on one thread, which is what the test suite runs. A one-pixel shift moves
-  every 2x2 patch's content into its neighbours, so the augmented recipe needs more epochs to fit;
+  recipe 96-99% over seeds 0-3); ``"ci"`` in seconds on one thread, which is what the test suite runs. A
+  one-pixel shift moves every 2x2 patch's content into its neighbours, so the augmented recipe needs more
+  epochs to fit;
 - synthetic: 16x16 grayscale images holding one line, horizontal, vertical, diagonal or anti-diagonal, at
   a random offset, under Gaussian noise; four classes, chance is 25% (``main``).
 

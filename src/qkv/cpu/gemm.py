@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .skinny import SkinnyLinear, skinny_linear
+from .skinny import SkinnyLinear, sharing_parameters, skinny_linear
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "PrepackedWeight",
            "PrepackedLinear", "use_onednn", "can_fuse", "GemmChoice"]
@@ -166,11 +166,7 @@ class PrepackedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
         """The same layer, sharing ``linear``'s parameters."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
-        return new
+        return sharing_parameters(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self._packed())

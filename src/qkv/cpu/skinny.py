@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["skinny_linear", "skinny_blocks", "row_blocks", "SkinnyLinear", "InputMajorLinear", "input_major",
-           "standard_layout_state_dict"]
+           "standard_layout_state_dict", "sharing_parameters"]
 
 # The rules below were chosen from benchmarks/skinny.py's table (a 2-core AMD EPYC, weights cold, MKL):
 MIN_OUTPUTS = 512  # narrower weights: F.linear
@@ -153,17 +153,22 @@ def standard_layout_state_dict(module: nn.Module, state: dict, prefix: str, loca
             state[key] = t.contiguous()
 
 
+def sharing_parameters(cls: type[nn.Linear], linear: nn.Linear) -> nn.Linear:
+    """A ``cls`` (an ``nn.Linear`` subclass) holding ``linear``'s own parameter objects (none drawn anew)."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
+
+
 class SkinnyLinear(nn.Linear):
     """``nn.Linear`` (same parameters, names and layout) multiplied through :func:`skinny_linear`."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> SkinnyLinear:
         """The same layer, sharing ``linear``'s parameters."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
-        return new
+        return sharing_parameters(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias)
