@@ -27,11 +27,10 @@ overhead, so the decode path is kept short: fused QKV and gate/up projections; q
 one call from a cos/sin table and handed to the cache already rotated (when the cache keeps the layer's
 keys at absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
 backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; few-row products cut into
-blocks of the weight spread over torch's threads (:mod:`qkv.cpu.skinny`, every projection and the LM head);
-and
-``logits_to_keep`` for the prefill. ``qkv.cpu.use_onednn(model)`` multiplies several-row products through
-oneDNN-prepacked weights, at the cost of a second copy of every weight. Whatever the layout in memory,
-``state_dict()`` holds standard contiguous tensors.
+blocks of the weight spread over torch's threads (:mod:`qkv.cpu.skinny`, every projection, the experts and
+the LM head); and ``logits_to_keep`` for the prefill. ``qkv.cpu.use_onednn(model)`` multiplies
+several-row products through oneDNN-prepacked weights, at the cost of a second copy of every weight.
+Whatever the layout in memory, ``state_dict()`` holds standard contiguous tensors.
 
 Shape legend: B batch, N new tokens, S cached slots, d hidden size, Hq query heads, Hkv key/value heads,
 D head dim, R rotary dim, V vocabulary.
