@@ -86,8 +86,8 @@ def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch):
         calls.clear()
     skinny_linear(torch.randn(9, 32), w)  # standard layout, more rows than ROW_BLOCK_ROWS
     skinny_linear(torch.randn(64, 32), input_major(w))  # many rows
-    skinny_linear(torch.randn(1, 32), w[:, ::2].repeat(1, 2))  # neither layout (a copy: contiguous) ...
-    skinny_linear(torch.randn(1, 16), w[:, ::2])  # ... a strided view: neither
+    skinny_linear(torch.randn(1, 32), w[:, ::2].repeat(1, 2))  # a contiguous copy: blocked (the one call below)
+    skinny_linear(torch.randn(1, 16), w[:, ::2])  # a strided view, neither layout: F.linear
     skinny_linear(torch.randn(1, 32, dtype=torch.bfloat16), w.bfloat16())  # not a measured dtype
     x = torch.randn(1, 32, requires_grad=True)
     skinny_linear(x, w)  # a gradient is recorded
