@@ -113,7 +113,7 @@ def _hf_config_dict(config) -> dict | None:
 
 
 def _specs_of_layout(layout) -> list[LayerSpec]:
-    """Layer specs of a :class:`qkv.costs.ModelPreset` or :class:`qkv.costs.layout.Layout`."""
+    """Layer specs of a :class:`qkv.costs.ModelPreset` or :class:`qkv.spec.hf_config.Layout`."""
     if layout.kv_lora_rank:
         return [LatentSpec(layout.kv_lora_rank, layout.qk_rope_head_dim)] * layout.num_hidden_layers
     return [SlidingWindowSpec(layout.sliding_window, layout.num_key_value_heads, layout.head_dim, layout.v_head_dim)
@@ -129,7 +129,7 @@ def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | None]:
     :class:`qkv.costs.ModelPreset`; an HF config (dict or ``transformers.PretrainedConfig``: float32, the dtype
     :func:`qkv.models.from_hf` builds in)."""
     from ..costs import ModelPreset, get_preset
-    from ..costs.layout import read_layout
+    from ..spec.hf_config import read_layout
 
     if isinstance(config, torch.nn.Module) and isinstance(config, HasCacheSpecs):
         return list(config.cache_specs()), _model_dtype(config)

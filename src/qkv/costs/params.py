@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .presets import ModelPreset, get_preset, preset_from_hf_config
+from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config
 
 __all__ = [
     "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",

@@ -65,7 +65,7 @@ from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
-from .config import DecoderConfig
+from ..spec.config import DecoderConfig
 from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention
 from .moe import Experts, MoE

@@ -28,8 +28,8 @@ from ..pos.alibi import ALiBiBias
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.relative import ShawRelativePosition, T5RelativeBias
 from ..pos.sinusoidal import sinusoidal_encoding
+from ..spec.config import TransformerConfig
 from .blocks import TransformerBlock
-from .config import TransformerConfig
 from .norm import make_norm
 
 __all__ = ["TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights"]

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .config_file import check_layout_fields, read_json_config
-from .layout import read_layout
+from .hf_config import read_layout
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
 
@@ -322,7 +322,7 @@ def preset_from_hf_config(
 ) -> ModelPreset:
     """Build a preset from a HF ``config.json`` (a path, a folder holding one, or the parsed dict).
 
-    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.costs.layout.read_layout`'s, the
+    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.spec.hf_config.read_layout`'s, the
     reading the models use too, so it equals what ``transformers`` and :func:`qkv.models.from_hf` build:
     e.g. a Qwen2 ``config.json`` slides only with ``use_sliding_window`` and only from layer
     ``max_window_layers`` on. Multimodal configs are read from ``text_config``.
