@@ -30,10 +30,10 @@ from types import MappingProxyType
 from typing import Any
 
 from ..nn.activations import ACTIVATIONS
-from ..nn.latent import LatentConfig
-from ..nn.moe import MoEConfig
 from ..nn.norm import NORMS
 from ..pos.rope import RotaryEmbedding
+from .latent import LatentConfig
+from .moe import MoEConfig
 
 __all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "decoder_config_from_preset",
            "POSITIONS",
@@ -546,8 +546,6 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         ValueError: an encoder-decoder preset, or one that describes attention only.
     """
     from ..costs.params import require_whole_model
-    from ..nn.latent import LatentConfig
-    from ..nn.moe import MoEConfig
 
     p = preset
     require_whole_model(p, "get_config")
