@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config
+from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
 __all__ = [
     "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",
@@ -60,18 +60,6 @@ def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[s
         return preset_from_hf_config(preset_or_config)
     raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path or a HF config dict, got "
                     f"{type(preset_or_config).__name__}")
-
-
-def require_whole_model(preset: ModelPreset, what: str) -> None:
-    """Raise a ValueError when ``preset`` lacks the fields a whole-model count needs."""
-    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(preset, f) is None]
-    if preset.n_routed_experts is not None and preset.moe_intermediate_size is None:
-        missing.append("moe_intermediate_size")
-    if missing:
-        raise ValueError(
-            f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
-            "preset listed with a parameter count by `qkv presets`, or a full HF config.json"
-        )
 
 
 def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:

@@ -391,7 +391,8 @@ class DecoderLM(nn.Module):
         if c.position == "rope":
             rotary_dim = c.latent.qk_rope_head_dim if c.latent is not None else c.head_dim
             for kind in dict.fromkeys(c.layer_types):
-                self.ropes[kind] = _RopeTable(c.rope_for(kind).embedding(rotary_dim, c.max_position_embeddings))
+                self.ropes[kind] = _RopeTable(RotaryEmbedding.from_params(c.rope_for(kind), rotary_dim,
+                                                                         c.max_position_embeddings))
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.pos_embed = (LearnedPositionalEmbedding(c.max_position_embeddings, c.hidden_size)
                           if c.position == "learned" else None)

@@ -98,24 +98,14 @@ class LatentConfig:
 
     @classmethod
     def from_hf(cls, config) -> LatentConfig:
-        """From an HF ``DeepseekV2Config`` (or V3, or a dict with the same keys).
+        """From an HF ``DeepseekV2Config`` (or V3, a dict with the same keys, or a ``config.json`` path):
+        :func:`qkv.spec.hf_config.read_latent`.
 
         Example:
             >>> LatentConfig.from_hf({"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16,
             ...                       "q_lora_rank": 24}).q_lora_rank
             24
         """
-        get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
-        params = dict(get("rope_parameters") or get("rope_scaling") or {})
-        theta = params.pop("rope_theta", None) or get("rope_theta") or 10000.0
-        if params.get("rope_type", params.get("type", "default")) == "default":
-            params = {}
-        kw: dict[str, Any] = {}
-        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-            if get(name) is not None:
-                kw[name] = get(name)
-        return cls(hidden_size=get("hidden_size"), num_attention_heads=get("num_attention_heads"),
-                   kv_lora_rank=get("kv_lora_rank"), q_lora_rank=get("q_lora_rank"),
-                   attention_bias=bool(get("attention_bias", False)),
-                   attention_dropout=float(get("attention_dropout", 0.0) or 0.0), rope_theta=float(theta),
-                   rope_scaling=params or None, **kw)
+        from .hf_config import read_latent  # the one HF reader
+
+        return read_latent(config)

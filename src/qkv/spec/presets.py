@@ -17,11 +17,12 @@ from typing import Any
 
 from .config_file import check_layout_fields, read_json_config
 from .hf_config import read_layout
+from .layer_types import FULL_ATTENTION, LAYER_KIND, SLIDING_ATTENTION
 
-__all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
+__all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-_LAYER_KIND = {FULL: "global", SLIDING: "local"}
+FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
+_LAYER_KIND = LAYER_KIND
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +178,18 @@ class ModelPreset:
             qk_rope_head_dim=None,
             qk_nope_head_dim=None,
             notes=f"{self.name} with one KV head per query head",
+        )
+
+
+def require_whole_model(preset: ModelPreset, what: str) -> None:
+    """Raise a ValueError when ``preset`` lacks the fields a whole-model count needs."""
+    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(preset, f) is None]
+    if preset.n_routed_experts is not None and preset.moe_intermediate_size is None:
+        missing.append("moe_intermediate_size")
+    if missing:
+        raise ValueError(
+            f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
+            "preset listed with a parameter count by `qkv presets`, or a full HF config.json"
         )
 
 
