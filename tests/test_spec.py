@@ -140,3 +140,41 @@ def test_rope_params_build_the_same_embedding():
 def test_docstring_examples_run(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+def _whole_decoder_presets():
+    return [p for p in qkv.spec.PRESETS.values() if not p.encoder_layers]
+
+
+@pytest.mark.parametrize("name", [p.name for p in _whole_decoder_presets()])
+def test_preset_is_a_description_and_back(name):
+    """``preset.config`` is the DecoderConfig ``get_config(name)`` returns; reading it back as a preset gives the
+    same cost arithmetic (parameters, KV bytes, FLOPs)."""
+    from qkv.costs import kv_cache_memory, model_flops, num_parameters
+
+    preset = qkv.spec.PRESETS[name]
+    cfg = preset.config
+    assert qkv.spec.get_config(name) == cfg
+    assert qkv.spec.config.decoder_config_from_preset(preset) == cfg
+    back = qkv.spec.ModelPreset.from_config(cfg, source=preset.source)
+    assert back.layer_types == preset.layer_types and back.attention_kind == preset.attention_kind
+    assert num_parameters(back)[1:] == num_parameters(preset)[1:]
+    assert num_parameters(cfg)[1:] == num_parameters(preset)[1:]  # costs take the description itself
+    assert kv_cache_memory(back, context=4096).total_bytes == kv_cache_memory(preset, context=4096).total_bytes
+    assert model_flops(cfg, context=1024).prefill == model_flops(preset, context=1024).prefill
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-gpt"])
+def test_costs_of_a_description_count_the_built_model(name):
+    from qkv.costs import num_parameters
+    from qkv.nn import DecoderLM
+
+    cfg = qkv.spec.get_config(name)
+    assert num_parameters(cfg).total == sum(p.numel() for p in DecoderLM(cfg).parameters())
+
+
+def test_from_config_refuses_what_costs_do_not_count():
+    with pytest.raises(ValueError, match="embed_norm.*does not count"):
+        qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-bloom"))
+    with pytest.raises(TypeError, match="expected a qkv.spec.DecoderConfig"):
+        qkv.spec.ModelPreset.from_config({"hidden_size": 8})

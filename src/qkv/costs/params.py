@@ -29,6 +29,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from ..spec.config import DecoderConfig
 from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
 __all__ = [
@@ -51,15 +52,18 @@ class ParamCount(NamedTuple):
 
 
 def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[str, Any], what: str) -> ModelPreset:
-    """A :class:`ModelPreset` from itself, a preset name, a HF ``config.json`` path or a parsed HF config dict."""
+    """A :class:`ModelPreset` from itself, a :class:`qkv.spec.DecoderConfig`, a preset name, a HF ``config.json``
+    path or a parsed HF config dict."""
     if isinstance(preset_or_config, ModelPreset):
         return preset_or_config
+    if isinstance(preset_or_config, DecoderConfig):
+        return ModelPreset.from_config(preset_or_config)
     if isinstance(preset_or_config, (str, os.PathLike)):
         return get_preset(preset_or_config)
     if isinstance(preset_or_config, Mapping):
         return preset_from_hf_config(preset_or_config)
-    raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path or a HF config dict, got "
-                    f"{type(preset_or_config).__name__}")
+    raise TypeError(f"{what}: expected a ModelPreset, a DecoderConfig, a preset name, a HF config.json path or a "
+                    f"HF config dict, got {type(preset_or_config).__name__}")
 
 
 def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:

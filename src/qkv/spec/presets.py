@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
 from .hf_config import read_layout
+from .latent import LatentConfig
 from .layer_types import FULL_ATTENTION, LAYER_KIND, SLIDING_ATTENTION
+from .moe import MoEConfig
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
@@ -160,6 +163,97 @@ class ModelPreset:
         """Layers per kind, ``{"global": n, "local": m}``, kinds with no layer left out."""
         counts = {kind: self.layer_types.count(t) for t, kind in _LAYER_KIND.items()}
         return {kind: c for kind, c in counts.items() if c}
+
+    @property
+    def config(self) -> DecoderConfig:
+        """This model as a :class:`qkv.spec.DecoderConfig`: the description :class:`qkv.nn.DecoderLM` builds and
+        ``qkv.nn.get_config(name)`` returns (whole-model presets only).
+
+        What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
+        feed-forwards and for presets with sandwich norms, the Gemma layout), RoPE unless the preset has a
+        learned position table. The context length is the learned table's size, else the preset's stated
+        ``max_position_embeddings``, else 4096.
+
+        Raises:
+            ValueError: an encoder-decoder preset, or one that describes attention only.
+
+        Example:
+            >>> c = PRESETS["gemma-3-27b"].config
+            >>> c.layer_types.count("full_attention"), c.qk_norm, c.tie_word_embeddings
+            (10, True, True)
+        """
+        p = self
+        require_whole_model(p, "get_config")
+        if p.encoder_layers:
+            raise ValueError(f"get_config: {p.name!r} is an encoder-decoder; qkv.nn.DecoderLM is decoder-only (use "
+                             "TransformerConfig with EncoderDecoder)")
+        dense = p.mlp == "dense"
+        kw: dict[str, Any] = dict(
+            vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
+            num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+            intermediate_size=p.intermediate_size, gated_mlp=not dense,
+            hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms else "silu"),
+            norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
+            qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
+            position="learned" if p.learned_positions else "rope",
+            max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
+        )
+        if p.head_dim != p.hidden_size // p.num_attention_heads:
+            kw["head_dim"] = p.head_dim
+        if "local" in p.layer_counts:
+            kw.update(sliding_window=p.sliding_window, layer_types=p.layer_types)
+        if p.kv_lora_rank is not None:
+            kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
+                                        kv_lora_rank=p.kv_lora_rank, q_lora_rank=p.q_lora_rank,
+                                        qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
+                                        v_head_dim=p.value_head_dim)
+            kw.pop("head_dim", None)
+        if p.n_routed_experts is not None:
+            kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
+                                  moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
+                                  first_k_dense_replace=p.first_k_dense_replace)
+        return DecoderConfig(**kw)
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, *, source: str = "", notes: str = "") -> ModelPreset:
+        """The preset of a :class:`qkv.spec.DecoderConfig`, so :mod:`qkv.costs` counts any description (its
+        parameter count equals the built model's). ``ValueError`` for what the cost arithmetic does not count.
+
+        Example:
+            >>> from qkv.spec import get_config
+            >>> ModelPreset.from_config(get_config("tiny-gemma")).layer_counts
+            {'global': 2, 'local': 2}
+        """
+        c = config
+        if not isinstance(c, DecoderConfig):
+            raise TypeError(f"ModelPreset.from_config: expected a qkv.spec.DecoderConfig, got {type(c).__name__}")
+        uncounted = [f for f, bad in (("embed_norm", c.embed_norm), ("o_bias without qkv_bias", c.o_bias and
+                                      not c.qkv_bias), ("moe_layer_freq != 1", c.moe and c.moe.moe_layer_freq != 1))
+                     if bad]
+        if uncounted:
+            raise ValueError(f"ModelPreset.from_config: {c.name or 'the config'} has {', '.join(uncounted)}, which "
+                             "qkv.costs does not count; count such a model from its built parameters")
+        kw: dict[str, Any] = dict(
+            name=c.name or "config", num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+            sliding_window=c.sliding_window if SLIDING in c.layer_types else None, layer_types=c.layer_types,
+            source=source, notes=notes, vocab_size=c.vocab_size, intermediate_size=c.intermediate_size,
+            mlp="gated" if c.gated_mlp else "dense", norm=c.norm, attention_bias=c.o_bias,
+            qkv_bias=c.qkv_bias and not c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
+            sandwich_norms=c.sandwich_norms, tie_word_embeddings=c.tie_word_embeddings,
+            learned_positions=c.max_position_embeddings if c.position == "learned" else None,
+            max_position_embeddings=c.max_position_embeddings)
+        if c.latent is not None:
+            lat = c.latent
+            kw.update(num_key_value_heads=c.num_attention_heads, head_dim=lat.qk_head_dim,
+                      kv_lora_rank=lat.kv_lora_rank, qk_rope_head_dim=lat.qk_rope_head_dim,
+                      qk_nope_head_dim=lat.qk_nope_head_dim, v_head_dim=lat.v_head_dim, q_lora_rank=lat.q_lora_rank)
+        if c.moe is not None:
+            m = c.moe
+            kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
+                      moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
+                      first_k_dense_replace=m.first_k_dense_replace)
+        return cls(**kw)
 
     def mha_equivalent(self) -> ModelPreset:
         """The same model with one key/value head per query head and no latent compression.
