@@ -178,3 +178,14 @@ def test_from_config_refuses_what_costs_do_not_count():
         qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-bloom"))
     with pytest.raises(TypeError, match="expected a qkv.spec.DecoderConfig"):
         qkv.spec.ModelPreset.from_config({"hidden_size": 8})
+
+
+def test_from_config_refuses_a_field_it_does_not_count(monkeypatch):
+    """A DecoderConfig field the cost arithmetic does not know (one added later) is refused when set away from
+    its default, never silently left out of the count."""
+    from qkv.spec import presets
+
+    monkeypatch.setattr(presets, "_COUNTED_FIELDS", presets._COUNTED_FIELDS - {"qk_norm"})
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-gemma"))
+    assert qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-llama")).qk_norm is False

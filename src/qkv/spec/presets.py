@@ -230,6 +230,11 @@ class ModelPreset:
         uncounted = [f for f, bad in (("embed_norm", c.embed_norm), ("o_bias without qkv_bias", c.o_bias and
                                       not c.qkv_bias), ("moe_layer_freq != 1", c.moe and c.moe.moe_layer_freq != 1))
                      if bad]
+        defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(c) if f.init and not (f.default is f.default_factory is
+                                                                      dataclasses.MISSING)}
+        uncounted += [f"{name}={getattr(c, name)!r}" for name, default in defaults.items()  # fields added later
+                      if name not in _COUNTED_FIELDS and getattr(c, name) != default]
         if uncounted:
             raise ValueError(f"ModelPreset.from_config: {c.name or 'the config'} has {', '.join(uncounted)}, which "
                              "qkv.costs does not count; count such a model from its built parameters")
@@ -285,6 +290,18 @@ def require_whole_model(preset: ModelPreset, what: str) -> None:
             f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
             "preset listed with a parameter count by `qkv presets`, or a full HF config.json"
         )
+
+
+#: DecoderConfig fields :meth:`ModelPreset.from_config` counts or that change no count; any other field set
+#: away from its default is refused, so a field added to the description is never silently miscounted.
+_COUNTED_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "num_key_value_heads", "head_dim", "hidden_act", "gated_mlp", "norm", "rms_norm_eps", "layer_norm_eps",
+    "norm_offset", "position", "embed_norm", "scale_embeddings", "sandwich_norms", "qkv_bias", "o_bias", "mlp_bias",
+    "qk_norm", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings",
+    "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
+    "input_major_weights", "name",
+})
 
 
 def _pattern(num_layers: int, period: int) -> tuple[str, ...]:
