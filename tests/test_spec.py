@@ -53,6 +53,23 @@ def test_imports_without_torch(module):
     assert all(m == "qkv" or m.startswith(allowed) for m in got["loaded"]), got["loaded"]
 
 
+def test_spec_imports_nothing_above_it():
+    """Spec is the lowest layer: no module of it imports (even lazily, inside a function) another qkv package."""
+    import ast
+    import pathlib
+
+    bad = []
+    for path in pathlib.Path(qkv.spec.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level > 1 or (node.module or "").startswith("qkv")
+                                                     and not node.module.startswith("qkv.spec")):
+                bad.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Import) and any(a.name.startswith(("qkv.", "torch")) and
+                                                    not a.name.startswith("qkv.spec") for a in node.names):
+                bad.append(f"{path.name}:{node.lineno}")
+    assert not bad, bad
+
+
 def test_the_guard_does_refuse_torch():
     """The guard of the test above is real: importing torch-needing qkv modules under it fails."""
     code = _BLOCK_TORCH + "import qkv.nn\n"
@@ -136,7 +153,8 @@ def test_rope_params_build_the_same_embedding():
 
 
 @pytest.mark.parametrize("name", ["qkv.spec", "qkv.spec.config", "qkv.spec.hf_config", "qkv.spec.layer_types",
-                                  "qkv.spec.rope", "qkv.spec.latent", "qkv.spec.presets"])
+                                  "qkv.spec.rope", "qkv.spec.latent", "qkv.spec.presets",
+                                  "qkv.cache.describe"])
 def test_docstring_examples_run(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

@@ -31,12 +31,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..spec.config import DecoderConfig
 from ..spec.hf_config import description_dtype, read_layout
-from ..spec.layer_types import SLIDING_ATTENTION
 from ..spec.presets import ModelPreset, get_preset
+from .describe import cache_specs_of
 from .paged import Paged
 from .protocol import CachePolicy, HasCacheSpecs, Quantizer
-from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec, element_bytes
+from .specs import CrossSpec, FullSpec, LayerSpec, SlidingWindowSpec, element_bytes
 from .storage import Dynamic, Static
 
 __all__ = ["plan_memory", "MemoryPlan", "LayerPlan", "resolve_specs"]
@@ -105,20 +106,11 @@ def _model_dtype(model) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _specs_of_layout(layout) -> list[LayerSpec]:
-    """Layer specs of a :class:`qkv.spec.ModelPreset` or :class:`qkv.spec.hf_config.Layout`."""
-    if layout.kv_lora_rank:
-        return [LatentSpec(layout.kv_lora_rank, layout.qk_rope_head_dim)] * layout.num_hidden_layers
-    return [SlidingWindowSpec(layout.sliding_window, layout.num_key_value_heads, layout.head_dim, layout.v_head_dim)
-            if t == SLIDING_ATTENTION else FullSpec(layout.num_key_value_heads, layout.head_dim, layout.v_head_dim)
-            for t in layout.layer_types]
-
-
 def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | str]:
     """The layer specs of what ``plan_memory`` accepts, and the dtype its cache holds by default.
 
     The default dtype, one rule: a model (``torch.nn.Module`` with ``cache_specs()``) caches in its
-    parameters' dtype; a qkv model config with ``cache_specs()`` (:class:`qkv.nn.DecoderConfig`) in torch's
+    parameters' dtype; a qkv model config (:class:`qkv.nn.DecoderConfig`, or anything with ``cache_specs()``) in torch's
     default dtype, the dtype ``DecoderLM(config)`` is built in; every other description (an HF config dict,
     ``transformers`` config or ``config.json`` path, a preset name, a :class:`qkv.spec.ModelPreset`, layer
     specs) in the dtype it declares (HF's ``dtype``/``torch_dtype``), else bfloat16, the dtype published
@@ -127,13 +119,15 @@ def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | str]:
         return list(config.cache_specs()), _model_dtype(config)
     if isinstance(config, HasCacheSpecs):
         return list(config.cache_specs()), torch.get_default_dtype()
+    if isinstance(config, DecoderConfig):
+        return cache_specs_of(config), torch.get_default_dtype()
     dtype = _torch_dtype(description_dtype(config))
     if isinstance(config, (str, os.PathLike)) and not os.path.exists(config):
         config = get_preset(config)
     if isinstance(config, ModelPreset):
-        return _specs_of_layout(config), dtype
+        return cache_specs_of(config), dtype
     if isinstance(config, (Mapping, str, os.PathLike)) or _is_transformers_config(config):
-        return _specs_of_layout(read_layout(config)), dtype
+        return cache_specs_of(read_layout(config)), dtype
     if isinstance(config, Sequence) and not isinstance(config, (str, bytes)) and all(
             isinstance(s, LayerSpec) for s in config):
         return list(config), dtype

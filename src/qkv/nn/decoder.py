@@ -56,6 +56,7 @@ from torch import nn
 from .. import masks, mods
 from .._attention import attention
 from ..cache.cache import KVCache
+from ..cache.describe import cache_specs_of
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
 from ..cpu.gemm import PrepackedWeight
@@ -492,5 +493,5 @@ class DecoderLM(nn.Module):
         self._head_prepacked = PrepackedWeight() if engine == "onednn" else None
 
     def cache_specs(self) -> list[LayerSpec]:
-        """One :mod:`qkv.cache` layer spec per layer (:meth:`qkv.nn.DecoderConfig.cache_specs`)."""
-        return self.config.cache_specs()
+        """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""
+        return cache_specs_of(self.config)

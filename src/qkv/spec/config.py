@@ -408,16 +408,6 @@ class DecoderConfig:
         """Keys per query of layer ``layer_idx`` (None: full causal attention)."""
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
 
-    def cache_specs(self) -> list:
-        """One :mod:`qkv.cache` layer spec per layer (what :meth:`qkv.nn.DecoderLM.cache_specs` returns):
-        ``LatentSpec`` for MLA, ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise."""
-        from ..cache.specs import FullSpec, LatentSpec, SlidingWindowSpec
-
-        if self.latent is not None:
-            return [LatentSpec(self.latent.kv_lora_rank, self.latent.qk_rope_head_dim)] * self.num_hidden_layers
-        return [SlidingWindowSpec(w, self.num_key_value_heads, self.head_dim) if (w := self.window_for(i)) else
-                FullSpec(self.num_key_value_heads, self.head_dim) for i in range(self.num_hidden_layers)]
-
     def rope_for(self, layer_type: str) -> RopeParams:
         """The RoPE parameters of layers of ``layer_type`` (``"full_attention"``'s when it has none)."""
         return self.rope.get(layer_type, self.rope[FULL_ATTENTION])
