@@ -18,9 +18,7 @@ from typing import Any
 from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
 from .hf_config import read_layout
-from .latent import LatentConfig
 from .layer_types import FULL_ATTENTION, LAYER_KIND, SLIDING_ATTENTION
-from .moe import MoEConfig
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
@@ -169,10 +167,8 @@ class ModelPreset:
         """This model as a :class:`qkv.spec.DecoderConfig`: the description :class:`qkv.nn.DecoderLM` builds and
         ``qkv.nn.get_config(name)`` returns (whole-model presets only).
 
-        What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
-        feed-forwards and for presets with sandwich norms, the Gemma layout), RoPE unless the preset has a
-        learned position table. The context length is the learned table's size, else the preset's stated
-        ``max_position_embeddings``, else 4096.
+        What a preset does not record takes the family's usual value
+        (:func:`qkv.spec.config.decoder_config_from_preset`).
 
         Raises:
             ValueError: an encoder-decoder preset, or one that describes attention only.
@@ -182,37 +178,9 @@ class ModelPreset:
             >>> c.layer_types.count("full_attention"), c.qk_norm, c.tie_word_embeddings
             (10, True, True)
         """
-        p = self
-        require_whole_model(p, "get_config")
-        if p.encoder_layers:
-            raise ValueError(f"get_config: {p.name!r} is an encoder-decoder; qkv.nn.DecoderLM is decoder-only (use "
-                             "TransformerConfig with EncoderDecoder)")
-        dense = p.mlp == "dense"
-        kw: dict[str, Any] = dict(
-            vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
-            num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
-            intermediate_size=p.intermediate_size, gated_mlp=not dense,
-            hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms else "silu"),
-            norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
-            qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
-            position="learned" if p.learned_positions else "rope",
-            max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
-        )
-        if p.head_dim != p.hidden_size // p.num_attention_heads:
-            kw["head_dim"] = p.head_dim
-        if "local" in p.layer_counts:
-            kw.update(sliding_window=p.sliding_window, layer_types=p.layer_types)
-        if p.kv_lora_rank is not None:
-            kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
-                                        kv_lora_rank=p.kv_lora_rank, q_lora_rank=p.q_lora_rank,
-                                        qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
-                                        v_head_dim=p.value_head_dim)
-            kw.pop("head_dim", None)
-        if p.n_routed_experts is not None:
-            kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
-                                  moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
-                                  first_k_dense_replace=p.first_k_dense_replace)
-        return DecoderConfig(**kw)
+        from .config import decoder_config_from_preset  # the conversion, beside DecoderConfig
+
+        return decoder_config_from_preset(self)
 
     @classmethod
     def from_config(cls, config: DecoderConfig, *, source: str = "", notes: str = "") -> ModelPreset:
