@@ -62,8 +62,8 @@ def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[s
         return get_preset(preset_or_config)
     if isinstance(preset_or_config, Mapping):
         return preset_from_hf_config(preset_or_config)
-    raise TypeError(f"{what}: expected a ModelPreset, a DecoderConfig, a preset name, a HF config.json path or a "
-                    f"HF config dict, got {type(preset_or_config).__name__}")
+    raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path, a HF config dict or a "
+                    f"qkv.spec.DecoderConfig, got {type(preset_or_config).__name__}")
 
 
 def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
