@@ -158,7 +158,9 @@ def test_plan_memory_inputs_and_default_dtype():
     assert plan_memory(model.double(), context=100).needed_bytes == 2 * want.needed_bytes
     hf = {"model_type": "mistral", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
           "num_key_value_heads": 2, "sliding_window": 5}
-    assert plan_memory(hf, context=100).needed_bytes == plan_memory(
+    assert plan_memory(hf, context=100).needed_bytes == plan_memory(  # no declared dtype: bf16, as a preset
+        [SlidingWindowSpec(5, 2, 8)] * 2, context=100, dtype=torch.bfloat16).needed_bytes
+    assert plan_memory({**hf, "torch_dtype": "float32"}, context=100).needed_bytes == plan_memory(
         [SlidingWindowSpec(5, 2, 8)] * 2, context=100, dtype=torch.float32).needed_bytes
     by_name = plan_memory("llama-3-8b", context=1000)
     assert by_name.needed_bytes == 32 * 1000 * 2 * 8 * 128 * 2  # bf16 for a published preset

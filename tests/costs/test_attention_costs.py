@@ -30,8 +30,8 @@ from qkv.costs import (
 )
 from qkv.costs import flops as flops_mod
 from qkv.costs import memory as memory_mod
-from qkv.costs import presets as presets_mod
 from qkv.costs import units as units_mod
+from qkv.spec import presets as presets_mod
 
 K128 = 131_072
 

@@ -1,4 +1,4 @@
-"""qkv.costs.layout.read_layout, the one reader of an HF config's attention layout: its layer types equal HF's
+"""qkv.spec.hf_config.read_layout, the one reader of an HF config's attention layout: its layer types equal HF's
 own ``config.layer_types`` for raw ``config.json`` dicts with and without them, and the model ``from_hf``
 builds, ``qkv.costs.kv_cache_memory`` and ``qkv.cache.plan_memory`` count the same KV-cache bytes."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from qkv.costs import kv_cache_memory, preset_from_hf_config
-from qkv.costs import layout as layout_module
-from qkv.costs.layout import FULL_ATTENTION, SLIDING_ATTENTION, read_layout
+from qkv.spec import hf_config as layout_module
+from qkv.spec.hf_config import FULL_ATTENTION, SLIDING_ATTENTION, read_layout
 
 transformers = pytest.importorskip("transformers")
 

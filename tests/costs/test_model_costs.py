@@ -340,7 +340,7 @@ def _shrunk(name):
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.encoder_layers])
 def test_preset_shaped_model_has_the_counted_parameters(name):
     from qkv.nn import DecoderLM
-    from qkv.nn.config import decoder_config_from_preset
+    from qkv.spec.config import decoder_config_from_preset
 
     small = _shrunk(name)
     model = DecoderLM(decoder_config_from_preset(small))

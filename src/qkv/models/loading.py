@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..costs.config_file import read_json_config
+from ..spec.config_file import read_json_config
 
 __all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load"]
 

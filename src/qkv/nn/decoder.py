@@ -56,6 +56,7 @@ from torch import nn
 from .. import masks, mods
 from .._attention import attention
 from ..cache.cache import KVCache
+from ..cache.describe import cache_specs_of
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
 from ..cpu.gemm import PrepackedWeight
@@ -65,7 +66,7 @@ from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
-from .config import DecoderConfig
+from ..spec.config import DecoderConfig
 from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention
 from .moe import Experts, MoE
@@ -391,7 +392,8 @@ class DecoderLM(nn.Module):
         if c.position == "rope":
             rotary_dim = c.latent.qk_rope_head_dim if c.latent is not None else c.head_dim
             for kind in dict.fromkeys(c.layer_types):
-                self.ropes[kind] = _RopeTable(c.rope_for(kind).embedding(rotary_dim, c.max_position_embeddings))
+                self.ropes[kind] = _RopeTable(RotaryEmbedding.from_params(c.rope_for(kind), rotary_dim,
+                                                                         c.max_position_embeddings))
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.pos_embed = (LearnedPositionalEmbedding(c.max_position_embeddings, c.hidden_size)
                           if c.position == "learned" else None)
@@ -491,5 +493,5 @@ class DecoderLM(nn.Module):
         self._head_prepacked = PrepackedWeight() if engine == "onednn" else None
 
     def cache_specs(self) -> list[LayerSpec]:
-        """One :mod:`qkv.cache` layer spec per layer (:meth:`qkv.nn.DecoderConfig.cache_specs`)."""
-        return self.config.cache_specs()
+        """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""
+        return cache_specs_of(self.config)

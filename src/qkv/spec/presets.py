@@ -15,13 +15,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
-from .layout import read_layout
+from .hf_config import read_layout
+from .layer_types import FULL_ATTENTION, LAYER_KIND, SLIDING_ATTENTION
 
-__all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config"]
+__all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-_LAYER_KIND = {FULL: "global", SLIDING: "local"}
+FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
+_LAYER_KIND = LAYER_KIND
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +162,72 @@ class ModelPreset:
         counts = {kind: self.layer_types.count(t) for t, kind in _LAYER_KIND.items()}
         return {kind: c for kind, c in counts.items() if c}
 
+    @property
+    def config(self) -> DecoderConfig:
+        """This model as a :class:`qkv.spec.DecoderConfig`: the description :class:`qkv.nn.DecoderLM` builds and
+        ``qkv.nn.get_config(name)`` returns (whole-model presets only).
+
+        What a preset does not record takes the family's usual value
+        (:func:`qkv.spec.config.decoder_config_from_preset`).
+
+        Raises:
+            ValueError: an encoder-decoder preset, or one that describes attention only.
+
+        Example:
+            >>> c = PRESETS["gemma-3-27b"].config
+            >>> c.layer_types.count("full_attention"), c.qk_norm, c.tie_word_embeddings
+            (10, True, True)
+        """
+        from .config import decoder_config_from_preset  # the conversion, beside DecoderConfig
+
+        return decoder_config_from_preset(self)
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, *, source: str = "", notes: str = "") -> ModelPreset:
+        """The preset of a :class:`qkv.spec.DecoderConfig`, so :mod:`qkv.costs` counts any description (its
+        parameter count equals the built model's). ``ValueError`` for what the cost arithmetic does not count.
+
+        Example:
+            >>> from qkv.spec import get_config
+            >>> ModelPreset.from_config(get_config("tiny-gemma")).layer_counts
+            {'global': 2, 'local': 2}
+        """
+        c = config
+        if not isinstance(c, DecoderConfig):
+            raise TypeError(f"ModelPreset.from_config: expected a qkv.spec.DecoderConfig, got {type(c).__name__}")
+        uncounted = [f for f, bad in (("embed_norm", c.embed_norm), ("o_bias without qkv_bias", c.o_bias and
+                                      not c.qkv_bias), ("moe_layer_freq != 1", c.moe and c.moe.moe_layer_freq != 1))
+                     if bad]
+        defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(c) if f.init and not (f.default is f.default_factory is
+                                                                      dataclasses.MISSING)}
+        uncounted += [f"{name}={getattr(c, name)!r}" for name, default in defaults.items()  # fields added later
+                      if name not in _COUNTED_FIELDS and getattr(c, name) != default]
+        if uncounted:
+            raise ValueError(f"ModelPreset.from_config: {c.name or 'the config'} has {', '.join(uncounted)}, which "
+                             "qkv.costs does not count; count such a model from its built parameters")
+        kw: dict[str, Any] = dict(
+            name=c.name or "config", num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+            sliding_window=c.sliding_window if SLIDING in c.layer_types else None, layer_types=c.layer_types,
+            source=source, notes=notes, vocab_size=c.vocab_size, intermediate_size=c.intermediate_size,
+            mlp="gated" if c.gated_mlp else "dense", norm=c.norm, attention_bias=c.o_bias,
+            qkv_bias=c.qkv_bias and not c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
+            sandwich_norms=c.sandwich_norms, tie_word_embeddings=c.tie_word_embeddings,
+            learned_positions=c.max_position_embeddings if c.position == "learned" else None,
+            max_position_embeddings=c.max_position_embeddings)
+        if c.latent is not None:
+            lat = c.latent
+            kw.update(num_key_value_heads=c.num_attention_heads, head_dim=lat.qk_head_dim,
+                      kv_lora_rank=lat.kv_lora_rank, qk_rope_head_dim=lat.qk_rope_head_dim,
+                      qk_nope_head_dim=lat.qk_nope_head_dim, v_head_dim=lat.v_head_dim, q_lora_rank=lat.q_lora_rank)
+        if c.moe is not None:
+            m = c.moe
+            kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
+                      moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
+                      first_k_dense_replace=m.first_k_dense_replace)
+        return cls(**kw)
+
     def mha_equivalent(self) -> ModelPreset:
         """The same model with one key/value head per query head and no latent compression.
 
@@ -178,6 +246,30 @@ class ModelPreset:
             qk_nope_head_dim=None,
             notes=f"{self.name} with one KV head per query head",
         )
+
+
+def require_whole_model(preset: ModelPreset, what: str) -> None:
+    """Raise a ValueError when ``preset`` lacks the fields a whole-model count needs."""
+    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(preset, f) is None]
+    if preset.n_routed_experts is not None and preset.moe_intermediate_size is None:
+        missing.append("moe_intermediate_size")
+    if missing:
+        raise ValueError(
+            f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
+            "preset listed with a parameter count by `qkv presets`, or a full HF config.json"
+        )
+
+
+#: DecoderConfig fields :meth:`ModelPreset.from_config` counts or that change no count; any other field set
+#: away from its default is refused, so a field added to the description is never silently miscounted.
+_COUNTED_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "num_key_value_heads", "head_dim", "hidden_act", "gated_mlp", "norm", "rms_norm_eps", "layer_norm_eps",
+    "norm_offset", "position", "embed_norm", "scale_embeddings", "sandwich_norms", "qkv_bias", "o_bias", "mlp_bias",
+    "qk_norm", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings",
+    "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
+    "input_major_weights", "name",
+})
 
 
 def _pattern(num_layers: int, period: int) -> tuple[str, ...]:
@@ -322,7 +414,7 @@ def preset_from_hf_config(
 ) -> ModelPreset:
     """Build a preset from a HF ``config.json`` (a path, a folder holding one, or the parsed dict).
 
-    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.costs.layout.read_layout`'s, the
+    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.spec.hf_config.read_layout`'s, the
     reading the models use too, so it equals what ``transformers`` and :func:`qkv.models.from_hf` build:
     e.g. a Qwen2 ``config.json`` slides only with ``use_sliding_window`` and only from layer
     ``max_window_layers`` on. Multimodal configs are read from ``text_config``.

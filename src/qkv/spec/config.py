@@ -29,19 +29,21 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..pos.rope import RotaryEmbedding
-from .activations import ACTIVATIONS
 from .latent import LatentConfig
+from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 from .moe import MoEConfig
-from .norm import NORMS
+from .rope import RopeParams, check_rope_scaling
 
 __all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "decoder_config_from_preset",
-           "POSITIONS",
-           "DECODER_POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
+           "POSITIONS", "DECODER_POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION", "ACTIVATION_NAMES", "NORMS"]
 
 POSITIONS = ("rope", "learned", "sinusoidal", "alibi", "t5", "shaw", "none")
 DECODER_POSITIONS = ("rope", "learned", "alibi")
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # HF ``layer_types`` values
+#: Feed-forward activations by name (the functions are :data:`qkv.nn.activations.ACTIVATIONS`, same keys).
+ACTIVATION_NAMES = ("silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "relu", "swiglu", "geglu")
+#: Norm kinds: ``"layer"`` (scale and shift) and ``"rms"`` (a scale per channel).
+NORMS = ("layer", "rms")
+
 
 
 def _positive_ints(owner: str, obj, names) -> None:
@@ -54,7 +56,7 @@ def _positive_ints(owner: str, obj, names) -> None:
 def _check_layer_types(owner: str, layer_types: tuple[str, ...], n_layers: int, sliding_window) -> None:
     if len(layer_types) != n_layers:
         raise ValueError(f"{owner}: layer_types has {len(layer_types)} entries for {n_layers} layers")
-    bad = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    bad = set(layer_types) - set(LAYER_TYPES)
     if bad:
         raise ValueError(f"{owner}: layer_types must be {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}, got {sorted(bad)}")
     if SLIDING_ATTENTION in layer_types and not (isinstance(sliding_window, int) and sliding_window > 0):
@@ -85,7 +87,7 @@ class TransformerConfig:
         n_kv_heads: key/value heads (``num_key_value_heads``; default ``n_heads``).
         head_dim: per-head width (default ``d_model // n_heads``).
         d_ff: feed-forward hidden width (``intermediate_size``; default ``4 * d_model``).
-        activation: feed-forward activation, one of ``qkv.nn.ffn.ACTIVATIONS`` (``"swiglu"``, ``"geglu"``
+        activation: feed-forward activation, one of ``ACTIVATION_NAMES`` (``"swiglu"``, ``"geglu"``
             are gated).
         norm: ``"layer"`` or ``"rms"``; ``norm_eps`` its epsilon.
         norm_first: pre-norm (True, GPT-2 onwards) or post-norm (False, Vaswani et al., BERT).
@@ -166,8 +168,8 @@ class TransformerConfig:
             set_("head_dim", self.d_model // self.n_heads)
         if self.d_ff is None:
             set_("d_ff", 4 * self.d_model)
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"TransformerConfig: activation must be one of {tuple(ACTIVATIONS)}, got "
+        if self.activation not in ACTIVATION_NAMES:
+            raise ValueError(f"TransformerConfig: activation must be one of {tuple(ACTIVATION_NAMES)}, got "
                              f"{self.activation!r}")
         if self.norm not in NORMS:
             raise ValueError(f"TransformerConfig: norm must be one of {NORMS}, got {self.norm!r}")
@@ -183,8 +185,14 @@ class TransformerConfig:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         _check_layer_types("TransformerConfig", self.layer_types, self.n_layers, self.sliding_window)
         object.__setattr__(self, "_derived", frozenset(derived))
-        if self.position == "rope":
-            self.rotary_embedding()  # validates rope_scaling early
+        if self.position == "rope":  # validate RoPE early, without building it
+            check_rope_scaling(self.rope_scaling, owner="TransformerConfig")
+            rotary = int(self.head_dim * self.partial_rotary_factor)
+            if not 0 < rotary <= self.head_dim or rotary % 2:
+                raise ValueError(f"TransformerConfig: the rotary dim must be even and in (0, head_dim="
+                                 f"{self.head_dim}], got {rotary} (partial_rotary_factor={self.partial_rotary_factor})")
+            if not self.rope_theta > 0:
+                raise ValueError(f"TransformerConfig: rope_theta must be > 0, got {self.rope_theta}")
 
     # HF-named views
     @property
@@ -211,11 +219,11 @@ class TransformerConfig:
         """The sliding window of layer ``layer_idx`` (None for a full-attention layer)."""
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
 
-    def rotary_embedding(self):
-        """The :class:`qkv.pos.RotaryEmbedding` this config describes."""
-        return RotaryEmbedding(self.head_dim, theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor,
-                               scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
-                               interleaved=self.rope_interleaved)
+    @property
+    def rope_params(self) -> RopeParams:
+        """This config's RoPE as data (:meth:`qkv.pos.RotaryEmbedding.from_params` builds it)."""
+        return RopeParams(theta=self.rope_theta, scaling=self.rope_scaling, interleaved=self.rope_interleaved,
+                          partial_rotary_factor=self.partial_rotary_factor)
 
     def replace(self, **changes) -> TransformerConfig:
         """A copy with ``changes`` (HF names accepted); derived fields are recomputed unless given."""
@@ -245,33 +253,19 @@ class TransformerConfig:
                     raise ValueError(f"TransformerConfig: unknown field {key!r}{hint}")
                 continue
             kwargs[name] = value
-        scaling = kwargs.get("rope_scaling")
-        if isinstance(scaling, Mapping):
-            scaling = dict(scaling)
-            if "rope_theta" in scaling:
-                kwargs.setdefault("rope_theta", scaling["rope_theta"])
-            if scaling.get("rope_type", scaling.get("type", "default")) == "default" and set(scaling) <= {
-                    "rope_type", "type", "rope_theta", "partial_rotary_factor"}:
-                scaling = None
-            kwargs["rope_scaling"] = scaling
+        if isinstance(kwargs.get("rope_scaling"), Mapping):  # HF's RoPE keys: read by the one reader
+            from .hf_config import read_rope
+
+            hf = {k: v for k, v in d.items() if k in ("rope_theta", "rope_scaling", "rope_parameters",
+                                                       "partial_rotary_factor")}
+            rope = read_rope(hf)[FULL_ATTENTION]
+            kwargs.setdefault("rope_theta", rope.theta)
+            kwargs["rope_scaling"] = dict(rope.scaling) if rope.scaling else None
+            if rope.partial_rotary_factor != 1.0:
+                kwargs.setdefault("partial_rotary_factor", rope.partial_rotary_factor)
         if isinstance(kwargs.get("layer_types"), list):
             kwargs["layer_types"] = tuple(kwargs["layer_types"])
         return cls(**kwargs)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RopeParams:
-    """RoPE of one layer type: ``theta`` (HF ``rope_theta``), ``scaling`` (HF ``rope_parameters`` /
-    ``rope_scaling`` dict with ``rope_type``), ``interleaved`` pairs ``(2f, 2f+1)`` (DeepSeek-V2) instead
-    of ``(f, f + R/2)``."""
-
-    theta: float = 10000.0
-    scaling: Mapping[str, Any] | None = None
-    interleaved: bool = False
-
-    def embedding(self, rotary_dim: int, max_position_embeddings: int) -> RotaryEmbedding:
-        return RotaryEmbedding(rotary_dim, theta=self.theta, scaling=dict(self.scaling) if self.scaling else None,
-                               max_position_embeddings=max_position_embeddings, interleaved=self.interleaved)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,9 +379,9 @@ class DecoderConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None:
             set_("head_dim", self.hidden_size // self.num_attention_heads)
-        if self.hidden_act not in ACTIVATIONS:
+        if self.hidden_act not in ACTIVATION_NAMES:
             raise ValueError(f"DecoderConfig: hidden_act {self.hidden_act!r} is not supported; supported: "
-                             f"{', '.join(ACTIVATIONS)}")
+                             f"{', '.join(ACTIVATION_NAMES)}")
         if self.norm not in NORMS:
             raise ValueError(f"DecoderConfig: norm must be one of {NORMS}, got {self.norm!r}")
         if self.position not in DECODER_POSITIONS:
@@ -413,16 +407,6 @@ class DecoderConfig:
     def window_for(self, layer_idx: int) -> int | None:
         """Keys per query of layer ``layer_idx`` (None: full causal attention)."""
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
-
-    def cache_specs(self) -> list:
-        """One :mod:`qkv.cache` layer spec per layer (what :meth:`qkv.nn.DecoderLM.cache_specs` returns):
-        ``LatentSpec`` for MLA, ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise."""
-        from ..cache.specs import FullSpec, LatentSpec, SlidingWindowSpec
-
-        if self.latent is not None:
-            return [LatentSpec(self.latent.kv_lora_rank, self.latent.qk_rope_head_dim)] * self.num_hidden_layers
-        return [SlidingWindowSpec(w, self.num_key_value_heads, self.head_dim) if (w := self.window_for(i)) else
-                FullSpec(self.num_key_value_heads, self.head_dim) for i in range(self.num_hidden_layers)]
 
     def rope_for(self, layer_type: str) -> RopeParams:
         """The RoPE parameters of layers of ``layer_type`` (``"full_attention"``'s when it has none)."""
@@ -510,12 +494,10 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
         (64, 8, 2)
     """
     if name not in PRESETS:
-        from ..costs import AMBIGUOUS
-        from ..costs import PRESETS as MODEL_PRESETS
+        from .presets import AMBIGUOUS, get_preset
+        from .presets import PRESETS as MODEL_PRESETS
 
         if name in MODEL_PRESETS or name in AMBIGUOUS:
-            from ..costs import get_preset
-
             preset = get_preset(name)
             n = overrides.get("num_hidden_layers", preset.num_hidden_layers)
             if "layer_types" not in overrides and isinstance(n, int) and n > 0:  # keep the pattern's first n
@@ -545,9 +527,9 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
     Raises:
         ValueError: an encoder-decoder preset, or one that describes attention only.
     """
-    from ..costs.params import require_whole_model
     from .latent import LatentConfig
     from .moe import MoEConfig
+    from .presets import require_whole_model
 
     p = preset
     require_whole_model(p, "get_config")
