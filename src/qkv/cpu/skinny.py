@@ -44,7 +44,7 @@ from torch import nn
 
 from .rule import TABLE, choose
 
-__all__ = ["skinny_linear", "column_blocks", "row_blocks", "SkinnyLinear", "InputMajorLinear", "input_major",
+__all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear", "input_major",
            "standard_layout_state_dict", "sharing_parameters"]
 
 MAX_ROWS = max(max(p.row_blocks_up_to, p.columns_up_to) for p in TABLE.values())  # more rows: never blocked
@@ -72,7 +72,7 @@ def column_blocks(rows: int, n_out: int, k: int, threads: int | None = None) -> 
     return max(threads, round(n_out / target))
 
 
-def _by_rows(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
+def by_rows(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
     """x2 (M, K) @ weight (N, K).T through ``nb`` row blocks of a contiguous weight -> (M, N)."""
     rows, K = x2.shape
     N = weight.shape[0]
@@ -90,7 +90,7 @@ def _by_rows(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
     return out
 
 
-def _by_columns(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
+def by_columns(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
     """x2 (M, K) @ weight (N, K).T through ``nb`` column blocks of an input-major weight -> (M, N)."""
     rows, K = x2.shape
     N = weight.shape[0]
@@ -124,12 +124,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         nb = row_blocks(rows, N, K)
         if nb == 1:
             return F.linear(x, weight, bias)
-        out = _by_rows(x.reshape(rows, K), weight, nb)
+        out = by_rows(x.reshape(rows, K), weight, nb)
     elif weight.t().is_contiguous():
         nb = column_blocks(rows, N, K)
         if nb == 1:
             return F.linear(x, weight, bias)
-        out = _by_columns(x.reshape(rows, K), weight, nb)
+        out = by_columns(x.reshape(rows, K), weight, nb)
     else:
         return F.linear(x, weight, bias)
     if bias is not None:
