@@ -44,8 +44,8 @@ from torch import nn
 
 from .rule import TABLE, choose
 
-__all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear", "input_major",
-           "standard_layout_state_dict", "sharing_parameters"]
+__all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear",
+           "input_major", "standard_layout_state_dict", "sharing_parameters"]
 
 MAX_ROWS = max(max(p.row_blocks_up_to, p.columns_up_to) for p in TABLE.values())  # more rows: never blocked
 ROW_BLOCKS = 4  # row blocks: at least this many (and at least one per thread)
