@@ -61,8 +61,9 @@ class Paths(NamedTuple):
 #: repeat for 1-8 rows of the short and long classes at 2 threads and for 1-4 short rows at one thread, and
 #: lose in every repeat for the narrow class (512 x 1376: 0.66-0.84 at 1, 4, 6 and 8 rows); column blocks
 #: beat it for the wide classes at 2 threads and lose for the narrow one. oneDNN from 8 rows follows
-#: ``generate.json`` (decode at batch 8: 1.67x the row-block path at 2 threads, 1.91x at 1; batch 4 split
-#: between runs), until ``skinny.json`` measures it per shape.
+#: ``generate.json`` (Llama-like decode at batch 8: ``use_onednn`` 1.67x the default's tokens/s at 2
+#: threads, where the default took row blocks, 1.91x at 1 thread, where it took ``F.linear``; batch 4 split
+#: between runs), until ``skinny.json`` measures oneDNN per shape.
 TABLE: MappingProxyType[tuple[int, str], Paths] = MappingProxyType({
     (1, "narrow"): Paths(row_blocks_up_to=0, columns_up_to=0, onednn_from=8),
     (1, "short"): Paths(row_blocks_up_to=4, columns_up_to=0, onednn_from=8),
@@ -88,7 +89,7 @@ def thread_class(threads: int | None = None) -> int:
 
 
 def choose(rows: int, n_out: int, k: int, *, threads: int | None = None, input_major: bool = False,
-           onednn: bool = True) -> str:
+           onednn: bool = True) -> Path:
     """The path (one of :data:`PATHS`) for ``rows`` rows times an ``(n_out, k)`` weight.
 
     Args:

@@ -343,7 +343,9 @@ class DecoderLM(nn.Module):
             :func:`qkv.models.from_hf` reads from a checkpoint).
 
     Submodules keep the names HF users know: ``embed_tokens``, ``layers[i].self_attn`` (``qkv_proj``,
-    ``o_proj``), ``layers[i].mlp``, ``norm``, ``lm_head`` (None when tied to ``embed_tokens``).
+    ``o_proj``), ``layers[i].mlp``, ``norm``, ``lm_head`` (None when tied to ``embed_tokens``). Every product
+    is a plain ``nn.Linear`` or, for the tied head, ``linear_fn`` (``F.linear``); :func:`qkv.cpu.optimize`
+    swaps in CPU products from outside.
 
     ``cache_specs()``: one :mod:`qkv.cache` layer spec per layer: ``FullSpec``, ``SlidingWindowSpec`` for
     local layers, ``LatentSpec`` for MLA; ``KVCache(model.cache_specs())`` is a cache for it.
