@@ -5,7 +5,8 @@ another measured path for the same weight layout was faster in every paired repe
 pair's ratio per repeat as median, min and max). Both of the rule's decisions are judged: with oneDNN (where
 the cell measures it) and without (the fallback of a torch build without it, and of ``skinny_linear``). A
 cell whose chosen path it did not measure is unjudged: allowed only for oneDNN in a table written before
-``benchmarks/skinny.py`` measured it."""
+``benchmarks/skinny.py`` measured it. ``F.linear`` is timed on the standard weight and stands for it in both
+layouts."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from qkv.cpu.rule import PATHS, TABLE, Paths, choose, shape_class
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "benchmarks" / "results" / "skinny.json"
+COMMITTED_DECODE = ROOT / "benchmarks" / "results" / "skinny_decode.json"
 STANDARD, INPUT_MAJOR = ("linear", "row_blocks", "onednn"), ("linear", "columns", "onednn")
 
 
@@ -84,6 +86,24 @@ def test_rule_equals_committed_table():
     else:  # the older table: only oneDNN was not measured
         assert all(w.endswith(": onednn") for w in unjudged), unjudged
     assert judged >= len(payload["rows"]), f"only {judged} decisions judged over {len(payload['rows'])} cells"
+
+
+def test_rule_holds_in_place_on_whole_decode_steps():
+    """The decode-step table (the same run): no alternative made whole decode steps faster than the rule in
+    every repeat. Today's benchmark times ``x/rule`` (x: row blocks on narrow weights too, or no oneDNN); the
+    older table timed the earlier rule (``rule``: row blocks on narrow weights) against narrow weights through
+    ``F.linear`` (``small_linear``, today's rule for them)."""
+    payload = json.loads(COMMITTED_DECODE.read_text())
+    faster = []
+    for row in payload["rows"]:
+        for key, r in row.items():
+            if key.endswith("/rule") and isinstance(r, dict):
+                other = key.split("/")[0]
+                if other == "small_linear" and r["min"] > 1:  # older table: "rule" was the alternative
+                    faster.append(f"{row}: row blocks on narrow weights faster in every repeat ({r})")
+                elif other != "small_linear" and r["max"] < 1:
+                    faster.append(f"{row}: {other} faster than the rule in every repeat ({r})")
+    assert payload["rows"] and not faster, "\n".join(faster)
 
 
 def test_the_checker_refuses_the_rule_issue_29_found():
