@@ -204,8 +204,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     shape and thread count (:func:`qkv.cpu.rule.choose`): oneDNN through ``packed`` (the activation fused)
     where the rule takes it and this product can run it, else row or column blocks
     (:func:`qkv.cpu.skinny.skinny_linear`), else ``F.linear``. x (..., K), weight (N, K) -> (..., N)."""
+    if x.device.type != "cpu":  # the CPU paths only: elsewhere nothing to decide
+        y = F.linear(x, weight, bias)
+        return y if activation is None else activation(y)
     K = x.shape[-1]
-    if packed is not None and K and _eligible(x, weight) and choose(x.numel() // K, weight.shape[0], K) == "onednn":
+    if packed is not None and K and choose(x.numel() // K, weight.shape[0], K) == "onednn" and _eligible(x, weight):
         if activation is not None and epilogue(activation) is None:
             return activation(prepacked_linear(x, weight, bias, packed))
         return prepacked_linear(x, weight, bias, packed, activation)

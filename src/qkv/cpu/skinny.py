@@ -116,22 +116,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     N = weight.shape[0]
-    if (rows > MAX_ROWS or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
-            or weight.dtype != x.dtype or weight.shape[1] != K
+    if rows > MAX_ROWS or x.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] != K:
+        return F.linear(x, weight, bias)
+    standard = weight.is_contiguous()
+    if standard:
+        nb = row_blocks(rows, N, K)
+    else:
+        nb = column_blocks(rows, N, K) if weight.t().is_contiguous() else 1
+    if (nb == 1 or x.dtype not in (torch.float32, torch.float64) or weight.dtype != x.dtype
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    if weight.is_contiguous():
-        nb = row_blocks(rows, N, K)
-        if nb == 1:
-            return F.linear(x, weight, bias)
-        out = by_rows(x.reshape(rows, K), weight, nb)
-    elif weight.t().is_contiguous():
-        nb = column_blocks(rows, N, K)
-        if nb == 1:
-            return F.linear(x, weight, bias)
-        out = by_columns(x.reshape(rows, K), weight, nb)
-    else:
-        return F.linear(x, weight, bias)
+    out = (by_rows if standard else by_columns)(x.reshape(rows, K), weight, nb)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], N)

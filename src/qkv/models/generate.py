@@ -221,9 +221,9 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         prefill_chunk_size: prefill the prompt in chunks of this many columns.
         return_logits: keep the (B, T, V) logits each token was chosen from.
         salt: prefix-cache salt (bytes/str, or one per row) isolating tenants.
-        optimize: give an ``nn.Module`` model qkv's CPU products first, once (:func:`qkv.cpu.optimize`, in
-            place: the same parameters and ``state_dict``; skipped when the model already has them). False
-            leaves the model as it is.
+        optimize: give an ``nn.Module`` model on the CPU qkv's CPU products first, once
+            (:func:`qkv.cpu.optimize`, in place: the same parameters and ``state_dict``; skipped when the
+            model already has them). False leaves the model as it is.
 
     Returns:
         :class:`GenerateOutput`.
@@ -232,7 +232,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
                                         do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id)
     if not isinstance(optimize, bool):
         raise TypeError(f"generate: optimize must be True or False, got {optimize!r}")
-    if optimize and isinstance(model, torch.nn.Module) and optimized(model) is None:
+    if (optimize and isinstance(model, torch.nn.Module) and optimized(model) is None
+            and all(p.device.type == "cpu" for p in model.parameters())):
         cpu_optimize(model)
     B = input_ids.shape[0]
     if use_cache:
