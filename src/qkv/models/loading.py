@@ -156,7 +156,9 @@ def from_hf(src, *, dtype: torch.dtype | None = None, optimize: bool = True) -> 
         dtype: cast the model to this dtype after loading (default: float32): a ``torch.dtype`` or a name
             such as ``"bf16"``, ``"float16"``.
         optimize: give the model qkv's CPU products (:func:`qkv.cpu.optimize`: the same parameters and
-            ``state_dict``, faster CPU inference); False returns the plain model.
+            ``state_dict``, faster CPU inference; a float32 weight multiplied by many rows, as in a prefill,
+            gets a packed oneDNN copy, twice its memory); False returns the plain model
+            (``qkv.cpu.optimize(model, onednn=False)`` then gives the products without the copies).
 
     Example:
         >>> import qkv.models  # doctest: +SKIP
