@@ -56,6 +56,6 @@ def test_onednn_probe_and_fallback(monkeypatch):
     with pytest.raises(RuntimeError, match="optimize: onednn=True cannot run: probe failed"):
         qkv.cpu.optimize(torch.nn.Linear(2, 2), onednn=True)
     model = qkv.cpu.optimize(torch.nn.Sequential(torch.nn.Linear(8, 16)))  # default: the other products, no packing
-    assert qkv.cpu.optimized(model) == qkv.cpu.Optimized(onednn=False, input_major=False) and not model[0].pack
+    assert qkv.cpu.optimized(model) == qkv.cpu.Optimized(onednn=False, input_major=None) and not model[0].pack
     with torch.inference_mode():
         assert torch.equal(model(x), F.linear(x, model[0].weight, model[0].bias))

@@ -109,13 +109,13 @@ def test_optimize_is_idempotent_and_marks_the_model():
     modules = dict(model.named_modules())
     fns = {n: m.linear_fn for n, m in modules.items() if isinstance(m, qkv.cpu.LinearHost)}
     mark = optimized(model)
-    assert mark == Optimized(onednn=qkv.cpu.onednn_available(), input_major=False)
+    assert mark == Optimized(onednn=qkv.cpu.onednn_available(), input_major=None)
     assert optimize(model) is model
     assert dict(model.named_modules()) == modules, "a second call swaps nothing"
     assert {n: m.linear_fn for n, m in model.named_modules() if isinstance(m, qkv.cpu.LinearHost)} == fns
     assert optimized(model) == mark
     optimize(model, onednn=False)  # new options are applied
-    assert optimized(model) == Optimized(onednn=False, input_major=False)
+    assert optimized(model) == Optimized(onednn=False, input_major=None)
     assert all(not m.pack for m in model.modules() if isinstance(m, PrepackedLinear))
 
 
@@ -139,7 +139,9 @@ def test_input_major_round_trip_and_bare_linear():
     assert model.layers[0].mlp.down_proj.weight.is_contiguous()  # fewer outputs than inputs: standard
     state = model.state_dict()
     assert all(t.is_contiguous() and torch.equal(t, want[k]) for k, t in state.items())
-    optimize(model)  # back to the standard layout, same values
+    optimize(model)  # the default keeps layouts: nothing moves (generate's call replaces no parameter)
+    assert model.layers[0].self_attn.qkv_proj.weight is qkv_proj.weight
+    optimize(model, input_major=False)  # back to the standard layout, same values
     assert all(p.is_contiguous() for p in model.parameters())
     assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
     lin = torch.nn.Linear(8, 4)
@@ -191,7 +193,9 @@ def test_bad_input_is_refused():
         optimize("model")
     with pytest.raises(TypeError, match="optimize: onednn must be None"):
         optimize(torch.nn.Linear(2, 2), onednn="yes")
-    with pytest.raises(TypeError, match="optimize: input_major must be True or False"):
+    with pytest.raises(TypeError, match="optimize: onednn must be None"):
+        optimize(torch.nn.Linear(2, 2), onednn=1)
+    with pytest.raises(TypeError, match="optimize: input_major must be None"):
         optimize(torch.nn.Linear(2, 2), input_major=1)
     from qkv.models import from_hf, generate
 

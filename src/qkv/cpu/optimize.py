@@ -27,7 +27,7 @@ Example:
     >>> names = list(model.state_dict())
     >>> model = qkv.cpu.optimize(model)
     >>> type(model[0]).__name__, list(model.state_dict()) == names, qkv.cpu.optimized(model).input_major
-    ('PrepackedLinear', True, False)
+    ('PrepackedLinear', True, None)
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ _MARK = "_qkv_cpu_optimized"
 
 
 class Optimized(NamedTuple):
-    """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use) and ``input_major``."""
+    """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use) and the ``input_major``
+    option it was given (None: layouts kept)."""
 
     onednn: bool
-    input_major: bool
+    input_major: bool | None
 
 
 @runtime_checkable
@@ -82,16 +83,16 @@ def _is_input_major(w: torch.Tensor) -> bool:
     return w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
 
 
-def _product_layer(child: nn.Linear, pack: bool, input_major: bool) -> nn.Linear:
+def _product_layer(child: nn.Linear, pack: bool, input_major: bool | None) -> nn.Linear:
     """``child`` as a :class:`PrepackedLinear` with these options (``child`` itself when it already is one)."""
-    want = input_major and child.out_features >= child.in_features
-    if type(child) is PrepackedLinear and child.pack == pack and _is_input_major(child.weight) == want:
+    want = None if input_major is None else input_major and child.out_features >= child.in_features
+    if type(child) is PrepackedLinear and child.pack == pack and want in (None, _is_input_major(child.weight)):
         return child
     activation = child.activation if isinstance(child, PrepackedLinear) else None
     return PrepackedLinear.from_linear(child, pack=pack, activation=activation, input_major_weight=want)
 
 
-def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool = False) -> nn.Module:
+def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None) -> nn.Module:
     """Swap the CPU products of :mod:`qkv.cpu` into ``model`` (in place) and return it.
 
     Args:
@@ -100,19 +101,20 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         onednn: None (default): pack weights for oneDNN where this torch build runs it
             (:func:`qkv.cpu.gemm.onednn_unavailable_reason`); True: require it (``RuntimeError`` saying why
             it cannot run); False: never (row blocks and ``F.linear`` only, no second copy of any weight).
-        input_major: store the weights of layers with at least as many outputs as inputs input-major
-            (column blocks for few rows; an ablation, slower than row blocks in ``benchmarks/RESULTS.md``).
-            The parameters of those layers become new objects: build a ``torch.optim`` optimizer after.
+        input_major: True stores the weights of layers with at least as many outputs as inputs input-major
+            (column blocks for few rows; an ablation, slower than row blocks in ``benchmarks/RESULTS.md``),
+            False stores every weight standard, None (default) keeps each weight's layout. Where a layout
+            changes the parameter becomes a new object: build a ``torch.optim`` optimizer after.
 
     Returns:
         ``model`` (see above for a bare ``nn.Linear``), marked so :func:`optimized` reports the options.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize: model must be a torch.nn.Module, got {type(model).__name__}")
-    if onednn not in (None, True, False):
+    if not (onednn is None or isinstance(onednn, bool)):
         raise TypeError(f"optimize: onednn must be None (where available), True or False, got {onednn!r}")
-    if not isinstance(input_major, bool):
-        raise TypeError(f"optimize: input_major must be True or False, got {input_major!r}")
+    if not (input_major is None or isinstance(input_major, bool)):
+        raise TypeError(f"optimize: input_major must be None (keep layouts), True or False, got {input_major!r}")
     why = gemm.onednn_unavailable_reason()
     if onednn is True and why is not None:
         raise RuntimeError(f"optimize: onednn=True cannot run: {why}; pass onednn=None to use it where available")
