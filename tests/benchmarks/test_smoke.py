@@ -99,7 +99,7 @@ def _embed(t):
 def _generate(t):
     same = [r["same_tokens"] for r in _rows(t, "generate")]
     assert all(same), f"greedy tokens differ from HF in rows {[i for i, s in enumerate(same) if not s]}"
-    for field in ("decode_ratio", "onednn_ratio", "e2e_ratio"):
+    for field in ("decode_ratio", "optimize_ratio", "e2e_ratio"):
         _ranged(t, "generate", field)
 
 
@@ -205,12 +205,16 @@ def _gpu(t, sections=("correctness", "decode", "flex_backend")):
 
 def _skinny(t):
     _all_below(t, "skinny", "max_abs_diff", 1e-4)
-    _ranged(t, "skinny", "linear/rows")
     rows = _rows(t, "skinny")
-    assert {r["rows"] for r in rows} == {1, 2, 4, 6, 8} and all(r["read_GB_s"] > 0 for r in rows)
-    assert any("row blocks" in r["rows_path"] for r in rows) and any(r["rows_path"] == "F.linear" for r in rows), \
-        "the quick run must show the rule both taking row blocks and declining"
-    _ranged(t, "skinny_decode", "small_linear/rule")
+    onednn = t["skinny"]["context"]["onednn"]
+    for field in ("linear/row_blocks", "linear/columns") + (("linear/onednn", "row_blocks/onednn") if onednn else ()):
+        _ranged(t, "skinny", field)
+    assert {r["rows"] for r in rows} == {1, 2, 8, 32} and all(r["read_GB_s"] > 0 for r in rows)
+    assert {r["rule"] for r in rows} == {"row_blocks", "linear"} | ({"onednn"} if onednn else set()), \
+        "the quick run must show the rule taking row blocks, F.linear and (where it runs) oneDNN"
+    assert all(r["fastest"] in ("linear", "row_blocks", "columns", "onednn") for r in rows)
+    _ranged(t, "skinny_decode", "narrow_row_blocks/rule")
+    _ranged(t, "skinny_decode", "no_onednn/rule")
 
 
 def _quality(t):

@@ -1,6 +1,6 @@
 """qkv.cpu.gemm: the oneDNN packed linear equals F.linear (float64 reference, error budget), is used only
-for float32 CPU inference, follows in-place weight changes, and use_onednn swaps layers without changing
-parameters."""
+for float32 CPU inference where the product rule takes it, follows in-place weight changes, and use_onednn
+(optimize with oneDNN required) swaps layers without changing parameters."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.cpu import gemm
-from qkv.cpu.gemm import PrepackedLinear, PrepackedWeight, onednn_available, prepacked_linear, use_onednn
+from qkv.cpu import gemm, use_onednn
+from qkv.cpu.gemm import LinearProducts, PrepackedLinear, PrepackedWeight, onednn_available, prepacked_linear
 from qkv.testing import assert_within_budget
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
@@ -43,8 +43,10 @@ def test_path_taken_only_for_float32_inference(monkeypatch):
 
     monkeypatch.setattr(gemm, "_pointwise", Spy())
     lin = PrepackedLinear.from_linear(torch.nn.Linear(16, 32))
-    x = torch.randn(3, 16)
+    x = torch.randn(8, 16)  # 8 rows: the rule's oneDNN path (tests/test_cpu_rule.py checks the rule itself)
     with torch.no_grad():
+        lin(x[:2])  # 2 rows of a narrow weight: F.linear
+        assert calls == []
         lin(x)
     assert calls == [1]
     lin(x).sum().backward()  # recording gradients: F.linear, and the gradient arrives
@@ -82,7 +84,7 @@ def test_use_onednn_swaps_layers_and_keeps_parameters():
 
 def test_unavailable_is_an_error(monkeypatch):
     monkeypatch.setattr(gemm, "onednn_unavailable_reason", lambda: "no oneDNN in this build")
-    with pytest.raises(RuntimeError, match="use_onednn: no oneDNN in this build; keep torch's default GEMM"):
+    with pytest.raises(RuntimeError, match="use_onednn: no oneDNN in this build; qkv.cpu.optimize"):
         use_onednn(torch.nn.Linear(2, 2))
 
 
@@ -116,11 +118,12 @@ def test_decoder_with_onednn_matches_and_decodes_the_same():
         with torch.inference_mode():
             want, got, base = ref(ids).logits, fast(ids).logits, plain(ids).logits
             assert_within_budget(got, want, base, what=f"prefill logits (tied={tied})")
-            a = generate(plain, ids, max_new_tokens=6, cache=KVCache(plain.cache_specs()))
+            a = generate(plain, ids, max_new_tokens=6, cache=KVCache(plain.cache_specs()), optimize=False)
             b = generate(fast, ids, max_new_tokens=6, cache=KVCache(fast.cache_specs()))
         assert torch.equal(a.new_tokens, b.new_tokens)
+        assert not any(isinstance(m, PrepackedLinear) for m in plain.modules()), "optimize=False left it plain"
         assert any(isinstance(m, PrepackedLinear) for m in fast.modules())
-        assert fast._head_prepacked is not None
+        assert isinstance(fast.linear_fn, LinearProducts) and fast.linear_fn.pack
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "swiglu"])
@@ -131,14 +134,17 @@ def test_feed_forward_with_fused_activation(activation):
     ffn = FeedForward(32, 96, activation=activation).eval()
     ref = copy_module(ffn).double()
     fast = use_onednn(copy_module(ffn))
-    assert fast.fused == (activation != "swiglu")
+    fused = activation != "swiglu"
+    assert (fast.up_proj.activation is not None) == fused  # gated: the activation is on the gate, not fused
+    assert fast.up_activation is None and (ffn.up_activation is None) == (not fused)
     x = torch.randn(2, 40, 32)
     with torch.inference_mode():
         assert_within_budget(fast(x), ref(x.double()), ffn(x), what=f"FeedForward({activation})")
     fast(x).sum().backward()  # with gradients: the eager path, and they arrive
     assert fast.up_proj.weight.grad is not None
-    with pytest.raises(ValueError, match="activation must be one of"):
-        prepacked_linear(x, fast.up_proj.weight, None, PrepackedWeight(), "silu")
+    for bad in (F.silu, "silu"):
+        with pytest.raises(ValueError, match="activation must compute ReLU, GELU or tanh-approximated GELU"):
+            prepacked_linear(x, fast.up_proj.weight, None, PrepackedWeight(), bad)
 
 
 def test_strided_inputs():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.cpu.skinny import InputMajorLinear, SkinnyLinear, input_major, row_blocks, skinny_blocks, skinny_linear
+from qkv.cpu.skinny import InputMajorLinear, SkinnyLinear, column_blocks, input_major, row_blocks, skinny_linear
 from qkv.testing import assert_within_budget
 
 
@@ -29,7 +29,8 @@ def _check(x, w, b):
 
 @pytest.mark.parametrize("layout", ["standard", "input_major"])
 @pytest.mark.parametrize("lead", [(1,), (3,), (4,), (8, 1), (2, 16), (33,)])
-@pytest.mark.parametrize("n_out", [4096, 4100, 700])  # 4100: blocks plus a remainder; 700: few blocks
+@pytest.mark.parametrize("n_out", [4096, 4100, 1100, 700])  # 4100: blocks plus a remainder; 1100: two column
+# blocks; 700: narrow, F.linear
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_linear(two_threads, layout, lead, n_out, bias):
     g = torch.Generator().manual_seed(n_out + len(lead))
@@ -59,6 +60,7 @@ def test_row_blocks_match_linear(threads, dtype, rows, K):
 
 
 def test_blocking_rules():
+    """The block counts the product rule (qkv.cpu.rule.TABLE) implies, without oneDNN."""
     assert row_blocks(1, 32000, 512, threads=1) == 4  # one thread: short rows still blocked
     assert row_blocks(1, 32000, 4096, threads=1) == 1  # ... long rows read faster through F.linear
     assert row_blocks(4, 32000, 4096, threads=2) == 4  # at least ROW_BLOCKS blocks
@@ -67,12 +69,13 @@ def test_blocking_rules():
     assert row_blocks(9, 32000, 512, threads=2) == 1  # more rows: F.linear
     assert row_blocks(5, 32000, 512, threads=1) == 1  # one thread: up to 4 rows
     assert row_blocks(1, 256, 512, threads=2) == 1  # narrow weights
-    assert skinny_blocks(8, 32000, threads=1) == 1  # input-major, one thread: plain GEMM
-    assert skinny_blocks(8, 32000, threads=2) == 125  # ~256 outputs per block
-    assert skinny_blocks(1, 32000, threads=2) == 16  # one row: ~2048 per block
-    assert skinny_blocks(1, 700, threads=2) == 2  # at least one block per thread
-    assert skinny_blocks(33, 32000, threads=2) == 1  # many rows: BLAS parallelizes itself
-    assert skinny_blocks(8, 256, threads=2) == 1  # narrow weights
+    assert row_blocks(2, 512, 1376, threads=2) == 1  # 512 outputs: F.linear measured faster (skinny.json)
+    assert column_blocks(8, 32000, 512, threads=1) == 1  # input-major, one thread: plain GEMM
+    assert column_blocks(8, 32000, 512, threads=2) == 125  # ~256 outputs per block
+    assert column_blocks(1, 32000, 512, threads=2) == 16  # one row: ~2048 per block
+    assert column_blocks(1, 1100, 512, threads=2) == 2  # at least one block per thread
+    assert column_blocks(33, 32000, 512, threads=2) == 1  # many rows: BLAS parallelizes itself
+    assert column_blocks(8, 512, 1376, threads=2) == 1  # narrow weights: F.linear
 
 
 def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch):

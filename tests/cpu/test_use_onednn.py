@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import qkv.cpu
 from qkv.cpu import gemm
 from qkv.nn import DecoderLM, get_config
 
@@ -16,9 +17,9 @@ from qkv.nn import DecoderLM, get_config
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma", "tiny-gpt"])
 def test_state_dict_is_standard_layout_and_round_trips_through_safetensors(name, input_major, tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
-    config = get_config(name).replace(input_major_weights=input_major)
+    config = get_config(name)
     torch.manual_seed(0)
-    model = DecoderLM(config).eval()
+    model = qkv.cpu.optimize(DecoderLM(config).eval(), input_major=input_major)
     in_memory = any(not p.is_contiguous() for p in model.parameters())
     assert in_memory == input_major, "input-major weights in memory exactly when asked for"
     state = model.state_dict()
@@ -27,7 +28,7 @@ def test_state_dict_is_standard_layout_and_round_trips_through_safetensors(name,
     path = tmp_path / "model.safetensors"
     safetensors.save_file(state, str(path))  # raises on non-contiguous tensors
     torch.manual_seed(1)
-    fresh = DecoderLM(config).eval()
+    fresh = qkv.cpu.optimize(DecoderLM(config).eval(), input_major=input_major)
     fresh.load_state_dict(safetensors.load_file(str(path)))
     ids = torch.randint(0, 256, (2, 7))
     assert torch.equal(fresh(ids).logits, model(ids).logits)
@@ -51,4 +52,10 @@ def test_onednn_probe_and_fallback(monkeypatch):
         lin = gemm.PrepackedLinear.from_linear(torch.nn.Linear(8, 16))
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
     with pytest.raises(RuntimeError, match="probe failed"):
-        gemm.use_onednn(torch.nn.Linear(2, 2))
+        qkv.cpu.use_onednn(torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="optimize: onednn=True cannot run: probe failed"):
+        qkv.cpu.optimize(torch.nn.Linear(2, 2), onednn=True)
+    model = qkv.cpu.optimize(torch.nn.Sequential(torch.nn.Linear(8, 16)))  # default: the other products, no packing
+    assert qkv.cpu.optimized(model) == qkv.cpu.Optimized(onednn=False, input_major=None) and not model[0].pack
+    with torch.inference_mode():
+        assert torch.equal(model(x), F.linear(x, model[0].weight, model[0].bias))

@@ -105,15 +105,16 @@ def test_prefill_logits_within_budget(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_replaced_config_builds_the_same_model(case):
     """``config.replace`` keeps every field it is not told to change (RoPE base, scaling and pair layout
-    included: it once reset them), and the input-major layout computes the same logits, prefill and a
-    one-token decode step."""
+    included: it once reset them), and the input-major layout (``qkv.cpu.optimize(model, input_major=True)``)
+    computes the same logits, prefill and a one-token decode step."""
+    from qkv.cpu import optimize
     from qkv.models.loading import _family
 
     hf, ref, model = _models(case)
-    config = model.config.replace(input_major_weights=True)
-    assert config == dataclasses.replace(model.config, input_major_weights=True)
+    config = model.config.replace(name="replaced")
+    assert config == dataclasses.replace(model.config, name="replaced")
     assert dict(config.rope) == dict(model.config.rope)
-    other = type(model)(config).eval()
+    other = optimize(type(model)(config).eval(), input_major=True)
     other.load_state_dict(model.state_dict())
     assert any(not p.is_contiguous() for p in other.parameters())
     ids, _ = _prompt(case, padded=False)

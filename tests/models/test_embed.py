@@ -89,9 +89,13 @@ def blas_encoder(minilm):
     return SentenceEncoder.from_pretrained(minilm, gemm="blas")
 
 
-def test_config_follows_the_checkpoint(encoder):
+def test_config_follows_the_checkpoint(encoder, blas_encoder):
+    from qkv.cpu import optimized
+
     assert (encoder.max_seq_length, encoder.pooling, encoder.normalize, encoder.dimension) == (256, "mean", True, 384)
     assert encoder.gemm == ("onednn" if onednn_available() else "blas") and "gemm=" in repr(encoder)
+    assert (optimized(encoder.model) is not None) == onednn_available()  # qkv.cpu.optimize by default
+    assert optimized(blas_encoder.model) is None  # gemm="blas": the plain model, F.linear
 
 
 @pytest.mark.parametrize("which", ["auto", "blas"])
@@ -136,6 +140,9 @@ def test_errors(encoder, minilm, tmp_path):
         SentenceEncoder(encoder.model, encoder.tokenizer, max_seq_length=256, gemm="mkl")
     with pytest.raises(ValueError, match="gemm='onednn' cannot run: .*float64"):
         SentenceEncoder(copy_module(encoder.model).double(), encoder.tokenizer, max_seq_length=256, gemm="onednn")
+    if onednn_available():  # an optimized model cannot be made plain by gemm="blas": refused, not ignored
+        with pytest.raises(ValueError, match="gemm='blas' keeps F.linear, but this model was given qkv's CPU"):
+            SentenceEncoder(encoder.model, encoder.tokenizer, max_seq_length=256, gemm="blas")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         SentenceEncoder.from_pretrained(tmp_path)
     copy = tmp_path / "minilm"

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cpu.skinny import skinny_linear
 from ..spec.moe import MoEConfig
 from .activations import ACTIVATIONS, check_activation
 from .ffn import GatedMLP
@@ -33,13 +32,15 @@ __all__ = ["MoEConfig", "Experts", "MoE"]
 
 class Experts(nn.Module):
     """``E`` gated experts stored stacked, as HF transformers 5 keeps them: ``gate_up_proj`` (E, 2f, d),
-    ``down_proj`` (E, d, f)."""
+    ``down_proj`` (E, d, f). Each expert's products run through ``linear_fn`` (``F.linear``; a
+    :class:`qkv.cpu.LinearHost`, which :func:`qkv.cpu.optimize` gives CPU products)."""
 
     def __init__(self, n: int, d: int, f: int, act: str) -> None:
         super().__init__()
         self.act = ACTIVATIONS[act]
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * f, d).normal_(std=0.02))
         self.down_proj = nn.Parameter(torch.empty(n, d, f).normal_(std=0.02))
+        self.linear_fn = F.linear
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
@@ -47,8 +48,8 @@ class Experts(nn.Module):
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
             out = torch.zeros_like(x)
             for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
-                gate, up = skinny_linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                out += (skinny_linear(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
+                gate, up = self.linear_fn(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                out += (self.linear_fn(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
             return out
         flat = idx.reshape(-1)  # (T * k,)
         order = flat.argsort(stable=True)  # assignments grouped by expert
@@ -61,8 +62,8 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             t = token[start:start + n]
-            gate, up = skinny_linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
-            y = skinny_linear(self.act(gate) * up, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
+            gate, up = self.linear_fn(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
+            y = self.linear_fn(self.act(gate) * up, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
             out.index_add_(0, t, y.to(out.dtype))
             start += n
         return out

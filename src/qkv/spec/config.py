@@ -308,13 +308,6 @@ class DecoderConfig:
             fastest for one query row on CPU, and it skips ``auto``'s per-call cost estimates, which cost
             more than the attention itself at decode sizes. MLA layers use it for every step (one backend
             per :class:`qkv.nn.latent.LatentAttention`). None: always ``backend``.
-        input_major_weights: store every projection with at least as many outputs as inputs (QKV, gate/up,
-            square ones, such expert matrices, a tied embedding) input-major: same shape, names and values,
-            transposed strides (:class:`qkv.cpu.skinny.InputMajorLinear`). Off by default: every projection
-            multiplies few rows through :func:`qkv.cpu.skinny.skinny_linear` in either layout, and the standard
-            one reads faster for a few rows (small-batch decoding); input-major can read faster for about 8-32
-            rows with several threads (``benchmarks/RESULTS.md``, "skinny"). ``state_dict()`` holds standard
-            contiguous tensors either way.
     """
 
     vocab_size: int
@@ -350,7 +343,6 @@ class DecoderConfig:
     moe: MoEConfig | None = None
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
-    input_major_weights: bool = False
     name: str = ""
     _derived: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 

@@ -268,7 +268,7 @@ _COUNTED_FIELDS = frozenset({
     "norm_offset", "position", "embed_norm", "scale_embeddings", "sandwich_norms", "qkv_bias", "o_bias", "mlp_bias",
     "qk_norm", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
-    "input_major_weights", "name",
+    "name",
 })
 
 
