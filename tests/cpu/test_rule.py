@@ -18,7 +18,7 @@ import pytest
 from qkv.cpu import rule
 from qkv.cpu.rule import PATHS, TABLE, Paths, choose, shape_class
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "benchmarks" / "results" / "skinny.json"
 COMMITTED_DECODE = ROOT / "benchmarks" / "results" / "skinny_decode.json"
 STANDARD, INPUT_MAJOR = ("linear", "row_blocks", "onednn"), ("linear", "columns", "onednn")
