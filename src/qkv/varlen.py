@@ -41,6 +41,7 @@ from . import masks as M
 from ._attention import attention
 from ._request import AttentionOutput
 from .masks.base import Mask
+from .pos.ids import positions_from_padding
 
 __all__ = ["varlen_attention", "varlen_mask", "Packed", "pack", "unpack", "cu_seqlens_from_lengths",
            "packed_documents"]
@@ -186,7 +187,7 @@ def pack(x: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     valid = attention_mask.to(x.device)
     indices = valid.reshape(-1).nonzero().squeeze(1)  # (total,)
     lengths = valid.sum(1)
-    positions = (valid.cumsum(1) - 1).reshape(-1)[indices]
+    positions = positions_from_padding(valid).reshape(-1)[indices]
     values = x.reshape(B * N, *x.shape[2:])[indices]
     return Packed(values, cu_seqlens_from_lengths(lengths.cpu()).to(x.device), int(lengths.max()) if B else 0,
                   indices, positions, (B, N))

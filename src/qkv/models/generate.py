@@ -41,6 +41,7 @@ import torch
 
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
+from ..pos.ids import positions_from_padding
 
 __all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next", "logits_of", "forward_step", "prefill"]
 
@@ -78,8 +79,7 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
                          "would decode after their padding. Left-pad the prompts (tokenizer padding_side='left')")
     if not bool(m.any(1).all()):
         raise ValueError("attention_mask: every row needs at least one real token")
-    pos = torch.cumsum(m.to(torch.int64), dim=1) - 1
-    return torch.where(m, pos, torch.full_like(pos, -1))
+    return positions_from_padding(m)
 
 
 def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,

@@ -62,7 +62,7 @@ from ..cache.describe import cache_specs_of
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
 from ..pos.alibi import ALiBiBias
-from ..pos.ids import batch_positions
+from ..pos.ids import batch_positions, positions_from_padding
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..spec.config import DecoderConfig
@@ -99,9 +99,7 @@ def positions_from_attention_mask(attention_mask: torch.Tensor, n_new: int) -> t
     if attention_mask.dtype != torch.bool:
         if attention_mask.dtype.is_floating_point or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only, as HF tokenizers return it")
-    real = attention_mask.to(torch.bool)
-    pos = torch.cumsum(real.to(torch.int64), dim=1) - 1
-    pos = torch.where(real, pos, torch.full_like(pos, -1))
+    pos = positions_from_padding(attention_mask)
     return pos[:, pos.shape[1] - n_new:]
 
 
