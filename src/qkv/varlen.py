@@ -208,7 +208,9 @@ def unpack(values: torch.Tensor, packed: Packed, fill: float = 0.0) -> torch.Ten
 @contextlib.contextmanager
 def packed_documents(model: torch.nn.Module, cu_seqlens: torch.Tensor) -> Iterator[None]:
     """Within the block, every attention call of ``model`` (each module's ``attention_fn``, the hook every
-    qkv attention module runs attention through) also masks across the packed sequences of ``cu_seqlens``.
+    qkv attention module runs attention through, :class:`qkv.nn.protocol.AttentionModule`) also masks across
+    the packed sequences of ``cu_seqlens``. A model holding an attention module without that hook (linear
+    attention) is refused: its attention would cross documents.
 
     Run the packed tokens as one row with per-sequence positions::
 
@@ -216,11 +218,20 @@ def packed_documents(model: torch.nn.Module, cu_seqlens: torch.Tensor) -> Iterat
         with qkv.varlen.packed_documents(model, p.cu_seqlens):
             logits = model(p.values[None], positions=p.positions[None]).logits   # (1, total, V)
     """
+    from .nn.protocol import attention_modules  # a model-level tool: varlen_attention itself never loads qkv.nn
+
     doc = M.document_from_cu_seqlens(_cu(cu_seqlens, "cu_seqlens").cpu())
-    hooked = [m for m in model.modules() if "attention_fn" in vars(m)]
-    if not hooked:
-        raise TypeError(f"packed_documents: {type(model).__name__} has no module with an attention_fn hook; it is "
-                        "the attribute qkv's attention modules run attention through")
+    found = attention_modules(model)
+    if not found:
+        raise TypeError(f"packed_documents: {type(model).__name__} has no attention module with an attention_fn "
+                        "hook (qkv.nn.protocol.AttentionModule); it is the attribute qkv's attention modules run "
+                        "attention through")
+    hookless = [f"{name or 'the model'} ({type(m).__name__})" for name, m in found if m.attention_fn is None]
+    if hookless:
+        raise TypeError(f"packed_documents: {', '.join(hookless)} computes no softmax attention (attention_fn is "
+                        "None), so its attention cannot be kept within documents here; run such modules on each "
+                        "sequence apart (or with their own state per document)")
+    hooked = [m for _, m in found]
     saved = [m.attention_fn for m in hooked]
 
     def restricted(fn):
