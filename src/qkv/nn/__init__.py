@@ -11,6 +11,7 @@ Example:
 from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
+from .cached import AttentionHeads, cached_attention
 from .config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
 from .decoder import DecoderLM, DecoderOutput
 from .ffn import FeedForward, GatedMLP
@@ -19,6 +20,7 @@ from .linear import LinearAttention
 from .moe import MoE, MoEConfig
 from .norm import RMSNorm, make_norm, rms_norm
 from .performer import PerformerAttention
+from .protocol import AttentionModule, attention_modules
 from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
 __all__ = [
@@ -28,4 +30,5 @@ __all__ = [
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
+    "AttentionModule", "attention_modules", "cached_attention", "AttentionHeads",
 ]

@@ -41,7 +41,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -116,6 +116,11 @@ def attention_mask(q_positions: torch.Tensor | None, kv_positions: torch.Tensor 
         >>> print(attention_mask(None, None, causal=True, window=4))
         sliding_window(left=3, right=0)
     """
+    if (q_positions is None) != (kv_positions is None):
+        raise ValueError("attention_mask: pass both q_positions and kv_positions, or neither (bottom-right by index)")
+    if window is not None and not causal:
+        raise ValueError(f"attention_mask: window={window} needs causal=True; for a bidirectional local window pass "
+                         f"mask=qkv.masks.sliding_window(left, right)")
     if q_positions is not None:
         built = masks.positions(q_positions, kv_positions, causal=causal, window=window)
     elif causal:
@@ -145,30 +150,27 @@ def plain_decode_step(n_queries: int, *, attention_fn: AttentionFn | None, backe
             and score_mod is None and sinks is None and not dropout_p)
 
 
-def refuse_scoring_cache(cache: AttentionCache, layer_idx: int, *, owner: str, modifiers: str) -> None:
+def refuse_scoring_cache(cache: AttentionCache, layer_idx: int, *, owner: str, modifiers: Sequence[object]) -> None:
     """Raise when layer ``layer_idx`` of ``cache`` evicts by the attention it observes (H2O, SnapKV), which it
-    computes from ``q`` and the stored keys alone, while the caller's scores carry ``modifiers`` (described
-    in words): it would rank tokens by other scores than the caller attends with.
+    computes from ``q`` and the stored keys alone, while the caller's scores carry ``modifiers`` (score
+    modifiers, positional modules or words naming them; None entries are skipped): it would rank tokens by
+    other scores than the caller attends with. The message is built only when raising.
 
     Example:
         >>> from qkv.cache import FullSpec, KVCache, H2O
         >>> cache = KVCache([FullSpec(1, 4)], policy=H2O(heavy=2, recent=2))
         >>> try:
-        ...     refuse_scoring_cache(cache, 0, owner="demo", modifiers="softcap(30.0)")
+        ...     refuse_scoring_cache(cache, 0, owner="demo", modifiers=["softcap(30.0)"])
         ... except ValueError as e:
         ...     print(str(e)[:52])
         demo: layer 0's cache evicts by observed attention
     """
     if cache.scores_attention(layer_idx):
+        named = ", ".join(m if isinstance(m, str) else repr(m) for m in modifiers if m is not None)
         raise ValueError(f"{owner}: layer {layer_idx}'s cache evicts by observed attention (H2O/SnapKV), computed "
-                         f"from q.k alone, but the scores carry modifiers ({modifiers}); it would rank tokens by "
+                         f"from q.k alone, but the scores carry modifiers ({named}); it would rank tokens by "
                          f"other scores than it attends with. Use a policy that does not score (StreamingLLM, a "
                          f"sliding window) or none here")
-
-
-def _modifiers(score_mod, position_bias) -> str:
-    named = [repr(m) for m in (position_bias, score_mod) if m is not None]
-    return ", ".join(named)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_idx: int = 0,
@@ -259,7 +261,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
             raise ValueError(f"{owner}: step_mask is the mask of a call without a cache; with a cache the mask "
                              f"follows the positions the cache reports")
         if score_mod is not None or position_bias is not None:
-            refuse_scoring_cache(cache, layer_idx, owner=owner, modifiers=_modifiers(score_mod, position_bias))
+            refuse_scoring_cache(cache, layer_idx, owner=owner, modifiers=(position_bias, score_mod))
         if rope is None or cache.keeps_absolute_positions(layer_idx):
             if rope is not None:
                 q, k = rotate(q, k) if rotate is not None else (rope(q, positions), rope(k, positions))
@@ -269,7 +271,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
             q = rope(q, view.q_positions)
         k, v, q_pos, kv_pos = view.k, view.v, view.q_positions, view.kv_positions  # (B, Hkv, S, D), ...
     out = lse = None
-    if (caps is not None and caps.decoding and not return_lse and position_bias is None
+    if (N == 1 and caps is not None and caps.decoding and not return_lse and position_bias is None
             and plain_decode_step(N, attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
                                   score_mod=score_mod, sinks=sinks, dropout_p=dropout_p)):
         out = cache.decode(layer_idx, q, scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window)
@@ -292,7 +294,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         else:
             res = attention_fn(q, k, v, score_mod=score_mod, **kw)
         out, lse = (res.out, res.lse) if return_lse else (res, None)
-    out = apply_head_gate(out, head_gate)
+    if head_gate is not None:
+        out = apply_head_gate(out, head_gate)
     if cache is not None:
         cache.observe(layer_idx, q, scale=scale)  # score-ranked eviction (H2O, SnapKV) sees the rotated queries
     return AttentionHeads(out, lse)

@@ -321,8 +321,8 @@ def _refuse_scoring_cache(model: DecoderLM, cache: AttentionCache) -> None:
     """Before anything is written: a layer with score modifiers cannot be ranked by q.k alone (H2O, SnapKV)."""
     for i in model._modified_scores:
         attn = model.layers[i].self_attn
-        mods = ", ".join(repr(m) for m in (attn.score_mod, "ALiBi" if attn.alibi is not None else None) if m)
-        refuse_scoring_cache(cache, i, owner="DecoderLM", modifiers=mods)
+        refuse_scoring_cache(cache, i, owner="DecoderLM",
+                             modifiers=(attn.score_mod, "ALiBi" if attn.alibi is not None else None))
 
 
 class DecoderLM(nn.Module):
