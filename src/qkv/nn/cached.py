@@ -114,7 +114,7 @@ def attention_mask(q_positions: torch.Tensor | None, kv_positions: torch.Tensor 
 
     Example:
         >>> print(attention_mask(None, None, causal=True, window=4))
-        sliding_window(left=3, right=0)
+        sliding_window(3, 0)
     """
     if (q_positions is None) != (kv_positions is None):
         raise ValueError("attention_mask: pass both q_positions and kv_positions, or neither (bottom-right by index)")
@@ -162,7 +162,7 @@ def refuse_scoring_cache(cache: AttentionCache, layer_idx: int, *, owner: str, m
         >>> try:
         ...     refuse_scoring_cache(cache, 0, owner="demo", modifiers=["softcap(30.0)"])
         ... except ValueError as e:
-        ...     print(str(e)[:52])
+        ...     print(str(e)[:50])
         demo: layer 0's cache evicts by observed attention
     """
     if cache.scores_attention(layer_idx):
