@@ -7,6 +7,8 @@ A module with a cache does, per layer and step::
     mask = masks.positions(view.q_positions, view.kv_positions, causal=True, window=W)  # & any extra mask
     out = qkv.attention(q, view.k, view.v, mask=mask, ...)
 
+(:func:`qkv.nn.cached_attention` is that sequence, written once for every module.)
+
 - ``k_new`` (B, Hkv, Nnew, Dqk), ``v_new`` (B, Hkv, Nnew, Dv) are this step's keys/values.
 - ``positions`` (B, Nnew) int64 are the absolute positions of the new tokens (``-1`` for padding tokens,
   which are stored but never attended to).

@@ -94,6 +94,7 @@ class MultiHeadAttention(nn.Module):
     Attention runs through the instance attribute ``attention_fn`` (default :func:`qkv.attention`, same
     signature), which receives rotated queries and keys, the mask and score modifiers in absolute positions,
     and the scale; replacing it is how interpretation captures and context parallelism distributes attention.
+    Around it, the cache update, RoPE, mask, head gate and observation are :func:`qkv.nn.cached_attention`'s.
 
     ``forward(x, context=None, *, mask=None, positions=None, cache=None, need_lse=False)``:
         x: (B, Nq, d). context: (B, Nk, kv_dim), cross attention only. mask: a :mod:`qkv.masks` mask

@@ -182,7 +182,9 @@ class SelfAttention(nn.Module):
     queries and keys are adjacent heads of one tensor and rotate in one call. Attention runs through
     ``self.attention_fn`` (signature of :func:`qkv.attention`; default it), which receives rotated queries
     and keys, the mask and the score modifiers in absolute positions, and the scale. ``scale`` may be set
-    per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``).
+    per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``). The cache update, rotation,
+    mask, head gate and observation around it are :func:`qkv.nn.cached_attention`'s, given this layer's fused
+    rotation and the step's shared mask.
     """
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
