@@ -440,8 +440,8 @@ class LatentAttention(nn.Module):
 
     As an attention module (:class:`qkv.nn.protocol.AttentionModule`): both paths call ``attention_fn``;
     ``n_heads`` is ``H`` and ``n_kv_heads`` is 1 (one latent shared by every head; the absorbed path stacks the
-    heads as ``H * N`` query rows of one head); ``head_gate`` scales each head's output before ``W_UV``'s
-    result meets ``o_proj``. The masks, the decode-kernel rule and the head gate are those of
+    heads as ``H * N`` query rows of one head); ``head_gate`` scales each head's output (after ``W_UV``) before
+    ``o_proj``. The masks, the decode-kernel rule and the head gate are those of
     :mod:`qkv.nn.cached`. A cache that also follows :class:`qkv.cache.AttentionCache` and ranks a latent layer's
     tokens by observed attention (``scores_attention``) is shown the absorbed queries ``[W_UK^T q_nope |
     RoPE(q_rope)]`` (B, H, N, r + dr), whose dot products with the cached ``[c_kv | k_rope]`` are the layer's
