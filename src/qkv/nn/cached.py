@@ -228,10 +228,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         >>> res.out.shape, bool(res.out[:, 2].eq(0).all())
         (torch.Size([2, 4, 6, 8]), True)
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            seen = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{owner}: {name} must be a (B, H, N, D) tensor, got {seen}")
+    try:  # a decode step calls this once per layer: check cheaply, explain only on failure
+        bad = q.dim() != 4 or k.dim() != 4 or v.dim() != 4
+    except AttributeError:
+        bad = True
+    if bad:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                seen = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{owner}: {name} must be a (B, H, N, D) tensor, got {seen}")
     B, N = q.shape[0], q.shape[2]
     if positions is not None and (not isinstance(positions, torch.Tensor) or positions.shape != (B, N)):
         seen = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
@@ -251,7 +256,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
             q, k = rotate(q, k) if rotate is not None else (rope(q, positions), rope(k, positions))
         q_pos = kv_pos = positions
     else:
-        caps = cache_capabilities(cache)
+        caps = _CAPABILITIES.get(type(cache)) or cache_capabilities(cache)
         if not caps.attention:
             raise TypeError(f"{owner}: cache must follow qkv.cache.AttentionCache (update, cross_kv, seq_length, "
                             f"...), e.g. qkv.cache.KVCache(specs), got {type(cache).__name__}")
