@@ -28,11 +28,16 @@ from .protocol import (
     AttentionCache,
     CachePolicy,
     CacheView,
+    CroppableCache,
     DecoderModel,
+    DecodingCache,
+    ForkableCache,
     HasCacheSpecs,
     LatentCache,
     LatentView,
+    PrefixMatchingCache,
     Quantizer,
+    ResettableCache,
     RopeFn,
 )
 from .quant import KIVI, Int8, QuantError
@@ -48,4 +53,5 @@ __all__ = [
     "plan_memory", "MemoryPlan", "LayerPlan",
     "CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
     "CachePolicy", "Quantizer",
+    "DecodingCache", "PrefixMatchingCache", "CroppableCache", "ForkableCache", "ResettableCache",
 ]

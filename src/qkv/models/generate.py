@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..cache.protocol import PrefixMatchingCache
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
 from ..pos.ids import positions_from_padding
@@ -292,6 +293,9 @@ def _open_cache(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, 
         raise ValueError(f"generate: the cache already holds {cache.seq_length} tokens; pass a fresh cache "
                          f"(cache.reset() keeps a paged cache's prefix index)")
     if cache.prefix_caching:
+        if not isinstance(cache, PrefixMatchingCache):
+            raise TypeError(f"generate: {type(cache).__name__} says prefix_caching=True but has no match_prefix "
+                            f"(qkv.cache.PrefixMatchingCache); implement it or report prefix_caching=False")
         return cache, cache.match_prefix(input_ids, positions, salt=salt)
     return cache, torch.zeros(input_ids.shape[0], dtype=torch.int64)
 

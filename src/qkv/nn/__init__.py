@@ -12,13 +12,16 @@ from ..spec.config import PRESETS, DecoderConfig, RopeParams, TransformerConfig,
 from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
+from .cached import AttentionHeads, cached_attention
 from .decoder import DecoderLM, DecoderOutput
 from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
 from .moe import MoE, MoEConfig
 from .norm import RMSNorm, make_norm, rms_norm
+from .packed import packed_documents
 from .performer import PerformerAttention
+from .protocol import AttentionModule, attention_modules
 from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
 __all__ = [
@@ -28,4 +31,5 @@ __all__ = [
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
+    "AttentionModule", "attention_modules", "packed_documents", "cached_attention", "AttentionHeads",
 ]
