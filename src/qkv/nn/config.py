@@ -296,7 +296,13 @@ class DecoderConfig:
         sandwich_norms: also normalize each branch's output (Gemma 2/3 post-attention and
             post-feed-forward norms).
         qkv_bias, o_bias, mlp_bias: biases of the QKV, output and feed-forward projections.
-        qk_norm: per-head RMSNorm of queries and keys before RoPE (Gemma 3).
+        qk_norm: RMSNorm of queries and keys before RoPE (Gemma 3, Qwen3, OLMo 2/3).
+        qk_norm_scope: what ``qk_norm`` normalizes: ``"head"`` each head's ``head_dim`` channels (Gemma 3,
+            Qwen3) or ``"projection"`` the whole query / key projection, all heads at once (OLMo 2/3).
+        pre_norms: normalize each branch's input (False: OLMo 2/3, whose blocks only normalize the branch
+            outputs; set ``sandwich_norms`` with it).
+        attention_sinks: one learnable sink logit per query head joins every softmax (GPT-OSS,
+            :mod:`qkv._sinks`); parameter ``self_attn.sinks`` (Hq,).
         attention_scale: score scale (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
         attn_logit_softcapping: ``cap * tanh(score / cap)`` on attention scores (Gemma 2).
         final_logit_softcapping: the same on the output logits (Gemma 2).
@@ -344,6 +350,9 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    pre_norms: bool = True
+    attention_sinks: bool = False
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -406,6 +415,13 @@ class DecoderConfig:
                               ("final_logit_softcapping", self.final_logit_softcapping)):
             if softcap is not None and not softcap > 0:
                 raise ValueError(f"DecoderConfig: {kind} must be > 0 or None, got {softcap!r}")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"DecoderConfig: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("DecoderConfig: pre_norms=False needs sandwich_norms=True (a block without any norm "
+                             "is not a supported family)")
+        if self.latent is not None and self.attention_sinks:
+            raise ValueError("DecoderConfig: attention_sinks are not supported with latent attention (MLA)")
         if self.latent is not None and self.position != "rope":
             raise ValueError(f"DecoderConfig: latent attention (MLA) uses RoPE, got position={self.position!r}")
         object.__setattr__(self, "_derived", frozenset(derived))

@@ -195,8 +195,11 @@ class SelfAttention(nn.Module):
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, (Hq + 2 * Hkv) * D, bias=c.qkv_bias)
         self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
-        self.q_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
-        self.k_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.qk_norm_projection = c.qk_norm and c.qk_norm_scope == "projection"  # OLMo 2/3: over all heads
+        q_dim, k_dim = (Hq * D, Hkv * D) if self.qk_norm_projection else (D, D)
+        self.q_norm = RMSNorm(q_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(Hq)) if c.attention_sinks else None  # (Hq,) GPT-OSS sink logits
         self.alibi = ALiBiBias(Hq) if c.position == "alibi" else None
         self.scale = c.attention_scale
         self.score_mod = mods.softcap(c.attn_logit_softcapping) if c.attn_logit_softcapping else None
@@ -223,10 +226,14 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
+        qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D)
+        if self.qk_norm_projection:
+            q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        qkv = qkv.view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
         qk, v = qkv.split((Hq + Hkv, Hkv), dim=1)  # (B, Hq + Hkv, N, D), (B, Hkv, N, D)
         q, k = qk.split((Hq, Hkv), dim=1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_projection:
             q, k, qk = self.q_norm(q), self.k_norm(k), None
         rope, cache = self.rope, step.cache
         if rope is not None:
@@ -250,11 +257,12 @@ class SelfAttention(nn.Module):
         backend = self.decode_backend if N == 1 else self.backend
         out = None
         if (N == 1 and isinstance(cache, KVCache) and self.backend == "auto" and self.attention_fn is attention
-                and self.score_mod is None and self.alibi is None):  # paged pools on a GPU: Triton, in place
+                and self.score_mod is None and self.alibi is None and self.sinks is None):  # paged pools on a GPU
             out = cache.decode(self.layer_idx, q, scale=self.scale or D ** -0.5, window=self.window)
         if out is None:
+            sinks = {} if self.sinks is None else {"sinks": self.sinks}
             out = self.attention_fn(q, k, v, mask=mask, score_mod=self._score_mods(q_pos, kv_pos), scale=self.scale,
-                                    backend=backend)
+                                    backend=backend, **sinks)
         if self.head_gate is not None:
             out = out * self.head_gate.to(out.dtype).view(1, Hq, 1, 1)
         if cache is not None:
@@ -264,6 +272,7 @@ class SelfAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = f", window={self.window}" if self.window else ""
         extra += ", alibi" if self.alibi is not None else ""
+        extra += ", sinks" if self.sinks is not None else ""
         extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""
         return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}{extra}"
 
@@ -287,7 +296,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
         super().__init__()
-        self.attn_norm = _norm(c, c.hidden_size)
+        self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.latent = c.latent is not None
         if self.latent:
             backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
@@ -296,19 +305,20 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = SelfAttention(c, layer_idx, rope)
         self.attn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
-        self.ffn_norm = _norm(c, c.hidden_size)
+        self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
         if self.latent:
-            h = self.self_attn(self.attn_norm(x), positions=step.positions, cache=step.cache).out
+            h = self.self_attn(a, positions=step.positions, cache=step.cache).out
         else:
-            h = self.self_attn(self.attn_norm(x), step)
+            h = self.self_attn(a, step)
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
         x = x + h
-        h = self.mlp(self.ffn_norm(x))
+        h = self.mlp(x if self.ffn_norm is None else self.ffn_norm(x))
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
         return x + h

@@ -1,10 +1,23 @@
-"""DeepSeekMoE feed-forward: Dai et al. 2024, "DeepSeekMoE: Towards Ultimate Expert Specialization in
-Mixture-of-Experts Language Models" (arXiv:2401.06066), as DeepSeek-V2 uses it (arXiv:2405.04434).
+"""Mixture-of-experts feed-forwards: DeepSeekMoE (Dai et al. 2024, "DeepSeekMoE: Towards Ultimate Expert
+Specialization in Mixture-of-Experts Language Models", arXiv:2401.06066) as DeepSeek-V2 (arXiv:2405.04434)
+and DeepSeek-V3 (arXiv:2412.19437) use it, Qwen3-MoE (arXiv:2505.09388) and GPT-OSS (OpenAI 2025,
+"gpt-oss-120b & gpt-oss-20b Model Card").
 
-A softmax router (float32) picks the top ``num_experts_per_tok`` of ``n_routed_experts`` gated experts per
-token (``greedy``, or ``group_limited_greedy`` over groups), their outputs are summed with the router
-weights (times ``routed_scaling_factor``), and ``n_shared_experts`` experts every token goes through are
-added. Experts are stored stacked, as HF transformers 5 keeps them.
+A router (float32) picks ``num_experts_per_tok`` of ``n_routed_experts`` experts per token, their outputs
+are summed with the router weights (times ``routed_scaling_factor``), and ``n_shared_experts`` experts
+every token goes through are added. The routing rules, one function each:
+
+- :func:`route_softmax`: softmax over all experts, top-k (``greedy``), or top-k inside the ``topk_group``
+  best of ``n_group`` groups (``group_limited_greedy``, DeepSeek-V2); renormalized when ``norm_topk_prob``
+  (Qwen3-MoE).
+- :func:`route_noaux_tc`: DeepSeek-V3's auxiliary-loss-free balancing: sigmoid scores; experts are *chosen*
+  by ``score + e_score_correction_bias`` inside the ``topk_group`` groups whose two best biased scores sum
+  highest, and *weighted* by their unbiased scores (renormalized, times ``routed_scaling_factor``).
+- :func:`route_topk_softmax`: GPT-OSS: top-k of the (biased) router logits, softmax over those k only.
+
+Experts are stored stacked, as HF transformers 5 keeps them: :class:`Experts` (gated, SwiGLU and
+relatives) and :class:`ClampedSwiGLUExperts` (GPT-OSS: biases, clamped inputs, ``(up + 1) * gate *
+sigmoid(alpha * gate)``).
 
 Shape legend: T tokens (B * N), d hidden size, E routed experts, k experts per token, f expert hidden size.
 
@@ -29,18 +42,23 @@ from ..cpu.skinny import skinny_linear
 from .activations import ACTIVATIONS, check_activation
 from .ffn import GatedMLP
 
-__all__ = ["MoEConfig", "Experts", "MoE"]
+__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "MoE", "route_softmax", "route_noaux_tc",
+           "route_topk_softmax"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """DeepSeekMoE feed-forward (HF DeepSeek-V2 field names).
+    """Mixture-of-experts feed-forward (HF DeepSeek field names).
 
     Layer ``i`` is a mixture of experts when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
     (DeepSeek's rule; HF transformers ignores ``moe_layer_freq``, which is 1 in every released checkpoint).
-    Routing: softmax over ``n_routed_experts`` router logits (float32), top ``num_experts_per_tok`` by
-    ``topk_method`` (``"greedy"``, or ``"group_limited_greedy"`` over ``n_group`` groups keeping
-    ``topk_group``), weights renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+    Routing (module notes): ``topk_method`` ``"greedy"`` or ``"group_limited_greedy"`` (softmax scores,
+    :func:`route_softmax`), ``"noaux_tc"`` (sigmoid scores with a correction bias, :func:`route_noaux_tc`)
+    or ``"topk_softmax"`` (softmax over the selected logits, :func:`route_topk_softmax`); weights
+    renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+
+    GPT-OSS: ``router_bias`` (the router has a bias) and ``swiglu_limit`` (experts are
+    :class:`ClampedSwiGLUExperts` with ``swiglu_alpha``, biases included; None: :class:`Experts`).
     """
 
     n_routed_experts: int
@@ -54,22 +72,67 @@ class MoEConfig:
     n_group: int | None = None
     topk_group: int | None = None
     norm_topk_prob: bool = False
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
-        if self.topk_method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"MoEConfig: topk_method must be 'greedy' or 'group_limited_greedy', got "
-                             f"{self.topk_method!r}")
+        if self.topk_method not in _TOPK_METHODS:
+            raise ValueError(f"MoEConfig: topk_method must be one of {_TOPK_METHODS}, got {self.topk_method!r}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"MoEConfig: swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(f"MoEConfig: num_experts_per_tok ({self.num_experts_per_tok}) must lie in "
                              f"[1, n_routed_experts={self.n_routed_experts}]")
-        if self.topk_method == "group_limited_greedy" and (
+        if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
                 not self.n_group or not self.topk_group or self.n_routed_experts % self.n_group):
-            raise ValueError(f"MoEConfig: group_limited_greedy needs n_group dividing n_routed_experts "
+            raise ValueError(f"MoEConfig: {self.topk_method} needs n_group dividing n_routed_experts "
                              f"({self.n_routed_experts}) and topk_group; got n_group={self.n_group}, "
                              f"topk_group={self.topk_group}")
 
     def is_moe(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax")
+
+
+def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 / Qwen3-MoE routing: logits (T, E) float32 -> (weights (T, k), expert ids (T, k))."""
+    scores = logits.softmax(dim=-1)  # (T, E)
+    if m.topk_method == "group_limited_greedy":
+        T, E = scores.shape
+        best = scores.view(T, m.n_group, E // m.n_group).amax(dim=-1)  # (T, groups)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1, sorted=False).indices, 1.0)
+        scores = scores.masked_fill(~keep.bool().repeat_interleave(E // m.n_group, dim=1), 0.0)
+    weights, idx = scores.topk(m.num_experts_per_tok, dim=-1, sorted=False)
+    if m.norm_topk_prob and m.num_experts_per_tok > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * m.routed_scaling_factor, idx
+
+
+def route_noaux_tc(logits: torch.Tensor, correction: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (arXiv:2412.19437, 2.1.2): logits (T, E) float32, correction (E,) the
+    ``e_score_correction_bias`` -> (weights (T, k), expert ids (T, k)). The bias only steers the choice;
+    the weights are the unbiased sigmoid scores."""
+    scores = logits.sigmoid()  # (T, E)
+    biased = scores + correction.float()
+    T, E = scores.shape
+    group_score = biased.view(T, m.n_group, E // m.n_group).topk(2, dim=-1).values.sum(dim=-1)  # (T, groups)
+    groups = group_score.topk(m.topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
+    biased = biased.masked_fill(~keep.repeat_interleave(E // m.n_group, dim=1), float("-inf"))
+    idx = biased.topk(m.num_experts_per_tok, dim=-1, sorted=False).indices
+    weights = scores.gather(1, idx)
+    if m.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * m.routed_scaling_factor, idx
+
+
+def route_topk_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS routing: the top-k logits (T, E) -> softmax over those k (weights (T, k), expert ids (T, k))."""
+    top, idx = logits.topk(m.num_experts_per_tok, dim=-1)
+    return top.softmax(dim=-1) * m.routed_scaling_factor, idx
 
 
 class Experts(nn.Module):
@@ -109,6 +172,44 @@ class Experts(nn.Module):
         return out
 
 
+class ClampedSwiGLUExperts(nn.Module):
+    """GPT-OSS experts, stored as HF keeps them: ``gate_up_proj`` (E, d, 2f) input-major with gate and up
+    columns interleaved (gate ``2j``, up ``2j + 1``), ``gate_up_proj_bias`` (E, 2f), ``down_proj`` (E, f, d),
+    ``down_proj_bias`` (E, d). Per expert: ``gate = min(g, limit)``, ``up = clamp(u, -limit, limit)``,
+    ``h = (up + 1) * gate * sigmoid(alpha * gate)``, ``out = h @ down + b``."""
+
+    def __init__(self, n: int, d: int, f: int, *, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(n, d, 2 * f).normal_(std=0.02))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(n, 2 * f))
+        self.down_proj = nn.Parameter(torch.empty(n, f, d).normal_(std=0.02))
+        self.down_proj_bias = nn.Parameter(torch.zeros(n, d))
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.addmm(self.gate_up_proj_bias[e], x, self.gate_up_proj[e])  # (n, 2f)
+        gate = gate_up[:, 0::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+        h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # (n, f)
+        return torch.addmm(self.down_proj_bias[e], h, self.down_proj[e])  # (n, d)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token, w = order // k, weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                t = token[start:start + n]
+                out.index_add_(0, t, (self._expert(e, x[t]) * w[start:start + n, None]).to(out.dtype))
+                start += n
+        return out
+
+
 class MoE(nn.Module):
     """DeepSeekMoE: ``shared_experts(x) + sum_k w_k expert_k(x)`` over the top-k routed experts.
 
@@ -123,24 +224,27 @@ class MoE(nn.Module):
         super().__init__()
         check_activation("MoE", activation)
         m = self.config = config
-        self.router = nn.Linear(hidden_size, m.n_routed_experts, bias=False)
-        self.experts = Experts(m.n_routed_experts, hidden_size, m.moe_intermediate_size, activation)
+        self.router = nn.Linear(hidden_size, m.n_routed_experts, bias=m.router_bias)
+        if m.swiglu_limit is not None:
+            self.experts = ClampedSwiGLUExperts(m.n_routed_experts, hidden_size, m.moe_intermediate_size,
+                                                alpha=m.swiglu_alpha, limit=m.swiglu_limit)
+        else:
+            self.experts = Experts(m.n_routed_experts, hidden_size, m.moe_intermediate_size, activation)
+        if m.topk_method == "noaux_tc":  # DeepSeek-V3's balancing bias: steers the choice, not trained by SGD
+            self.register_buffer("e_score_correction_bias", torch.zeros(m.n_routed_experts))
         self.shared_experts = (GatedMLP(hidden_size, m.moe_intermediate_size * m.n_shared_experts,
                                         activation=activation, bias=bias) if m.n_shared_experts else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, d) -> (weights (T, k) float32, expert ids (T, k)); the router runs in float32, as HF's."""
         m = self.config
-        scores = F.linear(x.float(), self.router.weight.float()).softmax(dim=-1)  # (T, E)
-        if m.topk_method == "group_limited_greedy":
-            T, E = scores.shape
-            best = scores.view(T, m.n_group, E // m.n_group).amax(dim=-1)  # (T, groups)
-            keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1, sorted=False).indices, 1.0)
-            scores = scores.masked_fill(~keep.bool().repeat_interleave(E // m.n_group, dim=1), 0.0)
-        weights, idx = scores.topk(m.num_experts_per_tok, dim=-1, sorted=False)
-        if m.norm_topk_prob and m.num_experts_per_tok > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * m.routed_scaling_factor, idx
+        bias = None if self.router.bias is None else self.router.bias.float()
+        logits = F.linear(x.float(), self.router.weight.float(), bias)  # (T, E)
+        if m.topk_method == "noaux_tc":
+            return route_noaux_tc(logits, self.e_score_correction_bias, m)
+        if m.topk_method == "topk_softmax":
+            return route_topk_softmax(logits, m)
+        return route_softmax(logits, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
