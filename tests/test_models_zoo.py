@@ -228,3 +228,65 @@ def test_mxfp4_gpt_oss_checkpoint_is_refused():
     cfg = _models("gpt_oss-L4-MQA-W4")[0].config.to_dict()
     with pytest.raises(CheckpointError, match="MXFP4"):
         convert({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1)}, cfg)
+
+
+def _tiny(name: str):
+    from qkv.nn import DecoderLM, get_config
+
+    torch.manual_seed(0)
+    return DecoderLM(get_config(name)).eval()
+
+
+@pytest.mark.parametrize("source", ["gpt_oss-L4-MQA-W4", "olmo3-L4-MQA-W5", "tiny-gemma", "tiny-mistral"])
+def test_default_cache_keeps_only_the_window_in_sliding_layers(source):
+    """Bytes held per layer after prefills of 24 and 160 tokens (then 3 decode steps): sliding layers hold the
+    same (flat in the context), full layers grow; the planner's dynamic-storage figure agrees per layer."""
+    from qkv.cache import plan_memory
+
+    model = _tiny(source) if source.startswith("tiny") else _models(source)[2]
+    vocab = model.config.vocab_size
+    held = {}
+    for n in (24, 160):
+        cache = KVCache(model.cache_specs())
+        ids = torch.randint(1, vocab, (2, n), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            model(ids, cache=cache)
+            for _ in range(3):
+                model(ids[:, -1:], cache=cache)
+        held[n] = [(m.kind, m.allocated_bytes) for m in cache.memory().layers]
+        plan = plan_memory(model, batch=2, context=n + 3, new_tokens=3, dtype=torch.float32)
+        assert [round(layer.allocated_bytes) for layer in plan.layers] == [b for _, b in held[n]], (n, plan)
+    kinds = [k for k, _ in held[24]]
+    assert "sliding" in kinds
+    for i, kind in enumerate(kinds):
+        if kind == "sliding":
+            assert held[24][i] == held[160][i], f"layer {i} grew with the context: {held}"
+            window = model.config.window_for(i)
+            assert held[160][i][1] <= 2 * 4 * max(16, window) * _row_bytes(model, i), held[160][i]  # 2 rows
+        else:
+            assert held[160][i][1] > held[24][i][1]
+
+
+def _row_bytes(model, i: int) -> int:
+    spec = model.cache_specs()[i]
+    return spec.row_bytes(torch.float32) + 8
+
+
+_ONE_PER_TYPE = ["qwen3-MQA-W5-layer1-tied", "qwen3_moe-E6-k2-normtopk", "olmo2-Hq4-Hkv2", "olmo3-L4-MQA-W5",
+                 "gpt_oss-Hq4-Hkv2-W5-yarn-sinks", "deepseek_v3-qlora24-noaux-yarn"]
+
+
+@pytest.mark.parametrize("storage", ["dynamic", "static", "paged"])
+@pytest.mark.parametrize("case", _ONE_PER_TYPE)
+def test_verify_cache_every_family_and_storage(case, storage):
+    """Cached decoding equals recomputation (decode, crop, fork; paged: prefix reuse) for each new family
+    under each storage."""
+    from qkv.cache import Paged
+    from qkv.models import verify_cache
+
+    model = _models(case)[2]
+    make = {"dynamic": lambda: KVCache(model, rollback=4),
+            "static": lambda: KVCache(model, storage=Static(64), rollback=4),
+            "paged": lambda: KVCache(model, storage=Paged(block_size=4, num_blocks=128, prefix_caching=True))}[storage]
+    report = verify_cache(model, make)
+    assert report.ok, str(report)
