@@ -554,8 +554,9 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
     """A :class:`DecoderConfig` shaped like a :class:`qkv.costs.ModelPreset` with the whole-model fields.
 
     What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
-    feed-forwards and for presets with sandwich norms, the Gemma layout), RoPE unless the preset has a
-    learned position table. The context length is the learned table's size, else the preset's stated
+    feed-forwards and for presets with pre- and post-norms, the Gemma layout), RoPE unless the preset has a
+    learned position table; experts with biases are GPT-OSS's clamped SwiGLU experts (limit 7).
+    The context length is the learned table's size, else the preset's stated
     ``max_position_embeddings``, else 4096.
 
     Raises:
@@ -575,9 +576,10 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
         num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
         intermediate_size=p.intermediate_size, gated_mlp=not dense,
-        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms else "silu"),
+        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms and p.pre_norms else "silu"),
         norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
         qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
+        qk_norm_scope=p.qk_norm_scope, pre_norms=p.pre_norms, attention_sinks=p.attention_sinks,
         position="learned" if p.learned_positions else "rope",
         max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
     )
@@ -594,5 +596,7 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
     if p.n_routed_experts is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
-                              first_k_dense_replace=p.first_k_dense_replace)
+                              first_k_dense_replace=p.first_k_dense_replace, router_bias=p.router_bias,
+                              # experts with biases: GPT-OSS's clamped SwiGLU (HF's default limit)
+                              swiglu_limit=7.0 if p.mlp_bias else None)
     return DecoderConfig(**kw)
