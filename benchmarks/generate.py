@@ -31,7 +31,7 @@ Published configuration (the defaults): torch's default threads, then 1 thread; 
 repeats of 63 timed steps each. The wall clock because a step's timestamp is taken from the streamer
 (a point in time, not an interval of this process's CPU) and because the multi-thread rows are the
 point: CPU time would count idle threads' spinning rather than the time a user waits. Expected time on a
-quiet 2-core machine: about 5.5 minutes.
+quiet 2-core machine: about 11 minutes (four models).
 
 Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2]``
 """
