@@ -290,3 +290,44 @@ def test_verify_cache_every_family_and_storage(case, storage):
             "paged": lambda: KVCache(model, storage=Paged(block_size=4, num_blocks=128, prefix_caching=True))}[storage]
     report = verify_cache(model, make)
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe-E6-k2-normtopk", "olmo3-L4-MQA-W5", "gpt_oss-L4-MQA-W4",
+                                  "deepseek_v3-qlora24-noaux-yarn"])
+def test_checkpoint_directory_loads_like_the_model(case, tmp_path):
+    """``save_pretrained`` files (per-expert tensors where transformers writes them, the routing correction
+    bias, sinks) load into the same model as the in-memory HF model."""
+    hf, _, model = _models(case)
+    hf.save_pretrained(tmp_path)
+    loaded = from_hf(tmp_path)
+    ids, _ = _prompt(case, padded=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_clamped_experts_single_token_path_equals_a_float64_loop():
+    """GPT-OSS experts: the one-token path and the grouped path against a float64 per-token loop written from
+    the formula (gate/up interleaved, clamps, ``(up + 1) * gate * sigmoid(alpha * gate)``)."""
+    from qkv.nn.moe import ClampedSwiGLUExperts
+
+    torch.manual_seed(0)
+    ex = ClampedSwiGLUExperts(5, 16, 8, alpha=1.3, limit=1.0)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn_like(p) / math.sqrt(16))
+    x, idx, w = torch.randn(3, 16), torch.tensor([[4, 1], [0, 4], [2, 3]]), torch.rand(3, 2)
+
+    def expert(e, v):
+        gu = v @ ex.gate_up_proj[e].double() + ex.gate_up_proj_bias[e].double()
+        g, u = gu[0::2].clamp(max=1.0), gu[1::2].clamp(-1.0, 1.0)
+        return ((u + 1) * g * torch.sigmoid(1.3 * g)) @ ex.down_proj[e].double() + ex.down_proj_bias[e].double()
+
+    with torch.no_grad():
+        want = torch.stack([sum(w[t, j].double() * expert(e, x[t].double()) for j, e in enumerate(idx[t].tolist()))
+                            for t in range(3)])
+        grouped = ex(x, idx, w)
+        assert want.abs().max() > 0.1
+        for t in range(3):
+            assert_within_budget(ex(x[t:t + 1], idx[t:t + 1], w[t:t + 1])[0], want[t], grouped[t],
+                                 what=f"token {t}")
+        torch.testing.assert_close(grouped.double(), want, rtol=1e-5, atol=1e-5)

@@ -195,7 +195,12 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
-        k = idx.shape[1]
+        T, k = idx.shape
+        if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
+            out = torch.zeros_like(x)
+            for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
+                out += (self._expert(e, x) * weights[:, j:j + 1]).to(out.dtype)
+            return out
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
