@@ -331,3 +331,22 @@ def test_clamped_experts_single_token_path_equals_a_float64_loop():
             assert_within_budget(ex(x[t:t + 1], idx[t:t + 1], w[t:t + 1])[0], want[t], grouped[t],
                                  what=f"token {t}")
         torch.testing.assert_close(grouped.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3-qlora24-noaux-yarn", "qwen3-MQA-W5-layer1-tied",
+                                  "gpt_oss-Hq4-Hkv2-W5-yarn-sinks"])
+def test_plan_memory_equals_the_cache_from_hf_builds(case):
+    """``plan_memory`` on the loaded model, before anything is allocated, gives each layer's bytes (MLA latents,
+    window and full layers) that the default cache then holds after a prefill and decode steps."""
+    from qkv.cache import plan_memory
+
+    model = _models(case)[2]
+    ids, _ = _prompt(case, padded=False)
+    cache = KVCache(model.cache_specs())
+    with torch.no_grad():
+        model(ids, cache=cache)
+        for _ in range(5):
+            model(ids[:, -1:], cache=cache)
+    plan = plan_memory(model, batch=2, context=N_PROMPT + 5, new_tokens=5)
+    assert [round(layer.allocated_bytes) for layer in plan.layers] == [m.allocated_bytes for m in cache.memory().layers]
+    assert [layer.kind for layer in plan.layers] == [m.kind for m in cache.memory().layers]
