@@ -350,3 +350,37 @@ def test_plan_memory_equals_the_cache_from_hf_builds(case):
     plan = plan_memory(model, batch=2, context=N_PROMPT + 5, new_tokens=5)
     assert [round(layer.allocated_bytes) for layer in plan.layers] == [m.allocated_bytes for m in cache.memory().layers]
     assert [layer.kind for layer in plan.layers] == [m.kind for m in cache.memory().layers]
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(qk_norm=True, qk_norm_scope="heads"), "qk_norm_scope must be 'head' or 'projection'"),
+    (dict(pre_norms=False), "pre_norms=False needs sandwich_norms=True"),
+], ids=["qk-norm-scope", "no-norm-at-all"])
+def test_decoder_config_refuses_bad_switches(change, match):
+    from qkv.nn import DecoderConfig
+
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig(vocab_size=10, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8,
+                      **change)
+
+
+def test_sinks_with_latent_attention_are_refused():
+    from qkv.nn import DecoderConfig, LatentConfig
+
+    latent = LatentConfig(hidden_size=32, num_attention_heads=4, kv_lora_rank=8, qk_nope_head_dim=8,
+                          qk_rope_head_dim=4, v_head_dim=8)
+    with pytest.raises(ValueError, match="attention_sinks are not supported with latent attention"):
+        DecoderConfig(vocab_size=10, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8,
+                      latent=latent, attention_sinks=True)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(topk_method="sigmoid"), "topk_method must be one of"),
+    (dict(topk_method="noaux_tc", n_group=3), "noaux_tc needs n_group dividing"),
+    (dict(swiglu_limit=0.0), "swiglu_limit must be > 0"),
+], ids=["method", "noaux-groups", "swiglu-limit"])
+def test_moe_config_refuses_bad_routing(change, match):
+    from qkv.nn import MoEConfig
+
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=4, **{"topk_group": 1, **change})
