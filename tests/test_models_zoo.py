@@ -84,7 +84,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 value = 0.1 * noise
             elif "embed_tokens" in name:
                 value = noise
-            elif "gate_up_proj" in name and "gpt_oss" in model.config.model_type:  # (E, d, 2f): fan-in is d
+            elif "gate_up_proj" in name and "gpt_oss" in model.config.model_type:  # HF's (E, d, 2f): fan-in d
                 value = noise / math.sqrt(p.shape[-2])
             elif name.endswith("experts.down_proj") and "gpt_oss" in model.config.model_type:
                 value = noise / math.sqrt(p.shape[-2])
@@ -307,7 +307,7 @@ def test_checkpoint_directory_loads_like_the_model(case, tmp_path):
 
 def test_clamped_experts_single_token_path_equals_a_float64_loop():
     """GPT-OSS experts: the one-token path and the grouped path against a float64 per-token loop written from
-    the formula (gate/up interleaved, clamps, ``(up + 1) * gate * sigmoid(alpha * gate)``)."""
+    the formula (clamps, ``(up + 1) * gate * sigmoid(alpha * gate)``)."""
     from qkv.nn.moe import ClampedSwiGLUExperts
 
     torch.manual_seed(0)
@@ -317,10 +317,10 @@ def test_clamped_experts_single_token_path_equals_a_float64_loop():
             p.copy_(torch.randn_like(p) / math.sqrt(16))
     x, idx, w = torch.randn(3, 16), torch.tensor([[4, 1], [0, 4], [2, 3]]), torch.rand(3, 2)
 
-    def expert(e, v):
-        gu = v @ ex.gate_up_proj[e].double() + ex.gate_up_proj_bias[e].double()
-        g, u = gu[0::2].clamp(max=1.0), gu[1::2].clamp(-1.0, 1.0)
-        return ((u + 1) * g * torch.sigmoid(1.3 * g)) @ ex.down_proj[e].double() + ex.down_proj_bias[e].double()
+    def expert(e, v):  # gate rows first, then up rows
+        gu = ex.gate_up_proj[e].double() @ v + ex.gate_up_proj_bias[e].double()
+        g, u = gu[:8].clamp(max=1.0), gu[8:].clamp(-1.0, 1.0)
+        return ex.down_proj[e].double() @ ((u + 1) * g * torch.sigmoid(1.3 * g)) + ex.down_proj_bias[e].double()
 
     with torch.no_grad():
         want = torch.stack([sum(w[t, j].double() * expert(e, x[t].double()) for j, e in enumerate(idx[t].tolist()))

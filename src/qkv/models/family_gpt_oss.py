@@ -12,8 +12,9 @@ OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card" (arXiv:2508.10925). A pre-n
   experts of width ``intermediate_size`` with biases and a clamped SwiGLU (``swiglu_limit``,
   ``swiglu_alpha``; :class:`qkv.nn.moe.ClampedSwiGLUExperts`); no shared expert.
 
-Tensor names are HF's (``self_attn.sinks``, ``mlp.router``, ``mlp.experts.gate_up_proj`` (E, d, 2f) with
-gate and up columns interleaved, ...), q/k/v stacked as in :mod:`qkv.models.family_llama`. Checkpoints
+Tensor names are HF's (``self_attn.sinks``, ``mlp.router``, ``mlp.experts.*``), q/k/v stacked as in
+:mod:`qkv.models.family_llama`; HF's input-major experts with interleaved gate/up columns (``gate_up_proj``
+(E, d, 2f), ``down_proj`` (E, f, d)) are stored output-major, gate rows then up rows (E, 2f, d), (E, d, f). Checkpoints
 whose experts are stored MXFP4-quantized (``*_blocks`` / ``*_scales``, the published files) must be
 dequantized first (load them with HF transformers and pass the model).
 
@@ -70,5 +71,14 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str,
     if quantized:
         raise CheckpointError(f"from_hf: this gpt_oss checkpoint stores experts MXFP4-quantized ({quantized[0]}, ...); "
                               "load it with transformers (which dequantizes) and pass the model to from_hf")
-    return rename_decoder(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
-                                                             "post_attention_layernorm": "ffn_norm"})
+    out = rename_decoder(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
+                                                              "post_attention_layernorm": "ffn_norm"})
+    for name in [n for n in out if n.endswith(".mlp.experts.gate_up_proj")]:  # (E, d, 2f) interleaved
+        w = out[name].transpose(1, 2)  # (E, 2f, d), rows gate0, up0, gate1, ...
+        out[name] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1).contiguous()  # gate rows, then up rows
+        b = out.get(f"{name}_bias")
+        if b is not None:
+            out[f"{name}_bias"] = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1).contiguous()
+    for name in [n for n in out if n.endswith(".mlp.experts.down_proj")]:  # (E, f, d) -> (E, d, f)
+        out[name] = out[name].transpose(1, 2).contiguous()
+    return out

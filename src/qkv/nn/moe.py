@@ -173,25 +173,27 @@ class Experts(nn.Module):
 
 
 class ClampedSwiGLUExperts(nn.Module):
-    """GPT-OSS experts, stored as HF keeps them: ``gate_up_proj`` (E, d, 2f) input-major with gate and up
-    columns interleaved (gate ``2j``, up ``2j + 1``), ``gate_up_proj_bias`` (E, 2f), ``down_proj`` (E, f, d),
-    ``down_proj_bias`` (E, d). Per expert: ``gate = min(g, limit)``, ``up = clamp(u, -limit, limit)``,
-    ``h = (up + 1) * gate * sigmoid(alpha * gate)``, ``out = h @ down + b``."""
+    """GPT-OSS experts, stored stacked like :class:`Experts` (output-major, so a decode step's products take
+    :func:`qkv.cpu.skinny.skinny_linear`'s row blocks): ``gate_up_proj`` (E, 2f, d) gate rows then up rows,
+    ``gate_up_proj_bias`` (E, 2f), ``down_proj`` (E, d, f), ``down_proj_bias`` (E, d). Per expert:
+    ``gate = min(g, limit)``, ``up = clamp(u, -limit, limit)``, ``h = (up + 1) * gate * sigmoid(alpha * gate)``,
+    ``out = down(h)``. (HF keeps ``gate_up_proj`` input-major (E, d, 2f) with gate and up columns interleaved;
+    :mod:`qkv.models.family_gpt_oss` reorders it.)"""
 
     def __init__(self, n: int, d: int, f: int, *, alpha: float, limit: float) -> None:
         super().__init__()
         self.alpha, self.limit = alpha, limit
-        self.gate_up_proj = nn.Parameter(torch.empty(n, d, 2 * f).normal_(std=0.02))
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * f, d).normal_(std=0.02))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(n, 2 * f))
-        self.down_proj = nn.Parameter(torch.empty(n, f, d).normal_(std=0.02))
+        self.down_proj = nn.Parameter(torch.empty(n, d, f).normal_(std=0.02))
         self.down_proj_bias = nn.Parameter(torch.zeros(n, d))
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.addmm(self.gate_up_proj_bias[e], x, self.gate_up_proj[e])  # (n, 2f)
-        gate = gate_up[:, 0::2].clamp(max=self.limit)
-        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+        gate, up = skinny_linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)  # (n, f)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
         h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # (n, f)
-        return torch.addmm(self.down_proj_bias[e], h, self.down_proj[e])  # (n, d)
+        return skinny_linear(h, self.down_proj[e], self.down_proj_bias[e])  # (n, d)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
