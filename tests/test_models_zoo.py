@@ -378,7 +378,8 @@ def test_sinks_with_latent_attention_are_refused():
     (dict(topk_method="sigmoid"), "topk_method must be one of"),
     (dict(topk_method="noaux_tc", n_group=3), "noaux_tc needs n_group dividing"),
     (dict(swiglu_limit=0.0), "swiglu_limit must be > 0"),
-], ids=["method", "noaux-groups", "swiglu-limit"])
+    (dict(topk_method="noaux_tc", n_group=8), "two best experts"),
+], ids=["method", "noaux-groups", "swiglu-limit", "noaux-one-per-group"])
 def test_moe_config_refuses_bad_routing(change, match):
     from qkv.nn import MoEConfig
 

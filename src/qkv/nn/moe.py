@@ -79,6 +79,10 @@ class MoEConfig:
     def __post_init__(self) -> None:
         if self.topk_method not in _TOPK_METHODS:
             raise ValueError(f"MoEConfig: topk_method must be one of {_TOPK_METHODS}, got {self.topk_method!r}")
+        if self.topk_method == "noaux_tc" and self.n_group and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(f"MoEConfig: noaux_tc scores each group by its two best experts; n_group={self.n_group} "
+                             f"leaves {self.n_routed_experts // self.n_group} per group (use n_group <= "
+                             f"{self.n_routed_experts // 2})")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"MoEConfig: swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
@@ -116,12 +120,12 @@ def route_noaux_tc(logits: torch.Tensor, correction: torch.Tensor, m: MoEConfig)
     ``e_score_correction_bias`` -> (weights (T, k), expert ids (T, k)). The bias only steers the choice;
     the weights are the unbiased sigmoid scores."""
     scores = logits.sigmoid()  # (T, E)
-    biased = scores + correction.float()
     T, E = scores.shape
-    group_score = biased.view(T, m.n_group, E // m.n_group).topk(2, dim=-1).values.sum(dim=-1)  # (T, groups)
+    biased = (scores + correction.float()).view(T, m.n_group, E // m.n_group)  # (T, groups, E / groups)
+    group_score = biased.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups): the two best biased scores
     groups = group_score.topk(m.topk_group, dim=-1, sorted=False).indices
     keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
-    biased = biased.masked_fill(~keep.repeat_interleave(E // m.n_group, dim=1), float("-inf"))
+    biased = biased.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
     idx = biased.topk(m.num_experts_per_tok, dim=-1, sorted=False).indices
     weights = scores.gather(1, idx)
     if m.norm_topk_prob:
