@@ -192,8 +192,11 @@ class SelfAttention(nn.Module):
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, (Hq + 2 * Hkv) * D, bias=c.qkv_bias)
         self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
-        self.q_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
-        self.k_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.qk_norm_projection = c.qk_norm and c.qk_norm_scope == "projection"  # OLMo 2/3: over all heads
+        q_dim, k_dim = (Hq * D, Hkv * D) if self.qk_norm_projection else (D, D)
+        self.q_norm = RMSNorm(q_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(Hq)) if c.attention_sinks else None  # (Hq,) GPT-OSS sink logits
         self.alibi = ALiBiBias(Hq) if c.position == "alibi" else None
         self.scale = c.attention_scale
         self.score_mod = mods.softcap(c.attn_logit_softcapping) if c.attn_logit_softcapping else None
@@ -214,10 +217,14 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
+        qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D)
+        if self.qk_norm_projection:
+            q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        qkv = qkv.view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
         qk, v = qkv.split((Hq + Hkv, Hkv), dim=1)  # (B, Hq + Hkv, N, D), (B, Hkv, N, D)
         q, k = qk.split((Hq, Hkv), dim=1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_projection:
             q, k, qk = self.q_norm(q), self.k_norm(k), None
         rope, rotate = self.rope, None
         if rope is not None:
@@ -229,7 +236,7 @@ class SelfAttention(nn.Module):
         res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=rope,
                                rotate=rotate, window=self.window,
                                step_mask=step.self_mask(self.window) if cache is None else None,
-                               score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale,
+                               score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
                                attention_fn=self.attention_fn, backend=self.backend,
                                decode_backend=self.decode_backend, head_gate=self.head_gate, owner="DecoderLM")
         return self.o_proj(res.out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)
@@ -237,6 +244,7 @@ class SelfAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = f", window={self.window}" if self.window else ""
         extra += ", alibi" if self.alibi is not None else ""
+        extra += ", sinks" if self.sinks is not None else ""
         extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""
         return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}{extra}"
 
@@ -260,7 +268,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
         super().__init__()
-        self.attn_norm = _norm(c, c.hidden_size)
+        self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.latent = c.latent is not None
         if self.latent:
             backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
@@ -269,19 +277,20 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = SelfAttention(c, layer_idx, rope)
         self.attn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
-        self.ffn_norm = _norm(c, c.hidden_size)
+        self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
         if self.latent:
-            h = self.self_attn(self.attn_norm(x), positions=step.positions, cache=step.cache).out
+            h = self.self_attn(a, positions=step.positions, cache=step.cache).out
         else:
-            h = self.self_attn(self.attn_norm(x), step)
+            h = self.self_attn(a, step)
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
         x = x + h
-        h = self.mlp(self.ffn_norm(x))
+        h = self.mlp(x if self.ffn_norm is None else self.ffn_norm(x))
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
         return x + h
