@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from .base import EMPTY, FULL, Mask, block_map_from_dense, classify, coarse_block_map, row_index
+from .causal import _ALIGNS
 
 __all__ = ["dense", "graph", "graph_from_edges", "from_fn", "Dense", "Graph", "FromFn"]
 
@@ -113,7 +114,13 @@ class Graph(Mask):
 
 
 class FromFn(Mask):
-    """A user predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on raw row/column indices.
+    """A user predicate ``fn(b, h, q_pos, kv_pos) -> bool tensor`` on query and key *positions*.
+
+    Query row ``i`` reaches the predicate at position ``i + Nk - Nq`` (bottom-right, as every built-in mask
+    and ``causal()``), key ``j`` at position ``j``: the same predicate gives the same answer for a token whether
+    it is decoded alone, in a chunk or in the full pass. ``align="top_left"`` passes the raw row index ``i``
+    instead (as ``causal(align="top_left")``). With ``Nq == Nk`` both agree. Rows before the first position
+    (``Nq > Nk``) reach the predicate with negative positions.
 
     The predicate may read ``b`` and ``h``, so views and block maps evaluate every batch row and head of the
     request they are given (``block_map(..., B=, H=)``).
@@ -122,19 +129,24 @@ class FromFn(Mask):
     depends_on_head = True
     depends_on_batch = True
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, align: str = "bottom_right") -> None:
         if not callable(fn):
-            raise TypeError(f"from_fn: expected a callable fn(b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}")
+            raise TypeError(f"from_fn: expected a callable fn(b, h, q_pos, kv_pos) -> bool, got {type(fn).__name__}")
+        if align not in _ALIGNS:
+            raise ValueError(f"from_fn: align must be one of {_ALIGNS}, got {align!r}")
         self.fn = fn
+        self.align = align
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
-        out = self.fn(b, h, q_idx, kv_idx)
+        q_pos = q_idx + (nk - nq) if self.align == "bottom_right" and nk != nq else q_idx
+        out = self.fn(b, h, q_pos, kv_idx)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             raise TypeError(f"from_fn: fn must return a bool tensor, got {getattr(out, 'dtype', type(out).__name__)}")
         return out
 
     def __repr__(self):
-        return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
+        align = "" if self.align == "bottom_right" else ", align='top_left'"
+        return f"from_fn({getattr(self.fn, '__name__', 'fn')}{align})"
 
 
 def dense(mask: torch.Tensor) -> Dense:
@@ -165,6 +177,18 @@ def graph_from_edges(edge_index: torch.Tensor, num_nodes: int, *, self_loops: bo
     return Graph(adj, self_loops=self_loops)
 
 
-def from_fn(fn: Callable) -> FromFn:
-    """A mask from a vectorized predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``."""
-    return FromFn(fn)
+def from_fn(fn: Callable, *, align: str = "bottom_right") -> FromFn:
+    """A mask from a vectorized predicate ``fn(b, h, q_pos, kv_pos) -> bool tensor``.
+
+    The predicate receives broadcastable int64 tensors: batch row, head, query *position* and key position.
+    Query row ``i`` sits at position ``i + Nk - Nq`` (bottom-right, the KV-cache convention of every built-in
+    mask), so a decode step or a chunk of a prefill sees exactly the rows of the full pass;
+    ``align="top_left"`` passes the row index ``i`` instead. See :class:`FromFn`.
+
+    Example:
+        >>> import torch, qkv
+        >>> window = qkv.masks.from_fn(lambda b, h, q, k: (k <= q) & (q - k < 3))
+        >>> window.dense(1, 1, 1, 6)[0, 0, 0].tolist()   # one decode step: the query sits at position 5
+        [False, False, False, True, True, True]
+    """
+    return FromFn(fn, align)
