@@ -6,8 +6,6 @@ computation written out here (not qkv's reference backend) with an error budget 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -61,8 +59,8 @@ def test_user_mask_top_left_alignment_passes_row_indices():
 
 def test_user_mask_decode_on_flex_matches_the_full_pass():
     """One tiny compiled Flex case: a decode step with a user mask equals the last row of the full pass."""
-    from qkv.backends.flex import FlexBackend
     from qkv._request import build_request
+    from qkv.backends.flex import FlexBackend
 
     torch.manual_seed(1)
     N = 13
