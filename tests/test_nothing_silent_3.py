@@ -105,3 +105,149 @@ def test_triton_lowering_covers_every_head_of_a_head_reading_mask():
     plan = lower_mask(M.from_fn(_head_reader), 1, 2, 64, 64, 16, 16, "cpu")
     assert plan.visited == 10, f"visited {plan.visited} tiles; the causal tiles of head 1 are 10"
     assert plan.tile_heads, "partial tiles must be kept per head"
+
+
+def test_nan_is_never_reported_as_an_empty_row():
+    """A NaN score or sink makes the row NaN (out and lse), never "empty" (zeros, lse = -inf)."""
+    q = torch.randn(1, 2, 3, 8)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    q[0, 0, 1, 0] = float("nan")
+    for backend in ("reference", "tiled"):
+        res = qkv.attention(q, k, v, return_lse=True, backend=backend)
+        assert torch.isnan(res.lse[0, 0, 1]) and torch.isnan(res.out[0, 0, 1]).all(), backend
+        assert torch.isfinite(res.lse[0, 1]).all() and torch.isfinite(res.lse[0, 0, [0, 2]]).all(), backend
+    sinks = torch.tensor([float("nan"), 0.0])
+    res = qkv.attention(torch.randn(1, 2, 3, 8), k, v, sinks=sinks, return_lse=True, backend="reference")
+    assert torch.isnan(res.out[0, 0]).all() and torch.isnan(res.lse[0, 0]).all(), "a NaN sink must not be ignored"
+    assert torch.isfinite(res.out[0, 1]).all()
+
+
+def test_merge_keeps_nan_and_ignores_the_buffer_of_an_empty_part():
+    a = torch.randn(1, 2, 3, 8)
+    untouched = torch.full_like(a, float("nan"))  # a split-KV slot no key reached
+    m = qkv.merge_states([a, untouched], [torch.zeros(1, 2, 3), torch.full((1, 2, 3), float("-inf"))])
+    assert torch.equal(m.out, a) and torch.equal(m.lse, torch.zeros(1, 2, 3))
+    lse = torch.zeros(1, 2, 3)
+    lse[0, 1, 2] = float("nan")
+    m = qkv.merge_states([a, a], [torch.zeros(1, 2, 3), lse])
+    assert torch.isnan(m.lse[0, 1, 2]) and torch.isnan(m.out[0, 1, 2]).all(), "a NaN lse was read as empty"
+    assert torch.isfinite(m.lse[0, 0]).all()
+
+
+def test_sdpa_rows_whose_scores_overflow_are_nan_like_the_reference():
+    """Finite inputs whose scores overflow float32: SDPA's CPU kernel (few keys) returned zeros."""
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 3, 8, generator=g) * 1e20, torch.randn(1, 2, 3, 8, generator=g) * 1e20
+    v = torch.randn(1, 2, 3, 8, generator=g)
+    want = qkv.attention(q, k, v, backend="reference")
+    got = qkv.attention(q, k, v, backend="sdpa")
+    assert torch.isnan(want).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), "overflowing rows must be NaN, not zeros"
+
+
+def test_float64_inputs_keep_a_float64_lse_through_merges():
+    """The reference is the float64 oracle: float64 in, float64 lse out, and a split-KV merge of float64 parts
+    agrees with one call to float64 rounding (a float32 lse left 6e-8)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 5, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = torch.randn(2, 2, 40, 16, generator=g, dtype=torch.float64), torch.randn(2, 2, 40, 16, generator=g,
+                                                                                      dtype=torch.float64)
+    for backend in ("reference", "tiled"):
+        whole = qkv.attention(q, k, v, return_lse=True, backend=backend)
+        assert whole.lse.dtype == torch.float64, backend
+        parts = [qkv.attention(q, k[:, :, s], v[:, :, s], return_lse=True, backend=backend)
+                 for s in (slice(0, 13), slice(13, 40))]
+        m = qkv.merge_states([p.out for p in parts], [p.lse for p in parts])
+        assert m.lse.dtype == torch.float64
+        err = max(float((m.out - whole.out).abs().max()), float((m.lse - whole.lse).abs().max()))
+        assert err < 1e-12, f"{backend}: float64 merge off by {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_of_large_magnitude_scores_matches_one_call(dtype):
+    """q scaled by 30: lse far above 88, where a merge without the max subtraction overflows float32."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 6, 32, generator=g, dtype=torch.float64) * 30
+    k, v = torch.randn(2, 2, 50, 32, generator=g, dtype=torch.float64), torch.randn(2, 2, 50, 32, generator=g,
+                                                                                      dtype=torch.float64)
+    ref = qkv.attention(q, k, v, return_lse=True, backend="reference")
+    assert float(ref.lse.max()) > 88, "the case must reach lse values where exp overflows float32"
+    qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+    base = qkv.attention(qc, kc, vc, return_lse=True, backend="reference")
+    cuts = (0, 7, 31, 50)
+    parts = [qkv.attention(qc, kc[:, :, a:b], vc[:, :, a:b], return_lse=True, backend="reference")
+             for a, b in zip(cuts[:-1], cuts[1:])]
+    m = qkv.merge_states([p.out for p in parts], [p.lse for p in parts])
+    assert torch.isfinite(m.out).all() and torch.isfinite(m.lse).all()
+    assert_within_budget(m.out, ref.out, base.out, what=f"merged out {dtype}")
+    assert_within_budget(m.lse, ref.lse, base.lse, what=f"merged lse {dtype}", floor=1e-4 * float(ref.lse.abs().max()))
+
+
+def _ring_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    import qkv.distributed as cp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        for dtype in (torch.float64, torch.float32):
+            for scheme in ("ring", "zigzag"):
+                q, k, v, dout = _ring_inputs()
+                ql, kl, vl = (cp.shard(t.to(dtype), scheme=scheme).clone().requires_grad_(True) for t in (q, k, v))
+                res = cp.attention(ql, kl, vl, mask=M.causal(), scheme=scheme, return_lse=True, timeout=60.0)
+                ((res.out.to(dtype) * cp.shard(dout.to(dtype), scheme=scheme)).sum() + res.lse.sum()).backward()
+                un = lambda t: cp.unshard(t.detach(), scheme=scheme)  # noqa: E731
+                results[(scheme, dtype)] = (un(res.out), cp.unshard(res.lse.detach().unsqueeze(-1), scheme=scheme)
+                                            .squeeze(-1), [un(t.grad) for t in (ql, kl, vl)])
+    finally:
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _ring_inputs():
+    g = torch.Generator().manual_seed(6)
+    q, k, v, dout = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    return q * 30, k, v, dout
+
+
+def _one_call(dtype):
+    q, k, v, dout = _ring_inputs()
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+    res = qkv.attention(q, k, v, mask=M.causal(), return_lse=True, backend="reference")
+    ((res.out * dout.to(dtype)).sum() + res.lse.sum()).backward()
+    return res.out.detach(), res.lse.detach(), [q.grad, k.grad, v.grad]
+
+
+def test_context_parallel_float64_and_large_scores_match_one_call(tmp_path):
+    """Ring and zigzag over 2 ranks with q scaled by 30 (lse above 88): float64 agrees with one float64 call to
+    float64 rounding, forward and backward (a float32 lse left ~1e-7), and float32 stays within budget."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ring_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    out64, lse64, grads64 = _one_call(torch.float64)
+    assert float(lse64.max()) > 88, "the case must reach lse values where exp overflows float32"
+    base = _one_call(torch.float32)
+    for scheme in ("ring", "zigzag"):
+        out, lse, grads = got[(scheme, torch.float64)]
+        assert lse.dtype == torch.float64, f"{scheme}: float64 inputs gave a {lse.dtype} lse"
+        for name, a, b in [("out", out, out64), ("lse", lse, lse64)] + list(zip(("dq", "dk", "dv"), grads, grads64)):
+            err = float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+            assert err < 1e-12, f"{scheme} float64 {name} off by {err:.2e}"
+        out, lse, grads = got[(scheme, torch.float32)]
+        assert_within_budget(out, out64, base[0], what=f"{scheme} float32 out")
+        assert_within_budget(lse, lse64, base[1], what=f"{scheme} float32 lse", floor=1e-4 * float(lse64.abs().max()))
+        scale = max(float(g.abs().max()) for g in grads64)
+        for name, a, b, c in zip(("dq", "dk", "dv"), grads, grads64, base[2]):
+            assert_within_budget(a / scale, b / scale, c / scale, what=f"{scheme} float32 {name}")

@@ -46,7 +46,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
 
         score_mod: a :mod:`qkv.mods` modifier or a list of them, applied in order.
         scale: multiplier on ``q @ k^T``; default ``Dqk ** -0.5``.
-        return_lse: also return the float32 log-sum-exp (B, Hq, Nq) as ``AttentionOutput(out, lse)``.
+        return_lse: also return the log-sum-exp (B, Hq, Nq) as ``AttentionOutput(out, lse)``: float32, float64
+            for float64 inputs (so float64 merges and ring steps stay float64 end to end).
         dropout_p: probability of dropping each attention weight (kept ones scaled by ``1/(1-p)``); the
             pattern is a pure function of a seed drawn from ``generator``, so it is reproducible.
         generator: ``torch.Generator`` for the dropout seed.

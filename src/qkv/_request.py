@@ -23,9 +23,9 @@ LAYOUT_NAMES = {"bhnd": "(B, H, N, D)", "bnhd": "(B, N, H, D)"}
 
 
 class AttentionOutput(NamedTuple):
-    """``out`` (B, Hq, Nq, Dv) in the input dtype; ``lse`` (B, Hq, Nq) float32, natural log of the sum of
-    exp of the final scores over allowed keys (and the sink, with ``sinks=``), ``-inf`` for a row with no
-    allowed key. The contract, and conversions to base 2 and (B, Nq, Hq), are in :mod:`qkv.lse`."""
+    """``out`` (B, Hq, Nq, Dv) in the input dtype; ``lse`` (B, Hq, Nq) float32 (float64 for float64 inputs),
+    natural log of the sum of exp of the final scores over allowed keys (and the sink, with ``sinks=``), ``-inf``
+    for a row with no allowed key. The contract, and conversions to base 2 and (B, Nq, Hq), are in :mod:`qkv.lse`."""
 
     out: torch.Tensor
     lse: torch.Tensor

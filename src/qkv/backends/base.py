@@ -82,22 +82,24 @@ def dense_flops(req: Request) -> float:
     return 2.0 * req.B * req.Hq * req.Nq * req.Nk * (req.Dqk + req.Dv)
 
 
-def restore_nonfinite(req: Request, out: torch.Tensor, lse: torch.Tensor | None = None, *, keys: bool = True):
-    """Make non-finite inputs propagate as the contract says, for kernels that turn them into zeros.
+def restore_nonfinite(req: Request, out: torch.Tensor, lse: torch.Tensor | None = None):
+    """Make non-finite scores propagate as the contract says, for kernels that turn them into zeros.
 
     Some fused kernels (torch's CPU SDPA kernel when a row is shorter than one vector register, Flex on CPU)
     treat a row whose scores are all NaN like a fully masked row and return zeros. The reference gives NaN
-    wherever an allowed score is NaN or +inf. The common case costs one sum over q and k and one sync: only
-    when that sum is not finite are the scores recomputed (detached) to find the rows to set to NaN. ``keys=False``
-    sums q only (for kernels that drop a NaN score only when every score of the row is NaN, which a NaN key
-    does only with one key).
+    wherever an allowed score is NaN or +inf, and a score can be +inf from finite inputs (float32 overflow of
+    ``q . k``). The common case costs one max of |q| and of |k| and one sync: only when the bound
+    ``scale * max|q| * max|k| * D`` on every score is not safely finite in the compute dtype are the scores
+    recomputed (detached) to find the rows to set to NaN.
 
     Returns ``(out, lse)`` with those rows NaN (``lse`` passes through when None).
     """
-    total = req.q.detach().sum()
-    if keys:
-        total = total + req.k.detach().sum()
-    if math.isfinite(float(total)):
+    q, k = req.q.detach(), req.k.detach()
+    if q.numel() == 0 or k.numel() == 0:
+        return out, lse
+    bound = float(q.abs().amax()) * float(k.abs().amax()) * req.Dqk * abs(req.scale)
+    limit = torch.finfo(torch.float64 if req.dtype == torch.float64 else torch.float32).max / 4
+    if math.isfinite(bound) and bound < limit:  # no score can be NaN or overflow: q and k are finite and small
         return out, lse
     rows = _nonfinite_rows(req)  # (B, Hq, Nq)
     if not bool(rows.any()):

@@ -130,7 +130,7 @@ class SDPABackend(Backend):
         out = F.scaled_dot_product_attention(q, k, req.v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         if nk < _CPU_NAN_ROWS_BELOW and q.is_cpu:
-            out = restore_nonfinite(req, out, keys=nk == 1)[0]
+            out = restore_nonfinite(req, out)[0]
         return AttentionOutput(out, None)  # type: ignore[arg-type]
 
 

@@ -307,4 +307,4 @@ class TiledBackend(Backend):
         out, lse = _TiledAttention.apply(spec, req.q, req.k, req.v, *mod_tensors)
         if req.sinks is not None:  # merged with the compute-dtype lse, differentiably (qkv._sinks)
             out, lse = apply_sinks(out, lse, req.sinks)
-        return AttentionOutput(out, lse.to(torch.float32))
+        return AttentionOutput(out, lse)  # float32, float64 for float64 inputs
