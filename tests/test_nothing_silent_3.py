@@ -251,3 +251,43 @@ def test_context_parallel_float64_and_large_scores_match_one_call(tmp_path):
         scale = max(float(g.abs().max()) for g in grads64)
         for name, a, b, c in zip(("dq", "dk", "dv"), grads, grads64, base[2]):
             assert_within_budget(a / scale, b / scale, c / scale, what=f"{scheme} float32 {name}")
+
+
+def test_unpacking_two_results_without_return_lse_raises():
+    q = torch.randn(2, 2, 4, 8)  # batch 2: unpacking would silently split the batch
+    with pytest.raises(TypeError, match="return_lse=True"):
+        out, lse = qkv.attention(q, q, q)
+    out, lse = qkv.attention(q, q, q, return_lse=True)
+    assert out.shape == (2, 2, 4, 8) and lse.shape == (2, 2, 4)
+    first, second = qkv.attention(q, q, q).unbind(0)  # splitting the batch on purpose still works
+    assert torch.equal(torch.stack([first, second]), qkv.attention(q, q, q))
+    a, b = qkv.sdpa(q, q, q)  # the drop-in returns what torch returns, as torch does
+    assert torch.allclose(torch.stack([a, b]), torch.nn.functional.scaled_dot_product_attention(q, q, q), atol=1e-6)
+
+
+def test_unpack_guard_keeps_torch_compile_working():
+    q = torch.randn(2, 2, 4, 8)
+    fn = torch.compile(lambda q: qkv.attention(q, q, q, mask=M.causal()) * 2, backend="eager", fullgraph=False)
+    want = qkv.attention(q, q, q, mask=M.causal()) * 2
+    assert torch.allclose(fn(q), want, atol=1e-6)
+
+
+def test_transposed_layout_warns_under_the_documented_rule():
+    x = torch.randn(2, 100, 8, 16)  # (B, N, H, D) passed without layout=
+    with pytest.warns(UserWarning, match="layout='bnhd'"):
+        qkv.attention(x, x, x, mask=M.causal())
+    qkv.attention(x, x, x, layout="bnhd")
+    legit = {
+        "stated": (x, x, x, dict(layout="bhnd")),
+        "decode-128-heads": (torch.randn(1, 128, 1, 16), torch.randn(1, 128, 5, 16), torch.randn(1, 128, 5, 16), {}),
+        "short-prompt-32-heads": (torch.randn(1, 32, 5, 16),) * 3 + ({},),
+        "short-cache-gqa": (torch.randn(1, 128, 2, 16), torch.randn(1, 8, 3, 16), torch.randn(1, 8, 3, 16), {}),
+        "cross-attention-short-memory": (torch.randn(1, 64, 40, 16), torch.randn(1, 64, 3, 16),
+                                         torch.randn(1, 64, 3, 16), {}),
+    }
+    import warnings
+
+    for name, (q, k, v, kw) in legit.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            qkv.attention(q, k, v, **kw)  # no warning: {name}

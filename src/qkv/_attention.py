@@ -5,6 +5,9 @@ Shape legend: B batch, Hq query heads, Hkv key/value heads, Nq queries, Nk keys,
 
 from __future__ import annotations
 
+import dis
+import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +19,7 @@ from ._sinks import apply_sinks, without_sinks
 from .backends.base import Estimate
 from .masks.causal import Causal
 
-__all__ = ["attention", "explain", "Explanation", "SMALL_PROBLEM"]
+__all__ = ["attention", "explain", "Explanation", "SMALL_PROBLEM", "MAX_PLAUSIBLE_HEADS"]
 
 #: Score elements (B * Hq * Nq * Nk) up to which ``auto`` takes SDPA, when it accepts, without estimating.
 SMALL_PROBLEM = 1 << 20
@@ -25,7 +28,7 @@ SMALL_PROBLEM = 1 << 20
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
               scale: float | None = None, return_lse: bool = False, dropout_p: float = 0.0,
               generator: torch.Generator | None = None, backend: str = "auto", sinks: torch.Tensor | None = None,
-              layout: str = "bhnd"):
+              layout: str | None = None):
     """Scaled dot-product attention with masks and score modifiers.
 
     ``scores = scale * q @ k^T``, then each score modifier in order, then the mask; softmax over keys;
@@ -55,13 +58,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
             ``qkv.backends.names()``; a named backend that cannot honour the request raises.
         sinks: (Hq,) float learnable sink logits (GPT-OSS): each joins its head's softmax denominator
             without a value, and the lse includes it (:mod:`qkv._sinks`). Gradients reach them.
-        layout: ``"bhnd"`` (default): q, k, v are (B, H, N, D) as above; ``"bnhd"``: they are (B, N, H, D)
+        layout: ``"bhnd"`` (the default): q, k, v are (B, H, N, D) as above; ``"bnhd"``: they are (B, N, H, D)
             (FlashAttention's and HF's projection layout), read through views without a transpose copy, and
             ``out`` comes back (B, Nq, Hq, Dv). The lse is (B, Hq, Nq) in both (:mod:`qkv.lse`).
-            ``qkv.explain`` states the layout assumed.
+            ``qkv.explain`` states the layout assumed. When ``layout`` is not given and the call looks like
+            (B, N, H, D) tensors read as (B, H, N, D) (see :data:`MAX_PLAUSIBLE_HEADS`), a ``UserWarning`` says
+            so; passing ``layout="bhnd"`` explicitly states the layout and silences it.
 
     Returns:
         ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
+        ``out, lse = qkv.attention(q, k, v)`` without ``return_lse=True`` raises ``TypeError`` (it would
+        otherwise split a batch of two into two "results").
         Non-finite inputs propagate as in torch; masks never create NaN.
 
     Example:
@@ -70,8 +77,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 8, 16, 64])
     """
-    req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                 dropout_p=dropout_p, generator=generator, sinks=sinks)
+    if layout is None:
+        layout = "bhnd"
+        req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                     dropout_p=dropout_p, generator=generator, sinks=sinks)
+        if _looks_transposed(req.q.shape, req.k.shape):
+            _warn_transposed(req)
+    else:
+        req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                     dropout_p=dropout_p, generator=generator, sinks=sinks)
     impl = _choose(req, backend)
     sub = _for_backend(impl, req)
     result = impl.run(sub)
@@ -79,7 +93,56 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         result = apply_sinks(result.out, result.lse, req.sinks)
     if layout != "bhnd":
         result = AttentionOutput(from_bhnd(result.out, layout), result.lse)
-    return result if return_lse else result.out
+    if return_lse:
+        return result
+    if not torch.compiler.is_compiling() and _caller_unpacks_two(sys._getframe(1)):
+        raise TypeError("attention: `out, lse = qkv.attention(...)` without return_lse=True would split the output "
+                        "along the batch dimension; pass return_lse=True to get AttentionOutput(out, lse) (or, to "
+                        "split the batch on purpose, out.unbind(0))")
+    return result.out
+
+
+_UNPACK, _CACHE = dis.opmap["UNPACK_SEQUENCE"], dis.opmap.get("CACHE", -1)
+_unpack_sites: dict[tuple[int, int], tuple] = {}
+
+
+def _caller_unpacks_two(frame) -> bool:
+    """Whether the caller's next instruction unpacks the returned value into exactly two names
+    (``out, lse = qkv.attention(...)``). Read from the caller's bytecode once per call site, then cached (keyed
+    by the code object's id, which the entry's reference keeps alive): a dict lookup per call, nothing under
+    ``torch.compile``."""
+    code, at = frame.f_code, frame.f_lasti
+    entry = _unpack_sites.get((id(code), at))
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    raw, i = code.co_code, at + 2
+    while i < len(raw) and raw[i] == _CACHE:  # inline caches follow a call on Python >= 3.11
+        i += 2
+    hit = i + 1 < len(raw) and raw[i] == _UNPACK and raw[i + 1] == 2
+    if len(_unpack_sites) >= 4096:
+        _unpack_sites.clear()
+    _unpack_sites[(id(code), at)] = (code, hit)
+    return hit
+
+
+#: More heads than any model a default-layout call is likely to come from has (the largest released models
+#: have at most 128 query heads): with a head axis above it and longer than the key axis, a default-layout
+#: call is probably (B, N, H, D) read as (B, H, N, D).
+MAX_PLAUSIBLE_HEADS = 64
+
+
+def _looks_transposed(qs, ks) -> bool:
+    """The documented rule for a call made without ``layout=``: query and key/value heads agree (in a
+    transposed call both are the sequence length), there are more of them than keys and than
+    :data:`MAX_PLAUSIBLE_HEADS`, and at least as many queries as keys (so a decode step, Nq = 1 < Nk, or a
+    short cache under a normal head count never matches)."""
+    return qs[1] == ks[1] and ks[1] > MAX_PLAUSIBLE_HEADS and ks[1] > ks[2] and qs[2] >= ks[2]
+
+
+def _warn_transposed(req: Request) -> None:
+    warnings.warn(f"attention: q, k, v were read as (B, H, N, D) = {tuple(req.q.shape)} ({req.Hq} heads over "
+                  f"{req.Nk} keys); if they are (B, N, H, D), pass layout='bnhd'. A model with that many heads "
+                  "states its layout with layout='bhnd', which silences this warning", UserWarning, stacklevel=3)
 
 
 def _build(q, k, v, layout: str, **kw) -> Request:
@@ -179,7 +242,7 @@ class Explanation:
 
 
 def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-            generator=None, sinks=None, layout="bhnd") -> Explanation:
+            generator=None, sinks=None, layout=None) -> Explanation:
     """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not.
 
     Example:
@@ -188,6 +251,7 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
         >>> print(qkv.explain(x, x, x, return_lse=True).chosen != "sdpa")
         True
     """
+    layout = "bhnd" if layout is None else layout
     req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
                  dropout_p=dropout_p, generator=generator, sinks=sinks)
     chosen = _choose(req, "auto").name
