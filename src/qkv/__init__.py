@@ -34,8 +34,8 @@ _ATTRS = {
 _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
                "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
 
-__all__ = ["attention", "explain", "Explanation", "MAX_PLAUSIBLE_HEADS", "merge_states", "AttentionOutput", "attention_probs",
-           "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention", "varlen_attention",
+__all__ = ["attention", "explain", "Explanation", "MAX_PLAUSIBLE_HEADS", "merge_states", "AttentionOutput",
+           "attention_probs", "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention", "varlen_attention",
            "masks", "mods", "backends", "lse", "varlen", "__version__"]
 
 
