@@ -35,8 +35,8 @@ _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "li
                "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
 
 __all__ = ["attention", "explain", "Explanation", "MAX_PLAUSIBLE_HEADS", "merge_states", "AttentionOutput",
-           "attention_probs", "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention", "varlen_attention",
-           "masks", "mods", "backends", "lse", "varlen", "__version__"]
+           "attention_probs", "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention",
+           "varlen_attention", "masks", "mods", "backends", "lse", "varlen", "__version__"]
 
 
 def __getattr__(name: str):
