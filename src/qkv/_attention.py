@@ -28,7 +28,7 @@ SMALL_PROBLEM = 1 << 20
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
               scale: float | None = None, return_lse: bool = False, dropout_p: float = 0.0,
               generator: torch.Generator | None = None, backend: str = "auto", sinks: torch.Tensor | None = None,
-              layout: str | None = None):
+              layout: str | None = None, **unexpected):
     """Scaled dot-product attention with masks and score modifiers.
 
     ``scores = scale * q @ k^T``, then each score modifier in order, then the mask; softmax over keys;
@@ -77,6 +77,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 8, 16, 64])
     """
+    if unexpected:
+        _refuse_unexpected(unexpected)
     if layout is None:
         layout = "bhnd"
         req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
@@ -152,7 +154,42 @@ def _build(q, k, v, layout: str, **kw) -> Request:
         return build_request(q4, k4, v4, layout=layout, **kw)
     except ValueError as e:
         read = " (q, k, v read as (B, N, H, D) and shown transposed)" if layout == "bnhd" else ""
-        raise ValueError(f"{e}{read}{layout_hint(q, k, v, layout)}") from None
+        raise ValueError(f"{e}{read}{_other_layout_hint(q, k, v, layout, kw)}") from None
+
+
+#: torch SDPA's (and others') keywords that qkv.attention spells differently, with the qkv spelling.
+_OTHER_SPELLINGS = {
+    "is_causal": "mask=qkv.masks.causal() (bottom-right aligned; torch's is_causal is "
+                 "qkv.masks.causal(align='top_left')), or qkv.sdpa(..., is_causal=True) for torch's signature",
+    "attn_mask": "mask=qkv.masks.dense(bool_tensor) for a boolean mask, score_mod=qkv.mods.bias(t) for an additive "
+                 "float one, or qkv.sdpa(..., attn_mask=...) for torch's signature",
+    "enable_gqa": "nothing: grouped-query attention is on whenever k has fewer heads than q",
+    "causal": "mask=qkv.masks.causal()",
+    "softmax_scale": "scale=",
+    "dropout": "dropout_p=",
+    "window_size": "mask=qkv.masks.sliding_window(left, right)",
+}
+
+
+def _refuse_unexpected(unexpected: dict) -> None:
+    name = next(iter(unexpected))
+    fix = _OTHER_SPELLINGS.get(name)
+    hint = f"; use {fix}" if fix else "; see help(qkv.attention) for its arguments"
+    raise TypeError(f"attention() got an unexpected keyword argument {name!r}{hint}")
+
+
+def _other_layout_hint(q, k, v, layout: str, kw: dict) -> str:
+    """The layout hint, only when the whole call (masks, modifiers, sinks included) is valid in the other layout:
+    a hint the layout cannot act on (a mask of the wrong size, too few ALiBi slopes) would mislead."""
+    hint = layout_hint(q, k, v, layout)
+    if not hint:
+        return ""
+    other = "bnhd" if layout == "bhnd" else "bhnd"
+    try:
+        build_request(*to_bhnd(q, k, v, other), layout=other, **kw)
+    except (ValueError, TypeError):
+        return ""
+    return hint
 
 
 def _for_backend(impl, req: Request) -> Request:

@@ -112,6 +112,9 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 def _mask_hint(mask) -> str:
     if isinstance(mask, torch.Tensor):
+        if mask.dtype.is_floating_point:
+            return (" (a float tensor is an additive bias: pass score_mod=qkv.mods.bias(t); a boolean one, True = "
+                    "may attend, goes in mask=qkv.masks.dense(t))")
         return " (wrap a boolean tensor with qkv.masks.dense(t))"
     if isinstance(mask, type) and issubclass(mask, Mask) or (callable(mask) and getattr(mask, "__module__", "")
                                                              .startswith("qkv.masks")):

@@ -275,6 +275,8 @@ class TiledBackend(Backend):
         if req.device.type == "meta":
             return ("meta tensors hold no values, and the tiled schedule reads them (to bound the scores); "
                     "backend='reference' propagates shapes on meta tensors")
+        if min(req.Dqk, req.Dv) == 0:
+            return f"head dim 0 (Dqk={req.Dqk}, Dv={req.Dv}): no tiles to compute; use backend='reference' or 'sdpa'"
         return None
 
     def estimate(self, req: Request) -> Estimate:
