@@ -292,3 +292,15 @@ def test_transposed_layout_warns_under_the_documented_rule():
             warnings.simplefilter("always")
             qkv.attention(q, k, v, **kw)
         assert not [w for w in seen if "layout" in str(w.message)], f"{name}: a legitimate call warned"
+
+
+def test_bigbird_holds_a_bounded_number_of_patterns():
+    """A decode loop asks for one more key each step: the mask must not keep one pattern per length."""
+    m = M.bigbird(4, 3, 1, 1, seed=0)
+    first = m.coarse(40).clone()
+    for nk in range(1, 400):
+        m.coarse(nk)
+    held = sum(t.numel() for t in m._cache.values())
+    assert len(m._cache) <= 8 and held <= 8 * 100 ** 2, f"{len(m._cache)} patterns, {held} cells held"
+    assert torch.equal(m.coarse(40), first), "an evicted pattern must come back the same (seeded)"
+    assert torch.equal(m.coarse(37), first), "lengths in one block count share the pattern"
