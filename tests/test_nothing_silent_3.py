@@ -304,3 +304,63 @@ def test_bigbird_holds_a_bounded_number_of_patterns():
     assert len(m._cache) <= 8 and held <= 8 * 100 ** 2, f"{len(m._cache)} patterns, {held} cells held"
     assert torch.equal(m.coarse(40), first), "an evicted pattern must come back the same (seeded)"
     assert torch.equal(m.coarse(37), first), "lengths in one block count share the pattern"
+
+
+class _Counting:
+    """A user predicate (a sliding window of 64 on positions) that counts its evaluations."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, b, h, q, k):
+        self.calls += 1
+        return (k <= q) & (q - k < 64)
+
+
+def test_auto_with_a_user_mask_decides_once_per_mask_object():
+    from qkv._attention import _choose
+    from qkv._request import build_request
+
+    fn = _Counting()
+    mask = M.from_fn(fn)
+    q = torch.randn(1, 2, 1024, 16)  # past SMALL_PROBLEM: auto estimates every backend
+    req = build_request(q, q, q, mask=mask)
+    first = _choose(req, "auto").name
+    assert fn.calls > 0
+    fn.calls = 0
+    again = _choose(build_request(q, q, q, mask=mask), "auto").name
+    assert again == first and fn.calls == 0, f"the second choice evaluated the predicate {fn.calls} times"
+
+
+def test_explain_counts_the_predicate_cost_of_a_user_mask():
+    from qkv.backends.base import PREDICATE_PAIR_SECONDS
+
+    q = torch.randn(1, 2, 1024, 16)
+    pairs = 2 * 1024 * 1024
+    ex = qkv.explain(q, q, q, mask=M.from_fn(_Counting()))
+    for name in ("tiled", "sdpa"):
+        est = ex.estimates[name]
+        assert est.seconds >= pairs * PREDICATE_PAIR_SECONDS, (name, est)
+    assert "predicate" in ex.estimates["tiled"].note, ex.estimates["tiled"]
+    analytic = qkv.explain(q, q, q, mask=M.sliding_window(63))
+    assert "predicate" not in analytic.estimates["tiled"].note
+
+
+def test_a_user_block_map_is_a_public_extension_point():
+    """from_fn(block_map=...) gives the tiles without evaluating the predicate; results are unchanged."""
+    from qkv.masks.base import predicate_block_map
+
+    def window_tiles(nq, nk, bq, bk, B, H, device):
+        return predicate_block_map(M.sliding_window(63), 1, 1, nq, nk, bq, bk, device)
+
+    fn = _Counting()
+    mask = M.from_fn(fn, block_map=window_tiles)
+    bm = mask.block_map(300, 300, 32, 32, H=2)
+    assert fn.calls == 0 and torch.equal(bm, M.sliding_window(63).block_map(300, 300, 32, 32))
+    assert mask.predicate_pairs(1, 2, 300, 300) == 0
+    q, k, v = (torch.randn(1, 2, 300, 16, dtype=torch.float64) for _ in range(3))
+    want = qkv.attention(q, k, v, mask=M.sliding_window(63), backend="reference")
+    assert torch.allclose(qkv.attention(q, k, v, mask=mask, backend="tiled"), want, atol=1e-12)
+    bad = M.from_fn(fn, block_map=lambda *a: torch.zeros(3, 3, dtype=torch.int8))
+    with pytest.raises(ValueError, match="from_fn: block_map returned"):
+        bad.block_map(300, 300, 32, 32, H=2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dis
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -223,10 +224,12 @@ def _choose(req: Request, backend: str):
         if _decline(sdpa, req) is None:
             return sdpa
     key = _decision_key(req)
-    if key is not None:
-        name = _decisions.get(key)
-        if name is not None:
-            return _backends.get(name)
+    held = _decisions if key is not None else _held_for_mask(req)
+    if held is not None:
+        key = key if key is not None else _mask_decision_key(req)
+        hit = held.get(key)
+        if hit is not None and (req.score_mod is None or hit[1] is req.score_mod):
+            return _backends.get(hit[0])
     best, best_cost = None, float("inf")
     for name in _backends.names():
         impl = _backends.get(name)
@@ -235,18 +238,36 @@ def _choose(req: Request, backend: str):
             if cost < best_cost:
                 best, best_cost = impl, cost
     assert best is not None, "the reference backend accepts every valid request"
-    if key is not None:
-        if len(_decisions) >= _MAX_DECISIONS:
-            _decisions.clear()
-        _decisions[key] = best.name
+    if held is not None:
+        if len(held) >= _MAX_DECISIONS:
+            held.clear()
+        held[key] = (best.name, req.score_mod)  # the modifier is compared by identity on a hit
     return best
 
 
 # auto's choice for requests whose cost depends on shapes alone (no mask or a causal one, no modifier):
 # a long decode loop asks the same question every layer and step. Keyed on the backends' generation, which
 # moves when one is registered or compiles a kernel.
-_decisions: dict[tuple, str] = {}
+_decisions: dict[tuple, tuple] = {}
 _MAX_DECISIONS = 1024
+# auto's choice for any other mask, held by the mask object (masks are immutable): estimating costs work that
+# grows with the mask (a predicate without an analytic block map is evaluated on every pair), so each mask
+# object pays it once per shape. The score modifier, if any, must be the same object for a hit.
+_mask_decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _held_for_mask(req: Request) -> dict | None:
+    if req.mask is None or req.dropout_p > 0:
+        return None
+    try:
+        return _mask_decisions.setdefault(req.mask, {})
+    except TypeError:  # a mask that cannot be weakly referenced: no caching
+        return None
+
+
+def _mask_decision_key(req: Request) -> tuple:
+    return (_backends.generation(), req.q.shape, req.k.shape, req.v.shape, req.dtype, req.device, req.requires_grad,
+            req.return_lse, req.sinks is not None, type(req.score_mod))
 
 
 def _decision_key(req: Request) -> tuple | None:
@@ -291,16 +312,20 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
     layout = "bhnd" if layout is None else layout
     req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
                  dropout_p=dropout_p, generator=generator, sinks=sinks)
-    chosen = _choose(req, "auto").name
-    report = Explanation(request=req.describe() + (f", mask={req.mask!r}" if req.mask is not None else "")
-                         + (f", score_mod={req.score_mod!r}" if req.score_mod is not None else ""), chosen=chosen)
-    if req.B * req.Hq * req.Nq * req.Nk <= SMALL_PROBLEM and chosen == "sdpa":
-        report.note = f"small problem (<= {SMALL_PROBLEM:,} score elements): the fused kernel without estimating"
+    # Estimates first: a mask without an analytic block map is priced as a first call pays it (the predicate on
+    # every pair), before choosing caches what that work found.
+    estimates, declined = {}, {}
     for name in _backends.names():
         impl = _backends.get(name)
         reason = _decline(impl, req)
         if reason is None:
-            report.estimates[name] = impl.estimate(_for_backend(impl, req))
+            estimates[name] = impl.estimate(_for_backend(impl, req))
         else:
-            report.declined[name] = reason
+            declined[name] = reason
+    chosen = _choose(req, "auto").name
+    report = Explanation(request=req.describe() + (f", mask={req.mask!r}" if req.mask is not None else "")
+                         + (f", score_mod={req.score_mod!r}" if req.score_mod is not None else ""), chosen=chosen,
+                         estimates=estimates, declined=declined)
+    if req.B * req.Hq * req.Nq * req.Nk <= SMALL_PROBLEM and chosen == "sdpa":
+        report.note = f"small problem (<= {SMALL_PROBLEM:,} score elements): the fused kernel without estimating"
     return report

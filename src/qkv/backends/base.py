@@ -14,8 +14,8 @@ import torch
 
 from .._request import AttentionOutput, Request
 
-__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "dense_flops", "restore_nonfinite", "format_seconds", "format_size",
-           "format_work"]
+__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "PREDICATE_PAIR_SECONDS", "dense_flops", "predicate_seconds",
+           "restore_nonfinite", "format_seconds", "format_size", "format_work"]
 
 #: Nominal matmul rates (FLOP/s) used to turn work into an estimated time; only ratios matter.
 NOMINAL_FLOPS = {"cpu": 1.0e11, "cuda": 2.0e14}
@@ -75,6 +75,19 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<qkv backend {self.name}>"
+
+
+#: Nominal seconds per (batch row, head, query, key) evaluation of a mask predicate without an analytic block map
+#: (a vectorized user function: a few elementwise tensor ops per pair, index tensors included).
+PREDICATE_PAIR_SECONDS = 2e-9
+
+
+def predicate_seconds(req: Request) -> float:
+    """Nominal cost of evaluating the request's mask predicate on every pair its block map (or dense view) reads:
+    0 for analytic masks (``Mask.predicate_pairs``)."""
+    if req.mask is None:
+        return 0.0
+    return req.mask.predicate_pairs(req.B, req.Hq, req.Nq, req.Nk) * PREDICATE_PAIR_SECONDS
 
 
 def dense_flops(req: Request) -> float:

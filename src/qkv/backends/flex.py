@@ -75,7 +75,7 @@ from .._request import AttentionOutput, Request
 from ..masks.base import EMPTY, FULL, PARTIAL, Mask
 from ..mods.base import ScoreMod
 from . import state_changed
-from .base import NOMINAL_FLOPS, Backend, Estimate, restore_nonfinite
+from .base import NOMINAL_FLOPS, Backend, Estimate, format_seconds, predicate_seconds, restore_nonfinite
 
 __all__ = ["FlexBackend", "to_block_mask", "BLOCK_SIZE"]
 
@@ -338,6 +338,10 @@ class FlexBackend(Backend):
         seconds = (full + _PARTIAL_TILE_COST * partial) * tile_flops / rate + _CALL_OVERHEAD_S
         visited = (full + partial) / max(tiles * req.B, 1)
         work = f"{visited:.0%} of tiles ({int(full)} full, {int(partial)} partial)"
+        pred = predicate_seconds(req)  # the BlockMask is built from the block map on every call
+        if pred:
+            seconds += pred
+            work += f", mask predicate on every pair per call (~{format_seconds(pred)})"
         if self.is_compiled(req):
             return Estimate(seconds, f"{work}, compiled kernel cached")
         compile_s = (_COMPILE_S if _compiled else _FIRST_COMPILE_S).get(dev, _COMPILE_S["cuda"])

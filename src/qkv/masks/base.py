@@ -130,6 +130,15 @@ class Mask:
         rows, heads = self.reads(B, H)
         return predicate_block_map(self, rows, heads, nq, nk, bq, bk, device)
 
+    def predicate_pairs(self, B: int, H: int, nq: int, nk: int) -> int:
+        """How many (batch row, head, query, key) predicate evaluations one :meth:`block_map` of a (B, H, nq, nk)
+        request costs: 0 for masks with an analytic block map, every pair the mask reads for the others (the
+        default :meth:`_block_map`). Backend estimates count it (``qkv.explain``)."""
+        if type(self)._block_map is not Mask._block_map:
+            return 0
+        rows, heads = self.reads(B, H)
+        return rows * heads * nq * nk
+
     def sparsity(self, nq: int, nk: int, *, B: int | None = None, H: int | None = None) -> float:
         """Fraction of (batch row, head, query, key) pairs that are masked out (0 = dense, 1 = nothing allowed),
         over every batch row and head the mask reads; a head-dependent mask needs the head count ``H``."""
@@ -201,6 +210,9 @@ class _Combined(Mask):
         self.a.check(B, H, nq, nk)
         self.b.check(B, H, nq, nk)
 
+    def predicate_pairs(self, B, H, nq, nk):
+        return self.a.predicate_pairs(B, H, nq, nk) + self.b.predicate_pairs(B, H, nq, nk)
+
     def _both_maps(self, nq, nk, bq, bk, device, B, H):
         ma = self.a._block_map(nq, nk, bq, bk, device, B, H)
         mb = self.b._block_map(nq, nk, bq, bk, device, B, H)
@@ -250,6 +262,9 @@ class Not(Mask):
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return ~self.a.allowed(b, h, q_idx, kv_idx, nq, nk)
+
+    def predicate_pairs(self, B, H, nq, nk):
+        return self.a.predicate_pairs(B, H, nq, nk)
 
     def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         return (FULL - self.a._block_map(nq, nk, bq, bk, device, B, H)).to(torch.int8)

@@ -123,19 +123,44 @@ class FromFn(Mask):
     (``Nq > Nk``) reach the predicate with negative positions.
 
     The predicate may read ``b`` and ``h``, so views and block maps evaluate every batch row and head of the
-    request they are given (``block_map(..., B=, H=)``).
+    request they are given (``block_map(..., B=, H=)``), unless the user gives the block map itself
+    (``block_map=``, see :func:`from_fn`).
     """
 
     depends_on_head = True
     depends_on_batch = True
 
-    def __init__(self, fn: Callable, align: str = "bottom_right") -> None:
+    def __init__(self, fn: Callable, align: str = "bottom_right", block_map: Callable | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"from_fn: expected a callable fn(b, h, q_pos, kv_pos) -> bool, got {type(fn).__name__}")
         if align not in _ALIGNS:
             raise ValueError(f"from_fn: align must be one of {_ALIGNS}, got {align!r}")
+        if block_map is not None and not callable(block_map):
+            raise TypeError(f"from_fn: block_map must be a callable block_map(nq, nk, block_q, block_k, B, H, device) "
+                            f"-> int8 tile classes, got {type(block_map).__name__}")
         self.fn = fn
         self.align = align
+        self.tile_fn = block_map
+
+    def predicate_pairs(self, B, H, nq, nk):
+        if self.tile_fn is not None:
+            return 0
+        rows, heads = self.reads(B, H)
+        return rows * heads * nq * nk
+
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
+        if self.tile_fn is None:
+            return super()._block_map(nq, nk, bq, bk, device, B, H)
+        tq, tk = -(-nq // bq), -(-nk // bk)
+        bm = self.tile_fn(nq, nk, bq, bk, B, H, device)
+        if (not isinstance(bm, torch.Tensor) or bm.dtype != torch.int8 or bm.dim() not in (2, 3)
+                or tuple(bm.shape[-2:]) != (tq, tk) or (bm.dim() == 3 and bm.shape[0] not in (1, B))):
+            raise ValueError(f"from_fn: block_map returned {getattr(bm, 'dtype', type(bm).__name__)} "
+                             f"{tuple(getattr(bm, 'shape', ()))}; expected int8 (TQ, TK) = ({tq}, {tk}) or (1 or B, "
+                             "TQ, TK) holding qkv.masks.EMPTY / PARTIAL / FULL")
+        if bool(((bm < EMPTY) | (bm > FULL)).any()):
+            raise ValueError("from_fn: block_map returned values other than qkv.masks.EMPTY / PARTIAL / FULL")
+        return bm.to(device)
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         q_pos = q_idx + (nk - nq) if self.align == "bottom_right" and nk != nq else q_idx
@@ -177,7 +202,7 @@ def graph_from_edges(edge_index: torch.Tensor, num_nodes: int, *, self_loops: bo
     return Graph(adj, self_loops=self_loops)
 
 
-def from_fn(fn: Callable, *, align: str = "bottom_right") -> FromFn:
+def from_fn(fn: Callable, *, align: str = "bottom_right", block_map: Callable | None = None) -> FromFn:
     """A mask from a vectorized predicate ``fn(b, h, q_pos, kv_pos) -> bool tensor``.
 
     The predicate receives broadcastable int64 tensors: batch row, head, query *position* and key position.
@@ -185,10 +210,18 @@ def from_fn(fn: Callable, *, align: str = "bottom_right") -> FromFn:
     mask), so a decode step or a chunk of a prefill sees exactly the rows of the full pass;
     ``align="top_left"`` passes the row index ``i`` instead. See :class:`FromFn`.
 
+    Without structure to exploit, tiled backends learn which tiles to skip by evaluating ``fn`` on every pair
+    once per mask object and shape (``qkv.explain`` counts that cost). ``block_map=`` is the extension point
+    that avoids it: ``block_map(nq, nk, block_q, block_k, B, H, device)`` returns int8 tile classes, (TQ, TK)
+    or (1 or B, TQ, TK), of ``qkv.masks.EMPTY`` (no pair allowed), ``PARTIAL`` or ``FULL`` (every pair allowed,
+    for every head), computed from what the user knows about ``fn``. It must be sound: an EMPTY tile with an
+    allowed pair or a FULL tile with a masked one gives wrong results;
+    ``qkv.masks.predicate_block_map`` gives the exact map to test it against.
+
     Example:
         >>> import torch, qkv
         >>> window = qkv.masks.from_fn(lambda b, h, q, k: (k <= q) & (q - k < 3))
         >>> window.dense(1, 1, 1, 6)[0, 0, 0].tolist()   # one decode step: the query sits at position 5
         [False, False, False, True, True, True]
     """
-    return FromFn(fn, align)
+    return FromFn(fn, align, block_map)
