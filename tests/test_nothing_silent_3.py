@@ -364,3 +364,43 @@ def test_a_user_block_map_is_a_public_extension_point():
     bad = M.from_fn(fn, block_map=lambda *a: torch.zeros(3, 3, dtype=torch.int8))
     with pytest.raises(ValueError, match="from_fn: block_map returned"):
         bad.block_map(300, 300, 32, 32, H=2)
+
+
+def test_flex_cpu_rows_at_a_ragged_length_with_several_batches_and_heads():
+    """B = H = 2, D = 16, N = 40 (the shape a probe saw Flex's CPU kernel return wrong rows for): every row of
+    every head within budget of float64, over several calls of one compiled kernel (the error was run to run)."""
+    from qkv._request import build_request
+    from qkv.backends.flex import FlexBackend
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    reason = FlexBackend().decline(build_request(q, k, v))
+    if reason is not None:
+        pytest.skip(f"flex declines here: {reason}")
+    for _ in range(5):
+        q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+        with torch.no_grad():
+            got = qkv.attention(q, k, v, backend="flex")
+        want = _by_definition(q.double(), k.double(), v.double(), torch.ones(40, 40, dtype=torch.bool), torch.float64)
+        base = _by_definition(q, k, v, torch.ones(40, 40, dtype=torch.bool), torch.float32)
+        assert_within_budget(got, want, base, what="flex B2-H2-N40-D16")
+
+
+def test_flex_is_declined_on_the_avx2_kernel_that_returns_wrong_rows(monkeypatch):
+    """The AVX2 Flex CPU kernel of this torch returns wrong rows at B = H = 2, D = 16, N = 40 (reproduced with
+    ATEN_CPU_CAPABILITY=avx2): an AVX2 CPU must not get Flex, neither by name nor from auto."""
+    from qkv._request import build_request
+    from qkv.backends import flex
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    flex._cpu_problem.cache_clear()
+    try:
+        q = torch.randn(2, 2, 40, 16)
+        reason = flex.FlexBackend().decline(build_request(q, q, q))
+        assert reason is not None and "AVX2" in reason and "wrong rows" in reason, reason
+        with pytest.raises(ValueError, match="AVX2"):
+            with torch.no_grad():
+                qkv.attention(q, q, q, backend="flex")
+        assert "flex" in qkv.explain(q, q, q).declined
+    finally:
+        flex._cpu_problem.cache_clear()
