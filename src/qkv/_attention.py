@@ -68,8 +68,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
 
     Returns:
         ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
-        ``out, lse = qkv.attention(q, k, v)`` without ``return_lse=True`` raises ``TypeError`` (it would
-        otherwise split a batch of two into two "results").
+        ``out, lse = qkv.attention(q, k, v)`` on a batch of two without ``return_lse=True`` raises
+        ``TypeError`` (it would otherwise split the batch into two "results"; other batch sizes fail to unpack).
         Non-finite inputs propagate as in torch; masks never create NaN.
 
     Example:
@@ -98,7 +98,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         result = AttentionOutput(from_bhnd(result.out, layout), result.lse)
     if return_lse:
         return result
-    if not torch.compiler.is_compiling() and _caller_unpacks_two(sys._getframe(1)):
+    # Only a batch of two unpacks without an error; other batch sizes fail in Python's own unpacking.
+    if result.out.shape[0] == 2 and not torch.compiler.is_compiling() and _caller_unpacks_two(sys._getframe(1)):
         raise TypeError("attention: `out, lse = qkv.attention(...)` without return_lse=True would split the output "
                         "along the batch dimension; pass return_lse=True to get AttentionOutput(out, lse) (or, to "
                         "split the batch on purpose, out.unbind(0))")
