@@ -23,9 +23,9 @@ LAYOUT_NAMES = {"bhnd": "(B, H, N, D)", "bnhd": "(B, N, H, D)"}
 
 
 class AttentionOutput(NamedTuple):
-    """``out`` (B, Hq, Nq, Dv) in the input dtype; ``lse`` (B, Hq, Nq) float32, natural log of the sum of
-    exp of the final scores over allowed keys (and the sink, with ``sinks=``), ``-inf`` for a row with no
-    allowed key. The contract, and conversions to base 2 and (B, Nq, Hq), are in :mod:`qkv.lse`."""
+    """``out`` (B, Hq, Nq, Dv) in the input dtype; ``lse`` (B, Hq, Nq) float32 (float64 for float64 inputs),
+    natural log of the sum of exp of the final scores over allowed keys (and the sink, with ``sinks=``), ``-inf``
+    for a row with no allowed key. The contract, and conversions to base 2 and (B, Nq, Hq), are in :mod:`qkv.lse`."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -112,6 +112,9 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 def _mask_hint(mask) -> str:
     if isinstance(mask, torch.Tensor):
+        if mask.dtype.is_floating_point:
+            return (" (a float tensor is an additive bias: pass score_mod=qkv.mods.bias(t); a boolean one, True = "
+                    "may attend, goes in mask=qkv.masks.dense(t))")
         return " (wrap a boolean tensor with qkv.masks.dense(t))"
     if isinstance(mask, type) and issubclass(mask, Mask) or (callable(mask) and getattr(mask, "__module__", "")
                                                              .startswith("qkv.masks")):

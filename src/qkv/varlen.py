@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -59,10 +60,30 @@ def as_cu_seqlens(cu, name: str = "cu_seqlens") -> torch.Tensor:
 
 
 def cu_seqlens_from_lengths(lengths) -> torch.Tensor:
-    """``[0, n0, n0+n1, ...]`` (int32, FlashAttention's dtype) from sequence lengths (list or 1-D tensor)."""
-    t = torch.as_tensor(lengths, dtype=torch.int64)
+    """``[0, n0, n0+n1, ...]`` (int32, FlashAttention's dtype) from sequence lengths (list or 1-D integer tensor).
+
+    Refuses float lengths (never truncated), negative ones, and totals past int32's ``2**31 - 1`` (never wrapped).
+    """
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens_from_lengths: lengths must be integers, got a {lengths.dtype} tensor; "
+                            "round them yourself (lengths.round().long()) if that is meant")
+        t = lengths.to(torch.int64)
+    else:
+        try:
+            if isinstance(lengths, (str, bytes)) or any(isinstance(n, bool) for n in lengths):
+                raise TypeError
+            items = [operator.index(n) for n in lengths]  # ints (numpy's too); a float has no exact index
+        except TypeError:
+            raise TypeError(f"cu_seqlens_from_lengths: lengths must be a list of ints or a 1-D integer tensor, got "
+                            f"{lengths!r}") from None
+        t = torch.tensor(items, dtype=torch.int64) if items else torch.zeros(0, dtype=torch.int64)
     if t.dim() != 1 or (t.numel() and int(t.min()) < 0):
         raise ValueError(f"cu_seqlens_from_lengths: expected non-negative lengths of shape (S,), got {t.tolist()}")
+    total = int(t.sum()) if t.numel() else 0
+    if total > torch.iinfo(torch.int32).max:
+        raise ValueError(f"cu_seqlens_from_lengths: the lengths sum to {total:,} tokens, past int32's "
+                         f"{torch.iinfo(torch.int32).max:,} (FlashAttention's cu_seqlens dtype); split the batch")
     return torch.nn.functional.pad(t.cumsum(0), (1, 0)).to(torch.int32)
 
 
@@ -135,7 +156,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             (FlashAttention's ``window_size``; HF's ``sliding_window = W`` is ``(W - 1, 0)``).
         scale, score_mod, dropout_p, generator, sinks, backend: as in :func:`qkv.attention`; a score
             modifier sees packed indices (batch 0, query and key positions along the packed axis).
-        return_lse: also return the log-sum-exp, (Hq, total_q) float32, FlashAttention's varlen layout.
+        return_lse: also return the log-sum-exp, (Hq, total_q) float32 (float64 for float64 inputs), FlashAttention's
+            varlen layout.
 
     Returns:
         out (total_q, Hq, Dv), or ``AttentionOutput(out, lse)``. A query whose sequence has no allowed key

@@ -51,7 +51,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         scheme: ``"ring"``, ``"zigzag"``, ``"stripe"``, ``"allgather"``, ``"ulysses"`` or ``"usp"``.
         group: the process group (default: the world); for ``"usp"`` the result of :func:`usp_groups`.
         scale: default ``Dqk ** -0.5``.
-        return_lse: also return the float32 log-sum-exp (B, Hq, n).
+        return_lse: also return the log-sum-exp (B, Hq, n), float32 (float64 for float64 inputs).
         timeout: seconds any collective may wait (default ``DEFAULT_TIMEOUT``); a dead or stalled peer raises
             :class:`CollectiveTimeout` naming the scheme and the step.
         documents: (N,) global document ids, for the zigzag layouts balanced per document (pass the same
