@@ -176,7 +176,7 @@ class KVCache:
         layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec, SinkSpec), "update")
         spec = layer.spec
         pos = self._check_step(layer, k, v, positions, spec.n_kv_heads, spec.head_dim, spec.dv)
-        self._order.check(positions, pos)
+        self._order.check(positions, pos, layer=layer_idx)
         k, v = self._cast(k), self._cast(v)
         if isinstance(layer.store, RopeStore):
             k_all, v_all, kv_pos, q_pos = layer.store.write_rope(k, v, pos, rope)
@@ -185,6 +185,7 @@ class KVCache:
                 k = rope(k, pos.clamp_min(0))
             k_all, v_all, kv_pos = layer.store.write(k, v, pos)
             q_pos = pos
+        self._order.commit(positions, pos, layer=layer_idx)
         view = CacheView(k_all, v_all, kv_pos, q_pos)
         layer.last_view = view
         return view
@@ -229,11 +230,12 @@ class KVCache:
                              f"on (B, N)")
         k, v = c_kv.unsqueeze(1), k_rope.unsqueeze(1)
         pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.qk_rope_head_dim)
-        self._order.check(positions, pos, owner="update_latent")
+        self._order.check(positions, pos, layer=layer_idx, owner="update_latent")
         k, v = self._cast(k), self._cast(v)
         if rope is not None:
             v = rope(v, pos.clamp_min(0))
         c_all, r_all, kv_pos = layer.store.write(k, v, pos)
+        self._order.commit(positions, pos, layer=layer_idx)
         return LatentView(c_all[:, 0], r_all[:, 0], kv_pos, pos)
 
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
