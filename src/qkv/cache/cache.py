@@ -348,7 +348,10 @@ class KVCache:
             self._cross[key] = (k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device)))
 
     def fork(self, n: int) -> None:
-        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``), for ``n`` samples of one prompt."""
+        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``), for ``n`` samples of one prompt (``n >= 1``)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"fork(n): expected an int >= 1 (copies of every row), got {n!r}; to drop rows use "
+                             f"cache.reorder(idx), to empty the cache cache.reset()")
         B = self._batch() or 1
         self.reorder(torch.arange(B).repeat_interleave(n))
 
@@ -447,7 +450,9 @@ class KVCache:
     # helpers
     def _layer(self, i: int, kinds, what: str) -> _Layer:
         if not isinstance(i, int) or not 0 <= i < len(self._layers):
-            raise IndexError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers")
+            raise ValueError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers; a "
+                             f"model with more layers than the cache was built for? Build the cache from the model: "
+                             f"KVCache(model) or KVCache(model.cache_specs())")
         layer = self._layers[i]
         if kinds is not None and not isinstance(layer.spec, kinds):
             hint = {"update": "MLA layers call update_latent", "update_latent": "use update() for this layer"}
