@@ -268,7 +268,7 @@ class KVCache:
         """True when layer ``layer_idx`` keeps keys at their absolute positions (full, sliding-window, latent
         and cross layers), so modules may hand it keys already rotated; False when it re-positions them
         (StreamingLLM's sinks), so it needs un-rotated keys and ``rope``."""
-        return not isinstance(self._layers[layer_idx].store, RopeStore)
+        return not isinstance(self._layer(layer_idx, None, "keeps_absolute_positions").store, RopeStore)
 
     @property
     def prefix_caching(self) -> bool:
@@ -388,7 +388,7 @@ class KVCache:
 
     def layer_tokens(self, layer_idx: int) -> int:
         """Slots layer ``layer_idx`` holds per row now."""
-        store = self._layers[layer_idx].store
+        store = self._layer(layer_idx, None, "layer_tokens").store
         return 0 if store is None else store.held()
 
     def memory(self) -> CacheMemory:
