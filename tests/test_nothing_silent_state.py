@@ -28,3 +28,24 @@ def test_fork_refuses_zero_and_negative_copies_and_keeps_the_rows():
         with pytest.raises(ValueError, match=r"fork\(n\)"):
             cache.fork(n)
         assert cache.batch == 2 and cache.seq_length == 3
+
+
+@pytest.mark.parametrize("masked", ["-inf", "finfo.min"])
+def test_hf_additive_4d_mask_with_softcap_matches_eager(masked):
+    pytest.importorskip("transformers", reason="the HF attention-function signature needs transformers")
+    import qkv.integrations.transformers as qhf
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 6, 8, generator=g, dtype=torch.float64) * 3 for h in (4, 2, 2))
+    allowed = torch.rand(2, 1, 6, 6, generator=g) < 0.6
+    allowed[..., 0] = True
+    fill = float("-inf") if masked == "-inf" else torch.finfo(torch.float64).min
+    additive = (0.3 * torch.randn(2, 1, 6, 6, generator=g, dtype=torch.float64)).masked_fill(~allowed, fill)
+    cap, scale = 5.0, 8 ** -0.5
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = cap * torch.tanh((q @ kr.transpose(-1, -2)) * scale / cap) + additive  # eager: mask after softcap
+    expected = torch.softmax(scores, -1) @ vr
+    module = torch.nn.Module()
+    out, _ = qhf.attention_forward(module, q, k, v, additive, scaling=scale, softcap=cap)
+    err = (out.transpose(1, 2) - expected).abs().max().item()
+    assert err < 1e-10, f"max error {err:.3g} against eager's softcap-then-mask"

@@ -22,7 +22,8 @@ What HF hands over, and what qkv makes of it:
   looks at the closures of HF's public mask factories; a composition it does not know (a model's own
   ``or_mask_function``, say) is taken as the dense boolean mask HF would build, and ``qkv.explain`` (and
   :func:`explain` here) say so. A 4-D mask the caller prepared arrives as a tensor and is taken as is:
-  boolean as a dense mask, float as an additive bias (a dense ``mods.bias``).
+  boolean as a dense mask; float as additive: its ``-inf`` (or ``finfo.min``) entries as a dense mask, the
+  finite rest as a dense ``mods.bias`` applied after any softcap, as eager adds the mask after capping.
 - ``scaling`` is the scale; ``softcap`` (Gemma 2) becomes ``mods.softcap``; T5's ``position_bias``, a
   dense (1, H, Nq, Nk) tensor computed by the model, becomes ``mods.bias`` (dense: HF hands over only
   that); ``s_aux`` (GPT-OSS's per-head sinks) becomes ``sinks=``; ``dropout`` (non-zero in training)
@@ -281,7 +282,15 @@ def _as_mask(attention_mask, module, is_causal, nq: int) -> tuple[Mask | None, o
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         if attention_mask.dtype == torch.bool:
             return M.dense(attention_mask), None, "dense: a 4-D boolean mask prepared by the caller"
-        return None, mods.bias(attention_mask), "dense: a 4-D additive mask prepared by the caller, as a bias"
+        # the -inf entries (or HF's finfo.min) are a mask; the finite rest is a bias, added after softcap as eager
+        # does (a bias before the softcap would squash -inf to -cap and give masked keys weight)
+        hidden = torch.isneginf(attention_mask) | (attention_mask <= torch.finfo(attention_mask.dtype).min)
+        if not bool(hidden.any()):
+            return None, mods.bias(attention_mask), "dense: a 4-D additive mask prepared by the caller, as a bias"
+        finite = attention_mask.masked_fill(hidden, 0.0)
+        bias = mods.bias(finite) if bool(finite.ne(0).any()) else None
+        return (M.dense(~hidden), bias, "dense: a 4-D additive mask prepared by the caller: its -inf entries as a "
+                "boolean mask" + (", the finite rest as a bias" if bias is not None else ""))
     raise TypeError(f"qkv attention: cannot read attention_mask of type {type(attention_mask).__name__} "
                     f"{tuple(getattr(attention_mask, 'shape', ()))}; HF builds it with the 'qkv' mask function "
                     "(registered by importing qkv.integrations.transformers) or takes a 4-D boolean or additive tensor")
@@ -300,8 +309,8 @@ def _forward_for(backend: str) -> Callable:
                              "run; pack with position_ids (HF then builds a document mask) or use "
                              "qkv.varlen_attention")
         mask, bias, source = _as_mask(attention_mask, module, is_causal, query.shape[2])
-        score_mod = [m for m in (bias, None if position_bias is None else mods.bias(position_bias),
-                                 None if not softcap else mods.softcap(float(softcap))) if m is not None]
+        score_mod = [m for m in (None if position_bias is None else mods.bias(position_bias),
+                                 None if not softcap else mods.softcap(float(softcap)), bias) if m is not None]
         sinks = None if s_aux is None else s_aux.to(query.device)
         kw = dict(mask=mask, score_mod=score_mod or None, scale=scaling, sinks=sinks)
         record = _recording.get()
