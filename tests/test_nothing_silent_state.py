@@ -49,3 +49,39 @@ def test_hf_additive_4d_mask_with_softcap_matches_eager(masked):
     out, _ = qhf.attention_forward(module, q, k, v, additive, scaling=scale, softcap=cap)
     err = (out.transpose(1, 2) - expected).abs().max().item()
     assert err < 1e-10, f"max error {err:.3g} against eager's softcap-then-mask"
+
+
+def _llama_config():
+    transformers = pytest.importorskip("transformers", reason="HF models need transformers")
+    return transformers, transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_hf_explain_says_why_no_call_went_through_qkv_with_a_shared_config():
+    transformers, cfg = _llama_config()
+    import qkv.integrations.transformers as qhf
+
+    ours = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="qkv")
+    transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")  # the same config object
+    with pytest.raises(ValueError, match=r"no attention call.*attn_implementation='sdpa'.*shared config"):
+        qhf.explain(ours, torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_hf_explain_names_a_family_that_runs_its_own_attention():
+    transformers = pytest.importorskip("transformers", reason="HF models need transformers")
+    import qkv.integrations.transformers as qhf
+
+    cfg = transformers.BloomConfig(vocab_size=50, hidden_size=32, n_layer=2, n_head=4)
+    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="qkv")
+    with pytest.raises(ValueError, match=r"no attention call.*Bloom.*own attention code"):
+        qhf.explain(bloom, torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_hf_bloom_with_qkv_attention_fails_with_a_clear_type_error():
+    transformers = pytest.importorskip("transformers", reason="HF models need transformers")
+    import qkv.integrations.transformers  # noqa: F401  (registers "qkv")
+
+    cfg = transformers.BloomConfig(vocab_size=50, hidden_size=32, n_layer=2, n_head=4)
+    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="qkv")
+    with pytest.raises(TypeError, match=r"does not dispatch attention through transformers' AttentionInterface"):
+        bloom(torch.zeros(1, 4, dtype=torch.long))

@@ -73,6 +73,14 @@ class HFMask:
     mask: Mask | None  # None: every pair allowed
     source: str  # "analytic" or why it is dense
 
+    def _refuse(self, other) -> None:
+        raise TypeError("attn_implementation='qkv': this model adds the attention mask to its scores in its own "
+                        "attention code, so it does not dispatch attention through transformers' AttentionInterface "
+                        "(BLOOM and a few other families) and qkv cannot run it; load it with "
+                        "attn_implementation='eager' or 'sdpa', or port it to qkv (qkv.models.from_hf)")
+
+    __add__ = __radd__ = _refuse
+
 
 @dataclass(frozen=True)
 class LayerReport:
@@ -86,6 +94,7 @@ class LayerReport:
         return f"[{self.module}] mask: {self.mask_source}\n{self.explanation}"
 
 
+_REGISTERED: set[str] = set()  # the names register() gave transformers
 _recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("qkv_hf_recording", default=None)
 
 
@@ -366,6 +375,7 @@ def register(name: str = NAME, *, backend: str = "auto") -> None:
     if backend != "auto" and backend not in backends.names():
         raise ValueError(f"register: unknown backend {backend!r}; valid: {', '.join(['auto', *backends.names()])}")
     AttentionInterface.register(name, attention_forward if backend == "auto" else _forward_for(backend))
+    _REGISTERED.add(name)
     AttentionMaskInterface.register(name, hf_mask)
 
 
@@ -403,7 +413,17 @@ def use(model, name: str = NAME):
 
 def explain(model, *args, **kwargs) -> list[LayerReport]:
     """Run ``model(*args, **kwargs)`` once without gradients and report, for every attention call, where its
-    mask came from (analytic or dense, and why) and :func:`qkv.explain`'s backend choice."""
+    mask came from (analytic or dense, and why) and :func:`qkv.explain`'s backend choice.
+
+    Raises ``ValueError`` saying why when no attention call of the forward went through qkv: the model's config
+    names another implementation (for instance because several models were built from one shared config
+    object, which holds one ``attn_implementation`` for all of them), or its layers do not dispatch through
+    transformers' ``AttentionInterface`` (BLOOM and other families with their own attention code).
+    """
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel) and (why := _own_attention(model)) is not None:
+        raise ValueError(f"explain: no attention call of this model goes through qkv; {why}")
     reports: list[LayerReport] = []
     token = _recording.set(reports)
     try:
@@ -411,7 +431,39 @@ def explain(model, *args, **kwargs) -> list[LayerReport]:
             model(*args, **kwargs)
     finally:
         _recording.reset(token)
+    if not reports:
+        raise ValueError(f"explain: no attention call of this forward went through qkv; {_why_not_qkv(model)}")
     return reports
+
+
+def _own_attention(model) -> str | None:
+    """Why ``model`` (a PreTrainedModel) cannot run qkv attention, or None when every (sub)model can."""
+    from transformers import PreTrainedModel
+
+    bad = sorted({type(m).__name__ for m in model.modules()
+                  if isinstance(m, PreTrainedModel) and not _uses_interface(type(m))})
+    if not bad:
+        return None
+    return (f"{', '.join(bad)} run their own attention code, not transformers' AttentionInterface, whatever "
+            f"attn_implementation says; port the model to qkv (qkv.models.from_hf) or use a family that "
+            f"dispatches through the interface")
+
+
+def _why_not_qkv(model) -> str:
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        if (why := _own_attention(model)) is not None:
+            return why
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in _REGISTERED:
+            return (f"the model's config says attn_implementation={impl!r}, not one of qkv's "
+                    f"({', '.join(sorted(_REGISTERED))}). Models built from one shared config object share that "
+                    f"setting (the last from_config/_from_config call decides for all of them); build each from its "
+                    f"own copy.deepcopy(config)")
+        return "its attention layers made no call (a model without attention, or inputs that skip it)"
+    return (f"{type(model).__name__} is not a transformers PreTrainedModel switched to attn_implementation='qkv' "
+            f"(qkv.integrations.transformers.use(model))")
 
 
 register()
