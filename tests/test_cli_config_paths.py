@@ -85,3 +85,29 @@ def test_cli_refuses_absurd_configs_in_one_line(tmp_path, case):
     r = run("flops", str(path))
     assert r.exit_code == 2, (r.exit_code, r.output[-500:])
     assert "error:" in r.output and "Traceback" not in r.output, r.output[-500:]
+
+
+def test_version_prints_the_package_version():
+    import qkv
+
+    r = run("--version")
+    assert r.exit_code == 0 and r.output.strip() == f"qkv {qkv.__version__}", r.output
+
+
+def test_presets_never_cut_a_name_in_a_pipe_at_80_columns(monkeypatch):
+    from qkv.costs import PRESETS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    r = run("presets")
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output, r.output[:400]
+    for name in PRESETS:
+        assert name in r.output, name
+
+
+def test_out_to_an_unwritable_place_is_one_error_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where --out wants a folder: nothing can be created under it
+    r = run("attention", "hello world", "--out", str(blocker / "sub"))
+    assert r.exit_code == 2, (r.exit_code, r.output[-400:])
+    assert "error: cannot write" in r.output and "Traceback" not in r.output, r.output[-400:]
