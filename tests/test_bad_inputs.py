@@ -381,6 +381,11 @@ FROM_HF = {
                      r"safetensors shard .*model.safetensors"),
     "tensor-in-two-shards": (_second_shard, {}, ValueError, r"two shards"),
     "int32-weights": (_int_weights, {}, ValueError, r"non-float weights.*int32"),
+    "fifo-shard": (lambda p: os.mkfifo(p / "zz-pipe.safetensors"), {}, ValueError, r"zz-pipe.safetensors is not a "
+                   r"regular file"),
+    "layers-beyond-weights": (lambda p: _edit_config(p, num_hidden_layers=3), {}, ValueError,
+                              r"does not fit.*missing tensors"),
+    "hidden-beyond-weights": (lambda p: _edit_config(p, hidden_size=64), {}, ValueError, r"does not fit.*shape"),
     "dtype-unknown": (lambda p: None, {"dtype": "bf17"}, ValueError, r"dtype 'bf17'.*bf16"),
     "dtype-int": (lambda p: None, {"dtype": torch.int8}, ValueError, r"dtype"),
 }

@@ -85,3 +85,27 @@ def test_hf_bloom_with_qkv_attention_fails_with_a_clear_type_error():
     bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="qkv")
     with pytest.raises(TypeError, match=r"does not dispatch attention through transformers' AttentionInterface"):
         bloom(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_from_hf_checks_weights_on_a_meta_build_before_allocating(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers", reason="the checkpoint is written by transformers")
+    import json
+
+    from qkv.models import CheckpointError, from_hf, loading
+
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2000}))
+    devices = []
+    real_build = loading._build
+
+    def build(family, config):
+        devices.append(torch.empty(0).device.type)  # the default device the model is built on
+        return real_build(family, config)
+
+    monkeypatch.setattr(loading, "_build", build)
+    with pytest.raises(CheckpointError, match="missing tensors"):
+        from_hf(tmp_path)
+    assert devices == ["meta"], f"the model was built on {devices} before the weights were checked"
