@@ -109,3 +109,37 @@ def test_from_hf_checks_weights_on_a_meta_build_before_allocating(tmp_path, monk
     with pytest.raises(CheckpointError, match="missing tensors"):
         from_hf(tmp_path)
     assert devices == ["meta"], f"the model was built on {devices} before the weights were checked"
+
+
+def test_no_docstring_cites_a_design_file_missing_from_the_repository():
+    from pathlib import Path
+
+    import qkv
+
+    root = Path(qkv.__file__).parent
+    repo = root.parent.parent
+    cited = [str(p.relative_to(root)) for p in root.rglob("*.py") if "DESIGN.md" in p.read_text(encoding="utf-8")]
+    assert (repo / "DESIGN.md").exists() or not cited, f"docstrings cite DESIGN.md, absent here: {cited}"
+
+
+def test_score_mod_base_has_a_docstring_with_a_runnable_example():
+    import doctest
+
+    from qkv import mods
+
+    doc = mods.ScoreMod.__doc__ or ""
+    assert "apply" in doc and "bias" in doc and ">>>" in doc, doc
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(mods.ScoreMod, "ScoreMod", globs={"torch": torch}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
+
+
+def test_readme_context_parallel_snippet_passes_logits_to_the_loss():
+    from pathlib import Path
+
+    import qkv
+
+    readme = (Path(qkv.__file__).parent.parent.parent / "README.md").read_text(encoding="utf-8")
+    assert "loss_fn(ctx(ctx.shard(ids))," not in readme, "the model returns a DecoderOutput, not logits"
+    assert "ctx(ctx.shard(ids)).logits" in readme
