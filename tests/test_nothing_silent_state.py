@@ -143,3 +143,29 @@ def test_readme_context_parallel_snippet_passes_logits_to_the_loss():
     readme = (Path(qkv.__file__).parent.parent.parent / "README.md").read_text(encoding="utf-8")
     assert "loss_fn(ctx(ctx.shard(ids))," not in readme, "the model returns a DecoderOutput, not logits"
     assert "ctx(ctx.shard(ids)).logits" in readme
+
+
+def test_vit_example_default_run_trains_on_the_real_digits_quickly(monkeypatch):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "vit.py"
+    calls = []
+
+    def fake_digits_main(recipe="full", seed=0, *, verbose=False):
+        calls.append(recipe)
+        raise SystemExit(0)  # stop before training: the choice of data and recipe is what is checked
+
+    pytest.importorskip("sklearn", reason="the digits come with scikit-learn")
+
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    namespace = runpy.run_path(str(path), run_name="not_main")
+    monkeypatch.setitem(namespace, "digits_main", fake_digits_main)
+    recipe = namespace["DIGITS_RECIPES"]["quick"]
+    assert recipe.epochs * recipe.n_layers <= 6, recipe  # seconds, not minutes
+    source = path.read_text(encoding="utf-8")
+    main_block = source[source.index('if __name__ == "__main__":'):]
+    with pytest.raises(SystemExit):
+        exec(compile(main_block, str(path), "exec"), {**namespace, "__name__": "__main__"})
+    assert calls == ["quick"], calls
