@@ -6,7 +6,7 @@ eager computation *in the candidate's own dtype* makes against the same referenc
 
     err(candidate, ref64) <= k * err(baseline, ref64) + floor
 
-``k`` is about 2 for float16/bfloat16 and 10 for float32 (DESIGN.md). The floor absorbs the case
+``k`` is about 2 for float16/bfloat16 and 10 for float32 (README, "Testing discipline"). The floor absorbs the case
 where the baseline happens to be nearly exact (tiny sizes, float64 inputs); by default it is a per-dtype
 constant times ``max(1, max|reference|)``, so it stays one rounding step of the values compared.
 

@@ -177,7 +177,7 @@ class KVCache:
         layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec, SinkSpec), "update")
         spec = layer.spec
         pos = self._check_step(layer, k, v, positions, spec.n_kv_heads, spec.head_dim, spec.dv)
-        self._order.check(positions, pos)
+        self._order.check(positions, pos, layer=layer_idx)
         k, v = self._cast(k), self._cast(v)
         if isinstance(layer.store, RopeStore):
             k_all, v_all, kv_pos, q_pos = layer.store.write_rope(k, v, pos, rope)
@@ -186,6 +186,7 @@ class KVCache:
                 k = rope(k, pos.clamp_min(0))
             k_all, v_all, kv_pos = layer.store.write(k, v, pos)
             q_pos = pos
+        self._order.commit(positions, pos, layer=layer_idx)
         view = CacheView(k_all, v_all, kv_pos, q_pos)
         layer.last_view = view
         return view
@@ -230,11 +231,12 @@ class KVCache:
                              f"on (B, N)")
         k, v = c_kv.unsqueeze(1), k_rope.unsqueeze(1)
         pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.qk_rope_head_dim)
-        self._order.check(positions, pos, owner="update_latent")
+        self._order.check(positions, pos, layer=layer_idx, owner="update_latent")
         k, v = self._cast(k), self._cast(v)
         if rope is not None:
             v = rope(v, pos.clamp_min(0))
         c_all, r_all, kv_pos = layer.store.write(k, v, pos)
+        self._order.commit(positions, pos, layer=layer_idx)
         return LatentView(c_all[:, 0], r_all[:, 0], kv_pos, pos)
 
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
@@ -267,7 +269,7 @@ class KVCache:
         """True when layer ``layer_idx`` keeps keys at their absolute positions (full, sliding-window, latent
         and cross layers), so modules may hand it keys already rotated; False when it re-positions them
         (StreamingLLM's sinks), so it needs un-rotated keys and ``rope``."""
-        return not isinstance(self._layers[layer_idx].store, RopeStore)
+        return not isinstance(self._layer(layer_idx, None, "keeps_absolute_positions").store, RopeStore)
 
     @property
     def prefix_caching(self) -> bool:
@@ -347,7 +349,10 @@ class KVCache:
             self._cross[key] = (k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device)))
 
     def fork(self, n: int) -> None:
-        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``), for ``n`` samples of one prompt."""
+        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``), for ``n`` samples of one prompt (``n >= 1``)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"fork(n): expected an int >= 1 (copies of every row), got {n!r}; to drop rows use "
+                             f"cache.reorder(idx), to empty the cache cache.reset()")
         B = self._batch() or 1
         self.reorder(torch.arange(B).repeat_interleave(n))
 
@@ -384,7 +389,7 @@ class KVCache:
 
     def layer_tokens(self, layer_idx: int) -> int:
         """Slots layer ``layer_idx`` holds per row now."""
-        store = self._layers[layer_idx].store
+        store = self._layer(layer_idx, None, "layer_tokens").store
         return 0 if store is None else store.held()
 
     def memory(self) -> CacheMemory:
@@ -446,7 +451,9 @@ class KVCache:
     # helpers
     def _layer(self, i: int, kinds, what: str) -> _Layer:
         if not isinstance(i, int) or not 0 <= i < len(self._layers):
-            raise IndexError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers")
+            raise ValueError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers; a "
+                             f"model with more layers than the cache was built for? Build the cache from the model: "
+                             f"KVCache(model) or KVCache(model.cache_specs())")
         layer = self._layers[i]
         if kinds is not None and not isinstance(layer.spec, kinds):
             hint = {"update": "MLA layers call update_latent", "update_latent": "use update() for this layer"}

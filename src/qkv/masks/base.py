@@ -5,7 +5,7 @@ Shape legend: B batch, H heads, Nq query length, Nk key length, TQ/TK tile count
 A mask is evaluated through one vectorized predicate, ``allowed(b, h, q_idx, kv_idx, nq, nk)``, on
 broadcastable integer index tensors. The same predicate serves every consumer: the reference backend
 (dense materialization), the tiled backend (partial tiles only) and the Flex backend (as a
-``mask_mod``). Positions follow the contract in DESIGN.md: query row ``i`` sits at absolute position
+``mask_mod``). Positions follow the operator contract (README): query row ``i`` sits at absolute position
 ``i + nk - nq`` (bottom-right alignment), key ``j`` at position ``j``.
 
 ``block_map`` classifies each (query tile, key tile) as EMPTY, PARTIAL or FULL. Analytic masks compute
