@@ -21,6 +21,10 @@ Everything except the short loop over chunks (three GEMMs per chunk, for the del
 matmul over all chunks at once. The gated linear rule has no sequential matmul at all: the chunk states
 follow from a scan of ``S' = e^{b_C} * S + H_c`` over chunk sums ``H_c``.
 
+The cumulative log-decays are summed and differenced in float64 (for float32 inputs too): with strong decays
+``b`` reaches hundreds of nats and ``b_t - b_s`` in float32 would keep only a few digits; the exponentials
+are rounded back to the input's accumulation dtype.
+
 Per-channel gates need care: ``exp(b_td - b_sd)`` does not factor into a stable row and column scaling over
 a whole chunk (``exp(-b_s)`` overflows when a chunk decays by more than ~80 nats). Chunks are therefore
 split into sub-blocks of 16 tokens; for a key sub-block ending at token ``r``, queries after it are scaled
@@ -87,7 +91,7 @@ def _gated_scores(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, *, strict: 
     C = x.shape[2]
     keep = torch.ones(C, C, dtype=torch.bool, device=x.device).tril(-1 if strict else 0)
     if b.dim() == 3:  # one decay per head: a (C, C) decay matrix times one GEMM
-        decay = torch.where(keep, b.unsqueeze(-1) - b.unsqueeze(-2), -torch.inf).exp()
+        decay = _exp(torch.where(keep, b.unsqueeze(-1) - b.unsqueeze(-2), -torch.inf), x.dtype)
         return (x @ y.transpose(-1, -2)) * decay
     limit = _SAFE_SPREAD[x.dtype]
     if _spread(b) <= limit:  # exp(b_t - b_0) and exp(b_0 - b_s) both stay finite: one GEMM per chunk
@@ -101,14 +105,14 @@ def _gated_scores(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, *, strict: 
             diag = _factored(xj, yj, bj, bj[:, :, :1]) * keep[s0:s1, s0:s1]
         else:  # the full (c, c, Dk) product: exact whatever the decay
             diff = torch.where(keep[s0:s1, s0:s1, None], bj.unsqueeze(3) - bj.unsqueeze(2), -torch.inf)
-            diag = torch.einsum("mntd,mnsd,mntsd->mnts", xj, yj, diff.exp())  # (M, nc, c, c)
+            diag = torch.einsum("mntd,mnsd,mntsd->mnts", xj, yj, _exp(diff, x.dtype))  # (M, nc, c, c)
         parts = [diag]
         if s0:
             parts.insert(0, x.new_zeros(*x.shape[:2], s0, c))
         if s1 < C:
             r = b[:, :, s1 - 1:s1]  # (M, nc, 1, Dk): the log-decay at the sub-block's last token
-            xs = x[:, :, s1:] * (b[:, :, s1:] - r).exp()  # later queries, scaled by exp(b_t - b_r) <= 1
-            ys = yj * (r - bj).exp()  # this sub-block's keys, scaled by exp(b_r - b_s) <= 1
+            xs = x[:, :, s1:] * _exp(b[:, :, s1:] - r, x.dtype)  # later queries, scaled by exp(b_t - b_r) <= 1
+            ys = yj * _exp(r - bj, x.dtype)  # this sub-block's keys, scaled by exp(b_r - b_s) <= 1
             parts.append(xs @ ys.transpose(-1, -2))  # (M, nc, C - s1, c)
         cols.append(torch.cat(parts, dim=2))
     return torch.cat(cols, dim=3)
@@ -120,25 +124,29 @@ _SAFE_SPREAD = {torch.float32: 60.0, torch.float64: 600.0}
 
 def _spread(b: torch.Tensor) -> float:
     """The largest range of a channel's cumulative log-decay inside one block, over all blocks."""
-    return float((b.amax(dim=2) - b.amin(dim=2)).max()) if b.numel() else 0.0
+    return float((b.amax(dim=2) - b.amin(dim=2)).max().detach()) if b.numel() else 0.0
 
 
 def _factored(x, y, b, r):
     """``(x * exp(b - r)) (y * exp(r - b))^T``: the gated scores when the block's spread allows it."""
-    return (x * (b - r).exp()) @ (y * (r - b).exp()).transpose(-1, -2)
+    return (x * _exp(b - r, x.dtype)) @ (y * _exp(r - b, x.dtype)).transpose(-1, -2)
 
 
-def _row_scale(b: torch.Tensor) -> torch.Tensor:
+def _exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.exp().to(dtype)
+
+
+def _row_scale(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``exp(b)`` shaped to scale rows ``(..., C, Dk)``: ``(..., C, 1)`` for per-head decays."""
-    e = b.exp()
+    e = _exp(b, dtype)
     return e if e.dim() == 4 else e.unsqueeze(-1)
 
 
-def _end_terms(b: torch.Tensor):
+def _end_terms(b: torch.Tensor, dtype: torch.dtype):
     """``exp(b_C - b)`` to carry each key to the chunk's end, and ``exp(b_C)`` to scale the state's rows."""
     b_end = b[:, :, -1:]  # (M, nc, 1[, Dk])
-    to_end = _row_scale(b_end - b)  # (M, nc, C, Dk|1)
-    decay = b_end.squeeze(2).exp()  # (M, nc[, Dk])
+    to_end = _row_scale(b_end - b, dtype)  # (M, nc, C, Dk|1)
+    decay = _exp(b_end.squeeze(2), dtype)  # (M, nc[, Dk])
     decay = decay.unsqueeze(-1) if decay.dim() == 3 else decay[..., None, None]  # (M, nc, Dk|1, 1)
     return to_end, decay
 
@@ -196,8 +204,8 @@ def gated_linear_chunked(
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
     q, k, v, g, _ = _chunks(p, chunk_size)
-    b = g.cumsum(2)  # (M, nc, C[, Dk])
-    to_end, decay = _end_terms(b)
+    b = g.to(torch.float64).cumsum(2)  # (M, nc, C[, Dk]); float64: differences of long sums keep their digits
+    to_end, decay = _end_terms(b, q.dtype)
     intra = _gated_scores(q, k, b, strict=False) @ v  # (M, nc, C, Dv)
     sums = (k * to_end).transpose(-1, -2) @ v  # (M, nc, Dk, Dv): each chunk's own contribution at its end
     starts = []
@@ -205,7 +213,7 @@ def gated_linear_chunked(
         starts.append(S)
         S = S * decay[:, c] + sums[:, c]
     S_in = torch.stack(starts, dim=1)  # (M, nc, Dk, Dv): the state each chunk starts from
-    out = intra + (q * _row_scale(b)) @ S_in
+    out = intra + (q * _row_scale(b, q.dtype)) @ S_in
     return _finish(p, out.flatten(1, 2), S)
 
 
@@ -251,9 +259,9 @@ def gated_delta_chunked(
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
     q, k, v, g, beta = _chunks(p, chunk_size)
     C = chunk_size
-    b = g.cumsum(2)  # (M, nc, C[, Dk])
-    to_end, decay = _end_terms(b)
-    e_b = _row_scale(b)
+    b = g.to(torch.float64).cumsum(2)  # (M, nc, C[, Dk]); float64: differences of long sums keep their digits
+    to_end, decay = _end_terms(b, q.dtype)
+    e_b = _row_scale(b, q.dtype)
     P = _gated_scores(q, k, b, strict=False)  # (M, nc, C, C)
     bk = beta.unsqueeze(-1)
     A = _gated_scores(k * bk, k, b, strict=True)  # strictly lower: (I + A) is unit lower triangular

@@ -87,7 +87,7 @@ def gated_linear_parallel(
         A = (q @ k.transpose(-1, -2)) * torch.where(causal, diff, -torch.inf).exp()
         q_in = q * G.exp().unsqueeze(-1)
     out = A @ v
-    G_end = G[:, :, -1:] if N else torch.zeros_like(G[:, :, :1])  # (B, H, 1[, Dk])
+    G_end = G[:, :, -1:] if N else G.new_zeros(*G.shape[:2], 1, *G.shape[3:])  # (B, H, 1[, Dk])
     k_to_end = k * ((G_end - G).exp() if p.per_channel else (G_end - G).exp().unsqueeze(-1))
     S = k_to_end.transpose(-1, -2) @ v  # (B, H, Dk, Dv)
     if p.state is not None:
