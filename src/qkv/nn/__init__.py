@@ -8,12 +8,14 @@ Example:
     torch.Size([2, 5, 32])
 """
 
+from ._recurrent import RecurrentState
 from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
 from .config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
 from .decoder import DecoderLM, DecoderOutput
 from .ffn import FeedForward, GatedMLP
+from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
 from .moe import MoE, MoEConfig
@@ -28,4 +30,5 @@ __all__ = [
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
+    "GatedDeltaNet", "GatedRMSNorm", "RecurrentState",
 ]
