@@ -16,8 +16,10 @@ from .config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_c
 from .decoder import DecoderLM, DecoderOutput
 from .ffn import FeedForward, GatedMLP
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from .kda import KimiDeltaAttention
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
+from .mamba2 import Mamba2Mixer
 from .moe import MoE, MoEConfig
 from .norm import RMSNorm, make_norm, rms_norm
 from .performer import PerformerAttention
@@ -30,5 +32,5 @@ __all__ = [
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
-    "GatedDeltaNet", "GatedRMSNorm", "RecurrentState",
+    "GatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
 ]
