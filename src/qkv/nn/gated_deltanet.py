@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_step
 from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, l2norm, mask_padding
@@ -170,6 +171,10 @@ class GatedDeltaNet(nn.Module):
             ``LinearAttentionOutput(out (B, 1, E), state including this token)``.
         """
         return self._mix(x, state, None, fn="GatedDeltaNet.step", one_token=True)
+
+    def cache_spec(self) -> RecurrentSpec:
+        """What a :class:`qkv.cache.KVCache` keeps for this layer: the convolution's inputs and the state."""
+        return RecurrentSpec(self.conv_dim, self.conv_kernel_size, self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_k_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "

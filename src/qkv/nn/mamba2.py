@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput, gated_linear_chunked, gated_linear_step
 from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, mask_padding
@@ -150,6 +151,10 @@ class Mamba2Mixer(nn.Module):
     def step(self, x: torch.Tensor, state: RecurrentState | None) -> LinearAttentionOutput:
         """Decode one token ``x`` (B, 1, E) from ``state``; returns ``LinearAttentionOutput(out, state)``."""
         return self._mix(x, state, None, fn="Mamba2Mixer.step", one_token=True)
+
+    def cache_spec(self) -> RecurrentSpec:
+        """What a :class:`qkv.cache.KVCache` keeps for this layer: the convolution's inputs and the state."""
+        return RecurrentSpec(self.conv_dim, self.conv_kernel_size, self.num_heads, self.ssm_state_size, self.head_dim)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
