@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkv.cache import FullSpec, KVCache, Paged, RecurrentSpec, SlidingWindowSpec, plan_memory
+from qkv.cache import H2O, Dynamic, FullSpec, KVCache, Paged, RecurrentSpec, SlidingWindowSpec, Static, plan_memory
 from qkv.nn import GatedDeltaNet, Mamba2Mixer, RecurrentState
 
 
@@ -127,3 +127,22 @@ def test_bad_updates_name_the_layer():
     cache.update_recurrent(1, state, tokens=3)
     with pytest.raises(ValueError, match=r"got batch 1 but the cache holds 2 rows"):
         cache.update_recurrent(1, RecurrentState(state.conv[:1], state.recurrent[:1]), tokens=1)
+
+
+@pytest.mark.parametrize("storage, policy", [(Dynamic(), None), (Static(32), None), (Paged(block_size=4, num_blocks=32),
+                                                                                    None), (Dynamic(), H2O(2, 2))],
+                         ids=["dynamic", "static", "paged", "h2o"])
+def test_every_storage_holds_a_hybrid_model(storage, policy):
+    """The recurrent layer keeps its dense state whatever the storage or policy of the attention layers, and the
+    plan's bytes for it equal what the cache holds."""
+    layer = _layer()
+    specs = [FullSpec(2, 16), layer.cache_spec()]
+    cache = KVCache(specs, storage=storage, policy=policy)
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    k = torch.randn(2, 2, 8, 16, dtype=torch.float64)
+    cache.prepare(torch.zeros(2, 8, dtype=torch.long), torch.arange(8).expand(2, 8))
+    cache.update(0, k, k, positions=torch.arange(8).expand(2, 8))
+    cache.update_recurrent(1, layer(x).state, tokens=8)
+    plan = plan_memory(specs, batch=2, context=8, dtype=torch.float64, storage=storage, policy=policy)
+    assert cache.memory().layers[1].used_bytes == plan.layers[1].needed_bytes == plan.layers[1].allocated_bytes
+    assert cache.seq_length == 8

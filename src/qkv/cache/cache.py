@@ -78,7 +78,7 @@ def _as_specs(specs) -> list[LayerSpec]:
     for i, s in enumerate(specs):
         if not isinstance(s, LayerSpec):
             raise TypeError(f"KVCache(specs): entry {i} is {type(s).__name__}, not a qkv.cache layer spec "
-                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec)")
+                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec, RecurrentSpec)")
     return specs
 
 
