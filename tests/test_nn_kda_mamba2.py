@@ -114,3 +114,25 @@ def test_bad_inputs():
         mamba(torch.randn(2, 3, 16), state=RecurrentState(torch.zeros(2, 16, 3), torch.zeros(2, 2, 4, 8)))
     with pytest.raises(ValueError, match=r"n_groups=3 must divide num_heads=2"):
         Mamba2Mixer(16, num_heads=2, head_dim=8, state_size=4, n_groups=3)
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "mamba2"])
+def test_bfloat16_modules_stay_close_to_float64(name):
+    """A bfloat16 layer (its gates kept in float32, the state accumulated in float32) against the same weights in
+    float64: within a bfloat16-sized tolerance, state in float32."""
+    from qkv.nn import GatedDeltaNet
+
+    torch.manual_seed(2)
+    make = {"gdn": lambda: GatedDeltaNet(E, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8),
+            "kda": lambda: KimiDeltaAttention(E, num_heads=2, head_dim=8),
+            "mamba2": lambda: Mamba2Mixer(E, num_heads=2, head_dim=16, state_size=8)}[name]
+    ref = make().double()
+    low = make().bfloat16()
+    low.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 40, E, dtype=torch.float64)
+    with torch.no_grad():
+        want = ref(x).out
+        got, state = low(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and state.recurrent.dtype == torch.float32
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < 0.05, f"{name}: bfloat16 relative error {err:.3g}"

@@ -138,9 +138,9 @@ class GatedDeltaNet(nn.Module):
         g = g.transpose(1, 2)  # (B, H, N)
         rec = None if state is None else state.recurrent
         if one_token:
-            o, rec = gated_delta_step(q, k, v, g.to(q.dtype), beta.to(q.dtype), rec)
+            o, rec = gated_delta_step(q, k, v, g, beta, rec)  # g, beta stay in float32
         else:
-            o, rec = gated_delta_chunked(q, k, v, g.to(q.dtype), beta.to(q.dtype), chunk_size=self.chunk_size,
+            o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=self.chunk_size,
                                          initial_state=rec)
         o = self.norm(o.transpose(1, 2), z.reshape(B, N, H, Dv))  # (B, N, H, Dv)
         return LinearAttentionOutput(self.out_proj(o.reshape(B, N, H * Dv)), RecurrentState(conv, rec))

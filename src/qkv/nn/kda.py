@@ -108,8 +108,8 @@ class KimiDeltaAttention(nn.Module):
         mixed, conv = causal_conv(mixed, self.conv1d.weight, None, None if state is None else state.conv)
         q, k, v = (t.reshape(B, N, H, D).transpose(1, 2) for t in mixed.split(self.qkv_dim, dim=-1))  # (B, H, N, D)
         q, k = l2norm(q) * D ** -0.5, l2norm(k)
-        g = self.forget_gate(x).transpose(1, 2).to(q.dtype)  # (B, H, N, D)
-        beta = self.b_proj(x).sigmoid().transpose(1, 2).to(q.dtype)  # (B, H, N)
+        g = self.forget_gate(x).transpose(1, 2)  # (B, H, N, D), float32 (float64 for float64 inputs)
+        beta = self.b_proj(x).sigmoid().transpose(1, 2)  # (B, H, N)
         rec = None if state is None else state.recurrent
         if one_token:
             o, rec = gated_delta_step(q, k, v, g, beta, rec)

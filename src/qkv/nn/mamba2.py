@@ -124,7 +124,7 @@ class Mamba2Mixer(nn.Module):
         q = Cm.reshape(Bt, N, G, Ns).transpose(1, 2)  # (B, G, N, Ns)
         k = Bm.reshape(Bt, N, G, Ns).transpose(1, 2)
         v = xs_h * dt.transpose(1, 2).unsqueeze(-1).to(xs_h.dtype)
-        g = (dt * A).transpose(1, 2).to(q.dtype)  # (B, H, N)
+        g = (dt * A).transpose(1, 2)  # (B, H, N), float32 (float64 for float64 inputs)
         rec = None if state is None else state.recurrent
         if one_token:
             y, rec = gated_linear_step(q, k, v, g, rec)
