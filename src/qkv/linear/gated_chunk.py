@@ -23,7 +23,7 @@ follow from a scan of ``S' = e^{b_C} * S + H_c`` over chunk sums ``H_c``.
 
 The cumulative log-decays are summed and differenced in float64 (for float32 inputs too): with strong decays
 ``b`` reaches hundreds of nats and ``b_t - b_s`` in float32 would keep only a few digits; the exponentials
-are rounded back to the input's accumulation dtype.
+are taken in the input's accumulation dtype.
 
 Per-channel gates need care: ``exp(b_td - b_sd)`` does not factor into a stable row and column scaling over
 a whole chunk (``exp(-b_s)`` overflows when a chunk decays by more than ~80 nats). Chunks are therefore
@@ -133,7 +133,9 @@ def _factored(x, y, b, r):
 
 
 def _exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.exp().to(dtype)
+    """``exp`` of a float64 log-decay difference, in ``dtype``: the difference is exact to float64, so rounding it
+    to float32 first costs one float32 rounding of a small number, and the exponential runs in float32."""
+    return x.to(dtype).exp()
 
 
 def _row_scale(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
