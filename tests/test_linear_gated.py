@@ -136,15 +136,20 @@ def test_linear_reference_is_the_recurrence(gate):
 @pytest.mark.parametrize("rule", ["linear", "delta"])
 def test_chunked_per_channel_large_decays(rule, decay, dtype):
     """Per-channel decays that spread by hundreds of nats inside a chunk (the sub-block and full-product paths)
-    and tiny ones (one factored GEMM per chunk): finite, and within budget of the float64 reference."""
+    and tiny ones (one factored GEMM per chunk): finite, and within budget of the float64 reference, forward and
+    backward."""
     q, k, v, g, beta, S0 = _inputs(1, 2, 2, 96, 8, 8, gate="channel", seed=5, decay=decay)
     args = [t.to(dtype) for t in _args(rule, q, k, v, g, beta)]
-    ref = RULES[rule]["parallel"](*[t.double() for t in args], initial_state=S0)
-    base = RULES[rule]["parallel"](*args, initial_state=S0.to(dtype))
-    got = RULES[rule]["chunked-C64"](*args, initial_state=S0.to(dtype))
+    g_out = torch.randn_like(v)
+    ref, ref_g = _fwd_bwd(RULES[rule]["parallel"], [t.double() for t in args], S0, g_out)
+    base, base_g = _fwd_bwd(RULES[rule]["parallel"], args, S0.to(dtype), g_out)
+    got, got_g = _fwd_bwd(RULES[rule]["chunked-C64"], args, S0.to(dtype), g_out)
     assert torch.isfinite(got.out).all() and torch.isfinite(got.state).all()
     assert_within_budget(got.out, ref.out, base.out, floor=_floor(dtype, ref.out), what="out")
     assert_within_budget(got.state, ref.state, base.state, floor=_floor(dtype, ref.state), what="state")
+    for name, c, r, b in zip(["q", "k", "v", "g", "beta"][:len(args)] + ["S0"], got_g, ref_g, base_g):
+        assert torch.isfinite(c).all(), f"d{name} is not finite"
+        assert_within_budget(c, r, b, floor=_floor(dtype, r), what=f"d{name}")
 
 
 SPLIT_FORMS = ["parallel", "chunked-C16", "chunked-C64", "recurrent"]
