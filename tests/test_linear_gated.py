@@ -329,3 +329,13 @@ def test_bad_step_and_chunk_size():
             gated_delta_chunked(q, k, v, g, beta, chunk_size=bad)
         with pytest.raises(ValueError, match=rf"chunk_size must be a positive int, got {bad!r}"):
             gated_linear_chunked(q, k, v, g, chunk_size=bad)
+
+
+@pytest.mark.parametrize("module", ["qkv.linear.gated_naive", "qkv.linear.gated_chunk", "qkv.linear.gated_recurrent",
+                                    "qkv.nn.gated_deltanet", "qkv.nn.kda", "qkv.nn.mamba2"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, f"{module}: {result}"
