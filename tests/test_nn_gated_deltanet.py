@@ -101,3 +101,38 @@ def test_bad_inputs():
         GatedDeltaNet(16, num_k_heads=2, num_v_heads=3, head_k_dim=4, head_v_dim=4)
     with pytest.raises(ValueError, match=r"head_k_dim must be a positive int, got 0"):
         GatedDeltaNet(16, num_k_heads=1, num_v_heads=1, head_k_dim=0, head_v_dim=4)
+
+
+def test_split_projections_match_hf_qwen3_5():
+    """SplitGatedDeltaNet against HF's Qwen3_5GatedDeltaNet (flat in_proj_qkv / z / b / a): prefill and decode."""
+    try:
+        from transformers.cache_utils import DynamicCache
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    except ImportError as e:
+        pytest.skip(f"transformers' qwen3_5 is not importable: {e}")
+    from qkv.nn import SplitGatedDeltaNet
+
+    cfg = Qwen3_5TextConfig(hidden_size=32, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                            linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                            layer_types=["linear_attention"], vocab_size=16, num_attention_heads=2,
+                            num_key_value_heads=1)
+    torch.manual_seed(3)
+    hf = Qwen3_5GatedDeltaNet(cfg, 0).double()
+    with torch.no_grad():
+        hf.norm.weight.uniform_(0.5, 1.5)
+        hf.dt_bias.normal_()
+    ours = SplitGatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel_size=4,
+                              norm_eps=cfg.rms_norm_eps, dtype=torch.float64)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 40, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).out, hf(x), **TOL)
+        cache = DynamicCache(config=cfg)
+        want = [hf(x[:, :37], cache=cache)] + [hf(x[:, t:t + 1], cache=cache) for t in range(37, 40)]
+        out, state = ours(x[:, :37])
+        got = [out]
+        for t in range(37, 40):
+            y, state = ours.step(x[:, t:t + 1], state)
+            got.append(y)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), **TOL)

@@ -15,7 +15,7 @@ from .blocks import TransformerBlock
 from .config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
 from .decoder import DecoderLM, DecoderOutput
 from .ffn import FeedForward, GatedMLP
-from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
@@ -32,5 +32,5 @@ __all__ = [
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
-    "GatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
+    "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
 ]

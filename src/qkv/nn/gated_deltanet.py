@@ -32,7 +32,7 @@ from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_s
 from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, l2norm, mask_padding
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
+__all__ = ["GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, *, eps: float,
@@ -109,12 +109,27 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
                                 padding=conv_kernel_size - 1, **kw)
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **kw)
+        self._add_projections(kw)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **kw))
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads, **kw).uniform_(1, 16)))
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
+
+    def _add_projections(self, kw: dict) -> None:
+        self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
+        self.in_proj_ba = nn.Linear(self.hidden_size, 2 * self.num_v_heads, bias=False, **kw)
+
+    def _project(self, x: torch.Tensor):
+        """``(q, k, v)`` flat ``(B, N, key_dim | value_dim)`` for the convolution, ``z`` (B, N, H, Dv), ``b, a``
+        (B, N, H), from Qwen3-Next's projections grouped per key head."""
+        B, N, _ = x.shape
+        Hk, H, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = H // Hk
+        qkvz = self.in_proj_qkvz(x).view(B, N, Hk, 2 * Dk + 2 * r * Dv)
+        q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, N, Hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(B, N, -1), k.reshape(B, N, -1), v.reshape(B, N, -1)], dim=-1)
+        return mixed, z.reshape(B, N, H, Dv), b.reshape(B, N, H), a.reshape(B, N, H)
 
     def _mix(self, x: torch.Tensor, state: RecurrentState | None, attention_mask, *, fn: str, one_token: bool):
         check_input(x, self.hidden_size, fn=fn, one_token=one_token)
@@ -122,19 +137,15 @@ class GatedDeltaNet(nn.Module):
         Hk, H, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         check_state(state, B=B, conv=(self.conv_dim, self.conv_kernel_size - 1), rec=(H, Dk, Dv), fn=fn)
         x = mask_padding(x, attention_mask, fn=fn)
-        r = H // Hk
-        qkvz = self.in_proj_qkvz(x).view(B, N, Hk, 2 * Dk + 2 * r * Dv)
-        q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(B, N, Hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(B, N, -1), k.reshape(B, N, -1), v.reshape(B, N, -1)], dim=-1)
+        mixed, z, b, a = self._project(x)
         mixed, conv = causal_conv(mixed, self.conv1d.weight, None, None if state is None else state.conv)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.view(B, N, Hk, Dk)).transpose(1, 2) * Dk ** -0.5  # (B, Hk, N, Dk)
         k = l2norm(k.view(B, N, Hk, Dk)).transpose(1, 2)  # (B, Hk, N, Dk)
         v = v.reshape(B, N, H, Dv).transpose(1, 2)  # (B, H, N, Dv)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        beta = b.reshape(B, N, H).to(work).sigmoid().transpose(1, 2)  # (B, H, N)
-        g = -self.A_log.to(work).exp() * F.softplus(a.reshape(B, N, H).to(work) + self.dt_bias.to(work))
+        beta = b.to(work).sigmoid().transpose(1, 2)  # (B, H, N)
+        g = -self.A_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias.to(work))
         g = g.transpose(1, 2)  # (B, H, N)
         rec = None if state is None else state.recurrent
         if one_token:
@@ -142,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=self.chunk_size,
                                          initial_state=rec)
-        o = self.norm(o.transpose(1, 2), z.reshape(B, N, H, Dv))  # (B, N, H, Dv)
+        o = self.norm(o.transpose(1, 2), z)  # (B, N, H, Dv)
         return LinearAttentionOutput(self.out_proj(o.reshape(B, N, H * Dv)), RecurrentState(conv, rec))
 
     def forward(self, x: torch.Tensor, *, state: RecurrentState | None = None,
@@ -179,3 +190,28 @@ class GatedDeltaNet(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_k_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "
                 f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_kernel_size={self.conv_kernel_size}")
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Gated DeltaNet with Qwen3.5's projections: ``in_proj_qkv`` (q, k, v one after the other, as the convolution
+    takes them), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, each flat over heads (HF's
+    ``Qwen3_5GatedDeltaNet``); everything else as :class:`GatedDeltaNet`.
+
+    Example:
+        >>> import torch
+        >>> layer = SplitGatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+        >>> sorted(n for n, _ in layer.named_parameters() if n.startswith("in_proj"))
+        ['in_proj_a.weight', 'in_proj_b.weight', 'in_proj_qkv.weight', 'in_proj_z.weight']
+    """
+
+    def _add_projections(self, kw: dict) -> None:
+        E, H = self.hidden_size, self.num_v_heads
+        self.in_proj_qkv = nn.Linear(E, 2 * self.key_dim + self.value_dim, bias=False, **kw)
+        self.in_proj_z = nn.Linear(E, self.value_dim, bias=False, **kw)
+        self.in_proj_b = nn.Linear(E, H, bias=False, **kw)
+        self.in_proj_a = nn.Linear(E, H, bias=False, **kw)
+
+    def _project(self, x: torch.Tensor):
+        B, N, _ = x.shape
+        z = self.in_proj_z(x).view(B, N, self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
