@@ -205,7 +205,7 @@ def gated_linear_chunked(
     S = _initial(p)
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
-    q, k, v, g, _ = _chunks(p, chunk_size)
+    q, k, v, g, _ = _chunks(p, min(chunk_size, p.v.shape[2]))  # a short call pads to itself, not to C
     b = g.to(torch.float64).cumsum(2)  # (M, nc, C[, Dk]); float64: differences of long sums keep their digits
     to_end, decay = _end_terms(b, q.dtype)
     intra = _gated_scores(q, k, b, strict=False) @ v  # (M, nc, C, Dv)
@@ -259,8 +259,8 @@ def gated_delta_chunked(
     S = _initial(p)
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
-    q, k, v, g, beta = _chunks(p, chunk_size)
-    C = chunk_size
+    C = min(chunk_size, p.v.shape[2])  # a short call (a few tokens after a prefill) pads to itself, not to C
+    q, k, v, g, beta = _chunks(p, C)
     b = g.to(torch.float64).cumsum(2)  # (M, nc, C[, Dk]); float64: differences of long sums keep their digits
     to_end, decay = _end_terms(b, q.dtype)
     e_b = _row_scale(b, q.dtype)
