@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-slow demo bench lint clean
+.PHONY: install browser test test-slow demo bench bench-vllm lint clean
 
 install: $(STAMP)
 
@@ -44,8 +44,15 @@ bench: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv bench --out benchmarks/results
 	$(PY) benchmarks/render.py
 
+# qkv against vLLM's CPU engine on the same checkpoint: vLLM lives in .venv-vllm (built on first use; it pins an
+# older transformers), then the JSON goes with the others and RESULTS.md is regenerated.
+bench-vllm: install
+	test -x .venv-vllm/bin/python || $(PY) benchmarks/vs_vllm.py --install
+	HF_HUB_OFFLINE=1 QKV_BENCH_OUT=benchmarks/results $(PY) benchmarks/vs_vllm.py
+	$(PY) benchmarks/render.py
+
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache qkv-out
+	rm -rf $(VENV) .venv-vllm build *.egg-info src/*.egg-info .pytest_cache qkv-out

@@ -234,7 +234,7 @@ def _calibrated_device(cal: dict, link: tuple[float, float]):
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     from qkv.costs.context_parallel import layer_time
-    from qkv.costs.presets import ModelPreset
+    from qkv.spec.presets import ModelPreset
 
     n = N_QUICK if args.quick else N_PUBLISHED
     repeat = args.repeat or (2 if args.quick else 5)

@@ -5,10 +5,12 @@ MoE for the latter), random weights, built by HF and converted with ``qkv.models
 4 and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
 
 - ``hf``: ``model.generate(do_sample=False)`` with HF's defaults (SDPA attention, ``DynamicCache``);
-- ``qkv``: ``qkv.models.generate`` with a preallocated ``KVCache(storage=Static(N + T))``;
-- ``qkv_onednn``: the same model after ``qkv.cpu.gemm.use_onednn`` (several-row products through
-  oneDNN-packed copies of the weights; one more weight's worth of memory);
-- ``qkv_input_major``: the same with ``input_major_weights=True`` (wide weights stored input-major and
+- ``qkv``: ``qkv.models.generate`` with a preallocated ``KVCache(storage=Static(N + T))`` on the model
+  ``from_hf`` returns, with qkv's CPU products (``qkv.cpu.optimize``: row blocks for few rows, oneDNN-packed
+  weights for many, as its measured rule says);
+- ``qkv_plain``: the same model without them (``from_hf(..., optimize=False)``, ``generate(...,
+  optimize=False)``: ``F.linear`` everywhere), what the CPU products buy;
+- ``qkv_input_major``: ``qkv.cpu.optimize(model, input_major=True)`` (wide weights stored input-major and
   multiplied by column blocks, the default before row blocks of standard-layout weights measured faster
   for a few rows), an ablation of the one choice that is about memory traffic rather than Python overhead.
 
@@ -37,7 +39,6 @@ Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2]`
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -47,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Suite, ratio, read_rate, target  # noqa: E402
-from qkv.cpu.gemm import use_onednn  # noqa: E402
+from qkv.cpu import optimize  # noqa: E402
 
 TARGET = 1.5  # qkv decode tokens/s over HF's
 
@@ -72,7 +73,6 @@ def _models(name: str, spec: tuple[str, str, dict]):
     import transformers
 
     from qkv.models import from_hf
-    from qkv.models.loading import _family, check_and_load
 
     cfg_cls, model_cls, kwargs = spec
     torch.manual_seed(0)
@@ -80,10 +80,8 @@ def _models(name: str, spec: tuple[str, str, dict]):
     hf.generation_config.eos_token_id = None  # always T new tokens
     hf.generation_config.pad_token_id = 0
     qkv_model = from_hf(hf)
-    config = hf.config.to_dict()
-    family = _family(config)
-    input_major = type(qkv_model)(family.decoder_config(config).replace(input_major_weights=True))
-    check_and_load(input_major, family.convert(dict(hf.state_dict()), config))
+    plain = from_hf(hf, optimize=False)
+    input_major = optimize(from_hf(hf, optimize=False), input_major=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in qkv_model.parameters())
     if qkv_model.lm_head is not None:  # a step reads one row of an untied embedding table
         emb = qkv_model.embed_tokens.weight
@@ -92,7 +90,7 @@ def _models(name: str, spec: tuple[str, str, dict]):
         m = qkv_model.config.moe
         unread = sum(p.numel() * p.element_size() for n, p in qkv_model.named_parameters() if ".experts." in n)
         weight_bytes -= unread * (1 - m.num_experts_per_tok / m.n_routed_experts)
-    return hf, qkv_model, input_major.eval(), weight_bytes
+    return hf, qkv_model, plain, input_major, weight_bytes
 
 
 class _Clock:
@@ -120,8 +118,7 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
     from qkv.cache import KVCache, Static
     from qkv.models.generate import generate
 
-    hf, qkv_model, input_major, weight_bytes = _models(name, spec)
-    onednn = use_onednn(copy.deepcopy(qkv_model))  # same weights, packed for oneDNN as well
+    hf, qkv_model, plain, input_major, weight_bytes = _models(name, spec)
     vocab = spec[2]["vocab_size"]
     for threads, B in ((t, b) for t in thread_counts for b in batches):
         torch.set_num_threads(threads)
@@ -132,13 +129,14 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False, streamer=clock)
             return out[:, n_prompt:]
 
-        def qkv_gen(model):
+        def qkv_gen(model, optimized: bool = True):
             def run(clock):
                 cache = KVCache(model.cache_specs(), storage=Static(n_prompt + n_new))
-                return generate(model, ids, max_new_tokens=n_new, cache=cache, streamer=clock).new_tokens
+                return generate(model, ids, max_new_tokens=n_new, cache=cache, streamer=clock,
+                                optimize=optimized).new_tokens
             return run
 
-        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_onednn": qkv_gen(onednn),
+        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_plain": qkv_gen(plain, optimized=False),
                       "qkv_input_major": qkv_gen(input_major)}
         steps: dict[str, list[float]] = {k: [] for k in contenders}
         step_med: dict[str, list[float]] = {k: [] for k in contenders}  # per repeat, paired across contenders
@@ -164,10 +162,10 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
         weight_rate = weight_bytes / statistics.median(steps["qkv"])
         floor_s = weight_bytes / read_rate(threads)  # every weight streamed once per step from memory
         r = ratio(step_med["hf"], step_med["qkv"])  # qkv decode tok/s over HF's, per repeat
-        r_onednn = ratio(step_med["hf"], step_med["qkv_onednn"])
+        r_plain = ratio(step_med["qkv_plain"], step_med["qkv"])  # what qkv.cpu.optimize buys, per repeat
         suite.add({"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {
             "hf_decode_tok_s": decode["hf"], "qkv_decode_tok_s": decode["qkv"],
-            "qkv_onednn_decode_tok_s": decode["qkv_onednn"], "onednn_ratio": r_onednn,
+            "qkv_plain_decode_tok_s": decode["qkv_plain"], "optimize_ratio": r_plain,
             "qkv_input_major_decode_tok_s": decode["qkv_input_major"], "decode_ratio": r,
             "decode_ratio_p10": ratio(step_p10["hf"], step_p10["qkv"]),
             "hf_e2e_tok_s": e2e["hf"], "qkv_e2e_tok_s": e2e["qkv"], "e2e_ratio": ratio(total["hf"], total["qkv"]),
@@ -177,9 +175,8 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             "floor_ms": floor_s * 1e3, "qkv_step/floor": statistics.median(steps["qkv"]) / floor_s,
             "hf_step/floor": statistics.median(steps["hf"]) / floor_s,
             "target": f"{target(r, '>=', TARGET)} ({TARGET}x)",
-            "target_onednn": target(r_onednn, ">=", TARGET),
             "same_tokens": bool(torch.equal(tokens["hf"], tokens["qkv"])
-                                and torch.equal(tokens["hf"], tokens["qkv_onednn"])),
+                                and torch.equal(tokens["hf"], tokens["qkv_plain"])),
         })
 
 
@@ -204,8 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         _run_case(suite, name, spec, (1, 4, 8), n_prompt, n_new, repeat, thread_counts)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's in every repeat (ratios: the median over the "
                "paired repeats, then the lowest and highest). decode: B / median time between streamed tokens; "
-               "e2e includes prefill. qkv_input_major: qkv with wide weights stored input-major "
-               "(input_major_weights=True). "
+               "e2e includes prefill. optimize_ratio: qkv_plain's step time over qkv's (what qkv.cpu.optimize "
+               "buys). qkv_input_major: qkv with wide weights stored input-major (optimize(input_major=True)). "
                "floor_ms: the weights a step reads (weights_MB; an untied embedding table counts one row) over "
                "the best of 7 reads (a sum) of a 256 MB matrix at the row's thread count; step/floor near 1 "
                "means a step is bound by memory bandwidth, and the ratio to HF cannot exceed hf_step/floor.")

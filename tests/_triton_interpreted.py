@@ -30,7 +30,6 @@ def check(*args, **kw):
     check_against_reference("triton", *args, **kw)
 
 
-# --------------------------------------------------------------------- masks
 MASKS = sparse_masks(33)
 
 
@@ -77,7 +76,6 @@ def test_backward_tiles_differ_from_forward(fwd, bwd):
         check_against_reference(be, 2, 2, 1, 33, 33, 16, mask=mask, what=f"fwd{fwd} bwd{bwd} {mask!r}")
 
 
-# --------------------------------------------------------------------- shapes and dtypes
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (3, 1)], ids=["MHA", "GQA", "MQA"])
 def test_gqa_and_dv(hq, hkv):
     check(1, hq, hkv, 24, 24, 16, 24, mask=M.causal(), what=sid(1, hq, hkv, 24, 24, 16, 24))
@@ -114,7 +112,6 @@ def test_fully_masked_rows_zero_without_nan():
     assert bool((q.grad[0] == 0).all())
 
 
-# --------------------------------------------------------------------- score modifiers
 SLOPES = torch.tensor([0.5, 0.25])
 
 
@@ -144,7 +141,6 @@ def test_declines_python_score_mod():
         qkv.attention(x, x, x, score_mod=mods.from_fn(lambda s, b, h, q, k: s), backend="triton")
 
 
-# --------------------------------------------------------------------- dropout
 def test_dropout_matches_reference_pattern():
     """Same seed, same keep pattern as the reference backend: forward and gradients within budget."""
     _, (q, k, v), dout = inputs(1, 2, 1, 33, 33, 16)
@@ -163,8 +159,6 @@ def test_dropout_matches_reference_pattern():
         assert (a.double() - r).abs().max() < 1e-5, f"d{name}: {(a.double() - r).abs().max():.3e}"
 
 
-
-# --------------------------------------------------------------------- sinks, layout and the log-sum-exp
 def _with_sinks(q, k, v, sinks, allowed):
     """Attention with a sink written out (one more softmax logit per head, without a value), in the inputs'
     dtype: (out, lse), lse including the sink."""
@@ -242,7 +236,6 @@ def test_bnhd_is_the_same_kernel_result():
     assert torch.allclose(a.out, b.out.transpose(1, 2), atol=1e-6) and torch.allclose(a.lse, b.lse, atol=1e-6)
 
 
-# --------------------------------------------------------------------- decode kernels
 def _pool_case(seed=0, window=None, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     B, Hq, Hkv, D, Dv, T, P = 3, 4, 2, 16, 24, 4, 12
@@ -323,7 +316,6 @@ def test_mla_decode_equals_absorbed_reference(splits):
     assert_within_budget(lse, ref.lse[:, :, 0].double(), base.lse[:, :, 0], what="mla lse", floor=1e-5)
 
 
-# --------------------------------------------------------------------- wiring (the CUDA checks forced on CPU)
 def test_paged_store_decode_equals_attention_over_the_view(monkeypatch):
     from qkv.backends import triton as tb
     from qkv.cache import FullSpec, KVCache, Paged

@@ -20,6 +20,7 @@ _BUILTIN: dict[str, str] = {
     "tiled": "qkv.backends.tiled:TiledBackend",
     "flex": "qkv.backends.flex:FlexBackend",
     "triton": "qkv.backends.triton:TritonBackend",
+    "gather": "qkv.backends.gather:GatherBackend",
     "reference": "qkv.backends.reference:ReferenceBackend",
 }
 _loaded: dict[str, Backend] = {}

@@ -114,7 +114,7 @@ class Problem:
 _MASK_CACHE_BYTES = 32 << 20
 
 
-class _Step:
+class _ChunkTiles:
     """One chunk's index tensors and biases, shaped to broadcast against the 6-D score view
     [nb, Hkv, nact, G, bq, W]. Derived tensors are kept in the chunk's cache (the plan is cached
     with its mask, so later calls skip rebuilding them)."""
@@ -191,7 +191,7 @@ class _Workspace:
         return buf[:n].view(shape)
 
 
-def _raw_scores(step: _Step, q_act: torch.Tensor, kt: torch.Tensor, scale: float, ws: _Workspace):
+def _raw_scores(step: _ChunkTiles, q_act: torch.Tensor, kt: torch.Tensor, scale: float, ws: _Workspace):
     """``s = scale * q k^T`` for a chunk: [nb, Hkv, nact, GB, W], and the chunk's queries and keys as
     3-D matmul operands: shared chunks [nb*Hkv, nact*GB, D] x [nb*Hkv, W, D]; gathered chunks
     [nb*Hkv*nact, GB, D] x [nb*Hkv*nact, W, D]."""
@@ -216,7 +216,7 @@ def _raw_scores(step: _Step, q_act: torch.Tensor, kt: torch.Tensor, scale: float
     return s.view(nb, Hkv, nact, GB, W), q3, k3
 
 
-def _values(step: _Step, vt: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+def _values(step: _ChunkTiles, vt: torch.Tensor, ws: _Workspace) -> torch.Tensor:
     """The chunk's values as a 3-D matmul operand (see :func:`_raw_scores`)."""
     nb, Hkv, _, Dv = vt.shape
     ch = step.ch
@@ -226,7 +226,7 @@ def _values(step: _Step, vt: torch.Tensor, ws: _Workspace) -> torch.Tensor:
     return _gather(vt, step, ws, "v").view(-1, W, Dv)
 
 
-def _gather(xt: torch.Tensor, step: _Step, ws: _Workspace, name: str) -> torch.Tensor:
+def _gather(xt: torch.Tensor, step: _ChunkTiles, ws: _Workspace, name: str) -> torch.Tensor:
     """Rows of ``xt`` [nb, Hkv, TK*bk, D] for the chunk's tile ids: [nb, Hkv, nact*C, bk, D].
 
     One ``index_select`` along dim 0 of a [nb*Hkv*TK, bk*D] view: a single parallel copy (along
@@ -238,7 +238,7 @@ def _gather(xt: torch.Tensor, step: _Step, ws: _Workspace, name: str) -> torch.T
     return out
 
 
-def _modify(s: torch.Tensor, pb: Problem, step: _Step) -> torch.Tensor:
+def _modify(s: torch.Tensor, pb: Problem, step: _ChunkTiles) -> torch.Tensor:
     """Apply the score modifier to s [nb, Hkv, nact, GB, W]; returns a fresh tensor of that shape."""
     nb, Hkv, nact, GB, W = s.shape
     s6 = s.view(nb, Hkv, nact, pb.G, GB // pb.G, W)
@@ -246,7 +246,7 @@ def _modify(s: torch.Tensor, pb: Problem, step: _Step) -> torch.Tensor:
     return torch.broadcast_to(out, s6.shape).contiguous().view(s.shape)
 
 
-def _mask_(s: torch.Tensor, pb: Problem, step: _Step) -> None:
+def _mask_(s: torch.Tensor, pb: Problem, step: _ChunkTiles) -> None:
     """Set disallowed scores (and padding columns) of s [nb, Hkv, nact, GB, W] to -inf, in place.
 
     The predicate runs on the chunk's leading PARTIAL columns only; FULL columns see just the
@@ -276,7 +276,7 @@ def _bias(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.full((), _NEG_INF, dtype=dtype, device=allowed.device))
 
 
-def _scores(plan: Plan, pb: Problem, step: _Step, q_act: torch.Tensor, kt: torch.Tensor, ws: _Workspace):
+def _scores(plan: Plan, pb: Problem, step: _ChunkTiles, q_act: torch.Tensor, kt: torch.Tensor, ws: _Workspace):
     s, _, _ = _raw_scores(step, q_act, kt, pb.scale, ws)
     if pb.mod is not None:
         s = _modify(s, pb, step)
@@ -317,7 +317,7 @@ def forward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt
         l_rb[:, :, first:] = _NEG_INF
         for i, ch in enumerate(rb.chunks):
             a = ch.nact * GB
-            step = _Step(pb, plan, rb, ch)
+            step = _ChunkTiles(pb, plan, rb, ch)
             s = _scores(plan, pb, step, q_rb[:, :, :a], kt, ws)  # [nb, Hkv, nact, GB, W]
             m_c = s.amax(-1)  # [nb, Hkv, nact, GB]
             # In place on CPU, whose fused last-dim softmax reads each row before writing it: the
@@ -359,9 +359,102 @@ def forward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt
 
 
 # backward
+def _tile_probs(pb: Problem, step: _ChunkTiles, s_raw: torch.Tensor, lse_rows: torch.Tensor, track: bool,
+                raw_grad: bool):
+    """Recompute one chunk's probabilities ``P = exp(S - lse)`` [nb, Hkv, nact, GB, W] from the forward's lse.
+
+    With ``track``, the score modifier is applied under autograd from a leaf of the raw scores (a leaf that
+    needs a gradient only for a modifier that is not additive, e.g. softcap), so :func:`_modifier_grads` can
+    take the chain rule through it. Returns ``(p, leaf, modified)``; the last two are None without ``track``.
+    """
+    leaf = modified = None
+    if track:
+        with torch.enable_grad():
+            leaf = s_raw.detach().requires_grad_(raw_grad)
+            modified = _modify(leaf, pb, step)
+        s = modified.detach().clone()
+    elif pb.mod is not None:
+        s = _modify(s_raw, pb, step)
+    else:
+        s = s_raw
+    _mask_(s, pb, step)
+    nb, Hkv, nact, GB, _ = s.shape
+    return s.sub_(lse_rows.view(nb, Hkv, nact, GB, 1)).exp_(), leaf, modified
+
+
+def _chunk_rows(x_rb: torch.Tensor, step: _ChunkTiles, a: int, nbatch: int, ws: _Workspace, name: str):
+    """The chunk's first ``a`` rows of a gathered row-batch tensor [nb, Hkv, R*GB, Dv] as [nbatch, rows, Dv]:
+    a view when the layout allows, else a copy into the workspace."""
+    rows = x_rb[:, :, :a]
+    if step.ch.start is not None or rows.is_contiguous():
+        return rows.reshape(nbatch, -1, rows.shape[-1])
+    buf = ws.get(name, rows.shape)
+    buf.copy_(rows)
+    return buf.view(nbatch, -1, rows.shape[-1])
+
+
+def _drop_(p: torch.Tensor, dp: torch.Tensor, pb: Problem, plan: Plan, step: _ChunkTiles, ws: _Workspace):
+    """Apply the forward's dropout to ``dp`` in place and return the dropped probabilities that weighted V."""
+    if pb.dropout_p == 0:
+        return p
+    nb, Hkv, nact = p.shape[:3]
+    keep, keep_scale = step.keep(), 1.0 / (1.0 - pb.dropout_p)
+    pd = ws.get("pd", p.shape)
+    pd.copy_(p)
+    pd.view(nb, Hkv, nact, pb.G, plan.block_q, -1).mul_(keep).mul_(keep_scale)
+    dp.view(nb, Hkv, nact, pb.G, plan.block_q, -1).mul_(keep).mul_(keep_scale)
+    return pd
+
+
+def _modifier_grads(ds: torch.Tensor, leaf, modified, mod_inputs: list[torch.Tensor],
+                    mod_grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """Backpropagate the score gradient ``ds`` through the modifier: accumulate its tensors' gradients into
+    ``mod_grads`` and return the gradient with respect to the raw scores (``ds`` itself for additive terms)."""
+    raw_grad = leaf.requires_grad
+    inputs = ([leaf] if raw_grad else []) + list(mod_inputs)
+    grads = torch.autograd.grad(modified, inputs, grad_outputs=ds, allow_unused=True)
+    if raw_grad:
+        ds, grads = grads[0], grads[1:]
+    for i, g in enumerate(grads):
+        if g is not None:
+            mod_grads[i] = g if mod_grads[i] is None else mod_grads[i] + g
+    return ds
+
+
+def _accumulate_grads(step: _ChunkTiles, plan: Plan, ds3, pd3, q3, k3, do3, dq_rows, dk, dv, scale: float,
+                      ws: _Workspace) -> None:
+    """Add one chunk's contributions: dQ += scale dS K, dK += scale dSᵀ Q, dV += Pᵀ dO (P dropped as the forward
+    dropped it). A chunk of contiguous key columns adds in place; a gathered one scatters into its tiles."""
+    ch, bk = step.ch, plan.block_k
+    nbatch, W = ds3.shape[0], ds3.shape[-1]
+    D, Dv = k3.shape[-1], do3.shape[-1]
+    if ch.start is not None:
+        dq_rows.view(nbatch, -1, D).baddbmm_(ds3, k3, alpha=scale)
+        cols = slice(ch.start * bk, (ch.start + ch.width) * bk)
+        dk[:, :, cols].view(nbatch, W, D).baddbmm_(ds3.transpose(1, 2), q3, alpha=scale)
+        dv[:, :, cols].view(nbatch, W, Dv).baddbmm_(pd3.transpose(1, 2), do3)
+        return
+    dq_c = ws.get("dq", (nbatch, ds3.shape[1], D))
+    torch.bmm(ds3, k3, out=dq_c)
+    dq_rows.add_(dq_c.view(dq_rows.shape), alpha=scale)
+    dk_c = ws.get("dk", (nbatch, W, D))
+    dv_c = ws.get("dv", (nbatch, W, Dv))
+    torch.baddbmm(dk_c, ds3.transpose(1, 2), q3, beta=0.0, alpha=scale, out=dk_c)
+    torch.bmm(pd3.transpose(1, 2), do3, out=dv_c)
+    # Accumulating index_put_ is one pass on CPU; index_add_ launches a parallel region
+    # per index, which stalls whenever another process holds a core.
+    flat = (step.flat_ids(dk.shape[0] * dk.shape[1]),)
+    dk.view(-1, bk * D).index_put_(flat, dk_c.view(-1, bk * D), accumulate=True)
+    dv.view(-1, bk * Dv).index_put_(flat, dv_c.view(-1, bk * Dv), accumulate=True)
+
+
 def backward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, mod_inputs: list[torch.Tensor]):
     """FlashAttention-2 backward over the plan, recomputing each tile's probabilities from ``lse``.
+
+    Per chunk of key tiles: recompute P (:func:`_tile_probs`), dP = dO Vᵀ, apply the forward's dropout
+    (:func:`_drop_`), dS = P (dP - delta), take dS through the score modifier (:func:`_modifier_grads`), and add
+    the chunk's dQ, dK, dV (:func:`_accumulate_grads`).
 
     Args:
         q, kt, vt: as in :func:`forward_slice`.
@@ -375,18 +468,15 @@ def backward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, v
         ``mod_inputs`` (None where unused).
     """
     nb, Hq, _, D = q.shape
-    Hkv, Dv = kt.shape[1], vt.shape[-1]
+    Hkv = kt.shape[1]
     GB = pb.G * plan.block_q
-    bq, bk, scale = plan.block_q, plan.block_k, pb.scale
     ws = _Workspace(q.dtype, q.device)
     dq = _nan_like_rows(plan, nb, Hq, (D,), q.dtype, q.device)
     dk = torch.zeros_like(kt)
     dv = torch.zeros_like(vt)
     mod_grads: list[torch.Tensor | None] = [None] * len(mod_inputs)
-    mod = pb.mod
-    raw_grad = mod is not None and not mod.additive  # the chain rule through e.g. softcap
-    use_autograd = mod is not None and (raw_grad or bool(mod_inputs))
-    keep_scale = 1.0 / (1.0 - pb.dropout_p) if pb.dropout_p > 0 else 1.0
+    raw_grad = pb.mod is not None and not pb.mod.additive  # the chain rule through e.g. softcap
+    track = pb.mod is not None and (raw_grad or bool(mod_inputs))
     for rb in plan.batches:
         rows = _Rows(plan, rb, nb, Hkv, pb.G, q.device)
         q_rb, do_rb = rows.gather(q, ws, "q_rb"), rows.gather(do, ws, "do_rb")
@@ -395,65 +485,19 @@ def backward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, v
         dq_rb.zero_()
         for ch in rb.chunks:
             a = ch.nact * GB
-            step = _Step(pb, plan, rb, ch)
-            s_raw, q3, k3 = _raw_scores(step, q_rb[:, :, :a], kt, scale, ws)
-            s_mod = None
-            if use_autograd:
-                with torch.enable_grad():
-                    leaf = s_raw.detach().requires_grad_(raw_grad)
-                    s_mod = _modify(leaf, pb, step)
-                s = s_mod.detach().clone()
-            elif mod is not None:
-                s = _modify(s_raw, pb, step)
-            else:
-                s = s_raw
-            _mask_(s, pb, step)
-            p = s.sub_(lse_rb[:, :, :a].view(nb, Hkv, ch.nact, GB, 1)).exp_()  # [nb, Hkv, nact, GB, W]
+            step = _ChunkTiles(pb, plan, rb, ch)
+            s_raw, q3, k3 = _raw_scores(step, q_rb[:, :, :a], kt, pb.scale, ws)
+            p, leaf, modified = _tile_probs(pb, step, s_raw, lse_rb[:, :, :a], track, raw_grad)
             v3 = _values(step, vt, ws)
             nbatch, W = v3.shape[0], v3.shape[1]
-            if ch.start is not None or do_rb[:, :, :a].is_contiguous():
-                do3 = do_rb[:, :, :a].reshape(nbatch, -1, Dv)  # [nb*Hkv(*nact), rows, Dv], a view
-            else:
-                do3 = ws.get("do3", (nb, Hkv, a, Dv))
-                do3.copy_(do_rb[:, :, :a])
-                do3 = do3.view(nbatch, -1, Dv)  # [nb*Hkv*nact, GB, Dv]
+            do3 = _chunk_rows(do_rb, step, a, nbatch, ws, "do3")  # [nb*Hkv(*nact), rows, Dv]
             dp = ws.get("dp", p.shape)
             torch.bmm(do3, v3.transpose(1, 2), out=dp.view(nbatch, -1, W))
-            pd = p
-            if pb.dropout_p > 0:
-                keep = step.keep()
-                pd = ws.get("pd", p.shape)
-                pd.copy_(p)
-                pd.view(nb, Hkv, ch.nact, pb.G, bq, -1).mul_(keep).mul_(keep_scale)
-                dp.view(nb, Hkv, ch.nact, pb.G, bq, -1).mul_(keep).mul_(keep_scale)
+            pd = _drop_(p, dp, pb, plan, step, ws)
             ds = dp.sub_(delta_rb[:, :, :a].view(nb, Hkv, ch.nact, GB, 1)).mul_(p)  # dS = P (dP - D)
-            if s_mod is not None:
-                inputs = ([leaf] if raw_grad else []) + list(mod_inputs)
-                grads = torch.autograd.grad(s_mod, inputs, grad_outputs=ds, allow_unused=True)
-                if raw_grad:
-                    ds, grads = grads[0], grads[1:]
-                for i, g in enumerate(grads):
-                    if g is not None:
-                        mod_grads[i] = g if mod_grads[i] is None else mod_grads[i] + g
-            ds3 = ds.reshape(nbatch, -1, W)  # [nb*Hkv(*nact), rows, W]
-            pd3 = pd.view(nbatch, -1, W)
-            if ch.start is not None:
-                dq_rb[:, :, :a].view(nbatch, -1, D).baddbmm_(ds3, k3, alpha=scale)
-                cols = slice(ch.start * bk, (ch.start + ch.width) * bk)
-                dk[:, :, cols].view(nbatch, W, D).baddbmm_(ds3.transpose(1, 2), q3, alpha=scale)
-                dv[:, :, cols].view(nbatch, W, Dv).baddbmm_(pd3.transpose(1, 2), do3)
-            else:
-                dq_c = ws.get("dq", (nbatch, GB, D))
-                torch.bmm(ds3, k3, out=dq_c)
-                dq_rb[:, :, :a].add_(dq_c.view(nb, Hkv, a, D), alpha=scale)
-                dk_c = ws.get("dk", (nbatch, W, D))
-                dv_c = ws.get("dv", (nbatch, W, Dv))
-                torch.baddbmm(dk_c, ds3.transpose(1, 2), q3, beta=0.0, alpha=scale, out=dk_c)
-                torch.bmm(pd3.transpose(1, 2), do3, out=dv_c)
-                # Accumulating index_put_ is one pass on CPU; index_add_ launches a parallel region
-                # per index, which stalls whenever another process holds a core.
-                flat = (step.flat_ids(nb * Hkv),)
-                dk.view(-1, bk * D).index_put_(flat, dk_c.view(-1, bk * D), accumulate=True)
-                dv.view(-1, bk * Dv).index_put_(flat, dv_c.view(-1, bk * Dv), accumulate=True)
+            if modified is not None:
+                ds = _modifier_grads(ds, leaf, modified, mod_inputs, mod_grads)
+            _accumulate_grads(step, plan, ds.reshape(nbatch, -1, W), pd.view(nbatch, -1, W), q3, k3, do3,
+                              dq_rb[:, :, :a], dk, dv, pb.scale, ws)
         rows.scatter(dq_rb, dq)
     return dq, dk, dv, mod_grads

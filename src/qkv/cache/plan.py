@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
+from ..spec.config import DecoderConfig
+from ..spec.hf_config import description_dtype, read_layout
+from ..spec.presets import ModelPreset, get_preset
+from .describe import cache_specs_of
 from .paged import Paged
 from .protocol import CachePolicy, HasCacheSpecs, Quantizer
-from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec, element_bytes
+from .specs import CrossSpec, FullSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec, element_bytes
 from .storage import Dynamic, Static
 
 __all__ = ["plan_memory", "MemoryPlan", "LayerPlan", "resolve_specs"]
@@ -102,52 +106,45 @@ def _model_dtype(model) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _hf_config_dict(config) -> dict | None:
-    """An HF config as a dict: a mapping, or a ``transformers.PretrainedConfig`` (when transformers is loaded)."""
-    if isinstance(config, dict):
-        return config
-    transformers = sys.modules.get("transformers")
-    if transformers is not None and isinstance(config, transformers.PretrainedConfig):
-        return config.to_dict()
-    return None
+def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | str]:
+    """The layer specs of what ``plan_memory`` accepts, and the dtype its cache holds by default.
 
-
-def _specs_of_layout(layout) -> list[LayerSpec]:
-    """Layer specs of a :class:`qkv.costs.ModelPreset` or :class:`qkv.costs.layout.Layout`."""
-    if layout.kv_lora_rank:
-        return [LatentSpec(layout.kv_lora_rank, layout.qk_rope_head_dim)] * layout.num_hidden_layers
-    return [SlidingWindowSpec(layout.sliding_window, layout.num_key_value_heads, layout.head_dim, layout.v_head_dim)
-            if t == "sliding_attention" else FullSpec(layout.num_key_value_heads, layout.head_dim, layout.v_head_dim)
-            for t in layout.layer_types]
-
-
-def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | None]:
-    """The layer specs of what ``plan_memory`` accepts, and the dtype of the model it describes (None when
-    it describes none). Accepted: layer specs; a model (``torch.nn.Module`` with ``cache_specs()``, its
-    parameters' dtype); a model config with ``cache_specs()`` (:class:`qkv.nn.DecoderConfig`: the default
-    dtype it is built in); a preset name or an HF ``config.json`` path (:func:`qkv.costs.get_preset`); a
-    :class:`qkv.costs.ModelPreset`; an HF config (dict or ``transformers.PretrainedConfig``: float32, the dtype
-    :func:`qkv.models.from_hf` builds in)."""
-    from ..costs import ModelPreset, get_preset
-    from ..costs.layout import read_layout
-
+    The default dtype, one rule: a model (``torch.nn.Module`` with ``cache_specs()``) caches in its
+    parameters' dtype; a qkv model config (:class:`qkv.nn.DecoderConfig`, or anything with ``cache_specs()``) in torch's
+    default dtype, the dtype ``DecoderLM(config)`` is built in; every other description (an HF config dict,
+    ``transformers`` config or ``config.json`` path, a preset name, a :class:`qkv.spec.ModelPreset`, layer
+    specs) in the dtype it declares (HF's ``dtype``/``torch_dtype``), else bfloat16, the dtype published
+    checkpoints ship and serve in (:func:`qkv.spec.hf_config.description_dtype`)."""
     if isinstance(config, torch.nn.Module) and isinstance(config, HasCacheSpecs):
         return list(config.cache_specs()), _model_dtype(config)
     if isinstance(config, HasCacheSpecs):
         return list(config.cache_specs()), torch.get_default_dtype()
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, DecoderConfig):
+        return cache_specs_of(config), torch.get_default_dtype()
+    dtype = _torch_dtype(description_dtype(config))
+    if isinstance(config, (str, os.PathLike)) and not os.path.exists(config):
         config = get_preset(config)
     if isinstance(config, ModelPreset):
-        return _specs_of_layout(config), None
-    hf = _hf_config_dict(config)
-    if hf is not None:
-        return _specs_of_layout(read_layout(hf)), torch.float32
+        return cache_specs_of(config), dtype
+    if isinstance(config, (Mapping, str, os.PathLike)) or _is_transformers_config(config):
+        return cache_specs_of(read_layout(config)), dtype
     if isinstance(config, Sequence) and not isinstance(config, (str, bytes)) and all(
             isinstance(s, LayerSpec) for s in config):
-        return list(config), None
+        return list(config), dtype
     raise TypeError(f"plan_memory: expected layer specs, a model with cache_specs(), a model config (qkv.nn."
-                    f"DecoderConfig), a preset name, a qkv.costs.ModelPreset or an HF config, got "
+                    f"DecoderConfig), a preset name, a qkv.spec.ModelPreset or an HF config, got "
                     f"{type(config).__name__}")
+
+
+def _torch_dtype(name: str) -> torch.dtype | str:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a name torch has no dtype for stays a name (``element_bytes`` reads it)."""
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else name
+
+
+def _is_transformers_config(config) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(config, transformers.PretrainedConfig)
 
 
 def _kept(spec: LayerSpec, lengths: list[int], policy, new_tokens: int, rollback: int) -> list[int]:
@@ -182,8 +179,10 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
             config (dict or ``transformers.PretrainedConfig``).
         batch: rows; ignored when ``context`` lists one length per row.
         context: tokens per row (prompt + generated), an int or one int per row.
-        dtype: key/value dtype (torch dtype or name such as ``"bf16"``). Default: the model's (a model's
-            parameters; float32 for a model config or an HF config, the dtype they are built in), else bf16.
+        dtype: key/value dtype (torch dtype or name such as ``"bf16"``). Default, one rule
+            (:func:`resolve_specs`): a model's parameter dtype; for a ``DecoderConfig`` torch's default dtype
+            (what ``DecoderLM`` builds in); for every other description the dtype it declares (an HF config's
+            ``dtype``/``torch_dtype``), else bfloat16.
         storage: ``Dynamic()`` (default), ``Static(max_len)`` or ``Paged(...)``.
         quant: a :class:`qkv.cache.Quantizer` (``KIVI(...)``, ``Int8()``) for full-attention layers.
         policy: a :class:`qkv.cache.CachePolicy` (``StreamingLLM``, ``H2O``, ``SnapKV``, or your own).
@@ -204,7 +203,7 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
     if policy is not None:
         specs = [policy.apply_spec(s) for s in specs]
     storage = Dynamic() if storage is None else storage
-    dtype = (model_dtype or torch.bfloat16) if dtype is None else dtype
+    dtype = model_dtype if dtype is None else dtype
     eb = element_bytes(dtype)
     B, longest = len(lengths), max(lengths)
     layers, blocks, pool = [], {}, 0

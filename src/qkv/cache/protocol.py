@@ -146,7 +146,8 @@ class DecoderModel(Protocol):
 
 @runtime_checkable
 class HasCacheSpecs(Protocol):
-    """Anything that lists its layers' cache specs: a model, or a :class:`qkv.nn.DecoderConfig`."""
+    """Anything that lists its layers' cache specs: a model (:class:`qkv.nn.DecoderLM`; a config's specs are
+    :func:`qkv.cache.describe.cache_specs_of`)."""
 
     def cache_specs(self) -> list: ...
 

@@ -29,6 +29,7 @@ from qkv.costs import (
     model_attention_flops,
     parse_context,
 )
+from qkv.spec.hf_config import description_dtype
 
 __all__ = ["register", "plot_figure", "compare_figure", "context_axis_end", "context_warning"]
 
@@ -37,12 +38,25 @@ _Context = Annotated[
     str, typer.Option("--context", "-c", help="Tokens per sequence: 131072, 128k (=131,072), 1M, 128000.")
 ]
 _Batch = Annotated[int, typer.Option("--batch", "-b", min=1, help="Sequences in the batch.")]
-_Dtype = Annotated[str, typer.Option("--dtype", help="Cache dtype: fp32 fp16 bf16 fp8 int8 int4 int2.")]
+_Dtype = Annotated[str | None, typer.Option(
+    "--dtype", show_default=False,
+    help="Cache dtype: fp32 fp16 bf16 fp8 int8 int4 int2. Default: the dtype a config.json declares (its dtype or "
+    "torch_dtype), else bf16 (presets: the dtype published checkpoints ship in); the rule of qkv.cache.plan_memory.")]
 _Group = Annotated[
     int | None,
     typer.Option("--group-size", min=1, help="int dtypes: count an fp16 scale and zero-point per group."),
 ]
 _Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
+
+
+def _one_dtype(models: Sequence[str]) -> str:
+    """The default cache dtype of several models (:func:`qkv.spec.hf_config.description_dtype`); a
+    ``ValueError`` asking for ``--dtype`` when their configs declare different ones."""
+    dtypes = {m: description_dtype(m) for m in models}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{m}: {d}" for m, d in dtypes.items())
+        raise ValueError(f"the models declare different dtypes ({listed}); pass --dtype to compare them in one")
+    return next(iter(dtypes.values()), "bf16")
 
 
 @contextmanager
@@ -96,7 +110,7 @@ def memory(
     preset: Annotated[str, typer.Argument(help=_PRESET_HELP, show_default=False)],
     context: _Context = "128k",
     batch: _Batch = 1,
-    dtype: _Dtype = "bf16",
+    dtype: _Dtype = None,
     group_size: _Group = None,
     as_json: _Json = False,
 ) -> None:
@@ -116,6 +130,7 @@ def memory(
     """
     with _friendly():
         p = get_preset(preset)
+        dtype = dtype or description_dtype(preset)
         kw = dict(context=parse_context(context), batch=batch, dtype=dtype, group_size=group_size)
         m = kv_cache_memory(p, **kw)
         _warn_context(p, m.context)
@@ -310,7 +325,7 @@ def compare(
     presets: Annotated[list[str], typer.Argument(help="Presets or config.json paths.", show_default=False)],
     context: _Context = "128k",
     batch: _Batch = 1,
-    dtype: _Dtype = "bf16",
+    dtype: _Dtype = None,
     group_size: _Group = None,
     plot: Annotated[
         Path | None,
@@ -328,6 +343,7 @@ def compare(
         qkv compare llama-3-8b mistral-7b-v0.1 --context 32k --dtype fp8 --plot kv.png
     """
     with _friendly():
+        dtype = dtype or _one_dtype(presets)
         kw = dict(batch=batch, dtype=dtype, group_size=group_size)
         models = {p.name: p for p in map(get_preset, presets)}
         n = parse_context(context)

@@ -13,6 +13,7 @@ Example:
     ('42.95 GB', {24: False, 80: True, 141: True})
 """
 
+from ..spec.presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
 from .flops import (
     TRAINING_MULTIPLIER,
     AttentionFlops,
@@ -40,7 +41,6 @@ from .model_flops import (
     model_flops,
 )
 from .params import ParamCount, num_parameters
-from .presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
 from .sparse_flops import (
     bigbird_pairs,
     fixed_pairs,

@@ -50,8 +50,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from ..spec.presets import ModelPreset
 from .flops import TRAINING_MULTIPLIER
-from .presets import ModelPreset
 
 __all__ = ["Device", "H200", "PARAMETERS", "SCHEMES", "LayerTime", "SchemeWork", "layer_time", "longest_context",
            "plan", "PlanRow", "scheme_work", "ulysses_degree"]

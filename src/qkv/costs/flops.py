@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .presets import ModelPreset
+from ..spec.presets import ModelPreset
 
 __all__ = [
     "TRAINING_MULTIPLIER",

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..spec.presets import ModelPreset
 from .flops import attention_flops
 from .params import attention_weights, layer_ffn_params, require_whole_model, resolve_preset
-from .presets import ModelPreset
 
 __all__ = [
     "FlopBreakdown",

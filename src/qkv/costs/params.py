@@ -29,7 +29,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .presets import ModelPreset, get_preset, preset_from_hf_config
+from ..spec.config import DecoderConfig
+from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
 __all__ = [
     "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",
@@ -51,27 +52,18 @@ class ParamCount(NamedTuple):
 
 
 def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[str, Any], what: str) -> ModelPreset:
-    """A :class:`ModelPreset` from itself, a preset name, a HF ``config.json`` path or a parsed HF config dict."""
+    """A :class:`ModelPreset` from itself, a :class:`qkv.spec.DecoderConfig`, a preset name, a HF ``config.json``
+    path or a parsed HF config dict."""
     if isinstance(preset_or_config, ModelPreset):
         return preset_or_config
+    if isinstance(preset_or_config, DecoderConfig):
+        return ModelPreset.from_config(preset_or_config)
     if isinstance(preset_or_config, (str, os.PathLike)):
         return get_preset(preset_or_config)
     if isinstance(preset_or_config, Mapping):
         return preset_from_hf_config(preset_or_config)
-    raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path or a HF config dict, got "
-                    f"{type(preset_or_config).__name__}")
-
-
-def require_whole_model(preset: ModelPreset, what: str) -> None:
-    """Raise a ValueError when ``preset`` lacks the fields a whole-model count needs."""
-    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(preset, f) is None]
-    if preset.n_routed_experts is not None and preset.moe_intermediate_size is None:
-        missing.append("moe_intermediate_size")
-    if missing:
-        raise ValueError(
-            f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
-            "preset listed with a parameter count by `qkv presets`, or a full HF config.json"
-        )
+    raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path, a HF config dict or a "
+                    f"qkv.spec.DecoderConfig, got {type(preset_or_config).__name__}")
 
 
 def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:

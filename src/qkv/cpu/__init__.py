@@ -1,21 +1,34 @@
-"""CPU speed paths, a layer of their own: the products a CPU decode or embedding step spends its time in.
+"""CPU speed paths, a layer of their own: the products a CPU decode or embedding step spends its time in,
+applied to a plain model from outside by one call, :func:`optimize`.
 
+- :mod:`qkv.cpu.rule`: which product path a shape takes (one table, following the measurements in
+  ``benchmarks/results/skinny.json``).
 - :mod:`qkv.cpu.skinny`: few-row products (a decode step) cut into blocks of the weight and spread over
-  torch's threads (:class:`~qkv.cpu.skinny.SkinnyLinear`, which :class:`qkv.nn.DecoderLM` uses for every
-  projection; :class:`~qkv.cpu.skinny.InputMajorLinear` with ``input_major_weights``).
-- :mod:`qkv.cpu.gemm`: several-row products through oneDNN with weights prepacked once
-  (:func:`~qkv.cpu.gemm.use_onednn`, the one call that applies it to a model; ``SentenceEncoder`` does by
-  default). It relies on private ``torch.ops.mkldnn`` operators, so it runs only where
-  :func:`~qkv.cpu.gemm.onednn_unavailable_reason` finds them working in this torch; elsewhere every product
-  falls back to ``F.linear``.
+  torch's threads.
+- :mod:`qkv.cpu.gemm`: many-row products through oneDNN with weights packed once, and :func:`~qkv.cpu.gemm.linear`,
+  the product the rule picks. It relies on private ``torch.ops.mkldnn`` operators, so it runs only where
+  :func:`~qkv.cpu.gemm.onednn_unavailable_reason` finds them working in this torch; elsewhere the rule falls
+  back to the blocks and ``F.linear``.
+- :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,
+  ``qkv.models.generate`` and ``SentenceEncoder`` call it by default); :func:`use_onednn` is the same with
+  oneDNN required, kept for existing code.
 
 Whatever the layout in memory, a model's ``state_dict()`` holds standard contiguous tensors, so
 ``safetensors.torch.save_file(model.state_dict(), path)`` works as is. Measured speed-ups are in
 ``benchmarks/RESULTS.md``.
 """
 
-from .gemm import PrepackedLinear, PrepackedWeight, onednn_available, onednn_unavailable_reason, use_onednn
+from .gemm import (
+    LinearProducts,
+    PrepackedLinear,
+    PrepackedWeight,
+    PrepackedWeights,
+    onednn_available,
+    onednn_unavailable_reason,
+)
+from .optimize import ActivatedUpProjection, LinearHost, Optimized, optimize, optimized, use_onednn
 from .skinny import InputMajorLinear, SkinnyLinear, input_major, skinny_linear
 
-__all__ = ["use_onednn", "onednn_available", "onednn_unavailable_reason", "PrepackedLinear", "PrepackedWeight",
-           "SkinnyLinear", "InputMajorLinear", "input_major", "skinny_linear"]
+__all__ = ["optimize", "optimized", "Optimized", "use_onednn", "LinearHost", "ActivatedUpProjection",
+           "onednn_available", "onednn_unavailable_reason", "PrepackedLinear", "PrepackedWeight",
+           "PrepackedWeights", "LinearProducts", "SkinnyLinear", "InputMajorLinear", "input_major", "skinny_linear"]

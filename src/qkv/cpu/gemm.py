@@ -1,4 +1,4 @@
-"""Inference GEMMs on CPU through oneDNN, with weights packed once.
+"""Inference GEMMs on CPU through oneDNN, with weights packed once; the product dispatcher that follows the rule.
 
 Shape legend: M rows, K inputs, N outputs.
 
@@ -8,21 +8,23 @@ and that reorder can be done once for inference (``torch.ops.mkldnn._reorder_lin
 ``torch.compile`` takes for frozen CPU linears); the measured rates are in ``benchmarks/RESULTS.md``.
 Those operators are private to torch: :func:`onednn_unavailable_reason` checks that they exist and compute
 ``F.linear``'s product in this build (once, on a small probe), and when they do not every product here falls
-back to ``F.linear``.
+back to the blocks of :mod:`qkv.cpu.skinny` or ``F.linear``.
 Inputs and outputs stay ordinary dense tensors. The products are float32 throughout; only the kernel, and
 so the order of the K-term sums, differs from MKL's.
 
-:class:`PrepackedLinear` is an ``nn.Linear`` (same parameters and names) that multiplies through the packed
-copy when no gradient is recorded, and through ``F.linear`` otherwise; the copy is rebuilt when the weight
-changes (another tensor, or an in-place write seen by its version counter). :func:`use_onednn` swaps a
-model's ``nn.Linear`` layers for it and calls ``set_gemm("onednn")`` on modules that multiply by weights
-of their own making (a fused QKV, a tied LM head). Training is untouched. The packed copies cost one more
-weight's worth of memory, which is why decoders opt in (``use_onednn(model)``) while
-:class:`qkv.models.embed.SentenceEncoder`, small, does by default.
+:func:`linear` is ``F.linear`` the way the product rule (:mod:`qkv.cpu.rule`) says for the shape at hand:
+oneDNN through a packed copy for many rows, row (or column) blocks for few, ``F.linear`` otherwise.
+:class:`PrepackedLinear` is an ``nn.Linear`` (same parameters and names) that multiplies through it when no
+gradient is recorded, and through ``F.linear`` otherwise; the packed copy is built on first use and rebuilt
+when the weight changes (another tensor, or an in-place write seen by its version counter).
+:class:`LinearProducts` does the same for a module's own weights (a tied LM head, stacked experts, a fused
+QKV), one packed copy per weight or weight slice. Training is untouched. The packed copies cost one more
+weight's worth of memory for every weight multiplied by many rows. :func:`qkv.cpu.optimize` applies all of
+this to a model.
 
 Example:
     >>> import torch
-    >>> from qkv.cpu.gemm import PrepackedLinear, onednn_available
+    >>> from qkv.cpu.gemm import PrepackedLinear
     >>> lin = PrepackedLinear.from_linear(torch.nn.Linear(8, 16))
     >>> with torch.inference_mode():
     ...     y = lin(torch.randn(4, 8))
@@ -34,16 +36,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .skinny import SkinnyLinear, sharing_parameters, skinny_linear
+from .rule import choose
+from .skinny import SkinnyLinear, input_major, sharing_parameters, skinny_linear, standard_layout_state_dict
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "PrepackedWeight",
-           "PrepackedLinear", "use_onednn", "can_fuse", "GemmChoice"]
+           "PrepackedWeights", "WeightPacks", "PrepackedLinear", "LinearProducts", "can_fuse", "epilogue"]
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 @functools.cache
@@ -105,57 +111,118 @@ class PrepackedWeight:
         return self._packed
 
 
+class WeightPacks(Protocol):
+    """Where :func:`prepacked_linear` gets the packed copy of a weight: :class:`PrepackedWeight` (one weight)
+    or :class:`PrepackedWeights` (every weight, or slice of one, a module multiplies by)."""
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+
+class PrepackedWeights:
+    """oneDNN copies of the weights one module multiplies by: whole tensors or views of one (an expert's
+    slice of a stacked parameter, made anew on every call), each kept under the tensor it views (held
+    weakly, so a replaced weight's copies go with it) and the view's offset, shape and strides, and rebuilt
+    after an in-place write (the version counter, which views share). As :class:`PrepackedWeight`, an
+    in-place write to an inference tensor is not seen."""
+
+    def __init__(self) -> None:
+        self._by_base: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __deepcopy__(self, memo) -> PrepackedWeights:  # packed tensors are opaque: a copy repacks lazily
+        return PrepackedWeights()
+
+    def __reduce__(self):
+        return (PrepackedWeights, ())
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        base = weight if weight._base is None else weight._base
+        slots = self._by_base.get(base)
+        if slots is None:
+            slots = self._by_base[base] = {}
+        version = None if weight.is_inference() else weight._version
+        key = (weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype)
+        hit = slots.get(key)
+        if hit is None or hit[0] != version:
+            with torch.no_grad():
+                hit = slots[key] = (version, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
+        return hit[1]
+
+
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return (not grad and x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and x.numel() > 0 and onednn_available())
 
 
+def _reference_epilogues() -> tuple[tuple[str, str, Activation], ...]:
+    return (("gelu", "none", F.gelu), ("gelu", "tanh", lambda x: F.gelu(x, approximate="tanh")),
+            ("relu", "", F.relu))
+
+
 @functools.cache
-def _fused_table() -> dict:
-    """Activation functions (those of :data:`qkv.nn.activations.ACTIVATIONS`) oneDNN applies to a GEMM's output
-    in its epilogue: function -> (oneDNN attr, algorithm). Built on first use (qkv.nn imports this module)."""
-    from ..nn.activations import gelu_tanh
+def epilogue(activation: Activation) -> tuple[str, str] | None:
+    """The oneDNN epilogue ``(attr, algorithm)`` that computes ``activation`` inside the GEMM, or None.
 
-    return {F.gelu: ("gelu", "none"), gelu_tanh: ("gelu", "tanh"), F.relu: ("relu", "")}
+    oneDNN applies ReLU, GELU and tanh-approximated GELU; a function is matched by what it computes on a
+    fixed probe of 2,401 points over [-12, 12] (bitwise equal to torch's own function), so aliases of those
+    (``qkv.nn.activations``' ``gelu_tanh``, HF's ``gelu_new``) fuse without this layer importing them.
+    """
+    probe = torch.linspace(-12.0, 12.0, 2401)
+    got = activation(probe)
+    for attr, algorithm, fn in _reference_epilogues():
+        if torch.equal(got, fn(probe)):
+            return attr, algorithm
+    return None
 
 
-def can_fuse(activation: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Whether :func:`prepacked_linear` can apply ``activation`` inside the GEMM."""
-    return activation in _fused_table()
+def can_fuse(activation: Activation) -> bool:
+    """Whether :func:`prepacked_linear` can apply ``activation`` inside the GEMM (:func:`epilogue`)."""
+    return epilogue(activation) is not None
 
 
-def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PrepackedWeight,
-                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: WeightPacks,
+                     activation: Activation | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``packed`` (the oneDNN copy of ``weight``) for float32 CPU
     inputs without gradient, else ``F.linear`` itself. x (..., K), weight (N, K) -> (..., N).
     ``activation`` (one :func:`can_fuse` accepts) is applied to the result, inside the GEMM when packed."""
-    if activation is not None and not can_fuse(activation):
-        names = [fn.__name__ for fn in _fused_table()]
-        raise ValueError(f"prepacked_linear: activation must be one of the functions {names} or None, "
-                         f"got {activation!r}")
+    fused = epilogue(activation) if callable(activation) else None
+    if activation is not None and fused is None:
+        raise ValueError(f"prepacked_linear: activation must compute ReLU, GELU or tanh-approximated GELU (the "
+                         f"oneDNN epilogues) or be None, got {activation!r}; apply other activations to the result")
     if not _eligible(x, weight):
         y = F.linear(x, weight, bias)
         return y if activation is None else activation(y)
-    attr, algorithm = ("none", "") if activation is None else _fused_table()[activation]
+    attr, algorithm = ("none", "") if fused is None else fused
     K = x.shape[-1]
     y = _pointwise(x.reshape(-1, K), packed.get(weight), bias, attr, [], algorithm)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: PrepackedWeight | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` the fastest measured way: a single row (a one-sequence decode step)
-    through :func:`qkv.cpu.skinny.skinny_linear` (blocked over threads, faster there), several rows
-    through ``packed`` when given (oneDNN; ``F.linear`` where it cannot run)."""
-    if packed is None or x.numel() <= x.shape[-1]:
-        return skinny_linear(x, weight, bias)
-    return prepacked_linear(x, weight, bias, packed)
+           packed: WeightPacks | None = None, activation: Activation | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (then ``activation``, if given) the way the product rule says for this
+    shape and thread count (:func:`qkv.cpu.rule.choose`): oneDNN through ``packed`` (the activation fused)
+    where the rule takes it and this product can run it, else row or column blocks
+    (:func:`qkv.cpu.skinny.skinny_linear`), else ``F.linear``. x (..., K), weight (N, K) -> (..., N)."""
+    if x.device.type != "cpu":  # the CPU paths only: elsewhere nothing to decide
+        y = F.linear(x, weight, bias)
+        return y if activation is None else activation(y)
+    K = x.shape[-1]
+    if packed is not None and K and choose(x.numel() // K, weight.shape[0], K) == "onednn" and _eligible(x, weight):
+        if activation is not None and epilogue(activation) is None:
+            return activation(prepacked_linear(x, weight, bias, packed))
+        return prepacked_linear(x, weight, bias, packed, activation)
+    y = skinny_linear(x, weight, bias)
+    return y if activation is None else activation(y)
 
 
-class PrepackedLinear(nn.Linear):
-    """``nn.Linear`` whose inference runs through a oneDNN-packed copy of its weight (see module notes);
-    one-row products go through :func:`qkv.cpu.skinny.skinny_linear` instead (see :func:`linear`)."""
+class PrepackedLinear(SkinnyLinear):
+    """``nn.Linear`` (same parameters, names and layout) multiplied the product rule's way (:func:`linear`):
+    oneDNN through a copy of the weight packed on first use (when ``pack``), row or column blocks, or
+    ``F.linear``; ``activation``, when set, is applied to the output (inside oneDNN's GEMM where it can)."""
+
+    pack: bool = True
+    activation: Activation | None = None
 
     def _packed(self) -> PrepackedWeight:
         p = self.__dict__.get("_prepacked_weight")
@@ -164,36 +231,50 @@ class PrepackedLinear(nn.Linear):
         return p
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
-        """The same layer, sharing ``linear``'s parameters."""
-        return sharing_parameters(cls, linear)
+    def from_linear(cls, linear: nn.Linear, *, pack: bool = True, activation: Activation | None = None,
+                    input_major_weight: bool | None = None) -> PrepackedLinear:
+        """The same layer, sharing ``linear``'s parameters. ``input_major_weight`` True stores the weight
+        input-major, False standard (a new parameter with the same values where the layout changes; None
+        keeps it); an input-major weight still comes out of ``state_dict()`` contiguous."""
+        new = sharing_parameters(cls, linear)
+        new.pack = pack
+        if activation is not None:
+            new.activation = activation
+        w = linear.weight
+        was = not w.is_contiguous() and w.t().is_contiguous()
+        if input_major_weight is not None and input_major_weight != was:
+            values = input_major(w) if input_major_weight else w.detach().contiguous()
+            new.weight = nn.Parameter(values, requires_grad=w.requires_grad)
+        if not new.weight.is_contiguous():
+            new._register_state_dict_hook(standard_layout_state_dict)
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._packed())
+        return linear(x, self.weight, self.bias, self._packed() if self.pack else None, self.activation)
 
-    def forward_activated(self, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``act(self(x))`` with the activation (one :func:`can_fuse` accepts) fused into the GEMM."""
-        return prepacked_linear(x, self.weight, self.bias, self._packed(), activation)
-
-
-@runtime_checkable
-class GemmChoice(Protocol):
-    """A module that multiplies by weights of its own making (a fused QKV, a tied LM head, a fused activation)
-    and so chooses its GEMM itself: ``set_gemm("onednn")`` (prepacked oneDNN) or ``set_gemm("blas")``."""
-
-    def set_gemm(self, engine: str) -> None: ...
+    def extra_repr(self) -> str:
+        act = f", activation={self.activation!r}" if self.activation is not None else ""
+        return f"{super().extra_repr()}, pack={self.pack}{act}"
 
 
-def use_onednn(model: nn.Module) -> nn.Module:
-    """Swap every plain ``nn.Linear`` inside ``model`` for a :class:`PrepackedLinear` sharing its parameters
-    (in place; returns ``model``). Raises ``RuntimeError`` saying why when oneDNN cannot run here."""
-    why = onednn_unavailable_reason()
-    if why is not None:
-        raise RuntimeError(f"use_onednn: {why}; keep torch's default GEMM (gemm='blas')")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear or isinstance(child, SkinnyLinear):  # the weight (and its layout) is shared
-                setattr(parent, name, PrepackedLinear.from_linear(child))
-        if isinstance(parent, GemmChoice):  # modules with their own fused products
-            parent.set_gemm("onednn")
-    return model
+class LinearProducts:
+    """A function with ``F.linear``'s signature for the weights a module holds outside ``nn.Linear`` (a tied
+    LM head, stacked experts, a fused QKV): each product the product rule's way (:func:`linear`), with one
+    packed copy per weight or weight slice (:class:`PrepackedWeights`) when ``pack``.
+    :func:`qkv.cpu.optimize` sets it as such a module's ``linear_fn``."""
+
+    def __init__(self, pack: bool = True) -> None:
+        self.pack = pack
+        self._packs = PrepackedWeights() if pack else None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, weight, bias, self._packs)
+
+    def __deepcopy__(self, memo) -> LinearProducts:
+        return LinearProducts(self.pack)
+
+    def __reduce__(self):
+        return (LinearProducts, (self.pack,))
+
+    def __repr__(self) -> str:
+        return f"LinearProducts(pack={self.pack})"

@@ -11,11 +11,13 @@ same storage (no copy), and multiplies them as one batched GEMM, which torch spr
 MKL runs through its batched kernel:
 
 - weight in ``nn.Linear``'s standard layout, ``(N, K)`` row-major: row blocks, ``(nb, N/nb, K) @ (nb, K,
-  M)``. The default; for at most ``ROW_BLOCK_ROWS`` rows, and with one thread only for at most
-  ``ONE_THREAD_ROWS`` rows of ``K <= ONE_THREAD_MAX_K`` (longer rows read faster through ``F.linear`` there).
+  M)``, in ``max(ROW_BLOCKS, threads)`` blocks;
 - weight stored input-major (a ``(N, K)`` tensor whose ``.t()`` is contiguous: same shape, names and
-  values as ``nn.Linear``): column blocks, ``(nb, M, K) @ (nb, K, N/nb)``, for at most ``MAX_ROWS`` rows
-  and several threads (:class:`InputMajorLinear`, opt-in through ``DecoderConfig.input_major_weights``).
+  values as ``nn.Linear``): column blocks, ``(nb, M, K) @ (nb, K, N/nb)``, of about ``BLOCK_ROWS`` outputs
+  (``BLOCK_ONE_ROW`` for one row; :class:`InputMajorLinear`, or ``qkv.cpu.optimize(model, input_major=True)``).
+
+Which rows and shapes take the blocks is the product rule's business (:mod:`qkv.cpu.rule`, one table that
+follows ``benchmarks/results/skinny.json``); everywhere else :func:`skinny_linear` is exactly ``F.linear``.
 
 Every output is still one length-K dot product of the same operands; only the BLAS kernel that sums it
 differs. :class:`SkinnyLinear` is an ``nn.Linear`` (same parameters, names and layout) that multiplies
@@ -40,41 +42,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["skinny_linear", "skinny_blocks", "row_blocks", "SkinnyLinear", "InputMajorLinear", "input_major",
-           "standard_layout_state_dict", "sharing_parameters"]
+from .rule import TABLE, choose
 
-# The rules below were chosen from benchmarks/skinny.py's table (a 2-core AMD EPYC, weights cold, MKL):
-MIN_OUTPUTS = 512  # narrower weights: F.linear
-ROW_BLOCK_ROWS = 8  # standard layout: row blocks up to this many rows ...
-ROW_BLOCKS = 4  # ... in at least this many blocks (and at least one per thread)
-ONE_THREAD_ROWS, ONE_THREAD_MAX_K = 4, 1024  # ... and with one thread up to 4 rows this short
-MAX_ROWS = 32  # input-major layout: column blocks up to this many rows, with several threads,
-BLOCK_ROWS = 256  # of ~256 outputs for 2-32 rows,
+__all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear",
+           "input_major", "standard_layout_state_dict", "sharing_parameters"]
+
+MAX_ROWS = max(max(p.row_blocks_up_to, p.columns_up_to) for p in TABLE.values())  # more rows: never blocked
+ROW_BLOCKS = 4  # row blocks: at least this many (and at least one per thread)
+BLOCK_ROWS = 256  # column blocks of ~256 outputs for 2-32 rows,
 BLOCK_ONE_ROW = 2048  # of ~2048 for one row (fewer, longer streams), at least one block per thread
 
 
 def row_blocks(rows: int, n_out: int, k: int, threads: int | None = None) -> int:
     """How many row blocks :func:`skinny_linear` cuts a standard-layout ``(n_out, k)`` weight into for
-    ``rows`` rows (1 means ``F.linear``)."""
+    ``rows`` rows (1 means ``F.linear``): the rule's ``"row_blocks"`` without oneDNN (:func:`qkv.cpu.rule.choose`)."""
     threads = torch.get_num_threads() if threads is None else threads
-    if not 0 < rows <= ROW_BLOCK_ROWS or n_out < MIN_OUTPUTS:
-        return 1
-    if threads < 2 and (rows > ONE_THREAD_ROWS or k > ONE_THREAD_MAX_K):
+    if choose(rows, n_out, k, threads=threads, onednn=False) != "row_blocks":
         return 1
     return max(ROW_BLOCKS, threads)
 
 
-def skinny_blocks(rows: int, n_out: int, threads: int | None = None) -> int:
-    """How many column blocks :func:`skinny_linear` cuts an input-major weight's ``n_out`` outputs into for
-    ``rows`` rows (1 means ``F.linear``)."""
+def column_blocks(rows: int, n_out: int, k: int, threads: int | None = None) -> int:
+    """How many column blocks :func:`skinny_linear` cuts an input-major ``(n_out, k)`` weight's outputs into
+    for ``rows`` rows (1 means ``F.linear``): the rule's ``"columns"`` without oneDNN."""
     threads = torch.get_num_threads() if threads is None else threads
-    if threads < 2 or not 0 < rows <= MAX_ROWS or n_out < MIN_OUTPUTS:
+    if choose(rows, n_out, k, threads=threads, input_major=True, onednn=False) != "columns":
         return 1
     target = BLOCK_ONE_ROW if rows == 1 else BLOCK_ROWS
     return max(threads, round(n_out / target))
 
 
-def _by_rows(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
+def by_rows(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
     """x2 (M, K) @ weight (N, K).T through ``nb`` row blocks of a contiguous weight -> (M, N)."""
     rows, K = x2.shape
     N = weight.shape[0]
@@ -92,7 +90,7 @@ def _by_rows(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
     return out
 
 
-def _by_columns(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
+def by_columns(x2: torch.Tensor, weight: torch.Tensor, nb: int) -> torch.Tensor:
     """x2 (M, K) @ weight (N, K).T through ``nb`` column blocks of an input-major weight -> (M, N)."""
     rows, K = x2.shape
     N = weight.shape[0]
@@ -118,22 +116,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     N = weight.shape[0]
-    if (rows > MAX_ROWS or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64)
-            or weight.dtype != x.dtype or weight.shape[1] != K
+    if rows > MAX_ROWS or x.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] != K:
+        return F.linear(x, weight, bias)
+    standard = weight.is_contiguous()
+    if standard:
+        nb = row_blocks(rows, N, K)
+    else:
+        nb = column_blocks(rows, N, K) if weight.t().is_contiguous() else 1
+    if (nb == 1 or x.dtype not in (torch.float32, torch.float64) or weight.dtype != x.dtype
             or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    if weight.is_contiguous():
-        nb = row_blocks(rows, N, K)
-        if nb == 1:
-            return F.linear(x, weight, bias)
-        out = _by_rows(x.reshape(rows, K), weight, nb)
-    elif weight.t().is_contiguous():
-        nb = skinny_blocks(rows, N)
-        if nb == 1:
-            return F.linear(x, weight, bias)
-        out = _by_columns(x.reshape(rows, K), weight, nb)
-    else:
-        return F.linear(x, weight, bias)
+    out = (by_rows if standard else by_columns)(x.reshape(rows, K), weight, nb)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], N)

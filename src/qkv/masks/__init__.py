@@ -20,9 +20,11 @@ from .causal import causal, sliding_window
 from .explicit import dense, from_fn, graph, graph_from_edges
 from .sequence import document, document_from_cu_seqlens, padding, positions, prefix_lm
 from .sparse import bigbird, fixed, global_tokens, strided
+from .topk import topk
 
 __all__ = [
     "Mask", "EMPTY", "PARTIAL", "FULL",
     "causal", "sliding_window", "padding", "document", "document_from_cu_seqlens", "prefix_lm", "positions",
     "global_tokens", "strided", "fixed", "bigbird", "graph", "graph_from_edges", "dense", "from_fn",
+    "topk",
 ]

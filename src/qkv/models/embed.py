@@ -20,8 +20,9 @@ would compute ``T^2`` scores, and on CPU block skipping in the tiled backend cos
 these sizes (``benchmarks/embed.py`` measures both).
 
 Matmuls. About 80% of the time is the linear layers' GEMMs, so by default (``gemm="auto"``) a float32 CPU
-model multiplies through weights packed once for oneDNN (:mod:`qkv.cpu.gemm`), which runs these shapes at
-1.3-1.6x the rate of ``F.linear``'s MKL on the project's machine; ``gemm="blas"`` keeps ``F.linear``.
+model is given qkv's CPU products (:func:`qkv.cpu.optimize`): these many-row products run through weights
+packed once for oneDNN, at 1.3-1.6x the rate of ``F.linear``'s MKL on the project's machine;
+``gemm="blas"`` keeps ``F.linear``.
 
 Shape legend: S sentences in a pack, T packed tokens, d model width.
 
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 
 from .. import masks
-from ..cpu.gemm import onednn_unavailable_reason, use_onednn
+from ..cpu import onednn_unavailable_reason, optimize, optimized
 
 __all__ = ["SentenceEncoder", "Packed", "pack", "pool_packed", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_TOKENS"]
 
@@ -120,10 +121,12 @@ class SentenceEncoder:
             or ``"cls"``.
         normalize: L2-normalize each embedding.
         backend: the ``qkv.attention`` backend every layer uses (``"auto"`` or a name).
-        gemm: how the linear layers multiply: ``"onednn"`` through weights packed once for oneDNN
-            (:mod:`qkv.cpu.gemm`; 1.3-1.6x the GEMM rate of ``F.linear`` on CPU, float32 either way),
-            ``"blas"`` through ``F.linear``, or ``"auto"``: ``"onednn"`` for a float32 CPU model where
-            this torch build can, else ``"blas"``. The choice is the ``gemm`` attribute.
+        gemm: how the linear layers multiply: ``"onednn"``: ``qkv.cpu.optimize(model, onednn=True)``
+            (oneDNN on weights packed once for these many-row products; 1.3-1.6x the GEMM rate of
+            ``F.linear`` on CPU, float32 either way), ``"blas"``: ``F.linear`` (the model must not have
+            been optimized: load it with ``from_hf(..., optimize=False)``), or ``"auto"``: ``"onednn"`` for
+            a float32 CPU model where this torch build can, else ``"blas"``. The choice is the ``gemm``
+            attribute.
     """
 
     def __init__(self, model: nn.Module, tokenizer, *, max_seq_length: int, pooling: str = "mean",
@@ -142,7 +145,7 @@ class SentenceEncoder:
         self.backend = backend
         self.gemm = _choose_gemm(self.model, gemm)
         if self.gemm == "onednn":
-            use_onednn(self.model)
+            optimize(self.model, onednn=True)
 
     def __repr__(self) -> str:
         return (f"SentenceEncoder({type(self.model).__name__}, d={self.dimension}, max_seq_length="
@@ -183,7 +186,7 @@ class SentenceEncoder:
         if not tok_file.is_file():
             raise FileNotFoundError(f"SentenceEncoder: no tokenizer.json in {path}; a sentence-transformers "
                                     "checkpoint directory holds config.json, *.safetensors and tokenizer.json")
-        model = from_hf(path, dtype=dtype)
+        model = from_hf(path, dtype=dtype, optimize=False)  # the constructor's gemm= decides
         from .family_bert import BertModel
 
         if not isinstance(model, BertModel):
@@ -250,6 +253,10 @@ def _choose_gemm(model: nn.Module, gemm: str) -> str:
         why = f"the model is {p.dtype} on {p.device.type}; the packed oneDNN path is for float32 on CPU"
     if gemm == "onednn" and why is not None:
         raise ValueError(f"SentenceEncoder: gemm='onednn' cannot run: {why}. Use gemm='blas' (or 'auto')")
+    if gemm == "blas" and optimized(model) is not None:
+        raise ValueError("SentenceEncoder: gemm='blas' keeps F.linear, but this model was given qkv's CPU products "
+                         "(qkv.cpu.optimize; from_hf does so by default): load it with from_hf(path, "
+                         "optimize=False), or pass gemm='auto'")
     if gemm == "auto":
         return "blas" if why is not None else "onednn"
     return gemm

@@ -32,7 +32,6 @@ from torch import nn
 
 from .. import masks
 from .._attention import attention
-from ..cpu.gemm import PrepackedWeight, prepacked_linear
 from ..masks.sequence import Document
 from ..nn import MultiHeadAttention, TransformerConfig, TransformerEncoder
 from ..nn.attention import AttentionModuleOutput
@@ -147,15 +146,12 @@ class PackedSelfAttention(MultiHeadAttention):
     equal. The same allowed pairs, about ``sum_i n_i^2`` scores instead of ``T^2``. Any other call (another
     mask, positions, a cache, causal or cross attention, RoPE, position biases, score modifiers or QK norm)
     is the parent's. The query, key and value projections run as one matmul (the fused weight is kept between
-    calls under ``torch.no_grad``/``inference_mode`` while the parameters are unchanged).
+    calls under ``torch.no_grad``/``inference_mode`` while the parameters are unchanged) through
+    ``linear_fn`` (``F.linear``; :func:`qkv.cpu.optimize` swaps in its CPU products, a
+    :class:`qkv.cpu.LinearHost`).
     """
 
-    gemm = "blas"  # "onednn": the fused projection runs through a packed oneDNN weight (qkv.cpu.gemm)
-
-    def set_gemm(self, engine: str) -> None:
-        """Called by :func:`qkv.cpu.gemm.use_onednn` (``"onednn"``); ``"blas"`` is ``F.linear``."""
-        self.gemm = engine
-        self._qkv_prepacked = PrepackedWeight()
+    linear_fn = staticmethod(F.linear)
 
     def invalidate_fused_weights(self) -> None:
         """Drop the fused QKV weight kept between calls (after the projections were replaced)."""
@@ -186,8 +182,7 @@ class PackedSelfAttention(MultiHeadAttention):
             return super().forward(x, context, mask=mask, positions=positions, cache=cache, need_lse=need_lse)
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         w, b = self._fused_qkv()
-        qkv = (prepacked_linear(x[0], w, b, self._qkv_prepacked) if self.gemm == "onednn"
-               else F.linear(x[0], w, b))  # (T, (H + 2 Hkv) D)
+        qkv = self.linear_fn(x[0], w, b)  # (T, (H + 2 Hkv) D)
         out = qkv.new_empty(x.shape[1], H * D)
         for g in groups:
             s, L = g.index.shape

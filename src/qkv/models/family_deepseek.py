@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from ..nn import DecoderConfig, DecoderLM, LatentConfig, MoEConfig
+from ..nn import DecoderConfig, DecoderLM
+from ..spec.hf_config import read_latent, read_moe
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError
@@ -45,25 +46,13 @@ __all__ = ["build", "convert", "decoder_config"]
 FAMILIES["deepseek_v2"] = "qkv.models.family_deepseek"
 
 
-def _moe(cfg: dict[str, Any]) -> MoEConfig | None:
-    if not cfg.get("n_routed_experts"):
-        return None
-    return MoEConfig(
-        n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
-        moe_intermediate_size=cfg["moe_intermediate_size"], n_shared_experts=cfg.get("n_shared_experts") or 0,
-        first_k_dense_replace=cfg.get("first_k_dense_replace") or 0, moe_layer_freq=cfg.get("moe_layer_freq") or 1,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        topk_method=cfg.get("topk_method") or "greedy", n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
-
-
 def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
     """The :class:`DecoderConfig` of an HF DeepSeek-V2 config dict."""
     if cfg.get("model_type") != "deepseek_v2":
         raise CheckpointError(f"family_deepseek: model_type {cfg.get('model_type')!r} is not deepseek_v2")
     try:
-        latent = LatentConfig.from_hf(cfg)
-        moe = _moe(cfg)
+        latent = read_latent(cfg)
+        moe = read_moe(cfg)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"from_hf: cannot build a deepseek_v2 model from its config: {e!r}") from e
     return decoder_config_from(

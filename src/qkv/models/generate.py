@@ -39,6 +39,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..cpu import optimize as cpu_optimize
+from ..cpu import optimized
+
 __all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next", "logits_of", "forward_step", "prefill"]
 
 Streamer = Callable[[torch.Tensor], None]
@@ -198,7 +201,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
              top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
              streamer: Streamer | None = None, prefill_chunk_size: int | None = None,
-             return_logits: bool = False, salt=None) -> GenerateOutput:
+             return_logits: bool = False, salt=None, optimize: bool = True) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens per row.
 
     The steps: check the arguments (before any work), set up the cache and reuse cached prompt prefixes,
@@ -218,12 +221,20 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         prefill_chunk_size: prefill the prompt in chunks of this many columns.
         return_logits: keep the (B, T, V) logits each token was chosen from.
         salt: prefix-cache salt (bytes/str, or one per row) isolating tenants.
+        optimize: give an ``nn.Module`` model on the CPU qkv's CPU products first, once
+            (:func:`qkv.cpu.optimize`, in place: the same parameters and ``state_dict``; skipped when the
+            model already has them). False leaves the model as it is.
 
     Returns:
         :class:`GenerateOutput`.
     """
     positions, stops = _check_arguments(model, input_ids, max_new_tokens, attention_mask, prefill_chunk_size,
                                         do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id)
+    if not isinstance(optimize, bool):
+        raise TypeError(f"generate: optimize must be True or False, got {optimize!r}")
+    if (optimize and isinstance(model, torch.nn.Module) and optimized(model) is None
+            and all(p.device.type == "cpu" for p in model.parameters())):
+        cpu_optimize(model)
     B = input_ids.shape[0]
     if use_cache:
         cache, hits = _open_cache(model, cache, input_ids, positions, salt)

@@ -35,9 +35,9 @@ from torch import nn
 
 from ..cpu.skinny import SkinnyLinear
 from ..nn.attention import MultiHeadAttention
-from ..nn.config import DecoderConfig, TransformerConfig
 from ..nn.decoder import SelfAttention
 from ..nn.latent import LatentAttention
+from ..spec.config import DecoderConfig, TransformerConfig
 
 __all__ = ["POOLINGS", "pool_heads", "to_gqa"]
 

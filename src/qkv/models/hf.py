@@ -13,13 +13,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..costs.layout import Layout, RopeLayout, read_layout
-from ..nn.config import DecoderConfig, RopeParams
+from ..spec.config import DecoderConfig, RopeParams
+from ..spec.hf_config import Layout, read_layout
 from .loading import CheckpointError
 
 __all__ = ["rope_params", "read_checkpoint_layout", "decoder_config", "rename_decoder", "stack_tensors",
@@ -29,16 +30,17 @@ ATTN_STACK = ("q_proj", "k_proj", "v_proj")
 MLP_STACK = ("gate_proj", "up_proj")
 
 
-def rope_params(rope: RopeLayout, *, interleaved: bool = False) -> RopeParams:
-    """:class:`qkv.nn.RopeParams` from a layer type's RoPE as :func:`qkv.costs.layout.read_layout` reads it."""
+def rope_params(rope: RopeParams, *, interleaved: bool = False) -> RopeParams:
+    """A layer type's RoPE as :func:`qkv.spec.hf_config.read_layout` reads it, with the family's channel pairing;
+    ``CheckpointError`` for a partial rotation, which the decoder families do not build."""
     if rope.partial_rotary_factor != 1.0:
         raise CheckpointError(f"from_hf: partial_rotary_factor={rope.partial_rotary_factor} (!= 1) is not supported "
                               "for this family")
-    return RopeParams(theta=rope.theta, scaling=dict(rope.scaling) if rope.scaling else None, interleaved=interleaved)
+    return dataclasses.replace(rope, scaling=dict(rope.scaling) if rope.scaling else None, interleaved=interleaved)
 
 
 def read_checkpoint_layout(cfg: Mapping[str, Any]) -> Layout:
-    """:func:`qkv.costs.layout.read_layout`, its errors raised as :class:`CheckpointError`."""
+    """:func:`qkv.spec.hf_config.read_layout`, its errors raised as :class:`CheckpointError`."""
     try:
         return read_layout(cfg)
     except (TypeError, ValueError) as e:
@@ -47,7 +49,7 @@ def read_checkpoint_layout(cfg: Mapping[str, Any]) -> Layout:
 
 def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, **family: Any) -> DecoderConfig:
     """A :class:`qkv.nn.DecoderConfig` from the fields every HF decoder config shares, the layout
-    (:func:`qkv.costs.layout.read_layout`: layer types, window, RoPE per layer type, head width) and a
+    (:func:`qkv.spec.hf_config.read_layout`: layer types, window, RoPE per layer type, head width) and a
     family's switches (``family`` overrides); ``CheckpointError`` naming what is missing or wrong."""
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if cfg.get(k) is None]

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..costs.config_file import read_json_config
+from ..cpu import optimize as cpu_optimize
+from ..spec.config_file import read_json_config
 
 __all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load"]
 
@@ -146,7 +147,7 @@ def check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], *, so
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
 
 
-def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def from_hf(src, *, dtype: torch.dtype | None = None, optimize: bool = True) -> torch.nn.Module:
     """Build a qkv-native model from an HF checkpoint directory or an in-memory ``PreTrainedModel``.
 
     Args:
@@ -154,11 +155,17 @@ def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
             ``PreTrainedModel`` instance (its config and weights are used directly).
         dtype: cast the model to this dtype after loading (default: float32): a ``torch.dtype`` or a name
             such as ``"bf16"``, ``"float16"``.
+        optimize: give the model qkv's CPU products (:func:`qkv.cpu.optimize`: the same parameters and
+            ``state_dict``, faster CPU inference; a float32 weight multiplied by many rows, as in a prefill,
+            gets a packed oneDNN copy, twice its memory); False returns the plain model
+            (``qkv.cpu.optimize(model, onednn=False)`` then gives the products without the copies).
 
     Example:
         >>> import qkv.models  # doctest: +SKIP
         >>> model = qkv.models.from_hf("path/to/all-MiniLM-L6-v2")  # doctest: +SKIP
     """
+    if not isinstance(optimize, bool):
+        raise TypeError(f"from_hf: optimize must be True or False, got {optimize!r}")
     if isinstance(src, (str, Path)):
         config = load_config(src)
         state = load_state_dict(src)
@@ -175,7 +182,8 @@ def from_hf(src, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
     model = _build(family, config)
     check_and_load(model, family.convert(state, config), source=source)
     model.eval()
-    return model.to(dtype)
+    model = model.to(dtype)
+    return cpu_optimize(model) if optimize else model
 
 
 def _is_transformers_model(src) -> bool:

@@ -8,11 +8,11 @@ Example:
     torch.Size([2, 5, 32])
 """
 
+from ..spec.config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
 from ._recurrent import RecurrentState
 from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
-from .config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
 from .decoder import DecoderLM, DecoderOutput
 from .ffn import FeedForward, GatedMLP
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, SplitGatedDeltaNet

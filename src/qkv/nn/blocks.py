@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..pos.relative import PositionalBias
+from ..spec.config import TransformerConfig
 from .attention import MultiHeadAttention
-from .config import TransformerConfig
 from .ffn import FeedForward
 from .norm import make_norm
 

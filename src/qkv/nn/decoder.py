@@ -26,11 +26,12 @@ Decoding one token per row is bound by reading every weight once per step and, a
 overhead, so the decode path is kept short: fused QKV and gate/up projections; queries and keys rotated in
 one call from a cos/sin table and handed to the cache already rotated (when the cache keeps the layer's
 keys at absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
-backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; few-row products cut into
-blocks of the weight spread over torch's threads (:mod:`qkv.cpu.skinny`, every projection, the experts and
-the LM head); and ``logits_to_keep`` for the prefill. ``qkv.cpu.use_onednn(model)`` multiplies
-several-row products through oneDNN-prepacked weights, at the cost of a second copy of every weight.
-Whatever the layout in memory, ``state_dict()`` holds standard contiguous tensors.
+backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; and ``logits_to_keep`` for the
+prefill. The model is built plain (``nn.Linear`` layers; the tied LM head and the experts multiply through
+``linear_fn``, ``F.linear``); :func:`qkv.cpu.optimize` swaps in the CPU products (few rows cut into blocks
+of the weight over torch's threads, many rows through oneDNN-prepacked weights, as its measured rule says),
+and ``qkv.models.from_hf`` and ``qkv.models.generate`` call it by default. ``state_dict()`` holds standard
+contiguous tensors either way.
 
 Shape legend: B batch, N new tokens, S cached slots, d hidden size, Hq query heads, Hkv key/value heads,
 D head dim, R rotary dim, V vocabulary.
@@ -51,24 +52,23 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import masks, mods
 from .._attention import attention
 from ..cache.cache import KVCache
+from ..cache.describe import cache_specs_of
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
-from ..cpu.gemm import PrepackedWeight
-from ..cpu.gemm import linear as gemm_linear
-from ..cpu.skinny import InputMajorLinear, SkinnyLinear, input_major, standard_layout_state_dict
 from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
-from .config import DecoderConfig
+from ..spec.config import DecoderConfig
 from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention
-from .moe import Experts, MoE
+from .moe import MoE
 from .norm import RMSNorm
 
 __all__ = ["DecoderLM", "DecoderLayer", "DecoderOutput", "SelfAttention", "positions_from_attention_mask"]
@@ -314,26 +314,6 @@ class DecoderLayer(nn.Module):
         return x + h
 
 
-def _route_products(model: nn.Module, input_major_weights: bool) -> None:
-    """Multiply every ``nn.Linear`` through :func:`qkv.cpu.skinny.skinny_linear` (a
-    :class:`qkv.cpu.skinny.SkinnyLinear` sharing its parameters). With ``input_major_weights``, layers
-    with at least as many outputs as inputs become :class:`qkv.cpu.skinny.InputMajorLinear` (same names and
-    values, input-major storage), and so do such stacked expert matrices and a tied embedding."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                wide = input_major_weights and child.out_features >= child.in_features
-                setattr(parent, name, (InputMajorLinear if wide else SkinnyLinear).from_linear(child))
-        if input_major_weights and isinstance(parent, Experts):
-            for name, p in list(parent.named_parameters(recurse=False)):
-                if p.shape[1] >= p.shape[2]:  # (E, out, in): each expert's (out, in) matrix input-major
-                    setattr(parent, name, nn.Parameter(p.detach().transpose(1, 2).contiguous().transpose(1, 2),
-                                                       requires_grad=p.requires_grad))
-    if input_major_weights and model.lm_head is None:
-        emb = model.embed_tokens.weight
-        model.embed_tokens.weight = nn.Parameter(input_major(emb), requires_grad=emb.requires_grad)
-
-
 _PROTOCOL_CACHES: set[type] = set()  # cache types already checked against the protocol (a decode step is short)
 
 
@@ -364,7 +344,9 @@ class DecoderLM(nn.Module):
             :func:`qkv.models.from_hf` reads from a checkpoint).
 
     Submodules keep the names HF users know: ``embed_tokens``, ``layers[i].self_attn`` (``qkv_proj``,
-    ``o_proj``), ``layers[i].mlp``, ``norm``, ``lm_head`` (None when tied to ``embed_tokens``).
+    ``o_proj``), ``layers[i].mlp``, ``norm``, ``lm_head`` (None when tied to ``embed_tokens``). Every product
+    is a plain ``nn.Linear`` or, for the tied head, ``linear_fn`` (``F.linear``); :func:`qkv.cpu.optimize`
+    swaps in CPU products from outside.
 
     ``cache_specs()``: one :mod:`qkv.cache` layer spec per layer: ``FullSpec``, ``SlidingWindowSpec`` for
     local layers, ``LatentSpec`` for MLA; ``KVCache(model.cache_specs())`` is a cache for it.
@@ -391,7 +373,8 @@ class DecoderLM(nn.Module):
         if c.position == "rope":
             rotary_dim = c.latent.qk_rope_head_dim if c.latent is not None else c.head_dim
             for kind in dict.fromkeys(c.layer_types):
-                self.ropes[kind] = _RopeTable(c.rope_for(kind).embedding(rotary_dim, c.max_position_embeddings))
+                self.ropes[kind] = _RopeTable(RotaryEmbedding.from_params(c.rope_for(kind), rotary_dim,
+                                                                         c.max_position_embeddings))
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.pos_embed = (LearnedPositionalEmbedding(c.max_position_embeddings, c.hidden_size)
                           if c.position == "learned" else None)
@@ -399,9 +382,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t)) for i, t in enumerate(c.layer_types))
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        _route_products(self, c.input_major_weights)
-        self._register_state_dict_hook(standard_layout_state_dict)  # saved tensors: standard layout
-        self._head_prepacked: PrepackedWeight | None = None  # set_gemm("onednn")
+        self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
         # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused
         self._modified_scores = [i for i, layer in enumerate(self.layers) if not layer.latent
                                  and (layer.self_attn.score_mod is not None or layer.self_attn.alibi is not None)]
@@ -478,18 +459,10 @@ class DecoderLM(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         x = self.norm(x)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = gemm_linear(x, head.weight, None, self._head_prepacked)  # (B, N, V)
+        logits = self.linear_fn(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)  # (B, N, V)
         cap = self.config.final_logit_softcapping
         return DecoderOutput(logits if cap is None else cap * torch.tanh(logits / cap), cache)
 
-    def set_gemm(self, engine: str) -> None:
-        """``"onednn"``: the LM head multiplies several rows through a packed oneDNN copy (called by
-        :func:`qkv.cpu.gemm.use_onednn`, which also swaps the linear layers); ``"blas"``: ``skinny_linear``."""
-        if engine not in ("onednn", "blas"):
-            raise ValueError(f"DecoderLM.set_gemm: engine must be 'onednn' or 'blas', got {engine!r}")
-        self._head_prepacked = PrepackedWeight() if engine == "onednn" else None
-
     def cache_specs(self) -> list[LayerSpec]:
-        """One :mod:`qkv.cache` layer spec per layer (:meth:`qkv.nn.DecoderConfig.cache_specs`)."""
-        return self.config.cache_specs()
+        """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""
+        return cache_specs_of(self.config)

@@ -5,7 +5,9 @@
   "GLU Variants Improve Transformer". :class:`FeedForward` keeps HF Llama's three projections
   (``gate_proj``, ``up_proj``, ``down_proj``); :class:`GatedMLP`, the decoder's, fuses gate and up into
   one ``gate_up_proj`` (one matmul instead of two, which matters when decoding one token at a time).
-Activations come from the one table, :data:`qkv.nn.activations.ACTIVATIONS`.
+Activations come from the one table, :data:`qkv.nn.activations.ACTIVATIONS`. The modules are plain
+``nn.Linear`` products; :func:`qkv.cpu.optimize` swaps in CPU ones from outside (and moves a plain
+:class:`FeedForward`'s activation into its up projection's oneDNN GEMM: ``up_activation``).
 
 Shape legend: B batch, N tokens, d model width, f hidden width.
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cpu.gemm import PrepackedLinear, can_fuse
 from .activations import ACTIVATIONS, GATED, check_activation
 
 __all__ = ["FeedForward", "GatedMLP", "ACTIVATIONS", "GATED"]
@@ -38,6 +39,10 @@ class FeedForward(nn.Module):
         dropout: dropout on the hidden activations (training only).
 
     ``forward(x)``: (..., d) -> (..., d).
+
+    ``up_activation`` is the function applied to ``up_proj``'s output (None when gated, or when the
+    activation runs inside ``up_proj``, as :func:`qkv.cpu.optimize` arranges: a
+    :class:`qkv.cpu.ActivatedUpProjection`).
     """
 
     def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", bias: bool = True,
@@ -45,23 +50,19 @@ class FeedForward(nn.Module):
         super().__init__()
         check_activation("FeedForward", activation)
         self.activation = activation
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if activation in GATED else None
+        gated = activation in GATED
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if gated else None
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
-
-    fused = False  # set_gemm("onednn"): the activation runs inside the up projection's packed GEMM
-
-    def set_gemm(self, engine: str) -> None:
-        """Called by :func:`qkv.cpu.gemm.use_onednn` after it swapped the projections."""
-        self.fused = (engine == "onednn" and self.gate_proj is None
-                      and can_fuse(ACTIVATIONS[self.activation]) and isinstance(self.up_proj, PrepackedLinear))
+        self.up_activation = None if gated else ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and not (self.training and self.dropout.p > 0):
-            return self.down_proj(self.up_proj.forward_activated(x, ACTIVATIONS[self.activation]))
-        act = ACTIVATIONS[self.activation]
-        h = act(self.gate_proj(x)) * self.up_proj(x) if self.gate_proj is not None else act(self.up_proj(x))
+        h = self.up_proj(x)
+        if self.gate_proj is not None:
+            h = ACTIVATIONS[self.activation](self.gate_proj(x)) * h
+        elif self.up_activation is not None:
+            h = self.up_activation(h)
         return self.down_proj(self.dropout(h))
 
     def extra_repr(self) -> str:

@@ -19,68 +19,28 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cpu.skinny import skinny_linear
+from ..spec.moe import MoEConfig
 from .activations import ACTIVATIONS, check_activation
 from .ffn import GatedMLP
 
 __all__ = ["MoEConfig", "Experts", "MoE"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class MoEConfig:
-    """DeepSeekMoE feed-forward (HF DeepSeek-V2 field names).
-
-    Layer ``i`` is a mixture of experts when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
-    (DeepSeek's rule; HF transformers ignores ``moe_layer_freq``, which is 1 in every released checkpoint).
-    Routing: softmax over ``n_routed_experts`` router logits (float32), top ``num_experts_per_tok`` by
-    ``topk_method`` (``"greedy"``, or ``"group_limited_greedy"`` over ``n_group`` groups keeping
-    ``topk_group``), weights renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
-    """
-
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    n_shared_experts: int = 0
-    first_k_dense_replace: int = 0
-    moe_layer_freq: int = 1
-    routed_scaling_factor: float = 1.0
-    topk_method: str = "greedy"
-    n_group: int | None = None
-    topk_group: int | None = None
-    norm_topk_prob: bool = False
-
-    def __post_init__(self) -> None:
-        if self.topk_method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"MoEConfig: topk_method must be 'greedy' or 'group_limited_greedy', got "
-                             f"{self.topk_method!r}")
-        if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
-            raise ValueError(f"MoEConfig: num_experts_per_tok ({self.num_experts_per_tok}) must lie in "
-                             f"[1, n_routed_experts={self.n_routed_experts}]")
-        if self.topk_method == "group_limited_greedy" and (
-                not self.n_group or not self.topk_group or self.n_routed_experts % self.n_group):
-            raise ValueError(f"MoEConfig: group_limited_greedy needs n_group dividing n_routed_experts "
-                             f"({self.n_routed_experts}) and topk_group; got n_group={self.n_group}, "
-                             f"topk_group={self.topk_group}")
-
-    def is_moe(self, layer_idx: int) -> bool:
-        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
-
-
 class Experts(nn.Module):
     """``E`` gated experts stored stacked, as HF transformers 5 keeps them: ``gate_up_proj`` (E, 2f, d),
-    ``down_proj`` (E, d, f)."""
+    ``down_proj`` (E, d, f). Each expert's products run through ``linear_fn`` (``F.linear``; a
+    :class:`qkv.cpu.LinearHost`, which :func:`qkv.cpu.optimize` gives CPU products)."""
 
     def __init__(self, n: int, d: int, f: int, act: str) -> None:
         super().__init__()
         self.act = ACTIVATIONS[act]
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * f, d).normal_(std=0.02))
         self.down_proj = nn.Parameter(torch.empty(n, d, f).normal_(std=0.02))
+        self.linear_fn = F.linear
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
@@ -88,8 +48,8 @@ class Experts(nn.Module):
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
             out = torch.zeros_like(x)
             for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
-                gate, up = skinny_linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                out += (skinny_linear(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
+                gate, up = self.linear_fn(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                out += (self.linear_fn(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
             return out
         flat = idx.reshape(-1)  # (T * k,)
         order = flat.argsort(stable=True)  # assignments grouped by expert
@@ -102,8 +62,8 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             t = token[start:start + n]
-            gate, up = skinny_linear(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
-            y = skinny_linear(self.act(gate) * up, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
+            gate, up = self.linear_fn(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
+            y = self.linear_fn(self.act(gate) * up, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
             out.index_add_(0, t, y.to(out.dtype))
             start += n
         return out

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..spec.config import NORMS
+
 __all__ = ["rms_norm", "RMSNorm", "make_norm", "NORMS"]
 
-NORMS = ("layer", "rms")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float = 1e-6) -> torch.Tensor:

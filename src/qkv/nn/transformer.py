@@ -27,9 +27,10 @@ from .. import masks
 from ..pos.alibi import ALiBiBias
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.relative import ShawRelativePosition, T5RelativeBias
+from ..pos.rope import RotaryEmbedding
 from ..pos.sinusoidal import sinusoidal_encoding
+from ..spec.config import TransformerConfig
 from .blocks import TransformerBlock
-from .config import TransformerConfig
 from .norm import make_norm
 
 __all__ = ["TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights"]
@@ -64,7 +65,8 @@ class _Stack(nn.Module):
         super().__init__()
         c = self.config = config
         self.causal = causal
-        self.rope = c.rotary_embedding() if c.position == "rope" else None
+        self.rope = (RotaryEmbedding.from_params(c.rope_params, c.head_dim, c.max_position_embeddings)
+                     if c.position == "rope" else None)
         self.pos_embed = (LearnedPositionalEmbedding(c.max_position_embeddings, c.d_model)
                           if c.position == "learned" else None)
         if c.position == "alibi":

@@ -32,6 +32,9 @@ Shape legend: B batch, H heads, N tokens, D head dim, R rotary dim (even, <= D),
 
 Example:
     >>> import torch
+
+from ..spec.hf_config import read_rope
+from ..spec.rope import ROPE_TYPES, RopeParams
     >>> from qkv.pos import RotaryEmbedding
     >>> rope = RotaryEmbedding.from_config({"head_dim": 16, "rope_theta": 10000.0,
     ...                                     "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
@@ -48,12 +51,13 @@ from typing import Any
 
 import torch
 
+from ..spec.hf_config import read_rope
+from ..spec.rope import ROPE_TYPES, RopeParams
+
 __all__ = [
     "RotaryEmbedding", "ROPE_TYPES", "apply_rotary", "rope", "default_inv_freq", "linear_inv_freq",
     "dynamic_ntk_inv_freq", "yarn_inv_freq", "yarn_attention_factor", "llama3_inv_freq",
 ]
-
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 # frequency functions
@@ -228,18 +232,30 @@ class RotaryEmbedding:
         if not head_dim:
             raise ValueError("RotaryEmbedding.from_config: the config needs head_dim, or hidden_size and "
                              "num_attention_heads")
-        params = get("rope_parameters") or get("rope_scaling") or {}
-        params = dict(params)
-        if layer_type is not None:
-            if layer_type not in params:
-                raise ValueError(f"RotaryEmbedding.from_config: no rope parameters for layer_type {layer_type!r}; "
-                                 f"the config has {sorted(params)}")
-            params = dict(params[layer_type] or {})
-        theta = params.get("rope_theta", get("rope_theta") or 10000.0)
-        factor = params.get("partial_rotary_factor", get("partial_rotary_factor") or 1.0)
-        rotary_dim = get("rotary_dim")
-        return cls(head_dim, theta=theta, rotary_dim=rotary_dim, partial_rotary_factor=factor, scaling=params,
+        nested = get("rope_parameters")
+        if layer_type is not None and not (isinstance(nested, Mapping) and layer_type in nested):
+            raise ValueError(f"RotaryEmbedding.from_config: no rope parameters for layer_type {layer_type!r}; "
+                             f"the config has {sorted(nested or {})}")
+        keys = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+        rope = read_rope({k: get(k) for k in keys if get(k) is not None}, (layer_type,) if layer_type else ())
+        params = rope[layer_type or "full_attention"]
+        return cls(head_dim, theta=params.theta, rotary_dim=get("rotary_dim"),
+                   partial_rotary_factor=params.partial_rotary_factor, scaling=params.scaling,
                    max_position_embeddings=get("max_position_embeddings"), interleaved=interleaved)
+
+    @classmethod
+    def from_params(cls, params: RopeParams, head_dim: int, max_position_embeddings: int | None = None,
+                    ) -> RotaryEmbedding:
+        """Build from :class:`qkv.spec.RopeParams` (the model description's RoPE) for heads of ``head_dim``.
+
+        Example:
+            >>> from qkv.spec import RopeParams
+            >>> RotaryEmbedding.from_params(RopeParams(theta=500.0), 8).theta
+            500.0
+        """
+        return cls(head_dim, theta=params.theta, partial_rotary_factor=params.partial_rotary_factor,
+                   scaling=dict(params.scaling) if params.scaling else None,
+                   max_position_embeddings=max_position_embeddings, interleaved=params.interleaved)
 
     def _need(self, key: str, default=None):
         value = self.scaling.get(key, default)

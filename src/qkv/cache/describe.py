@@ -1,0 +1,40 @@
+"""Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`,
+a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.Layout`): ``LatentSpec`` for MLA,
+``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The description (in :mod:`qkv.spec`) knows
+nothing of the cache; the cache reads it here.
+
+Example:
+    >>> from qkv.spec import get_config
+    >>> [s.kind for s in cache_specs_of(get_config("tiny-gemma"))][:2]
+    ['sliding', 'full']
+"""
+
+from __future__ import annotations
+
+from ..spec.config import DecoderConfig
+from ..spec.hf_config import Layout
+from ..spec.layer_types import SLIDING_ATTENTION
+from ..spec.presets import ModelPreset
+from .specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
+
+__all__ = ["cache_specs_of"]
+
+
+def cache_specs_of(description: DecoderConfig | ModelPreset | Layout) -> list[LayerSpec]:
+    """One layer spec per layer of ``description`` (what :meth:`qkv.nn.DecoderLM.cache_specs` returns for its
+    config); ``TypeError`` for anything else."""
+    if isinstance(description, DecoderConfig):
+        c = description
+        if c.latent is not None:
+            return [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim)] * c.num_hidden_layers
+        return [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
+                FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
+    if isinstance(description, (ModelPreset, Layout)):
+        d = description
+        if d.kv_lora_rank:
+            return [LatentSpec(d.kv_lora_rank, d.qk_rope_head_dim)] * d.num_hidden_layers
+        return [SlidingWindowSpec(d.sliding_window, d.num_key_value_heads, d.head_dim, d.v_head_dim)
+                if t == SLIDING_ATTENTION else FullSpec(d.num_key_value_heads, d.head_dim, d.v_head_dim)
+                for t in d.layer_types]
+    raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig, ModelPreset or hf_config.Layout, got "
+                    f"{type(description).__name__}")

@@ -1,0 +1,147 @@
+"""CPU speed applied to a model from outside: :func:`optimize` swaps in the products of this package.
+
+Models are built plain (``nn.Linear`` layers; a module that multiplies by weights of its own calls
+``self.linear_fn``, ``F.linear`` by default). :func:`optimize` rewrites one in place:
+
+- every ``nn.Linear`` becomes a :class:`qkv.cpu.gemm.PrepackedLinear` holding the same parameter objects:
+  its products follow the product rule (:mod:`qkv.cpu.rule`): oneDNN on a copy packed on first use for
+  many rows, row blocks of the weight over torch's threads for few (:mod:`qkv.cpu.skinny`), ``F.linear``
+  where those measured slower;
+- every module with a ``linear_fn`` (:class:`LinearHost`: a tied LM head, stacked MoE experts, a fused
+  QKV) gets a :class:`qkv.cpu.gemm.LinearProducts`, the same rule for its own weights and slices of them;
+- a block computing ``up_activation(up_proj(x))`` (:class:`ActivatedUpProjection`, e.g. a GELU
+  ``qkv.nn.FeedForward``) has a ReLU/GELU moved into the up projection's oneDNN GEMM.
+
+``state_dict()`` keeps its names and standard contiguous values (the parameters are the same objects;
+with ``input_major=True`` the wide weights are new parameters stored input-major, handed out contiguous),
+so ``safetensors.torch.save_file(model.state_dict(), path)`` works as before. Gradients run through
+``F.linear`` unchanged. The packed copies cost one more weight's worth of memory for each weight that is
+multiplied by many rows. Calling :func:`optimize` again changes nothing (or applies new options);
+:func:`optimized` says whether and how a model was. ``qkv.models.from_hf``, ``qkv.models.generate`` and
+``qkv.models.embed.SentenceEncoder`` call it by default.
+
+Example:
+    >>> import torch
+    >>> import qkv.cpu
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    >>> names = list(model.state_dict())
+    >>> model = qkv.cpu.optimize(model)
+    >>> type(model[0]).__name__, list(model.state_dict()) == names, qkv.cpu.optimized(model).input_major
+    ('PrepackedLinear', True, None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import gemm
+from .gemm import LinearProducts, PrepackedLinear, can_fuse
+from .skinny import SkinnyLinear
+
+__all__ = ["optimize", "optimized", "use_onednn", "Optimized", "LinearHost", "ActivatedUpProjection"]
+
+_MARK = "_qkv_cpu_optimized"
+
+
+class Optimized(NamedTuple):
+    """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use) and the ``input_major``
+    option it was given (None: layouts kept)."""
+
+    onednn: bool
+    input_major: bool | None
+
+
+@runtime_checkable
+class LinearHost(Protocol):
+    """A module that multiplies by weights it holds outside an ``nn.Linear`` (a tied LM head, stacked
+    experts, a fused QKV) through ``self.linear_fn(x, weight, bias=None)``, ``F.linear``'s signature;
+    ``F.linear`` by default. :func:`optimize` replaces ``F.linear`` (never a function the user set)."""
+
+    linear_fn: Callable[..., torch.Tensor]
+
+
+@runtime_checkable
+class ActivatedUpProjection(Protocol):
+    """A block whose hidden layer is ``up_activation(up_proj(x))`` (``up_activation`` None: nothing is
+    applied after ``up_proj``). :func:`optimize` may move the activation into ``up_proj`` and set it None."""
+
+    up_proj: nn.Module
+    up_activation: Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def optimized(model: nn.Module) -> Optimized | None:
+    """How :func:`optimize` last left ``model``, or None when it never ran on it."""
+    return model.__dict__.get(_MARK)
+
+
+def _is_input_major(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
+
+
+def _product_layer(child: nn.Linear, pack: bool, input_major: bool | None) -> nn.Linear:
+    """``child`` as a :class:`PrepackedLinear` with these options (``child`` itself when it already is one)."""
+    want = None if input_major is None else input_major and child.out_features >= child.in_features
+    if type(child) is PrepackedLinear and child.pack == pack and want in (None, _is_input_major(child.weight)):
+        return child
+    activation = child.activation if isinstance(child, PrepackedLinear) else None
+    return PrepackedLinear.from_linear(child, pack=pack, activation=activation, input_major_weight=want)
+
+
+def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None) -> nn.Module:
+    """Swap the CPU products of :mod:`qkv.cpu` into ``model`` (in place) and return it.
+
+    Args:
+        model: any ``nn.Module``; a bare ``nn.Linear`` comes back as a new module sharing its parameters
+            (use the return value).
+        onednn: None (default): pack weights for oneDNN where this torch build runs it
+            (:func:`qkv.cpu.gemm.onednn_unavailable_reason`); True: require it (``RuntimeError`` saying why
+            it cannot run); False: never (row blocks and ``F.linear`` only, no second copy of any weight).
+        input_major: True stores the weights of layers with at least as many outputs as inputs input-major
+            (column blocks for few rows; an ablation, slower than row blocks in ``benchmarks/RESULTS.md``),
+            False stores every weight standard, None (default) keeps each weight's layout. Where a layout
+            changes the parameter becomes a new object: build a ``torch.optim`` optimizer after.
+
+    Returns:
+        ``model`` (see above for a bare ``nn.Linear``), marked so :func:`optimized` reports the options.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (onednn is None or isinstance(onednn, bool)):
+        raise TypeError(f"optimize: onednn must be None (where available), True or False, got {onednn!r}")
+    if not (input_major is None or isinstance(input_major, bool)):
+        raise TypeError(f"optimize: input_major must be None (keep layouts), True or False, got {input_major!r}")
+    why = gemm.onednn_unavailable_reason()
+    if onednn is True and why is not None:
+        raise RuntimeError(f"optimize: onednn=True cannot run: {why}; pass onednn=None to use it where available")
+    pack = onednn is not False and why is None
+    if type(model) is nn.Linear or isinstance(model, SkinnyLinear):
+        model = _product_layer(model, pack, input_major)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear or isinstance(child, SkinnyLinear):
+                setattr(parent, name, _product_layer(child, pack, input_major))
+        if isinstance(parent, LinearHost) and (parent.linear_fn is F.linear
+                                               or isinstance(parent.linear_fn, LinearProducts)):
+            if not (isinstance(parent.linear_fn, LinearProducts) and parent.linear_fn.pack == pack):
+                parent.linear_fn = LinearProducts(pack)
+        if (pack and isinstance(parent, ActivatedUpProjection) and parent.up_activation is not None
+                and isinstance(parent.up_proj, PrepackedLinear) and parent.up_proj.activation is None
+                and can_fuse(parent.up_activation)):
+            parent.up_proj.activation, parent.up_activation = parent.up_activation, None
+    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major)
+    return model
+
+
+def use_onednn(model: nn.Module) -> nn.Module:
+    """``optimize(model, onednn=True)``, kept for code written before :func:`optimize` (which
+    ``qkv.models.from_hf``, ``generate`` and ``SentenceEncoder`` call by default, so a user never needs
+    this). Raises ``RuntimeError`` saying why when oneDNN cannot run here."""
+    why = gemm.onednn_unavailable_reason()
+    if why is not None:
+        raise RuntimeError(f"use_onednn: {why}; qkv.cpu.optimize(model) applies the other CPU products without it")
+    return optimize(model, onednn=True)

@@ -1,0 +1,47 @@
+"""Model descriptions without torch: what a model is, as data, read once from an HF config.
+
+- :class:`DecoderConfig` (the one decoder, :class:`qkv.nn.DecoderLM`) and :class:`TransformerConfig` (the
+  encoder / encoder-decoder stacks), with their named tiny presets (:func:`get_config`);
+- :class:`RopeParams` (RoPE as data; :meth:`qkv.pos.RotaryEmbedding.from_params` builds the tensors),
+  :class:`LatentConfig` (MLA), :class:`MoEConfig` (DeepSeekMoE);
+- the layer types (:data:`FULL_ATTENTION`, :data:`SLIDING_ATTENTION`);
+- the one reader of an HF config (:mod:`qkv.spec.hf_config`: :func:`read_layout`, :func:`read_rope`,
+  :func:`read_latent`, :func:`read_moe`, :func:`load_hf_config`), used by :mod:`qkv.models`,
+  :func:`qkv.cache.plan_memory` and :mod:`qkv.costs` alike;
+- :class:`ModelPreset`, the published models' shapes with their sources (:data:`PRESETS`, :func:`get_preset`),
+  on which :mod:`qkv.costs` does its arithmetic.
+
+Pure Python: importing it imports neither torch nor any module that does (a test checks it).
+
+Example:
+    >>> from qkv.spec import get_config, read_layout
+    >>> get_config("tiny-gemma").layer_types[:2]
+    ('sliding_attention', 'full_attention')
+    >>> read_layout({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}).head_dim
+    16
+"""
+
+from .config import DECODER_POSITIONS, DecoderConfig, TransformerConfig, get_config
+from .config import PRESETS as CONFIG_PRESETS
+from .hf_config import (
+    Layout,
+    declared_dtype,
+    description_dtype,
+    load_hf_config,
+    read_latent,
+    read_layout,
+    read_moe,
+    read_rope,
+)
+from .latent import LatentConfig
+from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from .moe import MoEConfig
+from .presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
+from .rope import ROPE_TYPES, RopeParams
+
+__all__ = [
+    "AMBIGUOUS", "CONFIG_PRESETS", "DECODER_POSITIONS", "FULL_ATTENTION", "LAYER_TYPES", "PRESETS", "ROPE_TYPES",
+    "SLIDING_ATTENTION", "DecoderConfig", "LatentConfig", "Layout", "ModelPreset", "MoEConfig", "RopeParams",
+    "TransformerConfig", "declared_dtype", "description_dtype", "get_config", "get_preset", "load_hf_config",
+    "preset_from_hf_config", "read_latent", "read_layout", "read_moe", "read_rope",
+]

@@ -1,0 +1,556 @@
+"""Model configs (frozen dataclasses) and the named preset registry that tests, benchmarks and the CLI read.
+
+- :class:`DecoderConfig`: the one decoder-only language model, :class:`qkv.nn.DecoderLM` (Llama, Mistral,
+  Qwen2, Gemma 2/3, DeepSeek-V2, GPT-2, BLOOM shapes), under HF field names.
+- :class:`TransformerConfig`: the encoder, decoder and encoder-decoder stacks of :mod:`qkv.nn.transformer`
+  (BERT, T5, the Vaswani et al. model, the examples).
+
+TransformerConfig's field names are short (``d_model``, ``n_heads``); HF transformers' names are read-only aliases
+(``hidden_size``, ``num_attention_heads``, ...) and :meth:`TransformerConfig.from_dict` accepts either,
+so an HF ``config.json`` maps over directly. Positional schemes: ``"rope"`` (Su et al. 2021),
+``"learned"`` (GPT-2/BERT), ``"sinusoidal"`` (Vaswani et al. 2017), ``"alibi"`` (Press et al. 2022),
+``"t5"`` (Raffel et al. 2020 buckets), ``"shaw"`` (Shaw et al. 2018) or ``"none"``.
+
+Example:
+    >>> from qkv.nn import PRESETS, get_config
+    >>> cfg = get_config("tiny-llama", num_hidden_layers=1)
+    >>> cfg.hidden_size, cfg.num_key_value_heads, cfg.position
+    (64, 2, 'rope')
+    >>> sorted(PRESETS)[:3]
+    ['tiny-bloom', 'tiny-encoder', 'tiny-gemma']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .latent import LatentConfig
+from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from .moe import MoEConfig
+from .rope import RopeParams, check_rope_scaling
+
+__all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "decoder_config_from_preset",
+           "POSITIONS", "DECODER_POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION", "ACTIVATION_NAMES", "NORMS"]
+
+POSITIONS = ("rope", "learned", "sinusoidal", "alibi", "t5", "shaw", "none")
+DECODER_POSITIONS = ("rope", "learned", "alibi")
+#: Feed-forward activations by name (the functions are :data:`qkv.nn.activations.ACTIVATIONS`, same keys).
+ACTIVATION_NAMES = ("silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "relu", "swiglu", "geglu")
+#: Norm kinds: ``"layer"`` (scale and shift) and ``"rms"`` (a scale per channel).
+NORMS = ("layer", "rms")
+
+
+
+def _positive_ints(owner: str, obj, names) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{owner}: {name} must be a positive int, got {v!r}")
+
+
+def _check_layer_types(owner: str, layer_types: tuple[str, ...], n_layers: int, sliding_window) -> None:
+    if len(layer_types) != n_layers:
+        raise ValueError(f"{owner}: layer_types has {len(layer_types)} entries for {n_layers} layers")
+    bad = set(layer_types) - set(LAYER_TYPES)
+    if bad:
+        raise ValueError(f"{owner}: layer_types must be {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}, got {sorted(bad)}")
+    if SLIDING_ATTENTION in layer_types and not (isinstance(sliding_window, int) and sliding_window > 0):
+        raise ValueError(f"{owner}: sliding_attention layers need sliding_window (keys per query, a positive int), "
+                         f"got {sliding_window!r}")
+
+#: HF transformers names -> our field names.
+_HF_ALIASES = {
+    "hidden_size": "d_model",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "num_hidden_layers": "n_layers",
+    "intermediate_size": "d_ff",
+    "hidden_act": "activation",
+    "rms_norm_eps": "norm_eps",
+    "layer_norm_eps": "norm_eps",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """One transformer stack's shape and choices. Derived fields are filled in ``__post_init__``.
+
+    Args:
+        d_model: model width (HF ``hidden_size``).
+        n_heads: query heads (``num_attention_heads``).
+        n_layers: blocks (``num_hidden_layers``); an encoder-decoder uses it for each side.
+        n_kv_heads: key/value heads (``num_key_value_heads``; default ``n_heads``).
+        head_dim: per-head width (default ``d_model // n_heads``).
+        d_ff: feed-forward hidden width (``intermediate_size``; default ``4 * d_model``).
+        activation: feed-forward activation, one of ``ACTIVATION_NAMES`` (``"swiglu"``, ``"geglu"``
+            are gated).
+        norm: ``"layer"`` or ``"rms"``; ``norm_eps`` its epsilon.
+        norm_first: pre-norm (True, GPT-2 onwards) or post-norm (False, Vaswani et al., BERT).
+        attention_bias, mlp_bias: biases on attention and feed-forward projections.
+        qk_norm: ``None``, ``"rms"`` or ``"layer"`` per-head query/key norm.
+        position: positional scheme, one of ``POSITIONS``.
+        rope_theta, rope_scaling, partial_rotary_factor, rope_interleaved: RoPE (HF names; ``rope_scaling``
+            is HF's dict with ``rope_type``).
+        max_position_embeddings: context length (learned table size; RoPE ``dynamic`` threshold).
+        sliding_window: keys per query on local layers, the query included (HF convention).
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (HF); default: all sliding when
+            ``sliding_window`` is set, else all full.
+        relative_attention_num_buckets, relative_attention_max_distance: T5 buckets.
+        shaw_max_distance, shaw_values: Shaw clipping distance and whether values get representations too.
+        vocab_size: token vocabulary (token-level models).
+        tie_word_embeddings: LM head shares the token embedding matrix.
+        dropout: residual/embedding dropout; ``attention_dropout``: on attention probabilities.
+        initializer_range: std of the normal init of linear and embedding weights.
+        scale_embeddings: multiply token embeddings by ``sqrt(d_model)`` (Vaswani et al., Gemma).
+        attention_scale: score scale override (None: ``head_dim ** -0.5``; T5 uses 1.0).
+        backend: the ``qkv.attention`` backend every layer uses.
+        name: preset name, informational.
+    """
+
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    activation: str = "gelu"
+    norm: str = "layer"
+    norm_eps: float = 1e-5
+    norm_first: bool = True
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    qk_norm: str | None = None
+    position: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    rope_interleaved: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    shaw_max_distance: int = 16
+    shaw_values: bool = False
+    vocab_size: int = 256
+    tie_word_embeddings: bool = True
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    scale_embeddings: bool = False
+    attention_scale: float | None = None
+    backend: str = "auto"
+    name: str = ""
+    _derived: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        derived = set()
+
+        def set_(key, value):  # frozen: only derived fields are filled in, and remembered as derived
+            derived.add(key)
+            object.__setattr__(self, key, value)
+
+        _positive_ints("TransformerConfig", self, ("d_model", "n_heads", "n_layers"))
+        if self.n_kv_heads is None:
+            set_("n_kv_heads", self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"TransformerConfig: n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                             f"({self.n_kv_heads})")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"TransformerConfig: d_model ({self.d_model}) is not divisible by n_heads "
+                                 f"({self.n_heads}); set head_dim")
+            set_("head_dim", self.d_model // self.n_heads)
+        if self.d_ff is None:
+            set_("d_ff", 4 * self.d_model)
+        if self.activation not in ACTIVATION_NAMES:
+            raise ValueError(f"TransformerConfig: activation must be one of {tuple(ACTIVATION_NAMES)}, got "
+                             f"{self.activation!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"TransformerConfig: norm must be one of {NORMS}, got {self.norm!r}")
+        if self.position not in POSITIONS:
+            raise ValueError(f"TransformerConfig: position must be one of {POSITIONS}, got {self.position!r}")
+        if self.rope_scaling is not None:
+            # A private copy (callers' later edits do not leak in); a plain dict so configs pickle and deepcopy.
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        if self.layer_types is None:
+            kind = SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION
+            set_("layer_types", (kind,) * self.n_layers)
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        _check_layer_types("TransformerConfig", self.layer_types, self.n_layers, self.sliding_window)
+        object.__setattr__(self, "_derived", frozenset(derived))
+        if self.position == "rope":  # validate RoPE early, without building it
+            check_rope_scaling(self.rope_scaling, owner="TransformerConfig")
+            rotary = int(self.head_dim * self.partial_rotary_factor)
+            if not 0 < rotary <= self.head_dim or rotary % 2:
+                raise ValueError(f"TransformerConfig: the rotary dim must be even and in (0, head_dim="
+                                 f"{self.head_dim}], got {rotary} (partial_rotary_factor={self.partial_rotary_factor})")
+            if not self.rope_theta > 0:
+                raise ValueError(f"TransformerConfig: rope_theta must be > 0, got {self.rope_theta}")
+
+    # HF-named views
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.n_layers
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.d_ff
+
+    def window_for(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None for a full-attention layer)."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    @property
+    def rope_params(self) -> RopeParams:
+        """This config's RoPE as data (:meth:`qkv.pos.RotaryEmbedding.from_params` builds it)."""
+        return RopeParams(theta=self.rope_theta, scaling=self.rope_scaling, interleaved=self.rope_interleaved,
+                          partial_rotary_factor=self.partial_rotary_factor)
+
+    def replace(self, **changes) -> TransformerConfig:
+        """A copy with ``changes`` (HF names accepted); derived fields are recomputed unless given."""
+        return TransformerConfig.from_dict({**self._explicit(), **changes})
+
+    def _explicit(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.init and f.name not in self._derived}
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, strict: bool = True) -> TransformerConfig:
+        """Build from a mapping with our names or HF names (``config.to_dict()`` of an HF config works with
+        ``strict=False``, which ignores keys this config has no field for)."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            name = _HF_ALIASES.get(key, key)
+            if name == "rope_parameters":
+                name = "rope_scaling"
+            if name not in names:
+                if strict:
+                    close = difflib.get_close_matches(key, [*names, *_HF_ALIASES], n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise ValueError(f"TransformerConfig: unknown field {key!r}{hint}")
+                continue
+            kwargs[name] = value
+        if isinstance(kwargs.get("rope_scaling"), Mapping):  # HF's RoPE keys: read by the one reader
+            from .hf_config import read_rope
+
+            hf = {k: v for k, v in d.items() if k in ("rope_theta", "rope_scaling", "rope_parameters",
+                                                       "partial_rotary_factor")}
+            rope = read_rope(hf)[FULL_ATTENTION]
+            kwargs.setdefault("rope_theta", rope.theta)
+            kwargs["rope_scaling"] = dict(rope.scaling) if rope.scaling else None
+            if rope.partial_rotary_factor != 1.0:
+                kwargs.setdefault("partial_rotary_factor", rope.partial_rotary_factor)
+        if isinstance(kwargs.get("layer_types"), list):
+            kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Everything that distinguishes the supported decoder families (HF field names where HF has one).
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size: as in HF.
+        num_key_value_heads: KV heads (default ``num_attention_heads``; 1 is MQA).
+        head_dim: per-head width (default ``hidden_size // num_attention_heads``).
+        hidden_act: activation of the feed-forward (its gate when ``gated_mlp``), a key of
+            :data:`qkv.nn.activations.ACTIVATIONS`.
+        gated_mlp: a gated feed-forward with fused gate/up projection (:class:`qkv.nn.GatedMLP`, Llama and
+            after); False: ``down(act(up(x)))`` (:class:`qkv.nn.FeedForward`, GPT-2, BLOOM).
+        norm: ``"rms"`` (:class:`qkv.nn.RMSNorm`) or ``"layer"`` (``nn.LayerNorm`` with bias, GPT-2, BLOOM).
+        rms_norm_eps: epsilon of every RMSNorm; layer_norm_eps: of every LayerNorm.
+        norm_offset: RMSNorm scales by ``norm_offset + weight`` (Gemma: 1.0, weights stored around 0).
+        position: ``"rope"`` (rotary, per layer type from ``rope``), ``"learned"`` (absolute embeddings added
+            to the tokens, GPT-2) or ``"alibi"`` (linear biases, Press et al. 2022, BLOOM).
+        embed_norm: a LayerNorm right after the token embedding (BLOOM).
+        scale_embeddings: multiply token embeddings by ``sqrt(hidden_size)`` (Gemma).
+        sandwich_norms: also normalize each branch's output (Gemma 2/3 post-attention and
+            post-feed-forward norms).
+        qkv_bias, o_bias, mlp_bias: biases of the QKV, output and feed-forward projections.
+        qk_norm: per-head RMSNorm of queries and keys before RoPE (Gemma 3).
+        attention_scale: score scale (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+        attn_logit_softcapping: ``cap * tanh(score / cap)`` on attention scores (Gemma 2).
+        final_logit_softcapping: the same on the output logits (Gemma 2).
+        tie_word_embeddings: the LM head is the embedding matrix.
+        sliding_window: keys per query on ``sliding_attention`` layers, the query included (HF convention).
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (default: all full).
+        rope: RoPE per layer type (a missing type uses ``"full_attention"``'s).
+        max_position_embeddings: context length (RoPE ``dynamic``/YaRN defaults).
+        latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
+            :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself).
+        moe: DeepSeekMoE feed-forward on the layers it selects.
+        backend: the :func:`qkv.attention` backend of every layer.
+        decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
+            ``"auto"`` and the layer's request allows it (no soft-capping). ``"sdpa"`` by default: measured
+            fastest for one query row on CPU, and it skips ``auto``'s per-call cost estimates, which cost
+            more than the attention itself at decode sizes. MLA layers use it for every step (one backend
+            per :class:`qkv.nn.latent.LatentAttention`). None: always ``backend``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    gated_mlp: bool = True
+    norm: str = "rms"
+    rms_norm_eps: float = 1e-6
+    layer_norm_eps: float = 1e-5
+    norm_offset: float = 0.0
+    position: str = "rope"
+    embed_norm: bool = False
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope: Mapping[str, RopeParams] = field(default_factory=lambda: {FULL_ATTENTION: RopeParams()})
+    max_position_embeddings: int = 2048
+    latent: LatentConfig | None = None
+    moe: MoEConfig | None = None
+    backend: str = "auto"
+    decode_backend: str | None = "sdpa"
+    name: str = ""
+    _derived: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __deepcopy__(self, memo) -> DecoderConfig:  # immutable (its mappings are read-only views): share it
+        return self
+
+    def __reduce__(self):  # pickle the explicit fields, with plain dicts (read-only views do not pickle)
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.init and f.name not in self._derived}
+        kept["rope"] = dict(self.rope)
+        return (_decoder_config, (kept,))
+
+    def __post_init__(self) -> None:
+        derived = set()
+
+        def set_(key, value):  # only derived fields are filled in, and remembered as derived
+            derived.add(key)
+            object.__setattr__(self, key, value)
+
+        _positive_ints("DecoderConfig", self, ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                "num_attention_heads", "intermediate_size"))
+        if self.num_key_value_heads is None:
+            set_("num_key_value_heads", self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"DecoderConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None:
+            set_("head_dim", self.hidden_size // self.num_attention_heads)
+        if self.hidden_act not in ACTIVATION_NAMES:
+            raise ValueError(f"DecoderConfig: hidden_act {self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATION_NAMES)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"DecoderConfig: norm must be one of {NORMS}, got {self.norm!r}")
+        if self.position not in DECODER_POSITIONS:
+            raise ValueError(f"DecoderConfig: position must be one of {DECODER_POSITIONS}, got {self.position!r}")
+        if self.layer_types is None:
+            set_("layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        _check_layer_types("DecoderConfig", self.layer_types, self.num_hidden_layers, self.sliding_window)
+        if self.latent is not None and SLIDING_ATTENTION in self.layer_types:
+            raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
+        if FULL_ATTENTION not in self.rope:
+            raise ValueError(f"DecoderConfig: rope needs a {FULL_ATTENTION!r} entry, got {sorted(self.rope)}")
+        object.__setattr__(self, "rope", MappingProxyType(dict(self.rope)))  # given (or defaulted), never derived
+        for kind, softcap in (("attn_logit_softcapping", self.attn_logit_softcapping),
+                              ("final_logit_softcapping", self.final_logit_softcapping)):
+            if softcap is not None and not softcap > 0:
+                raise ValueError(f"DecoderConfig: {kind} must be > 0 or None, got {softcap!r}")
+        if self.latent is not None and self.position != "rope":
+            raise ValueError(f"DecoderConfig: latent attention (MLA) uses RoPE, got position={self.position!r}")
+        object.__setattr__(self, "_derived", frozenset(derived))
+
+    def window_for(self, layer_idx: int) -> int | None:
+        """Keys per query of layer ``layer_idx`` (None: full causal attention)."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    def rope_for(self, layer_type: str) -> RopeParams:
+        """The RoPE parameters of layers of ``layer_type`` (``"full_attention"``'s when it has none)."""
+        return self.rope.get(layer_type, self.rope[FULL_ATTENTION])
+
+    def replace(self, **changes) -> DecoderConfig:
+        """A copy with ``changes``; derived fields (``num_key_value_heads``, ``head_dim``, ``layer_types``
+        when they were left out) are derived again unless given.
+
+        Example:
+            >>> cfg = DecoderConfig(vocab_size=10, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            ...                     intermediate_size=128)
+            >>> cfg.replace(hidden_size=128).head_dim
+            32
+        """
+        names = {f.name for f in dataclasses.fields(self) if f.init}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"DecoderConfig: unknown field {unknown[0]!r}{hint}")
+        kept = {n: getattr(self, n) for n in names if n not in self._derived}
+        return DecoderConfig(**{**kept, **changes})
+
+
+def _decoder_config(kwargs: dict[str, Any]) -> DecoderConfig:
+    return DecoderConfig(**kwargs)
+
+
+_TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=256)
+_TINY_STACK = dict(d_model=64, n_heads=4, n_layers=2, vocab_size=256, max_position_embeddings=256)
+
+_PRESETS: dict[str, DecoderConfig | TransformerConfig] = {
+    # Llama 2/3 shape: RMSNorm, SwiGLU, GQA, RoPE, no biases, untied head.
+    "tiny-llama": DecoderConfig(**_TINY, num_key_value_heads=2, intermediate_size=172, name="tiny-llama"),
+    # Mistral 7B v0.1 shape: Llama plus a sliding window on every layer.
+    "tiny-mistral": DecoderConfig(**_TINY, num_key_value_heads=2, intermediate_size=172, sliding_window=16,
+                                  layer_types=(SLIDING_ATTENTION,) * 2, name="tiny-mistral"),
+    # Gemma 2/3 shape: alternating local (sliding) and global layers, tanh-GeGLU, QK norm, RMSNorm around 1 + w,
+    # sandwich norms, scaled embeddings, tied head.
+    "tiny-gemma": DecoderConfig(**{**_TINY, "num_hidden_layers": 4}, num_key_value_heads=1, intermediate_size=128,
+                                hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True, qk_norm=True,
+                                scale_embeddings=True, sliding_window=8,
+                                layer_types=(SLIDING_ATTENTION, FULL_ATTENTION) * 2, tie_word_embeddings=True,
+                                name="tiny-gemma"),
+    # GPT-2 shape: learned absolute positions, LayerNorm, tanh-GELU MLP, biases, tied head.
+    "tiny-gpt": DecoderConfig(**_TINY, intermediate_size=256, hidden_act="gelu_tanh", gated_mlp=False, norm="layer",
+                              position="learned", qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                              name="tiny-gpt"),
+    # BLOOM shape: ALiBi instead of positions, LayerNorm (also on the embeddings), tanh-GELU MLP, tied head.
+    "tiny-bloom": DecoderConfig(**_TINY, intermediate_size=256, hidden_act="gelu_tanh", gated_mlp=False, norm="layer",
+                                position="alibi", embed_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                                tie_word_embeddings=True, name="tiny-bloom"),
+    # BERT shape: bidirectional, post-norm, learned positions, GELU, biases.
+    "tiny-encoder": TransformerConfig(**_TINY_STACK, activation="gelu", norm="layer", norm_eps=1e-12,
+                                      norm_first=False, position="learned", name="tiny-encoder"),
+    # T5 v1.1 shape: encoder-decoder, RMSNorm, GeGLU, bucketed relative bias, no biases, unscaled scores.
+    "tiny-t5": TransformerConfig(**_TINY_STACK, d_ff=128, activation="geglu", norm="rms", norm_eps=1e-6,
+                                 attention_bias=False, mlp_bias=False, position="t5", relative_attention_num_buckets=32,
+                                 relative_attention_max_distance=128, attention_scale=1.0, tie_word_embeddings=False,
+                                 name="tiny-t5"),
+    # Vaswani et al. 2017 base shape, shrunk: post-norm, ReLU, sinusoidal positions, scaled embeddings.
+    "tiny-transformer": TransformerConfig(**_TINY_STACK, activation="relu", norm="layer", norm_first=False,
+                                          position="sinusoidal", scale_embeddings=True, name="tiny-transformer"),
+}
+
+#: Named presets, read-only. ``get_config(name, **overrides)`` copies one with changes.
+PRESETS: Mapping[str, DecoderConfig | TransformerConfig] = MappingProxyType(_PRESETS)
+
+
+def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
+    """The preset ``name`` (a :class:`DecoderConfig` for the decoder-only shapes, a :class:`TransformerConfig`
+    for the encoder and encoder-decoder ones), with ``overrides`` applied through its ``replace``.
+
+    ``name`` may also be a model preset of :mod:`qkv.costs` (``"llama-3-8b"``, ``"mistral-7b-v0.1"``,
+    ``"deepseek-v2"``, ...; ``qkv presets`` lists them): the result is a :class:`DecoderConfig` shaped like
+    that model (heads, KV heads, head width, window and layer pattern, feed-forward kind, norms, biases,
+    tying, MLA, MoE). A random model of the published size is large; shrink it with overrides. Fewer layers
+    keep the first layers of the preset's local/global pattern.
+
+    Example:
+        >>> cfg = get_config("llama-2-70b", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+        ...                  vocab_size=1000, head_dim=32)
+        >>> cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+        (64, 8, 2)
+    """
+    if name not in PRESETS:
+        from .presets import AMBIGUOUS, get_preset
+        from .presets import PRESETS as MODEL_PRESETS
+
+        if name in MODEL_PRESETS or name in AMBIGUOUS:
+            preset = get_preset(name)
+            n = overrides.get("num_hidden_layers", preset.num_hidden_layers)
+            if "layer_types" not in overrides and isinstance(n, int) and n > 0:  # keep the pattern's first n
+                types = preset.layer_types
+                overrides["layer_types"] = tuple(types[i % len(types)] for i in range(n))
+                if "local" not in preset.layer_counts:
+                    del overrides["layer_types"]
+            cfg = decoder_config_from_preset(preset)
+            return cfg.replace(**overrides) if overrides else cfg
+        known = list(PRESETS) + list(MODEL_PRESETS)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown preset {name!r}{hint} Known: {', '.join(sorted(PRESETS))}; and the model "
+                         f"presets of qkv.costs: {', '.join(MODEL_PRESETS)}")
+    cfg = PRESETS[name]
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def decoder_config_from_preset(preset) -> DecoderConfig:
+    """A :class:`DecoderConfig` shaped like a :class:`qkv.costs.ModelPreset` with the whole-model fields.
+
+    What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
+    feed-forwards and for presets with sandwich norms, the Gemma layout), RoPE unless the preset has a
+    learned position table. The context length is the learned table's size, else the preset's stated
+    ``max_position_embeddings``, else 4096.
+
+    Raises:
+        ValueError: an encoder-decoder preset, or one that describes attention only.
+    """
+    from .latent import LatentConfig
+    from .moe import MoEConfig
+    from .presets import require_whole_model
+
+    p = preset
+    require_whole_model(p, "get_config")
+    if p.encoder_layers:
+        raise ValueError(f"get_config: {p.name!r} is an encoder-decoder; qkv.nn.DecoderLM is decoder-only (use "
+                         "TransformerConfig with EncoderDecoder)")
+    dense = p.mlp == "dense"
+    kw: dict[str, Any] = dict(
+        vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+        intermediate_size=p.intermediate_size, gated_mlp=not dense,
+        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms else "silu"),
+        norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
+        qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
+        position="learned" if p.learned_positions else "rope",
+        max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
+    )
+    if p.head_dim != p.hidden_size // p.num_attention_heads:
+        kw["head_dim"] = p.head_dim
+    if "local" in p.layer_counts:
+        kw.update(sliding_window=p.sliding_window, layer_types=p.layer_types)
+    if p.kv_lora_rank is not None:
+        kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
+                                    kv_lora_rank=p.kv_lora_rank, q_lora_rank=p.q_lora_rank,
+                                    qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
+                                    v_head_dim=p.value_head_dim)
+        kw.pop("head_dim", None)
+    if p.n_routed_experts is not None:
+        kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
+                              moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
+                              first_k_dense_replace=p.first_k_dense_replace)
+    return DecoderConfig(**kw)

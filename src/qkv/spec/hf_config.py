@@ -1,0 +1,371 @@
+"""The one reader of an HF config's attention layout: which layers slide, over how many tokens, with which
+RoPE, and the head and latent widths the KV cache holds. Pure Python (no torch); used alike by
+:mod:`qkv.costs` (``preset_from_hf_config``, ``qkv memory``), :func:`qkv.cache.plan_memory` and the model
+families of :mod:`qkv.models`, so the bytes planned are the bytes the built model caches.
+
+A ``config.json`` often leaves keys out, and then HF's config class supplies them: a published Qwen2
+checkpoint has no ``layer_types``, so HF derives them from ``use_sliding_window`` (default false) and
+``max_window_layers`` (default 28); a Gemma 2 one has no ``head_dim`` (default 256). :func:`read_layout`
+applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its ``layer_types`` equal what
+``transformers`` computes (its ``config.layer_types``) for dicts with or without them:
+
+- ``layer_types`` given: used as is (the window only matters where a layer slides);
+- Qwen2 / Qwen3: the window only when ``use_sliding_window``; then layers ``i >= max_window_layers`` slide;
+- Gemma 2: local and global layers alternate, layer 0 local; Gemma 3: ``sliding_window_pattern - 1``
+  local layers per global one (layer ``i`` global iff ``(i + 1) % pattern == 0``);
+- Llama, DeepSeek, GPT-2, BLOOM: no layer slides;
+- other families (Mistral, Mixtral, ...): every layer slides when ``sliding_window`` is set, else none;
+  a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does.
+
+Multimodal configs are read from ``text_config``. RoPE per layer type (:func:`read_rope`): transformers 5's
+``rope_parameters`` (per layer type for Gemma 3), or ``rope_theta`` with ``rope_scaling``; Gemma 3's older
+configs give local layers ``rope_local_base_freq`` without scaling. The MLA shape (:func:`read_latent`) and the
+mixture of experts (:func:`read_moe`) are read here too, so no other module reads RoPE or HF names again.
+
+A field that changes the attention layout and that this reader does not model is refused, never ignored
+(``UNREAD_LAYOUT_FIELDS``): Llama 4's chunked attention (``attention_chunk_size``, HF's default 8192 when the
+key is absent) and its NoPE layers (``no_rope_layers``), GPT-Neo's ``attention_layers``, Longformer's
+``attention_window``, ModernBERT's ``global_attn_every_n_layers``; so are ``layer_types`` values other than
+``"full_attention"`` and ``"sliding_attention"``.
+
+Example:
+    >>> cfg = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64,
+    ...        "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2}
+    >>> read_layout(cfg).layer_types
+    ('full_attention', 'full_attention', 'sliding_attention', 'sliding_attention')
+    >>> read_layout({**cfg, "use_sliding_window": False}).sliding_window is None
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config_file import read_json_config
+from .latent import LatentConfig
+from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from .moe import MoEConfig
+from .rope import RopeParams, rope_type_of
+
+__all__ = ["Layout", "read_layout", "read_rope", "read_latent", "read_moe", "load_hf_config", "text_config",
+           "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
+           "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
+
+#: HF config defaults (``transformers``' config classes) for the keys a ``config.json`` may leave out.
+HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "qwen2": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rope_theta": 10000.0},
+    "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
+    "llama4_text": {"attention_chunk_size": 8192, "no_rope_layer_interval": 4},
+}
+
+#: Layout fields this reader does not model, each with what it means; a config that sets one is refused.
+UNREAD_LAYOUT_FIELDS: Mapping[str, str] = {
+    "attention_chunk_size": "chunked attention (Llama 4: each token sees only its own chunk of this many tokens)",
+    "no_rope_layers": "layers without RoPE (Llama 4's NoPE layers)",
+    "attention_layers": "GPT-Neo's per-layer local/global attention",
+    "attention_window": "Longformer's per-layer local windows",
+    "global_attn_every_n_layers": "ModernBERT's interleaved global/local layers",
+}
+#: What HF's other ``layer_types`` values mean, for the refusal message.
+_OTHER_LAYER_TYPES = {"chunked_attention": "Llama 4's chunked attention"}
+_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size",
+            "n_embed": "hidden_size"}
+_PERIOD = {"gemma2": 2}  # local:global interleave fixed by the modelling code
+_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "gpt2", "bloom"})  # families that never slide
+
+
+def _transformers_config(config) -> dict[str, Any] | None:
+    """``config.to_dict()`` for a ``transformers.PretrainedConfig`` (only when transformers is already loaded)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(config, transformers.PretrainedConfig):
+        return config.to_dict()
+    return None
+
+
+def load_hf_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A config dict from a mapping, a ``transformers`` config object, a ``config.json`` path or a directory
+    holding one."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    as_dict = _transformers_config(config)
+    if as_dict is not None:
+        return as_dict
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"HF config: expected a dict, a transformers config, a config.json path or a checkpoint "
+                        f"directory, got {type(config).__name__}")
+    path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
+    return read_json_config(path)
+
+
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config: ``text_config`` for multimodal ones (Gemma 3), with HF's
+    short names (``n_layer``, ``n_head``, ``n_embd``) under their long ones. ``model_type`` ``gemma3``
+    (multimodal) reads as ``gemma3_text``."""
+    cfg = config
+    if "num_hidden_layers" not in config and "n_layer" not in config and isinstance(config.get("text_config"),
+                                                                                   Mapping):
+        cfg = {"model_type": config.get("model_type"), **config["text_config"]}
+    out = {_ALIASES.get(k, k): v for k, v in cfg.items()}
+    for long in _ALIASES.values():  # the long name wins where both are present
+        if long in cfg:
+            out[long] = cfg[long]
+    if out.get("model_type") in ("gemma3", "llama4"):
+        out["model_type"] += "_text"
+    return out
+
+
+def hf_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with HF's defaults (``HF_DEFAULTS`` of its ``model_type``) filled in for absent keys."""
+    return {**HF_DEFAULTS.get(config.get("model_type") or "", {}), **config}
+
+
+#: The dtype a description of a published model (a preset, an HF config declaring none) is costed in: the
+#: dtype checkpoints ship and serve in.
+PUBLISHED_DTYPE = "bfloat16"
+
+
+def description_dtype(config) -> str:
+    """The one default dtype of a model description (``plan_memory`` and the ``qkv memory``/``compare`` CLI
+    use it when no dtype is given): the dtype an HF config declares (:func:`declared_dtype`) for a config
+    dict, a ``transformers`` config or a ``config.json`` path; otherwise (a preset name, a
+    :class:`qkv.spec.ModelPreset`, a config declaring none) :data:`PUBLISHED_DTYPE`, bfloat16.
+
+    Example:
+        >>> description_dtype({"torch_dtype": "float32"}), description_dtype("llama-3-8b")
+        ('float32', 'bfloat16')
+    """
+    if isinstance(config, Mapping) or _transformers_config(config) is not None or (
+            isinstance(config, (str, os.PathLike)) and os.path.exists(config)):
+        return declared_dtype(config) or PUBLISHED_DTYPE
+    return PUBLISHED_DTYPE
+
+
+def declared_dtype(config) -> str | None:
+    """The dtype an HF config declares (``dtype``, or transformers 4's ``torch_dtype``), as a name such as
+    ``"bfloat16"``; None when it declares none. Multimodal configs: the top level's, else ``text_config``'s."""
+    cfg = load_hf_config(config)
+    for part in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else {}):
+        for key in ("dtype", "torch_dtype"):
+            value = part.get(key)
+            if value is not None and str(value) != "auto":
+                return str(value).removeprefix("torch.")
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The attention layout of a decoder config (HF field names)."""
+
+    model_type: str
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_size: int | None
+    layer_types: tuple[str, ...]
+    sliding_window: int | None  # tokens a local layer sees, the token itself included; None: no local layer
+    rope: Mapping[str, RopeParams] = field(default_factory=dict)  # full_attention and each layer type present
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    def window_for(self, layer_idx: int) -> int | None:
+        """Tokens layer ``layer_idx`` sees (None: every earlier token)."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+
+def _int(cfg: Mapping[str, Any], key: str, source: str) -> int:
+    v = cfg.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{source}: {key} must be a positive int, got {v!r}")
+    return v
+
+
+def _layer_types(cfg: Mapping[str, Any], n: int, source: str) -> tuple[tuple[str, ...], int | None]:
+    model_type = cfg.get("model_type") or ""
+    window = cfg.get("sliding_window")
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"] or model_type in _NO_WINDOW:
+        window = None
+    given = cfg.get("layer_types")
+    if given is not None:
+        types = tuple(given)
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            what = "".join(f" ({_OTHER_LAYER_TYPES[t]})" for t in unknown if t in _OTHER_LAYER_TYPES)
+            raise ValueError(f"{source}: layer types {unknown}{what} not supported; known {FULL_ATTENTION!r}, "
+                             f"{SLIDING_ATTENTION!r}")
+        if len(types) != n:
+            raise ValueError(f"{source}: layer_types has {len(types)} entries for {n} layers")
+    elif window is None:
+        types = (FULL_ATTENTION,) * n
+    elif "max_window_layers" in cfg:  # Qwen2/Qwen3: the first max_window_layers layers stay global
+        first = cfg["max_window_layers"]
+        types = tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n))
+    else:
+        period = _PERIOD.get(model_type) or cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+        types = (tuple(FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION for i in range(n)) if period
+                 else (SLIDING_ATTENTION,) * n)
+    if SLIDING_ATTENTION not in types:
+        return types, None
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"{source}: sliding layers need a positive sliding_window, got {window!r}")
+    return types, window
+
+
+def _rope_entry(params: Mapping[str, Any] | None, cfg: Mapping[str, Any]) -> RopeParams:
+    params = dict(params or {})
+    factor = float(params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    return RopeParams(theta=theta, scaling=None if rope_type_of(params) == "default" else params,
+                      partial_rotary_factor=factor)
+
+
+def _ropes(cfg: Mapping[str, Any], types: tuple[str, ...]) -> dict[str, RopeParams]:
+    params = cfg.get("rope_parameters")
+    out = {}
+    for kind in dict.fromkeys((FULL_ATTENTION, *types)):
+        if isinstance(params, Mapping) and set(params) & {FULL_ATTENTION, SLIDING_ATTENTION}:
+            entry = params.get(kind) or params.get(FULL_ATTENTION)
+            out[kind] = _rope_entry(entry, cfg)
+        elif params is not None:
+            out[kind] = _rope_entry(params, cfg)
+        elif kind == SLIDING_ATTENTION and cfg.get("rope_local_base_freq") is not None:  # Gemma 3 before v5
+            out[kind] = RopeParams(theta=float(cfg["rope_local_base_freq"]))
+        else:
+            out[kind] = _rope_entry(cfg.get("rope_scaling"), cfg)
+    return out
+
+
+def read_rope(config, layer_types: tuple[str, ...] = ()) -> dict[str, RopeParams]:
+    """RoPE per layer type of an HF config (a dict, a ``transformers`` config, a path): ``"full_attention"``
+    and each of ``layer_types``. Only the RoPE keys are read, so encoder configs (BERT, T5 shapes) work too.
+
+    Example:
+        >>> read_rope({"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})["full_attention"]
+        RopeParams(theta=500000.0, scaling={'rope_type': 'linear', 'factor': 2.0}, interleaved=False, \
+partial_rotary_factor=1.0)
+    """
+    return _ropes(hf_defaults(text_config(load_hf_config(config))), tuple(layer_types))
+
+
+def read_latent(config) -> LatentConfig:
+    """The Multi-head Latent Attention shape of an HF DeepSeek-V2/V3 config (a dict, a ``transformers``
+    config, a path). RoPE comes from :func:`read_rope` (DeepSeek's YaRN ``mscale_all_dim`` included).
+
+    Example:
+        >>> cfg = {"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24}
+        >>> read_latent(cfg).q_lora_rank
+        24
+    """
+    cfg = hf_defaults(text_config(load_hf_config(config)))
+    rope = _ropes(cfg, ())[FULL_ATTENTION]
+    kw: dict[str, Any] = {name: cfg[name] for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                                        "max_position_embeddings") if cfg.get(name) is not None}
+    return LatentConfig(hidden_size=cfg.get("hidden_size"), num_attention_heads=cfg.get("num_attention_heads"),
+                        kv_lora_rank=cfg.get("kv_lora_rank"), q_lora_rank=cfg.get("q_lora_rank"),
+                        attention_bias=bool(cfg.get("attention_bias", False)),
+                        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0), rope_theta=rope.theta,
+                        rope_scaling=dict(rope.scaling) if rope.scaling else None, **kw)
+
+
+def read_moe(config) -> MoEConfig | None:
+    """The DeepSeekMoE feed-forward of an HF config (None when it has no routed experts).
+
+    Example:
+        >>> read_moe({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}).n_routed_experts
+        8
+    """
+    cfg = text_config(load_hf_config(config))
+    if not cfg.get("n_routed_experts"):
+        return None
+    return MoEConfig(
+        n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["moe_intermediate_size"], n_shared_experts=cfg.get("n_shared_experts") or 0,
+        first_k_dense_replace=cfg.get("first_k_dense_replace") or 0, moe_layer_freq=cfg.get("moe_layer_freq") or 1,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        topk_method=cfg.get("topk_method") or "greedy", n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+
+
+def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
+    """Raise for a layout field this reader does not model (``UNREAD_LAYOUT_FIELDS``)."""
+    cfg = dict(cfg)
+    if cfg.get("model_type") == "llama4_text" and cfg.get("no_rope_layers") is None:  # HF's default: NoPE every 4th
+        interval = cfg.get("no_rope_layer_interval") or 4
+        cfg["no_rope_layers"] = [int((i + 1) % interval != 0) for i in range(cfg.get("num_hidden_layers") or 0)]
+    for key, what in UNREAD_LAYOUT_FIELDS.items():
+        value = cfg.get(key)
+        if value is None or value is False:
+            continue
+        if key == "no_rope_layers" and isinstance(value, list) and all(v == 1 for v in value):
+            continue  # HF's 1 means "this layer uses RoPE": nothing to model
+        raise ValueError(f"{source}: {key}={_short(value)} sets {what}, which qkv does not model; read as plain "
+                         "layers the layout (and the cache bytes) would be wrong, so the config is refused")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> Layout:
+    """The attention layout of an HF decoder config: a ``config.json`` dict (``transformers``'
+    ``config.to_dict()`` works too), its path, or a checkpoint directory.
+
+    Missing ``num_key_value_heads`` means MHA; missing ``head_dim`` means HF's default for the family, else
+    ``hidden_size // num_attention_heads`` (``qk_nope_head_dim + qk_rope_head_dim`` for MLA). See the module
+    notes for the layer types.
+
+    Raises:
+        ValueError: a required field is missing or malformed, naming it.
+    """
+    raw = load_hf_config(config)
+    cfg = hf_defaults(text_config(raw))
+    source = f"read_layout({cfg.get('model_type') or 'no model_type'})"
+    _refuse_unread(cfg, source)
+    mla = cfg.get("kv_lora_rank") is not None
+    required = ("num_hidden_layers", "num_attention_heads") + (("qk_rope_head_dim", "qk_nope_head_dim") if mla else ())
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"{source}: missing {', '.join(missing)}")
+    n = _int(cfg, "num_hidden_layers", source)
+    heads = _int(cfg, "num_attention_heads", source)
+    if mla:
+        head_dim = _int(cfg, "qk_nope_head_dim", source) + _int(cfg, "qk_rope_head_dim", source)
+    elif cfg.get("head_dim") is not None:
+        head_dim = _int(cfg, "head_dim", source)
+    elif cfg.get("hidden_size") is not None:
+        head_dim = _int(cfg, "hidden_size", source) // heads
+    else:
+        raise ValueError(f"{source}: needs head_dim or hidden_size")
+    types, window = _layer_types(cfg, n, source)
+    return Layout(
+        model_type=cfg.get("model_type") or "",
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        hidden_size=cfg.get("hidden_size"),
+        layer_types=types,
+        sliding_window=window,
+        rope=_ropes(cfg, types),
+        kv_lora_rank=cfg.get("kv_lora_rank") if mla else None,
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim") if mla else None,
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim") if mla else None,
+        v_head_dim=cfg.get("v_head_dim") if mla else cfg.get("v_head_dim"),
+    )

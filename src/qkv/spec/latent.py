@@ -1,0 +1,111 @@
+"""The shape of one Multi-head Latent Attention (MLA) layer as data: DeepSeek-AI 2024, "DeepSeek-V2: A Strong,
+Economical, and Efficient Mixture-of-Experts Language Model", Section 2.1 (arXiv:2405.04434). The module is
+:class:`qkv.nn.latent.LatentAttention`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LatentConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentConfig:
+    """Shape of one MLA layer, under HF ``DeepseekV2Config`` field names.
+
+    Args:
+        hidden_size: model width ``d``.
+        num_attention_heads: ``H``.
+        kv_lora_rank: latent width ``r`` (the cached ``c_kv``).
+        q_lora_rank: ``None`` for a plain ``q_proj``; else the query is low-rank too
+            (``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``).
+        qk_nope_head_dim: ``dn``, per-head query/key channels without position.
+        qk_rope_head_dim: ``dr``, the decoupled RoPE channels (per query head; one key shared by all heads).
+        v_head_dim: ``dv``.
+        attention_bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` (HF's choice; the
+            up-projections never have one).
+        attention_dropout: dropout on attention probabilities while training.
+        rope_theta: RoPE base.
+        rope_scaling: HF ``rope_parameters``/``rope_scaling`` dict (``rope_type`` plus fields) or None.
+        max_position_embeddings: context length (YaRN's default ``factor``; dynamic NTK's threshold).
+        norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``. HF builds both with the RMSNorm
+            default ``1e-6`` whatever ``rms_norm_eps`` says, so that is the default here too.
+
+    Example:
+        >>> cfg = LatentConfig(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512)
+        >>> cfg.qk_head_dim, round(cfg.softmax_scale, 6)
+        (192, 0.072169)
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LatentConfig: {name} must be a positive int, got {value!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+            raise ValueError(f"LatentConfig: q_lora_rank must be None (plain q_proj) or a positive int, got "
+                             f"{self.q_lora_rank!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"LatentConfig: qk_rope_head_dim must be even (RoPE rotates channel pairs), got "
+                             f"{self.qk_rope_head_dim}")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"LatentConfig: attention_dropout must be in [0, 1), got {self.attention_dropout}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """``dn + dr``: the per-head query/key width of the expanded path."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rope_type(self) -> str:
+        params = self.rope_scaling or {}
+        return str(params.get("rope_type", params.get("type", "default")))
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(dn + dr) ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for scaled RoPE with
+        ``mscale_all_dim`` (DeepSeek's YaRN: the cos/sin carry ``mscale / mscale_all_dim`` per side, so the
+        product of both sides is brought back to ``mscale ** 2`` here)."""
+        scale = self.qk_head_dim ** -0.5
+        params = self.rope_scaling or {}
+        mscale_all_dim = params.get("mscale_all_dim")
+        if self.rope_type != "default" and mscale_all_dim:
+            factor = params.get("factor")
+            if factor is None:
+                factor = self.max_position_embeddings / params["original_max_position_embeddings"]
+            m = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= m * m
+        return scale
+
+    @classmethod
+    def from_hf(cls, config) -> LatentConfig:
+        """From an HF ``DeepseekV2Config`` (or V3, a dict with the same keys, or a ``config.json`` path):
+        :func:`qkv.spec.hf_config.read_latent`.
+
+        Example:
+            >>> LatentConfig.from_hf({"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16,
+            ...                       "q_lora_rank": 24}).q_lora_rank
+            24
+        """
+        from .hf_config import read_latent  # the one HF reader
+
+        return read_latent(config)

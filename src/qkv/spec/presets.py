@@ -1,0 +1,516 @@
+"""Attention shapes of published models: one registry read by the CLI, the benchmarks and the tests.
+
+Field names follow HF ``transformers`` configs. ``layer_types`` uses HF's values, ``"full_attention"``
+(global) and ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
+HF's convention: the window counts the token itself). Every number is cited in the preset's ``source``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from .config import DecoderConfig
+from .config_file import check_layout_fields, read_json_config
+from .hf_config import read_layout
+from .layer_types import FULL_ATTENTION, LAYER_KIND, SLIDING_ATTENTION
+
+__all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
+
+FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
+_LAYER_KIND = LAYER_KIND
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPreset:
+    """The attention shape of a model: everything the KV-cache and attention-FLOP arithmetic needs.
+
+    Args:
+        name: lowercase-hyphen slug (``"llama-3-70b"``).
+        num_hidden_layers: attention layers.
+        num_attention_heads: query heads ``Hq``.
+        num_key_value_heads: key/value heads ``Hkv`` (``= Hq`` MHA, ``1`` MQA, else GQA). For MLA, the
+            heads the latent expands to (``= Hq`` in DeepSeek-V2).
+        head_dim: query/key head width ``Dqk``; for MLA ``qk_nope_head_dim + qk_rope_head_dim``.
+        hidden_size: model width (informational; not always ``Hq * head_dim``, e.g. Gemma).
+        sliding_window: tokens a local layer sees and caches, the token itself included.
+        layer_types: one HF layer type per layer. ``None`` means every layer is local when
+            ``sliding_window`` is set (Mistral 7B v0.1) and global otherwise; resolved at construction.
+        kv_lora_rank: MLA latent width ``d_c``; setting it makes the preset MLA.
+        qk_rope_head_dim: MLA decoupled RoPE key width ``d_h^R``, cached once per token (shared by heads).
+        qk_nope_head_dim: MLA per-head key width without RoPE.
+        v_head_dim: value head width ``Dv`` when it differs from ``head_dim``.
+        source: citation for the numbers (paper, model card, config).
+        notes: caveats.
+        vocab_size, intermediate_size: token vocabulary and feed-forward width (needed, with the fields
+            below, only by :func:`qkv.costs.num_parameters` and the whole-model FLOPs).
+        mlp: ``"gated"`` (three matrices: SwiGLU/GeGLU) or ``"dense"`` (two: GPT-2, the 2017 Transformer).
+        norm: ``"rms"`` (a scale per channel) or ``"layer"`` (scale and shift).
+        attention_bias: biases on the query, key, value and output projections (GPT-2, BERT);
+            ``qkv_bias``: on query, key and value only (Qwen2). ``mlp_bias``: on the feed-forward.
+        qk_norm: per-head RMSNorm of queries and keys (Gemma 3). ``sandwich_norms``: a norm after
+            each branch too (Gemma 2/3).
+        tie_word_embeddings: the LM head is the embedding matrix.
+        learned_positions: rows of a learned absolute position table (GPT-2: 1024), else none.
+        max_position_embeddings: the longest context the released checkpoint is configured for (HF's
+            ``max_position_embeddings``, GPT-2's ``n_positions``); ``None`` when none is stated. The
+            arithmetic runs at any context; the CLI warns past this one.
+        encoder_layers: layers of a bidirectional encoder in front of the ``num_hidden_layers``
+            decoder layers, each of which then also cross-attends (encoder-decoder, Vaswani et al.).
+        q_lora_rank: MLA query compression width (DeepSeek-V2: 1536).
+        n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts,
+            first_k_dense_replace: DeepSeekMoE feed-forward (HF names); the first
+            ``first_k_dense_replace`` layers stay dense with ``intermediate_size``.
+
+    Example:
+        >>> p = PRESETS["gemma-3-27b"]
+        >>> p.attention_kind, p.layer_counts
+        ('gqa', {'global': 10, 'local': 52})
+    """
+
+    name: str
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_size: int
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    source: str = ""
+    notes: str = ""
+    # Whole-model shape (for parameter counts and whole-model FLOPs in qkv.costs.params/model_flops).
+    vocab_size: int | None = None
+    intermediate_size: int | None = None
+    mlp: str = "gated"
+    norm: str = "rms"
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    tie_word_embeddings: bool = False
+    learned_positions: int | None = None
+    max_position_embeddings: int | None = None
+    encoder_layers: int = 0
+    q_lora_rank: int | None = None
+    n_routed_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{self.name}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.layer_types is None:
+            object.__setattr__(self, "layer_types", (SLIDING if self.sliding_window else FULL,) * n)
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != n or not set(types) <= {FULL, SLIDING}:
+            raise ValueError(
+                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}; got "
+                f"{len(types)} entries {sorted(set(types))}"
+            )
+        if SLIDING in types and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError(f"{self.name}: sliding layers need a positive sliding_window")
+        if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
+            raise ValueError(f"{self.name}: MLA needs both kv_lora_rank and qk_rope_head_dim")
+        mpe = self.max_position_embeddings
+        if mpe is not None and (not isinstance(mpe, int) or isinstance(mpe, bool) or mpe <= 0):
+            raise ValueError(f"{self.name}: max_position_embeddings must be a positive int or None, got {mpe!r}")
+        if self.mlp not in ("gated", "dense") or self.norm not in ("rms", "layer"):
+            raise ValueError(f"{self.name}: mlp must be 'gated' or 'dense' and norm 'rms' or 'layer', got "
+                             f"mlp={self.mlp!r}, norm={self.norm!r}")
+        if (self.n_routed_experts is None) != (self.num_experts_per_tok is None):
+            raise ValueError(f"{self.name}: a mixture of experts needs both n_routed_experts and "
+                             "num_experts_per_tok")
+
+    @property
+    def attention_kind(self) -> str:
+        """``"mla"``, ``"mha"``, ``"mqa"`` or ``"gqa"``."""
+        if self.kv_lora_rank is not None:
+            return "mla"
+        if self.num_key_value_heads == self.num_attention_heads:
+            return "mha"
+        return "mqa" if self.num_key_value_heads == 1 else "gqa"
+
+    @property
+    def value_head_dim(self) -> int:
+        """``Dv``: ``v_head_dim`` if set, else ``head_dim``."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def layer_counts(self) -> dict[str, int]:
+        """Layers per kind, ``{"global": n, "local": m}``, kinds with no layer left out."""
+        counts = {kind: self.layer_types.count(t) for t, kind in _LAYER_KIND.items()}
+        return {kind: c for kind, c in counts.items() if c}
+
+    @property
+    def config(self) -> DecoderConfig:
+        """This model as a :class:`qkv.spec.DecoderConfig`: the description :class:`qkv.nn.DecoderLM` builds and
+        ``qkv.nn.get_config(name)`` returns (whole-model presets only).
+
+        What a preset does not record takes the family's usual value
+        (:func:`qkv.spec.config.decoder_config_from_preset`).
+
+        Raises:
+            ValueError: an encoder-decoder preset, or one that describes attention only.
+
+        Example:
+            >>> c = PRESETS["gemma-3-27b"].config
+            >>> c.layer_types.count("full_attention"), c.qk_norm, c.tie_word_embeddings
+            (10, True, True)
+        """
+        from .config import decoder_config_from_preset  # the conversion, beside DecoderConfig
+
+        return decoder_config_from_preset(self)
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, *, source: str = "", notes: str = "") -> ModelPreset:
+        """The preset of a :class:`qkv.spec.DecoderConfig`, so :mod:`qkv.costs` counts any description (its
+        parameter count equals the built model's). ``ValueError`` for what the cost arithmetic does not count.
+
+        Example:
+            >>> from qkv.spec import get_config
+            >>> ModelPreset.from_config(get_config("tiny-gemma")).layer_counts
+            {'global': 2, 'local': 2}
+        """
+        c = config
+        if not isinstance(c, DecoderConfig):
+            raise TypeError(f"ModelPreset.from_config: expected a qkv.spec.DecoderConfig, got {type(c).__name__}")
+        uncounted = [f for f, bad in (("embed_norm", c.embed_norm), ("o_bias without qkv_bias", c.o_bias and
+                                      not c.qkv_bias), ("moe_layer_freq != 1", c.moe and c.moe.moe_layer_freq != 1))
+                     if bad]
+        defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(c) if f.init and not (f.default is f.default_factory is
+                                                                      dataclasses.MISSING)}
+        uncounted += [f"{name}={getattr(c, name)!r}" for name, default in defaults.items()  # fields added later
+                      if name not in _COUNTED_FIELDS and getattr(c, name) != default]
+        if uncounted:
+            raise ValueError(f"ModelPreset.from_config: {c.name or 'the config'} has {', '.join(uncounted)}, which "
+                             "qkv.costs does not count; count such a model from its built parameters")
+        kw: dict[str, Any] = dict(
+            name=c.name or "config", num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+            sliding_window=c.sliding_window if SLIDING in c.layer_types else None, layer_types=c.layer_types,
+            source=source, notes=notes, vocab_size=c.vocab_size, intermediate_size=c.intermediate_size,
+            mlp="gated" if c.gated_mlp else "dense", norm=c.norm, attention_bias=c.o_bias,
+            qkv_bias=c.qkv_bias and not c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
+            sandwich_norms=c.sandwich_norms, tie_word_embeddings=c.tie_word_embeddings,
+            learned_positions=c.max_position_embeddings if c.position == "learned" else None,
+            max_position_embeddings=c.max_position_embeddings)
+        if c.latent is not None:
+            lat = c.latent
+            kw.update(num_key_value_heads=c.num_attention_heads, head_dim=lat.qk_head_dim,
+                      kv_lora_rank=lat.kv_lora_rank, qk_rope_head_dim=lat.qk_rope_head_dim,
+                      qk_nope_head_dim=lat.qk_nope_head_dim, v_head_dim=lat.v_head_dim, q_lora_rank=lat.q_lora_rank)
+        if c.moe is not None:
+            m = c.moe
+            kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
+                      moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
+                      first_k_dense_replace=m.first_k_dense_replace)
+        return cls(**kw)
+
+    def mha_equivalent(self) -> ModelPreset:
+        """The same model with one key/value head per query head and no latent compression.
+
+        For MLA this is the expanded cache: per head a ``head_dim`` key and a ``value_head_dim`` value.
+
+        Example:
+            >>> PRESETS["llama-3-70b"].mha_equivalent().num_key_value_heads
+            64
+        """
+        return dataclasses.replace(
+            self,
+            name=f"{self.name} (MHA-equivalent)",
+            num_key_value_heads=self.num_attention_heads,
+            kv_lora_rank=None,
+            qk_rope_head_dim=None,
+            qk_nope_head_dim=None,
+            notes=f"{self.name} with one KV head per query head",
+        )
+
+
+def require_whole_model(preset: ModelPreset, what: str) -> None:
+    """Raise a ValueError when ``preset`` lacks the fields a whole-model count needs."""
+    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(preset, f) is None]
+    if preset.n_routed_experts is not None and preset.moe_intermediate_size is None:
+        missing.append("moe_intermediate_size")
+    if missing:
+        raise ValueError(
+            f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
+            "preset listed with a parameter count by `qkv presets`, or a full HF config.json"
+        )
+
+
+#: DecoderConfig fields :meth:`ModelPreset.from_config` counts or that change no count; any other field set
+#: away from its default is refused, so a field added to the description is never silently miscounted.
+_COUNTED_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    "num_key_value_heads", "head_dim", "hidden_act", "gated_mlp", "norm", "rms_norm_eps", "layer_norm_eps",
+    "norm_offset", "position", "embed_norm", "scale_embeddings", "sandwich_norms", "qkv_bias", "o_bias", "mlp_bias",
+    "qk_norm", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings",
+    "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
+    "name",
+})
+
+
+def _pattern(num_layers: int, period: int) -> tuple[str, ...]:
+    """HF's interleave: layer ``i`` is global iff ``(i + 1) % period == 0`` (Gemma 2: period 2)."""
+    return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers))
+
+
+_GPT2 = dict(vocab_size=50257, mlp="dense", norm="layer", attention_bias=True, mlp_bias=True,
+             tie_word_embeddings=True, learned_positions=1024)
+
+_PRESET_LIST = (
+    ModelPreset(
+        name="transformer-base", num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, hidden_size=512, encoder_layers=6, vocab_size=37000, intermediate_size=2048, mlp="dense",
+        norm="layer", attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        source="Vaswani et al. 2017, Attention Is All You Need, arXiv:1706.03762, Sec. 3.2.2 and 5.1, Table 3",
+        notes="Encoder-decoder, 6 + 6 layers, d_model 512 = 8 heads x 64; shared source-target BPE "
+        "vocabulary of about 37,000 tokens (English-German), one matrix for both embeddings and the "
+        "pre-softmax layer; sinusoidal positions (no parameters). Table 3 reports 65M parameters.",
+    ),
+    ModelPreset(
+        name="gpt-2-small", num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+        head_dim=64, hidden_size=768, intermediate_size=3072, **_GPT2,
+        max_position_embeddings=1024,
+        source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
+        "openai-community/gpt2 config.json",
+        notes="Context 1024. 124,439,808 parameters with the tied LM head (the paper's table says 117M).",
+    ),
+    ModelPreset(
+        name="gpt-2-medium", num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        head_dim=64, hidden_size=1024, intermediate_size=4096, **_GPT2,
+        max_position_embeddings=1024,
+        source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
+        "openai-community/gpt2-medium config.json",
+        notes="Context 1024. 354,823,168 parameters (the paper's table says 345M).",
+    ),
+    ModelPreset(
+        name="gpt-3-175b", num_hidden_layers=96, num_attention_heads=96, num_key_value_heads=96,
+        head_dim=128, hidden_size=12288, intermediate_size=4 * 12288, **{**_GPT2, "learned_positions": 2048},
+        max_position_embeddings=2048,
+        source="Brown et al. 2020, Language Models are Few-Shot Learners, arXiv:2005.14165, Table 2.1",
+        notes="Context 2048. The paper alternates dense and locally banded sparse layers without "
+        "publishing the band; modelled here as dense MHA. GPT-2's vocabulary and layout (Sec. 2.1).",
+    ),
+    ModelPreset(
+        name="llama-2-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
+        max_position_embeddings=4096,
+        source="Touvron et al. 2023, Llama 2, arXiv:2307.09288 (GQA for 34B/70B); "
+        "meta-llama/Llama-2-70b-hf config.json",
+        notes="Context 4096.",
+    ),
+    ModelPreset(
+        name="llama-3-8b", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096, vocab_size=128256, intermediate_size=14336,
+        max_position_embeddings=8192,
+        source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
+        "meta-llama/Meta-Llama-3-8B config.json",
+        notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
+    ),
+    ModelPreset(
+        name="llama-3-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, hidden_size=8192, vocab_size=128256, intermediate_size=28672,
+        max_position_embeddings=8192,
+        source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
+        "meta-llama/Meta-Llama-3-70B config.json",
+        notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
+    ),
+    ModelPreset(
+        name="mistral-7b-v0.1", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096, sliding_window=4096, vocab_size=32000, intermediate_size=14336,
+        max_position_embeddings=32768,
+        source="Jiang et al. 2023, Mistral 7B, arXiv:2310.06825, Table 1; "
+        "mistralai/Mistral-7B-v0.1 config.json (sliding_window 4096)",
+        notes="Every layer slides over 4096 tokens (rolling-buffer cache): the cache stops growing at "
+        "4096 tokens, 8x less than v0.3 at 32K.",
+    ),
+    ModelPreset(
+        name="mistral-7b-v0.2", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096, vocab_size=32000, intermediate_size=14336,
+        max_position_embeddings=32768,
+        source="mistralai/Mistral-7B-Instruct-v0.2 config.json (sliding_window null, rope_theta 1e6); "
+        "Mistral AI release notes",
+        notes="No sliding window: full attention over a 32K context.",
+    ),
+    ModelPreset(
+        name="mistral-7b-v0.3", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096, vocab_size=32768, intermediate_size=14336,
+        max_position_embeddings=32768,
+        source="mistralai/Mistral-7B-v0.3 config.json (sliding_window null, vocab_size 32768)",
+        notes="No sliding window: full attention over a 32K context; vocabulary extended to 32768.",
+    ),
+    ModelPreset(
+        name="gemma-2-27b", num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=128, hidden_size=4608, sliding_window=4096, layer_types=_pattern(46, 2),
+        vocab_size=256000, intermediate_size=36864, sandwich_norms=True, tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        source="Gemma Team 2024, Gemma 2, arXiv:2408.00118, Table 1; google/gemma-2-27b config.json",
+        notes="Local (window 4096) and global layers alternate, layer 0 local; context 8192.",
+    ),
+    ModelPreset(
+        name="gemma-3-27b", num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=128, hidden_size=5376, sliding_window=1024, layer_types=_pattern(62, 6),
+        vocab_size=262208, intermediate_size=21504, qk_norm=True, sandwich_norms=True, tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        source="Gemma Team 2025, Gemma 3 Technical Report, arXiv:2503.19786 (5 local : 1 global, "
+        "local span 1024); google/gemma-3-27b-pt config.json text_config",
+        notes="Every 6th layer global (10 of 62); context 128K. The language model only (no vision tower).",
+    ),
+    ModelPreset(
+        name="deepseek-v2", num_hidden_layers=60, num_attention_heads=128, num_key_value_heads=128,
+        head_dim=192, hidden_size=5120, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, vocab_size=102400, intermediate_size=12288, q_lora_rank=1536, n_routed_experts=160,
+        num_experts_per_tok=6, moe_intermediate_size=1536, n_shared_experts=2, first_k_dense_replace=1,
+        max_position_embeddings=163840,
+        source="DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, Sec. 2.1, 3.1 and App. B; "
+        "deepseek-ai/DeepSeek-V2 config.json",
+        notes="MLA caches kv_lora_rank + qk_rope_head_dim = 576 elements per token per layer. 236B "
+        "parameters, 21B active per token (the paper's figures).",
+    ),
+    ModelPreset(
+        name="llama-70b-mha", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=64,
+        head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
+        source="Teaching example: the Llama 2 70B shape (arXiv:2307.09288) without GQA",
+        notes="2 x 128,000 x 64 x 128 x 2 B = 4.19 GB per layer, 335 GB for 80 layers at fp16; the "
+        "texts' '128K' is decimal, 128,000 tokens.",
+    ),
+)
+
+PRESETS: Mapping[str, ModelPreset] = MappingProxyType({p.name: p for p in _PRESET_LIST})
+
+#: Names that used to mean one version silently; ``get_preset`` asks for the version instead.
+AMBIGUOUS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "mistral-7b": ("mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-7b-v0.3"),
+})
+
+_HF_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size"}
+
+
+def preset_from_hf_config(
+    config: str | os.PathLike | Mapping[str, Any], *, name: str | None = None
+) -> ModelPreset:
+    """Build a preset from a HF ``config.json`` (a path, a folder holding one, or the parsed dict).
+
+    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.spec.hf_config.read_layout`'s, the
+    reading the models use too, so it equals what ``transformers`` and :func:`qkv.models.from_hf` build:
+    e.g. a Qwen2 ``config.json`` slides only with ``use_sliding_window`` and only from layer
+    ``max_window_layers`` on. Multimodal configs are read from ``text_config``.
+
+    Example:
+        >>> cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
+        >>> preset_from_hf_config(cfg).attention_kind
+        'mha'
+    """
+    source = "HF config dict"
+    if not isinstance(config, Mapping):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
+        config = read_json_config(path)
+        source = f"HF config {path}"
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+    check_layout_fields(config, source)
+    try:
+        layout = read_layout(config)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+    cfg = dict(config.get("text_config") or config) if "num_hidden_layers" not in config else dict(config)
+    cfg = {_HF_ALIASES.get(k, k): v for k, v in cfg.items()}
+    return ModelPreset(
+        name=name or layout.model_type or "config",
+        num_hidden_layers=layout.num_hidden_layers,
+        num_attention_heads=layout.num_attention_heads,
+        num_key_value_heads=layout.num_key_value_heads,
+        head_dim=layout.head_dim,
+        hidden_size=layout.hidden_size or layout.num_attention_heads * layout.head_dim,
+        sliding_window=layout.sliding_window,
+        layer_types=layout.layer_types,
+        kv_lora_rank=layout.kv_lora_rank,
+        qk_rope_head_dim=layout.qk_rope_head_dim,
+        qk_nope_head_dim=layout.qk_nope_head_dim,
+        v_head_dim=layout.v_head_dim,
+        source=source,
+        **_whole_model_fields(cfg, layout.model_type or ""),
+    )
+
+
+# HF model types whose feed-forward has two matrices and whose norms are LayerNorms with biases (GPT-2 layout).
+_DENSE_LAYER_NORM = {"gpt2", "gpt_bigcode", "opt"}
+_TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"}
+
+
+def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The fields beyond attention that parameter counts and whole-model FLOPs need (HF names, family
+    defaults where the config leaves them out)."""
+    gpt2 = model_type in _DENSE_LAYER_NORM
+    d = cfg.get("hidden_size")
+    out: dict[str, Any] = {
+        "vocab_size": cfg.get("vocab_size"),
+        "intermediate_size": cfg.get("intermediate_size") or cfg.get("n_inner") or (4 * d if gpt2 and d else None),
+        "mlp": "dense" if gpt2 else "gated",
+        "norm": "layer" if gpt2 else "rms",
+        "attention_bias": gpt2 or bool(cfg.get("attention_bias", False)),
+        "qkv_bias": model_type == "qwen2",
+        "mlp_bias": gpt2 or bool(cfg.get("mlp_bias", False)),
+        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3"),
+        "sandwich_norms": model_type in ("gemma2", "gemma3", "gemma3_text"),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
+        "learned_positions": (cfg.get("n_positions") or cfg.get("max_position_embeddings")) if gpt2 else None,
+        "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("n_positions"),
+        "q_lora_rank": cfg.get("q_lora_rank") if cfg.get("kv_lora_rank") is not None else None,
+    }
+    if cfg.get("n_routed_experts"):
+        out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
+                   moe_intermediate_size=cfg.get("moe_intermediate_size"),
+                   n_shared_experts=cfg.get("n_shared_experts") or 0,
+                   first_k_dense_replace=cfg.get("first_k_dense_replace") or 0)
+    return out
+
+
+def get_preset(name_or_path: str | os.PathLike) -> ModelPreset:
+    """A registry preset by name (case and ``_``/``-`` forgiven), or a HF ``config.json`` path.
+
+    Raises:
+        ValueError: unknown name, listing the known ones and the closest match.
+
+    Example:
+        >>> get_preset("Llama_3_70B").num_key_value_heads
+        8
+    """
+    key = os.fspath(name_or_path).strip().lower().replace("_", "-").replace(" ", "-")
+    if key in PRESETS:
+        return PRESETS[key]
+    if key in AMBIGUOUS:
+        raise ValueError(
+            f"preset {os.fspath(name_or_path)!r} names several versions whose attention differs; pick one of "
+            f"{', '.join(AMBIGUOUS[key])} (see `qkv presets`)"
+        )
+    if os.path.exists(name_or_path):
+        return preset_from_hf_config(name_or_path)
+    close = difflib.get_close_matches(key, PRESETS, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"unknown preset {os.fspath(name_or_path)!r}.{hint} Known presets: {', '.join(PRESETS)}; "
+        "or give the path of a HF config.json."
+    )

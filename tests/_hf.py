@@ -1,0 +1,55 @@
+"""Shared helpers for tests against HF transformers models with random weights.
+
+HF's initialisation (normal with std 0.02) makes attention nearly uniform, which hides mask, position and scale
+mistakes; :func:`randomize_weights` redraws every weight at unit scale instead. :func:`hf_causal_lm` builds a model
+of a config class by name, redrawn and ready for greedy generation (no EOS, pad id 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["randomize_weights", "hf_causal_lm"]
+
+
+def randomize_weights(model: nn.Module, seed: int) -> None:
+    """Redraw every parameter of an HF model in place: linear weights ~ N(0, 1/fan_in), embeddings (and
+    GPT-OSS sinks) ~ N(0, 1), biases ~ N(0, 0.1^2), norm parameters around their identity (1, or 0 for Gemma's
+    ``1 + w`` norms) with spread 0.2."""
+    gen = torch.Generator().manual_seed(seed)
+    around_zero = model.config.model_type.startswith("gemma")
+    embeddings = {name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            low = name.lower()
+            if "norm" in low or "ln_" in low:
+                value = (0.0 if around_zero else 1.0) + 0.2 * noise
+            elif "sinks" in low or name.rpartition(".")[0] in embeddings:
+                value = noise
+            elif p.dim() == 1:
+                value = 0.1 * noise
+            else:
+                value = noise / math.sqrt(p.shape[-1])
+            p.copy_(value.to(p.dtype))
+
+
+def hf_causal_lm(config_cls: str, model_cls: str, fields: dict, *, seed: int,
+                 attn_implementation: str | None = None) -> nn.Module:
+    """An HF model ``model_cls`` of ``config_cls(**fields)`` in eval mode, with redrawn weights and a generation
+    config for greedy decoding of fixed length (no EOS token, padding id 0)."""
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(**fields)
+    torch.manual_seed(0)
+    cls = getattr(transformers, model_cls)
+    model = (cls(cfg) if attn_implementation is None
+             else cls._from_config(cfg, attn_implementation=attn_implementation)).eval()
+    randomize_weights(model, seed)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+    return model

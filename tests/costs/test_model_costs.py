@@ -1,0 +1,377 @@
+"""Whole-model cost arithmetic: parameter counts (the texts' and papers' figures, and sum(p.numel()) of models
+from_hf builds), prefill/decode/training and generation FLOPs against FLOPs counted by torch on a real
+forward, sparse-pattern pair counts against materialized masks, linear attention against counted matmuls."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from qkv import masks
+from qkv.costs import (
+    AMBIGUOUS,
+    PRESETS,
+    bigbird_pairs,
+    crossover_context,
+    fixed_pairs,
+    forward_flops,
+    generation_flops,
+    get_preset,
+    kv_cache_memory,
+    linear_attention_flops,
+    longformer_pairs,
+    model_flops,
+    num_parameters,
+    pairs_flops,
+    performer_flops,
+    preset_from_hf_config,
+    score_elements,
+    strided_pairs,
+    window_pairs,
+)
+
+
+@pytest.mark.parametrize("name, total", [
+    ("gpt-2-small", 124_439_808),  # HF openai-community/gpt2
+    ("gpt-2-medium", 354_823_168),
+    ("llama-2-70b", 68_976_648_192),  # HF meta-llama/Llama-2-70b-hf
+    ("llama-3-8b", 8_030_261_248),
+    ("llama-3-70b", 70_553_706_496),
+    ("mistral-7b-v0.1", 7_241_732_096),
+    ("gemma-2-27b", 27_227_128_320),
+])
+def test_parameter_counts_of_released_checkpoints(name, total):
+    assert num_parameters(PRESETS[name]).total == total
+
+
+@pytest.mark.parametrize("name, billions, tol", [
+    ("transformer-base", 0.065, 0.05),  # Vaswani et al. Table 3: 65M
+    ("gpt-3-175b", 175.0, 0.01),  # Brown et al. Table 2.1
+    ("deepseek-v2", 236.0, 0.01),  # DeepSeek-V2: 236B total
+])
+def test_parameter_counts_match_papers(name, billions, tol):
+    got = num_parameters(PRESETS[name]).total / 1e9
+    assert abs(got - billions) <= tol * billions, f"{name}: {got:.4f}B vs the paper's {billions}B"
+
+
+def test_deepseek_v2_active_parameters():
+    c = num_parameters(PRESETS["deepseek-v2"])
+    assert abs(c.active / 1e9 - 21.0) <= 0.5, c  # 21B activated per token (the paper)
+    assert c.total - c.active == 59 * (160 - 6) * 3 * 5120 * 1536  # unused routed experts of 59 MoE layers
+
+
+def test_transformer_base_attention_shape():
+    p = PRESETS["transformer-base"]
+    assert (p.hidden_size, p.num_attention_heads, p.head_dim) == (512, 8, 64)
+    assert p.num_attention_heads * p.head_dim == p.hidden_size  # the heads' widths sum to d_model
+
+
+def test_texts_head_counts():
+    assert PRESETS["gpt-2-medium"].num_attention_heads == 16
+    assert PRESETS["gpt-3-175b"].num_attention_heads == 96
+    p = PRESETS["llama-2-70b"]
+    assert p.num_attention_heads // p.num_key_value_heads == 8  # g = 8
+    gqa = kv_cache_memory(p, context=128_000, dtype="fp16")
+    assert kv_cache_memory(p.mha_equivalent(), context=128_000, dtype="fp16").total_bytes == 8 * gqa.total_bytes
+
+
+def test_lecture_n_squared_at_128k_is_ten_times_its_figure():
+    # The lecture says n^2 at n = 128K is 1.6 billion ("16억"); it is 16.4 billion (128,000) or 17.2 (131,072).
+    lecture = 1.6e9
+    assert score_elements(128_000) == 16_384_000_000
+    assert score_elements(131_072) == 17_179_869_184
+    assert 10 <= score_elements(128_000) / lecture < 11
+
+
+def test_mistral_versions_differ_and_the_bare_name_asks():
+    v1, v3 = PRESETS["mistral-7b-v0.1"], PRESETS["mistral-7b-v0.3"]
+    at32k = [kv_cache_memory(p, context=32_768).total_bytes for p in (v1, v3)]
+    assert at32k[1] == 8 * at32k[0]
+    assert v1.sliding_window == 4096 and v3.sliding_window is None
+    with pytest.raises(ValueError, match="mistral-7b-v0.1, mistral-7b-v0.2, mistral-7b-v0.3"):
+        get_preset("mistral-7b")
+    assert all(v in PRESETS for versions in AMBIGUOUS.values() for v in versions)
+
+
+def test_every_preset_cites_a_source():
+    for p in PRESETS.values():
+        assert p.source, p.name
+
+
+def test_attention_only_preset_refused():
+    bare = preset_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64})
+    with pytest.raises(ValueError, match="missing vocab_size, intermediate_size"):
+        num_parameters(bare)
+    with pytest.raises(ValueError, match="missing vocab_size"):
+        generation_flops(bare, 4, 4)
+
+
+def test_bad_arguments():
+    p = PRESETS["llama-3-8b"]
+    with pytest.raises(TypeError, match="expected a ModelPreset, a preset name"):
+        num_parameters(3)
+    assert num_parameters("llama-3-8b") == num_parameters(p)
+    assert generation_flops("gpt-2-small", 3, 3) == generation_flops(PRESETS["gpt-2-small"], 3, 3)
+    with pytest.raises(ValueError, match="new_tokens must be a positive int"):
+        generation_flops(p, 4, 0)
+    with pytest.raises(TypeError, match="use_cache must be a bool"):
+        generation_flops(p, 4, 4, use_cache="yes")
+    with pytest.raises(ValueError, match="kv_len .* must be >= q_len"):
+        forward_flops(p, 8, 4)
+    with pytest.raises(ValueError, match="logits must be 'all' or 'last'"):
+        forward_flops(p, 8, logits="none")
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        model_flops(PRESETS["transformer-base"], context=8)
+    with pytest.raises(ValueError, match="multiple of block"):
+        bigbird_pairs(30, 8)
+    with pytest.raises(ValueError, match="window_blocks must be odd"):
+        bigbird_pairs(32, 8, window_blocks=2)
+    with pytest.raises(ValueError, match="summary .* must be <= block"):
+        fixed_pairs(8, 2, 3)
+    with pytest.raises(ValueError, match="left must be an int >= 0"):
+        window_pairs(8, -1)
+
+
+transformers = pytest.importorskip("transformers")
+
+_BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=64)
+HF_CASES = {
+    "llama-Hq8-Hkv2-untied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-MQA-D24-tied-bias": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True, attention_bias=True,
+        mlp_bias=True)),
+    "mistral-W5": ("MistralConfig", "MistralForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=5, tie_word_embeddings=False)),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "gemma2-D32": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=5)),
+    "gemma3-qknorm": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=5)),
+    "deepseek-qlora-moe": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=16,
+        first_k_dense_replace=1)),
+    "deepseek-noqlora": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=3, n_head=4, n_positions=48, vocab_size=160)),
+}
+
+
+def _hf(case):
+    cfg_cls, model_cls, overrides = HF_CASES[case]
+    base = {} if case == "gpt2" else _BASE
+    cfg = getattr(transformers, cfg_cls)(**{**base, **overrides})
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(cfg).eval()
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_num_parameters_equals_numel_of_from_hf_model(case):
+    from qkv.models import from_hf
+
+    hf = _hf(case)
+    preset = preset_from_hf_config(hf.config.to_dict(), name=case)
+    ours = from_hf(hf)
+    numel = sum(p.numel() for p in ours.parameters())
+    hf_numel = sum(p.numel() for p in hf.parameters())
+    count = num_parameters(preset)
+    assert count.total == numel == hf_numel, f"{case}: counted {count}, qkv model {numel}, HF {hf_numel}"
+
+
+def _counted(model, ids) -> dict[str, int]:
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        model(ids)
+    return {str(op): n for op, n in fc.get_flop_counts()["Global"].items()}
+
+
+def test_forward_flops_match_counted_matmuls_of_a_real_decoder():
+    """A qkv decoder's forward under torch's FLOP counter: every matmul outside attention is ours."""
+    from qkv.nn import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+                        num_key_value_heads=2, intermediate_size=80, backend="reference")
+    model = DecoderLM(cfg).eval()
+    preset = preset_from_hf_config({"model_type": "llama", "vocab_size": 97, "hidden_size": 48,
+                                    "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+                                    "intermediate_size": 80})
+    n = 11
+    ops = _counted(model, torch.randint(0, 97, (2, n)))
+    ours = forward_flops(preset, n, batch=2, logits="all")
+    linear = sum(v for k, v in ops.items() if k in ("aten.mm", "aten.addmm"))
+    assert linear == ours.rest, (ops, ours)
+    # The reference backend multiplies the full (not causal) score matrix: 2 bmm of N x N x D per head.
+    full = sum(v for k, v in ops.items() if k in ("aten.bmm", "aten.matmul"))
+    assert full == 3 * 4 * 2 * 6 * n * n * 8, ops
+
+
+def test_model_flops_parts():
+    p = PRESETS["llama-3-8b"]
+    m = model_flops(p, context=4096)
+    assert m.prefill.lm_head == 2 * 4096 * 128256  # logits of the last token only
+    assert m.training.projections == 3 * 2 * 4096 * 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2)
+    assert m.decode.ffn == 2 * 32 * 3 * 4096 * 14336
+    assert m.training.attention == m.prefill.attention * 7 // 2
+
+
+def test_crossover_is_where_attention_catches_up():
+    for name in ("gpt-2-small", "llama-2-70b", "gpt-3-175b", "deepseek-v2"):
+        p = PRESETS[name]
+        n = crossover_context(p)
+        before, at = forward_flops(p, n - 1), forward_flops(p, n)
+        assert before.attention < before.rest and at.attention >= at.rest, name
+    d = PRESETS["gpt-3-175b"].hidden_size
+    assert abs(crossover_context(PRESETS["gpt-3-175b"]) - 12 * d) < 0.01 * 12 * d  # 2 N^2 d = 24 N d^2
+    assert crossover_context(PRESETS["mistral-7b-v0.1"]) is None  # a 4096 window never catches up
+
+
+def _brute_generation(preset, prompt, new, use_cache):
+    """Step by step, each forward counted from its own definition."""
+    attn = rest = 0
+    seq = prompt
+    for step in range(new):
+        q = seq if (step == 0 or not use_cache) else 1
+        f = forward_flops(preset, q, seq, logits="last")
+        attn, rest = attn + f.attention, rest + f.rest
+        seq += 1
+    return attn, rest
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "recompute"])
+def test_generation_flops_step_by_step(use_cache):
+    p = PRESETS["gpt-2-small"]
+    g = generation_flops(p, 7, 9, use_cache=use_cache)
+    assert (g.attention, g.rest) == _brute_generation(p, 7, 9, use_cache)
+
+
+def test_generation_cache_turns_cubic_into_quadratic():
+    p = PRESETS["gpt-2-small"]
+    att = {c: [generation_flops(p, 1, T, use_cache=c).attention for T in (256, 512)] for c in (True, False)}
+    assert 3.9 < att[True][1] / att[True][0] < 4.1  # N^2
+    assert 7.8 < att[False][1] / att[False][0] < 8.1  # N^3
+    cached, recomputed = (generation_flops(p, 1, 1023, use_cache=c).total for c in (True, False))
+    assert recomputed > 300 * cached
+
+
+def _count(mask, n):
+    return int(mask.dense(1, 1, n, n).sum())
+
+
+SIZES = [1, 2, 13, 64, 113]
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("left, right", [(0, 0), (3, 0), (2, 5), (200, 0)], ids=lambda v: str(v))
+def test_window_and_longformer_pairs(n, left, right):
+    assert window_pairs(n, left, right) == _count(masks.sliding_window(left, right), n)
+    for g in (1, 4):
+        mask = masks.sliding_window(left, right) | masks.global_tokens(list(range(g)))
+        assert longformer_pairs(n, left, right, num_global=g) == _count(mask, n), g
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"N{n}")
+def test_strided_and_fixed_pairs(n):
+    for stride in (1, 3, 8):
+        assert strided_pairs(n, stride) == _count(masks.strided(stride), n), stride
+    for block, summary in ((4, 1), (8, 3), (5, 5)):
+        assert fixed_pairs(n, block, summary) == _count(masks.fixed(block, summary), n), (block, summary)
+
+
+@pytest.mark.parametrize("n, block, w, g, r", [(64, 8, 3, 1, 1), (64, 4, 5, 2, 3), (96, 8, 1, 0, 2),
+                                               (32, 8, 3, 2, 9)], ids=lambda v: str(v))
+def test_bigbird_pairs(n, block, w, g, r):
+    for seed in (0, 5):
+        assert bigbird_pairs(n, block, w, g, r) == _count(masks.bigbird(block, w, g, r, seed=seed), n)
+
+
+def test_pairs_flops_is_dense_attention_on_a_full_mask():
+    from qkv.costs import attention_flops
+
+    assert pairs_flops(window_pairs(50, 49), num_heads=3, head_dim=16, batch=2) == attention_flops(
+        2, 3, 50, 50, 16, causal=True) + 2 * 2 * 3 * 25 * 32  # exact N(N+1)/2 vs the N^2/2 convention
+
+
+def test_linear_and_performer_flops_match_counted_matmuls():
+    B, H, N, D, Dv, F = 2, 3, 17, 8, 6, 10
+    q, k = torch.randn(B, H, N, F).exp(), torch.randn(B, H, N, F).exp()  # positive features
+    v = torch.randn(B, H, N, Dv)
+    with FlopCounterMode(display=False) as fc:
+        state = k.transpose(-1, -2) @ v  # (B, H, F, Dv)
+        z = k.sum(dim=2, keepdim=True)  # (B, H, 1, F)
+        (q @ state) / (q @ z.transpose(-1, -2))
+    assert fc.get_total_flops() == linear_attention_flops(N, features=F, num_heads=H, v_head_dim=Dv, batch=B)
+    proj = torch.randn(F, D)
+    x = torch.randn(B, H, N, D)
+    with FlopCounterMode(display=False) as fc:
+        x @ proj.T
+    assert performer_flops(N, num_features=F, head_dim=D, num_heads=H, v_head_dim=Dv, batch=B) == (
+        linear_attention_flops(N, features=F, num_heads=H, v_head_dim=Dv, batch=B) + 2 * fc.get_total_flops())
+
+
+def test_presets_are_frozen_and_replaceable():
+    p = dataclasses.replace(PRESETS["llama-3-8b"], num_hidden_layers=2, layer_types=None, name="two")
+    assert num_parameters(p).total < num_parameters(PRESETS["llama-3-8b"]).total
+
+
+_SHRINK = dict(hidden_size=64, vocab_size=97, intermediate_size=96, head_dim=16, learned_positions=None)
+
+
+def _shrunk(name):
+    p = PRESETS[name]
+    kw = dict(_SHRINK, num_hidden_layers=4 if p.sliding_window else 2, layer_types=None,
+              num_attention_heads=8, num_key_value_heads=max(1, 8 * p.num_key_value_heads // p.num_attention_heads),
+              learned_positions=64 if p.learned_positions else None)
+    if "local" in p.layer_counts and "global" in p.layer_counts:
+        kw.update(layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
+    elif p.sliding_window:
+        kw.update(sliding_window=8)
+    if p.kv_lora_rank is not None:
+        kw.update(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, head_dim=16, v_head_dim=12, q_lora_rank=24,
+                  num_key_value_heads=8)
+    if p.n_routed_experts is not None:
+        kw.update(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
+    return dataclasses.replace(p, name=f"{name}-small", **kw)
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.encoder_layers])
+def test_preset_shaped_model_has_the_counted_parameters(name):
+    from qkv.nn import DecoderLM
+    from qkv.spec.config import decoder_config_from_preset
+
+    small = _shrunk(name)
+    model = DecoderLM(decoder_config_from_preset(small))
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel == num_parameters(small).total, (name, numel, num_parameters(small))
+    with torch.no_grad():
+        assert model(torch.randint(0, 97, (1, 9))).logits.shape == (1, 9, 97)
+
+
+def test_get_config_builds_a_small_model_shaped_like_a_preset():
+    from qkv.nn import DecoderLM, get_config
+
+    cfg = get_config("mistral-7b-v0.1", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                     num_key_value_heads=1, head_dim=16, intermediate_size=64, vocab_size=50)
+    assert cfg.sliding_window == 4096 and cfg.layer_types == ("sliding_attention",) * 2
+    assert DecoderLM(cfg)(torch.randint(0, 50, (1, 5))).logits.shape == (1, 5, 50)
+    full = get_config("llama-2-70b")
+    assert (full.num_key_value_heads, full.head_dim, full.intermediate_size) == (8, 128, 28672)
+    with pytest.raises(ValueError, match="pick one of"):
+        get_config("mistral-7b")
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        get_config("transformer-base")
+    with pytest.raises(ValueError, match="unknown preset 'llama-9'"):
+        get_config("llama-9")
+
+
+def test_get_config_takes_the_presets_context_length():
+    from qkv.costs import get_preset
+    from qkv.nn import get_config
+
+    for name in ("llama-3-8b", "mistral-7b-v0.3", "gpt-2-small", "gemma-3-27b"):
+        p = get_preset(name)
+        want = p.learned_positions or p.max_position_embeddings
+        assert get_config(name).max_position_embeddings == want, name

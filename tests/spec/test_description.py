@@ -1,0 +1,209 @@
+"""qkv.spec, the torch-free model description: it imports without torch, holds each concept once (layer types,
+RoPE parameters, activation and norm names, the HF reader), and the public names of qkv.nn and qkv.costs are
+its objects."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import qkv.spec
+from qkv.spec import hf_config
+
+_BLOCK_TORCH = textwrap.dedent("""
+    import sys
+
+    class _Blocked:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("torch", "numpy", "transformers", "triton"):
+                raise ImportError(f"blocked import of {name}")
+
+    sys.meta_path.insert(0, _Blocked())
+""")
+
+
+@pytest.mark.parametrize("module", ["qkv.spec", "qkv.costs"])
+def test_imports_without_torch(module):
+    """A meta-path guard refuses torch (and numpy, transformers): the description and the cost arithmetic still
+    import and work, and load no qkv module that needs torch."""
+    code = _BLOCK_TORCH + textwrap.dedent(f"""
+        import importlib, json
+        importlib.import_module({module!r})
+        from qkv.spec import get_config, get_preset, read_layout
+        cfg = get_config("llama-3-8b", num_hidden_layers=2)
+        layout = read_layout({{"model_type": "gemma2", "num_hidden_layers": 4, "num_attention_heads": 8,
+                               "hidden_size": 64}})
+        print(json.dumps({{"types": cfg.layer_types, "gemma": layout.layer_types,
+                          "kv": get_preset("llama-3-70b").num_key_value_heads,
+                          "loaded": sorted(m for m in sys.modules if m.startswith(("qkv", "torch")))}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["types"] == ["full_attention"] * 2 and got["kv"] == 8
+    assert got["gemma"] == ["sliding_attention", "full_attention"] * 2
+    assert not [m for m in got["loaded"] if m.startswith("torch")]
+    allowed = ("qkv.spec", "qkv.costs")
+    assert all(m == "qkv" or m.startswith(allowed) for m in got["loaded"]), got["loaded"]
+
+
+def test_spec_imports_nothing_above_it():
+    """Spec is the lowest layer: no module of it imports (even lazily, inside a function) another qkv package."""
+    import ast
+    import pathlib
+
+    bad = []
+    for path in pathlib.Path(qkv.spec.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level > 1 or (node.module or "").startswith("qkv")
+                                                     and not node.module.startswith("qkv.spec")):
+                bad.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Import) and any(a.name.startswith(("qkv.", "torch")) and
+                                                    not a.name.startswith("qkv.spec") for a in node.names):
+                bad.append(f"{path.name}:{node.lineno}")
+    assert not bad, bad
+
+
+def test_the_guard_does_refuse_torch():
+    """The guard of the test above is real: importing torch-needing qkv modules under it fails."""
+    code = _BLOCK_TORCH + "import qkv.nn\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "blocked import of torch" in out.stderr
+
+
+def test_each_concept_is_defined_once():
+    import qkv.cache.plan
+    import qkv.nn
+    import qkv.nn.activations
+    import qkv.nn.latent
+    import qkv.nn.moe
+    import qkv.nn.norm
+    from qkv.spec import config, layer_types, presets, rope
+
+    for module in (config, hf_config, presets):
+        assert module.FULL_ATTENTION is layer_types.FULL_ATTENTION
+    assert config.SLIDING_ATTENTION is hf_config.SLIDING_ATTENTION is layer_types.SLIDING_ATTENTION
+    assert qkv.nn.DecoderConfig is config.DecoderConfig and qkv.nn.TransformerConfig is config.TransformerConfig
+    assert qkv.nn.RopeParams is rope.RopeParams and qkv.nn.get_config is config.get_config
+    assert qkv.nn.PRESETS is config.PRESETS
+    assert qkv.nn.LatentConfig is qkv.nn.latent.LatentConfig is qkv.spec.LatentConfig
+    assert qkv.nn.MoEConfig is qkv.nn.moe.MoEConfig is qkv.spec.MoEConfig
+    assert importlib.import_module("qkv.pos.rope").ROPE_TYPES is rope.ROPE_TYPES
+    assert qkv.nn.norm.NORMS is config.NORMS
+    assert tuple(qkv.nn.activations.ACTIVATIONS) == config.ACTIVATION_NAMES  # names here, functions in qkv.nn
+
+
+def test_costs_public_names_are_the_spec_objects():
+    import qkv.costs
+
+    for name in ("PRESETS", "AMBIGUOUS", "ModelPreset", "get_preset", "preset_from_hf_config"):
+        assert getattr(qkv.costs, name) is getattr(qkv.spec, name), name
+
+
+def test_latent_and_moe_come_from_the_one_reader():
+    deepseek = {"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16,
+                "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+                "max_position_embeddings": 256, "rope_theta": 500.0,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                 "mscale_all_dim": 1.0},
+                "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}
+    latent = hf_config.read_latent(deepseek)
+    assert qkv.spec.LatentConfig.from_hf(deepseek) == latent  # the public method is the reader
+    assert (latent.rope_theta, latent.rope_type, latent.q_lora_rank) == (500.0, "yarn", 24)
+    assert latent.rope_scaling["factor"] == 4.0 and "rope_theta" not in latent.rope_scaling
+    moe = hf_config.read_moe(deepseek)
+    assert (moe.n_routed_experts, moe.topk_method, moe.n_group) == (8, "group_limited_greedy", 4)
+    assert hf_config.read_moe({"hidden_size": 8}) is None
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_transformer_config_reads_rope_through_the_reader(key):
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "rope_theta": 2e4,
+          key: {"type": "linear", "factor": 2.0}}
+    cfg = qkv.spec.TransformerConfig.from_dict(hf, strict=False)
+    want = hf_config.read_rope(hf)["full_attention"]
+    assert (cfg.rope_theta, cfg.rope_params.rope_type, dict(cfg.rope_scaling)) == (
+        want.theta, "linear", dict(want.scaling))
+    default = qkv.spec.TransformerConfig.from_dict(
+        {**hf, key: {"rope_type": "default", "rope_theta": 7e3}}, strict=False)
+    assert (default.rope_scaling, default.rope_theta) == (None, 2e4)  # the explicit rope_theta wins
+
+
+def test_rope_params_build_the_same_embedding():
+    import torch
+
+    from qkv.pos import RotaryEmbedding
+
+    params = qkv.spec.RopeParams(theta=5e5, scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    built = RotaryEmbedding.from_params(params, 16, 512)
+    direct = RotaryEmbedding(16, theta=5e5, scaling=dict(params.scaling), max_position_embeddings=512)
+    assert torch.equal(built.inv_freq(), direct.inv_freq())
+    with pytest.raises(ValueError, match="needs 'factor'"):
+        qkv.spec.TransformerConfig(position="rope", rope_scaling={"rope_type": "linear"})
+    with pytest.raises(ValueError, match="unsupported rope_type 'bogus'"):
+        qkv.spec.TransformerConfig(position="rope", rope_scaling={"rope_type": "bogus"})
+
+
+@pytest.mark.parametrize("name", ["qkv.spec", "qkv.spec.config", "qkv.spec.hf_config", "qkv.spec.layer_types",
+                                  "qkv.spec.rope", "qkv.spec.latent", "qkv.spec.presets",
+                                  "qkv.cache.describe"])
+def test_docstring_examples_run(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+
+
+def _whole_decoder_presets():
+    return [p for p in qkv.spec.PRESETS.values() if not p.encoder_layers]
+
+
+@pytest.mark.parametrize("name", [p.name for p in _whole_decoder_presets()])
+def test_preset_is_a_description_and_back(name):
+    """``preset.config`` is the DecoderConfig ``get_config(name)`` returns; reading it back as a preset gives the
+    same cost arithmetic (parameters, KV bytes, FLOPs)."""
+    from qkv.costs import kv_cache_memory, model_flops, num_parameters
+
+    preset = qkv.spec.PRESETS[name]
+    cfg = preset.config
+    assert qkv.spec.get_config(name) == cfg
+    assert qkv.spec.config.decoder_config_from_preset(preset) == cfg
+    back = qkv.spec.ModelPreset.from_config(cfg, source=preset.source)
+    assert back.layer_types == preset.layer_types and back.attention_kind == preset.attention_kind
+    assert num_parameters(back)[1:] == num_parameters(preset)[1:]
+    assert num_parameters(cfg)[1:] == num_parameters(preset)[1:]  # costs take the description itself
+    assert kv_cache_memory(back, context=4096).total_bytes == kv_cache_memory(preset, context=4096).total_bytes
+    assert model_flops(cfg, context=1024).prefill == model_flops(preset, context=1024).prefill
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-gpt"])
+def test_costs_of_a_description_count_the_built_model(name):
+    from qkv.costs import num_parameters
+    from qkv.nn import DecoderLM
+
+    cfg = qkv.spec.get_config(name)
+    assert num_parameters(cfg).total == sum(p.numel() for p in DecoderLM(cfg).parameters())
+
+
+def test_from_config_refuses_what_costs_do_not_count():
+    with pytest.raises(ValueError, match="embed_norm.*does not count"):
+        qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-bloom"))
+    with pytest.raises(TypeError, match="expected a qkv.spec.DecoderConfig"):
+        qkv.spec.ModelPreset.from_config({"hidden_size": 8})
+
+
+def test_from_config_refuses_a_field_it_does_not_count(monkeypatch):
+    """A DecoderConfig field the cost arithmetic does not know (one added later) is refused when set away from
+    its default, never silently left out of the count."""
+    from qkv.spec import presets
+
+    monkeypatch.setattr(presets, "_COUNTED_FIELDS", presets._COUNTED_FIELDS - {"qk_norm"})
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-gemma"))
+    assert qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-llama")).qk_norm is False
