@@ -31,8 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -41,12 +39,15 @@ from . import masks as M
 from ._attention import attention
 from ._request import AttentionOutput
 from .masks.base import Mask
+from .pos.ids import positions_from_padding
 
 __all__ = ["varlen_attention", "varlen_mask", "Packed", "pack", "unpack", "cu_seqlens_from_lengths",
-           "packed_documents"]
+           "as_cu_seqlens"]
 
 
-def _cu(cu, name: str) -> torch.Tensor:
+def as_cu_seqlens(cu, name: str = "cu_seqlens") -> torch.Tensor:
+    """Check cumulative lengths ``[0, n0, n0+n1, ...]`` (a 1-D integer tensor, starting at 0, non-decreasing) and
+    return them as int64; ``name`` is the argument named in the error."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point \
             or cu.dtype == torch.bool:
         raise TypeError(f"varlen: {name} must be a 1-D integer tensor [0, n0, n0+n1, ...], got "
@@ -82,7 +83,7 @@ def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, causa
     (``-1``: no bound on that side; ``causal`` implies ``right = 0``). Returns None when one sequence with
     neither causal nor window needs no mask.
     """
-    cq, ck = _cu(cu_seqlens_q, "cu_seqlens_q"), _cu(cu_seqlens_k, "cu_seqlens_k")
+    cq, ck = as_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"), as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
     if cq.numel() != ck.numel():
         raise ValueError(f"varlen: cu_seqlens_q has {cq.numel() - 1} sequences but cu_seqlens_k has "
                          f"{ck.numel() - 1}")
@@ -144,7 +145,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"varlen_attention: {name} must be a packed (total, H, D) tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    cq, ck = _cu(cu_seqlens_q, "cu_seqlens_q"), _cu(cu_seqlens_k, "cu_seqlens_k")
+    cq, ck = as_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"), as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
     if int(cq[-1]) != q.shape[0] or int(ck[-1]) != k.shape[0]:
         raise ValueError(f"varlen_attention: cu_seqlens_q ends at {int(cq[-1])} and cu_seqlens_k at {int(ck[-1])}, "
                          f"but q has {q.shape[0]} tokens and k {k.shape[0]}; the last entry is the total")
@@ -186,7 +187,7 @@ def pack(x: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     valid = attention_mask.to(x.device)
     indices = valid.reshape(-1).nonzero().squeeze(1)  # (total,)
     lengths = valid.sum(1)
-    positions = (valid.cumsum(1) - 1).reshape(-1)[indices]
+    positions = positions_from_padding(valid).reshape(-1)[indices]
     values = x.reshape(B * N, *x.shape[2:])[indices]
     return Packed(values, cu_seqlens_from_lengths(lengths.cpu()).to(x.device), int(lengths.max()) if B else 0,
                   indices, positions, (B, N))
@@ -203,36 +204,3 @@ def unpack(values: torch.Tensor, packed: Packed, fill: float = 0.0) -> torch.Ten
     out = values.new_full((B * N, *values.shape[1:]), fill)
     out = out.index_copy(0, packed.indices, values)
     return out.view(B, N, *values.shape[1:])
-
-
-@contextlib.contextmanager
-def packed_documents(model: torch.nn.Module, cu_seqlens: torch.Tensor) -> Iterator[None]:
-    """Within the block, every attention call of ``model`` (each module's ``attention_fn``, the hook every
-    qkv attention module runs attention through) also masks across the packed sequences of ``cu_seqlens``.
-
-    Run the packed tokens as one row with per-sequence positions::
-
-        p = qkv.varlen.pack(input_ids, attention_mask)
-        with qkv.varlen.packed_documents(model, p.cu_seqlens):
-            logits = model(p.values[None], positions=p.positions[None]).logits   # (1, total, V)
-    """
-    doc = M.document_from_cu_seqlens(_cu(cu_seqlens, "cu_seqlens").cpu())
-    hooked = [m for m in model.modules() if "attention_fn" in vars(m)]
-    if not hooked:
-        raise TypeError(f"packed_documents: {type(model).__name__} has no module with an attention_fn hook; it is "
-                        "the attribute qkv's attention modules run attention through")
-    saved = [m.attention_fn for m in hooked]
-
-    def restricted(fn):
-        def attention_fn(q, k, v, *, mask=None, **kw):
-            return fn(q, k, v, mask=doc if mask is None else mask & doc, **kw)
-
-        return attention_fn
-
-    try:
-        for m, fn in zip(hooked, saved):
-            m.attention_fn = restricted(fn)
-        yield
-    finally:
-        for m, fn in zip(hooked, saved):
-            m.attention_fn = fn

@@ -16,6 +16,7 @@ import qkv
 from _helpers import eager_same_dtype
 from qkv import masks as M
 from qkv import varlen
+from qkv.nn import packed_documents
 from qkv.testing import assert_within_budget
 
 # id -> (q lengths, k lengths (None: the same), Hq, Hkv, causal, window)
@@ -143,7 +144,7 @@ def _loss_padded(model, ids, mask):
 
 def _loss_packed(model, ids, mask):
     p = varlen.pack(ids, mask)
-    with varlen.packed_documents(model, p.cu_seqlens):
+    with packed_documents(model, p.cu_seqlens):
         logits = model(p.values[None], positions=p.positions[None]).logits[0]  # (total, V)
     nxt = torch.ones(p.values.shape[0], dtype=torch.bool)
     nxt[p.cu_seqlens[1:].long() - 1] = False  # the last token of each sequence predicts nothing
@@ -188,7 +189,7 @@ def test_padding_free_training_equals_the_padded_batch():
     (lambda q, cu: varlen.pack(q, torch.full((8, 2), 2)), "0/1"),
     (lambda q, cu: varlen.unpack(q, (q, cu)), "Packed"),
     (lambda q, cu: varlen.cu_seqlens_from_lengths([3, -1]), "non-negative"),
-    (lambda q, cu: varlen.packed_documents(torch.nn.Linear(2, 2), cu).__enter__(), "attention_fn"),
+    (lambda q, cu: packed_documents(torch.nn.Linear(2, 2), cu).__enter__(), "attention_fn"),
 ], ids=["rank", "cu-dtype", "cu-start", "cu-order", "cu-total", "cu-count", "max-seqlen", "window-len",
         "window-value", "pack-shape", "pack-values", "unpack-type", "lengths", "no-hook"])
 def test_bad_input_is_named(call, match):

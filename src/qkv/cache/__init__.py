@@ -28,11 +28,16 @@ from .protocol import (
     AttentionCache,
     CachePolicy,
     CacheView,
+    CroppableCache,
     DecoderModel,
+    DecodingCache,
+    ForkableCache,
     HasCacheSpecs,
     LatentCache,
     LatentView,
+    PrefixMatchingCache,
     Quantizer,
+    ResettableCache,
     RopeFn,
 )
 from .quant import KIVI, Int8, QuantError
@@ -58,4 +63,5 @@ __all__ = [
     "plan_memory", "MemoryPlan", "LayerPlan",
     "CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
     "CachePolicy", "Quantizer",
+    "DecodingCache", "PrefixMatchingCache", "CroppableCache", "ForkableCache", "ResettableCache",
 ]

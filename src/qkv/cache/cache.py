@@ -1,6 +1,7 @@
 """``KVCache``: the model-level cache. It builds one store per layer from the model's layer specs, a
-storage choice, an optional quantizer and an optional eviction policy, and implements the protocol
-of :mod:`qkv.cache.protocol` (``update``, ``update_latent``, ``cross_kv``, ``observe``).
+storage choice, an optional quantizer and an optional eviction policy, and implements the protocols
+of :mod:`qkv.cache.protocol`: the base one (``update``, ``cross_kv``, ``observe``, ...), latents
+(``update_latent``) and every capability (``decode``, ``match_prefix``, ``crop``, ``fork``, ``reset``).
 
 Shape legend: B batch rows, Hkv key/value heads, Hq query heads, N new tokens, S cached slots.
 

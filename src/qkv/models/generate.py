@@ -39,8 +39,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..cache.protocol import PrefixMatchingCache
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
+from ..pos.ids import positions_from_padding
 
 __all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next", "logits_of", "forward_step", "prefill"]
 
@@ -78,8 +80,7 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
                          "would decode after their padding. Left-pad the prompts (tokenizer padding_side='left')")
     if not bool(m.any(1).all()):
         raise ValueError("attention_mask: every row needs at least one real token")
-    pos = torch.cumsum(m.to(torch.int64), dim=1) - 1
-    return torch.where(m, pos, torch.full_like(pos, -1))
+    return positions_from_padding(m)
 
 
 def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -292,6 +293,9 @@ def _open_cache(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, 
         raise ValueError(f"generate: the cache already holds {cache.seq_length} tokens; pass a fresh cache "
                          f"(cache.reset() keeps a paged cache's prefix index)")
     if cache.prefix_caching:
+        if not isinstance(cache, PrefixMatchingCache):
+            raise TypeError(f"generate: {type(cache).__name__} says prefix_caching=True but has no match_prefix "
+                            f"(qkv.cache.PrefixMatchingCache); implement it or report prefix_caching=False")
         return cache, cache.match_prefix(input_ids, positions, salt=salt)
     return cache, torch.zeros(input_ids.shape[0], dtype=torch.int64)
 

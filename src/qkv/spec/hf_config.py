@@ -51,7 +51,7 @@ from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 from .moe import MoEConfig
 from .rope import RopeParams, rope_type_of
 
-__all__ = ["Layout", "read_layout", "read_rope", "read_latent", "read_moe", "load_hf_config", "text_config",
+__all__ = ["LayerLayout", "read_layout", "read_rope", "read_latent", "read_moe", "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
 
@@ -163,7 +163,7 @@ def declared_dtype(config) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
+class LayerLayout:
     """The attention layout of a decoder config (HF field names)."""
 
     model_type: str
@@ -323,7 +323,7 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> Layout:
+def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> LayerLayout:
     """The attention layout of an HF decoder config: a ``config.json`` dict (``transformers``'
     ``config.to_dict()`` works too), its path, or a checkpoint directory.
 
@@ -354,7 +354,7 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> Layout:
     else:
         raise ValueError(f"{source}: needs head_dim or hidden_size")
     types, window = _layer_types(cfg, n, source)
-    return Layout(
+    return LayerLayout(
         model_type=cfg.get("model_type") or "",
         num_hidden_layers=n,
         num_attention_heads=heads,
