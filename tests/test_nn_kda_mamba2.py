@@ -136,3 +136,34 @@ def test_bfloat16_modules_stay_close_to_float64(name):
     assert got.dtype == torch.bfloat16 and state.recurrent.dtype == torch.float32
     err = (got.double() - want).abs().max() / want.abs().max()
     assert err < 0.05, f"{name}: bfloat16 relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda", "mamba2"])
+def test_head_gate_scales_each_heads_output(name):
+    """The AttentionModule protocol's head_gate multiplies each value head's output before the output projection:
+    all ones changes nothing, zeros silence the layer, one head off equals that head's output set to zero."""
+    from qkv.nn import GatedDeltaNet
+    from qkv.nn.protocol import AttentionModule
+
+    torch.manual_seed(4)
+    layer = {"gdn": lambda: GatedDeltaNet(E, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8),
+             "kda": lambda: KimiDeltaAttention(E, num_heads=2, head_dim=8),
+             "mamba2": lambda: Mamba2Mixer(E, num_heads=2, head_dim=16, state_size=8)}[name]().double()
+    assert isinstance(layer, AttentionModule) and layer.attention_fn is None and layer.n_heads == 2
+    x = torch.randn(1, 9, E, dtype=torch.float64)
+    with torch.no_grad():
+        base = layer(x).out
+        layer.head_gate = torch.ones(2, dtype=torch.float64)
+        torch.testing.assert_close(layer(x).out, base, rtol=0, atol=0)
+        layer.head_gate = torch.zeros(2, dtype=torch.float64)
+        assert layer(x).out.abs().max() == 0
+        layer.head_gate = torch.tensor([1.0, 0.0], dtype=torch.float64)
+        proj = layer.out_proj if name != "kda" else layer.o_proj
+        half = proj.weight.shape[1] // 2
+        w = proj.weight.clone()
+        proj.weight[:, half:] = 0  # head 1's columns of the output projection
+        layer.head_gate = None
+        want = layer(x).out
+        proj.weight.copy_(w)
+        layer.head_gate = torch.tensor([1.0, 0.0], dtype=torch.float64)
+        torch.testing.assert_close(layer(x).out, want, rtol=1e-12, atol=1e-12)

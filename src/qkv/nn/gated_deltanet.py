@@ -31,6 +31,7 @@ from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_step
 from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, l2norm, mask_padding
+from qkv.nn.protocol import apply_head_gate
 
 __all__ = ["GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
 
@@ -77,6 +78,7 @@ class GatedDeltaNet(nn.Module):
         conv_kernel_size: K (``linear_conv_kernel_dim``).
         norm_eps: epsilon of the gated output norm (``rms_norm_eps``).
         chunk_size: tokens per chunk of the prefill.
+        layer_idx: this layer's index among the model's layers (and in a KV cache).
         device, dtype: for the parameters.
 
     Example:
@@ -91,7 +93,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel_size: int = 4, norm_eps: float = 1e-6, chunk_size: int = DEFAULT_GATED_CHUNK_SIZE,
-                 device=None, dtype=None) -> None:
+                 layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         for name, val in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                           ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
@@ -114,6 +116,15 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads, **kw).uniform_(1, 16)))
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = num_v_heads, num_k_heads  # value heads read key heads, as GQA's
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
+
+    @property
+    def attention_fn(self) -> None:
+        """None: a recurrent mixer makes no softmax operator call to hook, so tools that replace the operator
+        (capture, packed documents, context parallelism) refuse it (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return None
 
     def _add_projections(self, kw: dict) -> None:
         self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
@@ -154,6 +165,7 @@ class GatedDeltaNet(nn.Module):
             o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=self.chunk_size,
                                          initial_state=rec)
         o = self.norm(o.transpose(1, 2), z)  # (B, N, H, Dv)
+        o = apply_head_gate(o.transpose(1, 2), self.head_gate).transpose(1, 2)
         return LinearAttentionOutput(self.out_proj(o.reshape(B, N, H * Dv)), RecurrentState(conv, rec))
 
     def forward(self, x: torch.Tensor, *, state: RecurrentState | None = None,

@@ -29,6 +29,7 @@ from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_s
 from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, l2norm, mask_padding
 from qkv.nn.gated_deltanet import GatedRMSNorm
+from qkv.nn.protocol import apply_head_gate
 
 __all__ = ["KimiDeltaAttention", "KimiForgetGate"]
 
@@ -62,6 +63,7 @@ class KimiDeltaAttention(nn.Module):
         conv_kernel_size: K (``linear_conv_kernel_dim``).
         norm_eps: epsilon of the gated output norm (``rms_norm_eps``).
         chunk_size: tokens per chunk of the prefill.
+        layer_idx: this layer's index among the model's layers (and in a KV cache).
         device, dtype: for the parameters.
 
     Example:
@@ -75,7 +77,8 @@ class KimiDeltaAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, conv_kernel_size: int = 4,
-                 norm_eps: float = 1e-6, chunk_size: int = DEFAULT_GATED_CHUNK_SIZE, device=None, dtype=None) -> None:
+                 norm_eps: float = 1e-6, chunk_size: int = DEFAULT_GATED_CHUNK_SIZE, layer_idx: int = 0,
+                 device=None, dtype=None) -> None:
         super().__init__()
         for name, val in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),
                           ("conv_kernel_size", conv_kernel_size)):
@@ -97,6 +100,15 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(head_dim, self.qkv_dim, bias=False, **kw)
         self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, activation="sigmoid", **kw)
         self.o_proj = nn.Linear(self.qkv_dim, hidden_size, bias=False, **kw)
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = num_heads, num_heads
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
+
+    @property
+    def attention_fn(self) -> None:
+        """None: a recurrent mixer makes no softmax operator call to hook, so tools that replace the operator
+        (capture, packed documents, context parallelism) refuse it (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return None
 
     def _mix(self, x: torch.Tensor, state: RecurrentState | None, attention_mask, *, fn: str, one_token: bool):
         check_input(x, self.hidden_size, fn=fn, one_token=one_token)
@@ -117,6 +129,7 @@ class KimiDeltaAttention(nn.Module):
             o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=rec)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, N, H, D)
         o = self.o_norm(o.transpose(1, 2), gate)  # (B, N, H, D)
+        o = apply_head_gate(o.transpose(1, 2), self.head_gate).transpose(1, 2)
         return LinearAttentionOutput(self.o_proj(o.reshape(B, N, H * D)), RecurrentState(conv, rec))
 
     def forward(self, x: torch.Tensor, *, state: RecurrentState | None = None,

@@ -31,6 +31,7 @@ from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput, gated_linear_chunked, gated_linear_step
 from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, mask_padding
+from qkv.nn.protocol import apply_head_gate
 
 __all__ = ["Mamba2Mixer", "GroupedGatedRMSNorm"]
 
@@ -69,6 +70,7 @@ class Mamba2Mixer(nn.Module):
         time_step_limit: ``(lo, hi)`` clamp of ``dt`` after the softplus.
         norm_eps: epsilon of the gated norm (``layer_norm_epsilon``).
         chunk_size: tokens per chunk of the prefill.
+        layer_idx: this layer's index among the model's layers (and in a KV cache).
         device, dtype: for the parameters.
 
     Example:
@@ -84,7 +86,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int, n_groups: int = 1,
                  conv_kernel: int = 4, use_bias: bool = False, use_conv_bias: bool = True,
                  time_step_limit: tuple[float, float] = (0.0, math.inf), norm_eps: float = 1e-5,
-                 chunk_size: int = DEFAULT_GATED_CHUNK_SIZE, device=None, dtype=None) -> None:
+                 chunk_size: int = DEFAULT_GATED_CHUNK_SIZE, layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         for name, val in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),
                           ("state_size", state_size), ("n_groups", n_groups), ("conv_kernel", conv_kernel)):
@@ -106,6 +108,15 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(num_heads, **kw))
         self.norm = GroupedGatedRMSNorm(self.intermediate_size, n_groups, eps=norm_eps, **kw)
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias, **kw)
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = num_heads, n_groups  # heads read their group's B and C, as GQA's
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
+
+    @property
+    def attention_fn(self) -> None:
+        """None: a recurrent mixer makes no softmax operator call to hook, so tools that replace the operator
+        (capture, packed documents, context parallelism) refuse it (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return None
 
     def _mix(self, x: torch.Tensor, state: RecurrentState | None, attention_mask, *, fn: str, one_token: bool):
         check_input(x, self.hidden_size, fn=fn, one_token=one_token)
@@ -132,6 +143,7 @@ class Mamba2Mixer(nn.Module):
             y, rec = gated_linear_chunked(q, k, v, g, chunk_size=self.chunk_size, initial_state=rec)
         y = y + self.D.to(y.dtype)[:, None, None] * xs_h
         y = self.norm(y.transpose(1, 2).reshape(Bt, N, I), z)
+        y = apply_head_gate(y.view(Bt, N, H, P).transpose(1, 2), self.head_gate).transpose(1, 2).reshape(Bt, N, I)
         return LinearAttentionOutput(self.out_proj(y), RecurrentState(conv, rec))
 
     def forward(self, x: torch.Tensor, *, state: RecurrentState | None = None,
