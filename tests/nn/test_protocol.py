@@ -19,9 +19,12 @@ import qkv.nn
 from qkv.nn import (
     DecoderConfig,
     DecoderLM,
+    GatedDeltaNet,
+    KimiDeltaAttention,
     LatentAttention,
     LatentConfig,
     LinearAttention,
+    Mamba2Mixer,
     MultiHeadAttention,
     PerformerAttention,
     TransformerConfig,
@@ -41,6 +44,9 @@ BUILDERS = {
     "LatentAttention": lambda: LatentAttention(_LATENT, layer_idx=2),
     "LinearAttention": lambda: LinearAttention(32, 4, causal=True, layer_idx=1),
     "PerformerAttention": lambda: PerformerAttention(32, 4, causal=True, seed=0, layer_idx=1),
+    "KimiDeltaAttention": lambda: KimiDeltaAttention(32, num_heads=2, head_dim=8, layer_idx=1),
+    "GatedDeltaNet": lambda: GatedDeltaNet(32, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, layer_idx=2),
+    "Mamba2Mixer": lambda: Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=4, n_groups=2, layer_idx=3),
 }
 
 

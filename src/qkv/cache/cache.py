@@ -32,7 +32,8 @@ from ..pos.ids import batch_positions
 from .order import PositionOrder
 from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CachePolicy, CacheView, HasCacheSpecs, LatentView, Quantizer, RopeFn
-from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec
+from .recurrent import RecurrentStore
+from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SinkSpec, SlidingWindowSpec
 from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
 
 __all__ = ["KVCache", "CacheMemory", "LayerMemory"]
@@ -78,7 +79,7 @@ def _as_specs(specs) -> list[LayerSpec]:
     for i, s in enumerate(specs):
         if not isinstance(s, LayerSpec):
             raise TypeError(f"KVCache(specs): entry {i} is {type(s).__name__}, not a qkv.cache layer spec "
-                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec)")
+                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec, RecurrentSpec)")
     return specs
 
 
@@ -140,6 +141,8 @@ class KVCache:
         name = f"layer {i}"
         if isinstance(spec, CrossSpec):
             return None
+        if isinstance(spec, RecurrentSpec):
+            return RecurrentStore(spec, layer=f"layer {i} (RecurrentSpec)")
         if self.policy is not None:
             store = self.policy.store_for(spec, layer=name)
             if store is not None:
@@ -239,6 +242,24 @@ class KVCache:
         self._order.commit(positions, pos, layer=layer_idx)
         return LatentView(c_all[:, 0], r_all[:, 0], kv_pos, pos)
 
+    def recurrent_state(self, layer_idx: int):
+        """The state a recurrent layer (:class:`qkv.cache.RecurrentSpec`) left after its last step, as it was
+        given to ``update_recurrent`` (e.g. a :class:`qkv.nn.RecurrentState`), or None before the first."""
+        return self._layer(layer_idx, (RecurrentSpec,), "recurrent_state").store.get()
+
+    def update_recurrent(self, layer_idx: int, state, *, tokens: int) -> None:
+        """Keep a recurrent layer's state after a step that consumed ``tokens`` tokens per row.
+
+        Args:
+            state: ``(conv (B, conv_dim, conv_kernel - 1), recurrent (B, num_heads, head_k_dim, head_v_dim))``,
+                e.g. the :class:`qkv.nn.RecurrentState` a mixer returned; kept as given.
+            tokens: the step's tokens per row (padding included), which ``seq_length`` counts.
+        """
+        layer = self._layer(layer_idx, (RecurrentSpec,), "update_recurrent")
+        if self._device is None:
+            self._device = state[1].device if isinstance(state, tuple) and len(state) == 2 else None
+        layer.store.put(state, tokens)
+
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder keys/values of a cross-attention layer, computed by ``compute()`` on first use only."""
@@ -296,6 +317,11 @@ class KVCache:
         if self._manager is None:
             raise ValueError(f"match_prefix: needs storage=Paged(..., prefix_caching=True), this cache uses "
                              f"{self.storage.describe()}")
+        recurrent = [lay.name for lay in self._layers if isinstance(lay.spec, RecurrentSpec)]
+        if recurrent:
+            raise ValueError(f"match_prefix: {', '.join(recurrent)} keep a recurrent state, not tokens, so a cached "
+                             f"prompt prefix cannot be shared with them (the state at the prefix's end is not kept); "
+                             f"prefill the whole prompt, or build the cache with prefix_caching=False")
         pos = batch_positions(positions, input_ids.shape[0], input_ids.shape[1], owner="match_prefix")
         hits = self._manager.match_prefix(input_ids, pos, salt=salt)
         return hits
@@ -456,7 +482,10 @@ class KVCache:
                              f"KVCache(model) or KVCache(model.cache_specs())")
         layer = self._layers[i]
         if kinds is not None and not isinstance(layer.spec, kinds):
-            hint = {"update": "MLA layers call update_latent", "update_latent": "use update() for this layer"}
+            hint = {"update": "MLA layers call update_latent, recurrent layers update_recurrent",
+                    "update_latent": "use update() for this layer",
+                    "recurrent_state": "only RecurrentSpec layers keep a recurrent state",
+                    "update_recurrent": "only RecurrentSpec layers keep a recurrent state"}
             raise ValueError(f"{what}: {layer.name} cannot take {what}(); {hint.get(what, '')}")
         return layer
 

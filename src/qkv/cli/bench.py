@@ -27,6 +27,7 @@ SUITES: dict[str, str] = {
     "tiled": "tiled.py",
     "sparse": "sparse.py",
     "linear": "linear.py",
+    "gated_linear": "gated_linear.py",
     "mla": "mla.py",
     "decode": "decode.py",
     "embed": "embed.py",
