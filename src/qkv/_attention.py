@@ -25,7 +25,7 @@ SMALL_PROBLEM = 1 << 20
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
               scale: float | None = None, return_lse: bool = False, dropout_p: float = 0.0,
               generator: torch.Generator | None = None, backend: str = "auto", sinks: torch.Tensor | None = None,
-              layout: str = "bhnd"):
+              layout: str = "bhnd", batch_invariant: bool = False):
     """Scaled dot-product attention with masks and score modifiers.
 
     ``scores = scale * q @ k^T``, then each score modifier in order, then the mask; softmax over keys;
@@ -58,6 +58,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
             (FlashAttention's and HF's projection layout), read through views without a transpose copy, and
             ``out`` comes back (B, Nq, Hq, Dv). The lse is (B, Hq, Nq) in both (:mod:`qkv.lse`).
             ``qkv.explain`` states the layout assumed.
+        batch_invariant: each row's ``out`` and ``lse`` are bitwise the same whatever the batch size, the
+            other rows, prefill chunking and key splits (:mod:`qkv.backends._invariant`; ``tiled`` and
+            ``reference`` take it, the others decline). Slower: rows run one at a time.
 
     Returns:
         ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
@@ -70,7 +73,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         torch.Size([2, 8, 16, 64])
     """
     req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                 dropout_p=dropout_p, generator=generator, sinks=sinks)
+                 dropout_p=dropout_p, generator=generator, sinks=sinks, batch_invariant=batch_invariant)
     impl = _choose(req, backend)
     sub = _for_backend(impl, req)
     result = impl.run(sub)
@@ -98,6 +101,9 @@ def _for_backend(impl, req: Request) -> Request:
 
 
 def _decline(impl, req: Request) -> str | None:
+    if req.batch_invariant and not impl.batch_invariant:
+        return ("batch_invariant=True: its results depend on the batch (kernel choice and reduction order follow "
+                "the shapes); backends 'tiled' and 'reference' take it")
     reason = impl.decline(_for_backend(impl, req))
     if reason is not None and req.sinks is not None and not impl.native_sinks:
         return f"sinks are merged from the log-sum-exp, and {reason}"
@@ -153,7 +159,7 @@ def _decision_key(req: Request) -> tuple | None:
     if req.score_mod is not None or req.dropout_p > 0 or not (m is None or type(m) is Causal):
         return None
     return (_backends.generation(), None if m is None else m.align, req.q.shape, req.k.shape, req.v.shape,
-            req.dtype, req.device, req.requires_grad, req.return_lse)
+            req.dtype, req.device, req.requires_grad, req.return_lse, req.batch_invariant)
 
 
 @dataclass
@@ -178,7 +184,7 @@ class Explanation:
 
 
 def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-            generator=None, sinks=None, layout="bhnd") -> Explanation:
+            generator=None, sinks=None, layout="bhnd", batch_invariant=False) -> Explanation:
     """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not.
 
     Example:
@@ -188,7 +194,7 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
         True
     """
     req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                 dropout_p=dropout_p, generator=generator, sinks=sinks)
+                 dropout_p=dropout_p, generator=generator, sinks=sinks, batch_invariant=batch_invariant)
     chosen = _choose(req, "auto").name
     report = Explanation(request=req.describe() + (f", mask={req.mask!r}" if req.mask is not None else "")
                          + (f", score_mod={req.score_mod!r}" if req.score_mod is not None else ""), chosen=chosen)

@@ -49,6 +49,7 @@ import torch
 from .._dropout import draw_seed
 from .._request import AttentionOutput, Request
 from .._sinks import apply_sinks
+from ._invariant import invariant_attention, invariant_decline
 from ._tiled_kernel import Problem, backward_slice, forward_slice, pad_keys, pad_rows, unpad_rows
 from ._tiled_plan import Plan, block_map_for, plan_for, tile_counts
 from .base import NOMINAL_FLOPS, Backend, Estimate, format_work
@@ -262,6 +263,7 @@ class TiledBackend(Backend):
 
     name = "tiled"
     native_sinks = True
+    batch_invariant = True
 
     def __init__(self, config: TiledConfig | None = None) -> None:
         self.config = config
@@ -275,7 +277,7 @@ class TiledBackend(Backend):
         if req.device.type == "meta":
             return ("meta tensors hold no values, and the tiled schedule reads them (to bound the scores); "
                     "backend='reference' propagates shapes on meta tensors")
-        return None
+        return invariant_decline(req) if req.batch_invariant else None
 
     def estimate(self, req: Request) -> Estimate:
         """Work on the visited tiles only (from the cached block map) over the nominal rate, plus the
@@ -298,6 +300,8 @@ class TiledBackend(Backend):
                                  f"{format_work(flops)} on visited tiles, ~{int(steps)} steps")
 
     def run(self, req: Request) -> AttentionOutput:
+        if req.batch_invariant:  # one row at a time in fixed tiles, whatever the config (qkv.backends._invariant)
+            return invariant_attention(req)
         cfg = self.config_for(req) if req.Nq and req.Nk else TiledConfig(1, 1, 1)
         stats = TiledStats()
         self.last_stats = stats
