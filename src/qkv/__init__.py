@@ -30,7 +30,7 @@ _ATTRS = {
     "attention_stats": "qkv._probs",
     "AttentionStats": "qkv._probs",
 }
-_SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
+_SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "conformance", "pos", "nn", "linear", "cache", "models",
                "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
 
 __all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs",
