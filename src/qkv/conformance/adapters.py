@@ -57,7 +57,8 @@ def sdpa() -> Callable:
     F = torch.nn.functional
 
     def fn(q, k, v, *, causal=False, scale=None):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     return fn
 
 
