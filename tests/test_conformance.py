@@ -16,7 +16,8 @@ _good = adapters.qkv_backend("reference")
 
 
 def _right(q, k, v, *, causal=False, window=None, sinks=None, softcap=None, scale=None, return_lse=False):
-    return _good(q, k, v, causal=causal, window=window, sinks=sinks, softcap=softcap, scale=scale, return_lse=return_lse)
+    return _good(q, k, v, causal=causal, window=window, sinks=sinks, softcap=softcap, scale=scale,
+                 return_lse=return_lse)
 
 
 def _base2(q, k, v, *, causal=False, return_lse=False):

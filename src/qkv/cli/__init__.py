@@ -21,7 +21,8 @@ app = typer.Typer(
 )
 
 # Command modules, each exposing register(app). Listed explicitly: a missing one is an error, not a skip.
-_COMMAND_MODULES: tuple[str, ...] = ("demo", "costs", "bench", "embed", "presets", "plan_cp", "attention", "explore", "conform")
+_COMMAND_MODULES: tuple[str, ...] = ("demo", "costs", "bench", "embed", "presets", "plan_cp", "attention", "explore",
+                                     "conform")
 
 _registered = False
 

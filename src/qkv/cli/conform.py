@@ -17,7 +17,7 @@ def conform(
                                                     "fa2, fa3, fa4, fa2-varlen, flashinfer, flashinfer-ragged.")],
     device: Annotated[str, typer.Option(help="Device for the inputs.")] = "cpu",
     dtypes: Annotated[str, typer.Option(help="Comma-separated dtypes for the dtype check.")] = "float32",
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the reports as JSON to this file.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the reports as JSON here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of every input.")] = 0,
 ) -> None:
     """Check attention kernels against qkv's contract: lse base and layout, fully masked rows, causal and
@@ -42,7 +42,7 @@ def conform(
         if not all(isinstance(d, torch.dtype) for d in dts):
             raise AttributeError
     except AttributeError:
-        raise typer.BadParameter(f"--dtypes: {dtypes!r} is not a list of torch dtypes (e.g. float32,bfloat16)")
+        raise typer.BadParameter(f"--dtypes: {dtypes!r} is not a list of torch dtypes (e.g. float32)") from None
     reports = []
     for name in names:
         try:
