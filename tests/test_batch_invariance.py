@@ -62,3 +62,41 @@ def test_other_backends_decline_with_a_reason():
         qkv.attention(x, x, x, batch_invariant=1)
     with pytest.raises(ValueError, match="dropout"):
         qkv.attention(x, x, x, backend="tiled", batch_invariant=True, dropout_p=0.1)
+
+
+def test_generate_row_is_bitwise_the_same_alone_and_in_a_batch_of_8():
+    from _toy_lm import ToyLM
+    from qkv.models.generate import generate
+    model = ToyLM(layers=("full", ("window", 5)), seed=2).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 4, 6, 11, 3, 7, 5, 8]
+    N = max(lengths)
+    ids = torch.randint(1, 61, (8, N), generator=g)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, N - n:] = 1
+    ids = ids * mask
+    batched = generate(model, ids, attention_mask=mask, max_new_tokens=5, return_logits=True, batch_invariant=True)
+    for b in (0, 3):
+        row = ids[b][mask[b].bool()].view(1, -1)
+        alone = generate(model, row, max_new_tokens=5, return_logits=True, batch_invariant=True)
+        assert torch.equal(alone.new_tokens[0], batched.new_tokens[b])
+        assert torch.equal(alone.logits[0], batched.logits[b])
+    other = ids.flip(0), mask.flip(0)  # the same row among the others in another order
+    flipped = generate(model, other[0], attention_mask=other[1], max_new_tokens=5, return_logits=True,
+                       batch_invariant=True)
+    assert torch.equal(flipped.logits[7 - 3], batched.logits[3])
+    assert torch.equal(batched.sequences[:, :N], ids)
+
+
+def test_generate_batch_invariant_bad_inputs():
+    from _toy_lm import ToyLM
+    from qkv.models.generate import generate
+    model = ToyLM(layers=("full",), seed=2).eval()
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="greedy"):
+        generate(model, ids, max_new_tokens=2, do_sample=True, batch_invariant=True)
+    with pytest.raises(ValueError, match="streamer"):
+        generate(model, ids, max_new_tokens=2, streamer=print, batch_invariant=True)
+    with pytest.raises(TypeError, match="batch_invariant"):
+        generate(model, ids, max_new_tokens=2, batch_invariant="yes")
