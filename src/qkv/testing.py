@@ -178,12 +178,12 @@ class BatchInvariance(NamedTuple):
 
 def check_batch_invariance(fn, *, B: int = 8, Hq: int = 4, Hkv: int = 2, N: int = 48, D: int = 32,
                            chunk: int = 16, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
-                           row: int = 3) -> BatchInvariance:
+                           row: int | None = None) -> BatchInvariance:
     """Measure whether an attention callable gives a row the same bits whatever the rest of the batch.
 
     ``fn`` takes the plain form ``fn(q, k, v, *, causal=False, return_lse=False)`` in (B, H, N, D) layout
     (see :mod:`qkv.conformance`); only the keywords it accepts are passed. Row ``row`` of a batch of ``B``
-    random rows is computed (1) inside that batch, (2) alone, (3) inside a batch of ``B`` other rows, and,
+    random rows (default: the last) is computed (1) inside that batch, (2) alone, (3) inside a batch of ``B`` other rows, and,
     when ``fn`` takes ``causal``, (4) alone, prefilled in query chunks of ``chunk`` against the key prefix.
 
     Returns:
@@ -199,7 +199,8 @@ def check_batch_invariance(fn, *, B: int = 8, Hq: int = 4, Hkv: int = 2, N: int 
     """
     from .conformance._plain import accepted_options, call
 
-    if not 0 <= row < B:
+    row = B - 1 if row is None else row
+    if not isinstance(row, int) or not 0 <= row < B:
         raise ValueError(f"check_batch_invariance: row must be in [0, B={B}), got {row}")
     if chunk <= 0:
         raise ValueError(f"check_batch_invariance: chunk must be positive, got {chunk}")
