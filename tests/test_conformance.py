@@ -119,9 +119,21 @@ def test_sdpa_findings_and_json():
 def test_a_raising_kernel_is_a_finding():
     def broken(q, k, v, *, causal=False):
         raise RuntimeError("no kernel for this shape")
-    report = conformance.check(broken, checks=("values",))
-    assert report.finding("values").ok is False
+    report = conformance.check(broken, checks=("values", "causal_alignment", "empty_keys"))
+    assert report.finding("values").ok is False and report.finding("empty_keys").ok is False
+    assert report.finding("causal_alignment").ok is None  # refusing a request is allowed by the contract
     assert "RuntimeError: no kernel" in report.finding("values").seen
+
+
+def test_an_lse_that_raises_leaves_the_other_checks_running():
+    def no_lse(q, k, v, *, causal=False, return_lse=False):
+        if return_lse:
+            raise NotImplementedError("no lse on this device")
+        return _good(q, k, v, causal=causal)
+    report = conformance.check(no_lse, checks=("lse_layout", "lse_base", "masked_rows", "batch_invariance"))
+    assert report.finding("lse_layout").ok is None and report.finding("lse_base").ok is None
+    assert report.finding("masked_rows").seen == "zeros", report.table()
+    assert report.finding("batch_invariance").ok, report.table()
 
 
 def test_bad_inputs():

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["OPTIONS", "PlainFn", "accepted_options", "call"]
+__all__ = ["OPTIONS", "PlainFn", "accepted_options", "call", "restrict"]
 
 PlainFn = Callable[..., object]
 
@@ -52,3 +52,14 @@ def call(fn: PlainFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **optio
     if isinstance(result, (tuple, list)):
         return result[0], None
     return result, None
+
+
+def restrict(fn: PlainFn, options: frozenset[str]) -> PlainFn:
+    """``fn`` seen as accepting only ``options`` (a kernel whose lse raises is then checked without it)."""
+    def restricted(q, k, v, **kw):
+        return fn(q, k, v, **kw)
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("q", "k", "v")]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in OPTIONS if n in options]
+    restricted.__signature__ = inspect.Signature(params)
+    restricted.__name__ = getattr(fn, "__name__", "fn")
+    return restricted
