@@ -75,6 +75,9 @@ def flex() -> Callable:
         _FLEX["fn"] = torch.compile(fa.flex_attention, dynamic=False)
 
     def fn(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False):
+        if k.shape[2] == 0 and q.device.type == "cpu":
+            raise RuntimeError("not run: FlexAttention's compiled CPU kernel kills the process (SIGFPE) on an "
+                               "empty key set in torch " + torch.__version__)
         mask_mod = None
         if causal or window is not None:
             def mask_mod(b, h, q_idx, kv_idx):
