@@ -239,3 +239,18 @@ def test_flex_tiny():
 def test_flex_full_battery():
     report = conformance.check("flex")
     assert report.finding("values").ok, report.table()
+
+
+def test_cli_conform_prints_and_writes_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from qkv.cli import _register, app
+    _register()
+    out = tmp_path / "c.json"
+    res = CliRunner().invoke(app, ["conform", "reference", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "conformance of reference" in res.output and "lse_base" in res.output
+    import json
+    assert json.loads(out.read_text())[0]["ok"] is True
+    bad = CliRunner().invoke(app, ["conform", "nope"])
+    assert bad.exit_code != 0 and "unknown kernel" in bad.output
