@@ -20,9 +20,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _harness import context, median_ms, parse_args, ratio, target, time_interleaved  # noqa: E402
-
 import qkv  # noqa: E402
+from _harness import context, median_ms, parse_args, ratio, target, time_interleaved  # noqa: E402
 
 
 def cases(quick: bool):

@@ -29,8 +29,9 @@ from _harness import context  # noqa: E402
 KERNELS = ["sdpa", "flex", "hf-eager", "hf-sdpa", "reference", "tiled", "tiled-invariant", "qkv-sdpa", "qkv-flex",
            "triton"]
 _ENV = {"triton": {"TRITON_INTERPRET": "1"}}
-_SHORT = {"lse_layout": "lse layout", "lse_base": "lse base", "causal_alignment": "causal", "masked_rows": "masked rows",
-          "gqa_mapping": "GQA", "softcap_order": "softcap", "sinks_in_lse": "sinks", "empty_keys": "Nk=0",
+_SHORT = {"lse_layout": "lse layout", "lse_base": "lse base", "causal_alignment": "causal",
+          "masked_rows": "masked rows", "gqa_mapping": "GQA", "softcap_order": "softcap", "sinks_in_lse": "sinks",
+          "empty_keys": "Nk=0",
           "single_query": "Nq=1", "noncontiguous": "strided", "batch_invariance": "batch inv."}
 
 

@@ -23,7 +23,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _harness import context, time_fn  # noqa: E402
-
 from qkv import masks  # noqa: E402
 
 

@@ -182,9 +182,10 @@ def check_batch_invariance(fn, *, B: int = 8, Hq: int = 4, Hkv: int = 2, N: int 
     """Measure whether an attention callable gives a row the same bits whatever the rest of the batch.
 
     ``fn`` takes the plain form ``fn(q, k, v, *, causal=False, return_lse=False)`` in (B, H, N, D) layout
-    (see :mod:`qkv.conformance`); only the keywords it accepts are passed. Row ``row`` of a batch of ``B``
-    random rows (default: the last) is computed (1) inside that batch, (2) alone, (3) inside a batch of ``B`` other rows, and,
-    when ``fn`` takes ``causal``, (4) alone, prefilled in query chunks of ``chunk`` against the key prefix.
+    (see :mod:`qkv.conformance`); only the keywords it accepts are passed. Row ``row`` (default: the last) of
+    a batch of ``B`` random rows is computed (1) inside that batch, (2) alone, (3) inside a batch of ``B``
+    other rows, and, when ``fn`` takes ``causal``, (4) alone, prefilled in query chunks of ``chunk`` against
+    the key prefix.
 
     Returns:
         :class:`BatchInvariance`; ``ok`` when every way gives bitwise-equal out (and lse).
