@@ -2,17 +2,14 @@
 
 Decode step: ``q`` (B, Hq, 1, D) against a cache of Nk keys. The default is ``backend="auto"``; the
 invariant mode (``tiled``, rows one at a time in fixed 256-key tiles) is timed in the same process,
-interleaved. Target: at most 1.3x the default (the slowest repeat decides). Also reports the decode step
-of ``generate(..., batch_invariant=True)``, which decodes rows one at a time, against a batched step.
+interleaved. Target: at most 1.3x the default (the slowest repeat decides).
 
     python benchmarks/batch_invariant.py [--quick] [--repeat R] [--threads N]
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import qkv  # noqa: E402
-from _harness import context, median_ms, parse_args, ratio, target, time_interleaved  # noqa: E402
+from _harness import Suite, median_ms, parse_args, ratio, target, time_interleaved  # noqa: E402
 
 
 def cases(quick: bool):
@@ -33,8 +30,8 @@ def cases(quick: bool):
 def main(argv=None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv)
     repeat = args.repeat or (2 if args.quick else 7)
-    start = time.time()
-    rows = []
+    suite = Suite("batch_invariant", "attention(batch_invariant=True) vs the default, one decode step, float32",
+                  dtype="float32")
     for B, Hq, Hkv, Nk, D in cases(args.quick):
         g = torch.Generator().manual_seed(0)
         q = torch.randn(B, Hq, 1, D, generator=g)
@@ -43,17 +40,12 @@ def main(argv=None) -> None:
                "invariant": lambda: qkv.attention(q, k, v, batch_invariant=True)}
         t = time_interleaved(fns, repeat=repeat, samples=True)
         r = ratio(t["invariant"], t["default"])
-        rows.append({"B": B, "Hq": Hq, "Hkv": Hkv, "Nk": Nk, "D": D, "default ms": median_ms(t["default"]),
-                     "invariant ms": median_ms(t["invariant"]), "invariant / default": r,
-                     "target": target(r, "<=", 1.3) + " (<= 1.3x)"})
-        print(rows[-1])
-    out = HERE / "results" / "batch_invariant.json" if not args.quick else Path("/tmp/batch_invariant_quick.json")
-    payload = {"suite": "batch_invariant", "description": "attention(batch_invariant=True) vs the default, decode",
-               "context": context(dtype="float32"), "rows": rows, "wall_s": time.time() - start,
-               "notes": ["Invariant: one batch row and one query row at a time, fixed 256-key tiles "
-                         "(qkv/backends/_invariant.py); default: backend='auto'."]}
-    out.write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {out}")
+        suite.add({"B": B, "Hq": Hq, "Hkv": Hkv, "Nk": Nk, "D": D},
+                  {"default ms": median_ms(t["default"]), "invariant ms": median_ms(t["invariant"]),
+                   "invariant / default": r, "target": target(r, "<=", 1.3) + " (<= 1.3x)"})
+    suite.note("Invariant: query rows in fixed-size steps, fixed 256-key tiles (qkv/backends/_invariant.py); "
+               "default: backend='auto'. Both timed interleaved in one process.")
+    suite.finish()
 
 
 if __name__ == "__main__":

@@ -4,17 +4,14 @@ The mask is causal attention within packed documents (``masks.document(ids) & ma
 predicate attention-gym's document-masking users write; ``create_block_mask`` evaluates it on every
 (query, key) pair, ``mask.to_flex_block_mask`` reads the O(tiles) block map. Both run on the CPU. The
 two BlockMasks are compared (``to_dense`` and block counts) wherever both were built. ``create_block_mask``
-is skipped above ``--max-dense`` tokens (it evaluates N^2 pairs).
+is skipped above 64K tokens (it evaluates N^2 pairs).
 
-    python benchmarks/mask_export.py [--quick] [--repeat R] [--max-dense N]
+    python benchmarks/mask_export.py [--quick] [--repeat R] [--threads N]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +19,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _harness import context, time_fn  # noqa: E402
+from _harness import Suite, parse_args, time_fn  # noqa: E402
 from qkv import masks  # noqa: E402
 
 
@@ -37,17 +34,14 @@ def documents(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeat", type=int, default=None)
-    p.add_argument("--max-dense", type=int, default=65536, help="largest N given to create_block_mask")
-    args = p.parse_args(argv)
+    args = parse_args(__doc__.splitlines()[0], argv)
+    max_dense = 65536
     from torch.nn.attention.flex_attention import create_block_mask
 
     sizes = [2048, 4096] if args.quick else [32768, 65536, 131072]
     repeat = args.repeat or (2 if args.quick else 5)
-    start = time.time()
-    rows = []
+    suite = Suite("mask_export", "FlexAttention BlockMask from the block map vs create_block_mask, packed "
+                                 "causal documents, CPU", dtype="bool")
     for n in sizes:
         ids = documents(n)
         mask = masks.document(ids) & masks.causal()
@@ -57,8 +51,8 @@ def main(argv=None) -> None:
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
         ours = time_fn(lambda: mask.to_flex_block_mask(1, 1, n, n), warmup=1, repeat=repeat)
-        row = {"N": n, "documents": int(doc.max()) + 1, "to_flex_block_mask ms": ours * 1e3}
-        if n <= args.max_dense:
+        row = {"to_flex_block_mask ms": ours * 1e3}
+        if n <= max_dense:
             theirs = time_fn(lambda: create_block_mask(mask_mod, 1, 1, n, n, device="cpu"), warmup=1,
                              repeat=max(1, repeat // 2))
             a, b = mask.to_flex_block_mask(1, 1, n, n), create_block_mask(mask_mod, 1, 1, n, n, device="cpu")
@@ -66,16 +60,11 @@ def main(argv=None) -> None:
                         "equal": bool(torch.equal(a.to_dense(), b.to_dense())
                                       and torch.equal(a.full_kv_num_blocks, b.full_kv_num_blocks))})
         else:
-            row.update({"create_block_mask ms": "skipped (N > --max-dense)", "speed-up": "", "equal": ""})
-        rows.append(row)
-        print(row)
-    payload = {"suite": "mask_export", "description": "Flex BlockMask from the block map vs create_block_mask",
-               "context": context(dtype="bool", device="cpu"), "rows": rows, "wall_s": time.time() - start,
-               "notes": [f"timings: median of {repeat} repeats (create_block_mask: {max(1, repeat // 2)})",
-                         ]}
-    out = Path("/tmp/mask_export_quick.json") if args.quick else HERE / "results" / "mask_export.json"
-    out.write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {out}")
+            row.update({"create_block_mask ms": f"skipped (N > {max_dense})", "speed-up": "", "equal": ""})
+        suite.add({"N": n, "documents": int(doc.max()) + 1}, row)
+    suite.note(f"Median of {repeat} repeats (create_block_mask: {max(1, repeat // 2)}); equal: to_dense() and "
+               f"full-block counts of the two BlockMasks agree.")
+    suite.finish()
 
 
 if __name__ == "__main__":
