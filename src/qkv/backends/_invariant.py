@@ -49,11 +49,7 @@ def invariant_attention(req: Request) -> AttentionOutput:
     dev = req.device
     tiles = (Nk + BLOCK - 1) // BLOCK
     width = tiles * BLOCK
-    # (B, Hkv, D, width) and (B, Hkv, width, Dv), zero-padded so the last tile has the same shape as the others
-    kt = torch.zeros(B, Hkv, D, width, dtype=acc, device=dev)
-    kt[..., :Nk] = req.k.to(acc).transpose(-1, -2)
-    vp = torch.zeros(B, Hkv, width, Dv, dtype=acc, device=dev)
-    vp[:, :, :Nk] = req.v.to(acc)
+    k, v = req.k.to(acc), req.v.to(acc)  # (B, Hkv, Nk, D), (B, Hkv, Nk, Dv): no copy in the compute dtype
     R = B * Nq
     P = rows_per_step(Hq)
     q_rows = req.q.to(acc).view(B, Hkv, G, Nq, D).permute(0, 3, 1, 2, 4).reshape(R, Hkv, G, D)
@@ -76,7 +72,8 @@ def invariant_attention(req: Request) -> AttentionOutput:
             if not used[t]:  # no row of this step reads the tile: merging it would add exact zeros
                 continue
             sl = slice(t * BLOCK, (t + 1) * BLOCK)
-            s = torch.bmm(qg, kt[bi, :, :, sl].reshape(P * Hkv, D, BLOCK)).view(P, Hkv, G, BLOCK) * req.scale
+            kt, vt = _tile(k, bi, t), _tile(v, bi, t)  # (P * Hkv, BLOCK, D), (P * Hkv, BLOCK, Dv)
+            s = torch.bmm(qg, kt.transpose(1, 2)).view(P, Hkv, G, BLOCK) * req.scale
             if req.score_mod is not None:
                 kj = col[sl].clamp(max=max(Nk - 1, 0)).view(1, 1, 1, BLOCK)
                 s = req.score_mod.apply(s.view(P, Hq, 1, BLOCK), bi.view(P, 1, 1, 1), heads,
@@ -88,7 +85,7 @@ def invariant_attention(req: Request) -> AttentionOutput:
             alpha = torch.exp(torch.where(torch.isfinite(m), m, neg_inf) - m_safe)
             p = torch.exp(s - m_safe)  # (P, Hkv, G, BLOCK)
             lsum = lsum * alpha + p.sum(-1, keepdim=True)
-            pv = torch.bmm(p.view(P * Hkv, G, BLOCK), vp[bi, :, sl].reshape(P * Hkv, BLOCK, Dv))
+            pv = torch.bmm(p.view(P * Hkv, G, BLOCK), vt)
             o = o * alpha + pv.view(P, Hkv, G, Dv)
             m = m_new
         nonempty = lsum > 0
@@ -102,14 +99,27 @@ def invariant_attention(req: Request) -> AttentionOutput:
     return AttentionOutput(out.to(req.dtype), lse.to(torch.float32))
 
 
+def _tile(x: torch.Tensor, bi: torch.Tensor, t: int) -> torch.Tensor:
+    """Keys (or values) ``t * BLOCK ..`` of batch rows ``bi`` as a contiguous (P * Hkv, BLOCK, D), the last tile
+    zero-padded to full width: every tile has the same shape and strides."""
+    lo, hi = t * BLOCK, min(x.shape[2], (t + 1) * BLOCK)
+    part = x[bi, :, lo:hi]  # (P, Hkv, hi - lo, D)
+    if hi - lo < BLOCK:
+        full = part.new_zeros(part.shape[0], part.shape[1], BLOCK, part.shape[3])
+        full[:, :, :hi - lo] = part
+        part = full
+    return part.contiguous().view(-1, BLOCK, x.shape[3])
+
+
 def rows_per_step(Hq: int) -> int:
-    """Query rows per step: as many as keep one step's score tile under torch's parallel grain (32768
-    elements), so no elementwise op is split across threads at a place that depends on the rows. A function of
+    """Query rows per step: as many as fit one step's score tile in 8192 elements. That stays under torch's
+    parallel grain (32768), so no elementwise op is split across threads at a place that depends on the rows,
+    and keeps the padding small when few rows are decoded (one row per step from 32 heads up). A function of
     the head count only: every step of every call of a model has the same shape."""
     return max(1, _STEP_ELEMENTS // (Hq * BLOCK))
 
 
-_STEP_ELEMENTS = 32768
+_STEP_ELEMENTS = 16384
 
 
 def _allowed_rows(req: Request, bi: torch.Tensor, ii: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
