@@ -119,7 +119,7 @@ def rows_per_step(Hq: int) -> int:
     return max(1, _STEP_ELEMENTS // (Hq * BLOCK))
 
 
-_STEP_ELEMENTS = 16384
+_STEP_ELEMENTS = 8192
 
 
 def _allowed_rows(req: Request, bi: torch.Tensor, ii: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
