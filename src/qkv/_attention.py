@@ -60,7 +60,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
             ``qkv.explain`` states the layout assumed.
         batch_invariant: each row's ``out`` and ``lse`` are bitwise the same whatever the batch size, the
             other rows, prefill chunking and key splits (:mod:`qkv.backends._invariant`; ``tiled`` and
-            ``reference`` take it, the others decline). Slower: rows run one at a time.
+            ``reference`` take it, the others decline). Slower: rows run in fixed-shape steps.
 
     Returns:
         ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
