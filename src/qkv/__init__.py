@@ -31,7 +31,7 @@ _ATTRS = {
     "attention_stats": "qkv._probs",
     "AttentionStats": "qkv._probs",
 }
-_SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
+_SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "conformance", "pos", "nn", "linear", "cache", "models",
                "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
 
 __all__ = ["attention", "explain", "Explanation", "MAX_PLAUSIBLE_HEADS", "merge_states", "AttentionOutput",

@@ -29,7 +29,7 @@ SMALL_PROBLEM = 1 << 20
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
               scale: float | None = None, return_lse: bool = False, dropout_p: float = 0.0,
               generator: torch.Generator | None = None, backend: str = "auto", sinks: torch.Tensor | None = None,
-              layout: str | None = None, **unexpected):
+              layout: str | None = None, batch_invariant: bool = False, **unexpected):
     """Scaled dot-product attention with masks and score modifiers.
 
     ``scores = scale * q @ k^T``, then each score modifier in order, then the mask; softmax over keys;
@@ -65,6 +65,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
             ``qkv.explain`` states the layout assumed. When ``layout`` is not given and the call looks like
             (B, N, H, D) tensors read as (B, H, N, D) (see :data:`MAX_PLAUSIBLE_HEADS`), a ``UserWarning`` says
             so; passing ``layout="bhnd"`` explicitly states the layout and silences it.
+        batch_invariant: each row's ``out`` and ``lse`` are bitwise the same whatever the batch size, the
+            other rows, prefill chunking and key splits (:mod:`qkv.backends._invariant`; ``tiled`` and
+            ``reference`` take it, the others decline). Slower: rows run in fixed-shape steps.
 
     Returns:
         ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
@@ -83,12 +86,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
     if layout is None:
         layout = "bhnd"
         req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                     dropout_p=dropout_p, generator=generator, sinks=sinks)
+                     dropout_p=dropout_p, generator=generator, sinks=sinks, batch_invariant=batch_invariant)
         if _looks_transposed(req.q.shape, req.k.shape):
             _warn_transposed(req)
     else:
         req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                     dropout_p=dropout_p, generator=generator, sinks=sinks)
+                     dropout_p=dropout_p, generator=generator, sinks=sinks, batch_invariant=batch_invariant)
     impl = _choose(req, backend)
     sub = _for_backend(impl, req)
     result = impl.run(sub)
@@ -201,6 +204,9 @@ def _for_backend(impl, req: Request) -> Request:
 
 
 def _decline(impl, req: Request) -> str | None:
+    if req.batch_invariant and not impl.batch_invariant:
+        return ("batch_invariant=True: its results depend on the batch (kernel choice and reduction order follow "
+                "the shapes); backends 'tiled' and 'reference' take it")
     reason = impl.decline(_for_backend(impl, req))
     if reason is not None and req.sinks is not None and not impl.native_sinks:
         return f"sinks are merged from the log-sum-exp, and {reason}"
@@ -276,7 +282,7 @@ def _decision_key(req: Request) -> tuple | None:
     if req.score_mod is not None or req.dropout_p > 0 or not (m is None or type(m) is Causal):
         return None
     return (_backends.generation(), None if m is None else m.align, req.q.shape, req.k.shape, req.v.shape,
-            req.dtype, req.device, req.requires_grad, req.return_lse)
+            req.dtype, req.device, req.requires_grad, req.return_lse, req.batch_invariant)
 
 
 @dataclass
@@ -301,7 +307,7 @@ class Explanation:
 
 
 def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-            generator=None, sinks=None, layout=None) -> Explanation:
+            generator=None, sinks=None, layout=None, batch_invariant=False) -> Explanation:
     """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not.
 
     Example:
@@ -312,7 +318,7 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
     """
     layout = "bhnd" if layout is None else layout
     req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                 dropout_p=dropout_p, generator=generator, sinks=sinks)
+                 dropout_p=dropout_p, generator=generator, sinks=sinks, batch_invariant=batch_invariant)
     # Estimates first: a mask without an analytic block map is priced as a first call pays it (the predicate on
     # every pair), before choosing caches what that work found.
     estimates, declined = {}, {}

@@ -61,6 +61,9 @@ class Backend:
     #: them, asks for its log-sum-exp and merges the sinks in (``qkv._sinks``), so a backend that returns an
     #: lse under autograd must also take its gradient (``dlse``) for the sinks' gradients to be right.
     native_sinks: bool = False
+    #: True when ``run`` honours ``req.batch_invariant`` (each row's bits independent of the rest of the batch,
+    #: of prefill chunking and of key splits); the others are declined for such requests by ``qkv.attention``.
+    batch_invariant: bool = False
 
     def decline(self, req: Request) -> str | None:
         """``None`` when this backend honours the request exactly; otherwise the reason it cannot."""

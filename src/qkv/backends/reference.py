@@ -14,6 +14,7 @@ import torch
 
 from .._dropout import draw_seed, keep_mask
 from .._request import AttentionOutput, Request
+from ._invariant import invariant_attention, invariant_decline
 from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size
 
 __all__ = ["ReferenceBackend", "reference_attention"]
@@ -71,9 +72,10 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     native_sinks = True
+    batch_invariant = True
 
     def decline(self, req: Request) -> str | None:
-        return None
+        return invariant_decline(req) if req.batch_invariant else None
 
     def estimate(self, req: Request) -> Estimate:
         rate = NOMINAL_FLOPS.get(req.device.type, NOMINAL_FLOPS["cpu"]) / 4  # eager softmax passes over N^2
@@ -82,4 +84,4 @@ class ReferenceBackend(Backend):
                         f"dense, materializes {format_size(score_bytes)} of scores")
 
     def run(self, req: Request) -> AttentionOutput:
-        return reference_attention(req)
+        return invariant_attention(req) if req.batch_invariant else reference_attention(req)

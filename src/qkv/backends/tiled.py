@@ -49,6 +49,7 @@ import torch
 from .._dropout import draw_seed
 from .._request import AttentionOutput, Request
 from .._sinks import apply_sinks
+from ._invariant import invariant_attention, invariant_decline
 from ._tiled_kernel import Problem, backward_slice, forward_slice, pad_keys, pad_rows, unpad_rows
 from ._tiled_plan import Plan, block_map_cached, block_map_for, plan_for, tile_counts
 from .base import NOMINAL_FLOPS, Backend, Estimate, format_seconds, format_work, predicate_seconds
@@ -262,6 +263,7 @@ class TiledBackend(Backend):
 
     name = "tiled"
     native_sinks = True
+    batch_invariant = True
 
     def __init__(self, config: TiledConfig | None = None) -> None:
         self.config = config
@@ -277,7 +279,7 @@ class TiledBackend(Backend):
                     "backend='reference' propagates shapes on meta tensors")
         if min(req.Dqk, req.Dv) == 0:
             return f"head dim 0 (Dqk={req.Dqk}, Dv={req.Dv}): no tiles to compute; use backend='reference' or 'sdpa'"
-        return None
+        return invariant_decline(req) if req.batch_invariant else None
 
     @staticmethod
     def _held_maps(req: Request) -> int | None:
@@ -314,6 +316,8 @@ class TiledBackend(Backend):
         return Estimate(seconds + first, note)
 
     def run(self, req: Request) -> AttentionOutput:
+        if req.batch_invariant:  # one row at a time in fixed tiles, whatever the config (qkv.backends._invariant)
+            return invariant_attention(req)
         cfg = self.config_for(req) if req.Nq and req.Nk else TiledConfig(1, 1, 1)
         stats = TiledStats()
         self.last_stats = stats

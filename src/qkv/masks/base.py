@@ -361,3 +361,16 @@ def row_index(data: torch.Tensor, b: Index) -> Index:
 
 
 MaskFn = Callable[[Index, Index, Index, Index], torch.Tensor]
+
+
+def _export(name: str):
+    def method(self, *args, **kwargs):
+        from . import export
+        return getattr(export, name)(self, *args, **kwargs)
+    method.__name__ = name
+    method.__doc__ = f"See :func:`qkv.masks.export.{name}`."
+    return method
+
+
+for _name in ("to_flex_block_mask", "to_block_sparse", "to_bsr", "to_block_list"):
+    setattr(Mask, _name, _export(_name))
