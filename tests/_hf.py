@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["randomize_weights", "hf_causal_lm"]
+__all__ = ["randomize_weights", "hf_causal_lm", "OptionalModule"]
 
 
 def randomize_weights(model: nn.Module, seed: int) -> None:
@@ -65,3 +65,16 @@ def hf_causal_lm(config_cls: str, model_cls: str, fields: dict, *, seed: int,
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
     return model
+
+
+class OptionalModule:
+    """A module imported on first use inside a test: a test that touches it skips when the package is missing
+    (``pytest.importorskip``), the file's other tests still run (a partial install keeps them)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        import pytest
+
+        return getattr(pytest.importorskip(self._name), attr)

@@ -198,7 +198,7 @@ def check_batch_invariance(fn, *, B: int = 8, Hq: int = 4, Hkv: int = 2, N: int 
         >>> check_batch_invariance(f, B=2, N=8, chunk=4).ok
         True
     """
-    from .conformance._plain import accepted_options, call
+    from .plain import accepted_options, call
 
     row = B - 1 if row is None else row
     if not isinstance(row, int) or not 0 <= row < B:

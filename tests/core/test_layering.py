@@ -17,7 +17,7 @@ CORE = 1
 LAYERS: dict[str, float] = {
     "spec": 0, "costs": 0.5, "cpu": 0.5,  # the model description; arithmetic on it; CPU products (imports no qkv)
     **dict.fromkeys(["_attention", "_request", "_merge", "_probs", "_dropout", "_layout", "_sinks", "lse", "masks",
-                     "mods", "pos", "varlen", "backends", "linear", "testing", "sparse"], CORE),
+                     "mods", "pos", "varlen", "backends", "linear", "testing", "plain", "sparse"], CORE),
     "cache": 2,
     "nn": 3,
     "distributed": 4, "interpret": 4,

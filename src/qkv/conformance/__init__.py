@@ -8,7 +8,7 @@ reference backend. Each finding names the check (a stable string), what qkv's co
 callable did, and a reproducing input.
 
 ``fn`` is the plain form ``fn(q, k, v, *, causal=False, window=None, sinks=None, softcap=None, scale=None,
-return_lse=False)`` on (B, H, N, D) tensors (:mod:`qkv.conformance._plain`); the battery passes only the
+return_lse=False)`` on (B, H, N, D) tensors (:mod:`qkv.plain`); the battery passes only the
 keywords ``fn`` accepts and reports the rest as not supported. :mod:`qkv.conformance.adapters` wraps torch
 SDPA, FlexAttention, HF's attention functions, qkv's backends, torch's varlen_attn, FlashAttention 2/3/4 and
 FlashInfer into that form.
@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..plain import OPTIONS, accepted_options
 from ._battery import CHECKS, Case, run_battery
-from ._plain import OPTIONS, accepted_options
 from ._report import Finding, Report
 
 __all__ = ["check", "Report", "Finding", "Case", "CHECKS", "OPTIONS"]

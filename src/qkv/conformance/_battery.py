@@ -16,8 +16,8 @@ import torch
 from .. import masks as M
 from .. import mods
 from .._attention import attention
+from ..plain import PlainFn, accepted_options, call, restrict
 from ..testing import check_batch_invariance
-from ._plain import PlainFn, accepted_options, call, restrict
 from ._report import Finding
 
 __all__ = ["Case", "run_battery"]

@@ -1,4 +1,4 @@
-"""Adapters: wrap an attention kernel into the plain form the battery calls (:mod:`qkv.conformance._plain`).
+"""Adapters: wrap an attention kernel into the plain form the battery calls (:mod:`qkv.plain`).
 
 An adapter changes only the calling convention: qkv's (B, H, N, D) tensors go in, the kernel's own layout
 and keywords are built from them, and its output comes back as (B, H, N, D). Conventions the battery checks

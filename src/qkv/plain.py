@@ -1,4 +1,5 @@
-"""The plain attention form the battery calls, and what a given function accepts of it.
+"""The plain attention form (the form qkv.conformance and qkv.testing call any kernel in), and what a given
+function accepts of it.
 
 The plain form is qkv's layout and conventions::
 
