@@ -34,6 +34,7 @@ from .protocol import (
     LatentView,
     Quantizer,
     RopeFn,
+    RowSlots,
 )
 from .quant import KIVI, Int8, QuantError
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec, element_bytes
@@ -47,5 +48,5 @@ __all__ = [
     "StreamingLLM", "H2O", "SnapKV",
     "plan_memory", "MemoryPlan", "LayerPlan",
     "CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
-    "CachePolicy", "Quantizer",
+    "CachePolicy", "Quantizer", "RowSlots",
 ]
