@@ -586,9 +586,11 @@ class KVCache:
             raise ValueError(f"update: k {tuple(k.shape)} and v {tuple(v.shape)} disagree on (B, H, N)")
         B, n = k.shape[0], k.shape[2]
         have = self._batch()
-        if self._manager is not None and self._manager.selected is not None:
-            have = len(self._manager.selected)  # step_rows: steps feed the selected rows
-        if have is not None and B != have:
+        if self._manager is not None and self._manager.selected is not None and B != len(self._manager.selected):
+            raise ValueError(f"update: {layer.name} got batch {B} but steps feed the {len(self._manager.selected)} "
+                             f"rows selected by cache.step_rows({self._manager.selected}); feed those, or "
+                             f"step_rows(None) for every row")
+        if have is not None and B != have and (self._manager is None or self._manager.selected is None):
             raise ValueError(f"update: {layer.name} got batch {B} but the cache holds {have} rows; use "
                              f"cache.reorder(idx) or cache.fork(n) to change rows, or a new cache")
         return batch_positions(positions, B, n, owner="update", device=k.device)
