@@ -119,6 +119,9 @@ class Engine:
         vocab_size: the model's vocabulary; default ``model.config.vocab_size``.
         optimize: give an ``nn.Module`` model on the CPU qkv's CPU products first, as
             :func:`qkv.models.generate` does (:func:`qkv.cpu.optimize`, in place).
+        mixed_steps: run each step as one forward pass over every running row, decoding rows padded to the
+            prompt chunks' width, instead of one pass per phase (the default, measured cheaper: see the module
+            notes).
 
     Methods: :meth:`add` queues a request and returns its id; :meth:`step` runs one step and returns an
     :class:`EngineUpdate` per request that advanced; :meth:`stream` (also ``iter(engine)``) steps until every
@@ -127,14 +130,14 @@ class Engine:
 
     def __init__(self, model, *, num_blocks: int = 1024, block_size: int = 16, max_batch: int = 8,
                  prefill_chunk: int = 64, prefix_caching: bool = False, pad_token_id: int = 0,
-                 vocab_size: int | None = None, optimize: bool = True) -> None:
+                 vocab_size: int | None = None, optimize: bool = True, mixed_steps: bool = False) -> None:
         if not isinstance(model, DecoderModel):
             raise TypeError(f"Engine(model): expected a qkv.cache.DecoderModel (forward(ids, positions=, cache=) and "
                             f"cache_specs()), got {type(model).__name__}")
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_batch", max_batch),
                             ("prefill_chunk", prefill_chunk)):
             _check_count("Engine", name, value)
-        for name, value in (("prefix_caching", prefix_caching), ("optimize", optimize)):
+        for name, value in (("prefix_caching", prefix_caching), ("optimize", optimize), ("mixed_steps", mixed_steps)):
             if not isinstance(value, bool):
                 raise TypeError(f"Engine: {name} must be True or False, got {value!r}")
         vocab = _vocab_size(model) if vocab_size is None else _check_count("Engine", "vocab_size", vocab_size)
@@ -149,7 +152,7 @@ class Engine:
             cpu_optimize(model)
         self.model, self.vocab_size, self.pad_token_id = model, vocab, pad_token_id
         self.block_size, self.num_blocks, self.max_batch = block_size, num_blocks, max_batch
-        self.prefill_chunk, self.prefix_caching = prefill_chunk, prefix_caching
+        self.prefill_chunk, self.prefix_caching, self.mixed_steps = prefill_chunk, prefix_caching, mixed_steps
         self.cache = KVCache(model, storage=Paged(block_size=block_size, num_blocks=num_blocks,
                                                   prefix_caching=prefix_caching))
         if not isinstance(self.cache, RowSlots):
@@ -267,11 +270,13 @@ class Engine:
         self._admit()
         prefill = [b for b, r in enumerate(self._rows) if r is not None and r.fed < len(r.prompt)]
         decode = [b for b, r in enumerate(self._rows) if r is not None and r.fed == len(r.prompt)]
+        if self.mixed_steps:
+            return self._run(sorted(prefill + decode)) if prefill or decode else []
         updates: list[EngineUpdate] = []
         if prefill:
-            updates += self._run(prefill, prefilling=True)
+            updates += self._run(prefill)
         if decode:
-            updates += self._run(decode, prefilling=False)
+            updates += self._run(decode)
         return updates
 
     def _admit(self) -> None:
@@ -287,12 +292,13 @@ class Engine:
             self._rows[free] = req
             self._reserved = [have + n for have, n in zip(self._reserved, req.need)]
 
-    def _run(self, rows: list[int], *, prefilling: bool) -> list[EngineUpdate]:
+    def _run(self, rows: list[int]) -> list[EngineUpdate]:
         """One forward pass over ``rows`` (prompt chunks or last tokens, right-aligned); their updates."""
-        feeds = []
+        feeds, prefilling = [], []
         for b in rows:
             r = self._rows[b]
-            if prefilling:
+            prefilling.append(r.fed < len(r.prompt))
+            if prefilling[-1]:
                 ids = r.prompt[r.fed:r.fed + self.prefill_chunk]
                 feeds.append((ids, r.fed))
             else:
@@ -310,7 +316,7 @@ class Engine:
         updates = []
         for i, b in enumerate(rows):
             r = self._rows[b]
-            if prefilling:
+            if prefilling[i]:
                 r.fed += len(feeds[i][0])
                 if r.fed < len(r.prompt):
                     continue
