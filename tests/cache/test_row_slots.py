@@ -25,7 +25,7 @@ def _step(cache, ids, pos, *, prepare=True):
     k = pos.clamp_min(0).to(torch.float64).view(*pos.shape, 1).expand(*pos.shape, 4).unsqueeze(1).contiguous()
     if prepare:
         cache.prepare(ids, pos)
-    return [cache.update(i, k, k, positions=pos) for i in range(len(SPECS))]
+    return [cache.update(i, k, k, positions=pos) for i in range(len(cache.specs))]
 
 
 def _held(view, row):
@@ -135,3 +135,28 @@ def test_refusals_change_nothing():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="open_rows"):
             fresh.open_rows(bad)
+
+
+def test_long_history_is_folded_and_crop_still_counts_the_same(monkeypatch):
+    """A long-running engine's step record stays a short list (steps joined), and crop reads it alike."""
+    import qkv.cache.paged as paged
+
+    def run(fold: int):
+        monkeypatch.setattr(paged, "_FOLD_STEPS", fold)
+        cache = KVCache(SPECS[:1], storage=Paged(block_size=2, num_blocks=12))
+        cache.open_rows(2)
+        for t in range(13):
+            pos = [[t], [t if t % 3 else -1]]
+            _step(cache, [[1], [2]], pos)
+            if t == 7:
+                cache.release_row(1)
+                cache.admit_row(1)
+        n_entries = len(cache._manager.history)
+        cache.crop(-5)
+        after_drop = list(cache._manager.lens)
+        cache.crop(3)
+        return n_entries, after_drop, list(cache._manager.lens)
+
+    plain, folded = run(10**6), run(3)
+    assert plain[0] == 13 and folded[0] <= 5
+    assert plain[1:] == folded[1:] == ([8, 0], [3, 0])

@@ -45,6 +45,9 @@ from .storage import Store
 __all__ = ["Paged", "PagedStore", "BlockManager", "CacheFull", "PoolStats", "prefix_hashes"]
 
 
+_FOLD_STEPS = 256  # history entries joined into one once that many steps accumulate
+
+
 class CacheFull(RuntimeError):
     """The block pool cannot hold the requested tokens. Nothing was written."""
 
@@ -250,6 +253,7 @@ class BlockManager:
         self.promised_ids: list[list[int]] = []  # the prompt tokens those blocks hold
         self.waits: dict[int, dict[int, int]] = {}  # reader row -> {writer row: tokens it must have written}
         self.history: list[torch.Tensor] = []  # per step (B, n) bool: which tokens were real
+        self.folded = 0  # leading history entries that each join _FOLD_STEPS steps' columns
         self.seen = 0
         self.step: _Step | None = None
         self.stores: list[PagedStore] = []
@@ -283,6 +287,7 @@ class BlockManager:
             g.tables, g.first = [], []
         self.rows, self.seen, self.step = 0, 0, None
         self.lens, self.base, self.tokens, self.salts, self.hashes, self.history = [], [], [], [], [], []
+        self.folded = 0
         self.promised, self.promised_ids, self.waits = [], [], {}
         self.selected = None
 
@@ -498,6 +503,9 @@ class BlockManager:
         self._record_positions(blocks, offsets, positions, real)
         self._record_tokens(positions, input_ids, counts)
         self.history.append(real)
+        if len(self.history) - self.folded >= _FOLD_STEPS:  # a long-running engine: bounded list, same columns
+            self.history[self.folded:] = [torch.cat(self.history[self.folded:], dim=1)]
+            self.folded += 1
         self.seen += n
         device = positions.device
         tables, view_pos = self._views(device)
@@ -711,6 +719,7 @@ class BlockManager:
                 hist.append(r[:, :target - total])
             total += r.shape[1]
         self.history, self.seen, self.step = hist, target, None
+        self.folded = min(self.folded, len(hist))
 
     def reorder(self, idx: list[int]) -> None:
         if (busy := self.sharing_in_progress()) is not None:
