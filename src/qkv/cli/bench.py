@@ -27,6 +27,7 @@ SUITES: dict[str, str] = {
     "tiled": "tiled.py",
     "sparse": "sparse.py",
     "linear": "linear.py",
+    "gated_linear": "gated_linear.py",
     "mla": "mla.py",
     "decode": "decode.py",
     "embed": "embed.py",
@@ -39,6 +40,8 @@ SUITES: dict[str, str] = {
     "gpu": "gpu.py",  # CUDA only: on a machine without one it prints why and writes nothing
     "gqa_conversion": "gqa_conversion.py",
     "quality": "quality.py",
+    "mask_export": "mask_export.py",
+    "batch_invariant": "batch_invariant.py",
 }
 
 
