@@ -222,7 +222,10 @@ class _Group:
         return sum(1 for r in self.ref if r > 0)
 
 
-class _Step(NamedTuple):
+class _StepSlots(NamedTuple):
+    """Where one step's tokens go: the block and slot of each real token, and each row's block table and the
+    positions of its paged view, per group of layers."""
+
     n: int
     real: torch.Tensor  # (B, n) bool
     blocks: list[torch.Tensor]  # per group (n_real,) block of each real token
@@ -255,7 +258,7 @@ class BlockManager:
         self.history: list[torch.Tensor] = []  # per step (B, n) bool: which tokens were real
         self.folded = 0  # leading history entries that each join _FOLD_STEPS steps' columns
         self.seen = 0
-        self.step: _Step | None = None
+        self.step: _StepSlots | None = None
         self.stores: list[PagedStore] = []
         self.pending: list[tuple[_Group, int, bytes]] = []
         self.lookup_tokens = self.hit_tokens = self.hit_tokens_in_batch = 0
@@ -467,7 +470,7 @@ class BlockManager:
         return all(chain[i] in g.by_hash for i in range(start, j))
 
     # steps
-    def step_for(self, store_seen: int, positions: torch.Tensor) -> _Step:
+    def step_for(self, store_seen: int, positions: torch.Tensor) -> _StepSlots:
         """The slot map of the step a layer is writing, allocating it on the step's first write."""
         n = positions.shape[1]
         if store_seen == self.seen:
@@ -485,7 +488,7 @@ class BlockManager:
                 g.register(block, key)
         self.pending = []
 
-    def allocate(self, positions: torch.Tensor, input_ids: torch.Tensor | None) -> _Step:
+    def allocate(self, positions: torch.Tensor, input_ids: torch.Tensor | None) -> _StepSlots:
         """Give a step's real tokens (``positions >= 0``, (B, n)) their slots in every group, all or nothing:
         check the rows, check that rows reusing blocks of their batch read only written ones, plan each group
         (raising :class:`CacheFull` before any change), then release, copy-on-write and take blocks, record
@@ -509,7 +512,7 @@ class BlockManager:
         self.seen += n
         device = positions.device
         tables, view_pos = self._views(device)
-        self.step = _Step(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
+        self.step = _StepSlots(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
                           torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos)
         if self.selected is not None:  # the layers see the selected rows only
             sel = torch.tensor(self.selected, dtype=torch.int64, device=device)

@@ -17,9 +17,9 @@ from .api import attention, ring_attention
 from .exchange import ALL_TO_ALL, DEFAULT_TIMEOUT, CollectiveTimeout, CommLog
 from .groups import UspGroups, usp_groups
 from .model import ContextParallel, context_parallel
-from .sharding import SCHEMES, Layout, layout, shard, unshard
+from .sharding import SCHEMES, ShardLayout, layout, shard, unshard
 
 __all__ = [
-    "attention", "ring_attention", "shard", "unshard", "layout", "Layout", "SCHEMES", "usp_groups", "UspGroups",
+    "attention", "ring_attention", "shard", "unshard", "layout", "ShardLayout", "SCHEMES", "usp_groups", "UspGroups",
     "CommLog", "CollectiveTimeout", "DEFAULT_TIMEOUT", "ALL_TO_ALL", "context_parallel", "ContextParallel",
 ]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .groups import UspGroups
 
-__all__ = ["Layout", "SCHEMES", "MAX_SEGMENTS", "layout", "segments", "shard", "unshard", "world_and_rank",
+__all__ = ["ShardLayout", "SCHEMES", "MAX_SEGMENTS", "layout", "segments", "shard", "unshard", "world_and_rank",
            "document_spread"]
 
 #: Every scheme, and the layout it shards with.
@@ -39,7 +39,7 @@ MAX_SEGMENTS = 8
 
 
 @dataclass(frozen=True, eq=False)
-class Layout:
+class ShardLayout:
     """Global token indices per rank. ``index[r]``: (n,) int64 ascending; ``n_global = world * n``."""
 
     kind: str
@@ -151,12 +151,12 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def document_spread(lay: Layout, documents: torch.Tensor) -> float:
+def document_spread(lay: ShardLayout, documents: torch.Tensor) -> float:
     """How uneven a layout leaves the work of a document-causal mask: ``max |w_r - mean| / mean`` over the
     ranks' allowed (query, key) pairs ``w_r`` (a token sees its document's prefix); 0 is perfectly even.
 
     Args:
-        lay: a :class:`Layout` of ``lay.n_global`` tokens.
+        lay: a :class:`ShardLayout` of ``lay.n_global`` tokens.
         documents: (N,) or (B, N) integer document ids, as for :func:`layout`.
 
     Example:
@@ -169,7 +169,7 @@ def document_spread(lay: Layout, documents: torch.Tensor) -> float:
     return _spread([i.tolist() for i in lay.index], runs)
 
 
-def layout(scheme: str, n_global: int, world: int, *, documents: torch.Tensor | None = None) -> Layout:
+def layout(scheme: str, n_global: int, world: int, *, documents: torch.Tensor | None = None) -> ShardLayout:
     """The layout ``scheme`` shards a sequence of ``n_global`` tokens with over ``world`` ranks.
 
     Args:
@@ -209,8 +209,8 @@ def layout(scheme: str, n_global: int, world: int, *, documents: torch.Tensor | 
             if _spread(plain[0], runs) < _spread(owned, runs):
                 owned, sizes = plain
         index = [torch.tensor(o, dtype=torch.int64) for o in owned]
-        return Layout(kind, n_global, tuple(index), tuple(tuple(s) for s in sizes))
-    return Layout(kind, n_global, tuple(index))
+        return ShardLayout(kind, n_global, tuple(index), tuple(tuple(s) for s in sizes))
+    return ShardLayout(kind, n_global, tuple(index))
 
 
 def _check_dim(x: torch.Tensor, dim: int, fn: str) -> int:

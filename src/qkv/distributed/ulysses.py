@@ -17,7 +17,7 @@ import torch
 from .exchange import Exchange
 from .plan import Plan
 from .ring import RingAttention
-from .sharding import Layout
+from .sharding import ShardLayout
 
 __all__ = ["AllToAll", "split_heads", "ulysses_attention"]
 
@@ -56,7 +56,7 @@ def split_heads(q, k, v, world: int, scheme: str):
                      f"divide {world} (for replication); use scheme='ring' or 'allgather'")
 
 
-def ulysses_attention(ex: Exchange, q, k, v, q_layout: Layout, k_layout: Layout, *, mask, mod, scale: float,
+def ulysses_attention(ex: Exchange, q, k, v, q_layout: ShardLayout, k_layout: ShardLayout, *, mask, mod, scale: float,
                       backend: str, log, mod_tensors: tuple, return_lse: bool = False):
     """``(out, lse or None)`` of this rank's sequence shard; see the module docstring."""
     W, r = ex.world, ex.rank

@@ -15,21 +15,22 @@ from .exchange import Exchange
 from .groups import UspGroups
 from .plan import Plan
 from .ring import RingAttention
-from .sharding import Layout, segments
+from .sharding import ShardLayout, segments
 from .ulysses import AllToAll, split_heads
 
 __all__ = ["usp_attention"]
 
 
-def usp_attention(groups: UspGroups, ex_u: Exchange, ex_r: Exchange, q, k, v, q_layout: Layout, k_layout: Layout, *,
-                  mask, mod, scale: float, backend: str, log, mod_tensors: tuple, return_lse: bool = False):
+def usp_attention(groups: UspGroups, ex_u: Exchange, ex_r: Exchange, q, k, v, q_layout: ShardLayout,
+                  k_layout: ShardLayout, *, mask, mod, scale: float, backend: str, log, mod_tensors: tuple,
+                  return_lse: bool = False):
     U, R = groups.ulysses_size, groups.ring_size
     k, v = split_heads(q, k, v, U, "usp")
     qh = AllToAll.apply(ex_u, q, 1, 2, "Q")  # (B, Hq/U, U*n, Dqk): ring chunk i for a share of the heads
     kh = AllToAll.apply(ex_u, k, 1, 2, "K")
     vh = AllToAll.apply(ex_u, v, 1, 2, "V")
 
-    def members(lay: Layout):
+    def members(lay: ShardLayout):
         return [torch.cat([lay.index[i * U + j] for j in range(U)]).to(q.device) for i in range(R)]
 
     q_index, k_index = members(q_layout), members(k_layout)

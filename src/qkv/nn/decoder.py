@@ -146,7 +146,7 @@ class _RopeTable:
         return apply_rotary(x, cos, sin, interleaved=self.emb.interleaved)
 
 
-class _Step:
+class _ForwardContext:
     """What every layer of one forward pass shares: positions, cache, masks and RoPE tables of the step."""
 
     __slots__ = ("positions", "cache", "n", "dtype", "_cos_sin", "_masks")
@@ -214,7 +214,7 @@ class SelfAttention(nn.Module):
         return (apply_rotary(q, cos, sin, interleaved=interleaved),
                 apply_rotary(k, cos, sin, interleaved=interleaved))
 
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D)
@@ -281,7 +281,7 @@ class DecoderLayer(nn.Module):
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
 
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
         a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
         if self.latent:
             h = self.self_attn(a, positions=step.positions, cache=step.cache).out
@@ -431,7 +431,7 @@ class DecoderLM(nn.Module):
             x = x + self.pos_embed(pos).to(x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        step = _Step(positions, cache, N, x.dtype)
+        step = _ForwardContext(positions, cache, N, x.dtype)
         for layer in self.layers:
             x = layer(x, step)
         if logits_to_keep:
