@@ -13,6 +13,10 @@ B, H, NQ, NK, BLK = 2, 2, 100, 130, 16
 _CATALOGUE = {k: m for k, m in mask_catalogue(B, NQ, NK).items() if m is not None}
 _CATALOGUE["documents"] = masks.document_from_cu_seqlens(torch.tensor([0, 40, 41, 100, 130])) & masks.causal()
 _CATALOGUE["head_fn"] = masks.from_fn(lambda b, h, q, k: (k <= q) & ((k + h) % 2 == 0))
+_lists = torch.randint(-1, NK, (B, H, NQ, 12), generator=torch.Generator().manual_seed(3))
+_lists[0, 1, :20] = torch.arange(12) + 16  # whole rows of one key tile listed: FULL tiles exist
+_CATALOGUE["topk_per_head"] = masks.topk(_lists) & masks.causal()
+_CATALOGUE["topk_shared"] = masks.topk(_lists[:, :1])
 
 
 def _dense_tiles(m):
