@@ -31,7 +31,7 @@ _ATTRS = {
     "AttentionStats": "qkv._probs",
 }
 _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
-               "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
+               "interpret", "distributed", "cli", "lse", "varlen", "integrations", "sparse"}
 
 __all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs",
            "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention", "varlen_attention",
