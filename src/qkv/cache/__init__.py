@@ -36,12 +36,22 @@ from .protocol import (
     RopeFn,
 )
 from .quant import KIVI, Int8, QuantError
-from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec, element_bytes
+from .specs import (
+    CrossSpec,
+    FullSpec,
+    IndexedLatentSpec,
+    LatentSpec,
+    LayerSpec,
+    SinkSpec,
+    SlidingWindowSpec,
+    element_bytes,
+)
 from .storage import Dynamic, Static
 
 __all__ = [
     "KVCache", "CacheMemory", "LayerMemory",
-    "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "CrossSpec", "element_bytes",
+    "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
+    "element_bytes",
     "Dynamic", "Static", "Paged", "CacheFull", "PoolStats", "prefix_hashes",
     "KIVI", "Int8", "QuantError",
     "StreamingLLM", "H2O", "SnapKV",

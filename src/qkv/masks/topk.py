@@ -33,6 +33,9 @@ from .base import Mask, classify, row_index
 
 __all__ = ["TopK", "topk"]
 
+#: Lists up to this long are looked up entry by entry (pointwise; compiles under Flex), longer ones by a reduction.
+_UNROLL = 64
+
 
 class TopK(Mask):
     """Query row ``i`` may attend key ``j`` exactly when ``j`` is listed in ``indices[b, h, i]`` (see the module)."""
@@ -71,8 +74,15 @@ class TopK(Mask):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         idx = self.indices
         hh = h if idx.shape[1] > 1 else torch.zeros_like(h)
-        rows = idx[row_index(idx, b), hh, q_idx.clamp(0, idx.shape[2] - 1)]  # broadcast of (b, h, q) + (K,)
-        return (rows == kv_idx.unsqueeze(-1)).any(-1)
+        bb, qq = row_index(idx, b), q_idx.clamp(0, idx.shape[2] - 1)
+        if not 0 < idx.shape[-1] <= _UNROLL:
+            rows = idx[bb, hh, qq]  # broadcast of (b, h, q) + (K,)
+            return (rows == kv_idx.unsqueeze(-1)).any(-1)
+        # Short lists: one comparison per entry, no reduction, so a compiled (Flex) mask_mod stays pointwise.
+        hit = idx[bb, hh, qq, 0] == kv_idx
+        for j in range(1, idx.shape[-1]):
+            hit = hit | (idx[bb, hh, qq, j] == kv_idx)
+        return hit
 
     def dense(self, B, H, nq, nk, device=None):
         self.check(B, H, nq, nk)

@@ -13,6 +13,7 @@ from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
 from .decoder import DecoderLM, DecoderOutput
+from .dsa import IndexerOutput, LightningIndexer, SparseLatentAttention
 from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
@@ -27,5 +28,6 @@ __all__ = [
     "TransformerBlock", "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights",
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
-    "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
+    "LatentAttention", "LatentAttentionOutput", "LatentConfig", "SparseLatentAttention", "LightningIndexer",
+    "IndexerOutput", "LinearAttention", "PerformerAttention",
 ]
