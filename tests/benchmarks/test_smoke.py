@@ -228,7 +228,16 @@ def _quality(t):
             f"dense did not learn {task} at --quick: {r}"
 
 
-AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "linear": _linear, "mla": _mla,
+def _sparse_select(t):
+    _all_below(t, "sparse_select", "max|tail err|", 1e-4)
+    _ranged(t, "sparse_select", "dense/sel")
+    _ranged(t, "sparse_select", "sel/floor")
+    assert {r["K"] for r in _rows(t, "sparse_select")} == {256, 64, 128}
+    _ranged(t, "sparse_select_decode", "dense/sel")
+
+
+AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "sparse_select": _sparse_select,
+             "linear": _linear, "mla": _mla,
              "decode": _decode, "embed": _embed, "generate": _generate, "varlen": _varlen,
              "context_parallel": _context_parallel, "head_pruning": _head_pruning,
              "interpret": _interpret, "skinny": _skinny,

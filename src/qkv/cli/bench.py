@@ -26,6 +26,7 @@ SUITES: dict[str, str] = {
     "dense": "dense.py",
     "tiled": "tiled.py",
     "sparse": "sparse.py",
+    "sparse_select": "sparse_select.py",
     "linear": "linear.py",
     "mla": "mla.py",
     "decode": "decode.py",
