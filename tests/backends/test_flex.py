@@ -405,3 +405,13 @@ def test_topk_shared_lists_softcap_fp16_on_flex():
     mask = M.topk(_topk_lists(B, 1, Nq, Nk, 33, seed=4))
     check(inputs(B, Hq, Hkv, Nq, Nk, D, seed=4), dtype=torch.float16, mask=mask,
           make_mod=lambda t: mods.softcap(5.0), what=f"topk shared, softcap {sid(B, Hq, Hkv, Nq, Nk, D)}")
+
+
+def test_declines_long_topk_lists_and_names_gather():
+    """Lists up to 64 keys compile (looked up entry by entry); longer ones would need a reduction in mask_mod."""
+    x = torch.randn(1, 1, 80, 16)
+    mask = M.causal() & ~M.topk(torch.zeros(1, 1, 80, 65, dtype=torch.int64))
+    with pytest.raises(ValueError, match="topk lists of 65 keys.*backend='gather'"):
+        qkv.attention(x, x, x, mask=mask, backend="flex")
+    short = qkv.explain(x, x, x, mask=M.topk(torch.zeros(1, 1, 80, 64, dtype=torch.int64))).declined
+    assert "topk lists" not in short.get("flex", ""), short
