@@ -81,7 +81,7 @@ def _encoder(model, base):
 def uptrain(model, base, sentences: list[str], teacher: torch.Tensor, *, steps: int, batch: int = 16,
             lr: float = 5e-5, seed: int = 0) -> tuple[float, float]:
     """Distill ``model`` toward ``teacher`` embeddings of ``sentences``; returns (first, last) loss."""
-    from qkv.models.embed import pack
+    from qkv.models.embed import pack_sentences
 
     enc = _encoder(model, base)
     ids = enc.tokenize(sentences)
@@ -91,7 +91,7 @@ def uptrain(model, base, sentences: list[str], teacher: torch.Tensor, *, steps: 
     model.eval()  # no dropout: the target is deterministic
     for _ in range(steps):
         idx = torch.randperm(len(ids), generator=g)[:batch].tolist()
-        emb = enc.embed_packed(pack([ids[i] for i in idx]))
+        emb = enc.embed_packed(pack_sentences([ids[i] for i in idx]))
         loss = (1 - F.cosine_similarity(emb, teacher[idx], dim=-1)).mean()
         opt.zero_grad()
         loss.backward()

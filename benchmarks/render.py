@@ -18,7 +18,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 #: Suites in the order they appear; a JSON file of an unlisted suite follows in name order.
-ORDER = ["dense", "tiled", "sparse", "linear", "mla", "decode", "embed", "generate"]
+ORDER = ["dense", "tiled", "sparse", "linear", "gated_linear", "mla", "decode", "embed", "generate"]
 
 
 def fmt(v: Any) -> str:

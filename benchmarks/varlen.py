@@ -6,7 +6,7 @@ one step (forward, next-token loss, backward) of a qkv decoder two ways:
 - padded: ``(B, max_len)`` with right padding; padding positions are ``-1`` (never attended), so the
   attention masks them, but every projection, MLP and score tile still runs over the padding;
 - packed: the real tokens only, ``(1, total)``, positions restarting per sequence, every attention call
-  restricted to its sequence by ``qkv.varlen.packed_documents`` (a document mask, whose empty tiles the
+  restricted to its sequence by ``qkv.nn.packed_documents`` (a document mask, whose empty tiles the
   tiled backend skips).
 
 Both compute the same loss (the table reports the difference) over the same tokens; the rate counts real
@@ -36,7 +36,7 @@ import torch
 
 from _harness import Suite, gemm_rate, median_ms, parse_args, ratio, time_interleaved
 from qkv import varlen
-from qkv.nn import DecoderConfig, DecoderLM
+from qkv.nn import DecoderConfig, DecoderLM, packed_documents
 
 MODEL = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=512)
@@ -58,7 +58,7 @@ def padded_step(model, ids, mask):
 
 
 def packed_step(model, p: varlen.Packed):
-    with varlen.packed_documents(model, p.cu_seqlens):
+    with packed_documents(model, p.cu_seqlens):
         logits = model(p.values[None], positions=p.positions[None]).logits[0]
     nxt = torch.ones(p.values.shape[0], dtype=torch.bool)
     nxt[p.cu_seqlens[1:].long() - 1] = False
@@ -74,7 +74,7 @@ def agreement(model, ids, mask, p: varlen.Packed, lengths: list[int]) -> dict[st
     ref_model = copy.deepcopy(model).double()
     pos = (mask.cumsum(1) - 1).masked_fill(~mask, -1)
     padded = model(ids, positions=pos).logits
-    with varlen.packed_documents(model, p.cu_seqlens):
+    with packed_documents(model, p.cu_seqlens):
         packed = model(p.values[None], positions=p.positions[None]).logits[0]
     err = {"padded": 0.0, "packed": 0.0, "packed-padded": 0.0}
     starts = p.cu_seqlens.tolist()

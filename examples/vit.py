@@ -24,8 +24,9 @@ digits model shows which patches the [CLS] token draws on: ``rollout_picture`` d
 their rollout maps. The per-layer probabilities are recomputed exactly by :func:`qkv.attention_probs` from
 the queries and keys each attention module hands its ``attention_fn`` hook (restored afterwards).
 
-Run: ``python examples/vit.py`` (lines, seconds), ``python examples/vit.py digits rollout.png`` (the full
-recipe) or ``python examples/vit.py digits-ci rollout.png``.
+Run: ``python examples/vit.py`` (the real digits with the ``"quick"`` recipe: about 89% test accuracy in
+under a minute of CPU), ``python examples/vit.py digits rollout.png`` (the full recipe and its rollout picture),
+``python examples/vit.py digits-ci`` or ``python examples/vit.py lines`` (the synthetic lines).
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ class DigitsRecipe(NamedTuple):
 
 DIGITS_RECIPES = {
     "full": DigitsRecipe(),
+    "quick": DigitsRecipe(epochs=6, d_model=32, n_layers=1, initializer_range=0.15, shift=False),  # the default run
     "ci": DigitsRecipe(epochs=20, d_model=32, n_layers=2, initializer_range=0.15, shift=False),
 }
 
@@ -246,11 +248,14 @@ def rollout_picture(model: ViT, images: torch.Tensor, path, *, count: int = 8) -
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("digits", "digits-ci"):
-        metrics, vit, test_images = digits_main("ci" if sys.argv[1] == "digits-ci" else "full", verbose=True)
+    mode = sys.argv[1] if len(sys.argv) > 1 else "digits-quick"
+    if mode in ("digits", "digits-ci", "digits-quick"):
+        metrics, vit, test_images = digits_main({"digits": "full", "digits-ci": "ci"}.get(mode, "quick"), verbose=True)
         print(metrics)
         if len(sys.argv) > 2:
             rollout_picture(vit, test_images, sys.argv[2])
             print(f"wrote {sys.argv[2]}")
-    else:
+    elif mode == "lines":
         print(main(verbose=True))
+    else:
+        sys.exit(f"usage: python examples/vit.py [digits | digits-ci | lines] [rollout.png]; got {mode!r}")

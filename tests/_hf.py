@@ -12,44 +12,69 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["randomize_weights", "hf_causal_lm"]
+__all__ = ["randomize_weights", "hf_causal_lm", "OptionalModule"]
 
 
 def randomize_weights(model: nn.Module, seed: int) -> None:
-    """Redraw every parameter of an HF model in place: linear weights ~ N(0, 1/fan_in), embeddings (and
-    GPT-OSS sinks) ~ N(0, 1), biases ~ N(0, 0.1^2), norm parameters around their identity (1, or 0 for Gemma's
-    ``1 + w`` norms) with spread 0.2."""
+    """Redraw every parameter of an HF model in place: linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1),
+    biases ~ N(0, 0.1^2), norm parameters around their identity (1, or 0 for Gemma's ``1 + w`` norms) with spread
+    0.2; so that they matter, GPT-OSS's sink logits ~ N(1, 1) and router biases ~ N(0, 0.5^2), and DeepSeek-V3's
+    routing correction (a buffer) ~ N(0, 0.3^2), as large as the spread of its sigmoid scores."""
     gen = torch.Generator().manual_seed(seed)
     around_zero = model.config.model_type.startswith("gemma")
     embeddings = {name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    input_major_experts = model.config.model_type == "gpt_oss"  # HF keeps its experts (E, d_in, d_out)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
             low = name.lower()
-            if "norm" in low or "ln_" in low:
+            if low.endswith("sinks"):
+                value = 1.0 + noise
+            elif "router.bias" in low:
+                value = 0.5 * noise
+            elif "norm" in low or "ln_" in low:
                 value = (0.0 if around_zero else 1.0) + 0.2 * noise
-            elif "sinks" in low or name.rpartition(".")[0] in embeddings:
+            elif name.rpartition(".")[0] in embeddings:
                 value = noise
-            elif p.dim() == 1:
+            elif p.dim() == 1 or low.endswith("_bias"):
                 value = 0.1 * noise
+            elif input_major_experts and (low.endswith("gate_up_proj") or low.endswith("experts.down_proj")):
+                value = noise / math.sqrt(p.shape[-2])
             else:
                 value = noise / math.sqrt(p.shape[-1])
             p.copy_(value.to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen, dtype=torch.float64).to(b.dtype))
 
 
 def hf_causal_lm(config_cls: str, model_cls: str, fields: dict, *, seed: int,
-                 attn_implementation: str | None = None) -> nn.Module:
+                 attn_implementation: str | None = None, **load) -> nn.Module:
     """An HF model ``model_cls`` of ``config_cls(**fields)`` in eval mode, with redrawn weights and a generation
-    config for greedy decoding of fixed length (no EOS token, padding id 0)."""
+    config for greedy decoding of fixed length (no EOS token, padding id 0). ``load``: more keywords of
+    ``_from_config`` (e.g. ``experts_implementation="eager"``), with ``attn_implementation``."""
     import transformers
 
     cfg = getattr(transformers, config_cls)(**fields)
     torch.manual_seed(0)
     cls = getattr(transformers, model_cls)
     model = (cls(cfg) if attn_implementation is None
-             else cls._from_config(cfg, attn_implementation=attn_implementation)).eval()
+             else cls._from_config(cfg, attn_implementation=attn_implementation, **load)).eval()
     randomize_weights(model, seed)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
     return model
+
+
+class OptionalModule:
+    """A module imported on first use inside a test: a test that touches it skips when the package is missing
+    (``pytest.importorskip``), the file's other tests still run (a partial install keeps them)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        import pytest
+
+        return getattr(pytest.importorskip(self._name), attr)

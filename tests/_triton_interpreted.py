@@ -45,6 +45,15 @@ def test_causal_alignments(nq, nk, align):
         check(1, 2, 2, nq, nk, 16, mask=mask, what=f"{sid(1, 2, 2, nq, nk, 16)} {mask!r}")
 
 
+def test_head_reading_user_mask_and_user_mask_decode():
+    """A mask that reads the head gets every head's tiles (not head 0's), and a user mask decoded alone sees the
+    query's position (issue 29 items 1 and 2). Tiny: the interpreter is slow."""
+    heads = M.from_fn(lambda b, h, q, k: torch.where(h == 0, k == 0, k <= q))
+    check(1, 2, 2, 33, 33, 16, mask=heads, what=f"head-reading {sid(1, 2, 2, 33, 33, 16)}")
+    dilated = M.from_fn(lambda b, h, q, k: (k <= q) & ((q - k) % 2 == 0))
+    check(1, 2, 1, 1, 33, 16, mask=dilated, backward=False, what=f"dilated decode {sid(1, 2, 1, 1, 33, 16)}")
+
+
 def test_lowering_kinds():
     """The analytic masks are evaluated in the kernel, the others from dense tiles; EMPTY tiles are not
     listed and FULL tiles carry kind -1 (no mask arithmetic)."""

@@ -21,6 +21,7 @@ _ATTRS = {
     "attention": "qkv._attention",
     "explain": "qkv._attention",
     "Explanation": "qkv._attention",
+    "MAX_PLAUSIBLE_HEADS": "qkv._attention",
     "merge_states": "qkv._merge",
     "AttentionOutput": "qkv._request",
     "attention_probs": "qkv._probs",
@@ -30,12 +31,12 @@ _ATTRS = {
     "attention_stats": "qkv._probs",
     "AttentionStats": "qkv._probs",
 }
-_SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "pos", "nn", "linear", "cache", "models",
+_SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "conformance", "pos", "nn", "linear", "cache", "models",
                "interpret", "distributed", "cli", "lse", "varlen", "integrations", "sparse"}
 
-__all__ = ["attention", "explain", "Explanation", "merge_states", "AttentionOutput", "attention_probs",
-           "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention", "varlen_attention",
-           "masks", "mods", "backends", "lse", "varlen", "__version__"]
+__all__ = ["attention", "explain", "Explanation", "MAX_PLAUSIBLE_HEADS", "merge_states", "AttentionOutput",
+           "attention_probs", "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention",
+           "varlen_attention", "masks", "mods", "backends", "lse", "varlen", "__version__"]
 
 
 def __getattr__(name: str):
@@ -54,7 +55,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import backends, masks, mods  # noqa: F401
-    from ._attention import Explanation, attention, explain  # noqa: F401
+    from ._attention import MAX_PLAUSIBLE_HEADS, Explanation, attention, explain  # noqa: F401
     from ._merge import merge_states  # noqa: F401
     from ._probs import AttentionStats, attention_probs, attention_stats  # noqa: F401
     from ._request import AttentionOutput  # noqa: F401

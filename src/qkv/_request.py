@@ -23,9 +23,9 @@ LAYOUT_NAMES = {"bhnd": "(B, H, N, D)", "bnhd": "(B, N, H, D)"}
 
 
 class AttentionOutput(NamedTuple):
-    """``out`` (B, Hq, Nq, Dv) in the input dtype; ``lse`` (B, Hq, Nq) float32, natural log of the sum of
-    exp of the final scores over allowed keys (and the sink, with ``sinks=``), ``-inf`` for a row with no
-    allowed key. The contract, and conversions to base 2 and (B, Nq, Hq), are in :mod:`qkv.lse`."""
+    """``out`` (B, Hq, Nq, Dv) in the input dtype; ``lse`` (B, Hq, Nq) float32 (float64 for float64 inputs),
+    natural log of the sum of exp of the final scores over allowed keys (and the sink, with ``sinks=``), ``-inf``
+    for a row with no allowed key. The contract, and conversions to base 2 and (B, Nq, Hq), are in :mod:`qkv.lse`."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -47,6 +47,7 @@ class Request:
     generator: torch.Generator | None = None
     sinks: torch.Tensor | None = None  # (Hq,) learnable sink logits, see qkv._sinks
     layout: str = "bhnd"  # the layout the caller's tensors had (q/k/v here are always (B, H, N, D) views)
+    batch_invariant: bool = False  # each row's bits independent of the batch (qkv.backends._invariant)
 
     @property
     def B(self) -> int:
@@ -100,7 +101,8 @@ class Request:
     def describe(self) -> str:
         return (f"B={self.B} Hq={self.Hq} Hkv={self.Hkv} Nq={self.Nq} Nk={self.Nk} Dqk={self.Dqk} Dv={self.Dv} "
                 f"{str(self.dtype).replace('torch.', '')} {self.device.type}, layout {LAYOUT_NAMES[self.layout]}"
-                + (", sinks" if self.sinks is not None else ""))
+                + (", sinks" if self.sinks is not None else "")
+                + (", batch_invariant" if self.batch_invariant else ""))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -112,6 +114,9 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 def _mask_hint(mask) -> str:
     if isinstance(mask, torch.Tensor):
+        if mask.dtype.is_floating_point:
+            return (" (a float tensor is an additive bias: pass score_mod=qkv.mods.bias(t); a boolean one, True = "
+                    "may attend, goes in mask=qkv.masks.dense(t))")
         return " (wrap a boolean tensor with qkv.masks.dense(t))"
     if isinstance(mask, type) and issubclass(mask, Mask) or (callable(mask) and getattr(mask, "__module__", "")
                                                              .startswith("qkv.masks")):
@@ -131,7 +136,7 @@ def _check_devices(arg: str, owner, tensors, device: torch.device) -> None:
 
 
 def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-                  generator=None, sinks=None, layout="bhnd") -> Request:
+                  generator=None, sinks=None, layout="bhnd", batch_invariant=False) -> Request:
     """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix.
 
     Valid calls take one combined test of shapes, dtypes and devices (attribute reads only, no tensor ops:
@@ -175,7 +180,9 @@ def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=
         raise TypeError(f"attention: generator must be a torch.Generator, got {type(generator).__name__}")
     if sinks is not None:
         _check_sinks(sinks, q)
-    return Request(q, k, v, mask, mod, scale, bool(return_lse), dropout_p, generator, sinks, layout)
+    if type(batch_invariant) is not bool:
+        raise TypeError(f"attention: batch_invariant must be True or False, got {batch_invariant!r}")
+    return Request(q, k, v, mask, mod, scale, bool(return_lse), dropout_p, generator, sinks, layout, batch_invariant)
 
 
 def _check_scale(scale) -> float:

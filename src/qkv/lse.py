@@ -6,7 +6,9 @@ qkv's contract (every backend, ``qkv.attention(..., return_lse=True)``, ``qkv.me
 - **Natural log**: ``lse[b, h, i] = log(sum_j exp(s[b, h, i, j]))`` over the *allowed* keys ``j`` of row
   ``i``, where ``s`` are the final scores (``scale * q.k``, then every score modifier). A learnable sink
   (``sinks=``) is one more term of that sum: ``lse = log(exp(sink[h]) + sum_j exp(s_ij))``.
-- **float32** (float64 only where the inputs are float64 and a backend keeps it), whatever the input dtype.
+- **float32** whatever the input dtype, except **float64 for float64 inputs** (every backend that takes
+  float64, ``merge_states`` of float64 parts, ring and context-parallel steps and their backward).
+- **NaN is not empty**: a row with a NaN score (or a NaN sink) has a NaN ``lse`` and NaN output.
 - **Layout (B, Hq, Nq)**: head-major, the layout of ``out`` minus its last dimension. The varlen entry,
   whose batch is one packed sequence, returns ``(Hq, total_q)``, FlashAttention's varlen layout.
 - **-inf for an empty row** (no allowed key and no sink), whose output is zeros.

@@ -6,7 +6,7 @@ eager computation *in the candidate's own dtype* makes against the same referenc
 
     err(candidate, ref64) <= k * err(baseline, ref64) + floor
 
-``k`` is about 2 for float16/bfloat16 and 10 for float32 (DESIGN.md). The floor absorbs the case
+``k`` is about 2 for float16/bfloat16 and 10 for float32 (README, "Testing discipline"). The floor absorbs the case
 where the baseline happens to be nearly exact (tiny sizes, float64 inputs); by default it is a per-dtype
 constant times ``max(1, max|reference|)``, so it stays one rounding step of the values compared.
 
@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["Budget", "DEFAULT_K", "DEFAULT_FLOOR", "DEFAULT_BASELINE_CEILING", "max_error", "budget",
+           "BatchInvariance", "check_batch_invariance",
            "assert_within_budget"]
 
 DEFAULT_K: dict[torch.dtype, float] = {
@@ -157,3 +158,103 @@ def assert_within_budget(candidate: torch.Tensor, reference: torch.Tensor, basel
     if not b.ok:
         raise AssertionError(f"{what}: {b}")
     return b
+
+
+class BatchInvariance(NamedTuple):
+    """What :func:`check_batch_invariance` measured: the largest difference of a row's output (and lse, when
+    the callable returns one) between its reference run and each other way of computing it (0.0 = bitwise)."""
+
+    ok: bool
+    batch_diff: float  # the row alone vs inside the full batch
+    other_diff: float  # the row inside a batch of other rows
+    chunk_diff: float | None  # prefilled in query chunks against the key prefix (None: causal not taken)
+    input: str
+
+    def describe(self) -> str:
+        parts = [f"alone vs batch {self.batch_diff:.3g}", f"other rows {self.other_diff:.3g}"]
+        parts.append("chunks n/a (no causal)" if self.chunk_diff is None else f"chunks {self.chunk_diff:.3g}")
+        return ("bitwise invariant" if self.ok else "varies") + " (max |diff|: " + ", ".join(parts) + ")"
+
+
+def check_batch_invariance(fn, *, B: int = 8, Hq: int = 4, Hkv: int = 2, N: int = 48, D: int = 32,
+                           chunk: int = 16, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
+                           row: int | None = None) -> BatchInvariance:
+    """Measure whether an attention callable gives a row the same bits whatever the rest of the batch.
+
+    ``fn`` takes the plain form ``fn(q, k, v, *, causal=False, return_lse=False)`` in (B, H, N, D) layout
+    (see :mod:`qkv.conformance`); only the keywords it accepts are passed. Row ``row`` (default: the last) of
+    a batch of ``B`` random rows is computed (1) inside that batch, (2) alone, (3) inside a batch of ``B``
+    other rows, and, when ``fn`` takes ``causal``, (4) alone, prefilled in query chunks of ``chunk`` against
+    the key prefix.
+
+    Returns:
+        :class:`BatchInvariance`; ``ok`` when every way gives bitwise-equal out (and lse).
+
+    Example:
+        >>> import torch, qkv
+        >>> from qkv.testing import check_batch_invariance
+        >>> f = lambda q, k, v, *, causal=False: qkv.attention(q, k, v, backend="tiled", batch_invariant=True,
+        ...                                                    mask=qkv.masks.causal() if causal else None)
+        >>> check_batch_invariance(f, B=2, N=8, chunk=4).ok
+        True
+    """
+    from .plain import accepted_options, call
+
+    row = B - 1 if row is None else row
+    if not isinstance(row, int) or not 0 <= row < B:
+        raise ValueError(f"check_batch_invariance: row must be in [0, B={B}), got {row}")
+    if chunk <= 0:
+        raise ValueError(f"check_batch_invariance: chunk must be positive, got {chunk}")
+    takes = accepted_options(fn)
+    causal = "causal" in takes
+    lse = "return_lse" in takes
+    g = torch.Generator().manual_seed(seed)
+
+    def draw():
+        return [torch.randn(B, h, N, D, generator=g).to(device=device, dtype=dtype) for h in (Hq, Hkv, Hkv)]
+
+    q, k, v = draw()
+    oq, ok_, ov = draw()
+
+    def run(q_, k_, v_):
+        out, l_ = call(fn, q_, k_, v_, causal=causal, return_lse=lse)
+        return out.detach(), (None if l_ is None else l_.detach())
+
+    def diff(a, b) -> float:
+        d = 0.0
+        for x, y in zip(a, b):
+            if x is None or y is None:
+                continue
+            if x.shape != y.shape:
+                return math.inf
+            if not torch.equal(x, y):
+                finite = torch.isfinite(x) & torch.isfinite(y)
+                d = max(d, float((x[finite].double() - y[finite].double()).abs().max()) if finite.any() else math.inf)
+                d = d or math.ldexp(1.0, -1074)  # differing non-finite entries or signed zeros: not bitwise
+        return d
+
+    def row_of(res, i, lse_rows=True):
+        out, l_ = res
+        return out[i:i + 1], (None if l_ is None or l_.dim() != 3 or not lse_rows else l_[i:i + 1])
+
+    full = run(q, k, v)
+    ref = row_of(full, row)
+    alone = run(q[row:row + 1], k[row:row + 1], v[row:row + 1])
+    batch_diff = diff(ref, alone)
+    mix = [x.clone() for x in (oq, ok_, ov)]
+    for m, x in zip(mix, (q, k, v)):
+        m[0] = x[row]
+    other_diff = diff(ref, row_of(run(*mix), 0))
+    chunk_diff = None
+    if causal:
+        outs, lses = [], []
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            o, l_ = run(q[row:row + 1, :, s:e], k[row:row + 1, :, :e], v[row:row + 1, :, :e])
+            outs.append(o)
+            lses.append(l_)
+        stitched = (torch.cat(outs, 2), None if lses[0] is None or lses[0].dim() != 3 else torch.cat(lses, 2))
+        chunk_diff = diff(ref, stitched)
+    ok = batch_diff == 0.0 and other_diff == 0.0 and (chunk_diff in (None, 0.0))
+    where = f"B={B} Hq={Hq} Hkv={Hkv} N={N} D={D} {str(dtype).replace('torch.', '')} seed={seed} row={row}"
+    return BatchInvariance(ok, batch_diff, other_diff, chunk_diff, where + (f" chunk={chunk}" if causal else ""))

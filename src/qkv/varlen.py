@@ -31,8 +31,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import operator
 from typing import NamedTuple
 
 import torch
@@ -41,12 +40,15 @@ from . import masks as M
 from ._attention import attention
 from ._request import AttentionOutput
 from .masks.base import Mask
+from .pos.ids import positions_from_padding
 
 __all__ = ["varlen_attention", "varlen_mask", "Packed", "pack", "unpack", "cu_seqlens_from_lengths",
-           "packed_documents"]
+           "as_cu_seqlens"]
 
 
-def _cu(cu, name: str) -> torch.Tensor:
+def as_cu_seqlens(cu, name: str = "cu_seqlens") -> torch.Tensor:
+    """Check cumulative lengths ``[0, n0, n0+n1, ...]`` (a 1-D integer tensor, starting at 0, non-decreasing) and
+    return them as int64; ``name`` is the argument named in the error."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point \
             or cu.dtype == torch.bool:
         raise TypeError(f"varlen: {name} must be a 1-D integer tensor [0, n0, n0+n1, ...], got "
@@ -58,10 +60,30 @@ def _cu(cu, name: str) -> torch.Tensor:
 
 
 def cu_seqlens_from_lengths(lengths) -> torch.Tensor:
-    """``[0, n0, n0+n1, ...]`` (int32, FlashAttention's dtype) from sequence lengths (list or 1-D tensor)."""
-    t = torch.as_tensor(lengths, dtype=torch.int64)
+    """``[0, n0, n0+n1, ...]`` (int32, FlashAttention's dtype) from sequence lengths (list or 1-D integer tensor).
+
+    Refuses float lengths (never truncated), negative ones, and totals past int32's ``2**31 - 1`` (never wrapped).
+    """
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens_from_lengths: lengths must be integers, got a {lengths.dtype} tensor; "
+                            "round them yourself (lengths.round().long()) if that is meant")
+        t = lengths.to(torch.int64)
+    else:
+        try:
+            if isinstance(lengths, (str, bytes)) or any(isinstance(n, bool) for n in lengths):
+                raise TypeError
+            items = [operator.index(n) for n in lengths]  # ints (numpy's too); a float has no exact index
+        except TypeError:
+            raise TypeError(f"cu_seqlens_from_lengths: lengths must be a list of ints or a 1-D integer tensor, got "
+                            f"{lengths!r}") from None
+        t = torch.tensor(items, dtype=torch.int64) if items else torch.zeros(0, dtype=torch.int64)
     if t.dim() != 1 or (t.numel() and int(t.min()) < 0):
         raise ValueError(f"cu_seqlens_from_lengths: expected non-negative lengths of shape (S,), got {t.tolist()}")
+    total = int(t.sum()) if t.numel() else 0
+    if total > torch.iinfo(torch.int32).max:
+        raise ValueError(f"cu_seqlens_from_lengths: the lengths sum to {total:,} tokens, past int32's "
+                         f"{torch.iinfo(torch.int32).max:,} (FlashAttention's cu_seqlens dtype); split the batch")
     return torch.nn.functional.pad(t.cumsum(0), (1, 0)).to(torch.int32)
 
 
@@ -82,7 +104,7 @@ def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, causa
     (``-1``: no bound on that side; ``causal`` implies ``right = 0``). Returns None when one sequence with
     neither causal nor window needs no mask.
     """
-    cq, ck = _cu(cu_seqlens_q, "cu_seqlens_q"), _cu(cu_seqlens_k, "cu_seqlens_k")
+    cq, ck = as_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"), as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
     if cq.numel() != ck.numel():
         raise ValueError(f"varlen: cu_seqlens_q has {cq.numel() - 1} sequences but cu_seqlens_k has "
                          f"{ck.numel() - 1}")
@@ -134,7 +156,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             (FlashAttention's ``window_size``; HF's ``sliding_window = W`` is ``(W - 1, 0)``).
         scale, score_mod, dropout_p, generator, sinks, backend: as in :func:`qkv.attention`; a score
             modifier sees packed indices (batch 0, query and key positions along the packed axis).
-        return_lse: also return the log-sum-exp, (Hq, total_q) float32, FlashAttention's varlen layout.
+        return_lse: also return the log-sum-exp, (Hq, total_q) float32 (float64 for float64 inputs), FlashAttention's
+            varlen layout.
 
     Returns:
         out (total_q, Hq, Dv), or ``AttentionOutput(out, lse)``. A query whose sequence has no allowed key
@@ -144,7 +167,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"varlen_attention: {name} must be a packed (total, H, D) tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    cq, ck = _cu(cu_seqlens_q, "cu_seqlens_q"), _cu(cu_seqlens_k, "cu_seqlens_k")
+    cq, ck = as_cu_seqlens(cu_seqlens_q, "cu_seqlens_q"), as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
     if int(cq[-1]) != q.shape[0] or int(ck[-1]) != k.shape[0]:
         raise ValueError(f"varlen_attention: cu_seqlens_q ends at {int(cq[-1])} and cu_seqlens_k at {int(ck[-1])}, "
                          f"but q has {q.shape[0]} tokens and k {k.shape[0]}; the last entry is the total")
@@ -186,7 +209,7 @@ def pack(x: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     valid = attention_mask.to(x.device)
     indices = valid.reshape(-1).nonzero().squeeze(1)  # (total,)
     lengths = valid.sum(1)
-    positions = (valid.cumsum(1) - 1).reshape(-1)[indices]
+    positions = positions_from_padding(valid).reshape(-1)[indices]
     values = x.reshape(B * N, *x.shape[2:])[indices]
     return Packed(values, cu_seqlens_from_lengths(lengths.cpu()).to(x.device), int(lengths.max()) if B else 0,
                   indices, positions, (B, N))
@@ -203,36 +226,3 @@ def unpack(values: torch.Tensor, packed: Packed, fill: float = 0.0) -> torch.Ten
     out = values.new_full((B * N, *values.shape[1:]), fill)
     out = out.index_copy(0, packed.indices, values)
     return out.view(B, N, *values.shape[1:])
-
-
-@contextlib.contextmanager
-def packed_documents(model: torch.nn.Module, cu_seqlens: torch.Tensor) -> Iterator[None]:
-    """Within the block, every attention call of ``model`` (each module's ``attention_fn``, the hook every
-    qkv attention module runs attention through) also masks across the packed sequences of ``cu_seqlens``.
-
-    Run the packed tokens as one row with per-sequence positions::
-
-        p = qkv.varlen.pack(input_ids, attention_mask)
-        with qkv.varlen.packed_documents(model, p.cu_seqlens):
-            logits = model(p.values[None], positions=p.positions[None]).logits   # (1, total, V)
-    """
-    doc = M.document_from_cu_seqlens(_cu(cu_seqlens, "cu_seqlens").cpu())
-    hooked = [m for m in model.modules() if "attention_fn" in vars(m)]
-    if not hooked:
-        raise TypeError(f"packed_documents: {type(model).__name__} has no module with an attention_fn hook; it is "
-                        "the attribute qkv's attention modules run attention through")
-    saved = [m.attention_fn for m in hooked]
-
-    def restricted(fn):
-        def attention_fn(q, k, v, *, mask=None, **kw):
-            return fn(q, k, v, mask=doc if mask is None else mask & doc, **kw)
-
-        return attention_fn
-
-    try:
-        for m, fn in zip(hooked, saved):
-            m.attention_fn = restricted(fn)
-        yield
-    finally:
-        for m, fn in zip(hooked, saved):
-            m.attention_fn = fn

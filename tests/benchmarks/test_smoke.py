@@ -68,6 +68,15 @@ def _sparse(t):
     _ranged(t, "sparse_train", "sdpa_dense/auto")
 
 
+def _gated_linear(t):
+    _all_below(t, "gated_linear_prefill", "max_abs_diff_hf", 1e-3)
+    _all_below(t, "gated_linear_prefill", "max_abs_diff_recurrent", 1e-3)
+    _ranged(t, "gated_linear_prefill", "hf/chunked")
+    _ranged(t, "gated_linear_prefill", "recurrent/chunked")
+    _all_below(t, "gated_linear_memory", "growth_4N/N", 8)
+    assert {r["target"] for r in _rows(t, "gated_linear_targets")} <= {"met", "missed"}
+
+
 def _linear(t):
     _all_below(t, "linear_recurrent", "max_abs_diff", 1e-3)
     for table, field in (("linear_prefill", "speedup"), ("linear_train", "speedup"), ("linear_recurrent", "speedup"),
@@ -236,12 +245,23 @@ def _sparse_select(t):
     _ranged(t, "sparse_select_decode", "dense/sel")
 
 
+def _mask_export(t):
+    rows = _rows(t, "mask_export")
+    assert all(r["equal"] is True for r in rows), f"exported BlockMask differs from create_block_mask: {rows}"
+
+
+def _batch_invariant(t):
+    _ranged(t, "batch_invariant", "invariant / default")
+
+
 AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "sparse_select": _sparse_select,
-             "linear": _linear, "mla": _mla,
+             "linear": _linear, "gated_linear": _gated_linear,
+             "mla": _mla,
              "decode": _decode, "embed": _embed, "generate": _generate, "varlen": _varlen,
              "context_parallel": _context_parallel, "head_pruning": _head_pruning,
              "interpret": _interpret, "skinny": _skinny,
-             "gqa_conversion": _gqa_conversion, "gpu": _gpu, "quality": _quality}
+             "gqa_conversion": _gqa_conversion, "gpu": _gpu, "quality": _quality,
+             "mask_export": _mask_export, "batch_invariant": _batch_invariant}
 # The gpu suite runs on CPU through Triton's interpreter (--dry-run), without its speed section here: that one
 # compiles FlexAttention for the CPU (about a minute); test_gpu_dry_run_with_speed_section runs it under -m slow.
 EXTRA_ARGS = {"generate": ["--threads", "1"], "gpu": ["--dry-run", "--sections", "correctness,decode,flex_backend"],

@@ -117,7 +117,7 @@ def test_scores_attention_says_which_layers_rank_by_observed_attention():
     assert [KVCache(specs).scores_attention(i) for i in (0, 1)] == [False, False]
     assert [KVCache(specs, policy=H2O(heavy=2, recent=2)).scores_attention(i) for i in (0, 1)] == [True, False]
     assert KVCache(specs, policy=SnapKV(budget=8, window=2)).scores_attention(0)
-    with pytest.raises(IndexError, match="layer_idx 5 out of range"):
+    with pytest.raises(ValueError, match="layer_idx 5 out of range"):
         KVCache(specs).scores_attention(5)
 
 

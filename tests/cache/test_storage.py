@@ -183,7 +183,7 @@ def test_update_errors_name_the_problem():
         cache.update(0, *_kv(1, 2, 4), positions=_pos(1, 0, 3))
     with pytest.raises(TypeError, match="integer tensor"):
         cache.update(0, *_kv(1, 2, 4), positions=torch.zeros(1, 4))
-    with pytest.raises(IndexError, match="out of range"):
+    with pytest.raises(ValueError, match="out of range"):
         cache.update(1, *_kv(1, 2, 4), positions=_pos(1, 0, 4))
     with pytest.raises(TypeError, match="layer spec"):
         KVCache([object()])

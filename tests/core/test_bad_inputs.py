@@ -70,7 +70,40 @@ OPERATOR = {
                                       ValueError, r"relative_bias.*bucket"),
     "dropout-above-1": (dict(q=Q, k=Q, v=Q, dropout_p=1.5), ValueError, r"dropout_p"),
     "generator-wrong": (dict(q=Q, k=Q, v=Q, generator=0), TypeError, r"generator"),
+    # issue 29 item 24: the hint names what fixes it
+    "mask-float-tensor": (dict(q=Q, k=Q, v=Q, mask=torch.zeros(4, 4)), TypeError, r"mask.*score_mod=qkv.mods.bias"),
+    "is-causal-keyword": (dict(q=Q, k=Q, v=Q, is_causal=True), TypeError, r"is_causal.*masks.causal"),
+    "attn-mask-keyword": (dict(q=Q, k=Q, v=Q, attn_mask=torch.ones(4, 4, dtype=torch.bool)), TypeError,
+                          r"attn_mask.*masks.dense"),
 }
+
+# Errors the layout cannot fix: q, k, v of (2, 100, 8, 16) would fit (B, N, H, D), but the call would still fail
+# there, so the message must not suggest layout='bnhd' (issue 29 item 24).
+_X = _x(2, 100, 8, 16)
+NO_LAYOUT_HINT = {
+    "dense-mask-size": dict(mask=M.dense(torch.ones(10, 10, dtype=torch.bool))),
+    "alibi-slopes": dict(score_mod=mods.alibi(torch.ones(4))),
+    "sinks-length": dict(sinks=torch.zeros(3)),
+    "padding-batch": dict(mask=M.padding([1, 2, 3])),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_LAYOUT_HINT))
+def test_layout_hint_only_when_the_other_layout_would_run(case):
+    with pytest.raises(ValueError) as info:
+        qkv.attention(_X, _X, _X, **NO_LAYOUT_HINT[case])
+    assert "layout=" not in str(info.value), str(info.value)
+
+
+def test_layout_hint_kept_when_the_other_layout_runs():
+    with pytest.raises(ValueError, match="layout='bnhd'"):
+        qkv.attention(_X, _X, _X, mask=M.dense(torch.ones(100, 100, dtype=torch.bool)))
+
+
+def test_tiled_head_dim_zero_is_declined_with_the_reason():
+    z = _x(1, 2, 4, 0)
+    with pytest.raises(ValueError, match=r"tiled.*head dim 0"):
+        qkv.attention(z, z, z, backend="tiled")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -169,6 +202,28 @@ CONSTRUCTORS = {
                                                                torch.full((3, 3), 4, dtype=torch.long)),
                                     ValueError, r"relative_bias: precomputed buckets"),
     "mods-from-fn-not-callable": (lambda: mods.from_fn("x"), TypeError, r"from_fn"),
+    # issue 29
+    "from-fn-align": (lambda: M.from_fn(lambda b, h, q, k: k <= q, align="top"), ValueError, r"from_fn: align"),
+    "block-map-head-reader-without-h": (lambda: M.from_fn(lambda b, h, q, k: k <= h).block_map(8, 8, 4, 4),
+                                        ValueError, r"block_map.*H="),
+    "sparsity-head-reader-without-h": (lambda: M.from_fn(lambda b, h, q, k: k <= h).sparsity(8, 8), ValueError,
+                                       r"sparsity.*H="),
+    "block-map-h-zero": (lambda: M.causal().block_map(8, 8, 4, 4, H=0), ValueError, r"block_map: H"),
+    "cu-seqlens-float-lengths": (lambda: qkv.varlen.cu_seqlens_from_lengths([1.5, 2]), TypeError,
+                                 r"cu_seqlens_from_lengths: lengths"),
+    "cu-seqlens-float-tensor": (lambda: qkv.varlen.cu_seqlens_from_lengths(torch.tensor([2.0, 3.0])), TypeError,
+                                r"cu_seqlens_from_lengths: lengths"),
+    "cu-seqlens-int32-wrap": (lambda: qkv.varlen.cu_seqlens_from_lengths([2 ** 31 - 1, 1]), ValueError,
+                              r"cu_seqlens_from_lengths.*int32"),
+    "kivi-bits-float": (lambda: KIVI(bits=4.0), ValueError, r"KIVI\(bits\)"),
+    "merge-states-stacked-tensor": (lambda: qkv.merge_states(torch.zeros(2, 1, 1, 3, 4), torch.zeros(2, 1, 1, 3)),
+                                    TypeError, r"merge_states: outs.*list"),
+    "merge-states-float-lse": (lambda: qkv.merge_states([torch.zeros(1, 1, 3, 4)], [0.0]), TypeError,
+                               r"merge_states: lses\[0\]"),
+    "merge-states-none-lse": (lambda: qkv.merge_states([torch.zeros(1, 1, 3, 4)], [None]), TypeError,
+                              r"merge_states: lses\[0\]"),
+    "merge-states-int-out": (lambda: qkv.merge_states([torch.zeros(1, 1, 3, 4, dtype=torch.long)],
+                                                      [torch.zeros(1, 1, 3)]), TypeError, r"merge_states: outs\[0\]"),
 }
 
 
@@ -222,8 +277,13 @@ CACHE_CALLS = {
     "position-backwards": (lambda c: c.update(0, *_kv(2), positions=torch.tensor([[5, 4]])), ValueError,
                            r"positions must increase"),
     "positions-shape": (lambda c: c.update(0, *_kv(2), positions=torch.tensor([[4]])), ValueError, r"positions"),
-    "layer-out-of-range": (lambda c: c.update(7, *_kv(1), positions=torch.tensor([[4]])), (ValueError, IndexError),
-                           r"layer"),
+    "layer-out-of-range": (lambda c: c.update(7, *_kv(1), positions=torch.tensor([[4]])), ValueError,
+                           r"layer_idx 7 out of range.*KVCache\(model\)"),
+    "retried-step": (lambda c: c.update(0, *_kv(4), positions=torch.tensor([[0, 1, 2, 3]])), ValueError,
+                     r"layer 0 already stored this step"),
+    "fork-negative": (lambda c: c.fork(-1), ValueError, r"fork\(n\): expected an int >= 1"),
+    "fork-zero": (lambda c: c.fork(0), ValueError, r"fork\(n\).*cache.reset\(\)"),
+    "fork-float": (lambda c: c.fork(2.0), ValueError, r"fork\(n\)"),
     "crop-too-far": (lambda c: c.crop(99), ValueError, r"crop\(99\)"),
     "crop-float": (lambda c: c.crop(1.5), TypeError, r"crop\(length\)"),
     "reorder-out-of-range": (lambda c: c.reorder(torch.tensor([3])), ValueError, r"reorder\(beam_idx\)"),
@@ -371,6 +431,11 @@ FROM_HF = {
                      r"safetensors shard .*model.safetensors"),
     "tensor-in-two-shards": (_second_shard, {}, ValueError, r"two shards"),
     "int32-weights": (_int_weights, {}, ValueError, r"non-float weights.*int32"),
+    "fifo-shard": (lambda p: os.mkfifo(p / "zz-pipe.safetensors"), {}, ValueError, r"zz-pipe.safetensors is not a "
+                   r"regular file"),
+    "layers-beyond-weights": (lambda p: _edit_config(p, num_hidden_layers=3), {}, ValueError,
+                              r"does not fit.*missing tensors"),
+    "hidden-beyond-weights": (lambda p: _edit_config(p, hidden_size=64), {}, ValueError, r"does not fit.*shape"),
     "dtype-unknown": (lambda p: None, {"dtype": "bf17"}, ValueError, r"dtype 'bf17'.*bf16"),
     "dtype-int": (lambda p: None, {"dtype": torch.int8}, ValueError, r"dtype"),
 }

@@ -106,5 +106,4 @@ def test_merge_states_over_physical_key_chunks(d, cuts):
     parts = [qkv.attention(q, k[:, :, lo:hi], v[:, :, lo:hi], return_lse=True)
              for lo, hi in zip(bounds[:-1], bounds[1:])]
     merged = qkv.merge_states([p.out for p in parts], [p.lse for p in parts])
-    # lse is float32 by contract, so merged weights carry float32 rounding even for float64 inputs.
-    assert torch.allclose(merged.out, qkv.attention(q, k, v), atol=1e-6)
+    assert torch.allclose(merged.out, qkv.attention(q, k, v), atol=1e-12)  # float64 parts merge in float64

@@ -204,7 +204,10 @@ def test_cache_positions_that_repeat_or_go_back_are_refused(storage):
 def test_padding_positions_are_not_ordered():
     c = KVCache([FullSpec(2, 8)])
     c.update(0, torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8), positions=torch.tensor([[-1, -1, 0], [0, 1, 2]]))
-    c.update(0, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), positions=torch.tensor([[1], [-1]]))
+    view = c.update(0, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), positions=torch.tensor([[1], [-1]]))
+    assert view.kv_positions.tolist() == [[-1, -1, 0, 1], [0, 1, 2, -1]]  # repeated -1s are padding, not a repeat
+    with pytest.raises(ValueError, match="positions must increase"):  # while a real repeat is refused
+        c.update(0, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), positions=torch.tensor([[2], [2]]))
 
 
 def test_block_map_of_a_composite_with_a_head_dependent_part_covers_every_head():

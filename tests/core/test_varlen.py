@@ -16,6 +16,7 @@ import qkv
 from _helpers import eager_same_dtype
 from qkv import masks as M
 from qkv import varlen
+from qkv.nn import packed_documents
 from qkv.testing import assert_within_budget
 
 # id -> (q lengths, k lengths (None: the same), Hq, Hkv, causal, window)
@@ -96,10 +97,10 @@ def test_varlen_equals_each_sequence_alone(case, dtype, backend):
 def test_lse_is_per_sequence_in_flash_layout():
     master, _, cq, ck = _inputs("cross-sq-lt-sk-causal", torch.float64)
     res = qkv.varlen_attention(*master, cq, ck, causal=True, return_lse=True)
-    assert res.lse.shape == (4, int(cq[-1])) and res.lse.dtype == torch.float32
+    assert res.lse.shape == (4, int(cq[-1])) and res.lse.dtype == torch.float64  # float64 in, float64 lse
     lses = _per_sequence("cross-sq-lt-sk-causal", *master, cq, ck, lambda q, k, v, m: qkv.attention(
         q, k, v, mask=m, return_lse=True, backend="reference").lse.unsqueeze(-1))  # (total_q, Hq, 1)
-    assert torch.allclose(res.lse, lses[..., 0].T.float(), atol=1e-6)
+    assert torch.allclose(res.lse, lses[..., 0].T, atol=1e-12)
 
 
 def test_tiled_skips_the_tiles_between_sequences():
@@ -143,7 +144,7 @@ def _loss_padded(model, ids, mask):
 
 def _loss_packed(model, ids, mask):
     p = varlen.pack(ids, mask)
-    with varlen.packed_documents(model, p.cu_seqlens):
+    with packed_documents(model, p.cu_seqlens):
         logits = model(p.values[None], positions=p.positions[None]).logits[0]  # (total, V)
     nxt = torch.ones(p.values.shape[0], dtype=torch.bool)
     nxt[p.cu_seqlens[1:].long() - 1] = False  # the last token of each sequence predicts nothing
@@ -188,7 +189,7 @@ def test_padding_free_training_equals_the_padded_batch():
     (lambda q, cu: varlen.pack(q, torch.full((8, 2), 2)), "0/1"),
     (lambda q, cu: varlen.unpack(q, (q, cu)), "Packed"),
     (lambda q, cu: varlen.cu_seqlens_from_lengths([3, -1]), "non-negative"),
-    (lambda q, cu: varlen.packed_documents(torch.nn.Linear(2, 2), cu).__enter__(), "attention_fn"),
+    (lambda q, cu: packed_documents(torch.nn.Linear(2, 2), cu).__enter__(), "attention_fn"),
 ], ids=["rank", "cu-dtype", "cu-start", "cu-order", "cu-total", "cu-count", "max-seqlen", "window-len",
         "window-value", "pack-shape", "pack-values", "unpack-type", "lengths", "no-hook"])
 def test_bad_input_is_named(call, match):

@@ -10,11 +10,12 @@ import json
 import pytest
 import torch
 
+from _hf import OptionalModule
 from qkv.costs import kv_cache_memory, preset_from_hf_config
 from qkv.spec import hf_config as layout_module
 from qkv.spec.hf_config import FULL_ATTENTION, SLIDING_ATTENTION, read_layout
 
-transformers = pytest.importorskip("transformers")
+transformers = OptionalModule("transformers")
 
 _BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)

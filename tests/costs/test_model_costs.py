@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from _hf import OptionalModule
 from qkv import masks
 from qkv.costs import (
     AMBIGUOUS,
@@ -33,6 +34,7 @@ from qkv.costs import (
     window_pairs,
 )
 
+transformers = OptionalModule("transformers")
 
 @pytest.mark.parametrize("name, total", [
     ("gpt-2-small", 124_439_808),  # HF openai-community/gpt2
@@ -135,7 +137,6 @@ def test_bad_arguments():
         window_pairs(8, -1)
 
 
-transformers = pytest.importorskip("transformers")
 
 _BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=64)
 HF_CASES = {

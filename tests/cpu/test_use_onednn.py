@@ -38,7 +38,9 @@ def test_state_dict_is_standard_layout_and_round_trips_through_safetensors(name,
 def test_onednn_probe_and_fallback(monkeypatch):
     """Where the private operators are missing or wrong, every product falls back to F.linear and
     use_onednn says why instead of running."""
-    assert gemm.onednn_unavailable_reason() is None or isinstance(gemm.onednn_unavailable_reason(), str)
+    reason = gemm.onednn_unavailable_reason()
+    assert gemm.onednn_available() == (reason is None), reason  # the probe and its reason agree
+    assert reason is None or reason.strip(), "a reason must say why"
     monkeypatch.setattr(gemm, "onednn_available", lambda: False)
     monkeypatch.setattr(gemm, "onednn_unavailable_reason", lambda: "probe failed")
 

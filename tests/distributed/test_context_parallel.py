@@ -111,8 +111,7 @@ def _reference(case: Case, world: int):
         res = qkv.attention(q, k, v, mask=mask, score_mod=score_mod(mod, bias), return_lse=True, backend="reference")
         work = torch.float64 if dtype == torch.float64 else torch.float32
         ((res.out.to(work) * dout.to(work)).sum() + (res.lse.to(work) * dlse.to(work)).sum()).backward()
-        # the contract's lse is float32 even on float64 inputs; the budget wants a float64 reference
-        lse = res.lse.detach().double() if dtype == torch.float64 else res.lse.detach()
+        lse = res.lse.detach()  # float64 for float64 inputs, by the contract
         results.append((res.out.detach(), lse, [q.grad, k.grad, v.grad],
                         bias.grad if mod == "bias" else None))
     return results
@@ -201,6 +200,8 @@ def _bad_calls(rank: int) -> dict:
     attempt("shape-mismatch", lambda: cp.attention(y, y, y, timeout=TIMEOUT))
     z = x if rank == 0 else x.double()
     attempt("dtype-mismatch", lambda: cp.attention(z, z, z, timeout=TIMEOUT))
+    attempt("shape-mismatch-unchecked", lambda: cp.attention(y, y, y, timeout=TIMEOUT, check=False))
+    attempt("timeout-inf", lambda: cp.attention(x, x, x, timeout=float("inf")))
     attempt("no-hook", lambda: cp.context_parallel(torch.nn.Linear(2, 2)))
     attempt("shard-dim", lambda: cp.shard(x, scheme="ring", dim=5))
     attempt("usp-ulysses", lambda: cp.usp_groups(ulysses=3))
@@ -220,6 +221,17 @@ def _p2p_all_to_all(rank: int) -> None:
     a = cp.attention(x, x, x, scheme="ulysses", mask=qkv.masks.causal(), all_to_all="p2p", timeout=TIMEOUT)
     b = cp.attention(x, x, x, scheme="ulysses", mask=qkv.masks.causal(), all_to_all="native", timeout=TIMEOUT)
     assert torch.equal(a, b)
+
+
+def test_unchecked_shape_mismatch_and_infinite_timeout_raise_on_every_rank(w2):
+    """Issue 29: check=False with mismatched shapes raised on no rank (SIGABRT on one, a wait on the other);
+    timeout=inf passed validation and failed later with OverflowError."""
+    for rank in (0, 1):
+        errors = w2[rank]["errors"]
+        assert "error" not in errors, errors["error"]
+        assert (errors["shape-mismatch-unchecked"] or "").startswith("ValueError"), errors["shape-mismatch-unchecked"]
+        assert "q shape" in errors["shape-mismatch-unchecked"]
+        assert "timeout must be a positive number" in errors["timeout-inf"] and "finite" in errors["timeout-inf"]
 
 
 def test_bad_calls_raise_with_the_fix(w2):

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from _hf import hf_causal_lm
+from _hf import OptionalModule, hf_causal_lm
 from qkv.interpret import attention_modules, capture
 from qkv.testing import assert_within_budget
 
-transformers = pytest.importorskip("transformers")
+transformers = OptionalModule("transformers")
 
 
 def _check_maps(ours, hf32, hf64, what, rows_valid=None):

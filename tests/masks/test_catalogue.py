@@ -40,7 +40,7 @@ EXACT = {"causal", "causal_top_left", "window", "window_lr", "padding", "prefix_
 def test_block_map_agrees_with_dense(kind, nq, nk, bq, bk):
     m = mask_catalogue(2, nq, nk, seed=nq + nk)[kind]
     d = m.materialize(2, 1, nq, nk)[:, 0]
-    bm = m.block_map(nq, nk, bq, bk, B=2).expand(2, 1, -1, -1)[:, 0]
+    bm = m.block_map(nq, nk, bq, bk, B=2, H=1).expand(2, 1, -1, -1)[:, 0]
     any_, all_ = _tiles(d, bq, bk)
     # Sound: FULL tiles are all allowed, EMPTY tiles have nothing allowed.
     assert not ((bm == FULL) & ~all_).any(), "a FULL tile has a masked pair"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qkv.cpu.gemm import onednn_available
-from qkv.models.embed import SentenceEncoder, pack, pool_packed
+from qkv.models.embed import SentenceEncoder, pack_sentences, pool_packed
 
 TEXTS = [
     "A man is eating food.",
@@ -39,19 +39,19 @@ TEXTS = [
 
 
 def test_pack_layout():
-    p = pack([[101, 7, 8, 102], [101, 102], [101, 5, 102]])
+    p = pack_sentences([[101, 7, 8, 102], [101, 102], [101, 5, 102]])
     assert p.input_ids.tolist() == [[101, 7, 8, 102, 101, 102, 101, 5, 102]]
     assert p.positions.tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2]]
     assert p.segment_ids.tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2]
     assert p.cu_seqlens.tolist() == [0, 4, 6, 9] and p.lengths.tolist() == [4, 2, 3]
     with pytest.raises(ValueError, match="at least one sequence"):
-        pack([])
+        pack_sentences([])
     with pytest.raises(ValueError, match="at least one token"):
-        pack([[1], []])
+        pack_sentences([[1], []])
 
 
 def test_pool_packed_mean_and_cls():
-    p = pack([[1, 2, 3], [4], [5, 6]])
+    p = pack_sentences([[1, 2, 3], [4], [5, 6]])
     h = torch.randn(1, 6, 5, dtype=torch.float64)
     mean = pool_packed(h, p)
     want = torch.stack([h[0, 0:3].mean(0), h[0, 3], h[0, 4:6].mean(0)])

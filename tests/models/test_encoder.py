@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from qkv import masks  # noqa: E402
 from qkv.models import CheckpointError, from_hf  # noqa: E402
-from qkv.models.embed import pack  # noqa: E402
+from qkv.models.embed import pack_sentences  # noqa: E402
 from qkv.models.family_bert import PackedSelfAttention  # noqa: E402
 from qkv.nn import MultiHeadAttention  # noqa: E402
 from qkv.testing import assert_within_budget  # noqa: E402
@@ -83,7 +83,7 @@ def test_packed_sentences_equal_each_sentence_alone():
     model = from_hf(hf)
     g = torch.Generator().manual_seed(2)
     sents = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (7, 1, 12, 7, 3)]
-    p = pack(sents)
+    p = pack_sentences(sents)
     with torch.no_grad():
         got = model(p.input_ids, positions=p.positions, mask=masks.document(p.segment_ids)).last_hidden_state[0]
         want32 = torch.cat([hf(torch.tensor([s])).last_hidden_state[0] for s in sents])

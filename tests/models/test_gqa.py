@@ -9,13 +9,14 @@ import copy
 import pytest
 import torch
 
+from _hf import OptionalModule
 from qkv import masks
 from qkv.models import from_hf, to_gqa
 from qkv.models.gqa import pool_heads
 from qkv.nn import DecoderConfig, DecoderLM, MultiHeadAttention
 from qkv.testing import assert_within_budget
 
-T = pytest.importorskip("transformers")
+T = OptionalModule("transformers")
 VOCAB = 120
 
 

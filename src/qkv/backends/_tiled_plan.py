@@ -92,6 +92,12 @@ def block_map_for(mask: Mask | None, nq: int, nk: int, bq: int, bk: int, device,
     return cache[key]
 
 
+def block_map_cached(mask: Mask | None, nq: int, nk: int, bq: int, bk: int, device, *, B: int = 1,
+                     H: int = 1) -> bool:
+    """Whether :func:`block_map_for` already holds this block map (so a call pays no predicate evaluation)."""
+    return mask is None or ("bm", nq, nk, bq, bk, str(device), mask.reads(B, H)) in _cache_of(mask)
+
+
 def tile_counts(mask: Mask | None, bm: torch.Tensor) -> tuple[int, int]:
     """(visited, partial) tile counts of a block map, cached with it."""
     if mask is None:

@@ -14,8 +14,8 @@ import torch
 
 from .._request import AttentionOutput, Request
 
-__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "dense_flops", "restore_nonfinite", "format_seconds", "format_size",
-           "format_work"]
+__all__ = ["Backend", "Estimate", "NOMINAL_FLOPS", "PREDICATE_PAIR_SECONDS", "dense_flops", "predicate_seconds",
+           "restore_nonfinite", "format_seconds", "format_size", "format_work"]
 
 #: Nominal matmul rates (FLOP/s) used to turn work into an estimated time; only ratios matter.
 NOMINAL_FLOPS = {"cpu": 1.0e11, "cuda": 2.0e14}
@@ -61,6 +61,9 @@ class Backend:
     #: them, asks for its log-sum-exp and merges the sinks in (``qkv._sinks``), so a backend that returns an
     #: lse under autograd must also take its gradient (``dlse``) for the sinks' gradients to be right.
     native_sinks: bool = False
+    #: True when ``run`` honours ``req.batch_invariant`` (each row's bits independent of the rest of the batch,
+    #: of prefill chunking and of key splits); the others are declined for such requests by ``qkv.attention``.
+    batch_invariant: bool = False
 
     def decline(self, req: Request) -> str | None:
         """``None`` when this backend honours the request exactly; otherwise the reason it cannot."""
@@ -77,27 +80,42 @@ class Backend:
         return f"<qkv backend {self.name}>"
 
 
+#: Nominal seconds per (batch row, head, query, key) evaluation of a mask predicate without an analytic block map
+#: (a vectorized user function: a few elementwise tensor ops per pair, index tensors included).
+PREDICATE_PAIR_SECONDS = 2e-9
+
+
+def predicate_seconds(req: Request) -> float:
+    """Nominal cost of evaluating the request's mask predicate on every pair its block map (or dense view) reads:
+    0 for analytic masks (``Mask.predicate_pairs``)."""
+    if req.mask is None:
+        return 0.0
+    return req.mask.predicate_pairs(req.B, req.Hq, req.Nq, req.Nk) * PREDICATE_PAIR_SECONDS
+
+
 def dense_flops(req: Request) -> float:
     """FLOPs of the two attention matmuls over every (query, key) pair."""
     return 2.0 * req.B * req.Hq * req.Nq * req.Nk * (req.Dqk + req.Dv)
 
 
-def restore_nonfinite(req: Request, out: torch.Tensor, lse: torch.Tensor | None = None, *, keys: bool = True):
-    """Make non-finite inputs propagate as the contract says, for kernels that turn them into zeros.
+def restore_nonfinite(req: Request, out: torch.Tensor, lse: torch.Tensor | None = None):
+    """Make non-finite scores propagate as the contract says, for kernels that turn them into zeros.
 
     Some fused kernels (torch's CPU SDPA kernel when a row is shorter than one vector register, Flex on CPU)
     treat a row whose scores are all NaN like a fully masked row and return zeros. The reference gives NaN
-    wherever an allowed score is NaN or +inf. The common case costs one sum over q and k and one sync: only
-    when that sum is not finite are the scores recomputed (detached) to find the rows to set to NaN. ``keys=False``
-    sums q only (for kernels that drop a NaN score only when every score of the row is NaN, which a NaN key
-    does only with one key).
+    wherever an allowed score is NaN or +inf, and a score can be +inf from finite inputs (float32 overflow of
+    ``q . k``). The common case costs one max of |q| and of |k| and one sync: only when the bound
+    ``scale * max|q| * max|k| * D`` on every score is not safely finite in the compute dtype are the scores
+    recomputed (detached) to find the rows to set to NaN.
 
     Returns ``(out, lse)`` with those rows NaN (``lse`` passes through when None).
     """
-    total = req.q.detach().sum()
-    if keys:
-        total = total + req.k.detach().sum()
-    if math.isfinite(float(total)):
+    q, k = req.q.detach(), req.k.detach()
+    if q.numel() == 0 or k.numel() == 0:
+        return out, lse
+    bound = float(q.abs().amax()) * float(k.abs().amax()) * req.Dqk * abs(req.scale)
+    limit = torch.finfo(torch.float64 if req.dtype == torch.float64 else torch.float32).max / 4
+    if math.isfinite(bound) and bound < limit:  # no score can be NaN or overflow: q and k are finite and small
         return out, lse
     rows = _nonfinite_rows(req)  # (B, Hq, Nq)
     if not bool(rows.any()):

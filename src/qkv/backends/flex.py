@@ -76,7 +76,7 @@ from ..masks.base import EMPTY, FULL, PARTIAL, Mask
 from ..masks.topk import UNROLL, longest_list
 from ..mods.base import ScoreMod
 from . import state_changed
-from .base import NOMINAL_FLOPS, Backend, Estimate, restore_nonfinite
+from .base import NOMINAL_FLOPS, Backend, Estimate, format_seconds, predicate_seconds, restore_nonfinite
 
 __all__ = ["FlexBackend", "to_block_mask", "BLOCK_SIZE"]
 
@@ -256,12 +256,28 @@ def _lse_kwargs(want: bool) -> dict:
 
 
 # platform checks
+#: The last torch release whose AVX2 Flex CPU kernel was seen to return wrong rows: with B = H = 2, D = 16 and
+#: N = 40 or 56, rows of the last (batch, head) come back off by 0.5-0.7 or NaN, differing run to run (raw
+#: ``torch.compile(flex_attention)`` does the same; reproduced here with ``ATEN_CPU_CAPABILITY=avx2`` in 3 of
+#: the first 3 calls, while the AVX-512 kernel was right in 120 of 120). Flex is declined on AVX2 CPUs up to it.
+_AVX2_WRONG_ROWS_THROUGH = (2, 13)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
 @functools.cache
 def _cpu_problem() -> str | None:
     cap = torch.backends.cpu.get_cpu_capability()
     if sys.platform == "darwin" or cap not in ("AVX2", "AVX512"):
         return (f"FlexAttention's compiled CPU kernel needs an x86 CPU with AVX2 or AVX-512 and not macOS "
                 f"(this CPU reports {cap!r} on {sys.platform})")
+    if cap == "AVX2" and _torch_release() <= _AVX2_WRONG_ROWS_THROUGH:
+        return (f"FlexAttention's AVX2 CPU kernel in torch {torch.__version__} returns wrong rows (off by ~0.6, or "
+                "NaN, run to run) for some lengths with several batch rows and heads (B = H = 2, D = 16, N = 40); "
+                "use backend='tiled' or 'sdpa' on this CPU")
     if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
         return "FlexAttention's compiled CPU kernel needs a C++ compiler (g++ or clang++) on PATH"
     return None
@@ -342,6 +358,10 @@ class FlexBackend(Backend):
         seconds = (full + _PARTIAL_TILE_COST * partial) * tile_flops / rate + _CALL_OVERHEAD_S
         visited = (full + partial) / max(tiles * req.B, 1)
         work = f"{visited:.0%} of tiles ({int(full)} full, {int(partial)} partial)"
+        pred = predicate_seconds(req)  # the BlockMask is built from the block map on every call
+        if pred:
+            seconds += pred
+            work += f", mask predicate on every pair per call (~{format_seconds(pred)})"
         if self.is_compiled(req):
             return Estimate(seconds, f"{work}, compiled kernel cached")
         compile_s = (_COMPILE_S if _compiled else _FIRST_COMPILE_S).get(dev, _COMPILE_S["cuda"])

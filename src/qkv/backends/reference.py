@@ -14,6 +14,7 @@ import torch
 
 from .._dropout import draw_seed, keep_mask
 from .._request import AttentionOutput, Request
+from ._invariant import invariant_attention, invariant_decline
 from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size
 
 __all__ = ["ReferenceBackend", "reference_attention"]
@@ -25,7 +26,8 @@ def _indices(B: int, H: int, nq: int, nk: int, device):
 
 
 def reference_attention(req: Request, *, dropout_seed: int | None = None) -> AttentionOutput:
-    """Attention by the definition. Returns out (B, Hq, Nq, Dv) in the input dtype, lse float32."""
+    """Attention by the definition. Returns out (B, Hq, Nq, Dv) in the input dtype, lse (B, Hq, Nq) float32
+    (float64 for float64 inputs: the reference is the float64 oracle through merges and ring steps)."""
     acc = torch.float64 if req.dtype == torch.float64 else torch.float32
     q = req.q.to(acc)  # (B, Hq, Nq, Dqk)
     k = req.k.to(acc).repeat_interleave(req.group, dim=1)  # (B, Hq, Nk, Dqk): head h reads kv head h // group
@@ -50,10 +52,10 @@ def reference_attention(req: Request, *, dropout_seed: int | None = None) -> Att
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)
-    nonempty = total > 0
-    safe_total = torch.where(nonempty, total, torch.ones_like(total))
+    empty = total == 0  # a NaN total (a NaN score or sink) is not empty: it propagates to out and lse
+    safe_total = torch.where(empty, torch.ones_like(total), total)
     p = e / safe_total
-    lse = torch.where(nonempty, m + torch.log(safe_total), torch.full_like(m, float("-inf"))).squeeze(-1)
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(safe_total)).squeeze(-1)
     if req.sinks is not None:
         p = p[..., :-1]  # the sink's probability has no value
 
@@ -62,7 +64,7 @@ def reference_attention(req: Request, *, dropout_seed: int | None = None) -> Att
         keep = keep_mask(seed, req.dropout_p, b, h, qi, kj, req.Hq, req.Nq, req.Nk)
         p = torch.where(keep, p / (1.0 - req.dropout_p), torch.zeros_like(p))
     out = p @ v
-    return AttentionOutput(out.to(req.dtype), lse.to(torch.float32))
+    return AttentionOutput(out.to(req.dtype), lse)  # lse float32, float64 for float64 inputs
 
 
 class ReferenceBackend(Backend):
@@ -70,9 +72,10 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     native_sinks = True
+    batch_invariant = True
 
     def decline(self, req: Request) -> str | None:
-        return None
+        return invariant_decline(req) if req.batch_invariant else None
 
     def estimate(self, req: Request) -> Estimate:
         rate = NOMINAL_FLOPS.get(req.device.type, NOMINAL_FLOPS["cpu"]) / 4  # eager softmax passes over N^2
@@ -81,4 +84,4 @@ class ReferenceBackend(Backend):
                         f"dense, materializes {format_size(score_bytes)} of scores")
 
     def run(self, req: Request) -> AttentionOutput:
-        return reference_attention(req)
+        return invariant_attention(req) if req.batch_invariant else reference_attention(req)

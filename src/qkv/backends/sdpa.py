@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request
 from ..masks.causal import Causal
-from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size, restore_nonfinite
+from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size, predicate_seconds, restore_nonfinite
 
 __all__ = ["SDPABackend"]
 
@@ -105,7 +105,7 @@ class SDPABackend(Backend):
             req.B if (req.mask is not None and req.mask.batch) else 1)
         pairs = req.B * req.Hq * req.Nq * req.Nk
         elem = _CPU_MASKED_PAIR_SECONDS * pairs if req.device.type == "cpu" else 0.0
-        return Estimate(flops / rate + elem + mask_bytes / 1e10,
+        return Estimate(flops / rate + elem + mask_bytes / 1e10 + predicate_seconds(req),
                         f"fused kernel over all pairs, materializes a {format_size(mask_bytes)} mask")
 
     def run(self, req: Request) -> AttentionOutput:
@@ -130,7 +130,7 @@ class SDPABackend(Backend):
         out = F.scaled_dot_product_attention(q, k, req.v, attn_mask=attn_mask, is_causal=is_causal, scale=req.scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         if nk < _CPU_NAN_ROWS_BELOW and q.is_cpu:
-            out = restore_nonfinite(req, out, keys=nk == 1)[0]
+            out = restore_nonfinite(req, out)[0]
         return AttentionOutput(out, None)  # type: ignore[arg-type]
 
 

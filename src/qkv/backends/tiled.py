@@ -49,9 +49,10 @@ import torch
 from .._dropout import draw_seed
 from .._request import AttentionOutput, Request
 from .._sinks import apply_sinks
+from ._invariant import invariant_attention, invariant_decline
 from ._tiled_kernel import Problem, backward_slice, forward_slice, pad_keys, pad_rows, unpad_rows
-from ._tiled_plan import Plan, block_map_for, plan_for, tile_counts
-from .base import NOMINAL_FLOPS, Backend, Estimate, format_work
+from ._tiled_plan import Plan, block_map_cached, block_map_for, plan_for, tile_counts
+from .base import NOMINAL_FLOPS, Backend, Estimate, format_seconds, format_work, predicate_seconds
 
 __all__ = ["TiledBackend", "TiledConfig", "TiledStats"]
 
@@ -262,6 +263,7 @@ class TiledBackend(Backend):
 
     name = "tiled"
     native_sinks = True
+    batch_invariant = True
 
     def __init__(self, config: TiledConfig | None = None) -> None:
         self.config = config
@@ -275,15 +277,28 @@ class TiledBackend(Backend):
         if req.device.type == "meta":
             return ("meta tensors hold no values, and the tiled schedule reads them (to bound the scores); "
                     "backend='reference' propagates shapes on meta tensors")
-        return None
+        if min(req.Dqk, req.Dv) == 0:
+            return f"head dim 0 (Dqk={req.Dqk}, Dv={req.Dv}): no tiles to compute; use backend='reference' or 'sdpa'"
+        return invariant_decline(req) if req.batch_invariant else None
+
+    @staticmethod
+    def _held_maps(req: Request) -> int | None:
+        """How many of the block maps ``config_for`` may read are cached (None for analytic masks)."""
+        if req.mask is None or not req.mask.predicate_pairs(1, 1, 1, 1):
+            return None
+        return sum(block_map_cached(req.mask, req.Nq, req.Nk, s, s, req.device, B=req.B, H=req.Hq)
+                   for s in (128, 64, 32, 16))
 
     def estimate(self, req: Request) -> Estimate:
         """Work on the visited tiles only (from the cached block map) over the nominal rate, plus the
         softmax passes per computed score, Python per step and a fixed cost per call."""
         if req.Nq == 0 or req.Nk == 0:
             return Estimate(_CALL_SECONDS, "empty problem")
+        held = self._held_maps(req)
         cfg = self.config_for(req)
         bm = block_map_for(req.mask, req.Nq, req.Nk, cfg.block_q, cfg.block_k, req.device, B=req.B, H=req.Hq)
+        # a mask without an analytic block map evaluates its predicate once per block size, then it is cached
+        first = (self._held_maps(req) - held) * predicate_seconds(req) if held is not None else 0.0
         visited, partial = tile_counts(req.mask, bm)
         rows = (req.B if bm.shape[0] == 1 else 1) * req.Hq  # heads (and batch rows) sharing each tile
         tile_pairs = cfg.block_q * cfg.block_k * rows
@@ -294,10 +309,15 @@ class TiledBackend(Backend):
         elem = 1.0 if req.device.type == "cpu" else 1e-3  # elementwise passes are cheap next to GPU matmuls
         seconds = (flops / rate + elem * (pairs * _PAIR_SECONDS + partial_pairs * _PARTIAL_PAIR_SECONDS)
                    + steps * _STEP_SECONDS + _CALL_SECONDS)
-        return Estimate(seconds, f"{visited}/{bm.numel()} tiles of {cfg.block_q}x{cfg.block_k} ({partial} partial), "
-                                 f"{format_work(flops)} on visited tiles, ~{int(steps)} steps")
+        note = (f"{visited}/{bm.numel()} tiles of {cfg.block_q}x{cfg.block_k} ({partial} partial), "
+                f"{format_work(flops)} on visited tiles, ~{int(steps)} steps")
+        if first:
+            note += f", first call evaluates the mask predicate (~{format_seconds(first)}; cached per mask object)"
+        return Estimate(seconds + first, note)
 
     def run(self, req: Request) -> AttentionOutput:
+        if req.batch_invariant:  # one row at a time in fixed tiles, whatever the config (qkv.backends._invariant)
+            return invariant_attention(req)
         cfg = self.config_for(req) if req.Nq and req.Nk else TiledConfig(1, 1, 1)
         stats = TiledStats()
         self.last_stats = stats
@@ -307,4 +327,4 @@ class TiledBackend(Backend):
         out, lse = _TiledAttention.apply(spec, req.q, req.k, req.v, *mod_tensors)
         if req.sinks is not None:  # merged with the compute-dtype lse, differentiably (qkv._sinks)
             out, lse = apply_sinks(out, lse, req.sinks)
-        return AttentionOutput(out, lse.to(torch.float32))
+        return AttentionOutput(out, lse)  # float32, float64 for float64 inputs

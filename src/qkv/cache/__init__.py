@@ -1,7 +1,7 @@
 """KV caches: layer specs say what is kept, a storage says where, a policy says what is dropped.
 
 - specs: :class:`FullSpec`, :class:`SlidingWindowSpec`, :class:`SinkSpec`, :class:`LatentSpec`,
-  :class:`CrossSpec` (each reports ``bytes_per_token`` and ``fixed_bytes``);
+  :class:`CrossSpec`, :class:`RecurrentSpec` (each reports ``bytes_per_token`` and ``fixed_bytes``);
 - storages: :class:`Dynamic` (grows), :class:`Static` (preallocated, rings for sliding layers),
   :class:`Paged` (blocks, copy-on-write forks, prefix caching);
 - quantizers (:class:`Quantizer`): :class:`KIVI` (int4/int2, keys per channel, values per token), :class:`Int8`;
@@ -28,11 +28,16 @@ from .protocol import (
     AttentionCache,
     CachePolicy,
     CacheView,
+    CroppableCache,
     DecoderModel,
+    DecodingCache,
+    ForkableCache,
     HasCacheSpecs,
     LatentCache,
     LatentView,
+    PrefixMatchingCache,
     Quantizer,
+    ResettableCache,
     RopeFn,
 )
 from .quant import KIVI, Int8, QuantError
@@ -42,6 +47,7 @@ from .specs import (
     IndexedLatentSpec,
     LatentSpec,
     LayerSpec,
+    RecurrentSpec,
     SinkSpec,
     SlidingWindowSpec,
     element_bytes,
@@ -51,6 +57,7 @@ from .storage import Dynamic, Static
 __all__ = [
     "KVCache", "CacheMemory", "LayerMemory",
     "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
+    "RecurrentSpec",
     "element_bytes",
     "Dynamic", "Static", "Paged", "CacheFull", "PoolStats", "prefix_hashes",
     "KIVI", "Int8", "QuantError",
@@ -58,4 +65,5 @@ __all__ = [
     "plan_memory", "MemoryPlan", "LayerPlan",
     "CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
     "CachePolicy", "Quantizer",
+    "DecodingCache", "PrefixMatchingCache", "CroppableCache", "ForkableCache", "ResettableCache",
 ]

@@ -1,6 +1,7 @@
 """``KVCache``: the model-level cache. It builds one store per layer from the model's layer specs, a
-storage choice, an optional quantizer and an optional eviction policy, and implements the protocol
-of :mod:`qkv.cache.protocol` (``update``, ``update_latent``, ``cross_kv``, ``observe``).
+storage choice, an optional quantizer and an optional eviction policy, and implements the protocols
+of :mod:`qkv.cache.protocol`: the base one (``update``, ``cross_kv``, ``observe``, ...), latents
+(``update_latent``) and every capability (``decode``, ``match_prefix``, ``crop``, ``fork``, ``reset``).
 
 Shape legend: B batch rows, Hkv key/value heads, Hq query heads, N new tokens, S cached slots.
 
@@ -31,7 +32,8 @@ from ..pos.ids import batch_positions
 from .order import PositionOrder
 from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CachePolicy, CacheView, HasCacheSpecs, LatentView, Quantizer, RopeFn
-from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, SinkSpec, SlidingWindowSpec
+from .recurrent import RecurrentStore
+from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SinkSpec, SlidingWindowSpec
 from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
 
 __all__ = ["KVCache", "CacheMemory", "LayerMemory"]
@@ -77,7 +79,7 @@ def _as_specs(specs) -> list[LayerSpec]:
     for i, s in enumerate(specs):
         if not isinstance(s, LayerSpec):
             raise TypeError(f"KVCache(specs): entry {i} is {type(s).__name__}, not a qkv.cache layer spec "
-                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec)")
+                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec, RecurrentSpec)")
     return specs
 
 
@@ -139,6 +141,8 @@ class KVCache:
         name = f"layer {i}"
         if isinstance(spec, CrossSpec):
             return None
+        if isinstance(spec, RecurrentSpec):
+            return RecurrentStore(spec, layer=f"layer {i} (RecurrentSpec)")
         if self.policy is not None:
             store = self.policy.store_for(spec, layer=name)
             if store is not None:
@@ -176,7 +180,7 @@ class KVCache:
         layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec, SinkSpec), "update")
         spec = layer.spec
         pos = self._check_step(layer, k, v, positions, spec.n_kv_heads, spec.head_dim, spec.dv)
-        self._order.check(positions, pos)
+        self._order.check(positions, pos, layer=layer_idx)
         k, v = self._cast(k), self._cast(v)
         if isinstance(layer.store, RopeStore):
             k_all, v_all, kv_pos, q_pos = layer.store.write_rope(k, v, pos, rope)
@@ -185,6 +189,7 @@ class KVCache:
                 k = rope(k, pos.clamp_min(0))
             k_all, v_all, kv_pos = layer.store.write(k, v, pos)
             q_pos = pos
+        self._order.commit(positions, pos, layer=layer_idx)
         view = CacheView(k_all, v_all, kv_pos, q_pos)
         layer.last_view = view
         return view
@@ -229,12 +234,31 @@ class KVCache:
                              f"on (B, N)")
         k, v = c_kv.unsqueeze(1), k_rope.unsqueeze(1)
         pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.tail_width)
-        self._order.check(positions, pos, owner="update_latent")
+        self._order.check(positions, pos, layer=layer_idx, owner="update_latent")
         k, v = self._cast(k), self._cast(v)
         if rope is not None:
             v = rope(v, pos.clamp_min(0))
         c_all, r_all, kv_pos = layer.store.write(k, v, pos)
+        self._order.commit(positions, pos, layer=layer_idx)
         return LatentView(c_all[:, 0], r_all[:, 0], kv_pos, pos)
+
+    def recurrent_state(self, layer_idx: int):
+        """The state a recurrent layer (:class:`qkv.cache.RecurrentSpec`) left after its last step, as it was
+        given to ``update_recurrent`` (e.g. a :class:`qkv.nn.RecurrentState`), or None before the first."""
+        return self._layer(layer_idx, (RecurrentSpec,), "recurrent_state").store.get()
+
+    def update_recurrent(self, layer_idx: int, state, *, tokens: int) -> None:
+        """Keep a recurrent layer's state after a step that consumed ``tokens`` tokens per row.
+
+        Args:
+            state: ``(conv (B, conv_dim, conv_kernel - 1), recurrent (B, num_heads, head_k_dim, head_v_dim))``,
+                e.g. the :class:`qkv.nn.RecurrentState` a mixer returned; kept as given.
+            tokens: the step's tokens per row (padding included), which ``seq_length`` counts.
+        """
+        layer = self._layer(layer_idx, (RecurrentSpec,), "update_recurrent")
+        if self._device is None:
+            self._device = state[1].device if isinstance(state, tuple) and len(state) == 2 else None
+        layer.store.put(state, tokens)
 
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +290,7 @@ class KVCache:
         """True when layer ``layer_idx`` keeps keys at their absolute positions (full, sliding-window, latent
         and cross layers), so modules may hand it keys already rotated; False when it re-positions them
         (StreamingLLM's sinks), so it needs un-rotated keys and ``rope``."""
-        return not isinstance(self._layers[layer_idx].store, RopeStore)
+        return not isinstance(self._layer(layer_idx, None, "keeps_absolute_positions").store, RopeStore)
 
     @property
     def prefix_caching(self) -> bool:
@@ -293,6 +317,11 @@ class KVCache:
         if self._manager is None:
             raise ValueError(f"match_prefix: needs storage=Paged(..., prefix_caching=True), this cache uses "
                              f"{self.storage.describe()}")
+        recurrent = [lay.name for lay in self._layers if isinstance(lay.spec, RecurrentSpec)]
+        if recurrent:
+            raise ValueError(f"match_prefix: {', '.join(recurrent)} keep a recurrent state, not tokens, so a cached "
+                             f"prompt prefix cannot be shared with them (the state at the prefix's end is not kept); "
+                             f"prefill the whole prompt, or build the cache with prefix_caching=False")
         pos = batch_positions(positions, input_ids.shape[0], input_ids.shape[1], owner="match_prefix")
         hits = self._manager.match_prefix(input_ids, pos, salt=salt)
         return hits
@@ -346,7 +375,10 @@ class KVCache:
             self._cross[key] = (k.index_select(0, idx.to(k.device)), v.index_select(0, idx.to(v.device)))
 
     def fork(self, n: int) -> None:
-        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``), for ``n`` samples of one prompt."""
+        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``), for ``n`` samples of one prompt (``n >= 1``)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"fork(n): expected an int >= 1 (copies of every row), got {n!r}; to drop rows use "
+                             f"cache.reorder(idx), to empty the cache cache.reset()")
         B = self._batch() or 1
         self.reorder(torch.arange(B).repeat_interleave(n))
 
@@ -383,7 +415,7 @@ class KVCache:
 
     def layer_tokens(self, layer_idx: int) -> int:
         """Slots layer ``layer_idx`` holds per row now."""
-        store = self._layers[layer_idx].store
+        store = self._layer(layer_idx, None, "layer_tokens").store
         return 0 if store is None else store.held()
 
     def memory(self) -> CacheMemory:
@@ -445,10 +477,15 @@ class KVCache:
     # helpers
     def _layer(self, i: int, kinds, what: str) -> _Layer:
         if not isinstance(i, int) or not 0 <= i < len(self._layers):
-            raise IndexError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers")
+            raise ValueError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers; a "
+                             f"model with more layers than the cache was built for? Build the cache from the model: "
+                             f"KVCache(model) or KVCache(model.cache_specs())")
         layer = self._layers[i]
         if kinds is not None and not isinstance(layer.spec, kinds):
-            hint = {"update": "MLA layers call update_latent", "update_latent": "use update() for this layer"}
+            hint = {"update": "MLA layers call update_latent, recurrent layers update_recurrent",
+                    "update_latent": "use update() for this layer",
+                    "recurrent_state": "only RecurrentSpec layers keep a recurrent state",
+                    "update_recurrent": "only RecurrentSpec layers keep a recurrent state"}
             raise ValueError(f"{what}: {layer.name} cannot take {what}(); {hint.get(what, '')}")
         return layer
 

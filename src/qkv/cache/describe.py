@@ -1,5 +1,5 @@
 """Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`,
-a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.Layout`): ``LatentSpec`` for MLA,
+a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.LayerLayout`): ``LatentSpec`` for MLA,
 ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The description (in :mod:`qkv.spec`) knows
 nothing of the cache; the cache reads it here.
 
@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from ..spec.config import DecoderConfig
-from ..spec.hf_config import Layout
+from ..spec.hf_config import LayerLayout
 from ..spec.layer_types import SLIDING_ATTENTION
 from ..spec.presets import ModelPreset
 from .specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
@@ -20,7 +20,7 @@ from .specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
 __all__ = ["cache_specs_of"]
 
 
-def cache_specs_of(description: DecoderConfig | ModelPreset | Layout) -> list[LayerSpec]:
+def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> list[LayerSpec]:
     """One layer spec per layer of ``description`` (what :meth:`qkv.nn.DecoderLM.cache_specs` returns for its
     config); ``TypeError`` for anything else."""
     if isinstance(description, DecoderConfig):
@@ -29,12 +29,12 @@ def cache_specs_of(description: DecoderConfig | ModelPreset | Layout) -> list[La
             return [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim)] * c.num_hidden_layers
         return [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
                 FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
-    if isinstance(description, (ModelPreset, Layout)):
+    if isinstance(description, (ModelPreset, LayerLayout)):
         d = description
         if d.kv_lora_rank:
             return [LatentSpec(d.kv_lora_rank, d.qk_rope_head_dim)] * d.num_hidden_layers
         return [SlidingWindowSpec(d.sliding_window, d.num_key_value_heads, d.head_dim, d.v_head_dim)
                 if t == SLIDING_ATTENTION else FullSpec(d.num_key_value_heads, d.head_dim, d.v_head_dim)
                 for t in d.layer_types]
-    raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig, ModelPreset or hf_config.Layout, got "
+    raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig, ModelPreset or hf_config.LayerLayout, got "
                     f"{type(description).__name__}")

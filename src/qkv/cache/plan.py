@@ -37,7 +37,7 @@ from ..spec.presets import ModelPreset, get_preset
 from .describe import cache_specs_of
 from .paged import Paged
 from .protocol import CachePolicy, HasCacheSpecs, Quantizer
-from .specs import CrossSpec, FullSpec, LayerSpec, SlidingWindowSpec, element_bytes
+from .specs import CrossSpec, FullSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec, element_bytes
 from .storage import Dynamic, Static
 
 __all__ = ["plan_memory", "MemoryPlan", "LayerPlan", "resolve_specs"]
@@ -208,6 +208,10 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
     B, longest = len(lengths), max(lengths)
     layers, blocks, pool = [], {}, 0
     for i, spec in enumerate(specs):
+        if isinstance(spec, RecurrentSpec):  # a fixed state per row, whatever the context or storage
+            state = B * spec.fixed_bytes(dtype)
+            layers.append(LayerPlan(i, spec.kind, 0, int(state), int(state)))
+            continue
         row = spec.row_elements() * eb
         kept = _kept(spec, lengths, policy, new_tokens, rollback)
         needed = sum(kept) * row

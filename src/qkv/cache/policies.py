@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..pos.ids import positions_from_padding
 from .specs import FullSpec, LayerSpec, SinkSpec, element_bytes
 from .storage import RopeStore, Store
 
@@ -338,8 +339,7 @@ class SinkStore(RopeStore):
         if self.inner.k is not None:
             self._evict(n)
         k_all, v_all, abs_pos = self.inner.write(k, v, pos)
-        real = abs_pos >= 0
-        cache_pos = torch.where(real, torch.cumsum(real.to(torch.int64), dim=1) - 1, torch.full_like(abs_pos, -1))
+        cache_pos = positions_from_padding(abs_pos >= 0)  # the real tokens kept, renumbered from 0
         if rope is not None:
             k_all = rope(k_all, cache_pos.clamp_min(0))
         return k_all, v_all, cache_pos, cache_pos[:, -n:]

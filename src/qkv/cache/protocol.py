@@ -7,6 +7,8 @@ A module with a cache does, per layer and step::
     mask = masks.positions(view.q_positions, view.kv_positions, causal=True, window=W)  # & any extra mask
     out = qkv.attention(q, view.k, view.v, mask=mask, ...)
 
+(:func:`qkv.nn.cached_attention` is that sequence, written once for every module.)
+
 - ``k_new`` (B, Hkv, Nnew, Dqk), ``v_new`` (B, Hkv, Nnew, Dv) are this step's keys/values.
 - ``positions`` (B, Nnew) int64 are the absolute positions of the new tokens (``-1`` for padding tokens,
   which are stored but never attended to).
@@ -44,6 +46,17 @@ MLA layers call ``cache.update_latent(layer_idx, c_kv, k_rope, positions=pos, ro
 (:class:`LatentCache`): ``c_kv`` (B, Nnew, kv_lora_rank) and ``k_rope`` (B, Nnew, qk_rope_head_dim,
 un-rotated when ``rope`` is given; the cache calls ``rope(k_rope[:, None], positions)``) are stored once per
 token for all heads; the view lists every cached latent with its position.
+
+Capabilities beyond the base protocol are declared apart, each a runtime-checkable protocol that callers test
+for (never the concrete :class:`qkv.cache.KVCache` class, which has them all):
+
+- :class:`DecodingCache`: ``cache.decode(layer_idx, q, scale=, window=)`` attends one query per row over the
+  step just stored, in place (paged pools on a GPU), or returns None (:func:`qkv.nn.cached_attention` then
+  attends over the view).
+- :class:`PrefixMatchingCache`: ``cache.match_prefix(input_ids, positions, salt=)`` reuses cached prompt
+  prefixes (``generate`` calls it when ``cache.prefix_caching`` is True).
+- :class:`CroppableCache` (``crop``), :class:`ForkableCache` (``fork``), :class:`ResettableCache` (``reset``):
+  roll back, copy rows, forget everything (speculative decoding, n samples, reuse; ``verify_cache`` checks them).
 """
 
 from __future__ import annotations
@@ -56,7 +69,8 @@ import torch
 from .specs import FullSpec, LayerSpec
 from .storage import Store
 
-__all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
+__all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecodingCache", "PrefixMatchingCache",
+           "CroppableCache", "ForkableCache", "ResettableCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
            "CachePolicy", "Quantizer"]
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -123,6 +137,55 @@ class LatentCache(Protocol):
 
     def update_latent(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor, *, positions: torch.Tensor,
                       rope: RopeFn | None = None) -> LatentView: ...
+
+
+@runtime_checkable
+class DecodingCache(Protocol):
+    """A cache that can attend a single-query step in place, over the keys it just stored."""
+
+    def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
+               ) -> torch.Tensor | None:
+        """Causal attention of ``q`` (B, Hq, 1, D), rotated like the stored keys, over layer ``layer_idx``'s
+        view of the step just stored (``window`` as in ``masks.positions(..., window=W)``): (B, Hq, 1, Dv), or
+        None where the cache has no kernel for that layer and the caller attends over the view."""
+        ...
+
+
+@runtime_checkable
+class PrefixMatchingCache(Protocol):
+    """A cache that can reuse cached prompt prefixes (its ``prefix_caching`` says whether it does now)."""
+
+    def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
+        """On a fresh cache: attach each row's longest reusable prompt prefix; the reused tokens per row (B,)
+        int64. ``input_ids``, ``positions`` (B, N); ``salt`` (bytes or str, one or one per row) isolates tenants."""
+        ...
+
+
+@runtime_checkable
+class CroppableCache(Protocol):
+    """A cache that can roll back its last tokens (rejected speculative tokens)."""
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` written slots (negative: drop the last ``-length``)."""
+        ...
+
+
+@runtime_checkable
+class ForkableCache(Protocol):
+    """A cache that can copy its rows (``n`` samples of one prompt)."""
+
+    def fork(self, n: int) -> None:
+        """Give every row ``n`` copies (rows ``b*n .. b*n+n-1``)."""
+        ...
+
+
+@runtime_checkable
+class ResettableCache(Protocol):
+    """A cache that can forget every row and be used for a new request."""
+
+    def reset(self) -> None:
+        """Forget every row (paged storage keeps its pools and prefix index)."""
+        ...
 
 
 @runtime_checkable

@@ -71,8 +71,8 @@ class KIVI:
     residual: int = 128
 
     def __post_init__(self) -> None:
-        if self.bits not in (2, 4, 8):
-            raise ValueError(f"KIVI(bits): expected 2, 4 or 8, got {self.bits!r}")
+        if type(self.bits) is not int or self.bits not in (2, 4, 8):  # 4.0 == 4 would pass `in` and fail at a write
+            raise ValueError(f"KIVI(bits): expected the int 2, 4 or 8, got {self.bits!r}")
         for name in ("group_size", "residual"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "group_size" else 0):

@@ -16,6 +16,9 @@ sliding-window layers per global layer) gets its savings without a per-model cac
   decoupled RoPE key ``k_rope`` per token, shared by all heads (DeepSeek-V2, arXiv:2405.04434, 2.1.2).
 - :class:`IndexedLatentSpec`: MLA's row plus DeepSeek Sparse Attention's indexer key (DeepSeek-V3.2).
 - :class:`CrossSpec`: encoder keys/values, computed once from ``source_len`` encoder tokens.
+- :class:`RecurrentSpec`: a recurrent layer (Gated DeltaNet, Kimi Delta Attention, Mamba2; see
+  :mod:`qkv.linear`): the short convolution's last ``conv_kernel - 1`` inputs and a ``(Dk, Dv)`` state per
+  head, the same bytes at any context length; written with ``cache.update_recurrent``.
 
 Cost: ``bytes_per_token(dtype)`` is what one more token of one sequence adds once the layer is past
 its fixed part; ``fixed_bytes(dtype)`` is the bounded part. A sliding layer is all fixed
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
+           "RecurrentSpec",
            "element_bytes"]
 
 _NAMED_BYTES = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
@@ -235,5 +239,48 @@ class CrossSpec(_KVSpec):
         return self.fixed_bytes(dtype)
 
 
+@dataclass(frozen=True)
+class RecurrentSpec(LayerSpec):
+    """A recurrent layer: the convolution's last ``conv_kernel - 1`` inputs of ``conv_dim`` channels (in the
+    cache dtype) and a ``(head_k_dim, head_v_dim)`` state per head (float32, float64 for a float64 cache: the
+    dtype the gated rules accumulate in). Nothing per token: its bytes do not grow with the context."""
+
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    def __post_init__(self) -> None:
+        _positive("RecurrentSpec(conv_dim)", self.conv_dim, allow_zero=True)
+        _positive("RecurrentSpec(conv_kernel)", self.conv_kernel)
+        _positive("RecurrentSpec(num_heads)", self.num_heads)
+        _positive("RecurrentSpec(head_k_dim)", self.head_k_dim)
+        _positive("RecurrentSpec(head_v_dim)", self.head_v_dim)
+
+    @property
+    def max_tokens(self) -> int:  # type: ignore[override]
+        return 0
+
+    def row_elements(self) -> int:
+        return 0
+
+    def conv_elements(self) -> int:
+        return self.conv_dim * (self.conv_kernel - 1)
+
+    def state_elements(self) -> int:
+        return self.num_heads * self.head_k_dim * self.head_v_dim
+
+    def fixed_bytes(self, dtype: torch.dtype | str) -> int | float:
+        wide = dtype == torch.float64 or (isinstance(dtype, str) and dtype.lower() in ("fp64", "float64"))
+        return _whole(self.conv_elements() * element_bytes(dtype) + self.state_elements() * (8 if wide else 4))
+
+    def tokens_for(self, context: int) -> int:
+        return 0
+
+    def bytes_for(self, context: int, dtype: torch.dtype | str) -> int | float:
+        return self.fixed_bytes(dtype)
+
+
 _KINDS = {"FullSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink", "LatentSpec": "latent",
-          "IndexedLatentSpec": "latent", "CrossSpec": "cross"}
+          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent"}

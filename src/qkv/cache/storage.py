@@ -10,7 +10,10 @@ the protocol masks by position (``masks.positions``), which is what lets a ring 
 
 - :class:`DynamicStore`: grows by doubling (amortized O(1) per token, no ``torch.cat`` per step). A
   sliding-window layer keeps only its last ``W + rollback`` slots: the window moves by advancing a
-  start offset and the live region is shifted to the front only when the buffer's end is reached.
+  start offset and the live region is shifted to the front only when the buffer's end is reached. A
+  step of at least that many tokens (a long prefill) attends over the held tokens and the new ones
+  directly and stores only the newest ``W + rollback``, so the layer's memory stays flat in the context
+  length from the prefill on.
 - :class:`StaticStore`: one buffer of ``max_len`` slots allocated on first write, never reallocated;
   the view is always the whole buffer (empty slots carry position ``-1``), so shapes and addresses
   stay fixed, as CUDA graphs and ``torch.compile`` need (the design of HF's ``StaticCache``; the write
@@ -52,11 +55,17 @@ def dynamic_capacity(prompt: int, new_tokens: int, keep: int | None) -> int:
     steps (its ``_reserve``, replayed on integers)."""
     if prompt + new_tokens == 0:
         return 0
-    if keep is None:  # full layers: doubling reaches the smallest power of two that holds every token
-        return _pow2(max(prompt + new_tokens, 16)) if prompt else _pow2(max(new_tokens, 16))
+    if keep is None:  # full layers: a full buffer is reallocated at _pow2(2 * (held + 1)), four times its size
+        cap = _pow2(max(prompt, 16))
+        while prompt + new_tokens > cap:
+            cap = _pow2(max(2 * cap, 2 * (cap + 1)))
+        return cap
     first = prompt if prompt else 1
-    cap = _pow2(max(first, 16))
-    start, end = max(0, first - keep), first
+    if first > 1 and first >= keep:  # DynamicStore.write's long-step path: only the newest `keep` are stored
+        cap, start, end = _pow2(max(keep, 16)), 0, keep
+    else:
+        cap = _pow2(max(first, 16))
+        start, end = max(0, first - keep), first
     for _ in range(new_tokens - (0 if prompt else 1)):
         if end + 1 > cap:
             held = end - start
@@ -208,8 +217,29 @@ class DynamicStore(Store):
         self.pos[:, held:] = -1
         self.start, self.end = 0, held
 
+    def _write_tail(self, k, v, pos):
+        """A bounded layer's step of ``n >= keep`` tokens: the step attends over the held tokens and the new
+        ones; the buffer keeps only the newest ``keep`` (never sized by the step)."""
+        n, keep = k.shape[2], self.keep
+        if self.k is not None and self.end > self.start:
+            a, b = self.start, self.end
+            view = (torch.cat((self.k[:, :, a:b], k), dim=2), torch.cat((self.v[:, :, a:b], v), dim=2),
+                    torch.cat((self.pos[:, a:b], pos), dim=1))
+        else:
+            view = (k, v, pos)
+        if self.k is None or self.k.shape[2] < keep:
+            self.k, self.v, self.pos = self._allocate(k, v, _pow2(max(keep, self.min_capacity)))
+        self.k[:, :, :keep] = k[:, :, n - keep:]
+        self.v[:, :, :keep] = v[:, :, n - keep:]
+        self.pos[:, :keep] = pos[:, n - keep:]
+        self.pos[:, keep:] = -1
+        self.start, self.end, self.seen = 0, keep, self.seen + n
+        return view
+
     def write(self, k, v, pos):
         n = k.shape[2]
+        if self.keep is not None and n > 1 and n >= self.keep:
+            return self._write_tail(k, v, pos)
         self._reserve(k, v, n)
         a, b = self.end, self.end + n
         self.k[:, :, a:b] = k

@@ -28,6 +28,7 @@ SUITES: dict[str, str] = {
     "sparse": "sparse.py",
     "sparse_select": "sparse_select.py",
     "linear": "linear.py",
+    "gated_linear": "gated_linear.py",
     "mla": "mla.py",
     "decode": "decode.py",
     "embed": "embed.py",
@@ -40,6 +41,8 @@ SUITES: dict[str, str] = {
     "gpu": "gpu.py",  # CUDA only: on a machine without one it prints why and writes nothing
     "gqa_conversion": "gqa_conversion.py",
     "quality": "quality.py",
+    "mask_export": "mask_export.py",
+    "batch_invariant": "batch_invariant.py",
 }
 
 

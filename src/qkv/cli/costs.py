@@ -6,8 +6,10 @@ imported lazily, drawing on an Agg canvas without pyplot).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +33,8 @@ from qkv.costs import (
 )
 from qkv.spec.hf_config import description_dtype
 
-__all__ = ["register", "plot_figure", "compare_figure", "context_axis_end", "context_warning"]
+__all__ = ["register", "plot_figure", "compare_figure", "context_axis_end", "context_warning", "load_preset",
+           "unique_names"]
 
 _PRESET_HELP = "A preset name (llama-3-70b, gemma-3-27b, deepseek-v2, ...) or the path of a HF config.json."
 _Context = Annotated[
@@ -64,9 +67,81 @@ def _friendly() -> Iterator[None]:
     """Turn bad input into one line on stderr and exit code 2, never a traceback."""
     try:
         yield
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, OverflowError, MemoryError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
+
+
+#: Bounds on a config file's sizes: far above every released model, low enough that the arithmetic stays instant.
+MAX_LAYERS = 10_000
+MAX_SIZE = 10**9
+_CONFIG_BYTES = 16 * 2**20
+
+
+def _config_name(path: str) -> str:
+    """The name a config file goes by: its ``_name_or_path`` when set, else the file's name (``config.json`` in
+    a model folder: the folder's)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} is not a regular file; give a preset name or the path of a HF config.json")
+    if os.path.getsize(path) > _CONFIG_BYTES:
+        raise ValueError(f"{path!r} is {os.path.getsize(path):,} bytes; a HF config.json is a few KB")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        cfg = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path!r}: the JSON nests too deeply to be a HF config") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path!r} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path!r}: expected a JSON object (a HF config), got {type(cfg).__name__}")
+    _check_sizes(path, cfg)
+    given = cfg.get("_name_or_path")
+    if isinstance(given, str) and given.strip():
+        return given.strip()
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if stem == "config":
+        stem = os.path.basename(os.path.dirname(os.path.abspath(path))) or stem
+    return stem
+
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "n_layers")
+
+
+def _check_sizes(path: str, cfg: dict) -> None:
+    """Refuse absurd sizes before anything is built from them (a layer list of 10^9 entries would not finish)."""
+    stack = [cfg]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(value, (dict, list)):
+                stack.append(value)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                limit = MAX_LAYERS if key in _LAYER_KEYS else MAX_SIZE
+                if abs(value) > limit:
+                    shown = f"{value:,}" if value.bit_length() < 200 else f"an integer of {len(str(value))} digits"
+                    raise ValueError(f"{path!r}: {key} = {shown} is beyond any released model (the CLI takes at most "
+                                     f"{limit:,}); check the config")
+
+
+def load_preset(name_or_path: str) -> ModelPreset:
+    """A preset by name, or read from a HF config file and named after it (see :func:`_config_name`), with its
+    sizes bounded (``MAX_LAYERS`` layers, ``MAX_SIZE`` for every other integer) so a wrong file fails fast."""
+    if not os.path.exists(name_or_path):
+        return get_preset(name_or_path)
+    name = _config_name(name_or_path)
+    return dataclasses.replace(get_preset(name_or_path), name=name)
+
+
+def unique_names(models: Sequence[ModelPreset]) -> list[str]:
+    """Row labels: each model's name, with `` (2)``, `` (3)``... after repeats, so no row is ever dropped."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in models:
+        seen[p.name] = seen.get(p.name, 0) + 1
+        out.append(p.name if seen[p.name] == 1 else f"{p.name} ({seen[p.name]})")
+    return out
 
 
 def _describe(p: ModelPreset) -> str:
@@ -129,7 +204,7 @@ def memory(
         qkv memory ./my-model/config.json --batch 8
     """
     with _friendly():
-        p = get_preset(preset)
+        p = load_preset(preset)
         dtype = dtype or description_dtype(preset)
         kw = dict(context=parse_context(context), batch=batch, dtype=dtype, group_size=group_size)
         m = kv_cache_memory(p, **kw)
@@ -189,7 +264,7 @@ def flops(
     from qkv.costs import crossover_context, model_flops, score_elements
 
     with _friendly():
-        p = get_preset(preset)
+        p = load_preset(preset)
         n = parse_context(context)
         _warn_context(p, n)
         f = model_attention_flops(p, context=n, batch=batch)
@@ -345,9 +420,11 @@ def compare(
     with _friendly():
         dtype = dtype or _one_dtype(presets)
         kw = dict(batch=batch, dtype=dtype, group_size=group_size)
-        models = {p.name: p for p in map(get_preset, presets)}
+        loaded = [load_preset(name) for name in presets]
+        models = dict(zip(unique_names(loaded), loaded, strict=True))
         n = parse_context(context)
         ms = {name: kv_cache_memory(p, context=n, **kw) for name, p in models.items()}
+        models = {name: dataclasses.replace(p, name=name) for name, p in models.items()}
         for p in models.values():
             _warn_context(p, n)
         if plot is not None:
@@ -358,8 +435,8 @@ def compare(
                                  "drop --plot") from None
             fig.savefig(plot, dpi=120)
     if as_json:
-        typer.echo(json.dumps([{**m.as_dict(), "attention_kind": models[m.preset].attention_kind}
-                               for m in ms.values()], indent=2))
+        typer.echo(json.dumps([{**m.as_dict(), "preset": name, "attention_kind": models[name].attention_kind}
+                               for name, m in ms.items()], indent=2))
         return
     console = Console(soft_wrap=True)
     console.print(f"context {n:,} tokens, batch {batch}, {dtype}; GB = 1e9 B, KV cache only")

@@ -42,6 +42,7 @@ document.addEventListener("DOMContentLoaded", function () {{
     }} catch (e) {{ error.textContent = "request failed: " + e; status.textContent = ""; }}
   }}
   go.onclick = run;
+  if (document.getElementById("text").value.trim()) run();  // the example sentence is drawn on load, not blank
 }});
 </script>
 """
@@ -110,7 +111,12 @@ def _handler(app: ExplorerApp):
             if self.path != "/api/attention":
                 self._json(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {self.path}"})
                 return
-            length = int(self.headers.get("Content-Length") or 0)
+            raw = (self.headers.get("Content-Length") or "0").strip()
+            if not raw.isdigit():
+                self.close_connection = True  # the body's end is unknown: do not read it, reply and close
+                self._json(HTTPStatus.BAD_REQUEST, {"error": f"Content-Length must be a byte count, got {raw[:40]!r}"})
+                return
+            length = int(raw)
             if length > 8 * app.max_chars + 1024:  # UTF-8 and JSON escapes stay well inside this
                 self.rfile.read(min(length, 1 << 20))
                 self._json(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {
@@ -118,10 +124,16 @@ def _handler(app: ExplorerApp):
                 return
             try:
                 text = json.loads(self.rfile.read(length) or b"{}").get("text")
-            except (ValueError, AttributeError):
-                self._json(HTTPStatus.BAD_REQUEST, {"error": 'send JSON like {"text": "a sentence"}'})
+                if isinstance(text, str):
+                    text.encode("utf-8")  # a lone surrogate ("\ud800") is valid JSON but no text
+            except (ValueError, AttributeError, RecursionError):  # UnicodeError is a ValueError
+                self._json(HTTPStatus.BAD_REQUEST, {"error": 'send JSON like {"text": "a sentence"} (UTF-8 text, '
+                                                             'not nested)'})
                 return
-            status, body = app.analyze(text)
+            try:
+                status, body = app.analyze(text)
+            except Exception as e:  # every request gets a reply; the server keeps serving
+                status, body = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"}
             self._json(status, body)
 
     return Handler

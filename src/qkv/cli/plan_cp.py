@@ -11,15 +11,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from qkv.costs import get_preset
+from qkv.cli.costs import load_preset, unique_names
 from qkv.costs.context_parallel import H200, PARAMETERS, SCHEMES, plan
 
 __all__ = ["register"]
 
 
 def plan_cp(
-    models: Annotated[list[str] | None, typer.Argument(help=f"Presets with a parameter count: {sorted(PARAMETERS)}.",
-                                                        show_default=False)] = None,
+    models: Annotated[list[str] | None, typer.Argument(
+        help=f"Presets ({sorted(PARAMETERS)} by default) or HF config.json paths; a preset without a stated "
+             f"parameter count is counted from its config (qkv.costs.num_parameters).", show_default=False)] = None,
     scheme: Annotated[str, typer.Option("--scheme", help=f"One of {', '.join(SCHEMES)}.")] = "zigzag",
     max_world: Annotated[int, typer.Option("--max-world", min=1, help="Largest W (powers of two up to it).")] = 1024,
     memory_gb: Annotated[float, typer.Option("--memory-gb", min=1, help="Device memory, GB (1e9 bytes).")] = 141.0,
@@ -50,9 +51,13 @@ def plan_cp(
     device = dataclasses.replace(H200, name="custom", memory_bytes=memory_gb * 1e9, hbm_bytes_per_s=hbm_tbps * 1e12,
                                  link_bytes_per_s=link_gbps * 1e9, attention_flops_per_s=tflops * 1e12)
     out = {}
-    for name in models or sorted(PARAMETERS):
+    try:
+        presets = [load_preset(name) for name in models or sorted(PARAMETERS)]
+    except (ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=2) from None
+    for name, preset in zip(unique_names(presets), presets, strict=True):
         try:
-            preset = get_preset(name)
             rows = plan(preset, device=device, scheme=scheme, max_world=max_world)
         except ValueError as e:
             typer.echo(f"error: {e}", err=True)

@@ -62,7 +62,9 @@ def presets(
         if sources:
             row.append(p.source)
         table.add_row(*row)
-    console.print(table)
+    # never cut a cell (names are what users copy): in a pipe or a narrow terminal the table keeps its natural width
+    width = max(console.width, console.measure(table, options=console.options.update(width=10_000)).maximum)
+    Console(soft_wrap=True, width=width).print(table)
     for name, versions in AMBIGUOUS.items():
         console.print(f"{name}: pick a version, {', '.join(versions)}")
 

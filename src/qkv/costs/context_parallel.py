@@ -300,11 +300,24 @@ def _all_to_all(p: ModelPreset, local_tokens: float, ranks: int, e: float) -> fl
     return local_tokens * per_token * (ranks - 1) / ranks
 
 
+def _parameters(p: ModelPreset) -> tuple[float, float]:
+    """(total, active) parameters: the model card's where :data:`PARAMETERS` has them, else counted from the
+    preset's whole-model fields (:func:`qkv.costs.num_parameters`, e.g. a preset read from a config.json)."""
+    if p.name in PARAMETERS:
+        return PARAMETERS[p.name]
+    from .params import num_parameters
+
+    try:
+        count = num_parameters(p)
+    except ValueError as e:
+        raise ValueError(f"longest_context: no parameter count for {p.name!r} (known: {sorted(PARAMETERS)}), and "
+                         f"none can be counted: {e}") from None
+    return float(count.total), float(count.active)
+
+
 def _memory_terms(p: ModelPreset, world: int) -> tuple[float, float]:
     """(fixed bytes per device, bytes per local token) for training, see the module docstring."""
-    if p.name not in PARAMETERS:
-        raise ValueError(f"longest_context: no parameter count for {p.name!r}; known: {sorted(PARAMETERS)}")
-    total, _ = PARAMETERS[p.name]
+    total, _ = _parameters(p)
     fixed = 16.0 * total / world
     per_token = p.num_hidden_layers * p.hidden_size * 2 + 34 * p.hidden_size + 2 * _payload_per_token(p, 2.0)
     return fixed, per_token
@@ -340,7 +353,7 @@ def plan(p: ModelPreset, *, device: Device = H200, scheme: str = "zigzag", max_w
             rows.append(PlanRow(w, 0, None, None))
         else:
             lt = layer_time(p, context=n, world=w, scheme=scheme, device=device)
-            _, active = PARAMETERS[p.name]
+            _, active = _parameters(p)
             step = p.num_hidden_layers * lt.total_s + 6 * active * n / w / device.matmul_flops_per_s
             rows.append(PlanRow(w, n, lt, step))
         w *= 2

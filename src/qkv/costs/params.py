@@ -4,7 +4,8 @@ Counted per layer, in HF's layout (the count equals ``sum(p.numel() for p in mod
 model :func:`qkv.models.from_hf` builds, which the tests check):
 
 - attention (MHA/GQA/MQA): ``d * Hq * Dqk`` (query) + ``d * Hkv * (Dqk + Dv)`` (key, value) + ``Hq * Dv * d``
-  (output), plus biases when the preset has them and ``2 * Dqk`` for a per-head QK norm. MLA
+  (output), plus biases when the preset has them, ``2 * Dqk`` for a per-head QK norm (``(Hq + Hkv) * Dqk``
+  over whole projections, OLMo 2/3) and ``Hq`` sink logits (GPT-OSS). MLA
   (DeepSeek-V2, arXiv:2405.04434): an optional query compression ``d * q_lora_rank`` (+ its norm) before
   ``q_lora_rank * Hq * Dqk``, the joint down-projection ``d * (kv_lora_rank + qk_rope_head_dim)`` (+ norm),
   the up-projection ``kv_lora_rank * Hq * (qk_nope_head_dim + Dv)`` and the output.
@@ -12,7 +13,8 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
   mixture of experts (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066) holds ``E`` routed experts of width
   ``moe_intermediate_size``, ``n_shared_experts`` always-on ones and a router ``d * E``; a token uses the
   router, ``num_experts_per_tok`` routed experts and the shared ones (the *active* count).
-- norms: ``d`` per RMSNorm, ``2 d`` per LayerNorm; two per layer (four with sandwich norms) and a final one.
+- norms: ``d`` per RMSNorm, ``2 d`` per LayerNorm; two per layer (four with sandwich norms, two again
+  for OLMo 2/3's post-norm-only blocks) and a final one.
 - embeddings ``V * d`` (plus a learned position table), the LM head ``V * d`` unless tied.
 - an encoder-decoder (the 2017 Transformer) adds ``encoder_layers`` bidirectional layers and, in every
   decoder layer, a cross-attention block with its norm.
@@ -91,7 +93,9 @@ def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
     if p.attention_bias:
         n += d
     if p.qk_norm:
-        n += 2 * Dqk
+        n += (Hq + Hkv) * Dqk if p.qk_norm_scope == "projection" else 2 * Dqk
+    if p.attention_sinks:
+        n += Hq
     return n
 
 
@@ -112,7 +116,7 @@ def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) 
         return n, n
     expert = _mlp(p, p.moe_intermediate_size, bias=b)
     shared = _mlp(p, p.moe_intermediate_size * p.n_shared_experts, bias=b) if p.n_shared_experts else 0
-    router = p.hidden_size * p.n_routed_experts
+    router = (p.hidden_size + (1 if p.router_bias else 0)) * p.n_routed_experts
     return router + p.n_routed_experts * expert + shared, router + p.num_experts_per_tok * expert + shared
 
 
@@ -148,7 +152,8 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
         total_i, active_i = layer_ffn_params(p, i)
         ffn += total_i
         active_ffn += active_i
-    norms = p.num_hidden_layers * (4 if p.sandwich_norms else 2) * norm + norm
+    per_layer = (2 if p.pre_norms else 0) + (2 if p.sandwich_norms else 0)  # OLMo 2/3: the two post-norms only
+    norms = p.num_hidden_layers * per_layer * norm + norm
     if p.encoder_layers:  # bidirectional encoder layers, and a cross-attention block per decoder layer
         plain = layer_attention_params(p, cross=True)
         attention += (p.encoder_layers + p.num_hidden_layers) * plain

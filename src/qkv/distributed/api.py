@@ -51,7 +51,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         scheme: ``"ring"``, ``"zigzag"``, ``"stripe"``, ``"allgather"``, ``"ulysses"`` or ``"usp"``.
         group: the process group (default: the world); for ``"usp"`` the result of :func:`usp_groups`.
         scale: default ``Dqk ** -0.5``.
-        return_lse: also return the float32 log-sum-exp (B, Hq, n).
+        return_lse: also return the log-sum-exp (B, Hq, n), float32 (float64 for float64 inputs).
         timeout: seconds any collective may wait (default ``DEFAULT_TIMEOUT``); a dead or stalled peer raises
             :class:`CollectiveTimeout` naming the scheme and the step.
         documents: (N,) global document ids, for the zigzag layouts balanced per document (pass the same
@@ -61,7 +61,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         all_to_all: ``"auto"``/``"native"`` (the backend's all-to-all) or ``"p2p"`` (pairwise sends).
         check: agree on shapes, dtypes, scale, the description of the mask and modifiers and the document
             ids across ranks before any data moves (two small all-gathers); a mismatch raises ``ValueError``
-            naming the rank.
+            naming the rank. ``False`` skips the mask, modifier, scale and document fingerprints (host-side
+            hashing) but still agrees on shapes and dtypes, whose mismatch would otherwise abort a rank.
 
     Returns:
         ``out`` (B, Hq, n, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
@@ -104,12 +105,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
     pg = group.parent if isinstance(group, UspGroups) else group
     ex = Exchange(pg, scheme, timeout, log, all_to_all=all_to_all)
     mod_tensors = mod.tensors() if mod is not None else ()
+    shapes = {"scheme": (_SCHEME_IDS[scheme],), "dtype": (dtype_code(q.dtype),), "q shape": tuple(q.shape),
+              "k shape": tuple(k.shape), "v shape": tuple(v.shape), "needs grad": (int(req.requires_grad),)}
     if check:
-        ex.agree({"scheme": (_SCHEME_IDS[scheme],), "dtype": (dtype_code(q.dtype),), "q shape": tuple(q.shape),
-                  "k shape": tuple(k.shape), "v shape": tuple(v.shape), "mask": (_fingerprint(mask),),
-                  "score_mod": (_fingerprint(mod),), "scale": (zlib.crc32(repr(req.scale).encode()),),
-                  "documents": (0 if documents is None else zlib.crc32(documents.cpu().numpy().tobytes()),),
-                  "needs grad": (int(req.requires_grad),)}, device=q.device)
+        ex.agree({**shapes, "mask": (_fingerprint(mask),), "score_mod": (_fingerprint(mod),),
+                  "scale": (zlib.crc32(repr(req.scale).encode()),),
+                  "documents": (0 if documents is None else zlib.crc32(documents.cpu().numpy().tobytes()),)},
+                 device=q.device)
+    else:  # shapes and dtypes always: a mismatch there would abort a rank inside the transport (SIGABRT on gloo)
+        ex.agree(shapes, device=q.device)
     if scheme in ("ring", "zigzag", "stripe", "allgather"):
         dev = q.device
         plan = Plan(ex, rank, world, [i.to(dev) for i in q_lay.index], [i.to(dev) for i in k_lay.index],

@@ -18,8 +18,12 @@ import torch.distributed as dist
 
 __all__ = ["CollectiveTimeout", "CommLog", "Exchange", "DEFAULT_TIMEOUT", "ALL_TO_ALL", "dtype_code"]
 
-#: Seconds a collective may wait for its peers when ``timeout=None``.
-DEFAULT_TIMEOUT = 300.0
+#: Seconds a collective may wait for its peers when ``timeout=None``: long enough for any one exchange of a
+#: block on a loaded machine, short enough that an absent peer is reported within a minute.
+DEFAULT_TIMEOUT = 60.0
+
+#: The longest ``timeout`` accepted (a week); ``float("inf")`` is refused (the transport takes a finite wait).
+MAX_TIMEOUT = 7 * 24 * 3600.0
 
 #: How all-to-all runs: the backend's collective, or pairwise sends/receives (exact, any backend).
 ALL_TO_ALL = ("auto", "native", "p2p")
@@ -85,8 +89,9 @@ class Exchange:
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError(f"qkv.distributed: timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT:
+            raise ValueError(f"qkv.distributed: timeout must be a positive number of seconds, at most {MAX_TIMEOUT:g} "
+                             f"(a week; the transport needs a finite wait), got {timeout!r}")
         if all_to_all not in ALL_TO_ALL:
             raise ValueError(f"qkv.distributed: all_to_all must be one of {ALL_TO_ALL}, got {all_to_all!r}")
         self.group, self.scheme, self.timeout, self.log, self.phase = group, scheme, float(timeout), log, phase

@@ -10,28 +10,20 @@ gives the same logits, sharded.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import torch
 
 from .. import masks
 from .._attention import attention as _local_attention
 from ..masks.sequence import Positions
 from ..mods.base import ScoreMod
+from ..nn.protocol import attention_modules
 from ..pos.relative import RelativePositionMod
 from .api import attention
 from .exchange import CommLog, Exchange
 from .groups import UspGroups
 from .sharding import layout, shard, unshard, world_and_rank
 
-__all__ = ["AttentionHost", "ContextParallel", "context_parallel"]
-
-
-@runtime_checkable
-class AttentionHost(Protocol):
-    """A module that runs its attention through ``attention_fn`` (signature of :func:`qkv.attention`)."""
-
-    attention_fn: object
+__all__ = ["ContextParallel", "context_parallel"]
 
 
 class ContextParallel:
@@ -46,10 +38,17 @@ class ContextParallel:
         self.model, self.group, self.scheme, self.timeout, self.log = model, group, scheme, timeout, log
         self.backend = backend
         self.world, self.rank = world_and_rank(group)
-        self.hosts = [m for m in model.modules() if isinstance(m, AttentionHost)]
-        if not self.hosts:
+        found = attention_modules(model)
+        if not found:
             raise TypeError(f"context_parallel: {type(model).__name__} has no attention module with an attention_fn "
-                            "hook; qkv's decoder (qkv.nn.DecoderLM) has one per layer")
+                            "hook (qkv.nn.protocol.AttentionModule); qkv's decoder (qkv.nn.DecoderLM) has one per "
+                            "layer")
+        hookless = [f"{name or 'the model'} ({type(m).__name__})" for name, m in found if m.attention_fn is None]
+        if hookless:
+            raise TypeError(f"context_parallel: {', '.join(hookless)} computes no softmax attention (attention_fn is "
+                            "None), so it cannot be distributed by swapping its operator; its shard would attend "
+                            "within the shard only")
+        self.hosts = [m for _, m in found]
         self._saved = [m.attention_fn for m in self.hosts]
         self._gathered: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # within one __call__
         for m in self.hosts:

@@ -46,12 +46,12 @@ class Plan:
 
 
 class ForwardState:
-    """Running float32 (float64 for float64 inputs) output and float32 lse of this rank's queries."""
+    """Running output and lse of this rank's queries, float32 (float64 for float64 inputs)."""
 
     def __init__(self, q: torch.Tensor, dv: int) -> None:
         B, Hq, n, _ = q.shape
         self.out = torch.zeros(B, Hq, n, dv, dtype=accumulation_dtype(q.dtype), device=q.device)
-        self.lse = torch.full((B, Hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+        self.lse = torch.full((B, Hq, n), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
 
 
 def attend_owner(state: ForwardState, plan: Plan, owner: int, q, k, v) -> None:

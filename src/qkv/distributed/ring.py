@@ -4,9 +4,9 @@ Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near
 Brandon et al. 2023, "Striped Attention: Faster Ring Attention for Causal Transformers" (stripe); zigzag as
 in ring-flash-attention and Llama 3. Each rank holds its queries and one chunk of keys/values. For W steps
 it attends to the chunk it holds while sending that chunk on to the next rank (the send overlaps the block
-computation), and merges the partial results with :func:`qkv.merge_states` in float32. Blocks a mask
-empties are skipped. Backward passes the chunks around again; the float32 dK/dV accumulators travel with
-their chunk and arrive home after a full turn.
+computation), and merges the partial results with :func:`qkv.merge_states` in float32 (float64 for float64
+inputs). Blocks a mask empties are skipped. Backward passes the chunks around again; the float32 dK/dV
+accumulators travel with their chunk and arrive home after a full turn.
 
 Collectives per call: forward W-1 ring shifts (K, V); backward W-1 shifts of K, V and W shifts of dK, dV.
 """

@@ -12,7 +12,10 @@ A layout maps rank ``r`` to an ascending list of global token indices. Every ran
 Zigzag (Brandon et al. 2023 and Llama 3's all-gather context parallelism) splits the sequence into 2W chunks
 and gives rank ``r`` chunks ``r`` and ``2W-1-r``, so causal work is even. Given document ids, the zigzag is
 taken per document (each document split into 2W pieces, lengths that do not divide spread round-robin over
-the ranks), which keeps the work of a packed batch with a document-causal mask even too.
+the ranks), which keeps the work of a packed batch with a document-causal mask even. Where per-document pieces
+cannot balance (many documents shorter than 2W tokens: their leftovers decide), the plain zigzag is used instead
+whenever it is more even (:func:`document_spread` measures both), so the layout given documents is never less
+balanced than the plain zigzag.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch.distributed as dist
 
 from .groups import UspGroups
 
-__all__ = ["Layout", "SCHEMES", "MAX_SEGMENTS", "layout", "segments", "shard", "unshard", "world_and_rank"]
+__all__ = ["Layout", "SCHEMES", "MAX_SEGMENTS", "layout", "segments", "shard", "unshard", "world_and_rank",
+           "document_spread"]
 
 #: Every scheme, and the layout it shards with.
 SCHEMES: dict[str, str] = {"ring": "contiguous", "zigzag": "zigzag", "stripe": "stripe", "allgather": "zigzag",
@@ -131,6 +135,40 @@ def _zigzag(n: int, world: int, documents: torch.Tensor | None) -> tuple[list[li
     return owned, sizes
 
 
+def _spread(owned: list[list[int]], runs: list[int]) -> float:
+    first = torch.repeat_interleave(torch.tensor([0, *_cumsum(runs)[:-1]]), torch.tensor(runs))
+    seen = torch.arange(first.numel()) - first + 1  # keys a token sees: its document's prefix
+    work = [int(seen[torch.tensor(rank, dtype=torch.int64)].sum()) for rank in owned]
+    mean = sum(work) / len(work)
+    return max(abs(w - mean) for w in work) / mean if mean else 0.0
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def document_spread(lay: Layout, documents: torch.Tensor) -> float:
+    """How uneven a layout leaves the work of a document-causal mask: ``max |w_r - mean| / mean`` over the
+    ranks' allowed (query, key) pairs ``w_r`` (a token sees its document's prefix); 0 is perfectly even.
+
+    Args:
+        lay: a :class:`Layout` of ``lay.n_global`` tokens.
+        documents: (N,) or (B, N) integer document ids, as for :func:`layout`.
+
+    Example:
+        >>> ids = torch.repeat_interleave(torch.arange(9), torch.tensor([7] * 8 + [8]))
+        >>> per_doc = document_spread(layout("zigzag", 64, 8, documents=ids), ids)
+        >>> per_doc <= document_spread(layout("zigzag", 64, 8), ids)
+        True
+    """
+    runs = _document_runs(documents, lay.n_global)
+    return _spread([i.tolist() for i in lay.index], runs)
+
+
 def layout(scheme: str, n_global: int, world: int, *, documents: torch.Tensor | None = None) -> Layout:
     """The layout ``scheme`` shards a sequence of ``n_global`` tokens with over ``world`` ranks.
 
@@ -165,6 +203,11 @@ def layout(scheme: str, n_global: int, world: int, *, documents: torch.Tensor | 
             raise ValueError(f"qkv.distributed: zigzag splits the sequence into 2W = {2 * world} chunks; length "
                              f"{n_global} does not divide, pad it to a multiple of {2 * world}")
         owned, sizes = _zigzag(n_global, world, documents)
+        if documents is not None and n_global % (2 * world) == 0:
+            plain = _zigzag(n_global, world, None)
+            runs = _document_runs(documents, n_global)
+            if _spread(plain[0], runs) < _spread(owned, runs):
+                owned, sizes = plain
         index = [torch.tensor(o, dtype=torch.int64) for o in owned]
         return Layout(kind, n_global, tuple(index), tuple(tuple(s) for s in sizes))
     return Layout(kind, n_global, tuple(index))

@@ -7,8 +7,9 @@ Same signature and semantics as torch's, so replacing the call is the whole migr
 
 How torch's arguments map onto :func:`qkv.attention` (``backend="auto"``):
 
-- ``query (..., L, E)``, ``key (..., S, E)``, ``value (..., S, Ev)``; dim -3 is the head dim (2-D and 3-D
-  inputs get one head, more than 4 dims fold into the batch). Batch dims must match (no broadcasting).
+- ``query (..., L, E)``, ``key (..., S, E)``, ``value (..., S, Ev)``; dim -3 is the head dim (2-D inputs get
+  one head, 3-D ones are (H, N, D) of one batch row, more than 4 dims fold into the batch). Batch dims must
+  match (no broadcasting). Zero-size inputs return an empty (or, with no keys, zero) output, as torch does.
 - ``attn_mask`` boolean (True = may attend) becomes a dense ``qkv.masks`` mask; a float mask is additive:
   its finite part becomes a tensor score modifier (``mods.bias``, gradients reach it) and its ``-inf``
   entries become a boolean mask. Either broadcasts to ``(..., L, S)`` as in torch.
@@ -56,9 +57,9 @@ def _as4(t: torch.Tensor, name: str) -> torch.Tensor:
         raise ValueError(f"sdpa: {name} must have at least 2 dims (..., N, D), got shape {tuple(t.shape)}")
     if t.dim() == 2:
         return t.view(1, 1, *t.shape)
-    if t.dim() == 3:
-        return t.unsqueeze(1)
-    return t.reshape(-1, *t.shape[-3:])
+    if t.dim() == 3:  # dim -3 holds the heads (enable_gqa groups them), as in torch
+        return t.unsqueeze(0)
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # never -1: a zero-size dim must not be inferred
 
 
 def _mask4(m: torch.Tensor, lead: tuple[int, ...], L: int, S: int, H: int) -> torch.Tensor:
@@ -75,7 +76,7 @@ def _mask4(m: torch.Tensor, lead: tuple[int, ...], L: int, S: int, H: int) -> to
     if len(lead) > 2:  # fold the batch dims like the inputs
         return m.expand(*lead, L, S).reshape(-1, H, L, S)
     m = m.reshape((1,) * (len(lead) + 2 - m.dim()) + tuple(m.shape))  # (*lead-or-1, L, S)
-    return m.view(1, 1, L, S) if not lead else m.unsqueeze(1) if len(lead) == 1 else m
+    return m.view(1, 1, L, S) if not lead else m.unsqueeze(0) if len(lead) == 1 else m
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -110,8 +111,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
                          f"key {tuple(key.shape)}, value {tuple(value.shape)}")
     Hq, Hkv = q4.shape[1], k4.shape[1]
     if Hq != Hkv and not enable_gqa:
-        raise ValueError(f"sdpa: query has {Hq} heads but key/value have {Hkv} (dim -3); for grouped-query "
-                         "attention pass enable_gqa=True, as with torch")
+        raise ValueError(f"sdpa: query {tuple(query.shape)} has {Hq} heads but key {tuple(key.shape)} has {Hkv} "
+                         "(dim -3); for grouped-query attention pass enable_gqa=True, as with torch")
+    if Hkv and Hq % Hkv:
+        raise ValueError(f"sdpa: query heads ({Hq}, dim -3 of {tuple(query.shape)}) must be a multiple of key/value "
+                         f"heads ({Hkv}, dim -3 of {tuple(key.shape)}) for grouped-query attention")
     L, S = q4.shape[2], k4.shape[2]
     mask, score_mod = None, None
     if is_causal:
@@ -137,8 +141,10 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         raise ValueError(f"sdpa: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ValueError(f"sdpa: scale must be a finite float or None, got {scale!r}")
+    if q4.shape[0] * Hq * L == 0 or Hkv == 0:  # nothing to attend with: torch returns an empty (or zero) output
+        return query.new_zeros(*lead, L, value.shape[-1])
     out = attention(q4, k4, v4, mask=mask, score_mod=score_mod, scale=scale, dropout_p=float(dropout_p),
-                    generator=generator, backend=backend)  # (B, Hq, L, Ev)
+                    generator=generator, backend=backend, layout="bhnd")  # (B, Hq, L, Ev)
     if empty_rows == "nan" and mask is not None:
         empty = ~mask.materialize(q4.shape[0], Hq, L, S, device=q4.device).any(-1)  # (B, Hq, L)
         out = out.masked_fill(empty.unsqueeze(-1), float("nan"))

@@ -22,7 +22,8 @@ What HF hands over, and what qkv makes of it:
   looks at the closures of HF's public mask factories; a composition it does not know (a model's own
   ``or_mask_function``, say) is taken as the dense boolean mask HF would build, and ``qkv.explain`` (and
   :func:`explain` here) say so. A 4-D mask the caller prepared arrives as a tensor and is taken as is:
-  boolean as a dense mask, float as an additive bias (a dense ``mods.bias``).
+  boolean as a dense mask; float as additive: its ``-inf`` (or ``finfo.min``) entries as a dense mask, the
+  finite rest as a dense ``mods.bias`` applied after any softcap, as eager adds the mask after capping.
 - ``scaling`` is the scale; ``softcap`` (Gemma 2) becomes ``mods.softcap``; T5's ``position_bias``, a
   dense (1, H, Nq, Nk) tensor computed by the model, becomes ``mods.bias`` (dense: HF hands over only
   that); ``s_aux`` (GPT-OSS's per-head sinks) becomes ``sinks=``; ``dropout`` (non-zero in training)
@@ -72,6 +73,14 @@ class HFMask:
     mask: Mask | None  # None: every pair allowed
     source: str  # "analytic" or why it is dense
 
+    def _refuse(self, other) -> None:
+        raise TypeError("attn_implementation='qkv': this model adds the attention mask to its scores in its own "
+                        "attention code, so it does not dispatch attention through transformers' AttentionInterface "
+                        "(BLOOM and a few other families) and qkv cannot run it; load it with "
+                        "attn_implementation='eager' or 'sdpa', or port it to qkv (qkv.models.from_hf)")
+
+    __add__ = __radd__ = _refuse
+
 
 @dataclass(frozen=True)
 class LayerReport:
@@ -85,6 +94,7 @@ class LayerReport:
         return f"[{self.module}] mask: {self.mask_source}\n{self.explanation}"
 
 
+_REGISTERED: set[str] = set()  # the names register() gave transformers
 _recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("qkv_hf_recording", default=None)
 
 
@@ -281,7 +291,15 @@ def _as_mask(attention_mask, module, is_causal, nq: int) -> tuple[Mask | None, o
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         if attention_mask.dtype == torch.bool:
             return M.dense(attention_mask), None, "dense: a 4-D boolean mask prepared by the caller"
-        return None, mods.bias(attention_mask), "dense: a 4-D additive mask prepared by the caller, as a bias"
+        # the -inf entries (or HF's finfo.min) are a mask; the finite rest is a bias, added after softcap as eager
+        # does (a bias before the softcap would squash -inf to -cap and give masked keys weight)
+        hidden = torch.isneginf(attention_mask) | (attention_mask <= torch.finfo(attention_mask.dtype).min)
+        if not bool(hidden.any()):
+            return None, mods.bias(attention_mask), "dense: a 4-D additive mask prepared by the caller, as a bias"
+        finite = attention_mask.masked_fill(hidden, 0.0)
+        bias = mods.bias(finite) if bool(finite.ne(0).any()) else None
+        return (M.dense(~hidden), bias, "dense: a 4-D additive mask prepared by the caller: its -inf entries as a "
+                "boolean mask" + (", the finite rest as a bias" if bias is not None else ""))
     raise TypeError(f"qkv attention: cannot read attention_mask of type {type(attention_mask).__name__} "
                     f"{tuple(getattr(attention_mask, 'shape', ()))}; HF builds it with the 'qkv' mask function "
                     "(registered by importing qkv.integrations.transformers) or takes a 4-D boolean or additive tensor")
@@ -300,8 +318,8 @@ def _forward_for(backend: str) -> Callable:
                              "run; pack with position_ids (HF then builds a document mask) or use "
                              "qkv.varlen_attention")
         mask, bias, source = _as_mask(attention_mask, module, is_causal, query.shape[2])
-        score_mod = [m for m in (bias, None if position_bias is None else mods.bias(position_bias),
-                                 None if not softcap else mods.softcap(float(softcap))) if m is not None]
+        score_mod = [m for m in (None if position_bias is None else mods.bias(position_bias),
+                                 None if not softcap else mods.softcap(float(softcap)), bias) if m is not None]
         sinks = None if s_aux is None else s_aux.to(query.device)
         kw = dict(mask=mask, score_mod=score_mod or None, scale=scaling, sinks=sinks)
         record = _recording.get()
@@ -357,6 +375,7 @@ def register(name: str = NAME, *, backend: str = "auto") -> None:
     if backend != "auto" and backend not in backends.names():
         raise ValueError(f"register: unknown backend {backend!r}; valid: {', '.join(['auto', *backends.names()])}")
     AttentionInterface.register(name, attention_forward if backend == "auto" else _forward_for(backend))
+    _REGISTERED.add(name)
     AttentionMaskInterface.register(name, hf_mask)
 
 
@@ -394,7 +413,17 @@ def use(model, name: str = NAME):
 
 def explain(model, *args, **kwargs) -> list[LayerReport]:
     """Run ``model(*args, **kwargs)`` once without gradients and report, for every attention call, where its
-    mask came from (analytic or dense, and why) and :func:`qkv.explain`'s backend choice."""
+    mask came from (analytic or dense, and why) and :func:`qkv.explain`'s backend choice.
+
+    Raises ``ValueError`` saying why when no attention call of the forward went through qkv: the model's config
+    names another implementation (for instance because several models were built from one shared config
+    object, which holds one ``attn_implementation`` for all of them), or its layers do not dispatch through
+    transformers' ``AttentionInterface`` (BLOOM and other families with their own attention code).
+    """
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel) and (why := _own_attention(model)) is not None:
+        raise ValueError(f"explain: no attention call of this model goes through qkv; {why}")
     reports: list[LayerReport] = []
     token = _recording.set(reports)
     try:
@@ -402,7 +431,39 @@ def explain(model, *args, **kwargs) -> list[LayerReport]:
             model(*args, **kwargs)
     finally:
         _recording.reset(token)
+    if not reports:
+        raise ValueError(f"explain: no attention call of this forward went through qkv; {_why_not_qkv(model)}")
     return reports
+
+
+def _own_attention(model) -> str | None:
+    """Why ``model`` (a PreTrainedModel) cannot run qkv attention, or None when every (sub)model can."""
+    from transformers import PreTrainedModel
+
+    bad = sorted({type(m).__name__ for m in model.modules()
+                  if isinstance(m, PreTrainedModel) and not _uses_interface(type(m))})
+    if not bad:
+        return None
+    return (f"{', '.join(bad)} run their own attention code, not transformers' AttentionInterface, whatever "
+            f"attn_implementation says; port the model to qkv (qkv.models.from_hf) or use a family that "
+            f"dispatches through the interface")
+
+
+def _why_not_qkv(model) -> str:
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        if (why := _own_attention(model)) is not None:
+            return why
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in _REGISTERED:
+            return (f"the model's config says attn_implementation={impl!r}, not one of qkv's "
+                    f"({', '.join(sorted(_REGISTERED))}). Models built from one shared config object share that "
+                    f"setting (the last from_config/_from_config call decides for all of them); build each from its "
+                    f"own copy.deepcopy(config)")
+        return "its attention layers made no call (a model without attention, or inputs that skip it)"
+    return (f"{type(model).__name__} is not a transformers PreTrainedModel switched to attn_implementation='qkv' "
+            f"(qkv.integrations.transformers.use(model))")
 
 
 register()

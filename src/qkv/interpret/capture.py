@@ -1,8 +1,11 @@
 """Capture the attention probabilities of a qkv model while it runs on its fast backend.
 
-Every qkv attention module (the decoder's self attention, :class:`qkv.nn.MultiHeadAttention` and its BERT
-subclass, :class:`qkv.nn.LatentAttention`, T5's self and cross attention) calls its operator through one
-attribute, ``attention_fn``. :func:`capture` swaps in a recorder for the chosen modules: it runs the
+Every qkv attention module (:class:`qkv.nn.protocol.AttentionModule`: the decoder's self attention,
+:class:`qkv.nn.MultiHeadAttention` and its BERT subclass, :class:`qkv.nn.LatentAttention`, T5's self and cross
+attention) calls its operator through one attribute, ``attention_fn``; :func:`attention_modules` lists them in
+forward order (T5: every encoder layer, then per decoder layer its self and its cross attention). Modules
+without softmax attention (``attention_fn`` None: linear attention, Performer) have no map; choosing one is
+refused. :func:`capture` swaps in a recorder for the chosen modules: it runs the
 module's own operator unchanged (the forward keeps its backend and result) and, from the very ``q``, ``k``
 (already rotated by RoPE), mask, score modifiers and scale the module passed, recomputes the chosen heads
 and query rows exactly with :func:`qkv.attention_probs` (a log-sum-exp pass, skipped when the module
@@ -22,40 +25,18 @@ from torch import nn
 
 from .._probs import attention_probs
 from .._request import AttentionOutput
+from ..nn.protocol import attention_modules
 
 __all__ = ["attention_modules", "capture", "capture_stats", "hooked", "run_model"]
-
-
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The attention modules of ``model`` in forward order, with their names.
-
-    Those are the qkv modules that run through an ``attention_fn`` hook: :class:`qkv.nn.MultiHeadAttention`
-    (BERT, T5 self and cross attention, the generic stacks), :class:`qkv.nn.LatentAttention` and the
-    decoder's self attention (``model.layers[i].self_attn``). T5's order is every encoder layer, then per
-    decoder layer its self attention and its cross attention.
-
-    Example:
-        >>> from qkv.nn import TransformerConfig, TransformerEncoder
-        >>> enc = TransformerEncoder(TransformerConfig(d_model=16, n_heads=2, n_layers=2))
-        >>> [name for name, _ in attention_modules(enc)]
-        ['layers.0.self_attn', 'layers.1.self_attn']
-    """
-    from ..nn import LatentAttention, MultiHeadAttention
-    from ..nn.decoder import SelfAttention
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"attention_modules: model must be a torch nn.Module (a qkv model), got "
-                        f"{type(model).__name__}")
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, (MultiHeadAttention, LatentAttention, SelfAttention))]
 
 
 def choose_modules(model: nn.Module, layers) -> list[tuple[str, nn.Module]]:
     """The ``(name, module)`` pairs ``layers`` selects (indices or names; None: all), validated."""
     mods = attention_modules(model)
     if not mods:
-        raise ValueError(f"capture: {type(model).__name__} has no qkv attention module (MultiHeadAttention, "
-                         "LatentAttention or a DecoderLM layer); load HF models with qkv.models.from_hf")
+        raise ValueError(f"capture: {type(model).__name__} has no qkv attention module (qkv.nn.protocol."
+                         "AttentionModule: MultiHeadAttention, LatentAttention, a DecoderLM layer); load HF models "
+                         "with qkv.models.from_hf")
     if layers is None:
         return mods
     if isinstance(layers, (int, str)):
@@ -82,7 +63,12 @@ def choose_modules(model: nn.Module, layers) -> list[tuple[str, nn.Module]]:
 @contextmanager
 def hooked(modules: Sequence[nn.Module], make: Callable[[int, nn.Module, Callable], Callable]) -> Iterator[None]:
     """Within the block, module ``i``'s ``attention_fn`` is ``make(i, module, original)``; restored after,
-    whatever happens."""
+    whatever happens. A module without an operator hook (``attention_fn`` None) is refused before any is set."""
+    for m in modules:
+        if m.attention_fn is None:
+            raise TypeError(f"{type(m).__name__} (layer_idx {m.layer_idx}) computes no softmax attention (its "
+                            "attention_fn is None): there are no attention probabilities or head outputs to hook; "
+                            "choose the model's softmax attention modules (layers=[...])")
     saved = [m.attention_fn for m in modules]
     try:
         for i, (m, fn) in enumerate(zip(modules, saved)):
@@ -122,20 +108,16 @@ def run_model(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
     return model(input_ids, **kwargs)
 
 
-def module_heads(module: nn.Module) -> int:
-    """Query heads of one attention module."""
-    from ..nn import LatentAttention
-
-    return module.config.num_attention_heads if isinstance(module, LatentAttention) else module.n_heads
-
-
-def _folded_heads(module: nn.Module, q: torch.Tensor) -> int:
-    """MLA's absorbed path stacks its H heads as H * Nq rows of one head; the number of heads folded, else 1."""
-    from ..nn import LatentAttention
-
-    if isinstance(module, LatentAttention) and q.shape[1] == 1 and module.config.num_attention_heads > 1:
-        return module.config.num_attention_heads
-    return 1
+def folded_heads(module: nn.Module, q: torch.Tensor) -> int:
+    """How many of ``module``'s heads its operator call stacked as query rows of one head: ``n_heads`` when the
+    call's queries carry one head for several (MLA's absorbed path: (B, 1, H * Nq, D)), else 1."""
+    H = module.n_heads
+    if q.shape[1] == H:
+        return 1
+    if q.shape[1] == 1:
+        return H
+    raise ValueError(f"capture: {type(module).__name__} has {H} query heads but called its operator with "
+                     f"{q.shape[1]}; only all heads, or all heads stacked as rows of one, can be read back")
 
 
 def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -181,7 +163,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
                 raise RuntimeError(f"capture: {names[i]} ran attention twice in one forward; capture one forward "
                                    "pass (no generation loop, no packed segments)")
             qd, kd, vd = q.detach(), k.detach(), v.detach()
-            folded = _folded_heads(module, qd)
+            folded = folded_heads(module, qd)
             lse = out.lse.detach() if isinstance(out, AttentionOutput) else None  # the module asked for it: reuse
             if folded == 1:
                 got[i] = attention_probs(qd, kd, vd, mask=mask, score_mod=score_mod, scale=scale, heads=heads,
@@ -226,7 +208,7 @@ def capture_stats(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
             out = original(q, k, v, mask=mask, score_mod=score_mod, scale=scale, **kw)
             if got[i] is not None:
                 raise RuntimeError(f"capture_stats: {names[i]} ran attention twice in one forward")
-            if _folded_heads(module, q) != 1:
+            if folded_heads(module, q) != 1:
                 raise ValueError(f"capture_stats: {names[i]} runs MLA's absorbed path (heads folded into rows); "
                                  "build its LatentAttention with path='expanded'")
             got[i] = attention_stats(q.detach(), k.detach(), v.detach(), mask=mask, score_mod=score_mod,

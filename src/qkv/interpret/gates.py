@@ -20,14 +20,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .capture import attention_modules, module_heads
+from ..nn.protocol import attention_modules
 
 __all__ = ["head_counts", "head_gates", "prune_heads", "model_head_importance", "PruningCurve", "pruning_curve"]
 
 
 def head_counts(model: nn.Module) -> list[int]:
-    """Query heads of each attention module, in :func:`attention_modules` order."""
-    return [module_heads(m) for _, m in attention_modules(model)]
+    """Query heads of each attention module (its ``n_heads``), in :func:`attention_modules` order."""
+    return [m.n_heads for _, m in attention_modules(model)]
 
 
 def _shape(model: nn.Module) -> tuple[list[nn.Module], int]:

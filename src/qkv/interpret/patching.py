@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._request import AttentionOutput
-from .capture import attention_modules, choose_modules, hooked, module_heads, run_model
+from .capture import attention_modules, choose_modules, hooked, run_model
 
 __all__ = ["head_outputs", "patch_heads", "ablate_heads"]
 
@@ -79,9 +79,9 @@ def patch_heads(model: nn.Module, replacements: Mapping[tuple[int, int], torch.T
         l, h = key
         if not 0 <= l < len(mods):
             raise ValueError(f"patch_heads: module {l} is out of range; the model has {len(mods)} attention modules")
-        if not 0 <= h < module_heads(mods[l][1]):
+        if not 0 <= h < mods[l][1].n_heads:
             raise ValueError(f"patch_heads: head {h} is out of range for {mods[l][0]} "
-                             f"({module_heads(mods[l][1])} heads)")
+                             f"({mods[l][1].n_heads} heads)")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"patch_heads: replacement for {key} must be a tensor, got {type(t).__name__}")
         per_module.setdefault(l, {})[h] = t
@@ -95,7 +95,7 @@ def patch_heads(model: nn.Module, replacements: Mapping[tuple[int, int], torch.T
         def patched(q, k, v, **kw):
             res = original(q, k, v, **kw)
             out, full = _split_out(res)
-            _refuse_folded(name, q, module_heads(module))
+            _refuse_folded(name, q, module.n_heads)
             out = out.clone()
             for h, t in per_module[l].items():
                 if not 0 <= h < out.shape[1]:

@@ -37,11 +37,13 @@ class LinearAttentionOutput(NamedTuple):
 
     Attributes:
         out: ``(B, H, N, Dv)``, the input dtype.
-        state: ``LinearState`` after the last token, to pass as ``initial_state`` to the next call.
+        state: the state after the last token, to pass as ``initial_state`` to the next call: a
+            ``LinearState`` for (feature-map) linear attention; a tensor ``(B, H, Dk, Dv)`` for the gated rules
+            (``gated_linear_*``, ``gated_delta_*``); a ``qkv.nn.RecurrentState`` from the recurrent mixers.
     """
 
     out: torch.Tensor
-    state: LinearState
+    state: LinearState | torch.Tensor
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

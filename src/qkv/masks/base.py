@@ -5,7 +5,7 @@ Shape legend: B batch, H heads, Nq query length, Nk key length, TQ/TK tile count
 A mask is evaluated through one vectorized predicate, ``allowed(b, h, q_idx, kv_idx, nq, nk)``, on
 broadcastable integer index tensors. The same predicate serves every consumer: the reference backend
 (dense materialization), the tiled backend (partial tiles only) and the Flex backend (as a
-``mask_mod``). Positions follow the contract in DESIGN.md: query row ``i`` sits at absolute position
+``mask_mod``). Positions follow the operator contract (README): query row ``i`` sits at absolute position
 ``i + nk - nq`` (bottom-right alignment), key ``j`` at position ``j``.
 
 ``block_map`` classifies each (query tile, key tile) as EMPTY, PARTIAL or FULL. Analytic masks compute
@@ -111,13 +111,16 @@ class Mask:
 
         A tile is FULL only when every head the mask reads allows all of it, EMPTY only when no head allows
         any of it. ``Bm`` is 1 unless the mask differs across batch rows. ``B`` and ``H`` are the request's
-        batch size and head count (a user predicate may read ``b`` and ``h``). Tiles at the ragged end (when
-        the block does not divide the length) cover only the valid rows/columns.
+        batch size and head count (a user predicate may read ``b`` and ``h``); a mask that reads the head
+        (``depends_on_head``) refuses to guess ``H``: a map of head 0 alone would skip or leave unmasked the
+        tiles of the other heads. Tiles at the ragged end (when the block does not divide the length) cover
+        only the valid rows/columns.
         """
         if block_q <= 0 or block_k <= 0:
             raise ValueError(f"block_map: block sizes must be positive, got block_q={block_q}, block_k={block_k}")
         if B is not None and self.batch is not None and self.batch not in (1, B):
             raise ValueError(f"block_map: {self!r} carries data for batch {self.batch}, not {B}")
+        _need_heads(self, H, "block_map")
         bm = self._block_map(nq, nk, block_q, block_k, device, B or (self.batch or 1), H or 1)
         return bm.view(bm.shape[0] if bm.dim() == 3 else 1, 1, *bm.shape[-2:])
 
@@ -127,12 +130,23 @@ class Mask:
         rows, heads = self.reads(B, H)
         return predicate_block_map(self, rows, heads, nq, nk, bq, bk, device)
 
-    def sparsity(self, nq: int, nk: int, *, B: int | None = None) -> float:
-        """Fraction of (query, key) pairs that are masked out (0 = dense, 1 = nothing allowed)."""
+    def predicate_pairs(self, B: int, H: int, nq: int, nk: int) -> int:
+        """How many (batch row, head, query, key) predicate evaluations one :meth:`block_map` of a (B, H, nq, nk)
+        request costs: 0 for masks with an analytic block map, every pair the mask reads for the others (the
+        default :meth:`_block_map`). Backend estimates count it (``qkv.explain``)."""
+        if type(self)._block_map is not Mask._block_map:
+            return 0
+        rows, heads = self.reads(B, H)
+        return rows * heads * nq * nk
+
+    def sparsity(self, nq: int, nk: int, *, B: int | None = None, H: int | None = None) -> float:
+        """Fraction of (batch row, head, query, key) pairs that are masked out (0 = dense, 1 = nothing allowed),
+        over every batch row and head the mask reads; a head-dependent mask needs the head count ``H``."""
+        _need_heads(self, H, "sparsity")
         total = nq * nk
         if total == 0:
             return 0.0
-        d = self.dense(B or (self.batch or 1), 1, nq, nk)
+        d = self.dense(B or (self.batch or 1), H or 1, nq, nk)
         return 1.0 - float(d.float().mean())
 
     def draw(self, nq: int = 16, nk: int | None = None, *, batch: int = 0, head: int = 0) -> str:
@@ -157,6 +171,14 @@ class Mask:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _need_heads(mask: Mask, H: int | None, fn: str) -> None:
+    if H is None and mask.depends_on_head:
+        raise ValueError(f"{fn}: {mask!r} reads the head index, so its tiles differ per head; pass the request's "
+                         f"query head count H= (without it only head 0 would be read)")
+    if H is not None and (not isinstance(H, int) or isinstance(H, bool) or H <= 0):
+        raise ValueError(f"{fn}: H must be a positive int (the query head count), got {H!r}")
 
 
 def _as_mask(other, op: str) -> Mask:
@@ -187,6 +209,9 @@ class _Combined(Mask):
     def check(self, B, H, nq, nk):
         self.a.check(B, H, nq, nk)
         self.b.check(B, H, nq, nk)
+
+    def predicate_pairs(self, B, H, nq, nk):
+        return self.a.predicate_pairs(B, H, nq, nk) + self.b.predicate_pairs(B, H, nq, nk)
 
     def _both_maps(self, nq, nk, bq, bk, device, B, H):
         ma = self.a._block_map(nq, nk, bq, bk, device, B, H)
@@ -237,6 +262,9 @@ class Not(Mask):
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         return ~self.a.allowed(b, h, q_idx, kv_idx, nq, nk)
+
+    def predicate_pairs(self, B, H, nq, nk):
+        return self.a.predicate_pairs(B, H, nq, nk)
 
     def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
         return (FULL - self.a._block_map(nq, nk, bq, bk, device, B, H)).to(torch.int8)
@@ -333,3 +361,16 @@ def row_index(data: torch.Tensor, b: Index) -> Index:
 
 
 MaskFn = Callable[[Index, Index, Index, Index], torch.Tensor]
+
+
+def _export(name: str):
+    def method(self, *args, **kwargs):
+        from . import export
+        return getattr(export, name)(self, *args, **kwargs)
+    method.__name__ = name
+    method.__doc__ = f"See :func:`qkv.masks.export.{name}`."
+    return method
+
+
+for _name in ("to_flex_block_mask", "to_block_sparse", "to_bsr", "to_block_list"):
+    setattr(Mask, _name, _export(_name))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from .base import EMPTY, FULL, Mask, block_map_from_dense, classify, coarse_block_map, row_index
+from .causal import _ALIGNS
 
 __all__ = ["dense", "graph", "graph_from_edges", "from_fn", "Dense", "Graph", "FromFn"]
 
@@ -113,28 +114,64 @@ class Graph(Mask):
 
 
 class FromFn(Mask):
-    """A user predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor`` on raw row/column indices.
+    """A user predicate ``fn(b, h, q_pos, kv_pos) -> bool tensor`` on query and key *positions*.
+
+    Query row ``i`` reaches the predicate at position ``i + Nk - Nq`` (bottom-right, as every built-in mask
+    and ``causal()``), key ``j`` at position ``j``: the same predicate gives the same answer for a token whether
+    it is decoded alone, in a chunk or in the full pass. ``align="top_left"`` passes the raw row index ``i``
+    instead (as ``causal(align="top_left")``). With ``Nq == Nk`` both agree. Rows before the first position
+    (``Nq > Nk``) reach the predicate with negative positions.
 
     The predicate may read ``b`` and ``h``, so views and block maps evaluate every batch row and head of the
-    request they are given (``block_map(..., B=, H=)``).
+    request they are given (``block_map(..., B=, H=)``), unless the user gives the block map itself
+    (``block_map=``, see :func:`from_fn`).
     """
 
     depends_on_head = True
     depends_on_batch = True
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, align: str = "bottom_right", block_map: Callable | None = None) -> None:
         if not callable(fn):
-            raise TypeError(f"from_fn: expected a callable fn(b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}")
+            raise TypeError(f"from_fn: expected a callable fn(b, h, q_pos, kv_pos) -> bool, got {type(fn).__name__}")
+        if align not in _ALIGNS:
+            raise ValueError(f"from_fn: align must be one of {_ALIGNS}, got {align!r}")
+        if block_map is not None and not callable(block_map):
+            raise TypeError(f"from_fn: block_map must be a callable block_map(nq, nk, block_q, block_k, B, H, device) "
+                            f"-> int8 tile classes, got {type(block_map).__name__}")
         self.fn = fn
+        self.align = align
+        self.tile_fn = block_map
+
+    def predicate_pairs(self, B, H, nq, nk):
+        if self.tile_fn is not None:
+            return 0
+        rows, heads = self.reads(B, H)
+        return rows * heads * nq * nk
+
+    def _block_map(self, nq, nk, bq, bk, device, B=1, H=1):
+        if self.tile_fn is None:
+            return super()._block_map(nq, nk, bq, bk, device, B, H)
+        tq, tk = -(-nq // bq), -(-nk // bk)
+        bm = self.tile_fn(nq, nk, bq, bk, B, H, device)
+        if (not isinstance(bm, torch.Tensor) or bm.dtype != torch.int8 or bm.dim() not in (2, 3)
+                or tuple(bm.shape[-2:]) != (tq, tk) or (bm.dim() == 3 and bm.shape[0] not in (1, B))):
+            raise ValueError(f"from_fn: block_map returned {getattr(bm, 'dtype', type(bm).__name__)} "
+                             f"{tuple(getattr(bm, 'shape', ()))}; expected int8 (TQ, TK) = ({tq}, {tk}) or (1 or B, "
+                             "TQ, TK) holding qkv.masks.EMPTY / PARTIAL / FULL")
+        if bool(((bm < EMPTY) | (bm > FULL)).any()):
+            raise ValueError("from_fn: block_map returned values other than qkv.masks.EMPTY / PARTIAL / FULL")
+        return bm.to(device)
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
-        out = self.fn(b, h, q_idx, kv_idx)
+        q_pos = q_idx + (nk - nq) if self.align == "bottom_right" and nk != nq else q_idx
+        out = self.fn(b, h, q_pos, kv_idx)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             raise TypeError(f"from_fn: fn must return a bool tensor, got {getattr(out, 'dtype', type(out).__name__)}")
         return out
 
     def __repr__(self):
-        return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
+        align = "" if self.align == "bottom_right" else ", align='top_left'"
+        return f"from_fn({getattr(self.fn, '__name__', 'fn')}{align})"
 
 
 def dense(mask: torch.Tensor) -> Dense:
@@ -165,6 +202,26 @@ def graph_from_edges(edge_index: torch.Tensor, num_nodes: int, *, self_loops: bo
     return Graph(adj, self_loops=self_loops)
 
 
-def from_fn(fn: Callable) -> FromFn:
-    """A mask from a vectorized predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``."""
-    return FromFn(fn)
+def from_fn(fn: Callable, *, align: str = "bottom_right", block_map: Callable | None = None) -> FromFn:
+    """A mask from a vectorized predicate ``fn(b, h, q_pos, kv_pos) -> bool tensor``.
+
+    The predicate receives broadcastable int64 tensors: batch row, head, query *position* and key position.
+    Query row ``i`` sits at position ``i + Nk - Nq`` (bottom-right, the KV-cache convention of every built-in
+    mask), so a decode step or a chunk of a prefill sees exactly the rows of the full pass;
+    ``align="top_left"`` passes the row index ``i`` instead. See :class:`FromFn`.
+
+    Without structure to exploit, tiled backends learn which tiles to skip by evaluating ``fn`` on every pair
+    once per mask object and shape (``qkv.explain`` counts that cost). ``block_map=`` is the extension point
+    that avoids it: ``block_map(nq, nk, block_q, block_k, B, H, device)`` returns int8 tile classes, (TQ, TK)
+    or (1 or B, TQ, TK), of ``qkv.masks.EMPTY`` (no pair allowed), ``PARTIAL`` or ``FULL`` (every pair allowed,
+    for every head), computed from what the user knows about ``fn``. It must be sound: an EMPTY tile with an
+    allowed pair or a FULL tile with a masked one gives wrong results;
+    ``qkv.masks.predicate_block_map`` gives the exact map to test it against.
+
+    Example:
+        >>> import torch, qkv
+        >>> window = qkv.masks.from_fn(lambda b, h, q, k: (k <= q) & (q - k < 3))
+        >>> window.dense(1, 1, 1, 6)[0, 0, 0].tolist()   # one decode step: the query sits at position 5
+        [False, False, False, True, True, True]
+    """
+    return FromFn(fn, align, block_map)

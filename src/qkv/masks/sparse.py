@@ -160,12 +160,18 @@ class BigBird(Mask):
                              f"{random_blocks}")
         self.window_blocks, self.global_blocks, self.random_blocks = window_blocks, global_blocks, random_blocks
         self.seed = int(seed)
-        self._cache: dict[int, torch.Tensor] = {}
+        self._cache: dict[int, torch.Tensor] = {}  # block count -> pattern, the most recent HELD_PATTERNS
+
+    #: Patterns a mask keeps (one per block count, most recently used): a decode loop reuses the current one for
+    #: ``block`` steps in every layer, and a long generation does not hold one per length it passed.
+    HELD_PATTERNS = 4
 
     def coarse(self, nk: int) -> torch.Tensor:
-        """Block-level boolean pattern (NB, NB) for ``nk`` positions; cached per length."""
-        if nk not in self._cache:
-            nb = (nk + self.block - 1) // self.block
+        """Block-level boolean pattern (NB, NB) for ``nk`` positions (``NB = ceil(nk / block)``); the last
+        :attr:`HELD_PATTERNS` block counts are cached."""
+        nb = (nk + self.block - 1) // self.block
+        c = self._cache.pop(nb, None)
+        if c is None:
             r = torch.arange(nb)
             c = (r.view(-1, 1) - r.view(1, -1)).abs() <= self.window_blocks // 2
             c |= (r.view(-1, 1) < self.global_blocks) | (r.view(1, -1) < self.global_blocks)
@@ -175,8 +181,10 @@ class BigBird(Mask):
                 if free.numel():
                     pick = free[torch.randperm(free.numel(), generator=g)[: self.random_blocks]]
                     c[qb, pick] = True
-            self._cache[nk] = c
-        return self._cache[nk]
+            while len(self._cache) >= self.HELD_PATTERNS:
+                self._cache.pop(next(iter(self._cache)))  # the least recently used
+        self._cache[nb] = c  # most recently used last
+        return c
 
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         # A query row at a negative position (Nq > Nk) is in no block: it sees nothing.

@@ -47,7 +47,8 @@ from torch import nn
 from .. import masks
 from ..cpu import onednn_unavailable_reason, optimize, optimized
 
-__all__ = ["SentenceEncoder", "Packed", "pack", "pool_packed", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_TOKENS"]
+__all__ = ["SentenceEncoder", "SentencePack", "pack_sentences", "pool_packed", "DEFAULT_BATCH_SIZE",
+           "DEFAULT_MAX_TOKENS"]
 
 #: Most sentences and most tokens per packed row; measured in ``benchmarks/embed.py`` on CPU.
 DEFAULT_BATCH_SIZE = 256
@@ -57,7 +58,7 @@ _POOLINGS = ("mean", "cls")
 _GEMMS = ("auto", "onednn", "blas")
 
 
-class Packed(NamedTuple):
+class SentencePack(NamedTuple):
     """Sentences packed into one row.
 
     input_ids: (1, T) int64 token ids, sentence after sentence.
@@ -76,28 +77,28 @@ class Packed(NamedTuple):
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
 
 
-def pack(sequences: Sequence[Sequence[int]], *, device=None) -> Packed:
+def pack_sentences(sequences: Sequence[Sequence[int]], *, device=None) -> SentencePack:
     """Concatenate token-id lists into one row with restarting positions and segment ids.
 
     Example:
-        >>> p = pack([[101, 7, 102], [101, 102]])
+        >>> p = pack_sentences([[101, 7, 102], [101, 102]])
         >>> p.positions.tolist(), p.segment_ids.tolist(), p.cu_seqlens.tolist()
         ([[0, 1, 2, 0, 1]], [0, 0, 0, 1, 1], [0, 3, 5])
     """
     if not sequences:
-        raise ValueError("pack: expected at least one sequence")
+        raise ValueError("pack_sentences: expected at least one sequence")
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
     if int(lengths.min()) == 0:
-        raise ValueError("pack: every sequence needs at least one token")
+        raise ValueError("pack_sentences: every sequence needs at least one token")
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=cu[1:])
     segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     positions = torch.arange(ids.numel()) - cu[:-1][segment]
-    return Packed(ids.view(1, -1).to(device), positions.view(1, -1).to(device), segment.to(device), cu.to(device))
+    return SentencePack(ids.view(1, -1).to(device), positions.view(1, -1).to(device), segment.to(device), cu.to(device))
 
 
-def pool_packed(hidden: torch.Tensor, packed: Packed, *, pooling: str = "mean") -> torch.Tensor:
+def pool_packed(hidden: torch.Tensor, packed: SentencePack, *, pooling: str = "mean") -> torch.Tensor:
     """One vector per sentence from packed token states ``hidden`` (T, d) or (1, T, d): the mean over the
     sentence's tokens (``"mean"``) or its first token (``"cls"``). Returns (S, d)."""
     h = hidden.reshape(-1, hidden.shape[-1])  # (T, d)
@@ -207,7 +208,7 @@ class SentenceEncoder:
             raise TypeError("SentenceEncoder: texts must be a list of strings")
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
 
-    def embed_packed(self, packed: Packed) -> torch.Tensor:
+    def embed_packed(self, packed: SentencePack) -> torch.Tensor:
         """Embeddings (S, d) float32 of the sentences in one packed row."""
         mask = masks.document(packed.segment_ids)
         h = self.model(packed.input_ids, positions=packed.positions, mask=mask).last_hidden_state
@@ -239,7 +240,7 @@ class SentenceEncoder:
         device = next(self.model.parameters()).device
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
         for chunk in _packs(order, [len(t) for t in ids], batch_size, max_tokens):
-            e = self.embed_packed(pack([ids[i] for i in chunk], device=device))
+            e = self.embed_packed(pack_sentences([ids[i] for i in chunk], device=device))
             out[torch.tensor(chunk)] = e.cpu()
             if progress is not None:
                 progress(len(chunk))

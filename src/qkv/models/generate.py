@@ -39,8 +39,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..cache.protocol import PrefixMatchingCache
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
+from ..pos.ids import positions_from_padding
 
 __all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next", "logits_of", "forward_step", "prefill"]
 
@@ -78,8 +80,7 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
                          "would decode after their padding. Left-pad the prompts (tokenizer padding_side='left')")
     if not bool(m.any(1).all()):
         raise ValueError("attention_mask: every row needs at least one real token")
-    pos = torch.cumsum(m.to(torch.int64), dim=1) - 1
-    return torch.where(m, pos, torch.full_like(pos, -1))
+    return positions_from_padding(m)
 
 
 def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -201,7 +202,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
              top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
              streamer: Streamer | None = None, prefill_chunk_size: int | None = None,
-             return_logits: bool = False, salt=None, optimize: bool = True) -> GenerateOutput:
+             return_logits: bool = False, salt=None, optimize: bool = True,
+             batch_invariant: bool = False) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens per row.
 
     The steps: check the arguments (before any work), set up the cache and reuse cached prompt prefixes,
@@ -224,6 +226,11 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         optimize: give an ``nn.Module`` model on the CPU qkv's CPU products first, once
             (:func:`qkv.cpu.optimize`, in place: the same parameters and ``state_dict``; skipped when the
             model already has them). False leaves the model as it is.
+        batch_invariant: each row's tokens and logits are bitwise the same alone and inside any batch. CPU GEMMs
+            (``F.linear``, ``q @ k.T``) change a row's bits with the number of rows, so the rows are decoded one
+            at a time, each without its padding, in a cache of its own: the row-wise path, about ``B`` times the
+            cost of a batched decode step. Greedy only (sampling draws would depend on the row order); takes no
+            ``cache`` or ``streamer``. A row that stops early has NaN logits for the steps after its stop.
 
     Returns:
         :class:`GenerateOutput`.
@@ -235,6 +242,11 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
     if (optimize and isinstance(model, torch.nn.Module) and optimized(model) is None
             and all(p.device.type == "cpu" for p in model.parameters())):
         cpu_optimize(model)
+    if batch_invariant is not False:
+        return _row_by_row(model, input_ids, positions, batch_invariant=batch_invariant, cache=cache,
+                           use_cache=use_cache, do_sample=do_sample, streamer=streamer, salt=salt,
+                           max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                           prefill_chunk_size=prefill_chunk_size, return_logits=return_logits)
     B = input_ids.shape[0]
     if use_cache:
         cache, hits = _open_cache(model, cache, input_ids, positions, salt)
@@ -255,6 +267,44 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
                                                 pad_token_id=pad_token_id, streamer=streamer,
                                                 keep_logits=return_logits)
     return _assemble(input_ids, new_tokens, kept_logits if return_logits else None, finished, hits, cache)
+
+
+def _row_by_row(model, input_ids: torch.Tensor, positions: torch.Tensor, *, batch_invariant, cache, use_cache,
+                do_sample, streamer, salt, max_new_tokens, eos_token_id, pad_token_id, prefill_chunk_size,
+                return_logits) -> GenerateOutput:
+    """``generate(..., batch_invariant=True)``: every row decoded alone from its unpadded prompt, then assembled
+    as the batched call would (left padding kept, ``pad_token_id`` after a row stops)."""
+    if batch_invariant is not True:
+        raise TypeError(f"generate: batch_invariant must be True or False, got {batch_invariant!r}")
+    for name, value in (("cache", cache), ("streamer", streamer), ("salt", salt)):
+        if value is not None:
+            raise ValueError(f"generate: batch_invariant=True decodes each row alone in a cache of its own and "
+                             f"takes no {name}; pass {name}=None")
+    if do_sample:
+        raise ValueError("generate: batch_invariant=True is greedy only (sampling draws would depend on the row "
+                         "order); pass do_sample=False, or call generate per row with a generator each")
+    B = input_ids.shape[0]
+    rows = []
+    for b in range(B):
+        real = positions[b] >= 0
+        rows.append(generate(model, input_ids[b][real].view(1, -1), max_new_tokens=max_new_tokens,
+                             use_cache=use_cache, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                             prefill_chunk_size=prefill_chunk_size, return_logits=return_logits))
+    T = max(r.new_tokens.shape[1] for r in rows)
+    new = input_ids.new_full((B, T), pad_token_id)
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    logits = None
+    if return_logits:
+        V = rows[0].logits.shape[-1]
+        logits = torch.full((B, T, V), float("nan"), dtype=rows[0].logits.dtype, device=rows[0].logits.device)
+    for b, r in enumerate(rows):
+        t = r.new_tokens.shape[1]
+        new[b, :t] = r.new_tokens[0]
+        finished[b] = r.finished[0]
+        if logits is not None:
+            logits[b, :t] = r.logits[0]
+    return GenerateOutput(sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, logits=logits,
+                          finished=finished, prefix_hits=torch.zeros(B, dtype=torch.int64), cache=None)
 
 
 def _check_arguments(model, input_ids, max_new_tokens, attention_mask, prefill_chunk_size, do_sample, temperature,
@@ -292,6 +342,9 @@ def _open_cache(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, 
         raise ValueError(f"generate: the cache already holds {cache.seq_length} tokens; pass a fresh cache "
                          f"(cache.reset() keeps a paged cache's prefix index)")
     if cache.prefix_caching:
+        if not isinstance(cache, PrefixMatchingCache):
+            raise TypeError(f"generate: {type(cache).__name__} says prefix_caching=True but has no match_prefix "
+                            f"(qkv.cache.PrefixMatchingCache); implement it or report prefix_caching=False")
         return cache, cache.match_prefix(input_ids, positions, salt=salt)
     return cache, torch.zeros(input_ids.shape[0], dtype=torch.int64)
 

@@ -37,6 +37,7 @@ from ..cpu.skinny import SkinnyLinear
 from ..nn.attention import MultiHeadAttention
 from ..nn.decoder import SelfAttention
 from ..nn.latent import LatentAttention
+from ..nn.protocol import attention_modules
 from ..spec.config import DecoderConfig, TransformerConfig
 
 __all__ = ["POOLINGS", "pool_heads", "to_gqa"]
@@ -142,8 +143,9 @@ def to_gqa(model: nn.Module, num_kv_heads: int, *, pooling: str = "mean") -> nn.
         The converted copy, in eval/train mode as ``model`` was; configs it holds say ``num_kv_heads``.
 
     Raises:
-        ValueError: bad ``num_kv_heads`` or ``pooling``; latent attention (MLA); a model without attention
-            modules this function knows.
+        ValueError: bad ``num_kv_heads`` or ``pooling``; latent attention (MLA) or another attention module
+            (:class:`qkv.nn.protocol.AttentionModule`) whose heads it cannot pool; a model without attention
+            modules.
 
     Example:
         >>> import torch
@@ -158,21 +160,24 @@ def to_gqa(model: nn.Module, num_kv_heads: int, *, pooling: str = "mean") -> nn.
         raise ValueError(f"to_gqa: num_kv_heads must be a positive int, got {num_kv_heads!r}")
     if pooling not in POOLINGS:
         raise ValueError(f"to_gqa: pooling must be one of {POOLINGS}, got {pooling!r}")
-    latent = [n for n, m in model.named_modules() if isinstance(m, LatentAttention)]
-    if latent:
-        raise ValueError(f"to_gqa: {latent[0] or 'the model'} is multi-head latent attention (MLA), which caches a "
-                         "shared latent rather than per-head keys and values; there are no heads to pool")
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (MultiHeadAttention, SelfAttention))]
+    targets = attention_modules(model)
     if not targets:
         raise ValueError(f"to_gqa: no attention module qkv can convert in {type(model).__name__} (expected "
                          "qkv.nn.MultiHeadAttention or the fused attention of qkv.nn.DecoderLM)")
     for name, m in targets:  # check every layer before copying anything
+        if isinstance(m, LatentAttention):
+            raise ValueError(f"to_gqa: {name or 'the model'} is multi-head latent attention (MLA), which caches a "
+                             "shared latent rather than per-head keys and values; there are no heads to pool")
+        if not isinstance(m, (MultiHeadAttention, SelfAttention)):
+            raise ValueError(f"to_gqa: {name or 'the model'} is {type(m).__name__}, whose key/value heads to_gqa "
+                             "cannot pool (it converts qkv.nn.MultiHeadAttention and the fused attention of "
+                             "qkv.nn.DecoderLM); convert the model's other attention modules one by one")
         _check_groups(name or "the model", m.n_heads, m.n_kv_heads, num_kv_heads)
     new = copy.deepcopy(model)
-    for name, m in new.named_modules():
+    for name, m in attention_modules(new):
         if isinstance(m, MultiHeadAttention):
             _convert_mha(name, m, num_kv_heads, pooling)
-        elif isinstance(m, SelfAttention):
+        else:
             _convert_fused(name, m, num_kv_heads, pooling)
     configs: dict[int, object] = {}
     for m in new.modules():

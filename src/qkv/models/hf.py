@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..spec.config import DecoderConfig, RopeParams
-from ..spec.hf_config import Layout, read_layout
+from ..spec.hf_config import LayerLayout, read_layout
 from .loading import CheckpointError
 
 __all__ = ["rope_params", "read_checkpoint_layout", "decoder_config", "rename_decoder", "stack_tensors",
@@ -39,7 +39,7 @@ def rope_params(rope: RopeParams, *, interleaved: bool = False) -> RopeParams:
     return dataclasses.replace(rope, scaling=dict(rope.scaling) if rope.scaling else None, interleaved=interleaved)
 
 
-def read_checkpoint_layout(cfg: Mapping[str, Any]) -> Layout:
+def read_checkpoint_layout(cfg: Mapping[str, Any]) -> LayerLayout:
     """:func:`qkv.spec.hf_config.read_layout`, its errors raised as :class:`CheckpointError`."""
     try:
         return read_layout(cfg)

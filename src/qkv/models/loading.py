@@ -23,7 +23,8 @@ import torch
 from ..cpu import optimize as cpu_optimize
 from ..spec.config_file import read_json_config
 
-__all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load"]
+__all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load",
+           "check_fits"]
 
 # HF model_type -> qkv module implementing it. Each family module registers here (one line).
 FAMILIES: dict[str, str] = {}
@@ -81,6 +82,10 @@ def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
         pickled = sorted(p.name for p in directory.glob("*.bin"))
         extra = f" (found {pickled}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
         raise FileNotFoundError(f"from_hf: no *.safetensors files in {directory}{extra}")
+    for f in files:  # a FIFO or device named *.safetensors would block the reader forever
+        if not f.is_file():
+            raise CheckpointError(f"from_hf: {f} is not a regular file (a pipe, socket or device?); a safetensors "
+                                  "shard must be a regular file")
     state: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
     for f in files:
@@ -125,6 +130,14 @@ def _import_families() -> None:
 
 def check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], *, source: str = "checkpoint") -> None:
     """Load ``state`` into ``model`` strictly; raise ``CheckpointError`` naming every problem first."""
+    check_fits(model, state, source=source)
+    expected = model.state_dict()
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+
+
+def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], *, source: str = "checkpoint") -> None:
+    """Raise ``CheckpointError`` naming every missing, unexpected, mis-shaped or integer tensor of ``state`` for
+    ``model`` (which may live on the meta device: only names, shapes and dtypes are read)."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -144,7 +157,6 @@ def check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], *, so
                         "checkpoints are not supported)")
     if problems:
         raise CheckpointError(f"from_hf: {source} does not fit {type(model).__name__}: " + " | ".join(problems))
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
 
 
 def from_hf(src, *, dtype: torch.dtype | None = None, optimize: bool = True) -> torch.nn.Module:
@@ -179,11 +191,24 @@ def from_hf(src, *, dtype: torch.dtype | None = None, optimize: bool = True) -> 
                         f"{type(src).__name__}")
     dtype = torch.float32 if dtype is None else as_float_dtype(dtype)
     family = _family(config)
+    converted = family.convert(state, config)
+    _check_on_meta(family, config, converted, source)
     model = _build(family, config)
-    check_and_load(model, family.convert(state, config), source=source)
+    check_and_load(model, converted, source=source)
     model.eval()
     model = model.to(dtype)
     return cpu_optimize(model) if optimize else model
+
+
+def _check_on_meta(family, config: dict[str, Any], state: dict[str, torch.Tensor], source: str) -> None:
+    """Compare names and shapes on a meta-device build first, so a config that does not fit its weights (a huge
+    hidden size, thousands of layers) is refused before any real memory is allocated or initialised."""
+    try:
+        with torch.device("meta"):
+            skeleton = _build(family, config)
+    except (NotImplementedError, RuntimeError):  # a family whose construction reads tensor values: check later
+        return
+    check_fits(skeleton, state, source=source)
 
 
 def _is_transformers_model(src) -> bool:

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..cache.protocol import CroppableCache, ForkableCache, ResettableCache
 from ..testing import budget as _budget
 from .generate import forward_step, generate, logits_of, prefill, prompt_positions
 
@@ -192,6 +193,12 @@ def _random_prompts(model, prompt_lengths: tuple[int, ...], seed: int) -> tuple[
     return input_ids, attention_mask
 
 
+def _require(cache, protocol: type, method: str, skip: str) -> None:
+    if not isinstance(cache, protocol):
+        raise TypeError(f"verify_cache: this check calls cache.{method}(), but {type(cache).__name__} does not follow "
+                        f"qkv.cache.{protocol.__name__}; implement {method} or pass {skip} to skip the check")
+
+
 class _Decoded(NamedTuple):
     cache: object
     seq: torch.Tensor
@@ -236,6 +243,7 @@ class _Checks:
     def crop(self, n: int) -> CheckResult:
         """Roll back the last ``n`` tokens of the decode run and feed them again in one step."""
         d = self.decoded
+        _require(d.cache, CroppableCache, "crop", "crop=0")
         L = d.seq.shape[1] - 1  # the last generated token was never fed
         d.cache.crop(-n)
         logits = forward_step(self.model, d.cache, d.seq[:, L - n:L], d.seq_pos[:, L - n:L])
@@ -247,6 +255,7 @@ class _Checks:
         """After prefill, ``fork(2)``: one copy follows the greedy token, the other the runner-up."""
         B = self.input_ids.shape[0]
         cache = self.cache_factory()
+        _require(cache, ForkableCache, "fork", "fork=False")
         logits = prefill(self.model, cache, self.input_ids, self.pos, self.chunk)
         cache.fork(2)
         rows_ids = self.input_ids.repeat_interleave(2, dim=0)
@@ -270,6 +279,7 @@ class _Checks:
         """Run every prompt twice in one batch (the copies share blocks), ``reset()``, then prompts sharing every
         full block: they must hit the prefix cache."""
         cache = self.cache_factory()
+        _require(cache, ResettableCache, "reset", "prefix=False")
         twice_pos = self.pos.repeat_interleave(2, dim=0)
         first = generate(self.model, self.input_ids.repeat_interleave(2, dim=0), max_new_tokens=self.max_new,
                          attention_mask=self.attention_mask.repeat_interleave(2, dim=0), cache=cache,

@@ -19,6 +19,26 @@ __all__ = ["ScoreMod", "Chain", "as_score_mod"]
 
 
 class ScoreMod:
+    """Base of every score modifier; subclass it for a custom one.
+
+    Override ``apply(score, b, h, q_idx, kv_idx, nq, nk)``: it receives the scores (``scale * q.k`` after the
+    modifiers before it) and broadcastable integer index tensors (batch row, query head, query row, key
+    column; query row ``i`` sits at position ``i + nk - nq``), and returns the new scores, finite wherever
+    the input is. An additive modifier sets ``additive = True`` and overrides ``bias(b, h, q_idx, kv_idx, nq,
+    nk)`` instead (then ``apply`` adds it, and backends that only take an additive float mask can honour
+    it). ``batch`` is the batch size it carries data for, if any.
+
+    Example:
+        >>> import torch, qkv
+        >>> class Distance(qkv.mods.ScoreMod):
+        ...     additive = True
+        ...     def bias(self, b, h, q_idx, kv_idx, nq, nk):
+        ...         return -0.1 * ((q_idx + nk - nq) - kv_idx).abs().float()
+        >>> q = k = v = torch.randn(1, 2, 5, 8)
+        >>> qkv.attention(q, k, v, score_mod=Distance(), backend="reference").shape
+        torch.Size([1, 2, 5, 8])
+    """
+
     #: True when ``apply(s) == s + bias(...)``.
     additive: bool = False
     #: Batch size the modifier carries data for (None = same for every row).

@@ -9,17 +9,24 @@ Example:
 """
 
 from ..spec.config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
+from ._recurrent import RecurrentState
 from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
+from .cached import AttentionHeads, cached_attention
 from .decoder import DecoderLM, DecoderOutput
 from .dsa import IndexerOutput, LightningIndexer, SparseLatentAttention
 from .ffn import FeedForward, GatedMLP
+from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, SplitGatedDeltaNet
+from .kda import KimiDeltaAttention
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
+from .mamba2 import Mamba2Mixer
 from .moe import MoE, MoEConfig
 from .norm import RMSNorm, make_norm, rms_norm
+from .packed import packed_documents
 from .performer import PerformerAttention
+from .protocol import AttentionModule, attention_modules
 from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
 __all__ = [
@@ -30,4 +37,6 @@ __all__ = [
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "SparseLatentAttention", "LightningIndexer",
     "IndexerOutput", "LinearAttention", "PerformerAttention",
+    "AttentionModule", "attention_modules", "packed_documents", "cached_attention", "AttentionHeads",
+    "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
 ]

@@ -1,6 +1,6 @@
 """What the linear-attention modules (:class:`qkv.nn.LinearAttention`, :class:`qkv.nn.PerformerAttention`)
 share: argument checks, the q/k/v/o projections (named as in :class:`qkv.nn.MultiHeadAttention` and HF) and
-the head split and merge.
+the head split and merge (with the module's ``head_gate``).
 
 Shape legend: B batch, N tokens, E model width, H heads, Dh head dim.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .protocol import apply_head_gate
 
 __all__ = ["check_dims", "check_x", "add_projections", "split_heads", "merge_heads"]
 
@@ -51,5 +53,7 @@ def split_heads(module: nn.Module, x: torch.Tensor, n_heads: int):
 
 
 def merge_heads(module: nn.Module, out_BHND: torch.Tensor) -> torch.Tensor:
+    """The module's ``head_gate`` on each head, then the output projection."""
+    out_BHND = apply_head_gate(out_BHND, module.head_gate)
     B, H, N, Dh = out_BHND.shape
     return module.o_proj(out_BHND.transpose(1, 2).reshape(B, N, H * Dh))  # (B, N, E)

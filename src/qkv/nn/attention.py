@@ -36,11 +36,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .. import masks
 from .._attention import attention
 from ..mods.base import as_score_mod
 from ..pos.ids import batch_positions
 from ..pos.relative import PositionalBias
+from .cached import cached_attention
 from .norm import make_norm
 
 __all__ = ["MultiHeadAttention", "AttentionModuleOutput"]
@@ -94,6 +94,7 @@ class MultiHeadAttention(nn.Module):
     Attention runs through the instance attribute ``attention_fn`` (default :func:`qkv.attention`, same
     signature), which receives rotated queries and keys, the mask and score modifiers in absolute positions,
     and the scale; replacing it is how interpretation captures and context parallelism distributes attention.
+    Around it, the cache update, RoPE, mask, head gate and observation are :func:`qkv.nn.cached_attention`'s.
 
     ``forward(x, context=None, *, mask=None, positions=None, cache=None, need_lse=False)``:
         x: (B, Nq, d). context: (B, Nk, kv_dim), cross attention only. mask: a :mod:`qkv.masks` mask
@@ -164,17 +165,6 @@ class MultiHeadAttention(nn.Module):
             k = self.k_norm(k)
         return k, v
 
-    def _self_mask(self, mask, q_pos, kv_pos):
-        if q_pos is not None:
-            built = masks.positions(q_pos, kv_pos, causal=self.causal, window=self.window)
-        elif self.causal:
-            built = masks.sliding_window(self.window - 1) if self.window else masks.causal()
-        else:
-            built = None
-        if built is None or mask is None:
-            return built if mask is None else mask
-        return built & mask
-
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask=None,
                 positions: torch.Tensor | None = None, cache=None, need_lse: bool = False) -> AttentionModuleOutput:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
@@ -183,7 +173,10 @@ class MultiHeadAttention(nn.Module):
         q = self._heads(self.q_proj(x), self.n_heads)  # (B, Hq, Nq, D)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q_pos = kv_pos = None
+        kw = dict(mask=mask, score_mod=self.score_mod, position_bias=self.position_bias, scale=self.scale,
+                  attention_fn=self.attention_fn, backend=self.backend, return_lse=need_lse,
+                  dropout_p=self.dropout if self.training else 0.0, head_gate=self.head_gate,
+                  layer_idx=self.layer_idx, owner="MultiHeadAttention")
         if self.cross:
             if context is None and cache is None:
                 raise ValueError("MultiHeadAttention(cross=True): pass the encoder output as context")
@@ -195,7 +188,7 @@ class MultiHeadAttention(nn.Module):
                 return self._project_kv(context)
 
             k, v = cache.cross_kv(self.layer_idx, compute) if cache is not None else compute()
-            attn_mask = mask
+            res = cached_attention(q, k, v, causal=False, **kw)  # the encoder's keys: no positions, no cache
         else:
             if context is not None:
                 raise ValueError("MultiHeadAttention: context is for cross attention; build the module with "
@@ -203,39 +196,10 @@ class MultiHeadAttention(nn.Module):
             k, v = self._project_kv(x)  # (B, Hkv, Nq, D)
             if positions is not None:
                 positions = batch_positions(positions, B, Nq, owner="MultiHeadAttention", device=x.device)
-            if cache is not None:
-                if positions is None:
-                    raise ValueError("MultiHeadAttention: a cache needs positions (B, N) of the new tokens")
-                if (self.score_mod is not None or self.position_bias is not None) and \
-                        cache.scores_attention(self.layer_idx):
-                    raise ValueError(f"MultiHeadAttention: layer {self.layer_idx}'s cache evicts by observed "
-                                     "attention (H2O/SnapKV), computed from q.k alone, but this module's scores "
-                                     "carry modifiers (score_mod or position_bias); it would rank tokens by other "
-                                     "scores than the module attends with. Use a policy that does not score "
-                                     "(StreamingLLM, a sliding window) or none here")
-                view = cache.update(self.layer_idx, k, v, positions=positions, rope=self.rope)
-                k, v, kv_pos, q_pos = view.k, view.v, view.kv_positions, view.q_positions
-                if self.rope is not None:
-                    q = self.rope(q, q_pos)
-            else:
-                q_pos = kv_pos = positions
-                if self.rope is not None:
-                    q, k = self.rope(q, positions), self.rope(k, positions)
-            attn_mask = self._self_mask(mask, q_pos, kv_pos)
-        kw = dict(mask=attn_mask, scale=self.scale, return_lse=need_lse,
-                  dropout_p=self.dropout if self.training else 0.0, backend=self.backend)
-        if self.position_bias is not None:
-            res = self.position_bias.attend(q, k, v, q_positions=q_pos, kv_positions=kv_pos, score_mod=self.score_mod,
-                                            attention_fn=self.attention_fn, **kw)
-        else:
-            res = self.attention_fn(q, k, v, score_mod=self.score_mod, **kw)
-        out, lse = (res.out, res.lse) if need_lse else (res, None)
-        if self.head_gate is not None:
-            out = out * self.head_gate.to(out.dtype).view(1, self.n_heads, 1, 1)
-        if cache is not None and not self.cross:
-            cache.observe(self.layer_idx, q, scale=self.scale)  # score-based eviction (H2O, SnapKV)
-        out = out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)  # (B, Nq, Hq * D)
-        return AttentionModuleOutput(self.o_proj(out), lse)
+            res = cached_attention(q, k, v, cache=cache, positions=positions, rope=self.rope, causal=self.causal,
+                                   window=self.window, **kw)
+        out = res.out.transpose(1, 2).reshape(B, Nq, self.n_heads * self.head_dim)  # (B, Nq, Hq * D)
+        return AttentionModuleOutput(self.o_proj(out), res.lse)
 
     def extra_repr(self) -> str:
         parts = [f"d_model={self.d_model}", f"n_heads={self.n_heads}", f"n_kv_heads={self.n_kv_heads}",

@@ -57,15 +57,15 @@ from torch import nn
 
 from .. import masks, mods
 from .._attention import attention
-from ..cache.cache import KVCache
 from ..cache.describe import cache_specs_of
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
 from ..pos.alibi import ALiBiBias
-from ..pos.ids import batch_positions
+from ..pos.ids import batch_positions, positions_from_padding
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..spec.config import DecoderConfig
+from .cached import attention_mask, cached_attention, refuse_scoring_cache
 from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention
 from .moe import MoE
@@ -99,9 +99,7 @@ def positions_from_attention_mask(attention_mask: torch.Tensor, n_new: int) -> t
     if attention_mask.dtype != torch.bool:
         if attention_mask.dtype.is_floating_point or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only, as HF tokenizers return it")
-    real = attention_mask.to(torch.bool)
-    pos = torch.cumsum(real.to(torch.int64), dim=1) - 1
-    pos = torch.where(real, pos, torch.full_like(pos, -1))
+    pos = positions_from_padding(attention_mask)
     return pos[:, pos.shape[1] - n_new:]
 
 
@@ -168,12 +166,9 @@ class _Step:
         return self._cos_sin[key]
 
     def self_mask(self, window: int | None) -> masks.Mask:
-        """Causal (and windowed) mask of a step without a cache."""
+        """Causal (and windowed) mask of a step without a cache, built once for every layer of that window."""
         if window not in self._masks:
-            if self.positions is not None:
-                self._masks[window] = masks.positions(self.positions, self.positions, causal=True, window=window)
-            else:
-                self._masks[window] = masks.sliding_window(window - 1) if window else masks.causal()
+            self._masks[window] = attention_mask(self.positions, self.positions, causal=True, window=window)
         return self._masks[window]
 
 
@@ -185,7 +180,9 @@ class SelfAttention(nn.Module):
     queries and keys are adjacent heads of one tensor and rotate in one call. Attention runs through
     ``self.attention_fn`` (signature of :func:`qkv.attention`; default it), which receives rotated queries
     and keys, the mask and the score modifiers in absolute positions, and the scale. ``scale`` may be set
-    per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``).
+    per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``). The cache update, rotation,
+    mask, head gate and observation around it are :func:`qkv.nn.cached_attention`'s, given this layer's fused
+    rotation and the step's shared mask.
     """
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
@@ -195,8 +192,11 @@ class SelfAttention(nn.Module):
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, (Hq + 2 * Hkv) * D, bias=c.qkv_bias)
         self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
-        self.q_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
-        self.k_norm = RMSNorm(D, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.qk_norm_projection = c.qk_norm and c.qk_norm_scope == "projection"  # OLMo 2/3: over all heads
+        q_dim, k_dim = (Hq * D, Hkv * D) if self.qk_norm_projection else (D, D)
+        self.q_norm = RMSNorm(q_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(Hq)) if c.attention_sinks else None  # (Hq,) GPT-OSS sink logits
         self.alibi = ALiBiBias(Hq) if c.position == "alibi" else None
         self.scale = c.attention_scale
         self.score_mod = mods.softcap(c.attn_logit_softcapping) if c.attn_logit_softcapping else None
@@ -214,56 +214,37 @@ class SelfAttention(nn.Module):
         return (apply_rotary(q, cos, sin, interleaved=interleaved),
                 apply_rotary(k, cos, sin, interleaved=interleaved))
 
-    def _score_mods(self, q_positions: torch.Tensor | None, kv_positions: torch.Tensor | None):
-        if self.alibi is None:
-            return self.score_mod
-        alibi = self.alibi(q_positions=q_positions, kv_positions=kv_positions)
-        return alibi if self.score_mod is None else [alibi, self.score_mod]
-
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
+        qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D)
+        if self.qk_norm_projection:
+            q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        qkv = qkv.view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
         qk, v = qkv.split((Hq + Hkv, Hkv), dim=1)  # (B, Hq + Hkv, N, D), (B, Hkv, N, D)
         q, k = qk.split((Hq, Hkv), dim=1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_projection:
             q, k, qk = self.q_norm(q), self.k_norm(k), None
-        rope, cache = self.rope, step.cache
+        rope, rotate = self.rope, None
         if rope is not None:
             cos, sin = step.cos_sin(rope, x.device)  # (B, N, R) or (N, R)
-        if cache is None:
-            if rope is not None:
-                q, k = self._rotate_qk(q, k, qk, cos, sin)
-            mask = step.self_mask(self.window)
-            q_pos = kv_pos = step.positions
-        else:
-            if rope is None or cache.keeps_absolute_positions(self.layer_idx):
-                if rope is not None:
-                    q, k = self._rotate_qk(q, k, qk, cos, sin)
-                view = cache.update(self.layer_idx, k, v, positions=step.positions, rope=None)
-            else:  # the cache rotates keys where it keeps them and says where queries sit
-                view = cache.update(self.layer_idx, k, v, positions=step.positions, rope=rope)
-                q = rope(q, view.q_positions)
-            k, v = view.k, view.v  # (B, Hkv, S, D)
-            q_pos, kv_pos = view.q_positions, view.kv_positions
-            mask = masks.positions(q_pos, kv_pos, causal=True, window=self.window)
-        backend = self.decode_backend if N == 1 else self.backend
-        out = None
-        if (N == 1 and isinstance(cache, KVCache) and self.backend == "auto" and self.attention_fn is attention
-                and self.score_mod is None and self.alibi is None):  # paged pools on a GPU: Triton, in place
-            out = cache.decode(self.layer_idx, q, scale=self.scale or D ** -0.5, window=self.window)
-        if out is None:
-            out = self.attention_fn(q, k, v, mask=mask, score_mod=self._score_mods(q_pos, kv_pos), scale=self.scale,
-                                    backend=backend)
-        if self.head_gate is not None:
-            out = out * self.head_gate.to(out.dtype).view(1, Hq, 1, 1)
-        if cache is not None:
-            cache.observe(self.layer_idx, q, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)
+
+            def rotate(q, k):
+                return self._rotate_qk(q, k, qk, cos, sin)
+        cache = step.cache
+        res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=rope,
+                               rotate=rotate, window=self.window,
+                               step_mask=step.self_mask(self.window) if cache is None else None,
+                               score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
+                               attention_fn=self.attention_fn, backend=self.backend,
+                               decode_backend=self.decode_backend, head_gate=self.head_gate, owner="DecoderLM")
+        return self.o_proj(res.out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)
 
     def extra_repr(self) -> str:
         extra = f", window={self.window}" if self.window else ""
         extra += ", alibi" if self.alibi is not None else ""
+        extra += ", sinks" if self.sinks is not None else ""
         extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""
         return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}{extra}"
 
@@ -287,7 +268,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
         super().__init__()
-        self.attn_norm = _norm(c, c.hidden_size)
+        self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.latent = c.latent is not None
         if self.latent:
             backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
@@ -296,19 +277,20 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = SelfAttention(c, layer_idx, rope)
         self.attn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
-        self.ffn_norm = _norm(c, c.hidden_size)
+        self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
         if self.latent:
-            h = self.self_attn(self.attn_norm(x), positions=step.positions, cache=step.cache).out
+            h = self.self_attn(a, positions=step.positions, cache=step.cache).out
         else:
-            h = self.self_attn(self.attn_norm(x), step)
+            h = self.self_attn(a, step)
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
         x = x + h
-        h = self.mlp(self.ffn_norm(x))
+        h = self.mlp(x if self.ffn_norm is None else self.ffn_norm(x))
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
         return x + h
@@ -327,13 +309,9 @@ def _check_cache(cache) -> None:
 def _refuse_scoring_cache(model: DecoderLM, cache: AttentionCache) -> None:
     """Before anything is written: a layer with score modifiers cannot be ranked by q.k alone (H2O, SnapKV)."""
     for i in model._modified_scores:
-        if cache.scores_attention(i):
-            attn = model.layers[i].self_attn
-            mods = ", ".join(repr(m) for m in (attn.score_mod, "ALiBi" if attn.alibi is not None else None) if m)
-            raise ValueError(f"DecoderLM: layer {i}'s cache evicts by observed attention (H2O/SnapKV), which is "
-                             f"computed from q.k alone, but this model's scores carry modifiers ({mods}); it would "
-                             f"rank tokens by other scores than the model attends with. Use a policy that does not "
-                             f"score (StreamingLLM, a sliding window) or none for this model")
+        attn = model.layers[i].self_attn
+        refuse_scoring_cache(cache, i, owner="DecoderLM",
+                             modifiers=(attn.score_mod, "ALiBi" if attn.alibi is not None else None))
 
 
 class DecoderLM(nn.Module):

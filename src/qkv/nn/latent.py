@@ -71,13 +71,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import masks
 from .._attention import attention
-from ..cache.protocol import LatentCache
 from ..costs.flops import attention_flops, mla_absorbed_flops
 from ..pos.rope import RotaryEmbedding
 from ..spec.latent import LatentConfig
+from .cached import AttentionHeads, attention_mask, cache_capabilities, plain_decode_step
 from .norm import RMSNorm
+from .protocol import apply_head_gate
 
 __all__ = ["LatentConfig", "LatentAttention", "LatentAttentionOutput", "LatentHeads", "PathChoice",
            "PATHS", "mla_expanded", "mla_absorbed", "path_flops", "crossover_queries"]
@@ -144,12 +144,9 @@ def _choose(config: LatentConfig, nq: int, nk: int, *, causal: bool, path: str) 
 
 
 # the two paths
-class LatentHeads(NamedTuple):
-    """Per-head attention output of :func:`mla_expanded` / :func:`mla_absorbed`: ``out`` (B, H, Nq, dv)
-    in the input dtype; ``lse`` (B, H, Nq) float32 when ``return_lse``, else None."""
-
-    out: torch.Tensor
-    lse: torch.Tensor | None
+#: Per-head attention output of :func:`mla_expanded` / :func:`mla_absorbed`: ``out`` (B, H, Nq, dv) in the input
+#: dtype; ``lse`` (B, H, Nq) float32 when ``return_lse``, else None (:class:`qkv.nn.cached.AttentionHeads`).
+LatentHeads = AttentionHeads
 
 
 def _check_inputs(fn: str, q_nope, q_rope, c_kv, k_rope, kv_b_weight) -> tuple[int, int]:
@@ -187,16 +184,6 @@ def _positions_pair(q_positions, kv_positions, B, Nq, Nk, device):
     if (q_positions is None) != (kv_positions is None):
         raise ValueError("MLA: pass both q_positions and kv_positions, or neither (bottom-right alignment)")
     return _as_2d(q_positions, B, Nq, "q_positions", device), _as_2d(kv_positions, B, Nk, "kv_positions", device)
-
-
-def _built_mask(q_pos, kv_pos, causal: bool, extra):
-    if q_pos is not None:
-        built = masks.positions(q_pos, kv_pos, causal=causal)
-    else:
-        built = masks.causal() if causal else None
-    if built is None or extra is None:
-        return built if extra is None else extra
-    return built & extra
 
 
 def _gpu_decode(q_lat, q_rope, c_kv, k_rope, q_pos, kv_pos, scale):
@@ -250,7 +237,7 @@ def mla_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     k_nope_BHSn, v_BHSv = kv_BHSe.split([dn, dv], dim=-1)
     k_BHSk = torch.cat((k_nope_BHSn, k_rope.unsqueeze(1).expand(B, H, Nk, dr)), dim=-1)  # (B, H, Nk, dn + dr)
     q_BHNk = torch.cat((q_nope, q_rope), dim=-1)  # (B, H, Nq, dn + dr)
-    res = attention_fn(q_BHNk, k_BHSk, v_BHSv, mask=_built_mask(q_pos, kv_pos, causal, mask),
+    res = attention_fn(q_BHNk, k_BHSk, v_BHSv, mask=attention_mask(q_pos, kv_pos, causal=causal, mask=mask),
                     scale=(dn + dr) ** -0.5 if scale is None else scale, return_lse=return_lse,
                     dropout_p=dropout_p, backend=backend)
     return LatentHeads(res.out, res.lse) if return_lse else LatentHeads(res, None)
@@ -290,8 +277,8 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     scale = (dn + dr) ** -0.5 if scale is None else scale
     kw = dict(scale=scale, return_lse=return_lse, dropout_p=dropout_p, backend=backend)
     fast = None
-    if (mask is None and Nq == 1 and dropout_p == 0 and backend == "auto" and attention_fn is attention
-            and (causal or q_pos is None)):  # a decode step on a GPU: the Triton latent kernel
+    if plain_decode_step(Nq, attention_fn=attention_fn, backend=backend, causal=causal or q_pos is None, mask=mask,
+                         dropout_p=dropout_p):  # a decode step on a GPU: the Triton latent kernel
         fast = _gpu_decode(q_lat_BHNr, q_rope, c_kv, k_rope, q_pos, kv_pos, scale)
     if fast is not None:
         o_lat_BHNr, lse = fast[0].unsqueeze(2), (fast[1].unsqueeze(2) if return_lse else None)
@@ -299,12 +286,13 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
         if q_pos is None and causal:
             q_pos = (torch.arange(Nq, device=q_nope.device) + (Nk - Nq)).expand(B, Nq)
             kv_pos = torch.arange(Nk, device=q_nope.device).expand(B, Nk)
-        folded = masks.positions(q_pos.repeat(1, H), kv_pos, causal=causal) if q_pos is not None else None
+        folded = attention_mask(q_pos.repeat(1, H), kv_pos, causal=causal) if q_pos is not None else None
         res = attention_fn(q_BHNc.reshape(B, 1, H * Nq, r + dr), kv_B1Sc, kv_B1Sc, mask=folded, **kw)
         out_B1Mc, lse = (res.out, res.lse.view(B, H, Nq)) if return_lse else (res, None)
         o_lat_BHNr = out_B1Mc[..., :r].view(B, H, Nq, r)
     else:
-        res = attention_fn(q_BHNc, kv_B1Sc, kv_B1Sc, mask=_built_mask(q_pos, kv_pos, causal, mask), **kw)
+        res = attention_fn(q_BHNc, kv_B1Sc, kv_B1Sc, mask=attention_mask(q_pos, kv_pos, causal=causal, mask=mask),
+                           **kw)
         o_lat_BHNr, lse = (res.out[..., :r], res.lse) if return_lse else (res[..., :r], None)
     o_HMr = o_lat_BHNr.transpose(0, 1).reshape(H, B * Nq, r)
     out_BHNv = torch.bmm(o_HMr, w_uv_Hvr.transpose(1, 2)).view(H, B, Nq, dv).transpose(0, 1)  # W_UV after attention
@@ -340,6 +328,15 @@ class LatentAttention(nn.Module):
         ``qkv.cache.KVCache([attn.cache_spec()])``); only ``c_kv`` (B, N, r) and ``k_rope`` (B, N, dr)
         are handed to it. mask: an extra :mod:`qkv.masks` mask, AND-ed. path: overrides the module's.
         Returns :class:`LatentAttentionOutput` ``(out (B, N, d), lse or None, path)``.
+
+    As an attention module (:class:`qkv.nn.protocol.AttentionModule`): both paths call ``attention_fn``;
+    ``n_heads`` is ``H`` and ``n_kv_heads`` is 1 (one latent shared by every head; the absorbed path stacks the
+    heads as ``H * N`` query rows of one head); ``head_gate`` scales each head's output (after ``W_UV``) before
+    ``o_proj``. The masks, the decode-kernel rule and the head gate are those of
+    :mod:`qkv.nn.cached`. A cache that also follows :class:`qkv.cache.AttentionCache` and ranks a latent layer's
+    tokens by observed attention (``scores_attention``) is shown the absorbed queries ``[W_UK^T q_nope |
+    RoPE(q_rope)]`` (B, H, N, r + dr), whose dot products with the cached ``[c_kv | k_rope]`` are the layer's
+    scores (``observe``); caches that do not score latents (KVCache) are shown nothing.
     """
 
     def __init__(self, config: LatentConfig, *, rope: RopeFn | None = None, path: str = "auto", causal: bool = True,
@@ -373,6 +370,16 @@ class LatentAttention(nn.Module):
             c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
             max_position_embeddings=c.max_position_embeddings, interleaved=True)
         self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads ``H`` (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return self.config.num_attention_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        """1: every head reads the one cached latent (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return 1
 
     def cache_spec(self):
         """This layer's :class:`qkv.cache.LatentSpec`: ``kv_lora_rank + qk_rope_head_dim`` per token."""
@@ -408,8 +415,10 @@ class LatentAttention(nn.Module):
         c_kv_BNr, k_rope_BNr = self.kv_a_proj_with_mqa(x).split([r, dr], dim=-1)
         c_kv_BNr = self.kv_a_layernorm(c_kv_BNr)  # (B, N, r): normalized before caching, as HF does
         pos = _as_2d(positions, B, N, "positions", x.device)
+        caps = None
         if cache is not None:
-            if not isinstance(cache, LatentCache):
+            caps = cache_capabilities(cache)
+            if not caps.latent:
                 raise TypeError(f"LatentAttention: the cache must follow qkv.cache.LatentCache (update_latent: MLA "
                                 f"caches latents, not K/V); build it from this layer's spec, e.g. "
                                 f"KVCache([attn.cache_spec()]), got "
@@ -430,11 +439,20 @@ class LatentAttention(nn.Module):
                    kv_positions=kv_pos, causal=self.causal, mask=mask, scale=c.softmax_scale,
                    dropout_p=c.attention_dropout if self.training else 0.0, return_lse=need_lse,
                    backend=self.backend, attention_fn=self.attention_fn)
-        out_BHNv = heads.out
-        if self.head_gate is not None:
-            out_BHNv = out_BHNv * self.head_gate.to(out_BHNv.dtype).view(1, H, 1, 1)
+        out_BHNv = apply_head_gate(heads.out, self.head_gate)
+        if caps is not None and caps.attention and cache.scores_attention(self.layer_idx):
+            cache.observe(self.layer_idx, self._latent_queries(q_nope_BHNn, q_rope_BHNr), scale=c.softmax_scale)
         out_BNv = out_BHNv.transpose(1, 2).reshape(B, N, H * c.v_head_dim)
         return LatentAttentionOutput(self.o_proj(out_BNv), heads.lse, choice.path)
+
+    def _latent_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """``[W_UK_h^T q_nope_h | q_rope_h]`` (B, H, N, r + dr): the queries whose dot products with the cached
+        ``[c_kv | k_rope]`` are the scores (``q_rope`` already rotated)."""
+        c = self.config
+        H, dn, r = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        w_uk_Hnr = self.kv_b_proj.weight.view(H, dn + c.v_head_dim, r)[:, :dn]
+        q_lat_BHNr = torch.einsum("bhnd,hdr->bhnr", q_nope, w_uk_Hnr.to(q_nope.dtype))
+        return torch.cat((q_lat_BHNr, q_rope), dim=-1)
 
     def extra_repr(self) -> str:
         c = self.config

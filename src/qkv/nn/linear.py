@@ -36,6 +36,7 @@ class LinearAttention(nn.Module):
         eps: absolute guard on the normalizer.
         chunk_size: tokens per chunk in the causal prefill.
         bias: bias in the four projections.
+        layer_idx: this layer's index among the model's layers.
         device, dtype: for the parameters.
 
     Example:
@@ -59,6 +60,7 @@ class LinearAttention(nn.Module):
         eps: float = DEFAULT_EPS,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         bias: bool = True,
+        layer_idx: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -70,6 +72,20 @@ class LinearAttention(nn.Module):
         self.d_model, self.n_heads = d_model, n_heads
         self.causal, self.normalize, self.eps, self.chunk_size = causal, normalize, eps, chunk_size
         add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
+        self.layer_idx = layer_idx
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
+
+    @property
+    def attention_fn(self) -> None:
+        """None: there is no softmax operator call to hook (a feature map replaces softmax attention), so tools
+        that replace the operator (capture, packed documents, context parallelism) refuse this module
+        (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return None
+
+    @property
+    def n_kv_heads(self) -> int:
+        """``n_heads``: every head has its own keys and values."""
+        return self.n_heads
 
     def forward(self, x: torch.Tensor, *, state: LinearState | None = None) -> LinearAttentionOutput:
         """Attend over a whole sequence.

@@ -1,10 +1,23 @@
-"""DeepSeekMoE feed-forward: Dai et al. 2024, "DeepSeekMoE: Towards Ultimate Expert Specialization in
-Mixture-of-Experts Language Models" (arXiv:2401.06066), as DeepSeek-V2 uses it (arXiv:2405.04434).
+"""Mixture-of-experts feed-forwards: DeepSeekMoE (Dai et al. 2024, "DeepSeekMoE: Towards Ultimate Expert
+Specialization in Mixture-of-Experts Language Models", arXiv:2401.06066) as DeepSeek-V2 (arXiv:2405.04434)
+and DeepSeek-V3 (arXiv:2412.19437) use it, Qwen3-MoE (arXiv:2505.09388) and GPT-OSS (OpenAI 2025,
+"gpt-oss-120b & gpt-oss-20b Model Card").
 
-A softmax router (float32) picks the top ``num_experts_per_tok`` of ``n_routed_experts`` gated experts per
-token (``greedy``, or ``group_limited_greedy`` over groups), their outputs are summed with the router
-weights (times ``routed_scaling_factor``), and ``n_shared_experts`` experts every token goes through are
-added. Experts are stored stacked, as HF transformers 5 keeps them.
+A router (float32) picks ``num_experts_per_tok`` of ``n_routed_experts`` experts per token, their outputs
+are summed with the router weights (times ``routed_scaling_factor``), and ``n_shared_experts`` experts
+every token goes through are added. The routing rules, one function each:
+
+- :func:`route_softmax`: softmax over all experts, top-k (``greedy``), or top-k inside the ``topk_group``
+  best of ``n_group`` groups (``group_limited_greedy``, DeepSeek-V2); renormalized when ``norm_topk_prob``
+  (Qwen3-MoE).
+- :func:`route_noaux_tc`: DeepSeek-V3's auxiliary-loss-free balancing: sigmoid scores; experts are *chosen*
+  by ``score + e_score_correction_bias`` inside the ``topk_group`` groups whose two best biased scores sum
+  highest, and *weighted* by their unbiased scores (renormalized, times ``routed_scaling_factor``).
+- :func:`route_topk_softmax`: GPT-OSS: top-k of the (biased) router logits, softmax over those k only.
+
+Experts are stored stacked, as HF transformers 5 keeps them: :class:`Experts` (gated, SwiGLU and
+relatives) and :class:`ClampedSwiGLUExperts` (GPT-OSS: biases, clamped inputs, ``(up + 1) * gate *
+sigmoid(alpha * gate)``).
 
 Shape legend: T tokens (B * N), d hidden size, E routed experts, k experts per token, f expert hidden size.
 
@@ -27,7 +40,46 @@ from ..spec.moe import MoEConfig
 from .activations import ACTIVATIONS, check_activation
 from .ffn import GatedMLP
 
-__all__ = ["MoEConfig", "Experts", "MoE"]
+__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "MoE", "route_softmax", "route_noaux_tc",
+           "route_topk_softmax"]
+
+
+def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 / Qwen3-MoE routing: logits (T, E) float32 -> (weights (T, k), expert ids (T, k))."""
+    scores = logits.softmax(dim=-1)  # (T, E)
+    if m.topk_method == "group_limited_greedy":
+        T, E = scores.shape
+        best = scores.view(T, m.n_group, E // m.n_group).amax(dim=-1)  # (T, groups)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1, sorted=False).indices, 1.0)
+        scores = scores.masked_fill(~keep.bool().repeat_interleave(E // m.n_group, dim=1), 0.0)
+    weights, idx = scores.topk(m.num_experts_per_tok, dim=-1, sorted=False)
+    if m.norm_topk_prob and m.num_experts_per_tok > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * m.routed_scaling_factor, idx
+
+
+def route_noaux_tc(logits: torch.Tensor, correction: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (arXiv:2412.19437, 2.1.2): logits (T, E) float32, correction (E,) the
+    ``e_score_correction_bias`` -> (weights (T, k), expert ids (T, k)). The bias only steers the choice;
+    the weights are the unbiased sigmoid scores."""
+    scores = logits.sigmoid()  # (T, E)
+    T, E = scores.shape
+    biased = (scores + correction.float()).view(T, m.n_group, E // m.n_group)  # (T, groups, E / groups)
+    group_score = biased.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups): the two best biased scores
+    groups = group_score.topk(m.topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
+    biased = biased.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+    idx = biased.topk(m.num_experts_per_tok, dim=-1, sorted=False).indices
+    weights = scores.gather(1, idx)
+    if m.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * m.routed_scaling_factor, idx
+
+
+def route_topk_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS routing: the top-k logits (T, E) -> softmax over those k (weights (T, k), expert ids (T, k))."""
+    top, idx = logits.topk(m.num_experts_per_tok, dim=-1)
+    return top.softmax(dim=-1) * m.routed_scaling_factor, idx
 
 
 class Experts(nn.Module):
@@ -69,6 +121,52 @@ class Experts(nn.Module):
         return out
 
 
+class ClampedSwiGLUExperts(nn.Module):
+    """GPT-OSS experts, stored stacked like :class:`Experts` (output-major; each product runs through
+    ``linear_fn``, ``F.linear`` until :func:`qkv.cpu.optimize` gives it CPU products): ``gate_up_proj`` (E, 2f, d)
+    gate rows then up rows, ``gate_up_proj_bias`` (E, 2f), ``down_proj`` (E, d, f), ``down_proj_bias`` (E, d).
+    Per expert: ``gate = min(g, limit)``, ``up = clamp(u, -limit, limit)``,
+    ``h = (up + 1) * gate * sigmoid(alpha * gate)``, ``out = down(h)``. (HF keeps ``gate_up_proj`` input-major
+    (E, d, 2f) with gate and up columns interleaved; :mod:`qkv.models.family_gpt_oss` reorders it.)"""
+
+    def __init__(self, n: int, d: int, f: int, *, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * f, d).normal_(std=0.02))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(n, 2 * f))
+        self.down_proj = nn.Parameter(torch.empty(n, d, f).normal_(std=0.02))
+        self.down_proj_bias = nn.Parameter(torch.zeros(n, d))
+        self.linear_fn = F.linear
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fn(x, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)  # (n, f)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)  # (n, f)
+        return self.linear_fn(h, self.down_proj[e], self.down_proj_bias[e])  # (n, d)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
+        T, k = idx.shape
+        if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
+            out = torch.zeros_like(x)
+            for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
+                out += (self._expert(e, x) * weights[:, j:j + 1]).to(out.dtype)
+            return out
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token, w = order // k, weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                t = token[start:start + n]
+                out.index_add_(0, t, (self._expert(e, x[t]) * w[start:start + n, None]).to(out.dtype))
+                start += n
+        return out
+
+
 class MoE(nn.Module):
     """DeepSeekMoE: ``shared_experts(x) + sum_k w_k expert_k(x)`` over the top-k routed experts.
 
@@ -83,24 +181,27 @@ class MoE(nn.Module):
         super().__init__()
         check_activation("MoE", activation)
         m = self.config = config
-        self.router = nn.Linear(hidden_size, m.n_routed_experts, bias=False)
-        self.experts = Experts(m.n_routed_experts, hidden_size, m.moe_intermediate_size, activation)
+        self.router = nn.Linear(hidden_size, m.n_routed_experts, bias=m.router_bias)
+        if m.swiglu_limit is not None:
+            self.experts = ClampedSwiGLUExperts(m.n_routed_experts, hidden_size, m.moe_intermediate_size,
+                                                alpha=m.swiglu_alpha, limit=m.swiglu_limit)
+        else:
+            self.experts = Experts(m.n_routed_experts, hidden_size, m.moe_intermediate_size, activation)
+        if m.topk_method == "noaux_tc":  # DeepSeek-V3's balancing bias: steers the choice, not trained by SGD
+            self.register_buffer("e_score_correction_bias", torch.zeros(m.n_routed_experts))
         self.shared_experts = (GatedMLP(hidden_size, m.moe_intermediate_size * m.n_shared_experts,
                                         activation=activation, bias=bias) if m.n_shared_experts else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, d) -> (weights (T, k) float32, expert ids (T, k)); the router runs in float32, as HF's."""
         m = self.config
-        scores = F.linear(x.float(), self.router.weight.float()).softmax(dim=-1)  # (T, E)
-        if m.topk_method == "group_limited_greedy":
-            T, E = scores.shape
-            best = scores.view(T, m.n_group, E // m.n_group).amax(dim=-1)  # (T, groups)
-            keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1, sorted=False).indices, 1.0)
-            scores = scores.masked_fill(~keep.bool().repeat_interleave(E // m.n_group, dim=1), 0.0)
-        weights, idx = scores.topk(m.num_experts_per_tok, dim=-1, sorted=False)
-        if m.norm_topk_prob and m.num_experts_per_tok > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * m.routed_scaling_factor, idx
+        bias = None if self.router.bias is None else self.router.bias.float()
+        logits = F.linear(x.float(), self.router.weight.float(), bias)  # (T, E)
+        if m.topk_method == "noaux_tc":
+            return route_noaux_tc(logits, self.e_score_correction_bias, m)
+        if m.topk_method == "topk_softmax":
+            return route_topk_softmax(logits, m)
+        return route_softmax(logits, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

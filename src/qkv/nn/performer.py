@@ -52,6 +52,7 @@ class PerformerAttention(nn.Module):
         chunk_size: tokens per chunk in the causal prefill.
         eps: absolute guard on the normalizer.
         bias: bias in the four projections.
+        layer_idx: this layer's index among the model's layers.
         device, dtype: for the parameters and the ``projection`` buffer.
 
     Example:
@@ -79,6 +80,7 @@ class PerformerAttention(nn.Module):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         eps: float = PERFORMER_EPS,
         bias: bool = True,
+        layer_idx: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -94,6 +96,8 @@ class PerformerAttention(nn.Module):
         self.d_model, self.n_heads, self.num_features = d_model, n_heads, m
         self.causal, self.redraw_every, self.chunk_size, self.eps = causal, redraw_every, chunk_size, eps
         add_projections(self, d_model, bias=bias, device=device, dtype=dtype)
+        self.layer_idx = layer_idx
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
 
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -103,6 +107,18 @@ class PerformerAttention(nn.Module):
         self.register_buffer("rng_state", g.get_state())  # uint8, CPU generator state after this draw
         self.register_buffer("training_steps", torch.zeros((), dtype=torch.long, device=device))
         self.register_buffer("frozen", torch.zeros((), dtype=torch.bool, device=device))
+
+    @property
+    def attention_fn(self) -> None:
+        """None: there is no softmax operator call to hook (a feature map replaces softmax attention), so tools
+        that replace the operator (capture, packed documents, context parallelism) refuse this module
+        (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return None
+
+    @property
+    def n_kv_heads(self) -> int:
+        """``n_heads``: every head has its own keys and values."""
+        return self.n_heads
 
     @torch.no_grad()
     def redraw_features(self) -> None:

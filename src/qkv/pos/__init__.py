@@ -17,7 +17,7 @@ Example:
 """
 
 from .alibi import ALiBiBias, alibi_slopes
-from .ids import batch_positions
+from .ids import batch_positions, positions_from_padding
 from .learned import LearnedPositionalEmbedding, learned_positions
 from .relative import (
     PositionalBias,
@@ -45,7 +45,7 @@ from .rope import (
 from .sinusoidal import sinusoidal_encoding
 
 __all__ = [
-    "batch_positions",
+    "batch_positions", "positions_from_padding",
     "sinusoidal_encoding", "LearnedPositionalEmbedding", "learned_positions",
     "RotaryEmbedding", "ROPE_TYPES", "apply_rotary", "rope", "default_inv_freq", "linear_inv_freq",
     "dynamic_ntk_inv_freq", "yarn_inv_freq", "yarn_attention_factor", "llama3_inv_freq",

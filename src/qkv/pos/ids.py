@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["batch_positions"]
+__all__ = ["batch_positions", "positions_from_padding"]
 
 
 def batch_positions(positions, B: int, N: int, *, owner: str, device=None) -> torch.Tensor:
@@ -31,3 +31,17 @@ def batch_positions(positions, B: int, N: int, *, owner: str, device=None) -> to
         raise ValueError(f"{owner}: positions must have shape ({N},) or ({B}, {N}) for an input of batch {B} and "
                          f"length {N}, got {tuple(positions.shape)}")
     return positions.to(device=device or positions.device, dtype=torch.int64).expand(B, N)
+
+
+def positions_from_padding(real: torch.Tensor) -> torch.Tensor:
+    """Positions (B, M) int64 of a (B, M) padding mask (True or 1 for a real token, anywhere in the row): a real
+    token's position counts the real tokens before it in its row, a padding token gets ``-1``. The one reading
+    of HF's 0/1 ``attention_mask`` as positions (the decoder, ``generate``, varlen packing and the caches use it).
+
+    Example:
+        >>> positions_from_padding(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0]])).tolist()
+        [[-1, -1, 0, 1], [0, 1, 2, -1]]
+    """
+    real = real.to(torch.bool)
+    pos = torch.cumsum(real.to(torch.int64), dim=1) - 1
+    return torch.where(real, pos, torch.full_like(pos, -1))

@@ -24,7 +24,7 @@ Example:
 from .config import DECODER_POSITIONS, DecoderConfig, TransformerConfig, get_config
 from .config import PRESETS as CONFIG_PRESETS
 from .hf_config import (
-    Layout,
+    LayerLayout,
     declared_dtype,
     description_dtype,
     load_hf_config,
@@ -41,7 +41,7 @@ from .rope import ROPE_TYPES, RopeParams
 
 __all__ = [
     "AMBIGUOUS", "CONFIG_PRESETS", "DECODER_POSITIONS", "FULL_ATTENTION", "LAYER_TYPES", "PRESETS", "ROPE_TYPES",
-    "SLIDING_ATTENTION", "DecoderConfig", "LatentConfig", "Layout", "ModelPreset", "MoEConfig", "RopeParams",
+    "SLIDING_ATTENTION", "DecoderConfig", "LatentConfig", "LayerLayout", "ModelPreset", "MoEConfig", "RopeParams",
     "TransformerConfig", "declared_dtype", "description_dtype", "get_config", "get_preset", "load_hf_config",
     "preset_from_hf_config", "read_latent", "read_layout", "read_moe", "read_rope",
 ]

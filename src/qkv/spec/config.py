@@ -290,7 +290,13 @@ class DecoderConfig:
         sandwich_norms: also normalize each branch's output (Gemma 2/3 post-attention and
             post-feed-forward norms).
         qkv_bias, o_bias, mlp_bias: biases of the QKV, output and feed-forward projections.
-        qk_norm: per-head RMSNorm of queries and keys before RoPE (Gemma 3).
+        qk_norm: RMSNorm of queries and keys before RoPE (Gemma 3, Qwen3, OLMo 2/3).
+        qk_norm_scope: what ``qk_norm`` normalizes: ``"head"`` each head's ``head_dim`` channels (Gemma 3,
+            Qwen3) or ``"projection"`` the whole query / key projection, all heads at once (OLMo 2/3).
+        pre_norms: normalize each branch's input (False: OLMo 2/3, whose blocks only normalize the branch
+            outputs; set ``sandwich_norms`` with it).
+        attention_sinks: one learnable sink logit per query head joins every softmax (GPT-OSS,
+            :mod:`qkv._sinks`); parameter ``self_attn.sinks`` (Hq,).
         attention_scale: score scale (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
         attn_logit_softcapping: ``cap * tanh(score / cap)`` on attention scores (Gemma 2).
         final_logit_softcapping: the same on the output logits (Gemma 2).
@@ -331,6 +337,9 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    pre_norms: bool = True
+    attention_sinks: bool = False
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -392,6 +401,13 @@ class DecoderConfig:
                               ("final_logit_softcapping", self.final_logit_softcapping)):
             if softcap is not None and not softcap > 0:
                 raise ValueError(f"DecoderConfig: {kind} must be > 0 or None, got {softcap!r}")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"DecoderConfig: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ValueError("DecoderConfig: pre_norms=False needs sandwich_norms=True (a block without any norm "
+                             "is not a supported family)")
+        if self.latent is not None and self.attention_sinks:
+            raise ValueError("DecoderConfig: attention_sinks are not supported with latent attention (MLA)")
         if self.latent is not None and self.position != "rope":
             raise ValueError(f"DecoderConfig: latent attention (MLA) uses RoPE, got position={self.position!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
@@ -512,8 +528,9 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
     """A :class:`DecoderConfig` shaped like a :class:`qkv.costs.ModelPreset` with the whole-model fields.
 
     What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
-    feed-forwards and for presets with sandwich norms, the Gemma layout), RoPE unless the preset has a
-    learned position table. The context length is the learned table's size, else the preset's stated
+    feed-forwards and for presets with pre- and post-norms, the Gemma layout), RoPE unless the preset has a
+    learned position table; experts with biases are GPT-OSS's clamped SwiGLU experts (limit 7).
+    The context length is the learned table's size, else the preset's stated
     ``max_position_embeddings``, else 4096.
 
     Raises:
@@ -533,9 +550,10 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
         num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
         intermediate_size=p.intermediate_size, gated_mlp=not dense,
-        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms else "silu"),
+        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms and p.pre_norms else "silu"),
         norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
         qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
+        qk_norm_scope=p.qk_norm_scope, pre_norms=p.pre_norms, attention_sinks=p.attention_sinks,
         position="learned" if p.learned_positions else "rope",
         max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
     )
@@ -552,5 +570,7 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
     if p.n_routed_experts is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
-                              first_k_dense_replace=p.first_k_dense_replace)
+                              first_k_dense_replace=p.first_k_dense_replace, router_bias=p.router_bias,
+                              # experts with biases: GPT-OSS's clamped SwiGLU (HF's default limit)
+                              swiglu_limit=7.0 if p.mlp_bias else None)
     return DecoderConfig(**kw)

@@ -51,7 +51,7 @@ from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 from .moe import MoEConfig
 from .rope import RopeParams, rope_type_of
 
-__all__ = ["Layout", "read_layout", "read_rope", "read_latent", "read_moe", "load_hf_config", "text_config",
+__all__ = ["LayerLayout", "read_layout", "read_rope", "read_latent", "read_moe", "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
 
@@ -163,7 +163,7 @@ def declared_dtype(config) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
+class LayerLayout:
     """The attention layout of a decoder config (HF field names)."""
 
     model_type: str
@@ -284,22 +284,48 @@ def read_latent(config) -> LatentConfig:
 
 
 def read_moe(config) -> MoEConfig | None:
-    """The DeepSeekMoE feed-forward of an HF config (None when it has no routed experts).
+    """The mixture-of-experts feed-forward of an HF config (None when it has no routed experts), for every family
+    qkv loads: DeepSeek-V2 (softmax, greedy or group-limited), DeepSeek-V3 (sigmoid ``noaux_tc`` with the
+    correction bias), Qwen3-MoE (``num_experts``, softmax) and GPT-OSS (``num_local_experts``, softmax over the top
+    logits, a router bias, clamped SwiGLU experts). Raises ``ValueError`` for a routing rule qkv does not run.
 
     Example:
         >>> read_moe({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}).n_routed_experts
         8
+        >>> read_moe({"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2,
+        ...           "intermediate_size": 32}).topk_method
+        'topk_softmax'
     """
     cfg = text_config(load_hf_config(config))
+    model_type = cfg.get("model_type")
+    if model_type == "gpt_oss":
+        if not cfg.get("num_local_experts"):
+            return None
+        return MoEConfig(n_routed_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                         moe_intermediate_size=cfg["intermediate_size"], topk_method="topk_softmax", router_bias=True,
+                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+    if model_type == "qwen3_moe":
+        n = cfg.get("num_experts") or cfg.get("num_local_experts")  # config.json / transformers 5 names
+        if not n:
+            return None
+        return MoEConfig(n_routed_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
+                         moe_intermediate_size=cfg["moe_intermediate_size"],
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     if not cfg.get("n_routed_experts"):
         return None
+    v3 = model_type in ("deepseek_v3", "deepseek_v32")
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if v3 and (method != "noaux_tc" or (cfg.get("scoring_func") or "sigmoid") != "sigmoid"):
+        raise ValueError(f"{model_type} routes with topk_method='noaux_tc' and sigmoid scores; this config says "
+                         f"topk_method={method!r}, scoring_func={cfg.get('scoring_func')!r}")
     return MoEConfig(
         n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
         moe_intermediate_size=cfg["moe_intermediate_size"], n_shared_experts=cfg.get("n_shared_experts") or 0,
         first_k_dense_replace=cfg.get("first_k_dense_replace") or 0, moe_layer_freq=cfg.get("moe_layer_freq") or 1,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        topk_method=cfg.get("topk_method") or "greedy", n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), topk_method=method,
+        n_group=cfg.get("n_group") or (1 if v3 else None), topk_group=cfg.get("topk_group") or (1 if v3 else None),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)))
 
 
 def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
@@ -323,7 +349,7 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> Layout:
+def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> LayerLayout:
     """The attention layout of an HF decoder config: a ``config.json`` dict (``transformers``'
     ``config.to_dict()`` works too), its path, or a checkpoint directory.
 
@@ -354,7 +380,7 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> Layout:
     else:
         raise ValueError(f"{source}: needs head_dim or hidden_size")
     types, window = _layer_types(cfg, n, source)
-    return Layout(
+    return LayerLayout(
         model_type=cfg.get("model_type") or "",
         num_hidden_layers=n,
         num_attention_heads=heads,

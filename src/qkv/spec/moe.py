@@ -1,5 +1,6 @@
-"""The DeepSeekMoE feed-forward's shape and routing rule as data: Dai et al. 2024, "DeepSeekMoE: Towards Ultimate
-Expert Specialization in Mixture-of-Experts Language Models" (arXiv:2401.06066). The module is :class:`qkv.nn.MoE`.
+"""The mixture-of-experts feed-forward's shape and routing rule as data: DeepSeekMoE (Dai et al. 2024,
+arXiv:2401.06066), DeepSeek-V3's auxiliary-loss-free routing (arXiv:2412.19437), Qwen3-MoE and GPT-OSS. The module
+and the routing functions are in :mod:`qkv.nn.moe`.
 """
 
 from __future__ import annotations
@@ -8,16 +9,22 @@ from dataclasses import dataclass
 
 __all__ = ["MoEConfig"]
 
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax")
+
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """DeepSeekMoE feed-forward (HF DeepSeek-V2 field names).
+    """Mixture-of-experts feed-forward (HF DeepSeek field names).
 
     Layer ``i`` is a mixture of experts when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
     (DeepSeek's rule; HF transformers ignores ``moe_layer_freq``, which is 1 in every released checkpoint).
-    Routing: softmax over ``n_routed_experts`` router logits (float32), top ``num_experts_per_tok`` by
-    ``topk_method`` (``"greedy"``, or ``"group_limited_greedy"`` over ``n_group`` groups keeping
-    ``topk_group``), weights renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+    Routing (module notes): ``topk_method`` ``"greedy"`` or ``"group_limited_greedy"`` (softmax scores,
+    :func:`route_softmax`), ``"noaux_tc"`` (sigmoid scores with a correction bias, :func:`route_noaux_tc`)
+    or ``"topk_softmax"`` (softmax over the selected logits, :func:`route_topk_softmax`); weights
+    renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+
+    GPT-OSS: ``router_bias`` (the router has a bias) and ``swiglu_limit`` (experts are
+    :class:`ClampedSwiGLUExperts` with ``swiglu_alpha``, biases included; None: :class:`Experts`).
     """
 
     n_routed_experts: int
@@ -31,19 +38,28 @@ class MoEConfig:
     n_group: int | None = None
     topk_group: int | None = None
     norm_topk_prob: bool = False
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
-        if self.topk_method not in ("greedy", "group_limited_greedy"):
-            raise ValueError(f"MoEConfig: topk_method must be 'greedy' or 'group_limited_greedy', got "
-                             f"{self.topk_method!r}")
+        if self.topk_method not in _TOPK_METHODS:
+            raise ValueError(f"MoEConfig: topk_method must be one of {_TOPK_METHODS}, got {self.topk_method!r}")
+        if self.topk_method == "noaux_tc" and self.n_group and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(f"MoEConfig: noaux_tc scores each group by its two best experts; n_group={self.n_group} "
+                             f"leaves {self.n_routed_experts // self.n_group} per group (use n_group <= "
+                             f"{self.n_routed_experts // 2})")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"MoEConfig: swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(f"MoEConfig: num_experts_per_tok ({self.num_experts_per_tok}) must lie in "
                              f"[1, n_routed_experts={self.n_routed_experts}]")
-        if self.topk_method == "group_limited_greedy" and (
+        if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
                 not self.n_group or not self.topk_group or self.n_routed_experts % self.n_group):
-            raise ValueError(f"MoEConfig: group_limited_greedy needs n_group dividing n_routed_experts "
+            raise ValueError(f"MoEConfig: {self.topk_method} needs n_group dividing n_routed_experts "
                              f"({self.n_routed_experts}) and topk_group; got n_group={self.n_group}, "
                              f"topk_group={self.topk_group}")
 
     def is_moe(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+

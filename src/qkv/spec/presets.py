@@ -55,6 +55,11 @@ class ModelPreset:
             ``qkv_bias``: on query, key and value only (Qwen2). ``mlp_bias``: on the feed-forward.
         qk_norm: per-head RMSNorm of queries and keys (Gemma 3). ``sandwich_norms``: a norm after
             each branch too (Gemma 2/3).
+        qk_norm_scope: ``"head"`` (Gemma 3, Qwen3: one ``head_dim`` norm each for queries and keys) or
+            ``"projection"`` (OLMo 2/3: one norm over the whole query projection, one over the key one).
+        pre_norms: each branch's input is normalized (False: OLMo 2/3, post-norm only; set ``sandwich_norms``).
+        attention_sinks: one learnable sink logit per query head and layer (GPT-OSS).
+        router_bias: the mixture-of-experts router has a bias (GPT-OSS).
         tie_word_embeddings: the LM head is the embedding matrix.
         learned_positions: rows of a learned absolute position table (GPT-2: 1024), else none.
         max_position_embeddings: the longest context the released checkpoint is configured for (HF's
@@ -107,6 +112,10 @@ class ModelPreset:
     moe_intermediate_size: int | None = None
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
+    qk_norm_scope: str = "head"
+    pre_norms: bool = True
+    attention_sinks: bool = False
+    router_bias: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -138,6 +147,8 @@ class ModelPreset:
         if self.mlp not in ("gated", "dense") or self.norm not in ("rms", "layer"):
             raise ValueError(f"{self.name}: mlp must be 'gated' or 'dense' and norm 'rms' or 'layer', got "
                              f"mlp={self.mlp!r}, norm={self.norm!r}")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"{self.name}: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
         if (self.n_routed_experts is None) != (self.num_experts_per_tok is None):
             raise ValueError(f"{self.name}: a mixture of experts needs both n_routed_experts and "
                              "num_experts_per_tok")
@@ -213,6 +224,7 @@ class ModelPreset:
             source=source, notes=notes, vocab_size=c.vocab_size, intermediate_size=c.intermediate_size,
             mlp="gated" if c.gated_mlp else "dense", norm=c.norm, attention_bias=c.o_bias,
             qkv_bias=c.qkv_bias and not c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
+            qk_norm_scope=c.qk_norm_scope, pre_norms=c.pre_norms, attention_sinks=c.attention_sinks,
             sandwich_norms=c.sandwich_norms, tie_word_embeddings=c.tie_word_embeddings,
             learned_positions=c.max_position_embeddings if c.position == "learned" else None,
             max_position_embeddings=c.max_position_embeddings)
@@ -225,7 +237,7 @@ class ModelPreset:
             m = c.moe
             kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
-                      first_k_dense_replace=m.first_k_dense_replace)
+                      first_k_dense_replace=m.first_k_dense_replace, router_bias=m.router_bias)
         return cls(**kw)
 
     def mha_equivalent(self) -> ModelPreset:
@@ -266,7 +278,8 @@ _COUNTED_FIELDS = frozenset({
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
     "num_key_value_heads", "head_dim", "hidden_act", "gated_mlp", "norm", "rms_norm_eps", "layer_norm_eps",
     "norm_offset", "position", "embed_norm", "scale_embeddings", "sandwich_norms", "qkv_bias", "o_bias", "mlp_bias",
-    "qk_norm", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings",
+    "qk_norm", "qk_norm_scope", "pre_norms", "attention_sinks", "attention_scale", "attn_logit_softcapping",
+    "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
     "name",
 })
@@ -276,6 +289,79 @@ def _pattern(num_layers: int, period: int) -> tuple[str, ...]:
     """HF's interleave: layer ``i`` is global iff ``(i + 1) % period == 0`` (Gemma 2: period 2)."""
     return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers))
 
+
+# Open models of 2025 (issue 25), preset format 1: every number is the published config.json's, as cited.
+_GPT_OSS = dict(num_attention_heads=64, num_key_value_heads=8, head_dim=64, hidden_size=2880, sliding_window=128,
+                vocab_size=201088, intermediate_size=2880, moe_intermediate_size=2880, num_experts_per_tok=4,
+                attention_bias=True, mlp_bias=True, attention_sinks=True, router_bias=True,
+                max_position_embeddings=131072)
+_QWEN3 = dict(head_dim=128, vocab_size=151936, qk_norm=True, max_position_embeddings=40960)
+_OLMO = dict(qk_norm=True, qk_norm_scope="projection", pre_norms=False, sandwich_norms=True)
+_PRESETS_2025 = (
+    ModelPreset(
+        name="gpt-oss-20b", num_hidden_layers=24, layer_types=_pattern(24, 2), n_routed_experts=32, **_GPT_OSS,
+        source="OpenAI 2025, gpt-oss-120b & gpt-oss-20b Model Card, arXiv:2508.10925; openai/gpt-oss-20b "
+        "config.json (preset format 1)",
+        notes="Local (window 128) and global layers alternate, layer 0 local; a learned sink logit per head; "
+        "32 experts with biases, 4 per token, router with a bias; YaRN x32 from 4096 to 131072. The MXFP4 "
+        "checkpoint stores experts in 4.25 bits.",
+    ),
+    ModelPreset(
+        name="gpt-oss-120b", num_hidden_layers=36, layer_types=_pattern(36, 2), n_routed_experts=128, **_GPT_OSS,
+        source="OpenAI 2025, gpt-oss-120b & gpt-oss-20b Model Card, arXiv:2508.10925; openai/gpt-oss-120b "
+        "config.json (preset format 1)",
+        notes="As gpt-oss-20b with 36 layers and 128 experts.",
+    ),
+    ModelPreset(
+        name="qwen3-8b", num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+        intermediate_size=12288, **_QWEN3,
+        source="Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 1; Qwen/Qwen3-8B config.json "
+        "(preset format 1)",
+        notes="Per-head QK RMSNorm; context 40960 (32K native, 128K with YaRN).",
+    ),
+    ModelPreset(
+        name="qwen3-32b", num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=5120,
+        intermediate_size=25600, **_QWEN3,
+        source="Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 1; Qwen/Qwen3-32B config.json "
+        "(preset format 1)",
+        notes="Per-head QK RMSNorm; context 40960.",
+    ),
+    ModelPreset(
+        name="qwen3-235b-a22b", num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+        hidden_size=4096, intermediate_size=12288, n_routed_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=1536, **_QWEN3,
+        source="Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 2; Qwen/Qwen3-235B-A22B "
+        "config.json (preset format 1)",
+        notes="128 experts, 8 per token (renormalized), no shared expert, every layer a mixture; 235B "
+        "parameters, 22B active (the report's figures).",
+    ),
+    ModelPreset(
+        name="deepseek-v3", num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        head_dim=192, hidden_size=7168, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, vocab_size=129280, intermediate_size=18432, q_lora_rank=1536, n_routed_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
+        max_position_embeddings=163840,
+        source="DeepSeek-AI 2024, DeepSeek-V3 Technical Report, arXiv:2412.19437, Sec. 4.2; "
+        "deepseek-ai/DeepSeek-V3 config.json (preset format 1)",
+        notes="MLA with q-LoRA; sigmoid routing with a correction bias (a buffer, not a parameter), 8 groups, "
+        "4 kept, 8 of 256 experts plus 1 shared, first 3 layers dense; YaRN x40 from 4096. 671B parameters "
+        "without the multi-token-prediction module (published checkpoint: 685B with it), 37B active.",
+    ),
+    ModelPreset(
+        name="olmo-2-32b", num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+        hidden_size=5120, vocab_size=100352, intermediate_size=27648, max_position_embeddings=4096, **_OLMO,
+        source="OLMo Team 2025, 2 OLMo 2 Furious, arXiv:2501.00656; allenai/OLMo-2-0325-32B config.json "
+        "(preset format 1)",
+        notes="Post-norm blocks (a norm after each branch, none before), QK RMSNorm over whole projections.",
+    ),
+    ModelPreset(
+        name="olmo-3-7b", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+        hidden_size=4096, vocab_size=100278, intermediate_size=11008, sliding_window=4096,
+        layer_types=_pattern(32, 4), max_position_embeddings=65536, **_OLMO,
+        source="Ai2 2025, OLMo 3; allenai/Olmo-3-1025-7B config.json (preset format 1)",
+        notes="OLMo 2's blocks with three sliding-window (4096) layers per global layer; MHA.",
+    ),
+)
 
 _GPT2 = dict(vocab_size=50257, mlp="dense", norm="layer", attention_bias=True, mlp_bias=True,
              tie_word_embeddings=True, learned_positions=1024)
@@ -390,6 +476,7 @@ _PRESET_LIST = (
         notes="MLA caches kv_lora_rank + qk_rope_head_dim = 576 elements per token per layer. 236B "
         "parameters, 21B active per token (the paper's figures).",
     ),
+    *_PRESETS_2025,
     ModelPreset(
         name="llama-70b-mha", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=64,
         head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
@@ -473,13 +560,23 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
         "attention_bias": gpt2 or bool(cfg.get("attention_bias", False)),
         "qkv_bias": model_type == "qwen2",
         "mlp_bias": gpt2 or bool(cfg.get("mlp_bias", False)),
-        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3"),
-        "sandwich_norms": model_type in ("gemma2", "gemma3", "gemma3_text"),
+        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "olmo3"),
+        "qk_norm_scope": "projection" if model_type in ("olmo2", "olmo3") else "head",
+        "pre_norms": model_type not in ("olmo2", "olmo3"),
+        "attention_sinks": model_type == "gpt_oss",
+        "sandwich_norms": model_type in ("gemma2", "gemma3", "gemma3_text", "olmo2", "olmo3"),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
         "learned_positions": (cfg.get("n_positions") or cfg.get("max_position_embeddings")) if gpt2 else None,
         "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("n_positions"),
         "q_lora_rank": cfg.get("q_lora_rank") if cfg.get("kv_lora_rank") is not None else None,
     }
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # Qwen3-MoE, GPT-OSS
+    if model_type in ("qwen3_moe", "gpt_oss") and experts and not cfg.get("n_routed_experts"):
+        width = cfg.get("intermediate_size") if model_type == "gpt_oss" else cfg.get("moe_intermediate_size")
+        out.update(n_routed_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok"),
+                   moe_intermediate_size=width)
+        if model_type == "gpt_oss":  # experts with biases, a router with a bias, attention biases by default
+            out.update(mlp_bias=True, router_bias=True, attention_bias=bool(cfg.get("attention_bias", True)))
     if cfg.get("n_routed_experts"):
         out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
                    moe_intermediate_size=cfg.get("moe_intermediate_size"),

@@ -132,7 +132,7 @@ def _lower(mask, B, Hq, nq, nk, bm, bn, device) -> MaskPlan:
     if mask is None:
         states = torch.full((1, tq, tk), FULL, dtype=torch.int8, device=device)
     else:
-        states = mask.block_map(nq, nk, bm, bn, B=B, device=device)[:, 0]  # (Bm, TQ, TK)
+        states = mask.block_map(nq, nk, bm, bn, B=B, H=Hq, device=device)[:, 0]  # (Bm, TQ, TK), every head
     Bm = states.shape[0]
     partial = states == PARTIAL
     pid = torch.full(states.shape, -1, dtype=torch.int32, device=device)

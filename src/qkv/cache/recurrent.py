@@ -1,0 +1,82 @@
+"""``RecurrentStore``: what :class:`qkv.cache.KVCache` keeps for a :class:`qkv.cache.RecurrentSpec` layer.
+
+A recurrent layer (Gated DeltaNet, Kimi Delta Attention, Mamba2) folds every token into a fixed-size state: the
+short convolution's last ``K - 1`` inputs ``conv`` (B, Cc, K - 1) and the gated rule's ``recurrent`` state
+(B, H, Dk, Dv). The module reads it with ``cache.recurrent_state(layer_idx)`` and writes the state after its
+step with ``cache.update_recurrent(layer_idx, state, tokens=N)``; the store keeps the pair as given (the
+module's own state type, any tuple ``(conv, recurrent)``).
+
+What a token-indexed cache can do and a state cannot: dropping the last tokens (``crop``) would need the state
+before them, which is gone, and sharing a paged prompt prefix would need the state at the prefix's end. Both are
+refused with the layer named. Reordering and forking rows (beam search, n samples) copy the rows' states.
+
+Shape legend: B batch rows, Cc convolution channels, K taps, H heads, Dk key dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .specs import RecurrentSpec
+from .storage import Store
+
+__all__ = ["RecurrentStore"]
+
+
+class RecurrentStore(Store):
+    """The state of one recurrent layer for every row, and how many tokens it has consumed (``seen``)."""
+
+    def __init__(self, spec: RecurrentSpec, *, layer: str) -> None:
+        self.spec, self.layer = spec, layer
+        self.state: tuple | None = None
+        self.seen = 0
+
+    def get(self) -> tuple | None:
+        return self.state
+
+    def put(self, state, tokens: int) -> None:
+        spec, name = self.spec, self.layer
+        if not (isinstance(state, tuple) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
+            raise TypeError(f"update_recurrent: {name} takes its state as a pair of tensors (conv, recurrent), e.g. a "
+                            f"qkv.nn.RecurrentState; got {type(state).__name__}")
+        conv, rec = state
+        B = rec.shape[0] if rec.dim() else 0
+        want_conv = (B, spec.conv_dim, spec.conv_kernel - 1)
+        want_rec = (B, spec.num_heads, spec.head_k_dim, spec.head_v_dim)
+        if tuple(conv.shape) != want_conv or tuple(rec.shape) != want_rec:
+            raise ValueError(f"update_recurrent: {name} ({spec}) holds conv (B, conv_dim, conv_kernel - 1) = "
+                             f"{want_conv} and recurrent (B, num_heads, head_k_dim, head_v_dim) = {want_rec}; got "
+                             f"conv {tuple(conv.shape)}, recurrent {tuple(rec.shape)}")
+        if self.state is not None and B != self.state[1].shape[0]:
+            raise ValueError(f"update_recurrent: {name} got batch {B} but the cache holds {self.state[1].shape[0]} "
+                             f"rows; use cache.reorder(idx) or cache.fork(n) to change rows")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"update_recurrent: tokens must be an int >= 0 (the tokens this step consumed), got "
+                             f"{tokens!r}")
+        self.state = state
+        self.seen += tokens
+
+    def cannot_drop(self, n: int) -> str | None:
+        return (f"a recurrent layer keeps one state, not its tokens, so it cannot go back {n} tokens; recompute "
+                f"from the prompt, or snapshot the state before speculating")
+
+    def drop_last(self, n: int) -> None:
+        raise ValueError(f"{self.layer}: {self.cannot_drop(n)}")
+
+    def reorder(self, idx: torch.Tensor) -> None:
+        if self.state is not None:
+            rows = [t.index_select(0, idx.to(t.device)) for t in self.state]  # copies: forks do not share
+            self.state = tuple(rows) if type(self.state) is tuple else type(self.state)(*rows)
+
+    def nbytes(self) -> int:
+        return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state)
+
+    def used_bytes(self) -> int:
+        return self.nbytes()
+
+    def held(self) -> int:
+        return 0
+
+    @property
+    def batch(self) -> int | None:
+        return None if self.state is None else self.state[1].shape[0]

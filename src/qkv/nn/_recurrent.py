@@ -1,0 +1,92 @@
+"""What the recurrent mixers (:class:`qkv.nn.GatedDeltaNet`, :class:`qkv.nn.KimiDeltaAttention`,
+:class:`qkv.nn.Mamba2Mixer`) share: their state, the short causal depthwise convolution that carries the last
+``K - 1`` inputs from call to call, the L2 normalisation of q and k, padding, and input checks.
+
+The short convolution comes from H3 and Mamba (Fu et al. 2023, arXiv:2212.14052; Gu and Dao 2023,
+arXiv:2312.00752); every layer here uses a kernel of K = 4 taps per channel, causal, followed by SiLU.
+
+Shape legend: B batch, N tokens, E model width, Cc convolution channels, K kernel taps, H value heads,
+Dk key dim, Dv value dim.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["RecurrentState", "causal_conv", "l2norm", "mask_padding", "check_input", "check_state"]
+
+
+class RecurrentState(NamedTuple):
+    """What a recurrent mixer keeps between calls, whatever the context length.
+
+    Attributes:
+        conv: ``(B, Cc, K - 1)`` the convolution's last ``K - 1`` inputs (zeros before the first token).
+        recurrent: ``(B, H, Dk, Dv)`` the state of the gated rule (float32, float64 for float64 inputs).
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def causal_conv(x_BNC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prev_BCK: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU of the causal depthwise convolution of ``x`` continuing from ``prev`` (its last ``K - 1`` inputs).
+
+    Args:
+        x_BNC: ``(B, N, Cc)`` inputs.
+        weight: ``(Cc, 1, K)`` as ``nn.Conv1d(Cc, Cc, K, groups=Cc).weight``.
+        bias: ``(Cc,)`` or None.
+        prev_BCK: ``(B, Cc, K - 1)`` or None for zeros (a fresh sequence).
+
+    Returns:
+        ``(y (B, N, Cc), the last K - 1 inputs (B, Cc, K - 1))``.
+    """
+    B, N, Cc = x_BNC.shape
+    K = weight.shape[-1]
+    x_BCN = x_BNC.transpose(1, 2)
+    if prev_BCK is None:
+        prev_BCK = x_BCN.new_zeros(B, Cc, K - 1)
+    full = torch.cat([prev_BCK.to(x_BCN.dtype), x_BCN], dim=-1)  # (B, Cc, K - 1 + N)
+    y = F.conv1d(full, weight.to(full.dtype), None if bias is None else bias.to(full.dtype), groups=Cc)
+    return F.silu(y).transpose(1, 2), full[:, :, full.shape[-1] - (K - 1):]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (fla's and HF's form: eps inside the root)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def mask_padding(x: torch.Tensor, attention_mask: torch.Tensor | None, *, fn: str) -> torch.Tensor:
+    """Zero padded positions (``attention_mask`` 0/False), as HF does before a mixer: padding then writes nothing
+    into the recurrent state, so a left-padded row ends in the state its real tokens alone would leave."""
+    if attention_mask is None:
+        return x
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{fn}: attention_mask must be a tensor (B, N) = {tuple(x.shape[:2])} with 1 for real tokens "
+                         f"and 0 for padding, got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    return x * attention_mask.to(x.dtype).unsqueeze(-1)
+
+
+def check_input(x, width: int, *, fn: str, one_token: bool = False) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a torch.Tensor (B, N, hidden_size), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != width:
+        raise ValueError(f"{fn}: x must have shape (B, N, hidden_size={width}), got {tuple(x.shape)}")
+    if one_token and x.shape[1] != 1:
+        raise ValueError(f"{fn}: x must hold one token (B, 1, hidden_size), got {tuple(x.shape)}; use "
+                         f"forward(x, state=state) for several tokens")
+
+
+def check_state(state, *, B: int, conv: tuple[int, int], rec: tuple[int, int, int], fn: str) -> None:
+    if state is None:
+        return
+    if not isinstance(state, RecurrentState):
+        raise TypeError(f"{fn}: state must be a qkv.nn.RecurrentState(conv, recurrent) or None, got "
+                        f"{type(state).__name__}")
+    if tuple(state.conv.shape) != (B, *conv) or tuple(state.recurrent.shape) != (B, *rec):
+        raise ValueError(f"{fn}: state must have conv (B, Cc, K - 1) = {(B, *conv)} and recurrent (B, H, Dk, Dv) = "
+                         f"{(B, *rec)}, got conv {tuple(state.conv.shape)}, recurrent {tuple(state.recurrent.shape)}; "
+                         f"pass the state this layer returned for the same batch")
