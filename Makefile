@@ -31,7 +31,7 @@ browser:
 # Lint first: a lint failure fails `make test` (and CI, which runs it).
 test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks examples
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --expected-skips tests/skips/full.txt
 
 test-slow: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m slow

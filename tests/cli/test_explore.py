@@ -7,6 +7,7 @@ page of 1,200 tokens opened from disk draws."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -101,13 +102,16 @@ def test_explorer_draws_the_captured_attention(browser, server):
     host, port = srv.server_address[:2]
     assert host == "127.0.0.1"
     browser.get(f"http://{host}:{port}/")
+    _wait(browser, "return window.qkvState.data && window.qkvState.data.tokens.length", what="the example on load")
     text = "The cat sat on the mat because it was warm."
+    ta = text_attention(enc, text)
     box = browser.find_element("id", "text")
     box.clear()
     box.send_keys(text)
     browser.find_element("id", "go").click()
-    _wait(browser, "return window.qkvState.data && window.qkvState.data.tokens.length", what="the attention JSON")
-    ta = text_attention(enc, text)
+    expected = json.dumps(json.dumps(ta.tokens, separators=(",", ":"), ensure_ascii=False))  # a JS string literal
+    _wait(browser, f"return window.qkvState.data && JSON.stringify(window.qkvState.data.tokens) === {expected}",
+          what="the typed sentence's attention JSON")
     tokens = browser.execute_script("return window.qkvState.data.tokens;")
     assert tokens == ta.tokens
     _check_canvas(browser, "head-canvas", ta.maps[0][0], "layer 0 head 0")

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from qkv.cli import _register, app
-from qkv.costs import PRESETS
+from qkv.costs import PRESETS, preset_from_hf_config
 from qkv.costs.context_parallel import (
     H200,
     PARAMETERS,
@@ -211,8 +211,11 @@ def test_bad_input():
         layer_time(LLAMA, context=1024, world=2, scheme="spiral", device=H200)
     with pytest.raises(ValueError, match="world <= context"):
         layer_time(LLAMA, context=4, world=8, scheme="ring", device=H200)
-    with pytest.raises(ValueError, match="no parameter count"):
-        longest_context(PRESETS["gemma-3-27b"], world=8, device=H200)
+    bare = preset_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64})
+    with pytest.raises(ValueError, match="no parameter count .* none can be counted: .*missing vocab_size"):
+        longest_context(bare, world=8, device=H200)
+    counted = longest_context(PRESETS["gemma-3-27b"], world=8, device=H200)  # no model card: counted
+    assert counted > 0
 
 
 def test_cli_plan_cp():
@@ -225,5 +228,5 @@ def test_cli_plan_cp():
     assert data["models"]["llama-3-70b"][-1]["world"] == 1024 and data["models"]["llama-3-70b"][-1]["context"] > 0
     bad = runner.invoke(app, ["plan-cp", "--scheme", "spiral"])
     assert bad.exit_code == 2 and "--scheme must be one of" in bad.output
-    unknown = runner.invoke(app, ["plan-cp", "gemma-3-27b"])
-    assert unknown.exit_code == 2 and "no parameter count" in unknown.output
+    counted = runner.invoke(app, ["plan-cp", "gemma-3-27b"])  # no model-card count: counted from the preset
+    assert counted.exit_code == 0 and "gemma-3-27b" in counted.output, counted.output

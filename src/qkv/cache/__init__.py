@@ -39,6 +39,7 @@ from .protocol import (
     Quantizer,
     ResettableCache,
     RopeFn,
+    RowSlots,
 )
 from .quant import KIVI, Int8, QuantError
 from .specs import (
@@ -65,5 +66,5 @@ __all__ = [
     "plan_memory", "MemoryPlan", "LayerPlan",
     "CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
     "CachePolicy", "Quantizer",
-    "DecodingCache", "PrefixMatchingCache", "CroppableCache", "ForkableCache", "ResettableCache",
+    "DecodingCache", "PrefixMatchingCache", "CroppableCache", "ForkableCache", "ResettableCache", "RowSlots",
 ]

@@ -69,6 +69,37 @@ class _Layer:
         self.last_view: CacheView | None = None
 
 
+class _SelectedRowsOrder:
+    """The position record of every row of a paged cache whose steps feed selected rows (``step_rows``): a step's
+    positions are widened to every row (-1 for the others) before the record sees them."""
+
+    def __init__(self, inner: PositionOrder, manager: BlockManager) -> None:
+        self.inner, self.manager = inner, manager
+        self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def _wide(self, pos: torch.Tensor) -> torch.Tensor:
+        if self.manager.selected is None:
+            return pos
+        if self._last[0] is not pos:  # every layer of a step passes the same positions: widen them once
+            self._last = (pos, self.manager.widen(pos, None)[0])
+        return self._last[1]
+
+    def check(self, given, pos: torch.Tensor, **kw) -> None:
+        wide = self._wide(pos)
+        self.inner.check(given if wide is pos else wide, wide, **kw)
+
+    def commit(self, given, pos: torch.Tensor, **kw) -> None:
+        wide = self._wide(pos)
+        self.inner.commit(given if wide is pos else wide, wide, **kw)
+
+    def forget(self) -> None:
+        self._last = (None, None)
+        self.inner.forget()
+
+    def forget_rows(self, rows: list[int]) -> None:
+        self.inner.forget_rows(rows)
+
+
 def _as_specs(specs) -> list[LayerSpec]:
     if isinstance(specs, HasCacheSpecs):
         specs = specs.cache_specs()
@@ -397,6 +428,83 @@ class KVCache:
             return
         self._build()
 
+    # row slots (qkv.cache.RowSlots: continuous batching)
+    def open_rows(self, n: int) -> None:
+        """Give a fresh cache ``n`` empty rows (paged storage): every step then feeds ``(n, N)`` tokens, an
+        empty row's as padding (position -1). Rows are recycled with :meth:`release_row`/:meth:`admit_row`."""
+        manager = self._row_manager("open_rows")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"open_rows(n): expected an int >= 1 (rows), got {n!r}")
+        if self.seq_length or manager.rows:
+            raise ValueError(f"open_rows({n}): the cache already holds {manager.rows} rows; call it on a fresh "
+                             f"cache (cache.reset() keeps the prefix index)")
+        manager.open_rows(n)
+        self._order.forget()
+
+    def admit_row(self, b: int, prompt_ids: Sequence[int] | None = None, *, salt=None) -> int:
+        """Start a new sequence in empty row ``b`` at position 0 (paged storage). With prefix caching and
+        ``prompt_ids`` (its prompt, a list of ints), the row attaches the cached blocks of its longest indexed
+        prefix; returns the prompt tokens reused (0 without), and the caller feeds the prompt from there on, at
+        positions from there on. The other rows keep their state. A refused call changes nothing."""
+        manager = self._row_manager("admit_row")
+        self._check_row(b, "admit_row")
+        ids = None
+        if prompt_ids is not None:
+            if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1 and not prompt_ids.is_floating_point():
+                prompt_ids = prompt_ids.tolist()
+            if (not isinstance(prompt_ids, Sequence) or isinstance(prompt_ids, (str, bytes)) or not prompt_ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt_ids)):
+                raise ValueError(f"admit_row(prompt_ids): expected a non-empty list of token ids (ints >= 0), got "
+                                 f"{str(prompt_ids)[:80]}")
+            ids = list(prompt_ids)
+        hits = manager.admit_row(b, ids, salt)
+        self._order.forget_rows([b])
+        return hits
+
+    def release_row(self, b: int) -> None:
+        """Forget row ``b`` (paged storage): its blocks return to the pool at once (indexed prompt blocks stay
+        cached for reuse) and its position record is reset, while the other rows keep their state. Between
+        steps only; a refused call changes nothing."""
+        manager = self._row_manager("release_row")
+        self._check_row(b, "release_row")
+        manager.release_row(b)
+        self._order.forget_rows([b])
+        for lay in self._layers:
+            lay.last_view = None
+
+    def step_rows(self, rows: Sequence[int] | None) -> None:
+        """Until the next call, steps feed only ``rows`` (paged storage; increasing row indices) as
+        ``(len(rows), N)`` inputs, so rows in different phases (prefill chunks, single decode tokens) run in
+        separate forward passes of their own width; the other rows keep their state. None: every row again."""
+        manager = self._row_manager("step_rows")
+        if rows is not None:
+            rows = list(rows) if isinstance(rows, (list, tuple, range)) else rows
+            if (not isinstance(rows, list) or not rows
+                    or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+                    or any(a >= b for a, b in zip(rows, rows[1:])) or rows[0] < 0 or rows[-1] >= manager.rows):
+                raise ValueError(f"step_rows(rows): expected increasing row indices in [0, {manager.rows}) or None, "
+                                 f"got {rows!r}")
+        manager.select(rows)
+        if not isinstance(self._order, _SelectedRowsOrder):
+            self._order = _SelectedRowsOrder(self._order, manager)
+        for lay in self._layers:
+            lay.last_view = None
+
+    def _row_manager(self, what: str) -> BlockManager:
+        if self._manager is None:
+            raise ValueError(f"{what}: recycling single rows needs storage=Paged(...) (block tables per row); this "
+                             f"cache uses {self.storage.describe()} storage. Build KVCache(model, storage=Paged(...))")
+        if self._manager.step_in_progress():
+            raise ValueError(f"{what}: a step is in progress (some layers have not written it yet); recycle rows "
+                             f"between steps. Nothing was changed")
+        return self._manager
+
+    def _check_row(self, b, what: str) -> None:
+        rows = self._manager.rows
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < rows:
+            raise ValueError(f"{what}(b): row {b!r} is not a row of this cache, which holds {rows} rows"
+                             + ("" if rows else "; call cache.open_rows(n) first"))
+
     # introspection
     @property
     def seq_length(self) -> int:
@@ -515,7 +623,11 @@ class KVCache:
             raise ValueError(f"update: k {tuple(k.shape)} and v {tuple(v.shape)} disagree on (B, H, N)")
         B, n = k.shape[0], k.shape[2]
         have = self._batch()
-        if have is not None and B != have:
+        if self._manager is not None and self._manager.selected is not None and B != len(self._manager.selected):
+            raise ValueError(f"update: {layer.name} got batch {B} but steps feed the {len(self._manager.selected)} "
+                             f"rows selected by cache.step_rows({self._manager.selected}); feed those, or "
+                             f"step_rows(None) for every row")
+        if have is not None and B != have and (self._manager is None or self._manager.selected is None):
             raise ValueError(f"update: {layer.name} got batch {B} but the cache holds {have} rows; use "
                              f"cache.reorder(idx) or cache.fork(n) to change rows, or a new cache")
         return batch_positions(positions, B, n, owner="update", device=k.device)

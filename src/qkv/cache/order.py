@@ -24,6 +24,14 @@ class PositionOrder:
     def __init__(self) -> None:
         self.forget()
 
+    def forget_rows(self, rows: list[int]) -> None:
+        """Rows recycled for new sequences (``KVCache.release_row``/``admit_row``): their history is reset, the
+        other rows' is kept. The next step is a new one, whatever its positions."""
+        if self._after is not None and rows:
+            self._after = self._after.clone()
+            self._after[rows] = -1
+        self._step, self._key = None, None
+
     def forget(self) -> None:
         """After crop/reorder/fork/reset: the rows' history is no longer known."""
         self._after: torch.Tensor | None = None  # (B,) highest position after the current step

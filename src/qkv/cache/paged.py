@@ -45,6 +45,9 @@ from .storage import Store
 __all__ = ["Paged", "PagedStore", "BlockManager", "CacheFull", "PoolStats", "prefix_hashes"]
 
 
+_FOLD_STEPS = 256  # history entries joined into one once that many steps accumulate
+
+
 class CacheFull(RuntimeError):
     """The block pool cannot hold the requested tokens. Nothing was written."""
 
@@ -250,11 +253,13 @@ class BlockManager:
         self.promised_ids: list[list[int]] = []  # the prompt tokens those blocks hold
         self.waits: dict[int, dict[int, int]] = {}  # reader row -> {writer row: tokens it must have written}
         self.history: list[torch.Tensor] = []  # per step (B, n) bool: which tokens were real
+        self.folded = 0  # leading history entries that each join _FOLD_STEPS steps' columns
         self.seen = 0
         self.step: _Step | None = None
         self.stores: list[PagedStore] = []
         self.pending: list[tuple[_Group, int, bytes]] = []
         self.lookup_tokens = self.hit_tokens = self.hit_tokens_in_batch = 0
+        self.selected: list[int] | None = None  # rows the steps feed (KVCache.step_rows); None: all
 
     # rows
     def _init_rows(self, B: int, salt=None) -> None:
@@ -282,7 +287,9 @@ class BlockManager:
             g.tables, g.first = [], []
         self.rows, self.seen, self.step = 0, 0, None
         self.lens, self.base, self.tokens, self.salts, self.hashes, self.history = [], [], [], [], [], []
+        self.folded = 0
         self.promised, self.promised_ids, self.waits = [], [], {}
+        self.selected = None
 
     def sharing_in_progress(self) -> str | None:
         """Why rows cannot be reordered or cropped yet: a row still has to write blocks another row of its
@@ -292,6 +299,68 @@ class BlockManager:
             return None
         return (f"row(s) {busy} have not yet written every prompt block that other rows of this batch reuse; "
                 f"finish the prefill first")
+
+    # row slots (continuous batching)
+    def open_rows(self, n: int) -> None:
+        """Give a fresh manager ``n`` empty rows."""
+        self.commit()
+        self._init_rows(n)
+
+    def step_in_progress(self) -> bool:
+        """True while some paged layer has not yet written the step allocated last."""
+        return any(s.seen != self.seen for s in self.stores)
+
+    def select(self, rows: list[int] | None) -> None:
+        """Steps feed only ``rows`` (increasing row indices) until the next call; None: every row."""
+        self.selected = rows
+        self.step = None
+
+    def widen(self, positions: torch.Tensor, input_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step over the selected rows as one over every row: the others get padding (position -1)."""
+        if self.selected is None:
+            return positions, input_ids
+        if positions.shape[0] != len(self.selected):
+            raise ValueError(f"paged cache: got {positions.shape[0]} rows but steps feed the {len(self.selected)} "
+                             f"selected rows {self.selected}; feed those rows, or cache.step_rows(None) for all")
+        sel = torch.tensor(self.selected, dtype=torch.int64, device=positions.device)
+        wide = positions.new_full((self.rows, positions.shape[1]), -1).index_copy(0, sel, positions)
+        ids = None if input_ids is None else input_ids.new_zeros(wide.shape).index_copy(0, sel, input_ids)
+        return wide, ids
+
+    def release_row(self, b: int) -> None:
+        """Return row ``b``'s blocks to the pool (indexed prompt blocks stay cached for reuse) and make it an
+        empty row; the other rows keep their state. Steps already written count no tokens for it (``crop``)."""
+        if self.promised[b] or any(b in w for w in self.waits.values()):
+            raise ValueError(f"release_row({b}): other rows of this batch reuse prompt blocks row {b} has not "
+                             f"written yet; finish the prefill first. Nothing was changed")
+        self.commit()
+        for g in self.groups:
+            for blk in g.tables[b][g.first[b]:]:
+                if blk != g.null:
+                    g.decref(blk)
+            g.tables[b], g.first[b] = [], 0
+        self.lens[b] = self.base[b] = self.promised[b] = 0
+        self.tokens[b], self.hashes[b], self.salts[b], self.promised_ids[b] = [], [], b"", []
+        self.waits.pop(b, None)
+        for r in self.history:
+            r[b] = False
+        self.step = None
+
+    def admit_row(self, b: int, prompt_ids: list[int] | None, salt=None) -> int:
+        """Start a new sequence in empty row ``b``: with prefix caching and ``prompt_ids``, attach the indexed
+        blocks of its longest cached prefix; the prompt tokens reused (the last one is always left to compute)."""
+        if self.lens[b] or any(g.tables[b] for g in self.groups):
+            raise ValueError(f"admit_row({b}): row {b} holds {self.lens[b]} tokens; release_row({b}) first")
+        self.salts[b] = _salt_bytes(salt)
+        if prompt_ids is None or not self.config.prefix_caching:
+            return 0
+        self.commit()
+        hits = self._attach_indexed(b, prompt_ids, prefix_hashes(prompt_ids, self.T, salt=self.salts[b]))
+        self.lookup_tokens += len(prompt_ids)
+        self.hit_tokens += hits
+        self.step = None
+        return hits
 
     # prefix caching
     def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
@@ -422,6 +491,7 @@ class BlockManager:
         (raising :class:`CacheFull` before any change), then release, copy-on-write and take blocks, record
         the positions and token ids, and queue newly filled blocks for the prefix index."""
         self.commit()
+        positions, input_ids = self.widen(positions, input_ids)
         B, n = positions.shape
         self._check_rows(B)
         real = positions >= 0
@@ -433,11 +503,19 @@ class BlockManager:
         self._record_positions(blocks, offsets, positions, real)
         self._record_tokens(positions, input_ids, counts)
         self.history.append(real)
+        if len(self.history) - self.folded >= _FOLD_STEPS:  # a long-running engine: bounded list, same columns
+            self.history[self.folded:] = [torch.cat(self.history[self.folded:], dim=1)]
+            self.folded += 1
         self.seen += n
         device = positions.device
         tables, view_pos = self._views(device)
         self.step = _Step(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
                           torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos)
+        if self.selected is not None:  # the layers see the selected rows only
+            sel = torch.tensor(self.selected, dtype=torch.int64, device=device)
+            self.step = self.step._replace(real=real.index_select(0, sel),
+                                           tables=[t.index_select(0, sel) for t in tables],
+                                           view_pos=[p.index_select(0, sel) for p in view_pos])
         return self.step
 
     def _check_rows(self, B: int) -> None:
@@ -641,6 +719,7 @@ class BlockManager:
                 hist.append(r[:, :target - total])
             total += r.shape[1]
         self.history, self.seen, self.step = hist, target, None
+        self.folded = min(self.folded, len(hist))
 
     def reorder(self, idx: list[int]) -> None:
         if (busy := self.sharing_in_progress()) is not None:
@@ -667,6 +746,7 @@ class BlockManager:
         t = torch.tensor(idx, dtype=torch.int64)
         self.history = [r.index_select(0, t.to(r.device)) for r in self.history]
         self.rows, self.step = len(idx), None
+        self.selected = None
 
     def stats(self) -> dict[str, PoolStats]:
         """:class:`PoolStats` per group of layers: ``"full_attention"`` (full and latent layers) and

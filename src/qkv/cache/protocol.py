@@ -57,6 +57,8 @@ for (never the concrete :class:`qkv.cache.KVCache` class, which has them all):
   prefixes (``generate`` calls it when ``cache.prefix_caching`` is True).
 - :class:`CroppableCache` (``crop``), :class:`ForkableCache` (``fork``), :class:`ResettableCache` (``reset``):
   roll back, copy rows, forget everything (speculative decoding, n samples, reuse; ``verify_cache`` checks them).
+- :class:`RowSlots` (``open_rows``, ``admit_row``, ``release_row``, ``step_rows``): recycle one row while the
+  others keep their state, and step over some rows only (continuous batching, :class:`qkv.models.Engine`).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ from .storage import Store
 
 __all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecodingCache", "PrefixMatchingCache",
            "CroppableCache", "ForkableCache", "ResettableCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
-           "CachePolicy", "Quantizer"]
+           "CachePolicy", "Quantizer", "RowSlots"]
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -252,3 +254,33 @@ class Quantizer(Protocol):
     def bytes_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float: ...
 
     def allocated_for(self, spec: FullSpec, tokens: int, dtype: torch.dtype | str) -> float: ...
+
+
+@runtime_checkable
+class RowSlots(Protocol):
+    """A cache whose rows are recycled one at a time while the others keep their state (continuous batching,
+    :class:`qkv.models.Engine`). :class:`qkv.cache.KVCache` declares it and implements it over
+    ``Paged(...)`` storage (block tables per row); other storages refuse, naming themselves.
+
+    - ``open_rows(n)``: give a fresh cache ``n`` empty rows; every step then feeds ``(n, N)`` tokens, an
+      empty or idle row's as padding (position ``-1``, never stored).
+    - ``admit_row(b, prompt_ids=None, *, salt=None) -> int``: start a new sequence in empty row ``b`` at
+      position 0. With prefix caching and ``prompt_ids`` (a list of ints) the row attaches the cached blocks of
+      its longest indexed prefix and the call returns their tokens; the caller feeds the prompt from there on.
+    - ``release_row(b)``: forget row ``b``: its blocks return to the pool at once and its position record is
+      reset, so the row can start again at position 0.
+
+    - ``step_rows(rows)``: until the next call, steps feed only ``rows`` (increasing indices) as
+      ``(len(rows), N)`` inputs, the other rows keeping their state; None: every row. Rows in different phases
+      (prompt chunks, single decode tokens) so run in forward passes of their own width, without padding rows.
+
+    All of them are called between steps, and a refused call changes nothing.
+    """
+
+    def open_rows(self, n: int) -> None: ...
+
+    def admit_row(self, b: int, prompt_ids=None, *, salt=None) -> int: ...
+
+    def release_row(self, b: int) -> None: ...
+
+    def step_rows(self, rows) -> None: ...

@@ -31,6 +31,7 @@ from qkv.costs import (
     model_attention_flops,
     parse_context,
 )
+from qkv.spec.config_file import read_json_config
 from qkv.spec.hf_config import description_dtype
 
 __all__ = ["register", "plot_figure", "compare_figure", "context_axis_end", "context_warning", "load_preset",
@@ -75,26 +76,14 @@ def _friendly() -> Iterator[None]:
 #: Bounds on a config file's sizes: far above every released model, low enough that the arithmetic stays instant.
 MAX_LAYERS = 10_000
 MAX_SIZE = 10**9
-_CONFIG_BYTES = 16 * 2**20
 
 
 def _config_name(path: str) -> str:
     """The name a config file goes by: its ``_name_or_path`` when set, else the file's name (``config.json`` in
     a model folder: the folder's)."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{path!r} is not a regular file; give a preset name or the path of a HF config.json")
-    if os.path.getsize(path) > _CONFIG_BYTES:
-        raise ValueError(f"{path!r} is {os.path.getsize(path):,} bytes; a HF config.json is a few KB")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        cfg = json.loads(text)
-    except RecursionError:
-        raise ValueError(f"{path!r}: the JSON nests too deeply to be a HF config") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path!r} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path!r}: expected a JSON object (a HF config), got {type(cfg).__name__}")
+    if not os.path.exists(path):
+        raise ValueError(f"{path!r} does not exist; give a preset name or the path of a HF config.json")
+    cfg = read_json_config(path)
     _check_sizes(path, cfg)
     given = cfg.get("_name_or_path")
     if isinstance(given, str) and given.strip():

@@ -7,10 +7,12 @@ Family modules (``family_*.py``) register the HF ``model_type`` values they buil
 from __future__ import annotations
 
 # Imported eagerly so that ``qkv.models.generate`` is the function (not its module of the same name).
+from .engine import Engine, EngineResult, EngineUpdate
 from .generate import GenerateOutput, generate
 from .gqa import to_gqa
 from .loading import FAMILIES, CheckpointError, from_hf
 from .verify import VerifyReport, verify_cache
 
 __all__ = ["from_hf", "FAMILIES", "CheckpointError", "generate", "GenerateOutput", "verify_cache", "VerifyReport",
-           "to_gqa"]
+           "to_gqa",
+           "Engine", "EngineResult", "EngineUpdate"]

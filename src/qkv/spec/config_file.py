@@ -40,6 +40,8 @@ def read_json_config(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is empty; a config.json holds a JSON object with the model's settings")
     try:
         config = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path}: the JSON nests too deeply to be a config.json") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     if not isinstance(config, dict):
