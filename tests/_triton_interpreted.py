@@ -392,3 +392,14 @@ def test_decoder_decode_step_through_the_paged_kernel(monkeypatch):
     fast = step()
     assert calls, "the decoder did not reach the paged kernel"
     assert torch.allclose(fast, plain, atol=1e-5), (fast - plain).abs().max()
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
+def test_topk_lists_forward_backward(per_head):
+    """masks.topk lowers through its block map; the kernel evaluates the lists in the partial tiles."""
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(-1, 33, (2, 2 if per_head else 1, 33, 6), generator=g)
+    idx[0, 0, 2] = -1  # a row that lists nothing
+    idx[..., -1] = idx[..., 0]  # duplicates count once
+    for mask in (M.topk(idx), M.topk(idx) & M.causal()):
+        check(2, 2, 1, 33, 33, 16, mask=mask, what=f"{mask!r} {sid(2, 2, 1, 33, 33, 16)}")

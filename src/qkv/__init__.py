@@ -32,7 +32,7 @@ _ATTRS = {
     "AttentionStats": "qkv._probs",
 }
 _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "conformance", "pos", "nn", "linear", "cache", "models",
-               "interpret", "distributed", "cli", "lse", "varlen", "integrations"}
+               "interpret", "distributed", "cli", "lse", "varlen", "integrations", "sparse"}
 
 __all__ = ["attention", "explain", "Explanation", "MAX_PLAUSIBLE_HEADS", "merge_states", "AttentionOutput",
            "attention_probs", "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention",

@@ -378,3 +378,40 @@ def test_tensor_bias_gradient_flows_through_flex():
     out = qkv.attention(q, q, q, score_mod=mods.bias(bias), backend="flex")
     out.sum().backward()
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+def _topk_lists(B, H, Nq, Nk, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-1, Nk, (B, H, Nq, K), generator=g)
+    idx[0, 0, 5] = -1  # a row that lists nothing
+    idx[..., -1] = idx[..., 0]  # duplicates count once
+    return idx
+
+
+@needs_flex
+def test_topk_lists_per_head_and_causal_on_flex():
+    """masks.topk on Flex: the mask_mod looks the key up in the row's list, the BlockMask is the lists' block map."""
+    B, Hq, Hkv, N, D = 2, 2, 1, 150, 32
+    mask = M.topk(_topk_lists(B, Hq, N, N, 7, seed=3)) & M.causal()
+    out = check(inputs(B, Hq, Hkv, N, N, D, seed=3), mask=mask,
+                what=f"topk per head & causal {sid(B, Hq, Hkv, N, N, D)}")
+    assert bool((out[0, 0, 5] == 0).all()), "a row that lists nothing returns zeros"
+
+
+@pytest.mark.slow
+@needs_flex
+def test_topk_shared_lists_softcap_fp16_on_flex():
+    B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 130, 300, 64
+    mask = M.topk(_topk_lists(B, 1, Nq, Nk, 33, seed=4))
+    check(inputs(B, Hq, Hkv, Nq, Nk, D, seed=4), dtype=torch.float16, mask=mask,
+          make_mod=lambda t: mods.softcap(5.0), what=f"topk shared, softcap {sid(B, Hq, Hkv, Nq, Nk, D)}")
+
+
+def test_declines_long_topk_lists_and_names_gather():
+    """Lists up to 64 keys compile (looked up entry by entry); longer ones would need a reduction in mask_mod."""
+    x = torch.randn(1, 1, 80, 16)
+    mask = M.causal() & ~M.topk(torch.zeros(1, 1, 80, 65, dtype=torch.int64))
+    with pytest.raises(ValueError, match="topk lists of 65 keys.*backend='gather'"):
+        qkv.attention(x, x, x, mask=mask, backend="flex")
+    short = qkv.explain(x, x, x, mask=M.topk(torch.zeros(1, 1, 80, 64, dtype=torch.int64))).declined
+    assert "topk lists" not in short.get("flex", ""), short

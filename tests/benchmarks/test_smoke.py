@@ -237,6 +237,14 @@ def _quality(t):
             f"dense did not learn {task} at --quick: {r}"
 
 
+def _sparse_select(t):
+    _all_below(t, "sparse_select", "max|tail err|", 1e-4)
+    _ranged(t, "sparse_select", "dense/sel")
+    _ranged(t, "sparse_select", "sel/floor")
+    assert {r["K"] for r in _rows(t, "sparse_select")} == {256, 64, 128}
+    _ranged(t, "sparse_select_decode", "dense/sel")
+
+
 def _mask_export(t):
     rows = _rows(t, "mask_export")
     assert all(r["equal"] is True for r in rows), f"exported BlockMask differs from create_block_mask: {rows}"
@@ -246,7 +254,8 @@ def _batch_invariant(t):
     _ranged(t, "batch_invariant", "invariant / default")
 
 
-AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "linear": _linear, "gated_linear": _gated_linear,
+AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "sparse_select": _sparse_select,
+             "linear": _linear, "gated_linear": _gated_linear,
              "mla": _mla,
              "decode": _decode, "embed": _embed, "generate": _generate, "varlen": _varlen,
              "context_parallel": _context_parallel, "head_pruning": _head_pruning,

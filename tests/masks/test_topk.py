@@ -30,7 +30,8 @@ def _by_definition(idx, Nk):
     return out
 
 
-CASES = [(2, 3, 37, 53, 5), (1, 1, 16, 16, 16), (2, 1, 10, 100, 7), (1, 2, 33, 9, 4)]
+CASES = [(2, 3, 37, 53, 5), (1, 1, 16, 16, 16), (2, 1, 10, 100, 7), (1, 2, 33, 9, 4),
+         (1, 2, 20, 90, 70)]  # K > 64: looked up by a reduction
 
 
 @pytest.mark.parametrize("B,H,Nq,Nk,K", CASES, ids=[f"B{b}-H{h}-Nq{q}-Nk{k}-K{kk}" for b, h, q, k, kk in CASES])

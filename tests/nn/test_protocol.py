@@ -27,6 +27,7 @@ from qkv.nn import (
     Mamba2Mixer,
     MultiHeadAttention,
     PerformerAttention,
+    SparseLatentAttention,
     TransformerConfig,
     TransformerDecoder,
     get_config,
@@ -42,6 +43,9 @@ BUILDERS = {
     "MultiHeadAttention": lambda: MultiHeadAttention(32, 4, n_kv_heads=2, causal=True, layer_idx=3),
     "SelfAttention": lambda: DecoderLM(get_config("tiny-llama")).layers[1].self_attn,
     "LatentAttention": lambda: LatentAttention(_LATENT, layer_idx=2),
+    "SparseLatentAttention": lambda: SparseLatentAttention(
+        LatentConfig(hidden_size=32, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=8, qk_nope_head_dim=8,
+                     qk_rope_head_dim=4, v_head_dim=8), index_n_heads=2, index_head_dim=8, index_topk=4, layer_idx=2),
     "LinearAttention": lambda: LinearAttention(32, 4, causal=True, layer_idx=1),
     "PerformerAttention": lambda: PerformerAttention(32, 4, causal=True, seed=0, layer_idx=1),
     "KimiDeltaAttention": lambda: KimiDeltaAttention(32, num_heads=2, head_dim=8, layer_idx=1),

@@ -73,6 +73,7 @@ import torch
 
 from .._request import AttentionOutput, Request
 from ..masks.base import EMPTY, FULL, PARTIAL, Mask
+from ..masks.topk import UNROLL, longest_list
 from ..mods.base import ScoreMod
 from . import state_changed
 from .base import NOMINAL_FLOPS, Backend, Estimate, format_seconds, predicate_seconds, restore_nonfinite
@@ -315,6 +316,9 @@ class FlexBackend(Backend):
                     "float16 (float64 fails to compile on CPU); use backend='reference' for float64")
         if min(req.Dqk, req.Dv) == 0:
             return f"head dim 0 (Dqk={req.Dqk}, Dv={req.Dv}): nothing for a compiled kernel to do"
+        if longest_list(req.mask) > UNROLL:
+            return (f"masks.topk lists of {longest_list(req.mask)} keys: a compiled mask_mod looks up at most {UNROLL} "
+                    f"per row (longer ones need a reduction inductor cannot lower); use backend='gather'")
         if req.device.type == "cpu":
             problem = _cpu_problem()
             if problem is not None:

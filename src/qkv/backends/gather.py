@@ -74,8 +74,11 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
     b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     kv_head = (torch.arange(Hx, device=q.device) // (Hq // Hkv) if per_head
                else torch.arange(Hx, device=q.device)).view(1, Hx, 1, 1)
-    k_sel = k[b, kv_head, cols].to(acc)  # (B, Hx, c, K, Dqk): each listed key read once per list head
-    v_sel = v[b, kv_head, cols].to(acc)  # (B, Hx, c, K, Dv)
+    # One index_select over the flattened (B * Hkv * Nk) rows: a row copy per listed key, several times faster
+    # than advanced indexing with three index tensors (whose backward is the same scatter-add).
+    flat = ((b * Hkv + kv_head) * Nk + cols).reshape(-1)  # (B * Hx * c * K,)
+    k_sel = k.reshape(-1, k.shape[-1]).index_select(0, flat).view(B, Hx, c, K, -1).to(acc)  # (B, Hx, c, K, Dqk)
+    v_sel = v.reshape(-1, v.shape[-1]).index_select(0, flat).view(B, Hx, c, K, -1).to(acc)  # (B, Hx, c, K, Dv)
     qg = q.to(acc).view(B, Hx, G, c, -1).transpose(2, 3)  # (B, Hx, c, G, Dqk)
     s = req.scale * (qg @ k_sel.transpose(-1, -2))  # (B, Hx, c, G, K)
     # Index tensors of the (B, Hx, c*G, K) score view, for the other mask terms and the score modifiers.

@@ -45,6 +45,7 @@ from .quant import KIVI, Int8, QuantError
 from .specs import (
     CrossSpec,
     FullSpec,
+    IndexedLatentSpec,
     LatentSpec,
     LayerSpec,
     RecurrentSpec,
@@ -56,7 +57,8 @@ from .storage import Dynamic, Static
 
 __all__ = [
     "KVCache", "CacheMemory", "LayerMemory",
-    "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "CrossSpec", "RecurrentSpec",
+    "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
+    "RecurrentSpec",
     "element_bytes",
     "Dynamic", "Static", "Paged", "CacheFull", "PoolStats", "prefix_hashes",
     "KIVI", "Int8", "QuantError",

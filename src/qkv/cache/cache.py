@@ -256,7 +256,7 @@ class KVCache:
         """
         layer = self._layer(layer_idx, (LatentSpec,), "update_latent")
         spec = layer.spec
-        for name, t, width in (("c_kv", c_kv, spec.kv_lora_rank), ("k_rope", k_rope, spec.qk_rope_head_dim)):
+        for name, t, width in (("c_kv", c_kv, spec.kv_lora_rank), ("k_rope", k_rope, spec.tail_width)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != width:
                 raise ValueError(f"update_latent: {name} must be (B, N, {width}) for {layer.name}, got "
                                  f"{tuple(getattr(t, 'shape', ()))}")
@@ -264,7 +264,7 @@ class KVCache:
             raise ValueError(f"update_latent: c_kv {tuple(c_kv.shape)} and k_rope {tuple(k_rope.shape)} disagree "
                              f"on (B, N)")
         k, v = c_kv.unsqueeze(1), k_rope.unsqueeze(1)
-        pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.qk_rope_head_dim)
+        pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.tail_width)
         self._order.check(positions, pos, layer=layer_idx, owner="update_latent")
         k, v = self._cast(k), self._cast(v)
         if rope is not None:

@@ -14,6 +14,7 @@ sliding-window layers per global layer) gets its savings without a per-model cac
   2023, arXiv:2309.17453).
 - :class:`LatentSpec`: Multi-head Latent Attention caches one compressed latent ``c_kv`` and one
   decoupled RoPE key ``k_rope`` per token, shared by all heads (DeepSeek-V2, arXiv:2405.04434, 2.1.2).
+- :class:`IndexedLatentSpec`: MLA's row plus DeepSeek Sparse Attention's indexer key (DeepSeek-V3.2).
 - :class:`CrossSpec`: encoder keys/values, computed once from ``source_len`` encoder tokens.
 - :class:`RecurrentSpec`: a recurrent layer (Gated DeltaNet, Kimi Delta Attention, Mamba2; see
   :mod:`qkv.linear`): the short convolution's last ``conv_kernel - 1`` inputs and a ``(Dk, Dv)`` state per
@@ -40,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "CrossSpec", "RecurrentSpec",
+__all__ = ["LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
+           "RecurrentSpec",
            "element_bytes"]
 
 _NAMED_BYTES = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
@@ -187,6 +189,27 @@ class LatentSpec(LayerSpec):
     def row_elements(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def tail_width(self) -> int:
+        """Channels after the latent in one cached row (what ``update_latent`` takes as ``k_rope``)."""
+        return self.row_elements() - self.kv_lora_rank
+
+
+@dataclass(frozen=True)
+class IndexedLatentSpec(LatentSpec):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): MLA's latent and RoPE key plus the lightning indexer's key
+    (``index_head_dim``) per token, kept in one row. ``cache.update_latent`` takes ``k_rope`` as the row's tail
+    ``[k_rope | indexer key]`` (``tail_width`` channels); see :class:`qkv.nn.SparseLatentAttention`."""
+
+    index_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("IndexedLatentSpec(index_head_dim)", self.index_head_dim)
+
+    def row_elements(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+
 
 @dataclass(frozen=True)
 class CrossSpec(_KVSpec):
@@ -260,4 +283,4 @@ class RecurrentSpec(LayerSpec):
 
 
 _KINDS = {"FullSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink", "LatentSpec": "latent",
-          "CrossSpec": "cross", "RecurrentSpec": "recurrent"}
+          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent"}

@@ -26,6 +26,7 @@ SUITES: dict[str, str] = {
     "dense": "dense.py",
     "tiled": "tiled.py",
     "sparse": "sparse.py",
+    "sparse_select": "sparse_select.py",
     "linear": "linear.py",
     "gated_linear": "gated_linear.py",
     "mla": "mla.py",

@@ -14,6 +14,15 @@ Example:
 """
 
 from ..spec.presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
+from .dsa import (
+    DSALayerFlops,
+    dsa_indexer_bytes,
+    dsa_indexer_flops,
+    dsa_layer_flops,
+    topk_attention_bytes,
+    topk_attention_flops,
+    topk_pairs,
+)
 from .flops import (
     TRAINING_MULTIPLIER,
     AttentionFlops,
@@ -54,6 +63,13 @@ from .sparse_flops import (
 from .units import DTYPE_BYTES, GB, GiB, format_bytes, format_flops, parse_context, parse_dtype
 
 __all__ = [
+    "DSALayerFlops",
+    "dsa_indexer_bytes",
+    "dsa_indexer_flops",
+    "dsa_layer_flops",
+    "topk_attention_bytes",
+    "topk_attention_flops",
+    "topk_pairs",
     "AMBIGUOUS",
     "DEVICE_GB",
     "DTYPE_BYTES",

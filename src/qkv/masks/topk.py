@@ -29,9 +29,12 @@ import math
 
 import torch
 
-from .base import Mask, classify, row_index
+from .base import Mask, Not, _Combined, classify, row_index
 
-__all__ = ["TopK", "topk"]
+__all__ = ["TopK", "topk", "longest_list", "UNROLL"]
+
+#: Lists up to this long are looked up entry by entry (pointwise; compiles under Flex), longer ones by a reduction.
+UNROLL = 64
 
 
 class TopK(Mask):
@@ -71,8 +74,15 @@ class TopK(Mask):
     def allowed(self, b, h, q_idx, kv_idx, nq, nk):
         idx = self.indices
         hh = h if idx.shape[1] > 1 else torch.zeros_like(h)
-        rows = idx[row_index(idx, b), hh, q_idx.clamp(0, idx.shape[2] - 1)]  # broadcast of (b, h, q) + (K,)
-        return (rows == kv_idx.unsqueeze(-1)).any(-1)
+        bb, qq = row_index(idx, b), q_idx.clamp(0, idx.shape[2] - 1)
+        if not 0 < idx.shape[-1] <= UNROLL:
+            rows = idx[bb, hh, qq]  # broadcast of (b, h, q) + (K,)
+            return (rows == kv_idx.unsqueeze(-1)).any(-1)
+        # Short lists: one comparison per entry, no reduction, so a compiled (Flex) mask_mod stays pointwise.
+        hit = idx[bb, hh, qq, 0] == kv_idx
+        for j in range(1, idx.shape[-1]):
+            hit = hit | (idx[bb, hh, qq, j] == kv_idx)
+        return hit
 
     def dense(self, B, H, nq, nk, device=None):
         self.check(B, H, nq, nk)
@@ -129,3 +139,18 @@ def topk(indices: torch.Tensor) -> TopK:
         [[False, True, False], [True, False, False]]
     """
     return TopK(indices)
+
+
+def longest_list(mask: Mask | None) -> int:
+    """The longest ``topk`` list (K) anywhere in ``mask`` (through ``&``, ``|`` and ``~``), 0 when it has none.
+    A compiled predicate (Flex's ``mask_mod``) can take lists up to :data:`UNROLL` keys long."""
+    stack, longest = [mask] if mask is not None else [], 0
+    while stack:
+        m = stack.pop()
+        if isinstance(m, _Combined):
+            stack += [m.a, m.b]
+        elif isinstance(m, Not):
+            stack.append(m.a)
+        elif isinstance(m, TopK):
+            longest = max(longest, m.indices.shape[-1])
+    return longest

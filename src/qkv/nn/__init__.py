@@ -15,6 +15,7 @@ from .attention import AttentionModuleOutput, MultiHeadAttention
 from .blocks import TransformerBlock
 from .cached import AttentionHeads, cached_attention
 from .decoder import DecoderLM, DecoderOutput
+from .dsa import IndexerOutput, LightningIndexer, SparseLatentAttention
 from .ffn import FeedForward, GatedMLP
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
@@ -34,7 +35,8 @@ __all__ = [
     "TransformerBlock", "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights",
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
     "TransformerConfig", "PRESETS", "get_config",
-    "LatentAttention", "LatentAttentionOutput", "LatentConfig", "LinearAttention", "PerformerAttention",
+    "LatentAttention", "LatentAttentionOutput", "LatentConfig", "SparseLatentAttention", "LightningIndexer",
+    "IndexerOutput", "LinearAttention", "PerformerAttention",
     "AttentionModule", "attention_modules", "packed_documents", "cached_attention", "AttentionHeads",
     "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
 ]

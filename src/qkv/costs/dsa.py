@@ -1,0 +1,119 @@
+"""FLOPs and bytes of sparse attention by selection: top-k key lists, DeepSeek Sparse Attention's lightning
+indexer (DeepSeek-AI 2025, "DeepSeek-V3.2-Exp", Section 2.1) and MLA over the selected latent entries.
+
+Conventions are :mod:`qkv.costs.flops`' (2 FLOPs per multiply-add, forward only, bottom-right causal: query
+``i`` sits at position ``i + Nk - Nq``). With top-k lists a causal query at position ``p`` reads
+``min(K, p + 1)`` keys: :func:`topk_pairs`. The indexer scores every visible (query, key) pair (it is the
+dense part of DSA, but ``Hi * Di`` wide instead of ``H * (2 r + dr)``), so DSA beats dense MLA once
+``K`` is small against the context: :func:`dsa_layer_flops` gives both counts for one layer.
+
+Bytes count what a step must read at least: the selected entries (each read once per query: a gather does
+not share reads between queries whose lists differ), the indexer keys of the whole context, and the float32
+index scores written and read back for the top-k.
+
+Example:
+    >>> topk_pairs(4, 4, 2)  # rows see 1, 2, 2, 2 keys
+    7
+    >>> f = dsa_layer_flops(1, 32768, hidden_size=7168, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
+    ...                     q_lora_rank=1536, index_n_heads=64, index_head_dim=128, index_topk=2048)
+    >>> f.sparse < f.dense
+    True
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .flops import attention_flops, mla_absorbed_flops
+
+__all__ = ["topk_pairs", "topk_attention_flops", "topk_attention_bytes", "dsa_indexer_flops", "dsa_indexer_bytes",
+           "DSALayerFlops", "dsa_layer_flops"]
+
+
+def _int(fn: str, **values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{fn}: {name} must be an int >= 1, got {v!r}")
+
+
+def topk_pairs(q_len: int, kv_len: int, topk: int, *, causal: bool = True) -> int:
+    """(query, key) pairs read when each query reads its ``topk`` listed keys; causal queries see at most
+    ``p + 1`` keys (position ``p = i + kv_len - q_len``), so early ones read fewer."""
+    _int("topk_pairs", q_len=q_len, kv_len=kv_len, topk=topk)
+    k = min(topk, kv_len)
+    if not causal:
+        return q_len * k
+    # Query i sees p + 1 = i + kv_len - q_len + 1 keys (none when that is <= 0) and reads at most k of them.
+    return sum(min(v, k) for v in range(max(kv_len - q_len + 1, 1), kv_len + 1))
+
+
+def topk_attention_flops(batch: int, num_heads: int, q_len: int, kv_len: int, topk: int, head_dim: int, *,
+                         v_head_dim: int | None = None, causal: bool = True) -> int:
+    """Forward FLOPs of attention over top-k lists: ``2 * B * Hq * pairs * (Dqk + Dv)`` with
+    :func:`topk_pairs` (the floor ``4 * B * Hq * Nq * K * D`` once every query sees K keys).
+
+    Example:
+        >>> topk_attention_flops(1, 1, 4096, 4096, 2048, 64) < attention_flops(1, 1, 4096, 4096, 64, causal=True)
+        True
+    """
+    _int("topk_attention_flops", batch=batch, num_heads=num_heads, head_dim=head_dim)
+    return 2 * batch * num_heads * topk_pairs(q_len, kv_len, topk, causal=causal) * (head_dim + (v_head_dim or
+                                                                                                  head_dim))
+
+
+def topk_attention_bytes(batch: int, num_kv_heads: int, q_len: int, kv_len: int, topk: int, head_dim: int, *,
+                         v_head_dim: int | None = None, dtype_bytes: float = 2, causal: bool = True,
+                         index_bytes: int = 8) -> float:
+    """Bytes a gather over top-k lists reads and writes at least: each query's selected keys and values (per
+    kv head, lists shared by its query heads), the lists themselves, the queries and the outputs."""
+    _int("topk_attention_bytes", batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    dv = v_head_dim or head_dim
+    pairs = topk_pairs(q_len, kv_len, topk, causal=causal)
+    gathered = batch * num_kv_heads * pairs * (head_dim + dv) * dtype_bytes
+    lists = batch * q_len * min(topk, kv_len) * index_bytes
+    return gathered + lists + batch * num_kv_heads * q_len * (head_dim + dv) * dtype_bytes
+
+
+def dsa_indexer_flops(batch: int, q_len: int, kv_len: int, *, hidden_size: int, q_lora_rank: int,
+                      index_n_heads: int, index_head_dim: int, causal: bool = True) -> int:
+    """Forward FLOPs of the lightning indexer for ``q_len`` new tokens over ``kv_len`` cached ones: its
+    projections (``wq_b``: q_lora_rank -> Hi * Di, ``wk``: d -> Di, ``weights_proj``: d -> Hi) and, per visible
+    pair, ``Hi`` dot products of ``Di`` plus the weighted sum over heads (the top-k itself is not counted)."""
+    _int("dsa_indexer_flops", batch=batch, q_len=q_len, kv_len=kv_len, hidden_size=hidden_size,
+         q_lora_rank=q_lora_rank, index_n_heads=index_n_heads, index_head_dim=index_head_dim)
+    Hi, Di = index_n_heads, index_head_dim
+    proj = 2 * q_len * (q_lora_rank * Hi * Di + hidden_size * Di + hidden_size * Hi)
+    pairs_x2 = attention_flops(1, 1, q_len, kv_len, 1, v_head_dim=1, causal=causal) // 2  # 2 * pairs
+    return batch * (proj + pairs_x2 * Hi * (Di + 1))
+
+
+def dsa_indexer_bytes(batch: int, q_len: int, kv_len: int, *, index_head_dim: int, dtype_bytes: float = 2) -> float:
+    """Bytes the indexer moves at least: the cached indexer keys (read once per step) and the float32 index
+    scores of every (query, key) slot, written and read back by the top-k."""
+    _int("dsa_indexer_bytes", batch=batch, q_len=q_len, kv_len=kv_len, index_head_dim=index_head_dim)
+    return batch * (kv_len * index_head_dim * dtype_bytes + 2 * 4 * q_len * kv_len)
+
+
+class DSALayerFlops(NamedTuple):
+    """One MLA layer's attention FLOPs (latent space, absorbed) with and without DSA: ``sparse = indexer +
+    selected``; ``dense`` attends every causal pair."""
+
+    indexer: int
+    selected: int
+    sparse: int
+    dense: int
+
+
+def dsa_layer_flops(batch: int, context: int, *, hidden_size: int, num_heads: int, kv_lora_rank: int,
+                    qk_rope_head_dim: int, q_lora_rank: int, index_n_heads: int, index_head_dim: int,
+                    index_topk: int, q_len: int | None = None) -> DSALayerFlops:
+    """A prefill of ``context`` tokens (or ``q_len`` new ones over a ``context``-token cache, e.g. ``q_len=1``
+    for a decode step): the indexer, MLA over the ``index_topk`` selected latents, and dense MLA, all in the
+    latent space (``2 * H * pairs * (2 r + dr)``)."""
+    nq = context if q_len is None else q_len
+    idx = dsa_indexer_flops(batch, nq, context, hidden_size=hidden_size, q_lora_rank=q_lora_rank,
+                            index_n_heads=index_n_heads, index_head_dim=index_head_dim)
+    sel = 2 * batch * num_heads * topk_pairs(nq, context, index_topk) * (2 * kv_lora_rank + qk_rope_head_dim)
+    dense = mla_absorbed_flops(batch, num_heads, nq, context, kv_lora_rank=kv_lora_rank,
+                               qk_rope_head_dim=qk_rope_head_dim, causal=True)
+    return DSALayerFlops(idx, sel, idx + sel, dense)

@@ -1,0 +1,19 @@
+"""Sparse attention by selection: a cheap scorer picks, per query, the keys worth reading.
+
+- :func:`moba`: MoBA (Lu et al. 2025, arXiv:2502.13189), the top key blocks by affinity with each block's
+  mean key; :func:`moba_reference` is its dense float64 definition.
+
+The picked keys become a :func:`qkv.masks.topk` mask, so :func:`qkv.attention` reads only those keys (the
+gather backend). DeepSeek Sparse Attention's lightning indexer is a module: :class:`qkv.nn.LightningIndexer`.
+
+Example:
+    >>> import torch
+    >>> from qkv.sparse import moba
+    >>> q, k, v = torch.randn(3, 1, 2, 32, 8).unbind(0)
+    >>> moba(q, k, v, block_size=8, topk=2).shape
+    torch.Size([1, 2, 32, 8])
+"""
+
+from qkv.sparse.moba import moba, moba_blocks, moba_reference
+
+__all__ = ["moba", "moba_blocks", "moba_reference"]
