@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=None, help="timed repeats per contender (median reported)")
     p.add_argument("--threads", default=None,
                    help="comma-separated torch CPU thread counts to run (default: torch's, then 1)")
+    p.add_argument("--models", default=None, help="comma-separated model names to run (default: all)")
     args = p.parse_args(argv)
     default = torch.get_num_threads()
     thread_counts = ([int(t) for t in args.threads.split(",")] if args.threads
@@ -209,7 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     suite = Suite("generate", "greedy decode tokens/s, qkv vs HF transformers generate (same weights)",
                   transformers=transformers.__version__, dtype="float32", cache="qkv Static / HF DynamicCache",
                   hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)
-    for name, spec in _configs(args.quick).items():
+    configs = _configs(args.quick)
+    chosen = args.models.split(",") if args.models else list(configs)
+    unknown = sorted(set(chosen) - set(configs))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {sorted(configs)}")
+    for name in chosen:
+        spec = configs[name]
         _run_case(suite, name, spec, (1, 4, 8), n_prompt, n_new, repeat, thread_counts)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}) "
                "in every repeat (ratios: the median over the "

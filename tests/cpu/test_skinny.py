@@ -68,8 +68,9 @@ def test_blocking_rules():
     assert row_blocks(8, 32000, 512, threads=2) == 4  # up to 8 rows with several threads
     assert row_blocks(9, 32000, 512, threads=2) == 1  # more rows: F.linear
     assert row_blocks(5, 32000, 512, threads=1) == 1  # one thread: up to 4 rows
-    assert row_blocks(1, 256, 512, threads=2) == 1  # narrow weights
-    assert row_blocks(2, 512, 1376, threads=2) == 1  # 512 outputs: F.linear measured faster (skinny.json)
+    assert row_blocks(1, 256, 512, threads=1) == 1  # narrow weights, one thread: F.linear
+    assert row_blocks(2, 512, 1376, threads=2) == 4  # narrow, 2 threads, 1-4 rows: decided on whole decode steps
+    assert row_blocks(5, 512, 1376, threads=2) == 1  # ... 5 rows and more: F.linear
     assert column_blocks(8, 32000, 512, threads=1) == 1  # input-major, one thread: plain GEMM
     assert column_blocks(8, 32000, 512, threads=2) == 125  # ~256 outputs per block
     assert column_blocks(1, 32000, 512, threads=2) == 16  # one row: ~2048 per block

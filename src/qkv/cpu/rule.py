@@ -25,7 +25,7 @@ Example:
     >>> from qkv.cpu.rule import choose, shape_class
     >>> shape_class(32000, 512), shape_class(512, 1376)
     ('short', 'narrow')
-    >>> choose(1, 32000, 512, threads=2), choose(1, 512, 1376, threads=2), choose(32, 512, 1376, threads=2)
+    >>> choose(1, 32000, 512, threads=2), choose(1, 512, 1376, threads=1), choose(32, 512, 1376, threads=2)
     ('row_blocks', 'linear', 'onednn')
     >>> choose(32, 512, 1376, threads=2, onednn=False)
     'linear'
@@ -38,7 +38,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-__all__ = ["Paths", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "shape_class", "thread_class", "choose"]
+__all__ = ["Paths", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "DECIDED_IN_PLACE", "shape_class",
+           "thread_class", "choose"]
 
 Path = Literal["row_blocks", "columns", "onednn", "linear"]
 #: The paths :func:`choose` names.
@@ -59,7 +60,8 @@ class Paths(NamedTuple):
 #: (threads: 1, or 2 for two and more; shape class) -> :class:`Paths`. Measured on a 2-core AMD EPYC, MKL,
 #: weights cold (``benchmarks/results/skinny.json``, 2026-12-03): row blocks beat ``F.linear`` in every
 #: repeat for 1-8 rows of the short and long classes at 2 threads and for 1-4 short rows at one thread, and
-#: lose in every repeat for the narrow class (512 x 1376: 0.66-0.84 at 1, 4, 6 and 8 rows); column blocks
+#: lose in every repeat for the narrow class (512 x 1376: 0.66-0.84 at 1, 4, 6 and 8 rows; at 2 threads whole
+#: decode steps overrule those cells for 1-4 rows, see :data:`DECIDED_IN_PLACE`); column blocks
 #: beat it for the wide classes at 2 threads and lose for the narrow one. oneDNN from 8 rows follows
 #: ``generate.json`` (Llama-like decode at batch 8: ``use_onednn`` 1.67x the default's tokens/s at 2
 #: threads, where the default took row blocks, 1.91x at 1 thread, where it took ``F.linear``; batch 4 split
@@ -68,10 +70,19 @@ TABLE: MappingProxyType[tuple[int, str], Paths] = MappingProxyType({
     (1, "narrow"): Paths(row_blocks_up_to=0, columns_up_to=0, onednn_from=8),
     (1, "short"): Paths(row_blocks_up_to=4, columns_up_to=0, onednn_from=8),
     (1, "long"): Paths(row_blocks_up_to=0, columns_up_to=0, onednn_from=8),
-    (2, "narrow"): Paths(row_blocks_up_to=0, columns_up_to=0, onednn_from=8),
+    (2, "narrow"): Paths(row_blocks_up_to=4, columns_up_to=0, onednn_from=8),
     (2, "short"): Paths(row_blocks_up_to=8, columns_up_to=32, onednn_from=8),
     (2, "long"): Paths(row_blocks_up_to=8, columns_up_to=32, onednn_from=8),
 })
+
+
+#: (threads, shape class) whose row-block range is decided by whole decode steps, not by the cells of one weight
+#: read cold: small weights stay in cache between a step's products, which a cold single-product timing cannot
+#: see. At 2 threads, with the narrow weights (QKV, output, down projections of the width-512 Llama of
+#: ``benchmarks/generate.py``) on row blocks instead of ``F.linear``, whole decode steps took 0.74-0.90x the time
+#: at batch 1 and 0.61-0.90x at batch 4 in every one of 5 interleaved repeats (2026-12-03), while cold single
+#: 512 x 1376 products favoured ``F.linear`` (the cells ``skinny.json`` holds).
+DECIDED_IN_PLACE: frozenset[tuple[int, str]] = frozenset({(2, "narrow")})
 
 
 def shape_class(n_out: int, k: int) -> str:
