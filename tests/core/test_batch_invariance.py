@@ -100,3 +100,24 @@ def test_generate_batch_invariant_bad_inputs():
         generate(model, ids, max_new_tokens=2, streamer=print, batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant"):
         generate(model, ids, max_new_tokens=2, batch_invariant="yes")
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (4, 2), (8, 8)])
+def test_a_row_is_the_same_whether_its_keys_end_mid_tile_or_inside_a_longer_padded_cache(heads):
+    """Keys 0..299 end inside the second 256-key tile; the same row over a cache of 301, 512 or 700 keys with
+    the rest padded out, or as one row of a batch of longer rows, reads whole tiles in place where the short
+    call pads its last one: the bits must not change, and the value is the float64 reference's."""
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, Hq, 2, 32, generator=g), torch.randn(3, Hkv, 700, 32, generator=g), \
+        torch.randn(3, Hkv, 700, 32, generator=g)
+    alone = qkv.attention(q, k[1:2, :, :300], v[1:2, :, :300], batch_invariant=True, return_lse=True)
+    for n in (301, 512, 700):
+        padded = qkv.attention(q, k[1:2, :, :n], v[1:2, :, :n], mask=qkv.masks.padding(torch.tensor([300])),
+                               batch_invariant=True, return_lse=True)
+        assert torch.equal(padded.out, alone.out) and torch.equal(padded.lse, alone.lse), n
+    qb = torch.cat([torch.randn(1, Hq, 2, 32, generator=g), q, torch.randn(1, Hq, 2, 32, generator=g)])
+    batch = qkv.attention(qb, k, v, mask=qkv.masks.padding(torch.tensor([700, 300, 512])), batch_invariant=True)
+    assert torch.equal(batch[1:2], alone.out)
+    ref = qkv.attention(q.double(), k[1:2, :, :300].double(), v[1:2, :, :300].double(), backend="reference")
+    torch.testing.assert_close(alone.out.double(), ref, rtol=0, atol=2e-6)
