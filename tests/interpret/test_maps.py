@@ -275,6 +275,22 @@ def test_html_view_data_and_bad_input(tmp_path):
         view_data(list("abc"), [])
 
 
+def test_html_page_opens_on_the_chosen_layer_and_head_and_refuses_one_out_of_range(tmp_path):
+    import json
+
+    from qkv.interpret import attention_html, view_data
+
+    maps = [torch.softmax(torch.randn(2, 3, 3), -1) for _ in range(2)]
+    assert view_data(list("abc"), maps)["start"] is None  # the explorer keeps the page's own choice
+    text = attention_html(tmp_path / "v.html", list("abc"), maps, layer=1, head=1).read_text()
+    payload = json.loads(text.split('id="qkv-data">')[1].split("</script>")[0])
+    assert payload["start"] == {"layer": 1, "head": 1}
+    for kw, bad in (("layer", 2), ("layer", -1), ("head", 2), ("head", True), ("layer", 1.0)):
+        with pytest.raises(ValueError, match=rf"view_data: {kw} must be an int in \[0, 2\) for these maps, got "):
+            attention_html(tmp_path / "bad.html", list("abc"), maps, **{kw: bad})
+    assert not (tmp_path / "bad.html").exists()
+
+
 def test_bad_input_gets_a_clear_error_not_a_torch_one():
     """Layers of different sizes, non-tensors, mismatched contact maps and an out-of-range head are refused
     with ValueError/TypeError naming the argument, before any arithmetic (old code: torch RuntimeError,
