@@ -133,10 +133,13 @@ def test_no_docstring_cites_a_design_file_missing_from_the_repository():
 
     import qkv
 
-    root = Path(qkv.__file__).parent
-    repo = root.parent.parent
-    cited = [str(p.relative_to(root)) for p in root.rglob("*.py") if "DESIGN.md" in p.read_text(encoding="utf-8")]
-    assert (repo / "DESIGN.md").exists() or not cited, f"docstrings cite DESIGN.md, absent here: {cited}"
+    repo = Path(qkv.__file__).parent.parent.parent
+    this = Path(__file__).resolve()
+    for name in ("DESIGN.md", "STYLE.md"):
+        cited = [str(p.relative_to(repo)) for folder in ("src", "tests", "benchmarks", "examples")
+                 for p in (repo / folder).rglob("*.py")
+                 if p.resolve() != this and name in p.read_text(encoding="utf-8")]
+        assert (repo / name).exists() or not cited, f"docstrings cite {name}, absent here: {cited}"
 
 
 def test_score_mod_base_has_a_docstring_with_a_runnable_example():

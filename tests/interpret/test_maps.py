@@ -48,6 +48,7 @@ def test_rollout_of_identity_attention_is_identity():
 
 
 def test_flow_single_layer_equals_capacity_and_is_bounded_by_rollout_mass():
+    pytest.importorskip("scipy")
     maps = _maps(L=1, B=1, N=4)
     flow = attention_flow(maps, resolution=10**6)
     direct = 0.5 * maps[0].double().mean(1) + 0.5 * torch.eye(4)
@@ -77,6 +78,7 @@ def test_head_importance_finds_the_useless_head():
 
 
 def test_plot_attention_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
     p = plot_attention(torch.softmax(torch.randn(3, 4), -1), tmp_path / "a.png", tokens_q=list("abc"),
                        tokens_k=list("wxyz"), title="t")
     assert p.read_bytes()[:4] == b"\x89PNG"
@@ -139,6 +141,7 @@ def _brute_max_flow(cap, s, t):
 
 
 def test_flow_equals_brute_force_max_flow():
+    pytest.importorskip("scipy")
     maps = _maps(L=2, B=1, H=2, N=3, seed=3)
     got = attention_flow(maps, resolution=10**6)
     fused = []
@@ -233,6 +236,7 @@ def test_contacts_planted_case():
 
 
 def test_more_plots(tmp_path):
+    pytest.importorskip("matplotlib")
     toks = list("abcd")
     grid = plot_layer_grid(torch.softmax(torch.randn(5, 4, 4), -1), tmp_path / "g.png", tokens=toks, title="L0")
     roll = plot_rollout(attention_rollout(_maps(N=4))[0], tmp_path / "r.png", tokens=toks)
