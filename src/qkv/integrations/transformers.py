@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -383,13 +384,18 @@ def register(name: str = NAME, *, backend: str = "auto") -> None:
 
 
 def _runs_own_attention(cls: type) -> bool:
-    """Whether a model class's modeling file holds attention layers that never reach ``AttentionInterface``
-    (transformers' own test before it lets a model switch implementations; a file without attention layers,
-    such as a multimodal wrapper's, passes)."""
-    can_set = getattr(cls, "_can_set_attn_implementation", None)
-    if can_set is None:  # a transformers without that test: qkv's, stricter (it also flags wrappers)
-        return not _uses_interface(cls)
-    return not can_set()
+    """Whether a model class's modeling file is known to hold attention layers that never reach
+    ``AttentionInterface`` (the test transformers applies before it lets a model switch implementations). A
+    file without attention layers (a multimodal wrapper's) passes, and so does one whose source cannot be read
+    (a class defined in a notebook): only what is known to bypass qkv is refused."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        src = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    if not re.search(r"^class \w*Attention\w*\(nn\.Module\):", src, re.MULTILINE):
+        return False
+    return not _uses_interface(cls)
 
 
 def _check_at_load() -> None:
