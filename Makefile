@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-slow demo bench bench-vllm lint clean
+.PHONY: install browser test test-partial test-slow demo bench bench-vllm lint clean
 
 install: $(STAMP)
 
@@ -33,6 +33,22 @@ test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --expected-skips tests/skips/full.txt
 
+# The suite on a partial install (.venv-partial: torch and `pip install -e .[test]` only, no transformers,
+# tokenizers, bundled model, matplotlib, scipy, triton): what needs them skips, and only with the reasons
+# tests/skips/partial.txt lists.
+PARTIAL       ?= .venv-partial
+PARTIAL_STAMP := $(PARTIAL)/.qkv-installed
+
+$(PARTIAL_STAMP): pyproject.toml
+	test -x $(PARTIAL)/bin/python || python3 -m venv $(PARTIAL)
+	$(PARTIAL)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(PARTIAL)/bin/pip install --quiet -e ".[test]"
+	touch $(PARTIAL_STAMP)
+
+test-partial: $(PARTIAL_STAMP)
+	HF_HUB_OFFLINE=1 $(PARTIAL)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" \
+		--expected-skips tests/skips/partial.txt
+
 test-slow: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m slow
 
@@ -55,4 +71,4 @@ lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) .venv-vllm build *.egg-info src/*.egg-info .pytest_cache qkv-out
+	rm -rf $(VENV) $(PARTIAL) .venv-vllm build *.egg-info src/*.egg-info .pytest_cache qkv-out

@@ -72,19 +72,21 @@ def main(*, steps: int = 30, seq_len: int = 512, scheme: str = "zigzag", seed: i
         loss = float(ctx.all_reduce(loss_local))
 
         opt_single.zero_grad()
-        loss_single = _loss(single(ids).logits, labels, n_scored)
-        loss_single.backward()
+        loss_single_t = _loss(single(ids).logits, labels, n_scored)
+        loss_single_t.backward()
+        loss_single = float(loss_single_t.detach())
 
         grad_diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(), single.parameters()))
         opt.step()
         opt_single.step()
-        param_diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), single.parameters()))
-        for key, val in (("loss", loss), ("loss_single", float(loss_single)), ("grad_diff", grad_diff),
+        with torch.no_grad():  # a difference of parameters is a number to print, not part of any graph
+            param_diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), single.parameters()))
+        for key, val in (("loss", loss), ("loss_single", loss_single), ("grad_diff", grad_diff),
                          ("param_diff", param_diff)):
             history[key].append(val)
         if verbose and rank == 0 and (step % 5 == 0 or step == steps - 1):
-            print(f"step {step:3d}  loss: {world} ranks ({scheme}) {loss:.5f}  single process {float(loss_single):.5f}"
-                  f"  |dloss| {abs(loss - float(loss_single)):.1e}  max|dgrad| {grad_diff:.1e}"
+            print(f"step {step:3d}  loss: {world} ranks ({scheme}) {loss:.5f}  single process {loss_single:.5f}"
+                  f"  |dloss| {abs(loss - loss_single):.1e}  max|dgrad| {grad_diff:.1e}"
                   f"  max|dparam| {param_diff:.1e}")
     ctx.restore()
     return history

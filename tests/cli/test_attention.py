@@ -41,6 +41,10 @@ def test_attention_writes_pictures_and_prints_the_table(tmp_path, encoder):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG", name
     html = (tmp_path / "attention.html").read_text()
     assert "qkvRender" in html and "src=\"http" not in html and "cdn" not in html.lower()
+    import json
+
+    payload = json.loads(html.split('id="qkv-data">')[1].split("</script>")[0])
+    assert payload["start"] == {"layer": 2, "head": 3}, "the page opens on --layer and --head"
     from qkv.cli.attention import most_attended, text_attention
 
     ta = text_attention(encoder, TEXT)

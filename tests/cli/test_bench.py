@@ -1,5 +1,6 @@
 """`qkv bench`: suite selection, friendly failure, summary and plots from suite JSON."""
 
+import pytest
 from typer.testing import CliRunner
 
 from qkv.cli import _register, app
@@ -23,9 +24,13 @@ def test_every_suite_has_a_script():
     assert not missing, f"suites without a script: {missing}"
 
 
-def test_summary_and_plot(tmp_path):
+def test_summary():
     md = summarize([PAYLOAD])
     assert "| N | causal | sdpa_ms | qkv_ms |" in md and "threads=2" in md and "a note" in md
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
     png = plot_suite(PAYLOAD, tmp_path / "dense.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

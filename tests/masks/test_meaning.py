@@ -1,6 +1,6 @@
 """What each mask means, from its definition: every pair (b, i, j) decided by a plain Python loop written
-from the paper or the docstring (DESIGN.md's positions: query row ``i`` sits at ``p = i + Nk - Nq``, key
-``j`` at ``j``), never from ``allowed``. The backend tests only show that backends agree with one another
+from the paper or the docstring (qkv's positions: query row ``i`` sits at ``p = i + Nk - Nq``, key ``j``
+at ``j``), never from ``allowed``. The backend tests only show that backends agree with one another
 on ``allowed``; these show that ``allowed`` says what the mask's name promises. The masks' docstring
 drawings run as doctests."""
 

@@ -1,7 +1,7 @@
 """BERT (and the real all-MiniLM-L6-v2 checkpoint) from HF: hidden states, pooler and masked-LM logits within the
 error budget of HF's eager float64 model, with padding; packed sentences under a document mask equal to each
-sentence alone; the segment-batched attention equal to the plain masked one; and checkpoints that do not fit
-(unsupported type, missing, unexpected and mis-shaped tensors, each named)."""
+sentence alone; and checkpoints that do not fit (unsupported type, missing, unexpected and mis-shaped tensors,
+each named)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from qkv import masks  # noqa: E402
 from qkv.models import CheckpointError, from_hf  # noqa: E402
 from qkv.models.embed import pack_sentences  # noqa: E402
-from qkv.models.family_bert import PackedSelfAttention  # noqa: E402
-from qkv.nn import MultiHeadAttention  # noqa: E402
 from qkv.testing import assert_within_budget  # noqa: E402
 
 VOCAB = 99
@@ -89,26 +87,6 @@ def test_packed_sentences_equal_each_sentence_alone():
         want32 = torch.cat([hf(torch.tensor([s])).last_hidden_state[0] for s in sents])
         want64 = torch.cat([hf64(torch.tensor([s])).last_hidden_state[0] for s in sents])
     _check(got, want64, want32, "packed hidden states")
-
-
-SEGMENTS = {
-    "ragged": [0, 0, 0, 1, 1, 2, 3, 3, 3, 3],
-    "two": [5] * 6 + [7] * 4,
-    "similar-lengths-padded-group": [0] * 16 + [1] * 15 + [2] * 3 + [3] * 14 + [4] * 16,
-    "non-contiguous": [0, 1, 0, 1, 1, 2, 2, 0, 0, 0],
-}
-
-
-@pytest.mark.parametrize("ids", list(SEGMENTS.values()), ids=list(SEGMENTS))
-def test_segment_batched_attention_equals_masked_attention(ids):
-    torch.manual_seed(0)
-    attn = PackedSelfAttention(32, 4)
-    x = torch.randn(1, len(ids), 32, dtype=torch.float64)
-    attn.double()
-    mask = masks.document(torch.tensor(ids))
-    fast = attn(x, mask=mask).out
-    plain = MultiHeadAttention.forward(attn, x, mask=mask).out
-    assert torch.allclose(fast, plain, atol=1e-12), (fast - plain).abs().max()
 
 
 def test_minilm_checkpoint_within_budget():

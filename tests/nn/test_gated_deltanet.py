@@ -35,9 +35,9 @@ def _hf_pair(Hk=2, H=4, Dk=8, Dv=6, E=32, K=4, seed=0):
 
 @pytest.mark.parametrize("Hk, H", [(2, 2), (1, 4), (2, 4)], ids=["Hk2-H2", "Hk1-H4", "Hk2-H4"])
 def test_prefill_and_decode_match_hf(Hk, H):
+    cfg, hf, ours = _hf_pair(Hk=Hk, H=H)
     from transformers.cache_utils import DynamicCache
 
-    cfg, hf, ours = _hf_pair(Hk=Hk, H=H)
     x = torch.randn(2, 75, 32, dtype=torch.float64)
     with torch.no_grad():
         want = hf(x)

@@ -65,9 +65,9 @@ def _hf_state(name, cache):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_prefill_and_decode_match_hf(name):
+    cfg, hf, ours = PAIRS[name]()
     from transformers.cache_utils import DynamicCache
 
-    cfg, hf, ours = PAIRS[name]()
     x = torch.randn(2, 70, E, dtype=torch.float64)
     with torch.no_grad():
         want = hf(x)

@@ -103,7 +103,7 @@ def attention(
                        title=f"all-MiniLM-L6-v2 layer {layer} head {head}"),
         plot_layer_grid(ta.maps[layer], out / f"layer_L{layer}.png", tokens=t, title=f"layer {layer}"),
         plot_rollout(ta.rollout, out / "rollout.png", tokens=t),
-        attention_html(out / "attention.html", t, ta.maps, rollout=ta.rollout,
+        attention_html(out / "attention.html", t, ta.maps, rollout=ta.rollout, layer=layer, head=head,
                        title=f"all-MiniLM-L6-v2: {text[:80]}"),
     ]
     table = Table("head", *[f"#{i + 1} token (attention)" for i in range(top)],

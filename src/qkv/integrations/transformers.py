@@ -36,10 +36,12 @@ What HF hands over, and what qkv makes of it:
 Differences from eager, all on rows HF itself treats as padding: a query row with no allowed key (a left-pad
 token) returns zeros where eager averages every value; its attention row is zeros where eager's is uniform.
 
-Families checked against eager (random weights, tiny configs, ``tests/test_integrations_transformers.py``):
+Families checked against eager (random weights, tiny configs, ``tests/integrations/test_transformers.py``):
 Llama, Mistral, Qwen2, Gemma 2, Gemma 3 (text), GPT-2, GPT-OSS, BERT and T5 (encoder, decoder and
 cross-attention). Any family whose attention layers call ``ALL_ATTENTION_FUNCTIONS.get_interface`` works
-the same way; :func:`use` raises for a model whose layers do not (they would silently run eager).
+the same way. A family whose layers do not (BLOOM and a few others, which would silently run their own
+attention) is refused when it is built with ``attn_implementation="qkv"`` (``ValueError`` naming the class
+and model type), and :func:`use` raises for it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -377,6 +380,50 @@ def register(name: str = NAME, *, backend: str = "auto") -> None:
     AttentionInterface.register(name, attention_forward if backend == "auto" else _forward_for(backend))
     _REGISTERED.add(name)
     AttentionMaskInterface.register(name, hf_mask)
+    _check_at_load()
+
+
+def _runs_own_attention(cls: type) -> bool:
+    """Whether a model class's modeling file is known to hold attention layers that never reach
+    ``AttentionInterface`` (the test transformers applies before it lets a model switch implementations). A
+    file without attention layers (a multimodal wrapper's) passes, and so does one whose source cannot be read
+    (a class defined in a notebook): only what is known to bypass qkv is refused."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        src = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    if not re.search(r"^class \w*Attention\w*\(nn\.Module\):", src, re.MULTILINE):
+        return False
+    return not _uses_interface(cls)
+
+
+def _check_at_load() -> None:
+    """Make a model refuse one of qkv's names when it is built (``from_config``, ``from_pretrained``,
+    ``set_attn_implementation``) if its layers compute attention in their own code: transformers would accept
+    the name and run the model's own attention, qkv never called. Installed once, on
+    ``PreTrainedModel._check_and_adjust_attn_implementation``, the check every build and switch goes through."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(original, "_qkv_checked", False):
+        return
+
+    @functools.wraps(original)
+    def checked(self, attn_implementation, *args, **kwargs):
+        if isinstance(attn_implementation, str) and attn_implementation in _REGISTERED \
+                and _runs_own_attention(type(self)):
+            family = getattr(getattr(self, "config", None), "model_type", None) or "?"
+            raise ValueError(
+                f"attn_implementation={attn_implementation!r}: {type(self).__name__} (model type {family!r}) "
+                f"computes attention in its own code, not through transformers' AttentionInterface, so qkv would "
+                f"never be called and the model would run its own attention; build it with "
+                f"attn_implementation='eager' or 'sdpa', or load the checkpoint into qkv (qkv.models.from_hf) "
+                f"if qkv supports the family")
+        return original(self, attn_implementation, *args, **kwargs)
+
+    checked._qkv_checked = True
+    PreTrainedModel._check_and_adjust_attn_implementation = checked
 
 
 def _uses_interface(cls: type) -> bool:

@@ -3,10 +3,12 @@ importance, in one file that works opened from disk (no CDN, no network: the scr
 data are inline).
 
 Maps are drawn on ``<canvas>`` elements from byte arrays (one pixel per (query, key) cell, scaled up for
-short inputs), never one DOM node per cell, so the page stays responsive at thousands of tokens. Each map is
-stored as bytes ``round(255 * p / max(p))`` in base64 with its ``max(p)`` (so the diffuse maps of long inputs
-keep their shape): a page holds ``layers * heads * N^2`` bytes of maps (choose
-layers and heads when capturing long inputs). The same renderer serves ``qkv explore``.
+short inputs), never one DOM node per cell, so the page stays responsive at thousands of tokens. The head and
+rollout maps carry their token labels on two more canvases: query tokens down the left (rows), key tokens
+across the top (columns), every token when the rows are tall enough for text, else every k-th with its index.
+Each map is stored as bytes ``round(255 * p / max(p))`` in base64 with its ``max(p)`` (so the diffuse maps of
+long inputs keep their shape): a page holds ``layers * heads * N^2`` bytes of maps (choose layers and heads
+when capturing long inputs). The same renderer serves ``qkv explore``.
 
 Shape legend: L layers, H heads, N tokens.
 """
@@ -39,9 +41,10 @@ def _bytes(a: torch.Tensor) -> dict:
 
 def view_data(tokens: Sequence[str], maps: Sequence[torch.Tensor], *, rollout: torch.Tensor | None = None,
               importance: torch.Tensor | None = None, layer_names: Sequence[str] | None = None,
-              head_names: Sequence[str] | None = None) -> dict:
+              head_names: Sequence[str] | None = None, layer: int | None = None, head: int | None = None) -> dict:
     """The page's data: ``tokens`` (N strings); ``maps`` one (H, N, N) per layer (batch row already chosen);
-    ``rollout`` (N, N); ``importance`` (L, H)."""
+    ``rollout`` (N, N); ``importance`` (L, H); ``layer`` and ``head``: the head the page opens on (default:
+    the page keeps its current choice, layer 0 and head 0 at first)."""
     n = len(tokens)
     if not maps:
         raise ValueError("view_data: need at least one layer of maps")
@@ -54,6 +57,9 @@ def view_data(tokens: Sequence[str], maps: Sequence[torch.Tensor], *, rollout: t
         raise ValueError(f"view_data: rollout must be (N, N) = ({n}, {n}), got {tuple(rollout.shape)}")
     if importance is not None and tuple(importance.shape) != (len(maps), H):
         raise ValueError(f"view_data: importance must be (L, H) = ({len(maps)}, {H}), got {tuple(importance.shape)}")
+    for name, value, count in (("layer", layer, len(maps)), ("head", head, H)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < count):
+            raise ValueError(f"view_data: {name} must be an int in [0, {count}) for these maps, got {value!r}")
     return {
         "tokens": [str(t) for t in tokens],
         "layers": len(maps),
@@ -63,6 +69,7 @@ def view_data(tokens: Sequence[str], maps: Sequence[torch.Tensor], *, rollout: t
         "maps": [[_bytes(a[h]) for h in range(H)] for a in maps],
         "rollout": None if rollout is None else _bytes(rollout),
         "importance": None if importance is None else [[round(float(x), 6) for x in row] for row in importance],
+        "start": None if layer is None and head is None else {"layer": layer or 0, "head": head or 0},
     }
 
 
@@ -77,9 +84,13 @@ _BODY = """
 <div id="view" style="display:none">
 <div class="controls"><label>layer <select id="layer"></select></label><label>head <select id="head"></select></label>
 <span id="info"></span></div>
-<div class="panel"><div id="head-title"></div><canvas id="head-canvas"></canvas><div id="top"></div></div>
+<div class="panel"><div id="head-title"></div>
+<div class="map"><div class="corner">query \\ key</div><canvas class="axis" id="head-canvas-keys"></canvas>
+<canvas class="axis" id="head-canvas-queries"></canvas><canvas id="head-canvas"></canvas></div>
+<div id="top"></div></div>
 <div class="panel" id="rollout-panel"><div>attention rollout (Abnar &amp; Zuidema 2020)</div>
-<canvas id="rollout-canvas"></canvas></div>
+<div class="map"><div class="corner">query \\ key</div><canvas class="axis" id="rollout-canvas-keys"></canvas>
+<canvas class="axis" id="rollout-canvas-queries"></canvas><canvas id="rollout-canvas"></canvas></div></div>
 <div class="panel" id="importance-panel"><div>head importance (Michel et al. 2019), rows: layers</div>
 <table class="imp" id="importance"></table></div>
 <div><div>model view: every layer (rows) and head (columns); click one to open it</div>
@@ -103,8 +114,10 @@ def render_page(data: dict | None, *, title: str = "qkv attention", explorer: st
 
 def attention_html(path: str | Path, tokens: Sequence[str], maps: Sequence[torch.Tensor], *,
                    rollout: torch.Tensor | None = None, importance: torch.Tensor | None = None,
-                   title: str = "qkv attention", layer_names: Sequence[str] | None = None) -> Path:
-    """Write the self-contained head/model view to ``path`` (see :func:`view_data` for the arguments).
+                   title: str = "qkv attention", layer_names: Sequence[str] | None = None, layer: int = 0,
+                   head: int = 0) -> Path:
+    """Write the self-contained head/model view to ``path``, opening on ``layer`` and ``head`` (see
+    :func:`view_data` for the arguments).
 
     Example:
         >>> import torch, tempfile, pathlib
@@ -113,7 +126,8 @@ def attention_html(path: str | Path, tokens: Sequence[str], maps: Sequence[torch
         >>> "http" in p.read_text().split("<script>")[1]
         False
     """
-    data = view_data(tokens, maps, rollout=rollout, importance=importance, layer_names=layer_names)
+    data = view_data(tokens, maps, rollout=rollout, importance=importance, layer_names=layer_names, layer=layer,
+                     head=head)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_page(data, title=title), encoding="utf-8")

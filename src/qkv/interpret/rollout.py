@@ -102,9 +102,6 @@ def attention_flow(attentions: Sequence[torch.Tensor], *, head_fusion: str = "me
         >>> attention_flow(list(a)).shape
         torch.Size([1, 4, 4])
     """
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import maximum_flow
-
     from .._probs import index_selection
 
     if not attentions:
@@ -124,6 +121,9 @@ def attention_flow(attentions: Sequence[torch.Tensor], *, head_fusion: str = "me
                          f"max-flow problems over a graph of {edges:,} edges, cost {problems * edges:.2e} > "
                          f"max_cost={max_cost:.2e}; pass rows= (e.g. [0]), fewer tokens, a larger max_cost, or "
                          "use attention_rollout")
+    from scipy.sparse import csr_matrix  # after the checks: bad input is refused without scipy installed
+    from scipy.sparse.csgraph import maximum_flow
+
     out = torch.zeros(B, rows_t.numel(), N)
     for b in range(B):
         rows_, cols, caps = [], [], []

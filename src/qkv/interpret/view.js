@@ -4,7 +4,8 @@
 (function () {
   "use strict";
   const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
-  const state = { data: null, layer: 0, head: 0, cache: {}, row: 0 };
+  const state = { data: null, layer: 0, head: 0, cache: {}, row: 0, labels: {} };
+  const FONT = "11px monospace", LINE = 12, LABEL_MAX = 140;
 
   function el(id) { return document.getElementById(id); }
 
@@ -54,6 +55,43 @@
     return scale;
   }
 
+  // Token labels beside a map drawn at `scale` px per cell: query tokens down the left canvas (one per row),
+  // key tokens rotated across the top canvas (one per column); every token when a cell is a text line high,
+  // else every step-th token with its index. state.labels[id] records what went where (tests read it).
+  function labelText(tokens, i, step) {
+    let t = step > 1 ? i + ":" + tokens[i] : tokens[i];
+    return t.length > 16 ? t.slice(0, 15) + "\u2026" : t;
+  }
+
+  function drawLabels(id, tokens, scale) {
+    const n = tokens.length, step = Math.max(1, Math.ceil(LINE / scale)), side = n * scale;
+    const rows = el(id + "-queries"), cols = el(id + "-keys");
+    const probe = rows.getContext("2d");
+    probe.font = FONT;
+    const picked = [];
+    for (let i = 0; i < n; i += step) picked.push([i, labelText(tokens, i, step)]);
+    let wide = 0;
+    picked.forEach(([, t]) => { wide = Math.max(wide, probe.measureText(t).width); });
+    const room = Math.min(LABEL_MAX, Math.ceil(wide) + 6);
+    rows.width = room; rows.height = side; cols.width = side; cols.height = room;
+    const placed = { step: step, queries: [], keys: [] };
+    let ctx = rows.getContext("2d");
+    ctx.font = FONT; ctx.fillStyle = "#222"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
+    picked.forEach(([i, t]) => {
+      const y = i * scale + scale / 2;
+      ctx.fillText(t, room - 3, y, room - 4);
+      placed.queries.push([i, t, y]);
+    });
+    ctx = cols.getContext("2d");
+    ctx.font = FONT; ctx.fillStyle = "#222"; ctx.textAlign = "left"; ctx.textBaseline = "middle";
+    picked.forEach(([j, t]) => {
+      const x = j * scale + scale / 2;
+      ctx.save(); ctx.translate(x, room - 3); ctx.rotate(-Math.PI / 2); ctx.fillText(t, 0, 0, room - 4); ctx.restore();
+      placed.keys.push([j, t, x]);
+    });
+    state.labels[id] = placed;
+  }
+
   function topKeys(bytes, n, row, k) {
     const r = [];
     for (let j = 0; j < n; j++) r.push([bytes[row * n + j], j]);
@@ -92,6 +130,7 @@
   function renderHead() {
     const d = state.data, n = d.tokens.length, c = el("head-canvas");
     const scale = draw(c, mapOf(state.layer, state.head), n, Math.min(720, Math.max(n, 240)));
+    drawLabels("head-canvas", d.tokens, scale);
     interactive(c, () => mapOf(state.layer, state.head), () => scaleOf(state.layer, state.head), scale, true);
     c.dataset.layer = state.layer; c.dataset.head = state.head;
     el("head-title").textContent = `${d.layer_names[state.layer]}, ${d.head_names[state.head]} (${n} tokens)`;
@@ -137,7 +176,9 @@
     el("rollout-panel").style.display = d.rollout ? "" : "none";
     if (d.rollout) {
       const bytes = decode(d.rollout.b64), rc = el("rollout-canvas");
-      interactive(rc, () => bytes, () => d.rollout.scale, draw(rc, bytes, n, Math.min(480, Math.max(n, 200))), false);
+      const scale = draw(rc, bytes, n, Math.min(480, Math.max(n, 200)));
+      drawLabels("rollout-canvas", d.tokens, scale);
+      interactive(rc, () => bytes, () => d.rollout.scale, scale, false);
     }
     const t = el("importance");
     t.innerHTML = "";
@@ -172,7 +213,8 @@
   }
 
   window.qkvRender = function (data) {
-    state.data = data; state.cache = {};
+    state.data = data; state.cache = {}; state.labels = {};
+    if (data.start) { state.layer = data.start.layer; state.head = data.start.head; }
     state.layer = Math.min(state.layer, data.layers - 1);
     state.head = Math.min(state.head, data.heads - 1);
     fill(el("layer"), data.layer_names); fill(el("head"), data.head_names);
