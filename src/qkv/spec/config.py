@@ -527,7 +527,7 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
             if "layer_types" not in overrides and isinstance(n, int) and n > 0:  # keep the pattern's first n
                 types = preset.layer_types
                 overrides["layer_types"] = tuple(types[i % len(types)] for i in range(n))
-                if "local" not in preset.layer_counts:
+                if "local" not in preset.layer_counts and "recurrent" not in preset.layer_counts:
                     del overrides["layer_types"]
             cfg = decoder_config_from_preset(preset)
             return cfg.replace(**overrides) if overrides else cfg
@@ -572,10 +572,11 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         qk_norm_scope=p.qk_norm_scope, pre_norms=p.pre_norms, attention_sinks=p.attention_sinks,
         position="learned" if p.learned_positions else "rope",
         max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
+        linear_attention=p.linear_attention, attn_output_gate=p.attn_output_gate,
     )
     if p.head_dim != p.hidden_size // p.num_attention_heads:
         kw["head_dim"] = p.head_dim
-    if "local" in p.layer_counts:
+    if "local" in p.layer_counts or "recurrent" in p.layer_counts:
         kw.update(sliding_window=p.sliding_window, layer_types=p.layer_types)
     if p.kv_lora_rank is not None:
         kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
@@ -588,5 +589,7 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
                               first_k_dense_replace=p.first_k_dense_replace, router_bias=p.router_bias,
                               # experts with biases: GPT-OSS's clamped SwiGLU (HF's default limit)
-                              swiglu_limit=7.0 if p.mlp_bias else None)
+                              swiglu_limit=7.0 if p.mlp_bias else None,
+                              shared_expert_intermediate_size=p.shared_expert_intermediate_size,
+                              shared_expert_gate=p.shared_expert_gate)
     return DecoderConfig(**kw)
