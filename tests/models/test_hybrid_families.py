@@ -45,6 +45,8 @@ CASES = {
         rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})),
     "qwen3_5_text-L4-Hv8": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         linear_num_value_heads=8, linear_value_head_dim=4, tie_word_embeddings=True)),
+    "qwen3_5_moe_text-E6-k3": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        **{**_MOE, "num_experts_per_tok": 3}, layer_types=["linear_attention", "full_attention"] * 2)),
 }
 
 
@@ -175,6 +177,9 @@ def test_switches_reach_the_model():
     assert q35.config.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # HF's interval 4
     assert type(q35.layers[0].linear_attn).__name__ == "SplitGatedDeltaNet" and q35.config.moe is None
     assert q35.ropes["full_attention"].emb.rotary_dim == 4 and q35.lm_head is None
+    _, _, moe = _models("qwen3_5_moe_text-E6-k3")
+    assert type(moe.layers[0].linear_attn).__name__ == "SplitGatedDeltaNet"
+    assert moe.config.moe.norm_topk_prob and moe.config.moe.shared_expert_gate  # HF always renormalizes here
 
 
 def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path):

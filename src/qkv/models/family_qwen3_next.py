@@ -1,5 +1,6 @@
-"""Qwen3-Next and Qwen3.5 on qkv: HF ``model_type`` ``"qwen3_next"``, ``"qwen3_5_text"`` and ``"qwen3_5"`` (the
-multimodal checkpoint, whose language model is read from its ``text_config``; the vision tower is not loaded).
+"""Qwen3-Next and Qwen3.5 on qkv: HF ``model_type`` ``"qwen3_next"``, ``"qwen3_5_text"``, ``"qwen3_5_moe_text"``,
+and ``"qwen3_5"`` / ``"qwen3_5_moe"`` (the multimodal checkpoints, whose language model is read from their
+``text_config``; the vision tower is not loaded).
 
 Hybrid decoders (Qwen Team 2025, "Qwen3-Next" model card; "Qwen3.5"): three recurrent layers per
 full-attention layer (HF ``layer_types``, or every ``full_attention_interval``-th layer full):
@@ -15,7 +16,8 @@ full-attention layer (HF ``layer_types``, or every ``full_attention_interval``-t
   excepted;
 - feed-forward: Qwen3-Next a mixture of ``num_experts`` experts on every layer (softmax top-k, renormalized
   with ``norm_topk_prob``) plus one shared expert of ``shared_expert_intermediate_size`` scaled by
-  ``sigmoid(shared_expert_gate(x))``; Qwen3.5 (text) a dense SwiGLU MLP.
+  ``sigmoid(shared_expert_gate(x))``; Qwen3.5 (text) a dense SwiGLU MLP; Qwen3.5-MoE Qwen3-Next's mixture, its
+  top-k weights always renormalized.
 
 Qwen3.5's multimodal RoPE (``mrope_section``) gives a text token the same position on its three axes, which is
 plain RoPE, so text-only decoding needs nothing more.
@@ -51,12 +53,15 @@ from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5")
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
 for _t in MODEL_TYPES:
     FAMILIES[_t] = "qkv.models.family_qwen3_next"
 
 
 def _moe(cfg: dict[str, Any]) -> MoEConfig | None:
+    if cfg.get("model_type") == "qwen3_5_moe_text":  # every layer a mixture (HF reads no layer switches)
+        return read_moe(cfg)
     if cfg.get("model_type") != "qwen3_next":
         return None
     if list(cfg.get("mlp_only_layers") or []) or int(cfg.get("decoder_sparse_step") or 1) != 1:
@@ -67,14 +72,15 @@ def _moe(cfg: dict[str, Any]) -> MoEConfig | None:
 
 
 def _text(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config: ``text_config`` of a ``qwen3_5`` config (the outer config decides tying, as
-    HF's model does), the config itself otherwise."""
-    if cfg.get("model_type") not in MODEL_TYPES:
-        raise CheckpointError(f"family_qwen3_next: model_type {cfg.get('model_type')!r} is not one of {MODEL_TYPES}")
-    if cfg.get("model_type") != "qwen3_5":
+    """The language model's config: ``text_config`` of a ``qwen3_5`` / ``qwen3_5_moe`` config (the outer config
+    decides tying, as HF's model does), the config itself otherwise."""
+    kind = cfg.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise CheckpointError(f"family_qwen3_next: model_type {kind!r} is not one of {MODEL_TYPES}")
+    if kind not in _MULTIMODAL:
         return dict(cfg)
     if not isinstance(cfg.get("text_config"), dict):
-        raise CheckpointError("from_hf: a qwen3_5 config needs its language model's text_config (a dict), got "
+        raise CheckpointError(f"from_hf: a {kind} config needs its language model's text_config (a dict), got "
                               f"{type(cfg.get('text_config')).__name__}")
     text = text_config(cfg)
     if "tie_word_embeddings" in cfg:
@@ -95,6 +101,8 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
         raise CheckpointError(f"from_hf: cannot build a qwen3_next model from its config: {e!r}") from e
     if text.get("model_type") == "qwen3_next" and text.get("intermediate_size") is None:
         text["intermediate_size"] = 5632  # HF's default (the dense MLP of mlp_only_layers, unused when all are MoE)
+    if text.get("model_type") == "qwen3_5_moe_text":  # no dense MLP at all: the field is unused
+        text["intermediate_size"] = moe.moe_intermediate_size
     text.setdefault("head_dim", 256)
     bias = bool(text.get("attention_bias", False))
     return decoder_config_from(text, partial_rotary=True, hidden_act=text.get("hidden_act", "silu"), qkv_bias=bias,

@@ -330,7 +330,9 @@ def read_moe(config) -> MoEConfig | None:
         return MoEConfig(n_routed_experts=n,
                          num_experts_per_tok=cfg.get("num_experts_per_tok", 10 if model_type == "qwen3_next" else 8),
                          moe_intermediate_size=cfg.get("moe_intermediate_size", 512),
-                         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), n_shared_experts=1,
+                         # Qwen3.5-MoE always renormalizes (HF reads no norm_topk_prob for it)
+                         norm_topk_prob=model_type != "qwen3_next" or bool(cfg.get("norm_topk_prob", True)),
+                         n_shared_experts=1,
                          shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 512),
                          shared_expert_gate=True)
     if model_type == "qwen3_moe":

@@ -635,7 +635,8 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
                    shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
                    shared_expert_gate=moe.shared_expert_gate)
     if model_type in _HYBRID:  # HF's defaults where a config.json leaves them out
-        out["intermediate_size"] = out["intermediate_size"] or (5632 if model_type == "qwen3_next" else 12288)
+        out["intermediate_size"] = out["intermediate_size"] or {"qwen3_next": 5632, "qwen3_5_text": 12288}.get(
+            model_type, out.get("moe_intermediate_size"))  # Qwen3.5-MoE has no dense MLP: the field is unused
     if cfg.get("n_routed_experts"):
         out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
                    moe_intermediate_size=cfg.get("moe_intermediate_size"),
