@@ -104,6 +104,8 @@ def test_recurrent_layers_count_their_own_flops():
     assert f4.prefill - a4.prefill == rec * recurrent_flops(p, 4096)
     with pytest.raises(ValueError, match=r"recurrent_flops: llama-3-8b has no recurrent"):
         recurrent_flops(PRESETS["llama-3-8b"], 1)
+    with pytest.raises(ValueError, match=r"recurrent_state_bytes: llama-3-8b has no recurrent"):
+        recurrent_state_bytes(PRESETS["llama-3-8b"])
 
 
 def test_preset_refuses_linear_layers_without_their_shape():
@@ -127,3 +129,17 @@ def test_cli_memory_and_compare_show_the_fixed_state():
     assert "+36" in r.stdout and "recurrent" in r.stdout and "51.51 MB" in r.stdout and "fixed state" in r.stdout
     r = runner.invoke(app, ["presets"])
     assert "qwen3-next-80b-a3b" in r.stdout and "qwen3.5-9b" in r.stdout and "79.67B" in r.stdout
+
+
+def test_multimodal_qwen3_5_configs_are_read_from_their_text_config():
+    transformers = pytest.importorskip("transformers")
+    dense = preset_from_hf_config(transformers.Qwen3_5Config().to_dict())
+    assert dense.layer_types == PRESETS["qwen3.5-9b"].layer_types
+    assert dense.linear_attention == PRESETS["qwen3.5-9b"].linear_attention
+    assert num_parameters(dense).total == num_parameters(PRESETS["qwen3.5-9b"]).total
+    moe = preset_from_hf_config(transformers.Qwen3_5MoeConfig().to_dict())
+    assert moe.layer_counts == {"global": 10, "recurrent": 30} and moe.shared_expert_gate
+    counts = num_parameters(moe)  # documented as the Qwen3.5-35B-A3B configuration
+    assert 34e9 < counts.total < 36e9 and 3e9 < counts.active < 4e9
+    plan = plan_memory(transformers.Qwen3_5MoeConfig().to_dict(), context=1000)
+    assert plan.held_by_kind["recurrent"] == 30 * recurrent_state_bytes(moe, dtype="bf16")

@@ -94,6 +94,8 @@ def recurrent_state_bytes(preset: ModelPreset, *, dtype: str = "bf16", group_siz
         >>> recurrent_state_bytes(PRESETS["qwen3-next-80b-a3b"]) == 8192 * 3 * 2 + 32 * 128 * 128 * 4
         True
     """
+    if preset.linear_attention is None:
+        raise ValueError(f"recurrent_state_bytes: {preset.name} has no recurrent (linear_attention) layers")
     conv, K, H, Dk, Dv = preset.linear_attention.recurrent_shape()
     wide = str(dtype).lower() in ("fp64", "float64", "torch.float64")
     return conv * (K - 1) * element_bytes(dtype, group_size=group_size) + H * Dk * Dv * (8 if wide else 4)
