@@ -127,3 +127,19 @@ def test_bad_configs_name_the_fields():
         LinearAttentionConfig(**{**LIN.__dict__, "mixer": "mamba"})
     with pytest.raises(ValueError, match=r"linear_key_head_dim must be a positive int, got 0"):
         LinearAttentionConfig(**{**LIN.__dict__, "linear_key_head_dim": 0})
+
+
+def test_padding_between_real_tokens_is_refused():
+    """Left padding of a fresh row and trailing padding are exact; padding after a row's earlier tokens is not."""
+    lm = _model()
+    ids = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(5))
+    trailing = lm(ids, positions=torch.tensor([[0, 1, 2, -1, -1], [0, 1, 2, 3, 4]])).logits
+    torch.testing.assert_close(trailing[0, :3], lm(ids[:1, :3]).logits[0], rtol=0, atol=1e-11)
+    with pytest.raises(ValueError, match=r"layer 0 \(recurrent\) got padding \(position -1\) between real tokens "
+                                         r"of row 0"):
+        lm(ids, positions=torch.tensor([[0, -1, 1, 2, 3], [0, 1, 2, 3, 4]]))
+    cache = KVCache(lm.cache_specs())
+    lm(ids[:, :3], cache=cache)
+    with pytest.raises(ValueError, match=r"between real tokens of row 1"):  # row 1 has a state already
+        lm(ids[:, 3:], positions=torch.tensor([[3, 4], [-1, 3]]), cache=cache)
+    assert cache.seq_length == 3  # refused before any layer wrote

@@ -349,6 +349,23 @@ class DecoderLayer(nn.Module):
         return res.out
 
 
+def _refuse_inner_padding(real: torch.Tensor, state, layer_idx: int) -> None:
+    """Padding (B, N) between a row's real tokens: the recurrent state would decay through it and the convolution
+    would read zeros, so the row's later tokens would be wrong. Left padding of a fresh row and trailing padding
+    are exact."""
+    before = real.cumsum(1) > 0  # a real token at or before each column, this step
+    if state is not None:
+        seen = (state[0] != 0).flatten(1).any(1) | (state[1] != 0).flatten(1).any(1)  # rows with earlier tokens
+        before = before | seen[:, None]
+    after = real.flip(1).cumsum(1).flip(1) > 0  # a real token at or after each column
+    bad = (~real & before & after).any(1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"DecoderLM: layer {layer_idx} (recurrent) got padding (position -1) between real tokens of "
+                         f"row {row}; a recurrent state cannot skip tokens inside a sequence. Pad rows on the left of "
+                         "their first token (or after their last one)")
+
+
 _PROTOCOL_CACHES: set[type] = set()  # cache types already checked against the protocol (a decode step is short)
 
 
@@ -419,6 +436,7 @@ class DecoderLM(nn.Module):
         self._modified_scores = [i for i, layer in enumerate(self.layers)
                                  if not layer.latent and layer.linear_attn is None
                                  and (layer.self_attn.score_mod is not None or layer.self_attn.alibi is not None)]
+        self._recurrent = [i for i, layer in enumerate(self.layers) if layer.linear_attn is not None]
 
     def _positions(self, input_ids: torch.Tensor, attention_mask, positions, cache) -> torch.Tensor | None:
         B, N = input_ids.shape
@@ -487,6 +505,9 @@ class DecoderLM(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         step = _ForwardContext(positions, cache, N, x.dtype)
+        if self._recurrent and N > 1 and (real := step.real_tokens()) is not None:  # before any layer writes
+            i = self._recurrent[0]
+            _refuse_inner_padding(real[..., 0] > 0, None if cache is None else cache.recurrent_state(i), i)
         for layer in self.layers:
             x = layer(x, step)
         if logits_to_keep:
