@@ -1,9 +1,11 @@
 """Greedy decoding speed: qkv against HF transformers ``generate`` with the same weights, in one run.
 
-Models: a Llama-like, a DeepSeek-V2-like, a GPT-OSS-like and a DeepSeek-V3-like decoder (4 layers, width
-512, vocabulary 32000; MLA and MoE for DeepSeek; GPT-OSS: sinks, alternating window-32 and global layers,
-a biased router over clamped-SwiGLU experts; DeepSeek-V3: q-LoRA, sigmoid group-limited routing), random
-weights, built by HF and converted with ``qkv.models.from_hf``. For batch 1,
+Models: a Llama-like, a DeepSeek-V2-like, a GPT-OSS-like, a DeepSeek-V3-like and a Qwen3-Next-like decoder
+(4 layers, width 512, vocabulary 32000; MLA and MoE for DeepSeek; GPT-OSS: sinks, alternating window-32 and
+global layers, a biased router over clamped-SwiGLU experts; DeepSeek-V3: q-LoRA, sigmoid group-limited routing;
+Qwen3-Next: three Gated DeltaNet layers, whose recurrent state the cache keeps, then a gated full-attention
+layer, experts with a gated shared expert), random weights, built by HF and converted with
+``qkv.models.from_hf``. For batch 1,
 4 and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
 
 - ``hf``: ``model.generate(do_sample=False)`` with HF's defaults (SDPA attention, ``DynamicCache``);
@@ -33,7 +35,7 @@ Published configuration (the defaults): torch's default threads, then 1 thread; 
 repeats of 63 timed steps each. The wall clock because a step's timestamp is taken from the streamer
 (a point in time, not an interval of this process's CPU) and because the multi-thread rows are the
 point: CPU time would count idle threads' spinning rather than the time a user waits. Expected time on a
-quiet 2-core machine: about 11 minutes (four models).
+quiet 2-core machine: about 11 minutes for the first four models (``--models`` picks some).
 
 Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2]``
 """
@@ -61,7 +63,7 @@ def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
                 num_attention_heads=8, max_position_embeddings=1024)
     if quick:
         base.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    w = base["hidden_size"]
+    w, heads = base["hidden_size"], base["num_attention_heads"]
     return {
         "llama-like": ("LlamaConfig", "LlamaForCausalLM",
                        dict(base, num_key_value_heads=base["num_attention_heads"] // 4)),
@@ -78,6 +80,11 @@ def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
             qk_nope_head_dim=w // 8, qk_rope_head_dim=w // 16, v_head_dim=w // 8, n_routed_experts=8, n_group=4,
             topk_group=2, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=w // 2,
             first_k_dense_replace=1, routed_scaling_factor=2.5)),
+        "qwen3-next-like": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+            base, num_key_value_heads=heads // 4, head_dim=w // heads, linear_num_key_heads=heads // 2,
+            linear_num_value_heads=heads, linear_key_head_dim=w // heads, linear_value_head_dim=w // heads,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=w // 2, shared_expert_intermediate_size=w // 2,
+            layer_types=["linear_attention"] * (base["num_hidden_layers"] - 1) + ["full_attention"])),
     }
 
 

@@ -335,6 +335,12 @@ def _shrunk(name):
                   num_key_value_heads=8)
     if p.n_routed_experts is not None:
         kw.update(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
+        if p.shared_expert_intermediate_size:
+            kw.update(shared_expert_intermediate_size=24)
+    if "recurrent" in p.layer_counts:  # hybrid: a recurrent layer and a full-attention one
+        kw.update(layer_types=("linear_attention", "full_attention"), linear_attention=dataclasses.replace(
+            p.linear_attention, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8))
     return dataclasses.replace(p, name=f"{name}-small", **kw)
 
 

@@ -19,6 +19,11 @@ MLA decode with the up-projections absorbed (DeepSeek-V2, arXiv:2405.04434, Sec.
 latent space: each head scores a ``kv_lora_rank`` latent query plus a ``qk_rope_head_dim`` RoPE query
 against the cache and sums ``kv_lora_rank``-wide latent values, ``2 * B * Hq * pairs * (2 * kv_lora_rank
 + qk_rope_head_dim)``. The per-query absorption matmuls are projections and are not counted.
+
+Recurrent layers of hybrid models (Gated DeltaNet, Yang et al. 2025, arXiv:2412.06464) have no scores: per token
+and value head the recurrent form reads the state with the key (``S^T k``), writes a rank-1 correction and reads
+it with the query, three ``Dk x Dv`` products, ``6 * B * H * N * Dk * Dv`` FLOPs whatever the context
+(:func:`recurrent_flops`; the short convolution, the decay and the norms are O(channels) and not counted).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = [
     "attention_flops",
     "mla_absorbed_flops",
     "model_attention_flops",
+    "recurrent_flops",
     "score_elements",
 ]
 
@@ -133,8 +139,24 @@ class AttentionFlops(NamedTuple):
     decode_absorbed: int | None
 
 
+def recurrent_flops(preset: ModelPreset, n_tokens: int, *, batch: int = 1) -> int:
+    """FLOPs of one recurrent (``linear_attention``) layer of ``preset`` over ``n_tokens`` new tokens per sequence:
+    ``6 * B * H * N * Dk * Dv`` (module notes), independent of the context before them.
+
+    Example:
+        >>> from qkv.costs import PRESETS
+        >>> recurrent_flops(PRESETS["qwen3-next-80b-a3b"], 1) == 6 * 32 * 128 * 128
+        True
+    """
+    lin = preset.linear_attention
+    if lin is None:
+        raise ValueError(f"recurrent_flops: {preset.name} has no recurrent (linear_attention) layers")
+    return 6 * batch * lin.linear_num_value_heads * n_tokens * lin.linear_key_head_dim * lin.linear_value_head_dim
+
+
 def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) -> AttentionFlops:
-    """Prefill, per-token decode and training attention FLOPs of ``preset``; local layers use the window.
+    """Prefill, per-token decode and training attention FLOPs of ``preset``; local layers use the window,
+    recurrent layers :func:`recurrent_flops`.
 
     Example:
         >>> from qkv.costs import PRESETS
@@ -145,6 +167,11 @@ def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) 
     prefill = decode = 0
     absorbed = 0 if preset.kv_lora_rank is not None else None
     for kind, n in preset.layer_counts.items():
+        if kind == "recurrent":
+            prefill += n * recurrent_flops(preset, context, batch=batch)
+            decode += n * recurrent_flops(preset, 1, batch=batch)
+            absorbed = None if absorbed is None else absorbed + n * recurrent_flops(preset, 1, batch=batch)
+            continue
         window = preset.sliding_window if kind == "local" else None
         shape = dict(head_dim=preset.head_dim, v_head_dim=preset.value_head_dim, causal=True, window=window)
         prefill += n * attention_flops(batch, preset.num_attention_heads, context, context, **shape)

@@ -28,6 +28,7 @@ __all__ = [
     "element_bytes",
     "gqa_kv_bytes_per_token",
     "kv_cache_memory",
+    "recurrent_state_bytes",
     "mla_kv_bytes_per_token",
 ]
 
@@ -83,8 +84,26 @@ def mla_kv_bytes_per_token(
     return (kv_lora_rank + qk_rope_head_dim) * element_bytes(dtype, group_size=group_size)
 
 
+def recurrent_state_bytes(preset: ModelPreset, *, dtype: str = "bf16", group_size: int | None = None) -> float:
+    """Bytes of one recurrent layer's state for one sequence, at any context: the short convolution's last
+    ``K - 1`` inputs in ``dtype`` and a ``(Dk, Dv)`` state per value head in float32 (float64 for a float64
+    cache), the dtype the gated delta rule accumulates in (what :class:`qkv.cache.RecurrentSpec` counts).
+
+    Example:
+        >>> from qkv.costs import PRESETS
+        >>> recurrent_state_bytes(PRESETS["qwen3-next-80b-a3b"]) == 8192 * 3 * 2 + 32 * 128 * 128 * 4
+        True
+    """
+    if preset.linear_attention is None:
+        raise ValueError(f"recurrent_state_bytes: {preset.name} has no recurrent (linear_attention) layers")
+    conv, K, H, Dk, Dv = preset.linear_attention.recurrent_shape()
+    wide = str(dtype).lower() in ("fp64", "float64", "torch.float64")
+    return conv * (K - 1) * element_bytes(dtype, group_size=group_size) + H * Dk * Dv * (8 if wide else 4)
+
+
 class LayerKV(NamedTuple):
-    """Cache of the layers of one kind (``"global"`` or ``"local"``); bytes rounded up."""
+    """Cache of the layers of one kind (``"global"``, ``"local"`` or ``"recurrent"``: a fixed state, ``tokens``
+    and ``bytes_per_token`` 0); bytes rounded up."""
 
     kind: str
     num_layers: int
@@ -161,6 +180,10 @@ def kv_cache_memory(
         )
     layers = []
     for kind, n in preset.layer_counts.items():
+        if kind == "recurrent":  # a fixed state per sequence: the convolution's inputs and the (Dk, Dv) states
+            state = batch * recurrent_state_bytes(preset, dtype=dtype, group_size=group_size)
+            layers.append(LayerKV(kind, n, 0, 0, math.ceil(state), n * math.ceil(state)))
+            continue
         tokens = min(context, preset.sliding_window) if kind == "local" else context
         per_layer = math.ceil(batch * tokens * per_token)
         layers.append(LayerKV(kind, n, tokens, per_token, per_layer, n * per_layer))
@@ -171,7 +194,7 @@ def kv_cache_memory(
         batch=batch,
         dtype=_dtype_key(dtype),
         bytes_per_element=element_bytes(dtype, group_size=group_size),
-        bytes_per_token=per_token * preset.num_hidden_layers,
+        bytes_per_token=per_token * (preset.num_hidden_layers - preset.layer_counts.get("recurrent", 0)),
         total_bytes=total,
         layers=tuple(layers),
         fits={g: total <= g * GB for g in DEVICE_GB},

@@ -34,8 +34,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..spec.presets import ModelPreset
-from .flops import attention_flops
-from .params import attention_weights, layer_ffn_params, require_whole_model, resolve_preset
+from .flops import attention_flops, recurrent_flops
+from .params import attention_weights, layer_ffn_params, recurrent_weights, require_whole_model, resolve_preset
 
 __all__ = [
     "FlopBreakdown",
@@ -92,7 +92,9 @@ def _matmul_weights(preset: ModelPreset) -> tuple[int, int]:
     """Weights a token multiplies by, all layers: (attention projections, feed-forward actually used)."""
     p = preset
     ffn = sum(layer_ffn_params(p, i, bias=False)[1] for i in range(p.num_hidden_layers))
-    return p.num_hidden_layers * attention_weights(p), ffn
+    rec = p.layer_types.count("linear_attention")
+    mixers = (p.num_hidden_layers - rec) * attention_weights(p) + (rec * recurrent_weights(p) if rec else 0)
+    return mixers, ffn
 
 
 def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *, batch: int = 1,
@@ -121,6 +123,9 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
     p = preset
     attn = 0
     for kind, n in p.layer_counts.items():
+        if kind == "recurrent":
+            attn += n * recurrent_flops(p, q_len, batch=batch)
+            continue
         window = p.sliding_window if kind == "local" else None
         attn += n * attention_flops(batch, p.num_attention_heads, q_len, kv_len, p.head_dim,
                                     v_head_dim=p.value_head_dim, causal=True, window=window)

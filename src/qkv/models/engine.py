@@ -54,7 +54,7 @@ import torch
 
 from ..cache import KVCache, Paged, RowSlots
 from ..cache.protocol import DecoderModel
-from ..cache.specs import FullSpec, LatentSpec, SlidingWindowSpec
+from ..cache.specs import FullSpec, LatentSpec, RecurrentSpec, SlidingWindowSpec
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
 from .generate import _vocab_size, forward_step, sample_next
@@ -158,6 +158,11 @@ class Engine:
         self.model, self.vocab_size, self.pad_token_id = model, vocab, pad_token_id
         self.block_size, self.num_blocks, self.max_batch = block_size, num_blocks, max_batch
         self.prefill_chunk, self.prefix_caching, self.mixed_steps = prefill_chunk, prefix_caching, mixed_steps
+        recurrent = [i for i, s in enumerate(model.cache_specs()) if isinstance(s, RecurrentSpec)]
+        if recurrent:  # chunks behind padding and per-row steps would need a state per row slot and phase
+            raise ValueError(f"Engine: layer {recurrent[0]} (RecurrentSpec) keeps a recurrent state; continuous "
+                             "batching of hybrid models (recurrent layers) is not supported; decode them with "
+                             "qkv.models.generate")
         self.cache = KVCache(model, storage=Paged(block_size=block_size, num_blocks=num_blocks,
                                                   prefix_caching=prefix_caching))
         if not isinstance(self.cache, RowSlots):

@@ -1,8 +1,9 @@
 """Attention shapes of published models: one registry read by the CLI, the benchmarks and the tests.
 
 Field names follow HF ``transformers`` configs. ``layer_types`` uses HF's values, ``"full_attention"``
-(global) and ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
-HF's convention: the window counts the token itself). Every number is cited in the preset's ``source``.
+(global), ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
+HF's convention: the window counts the token itself) and ``"linear_attention"`` (recurrent: a fixed state,
+shaped by ``linear_attention``, Qwen3-Next / Qwen3.5). Every number is cited in the preset's ``source``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 
 from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
-from .hf_config import read_layout
-from .layer_types import FULL_ATTENTION, LAYER_KIND, SLIDING_ATTENTION
+from .hf_config import read_layout, read_moe
+from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
+from .linear import LinearAttentionConfig
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
@@ -71,6 +73,12 @@ class ModelPreset:
         n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts,
             first_k_dense_replace: DeepSeekMoE feed-forward (HF names); the first
             ``first_k_dense_replace`` layers stay dense with ``intermediate_size``.
+        shared_expert_intermediate_size, shared_expert_gate: Qwen3-Next's shared expert: its width (default
+            ``moe_intermediate_size * n_shared_experts``) and a sigmoid gate ``d -> 1`` scaling its output.
+        linear_attention: the recurrent mixer of the ``"linear_attention"`` layers (a
+            :class:`qkv.spec.linear.LinearAttentionConfig`); their cache is a fixed state per sequence.
+        attn_output_gate: the attention output is gated by ``sigmoid`` of a second query-sized projection
+            (Qwen3-Next, Qwen3.5: ``q_proj`` twice as tall).
 
     Example:
         >>> p = PRESETS["gemma-3-27b"]
@@ -116,6 +124,10 @@ class ModelPreset:
     pre_norms: bool = True
     attention_sinks: bool = False
     router_bias: bool = False
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -132,11 +144,15 @@ class ModelPreset:
             object.__setattr__(self, "layer_types", (SLIDING if self.sliding_window else FULL,) * n)
         types = tuple(self.layer_types)
         object.__setattr__(self, "layer_types", types)
-        if len(types) != n or not set(types) <= {FULL, SLIDING}:
+        if len(types) != n or not set(types) <= {FULL, SLIDING, LINEAR_ATTENTION}:
             raise ValueError(
-                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}; got "
-                f"{len(types)} entries {sorted(set(types))}"
+                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}, {LINEAR_ATTENTION!r}; "
+                f"got {len(types)} entries {sorted(set(types))}"
             )
+        if (LINEAR_ATTENTION in types) != (self.linear_attention is not None):
+            raise ValueError(f"{self.name}: {LINEAR_ATTENTION!r} layers need linear_attention (their recurrent "
+                             f"mixer's shape) and linear_attention needs such layers; got "
+                             f"{types.count(LINEAR_ATTENTION)} layers, linear_attention={self.linear_attention!r}")
         if SLIDING in types and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError(f"{self.name}: sliding layers need a positive sliding_window")
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
@@ -169,7 +185,7 @@ class ModelPreset:
 
     @property
     def layer_counts(self) -> dict[str, int]:
-        """Layers per kind, ``{"global": n, "local": m}``, kinds with no layer left out."""
+        """Layers per kind, ``{"global": n, "local": m, "recurrent": r}``, kinds with no layer left out."""
         counts = {kind: self.layer_types.count(t) for t, kind in _LAYER_KIND.items()}
         return {kind: c for kind, c in counts.items() if c}
 
@@ -237,7 +253,10 @@ class ModelPreset:
             m = c.moe
             kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
-                      first_k_dense_replace=m.first_k_dense_replace, router_bias=m.router_bias)
+                      first_k_dense_replace=m.first_k_dense_replace, router_bias=m.router_bias,
+                      shared_expert_intermediate_size=m.shared_expert_intermediate_size,
+                      shared_expert_gate=m.shared_expert_gate)
+        kw.update(linear_attention=c.linear_attention, attn_output_gate=c.attn_output_gate)
         return cls(**kw)
 
     def mha_equivalent(self) -> ModelPreset:
@@ -281,7 +300,7 @@ _COUNTED_FIELDS = frozenset({
     "qk_norm", "qk_norm_scope", "pre_norms", "attention_sinks", "attention_scale", "attn_logit_softcapping",
     "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
-    "name",
+    "name", "linear_attention", "attn_output_gate",
 })
 
 
@@ -297,6 +316,12 @@ _GPT_OSS = dict(num_attention_heads=64, num_key_value_heads=8, head_dim=64, hidd
                 max_position_embeddings=131072)
 _QWEN3 = dict(head_dim=128, vocab_size=151936, qk_norm=True, max_position_embeddings=40960)
 _OLMO = dict(qk_norm=True, qk_norm_scope="projection", pre_norms=False, sandwich_norms=True)
+_QWEN_HYBRID = dict(head_dim=256, qk_norm=True, attn_output_gate=True, max_position_embeddings=32768)
+
+
+def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
+    """HF Qwen3-Next / Qwen3.5: layer ``i`` is full attention iff ``(i + 1) % interval == 0``, else recurrent."""
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
 _PRESETS_2025 = (
     ModelPreset(
         name="gpt-oss-20b", num_hidden_layers=24, layer_types=_pattern(24, 2), n_routed_experts=32, **_GPT_OSS,
@@ -360,6 +385,30 @@ _PRESETS_2025 = (
         layer_types=_pattern(32, 4), max_position_embeddings=65536, **_OLMO,
         source="Ai2 2025, OLMo 3; allenai/Olmo-3-1025-7B config.json (preset format 1)",
         notes="OLMo 2's blocks with three sliding-window (4096) layers per global layer; MHA.",
+    ),
+    ModelPreset(
+        name="qwen3-next-80b-a3b", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+        hidden_size=2048, intermediate_size=5632, n_routed_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, n_shared_experts=1, shared_expert_intermediate_size=512, shared_expert_gate=True,
+        layer_types=_hybrid(48, 4), linear_attention=LinearAttentionConfig(
+            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+        **_QWEN_HYBRID, vocab_size=151936,
+        source="HF transformers 5.25 Qwen3NextConfig defaults, documented there as the Qwen3-Next-80B-A3B "
+        "configuration (checkpoint Qwen/Qwen3-Next-80B-A3B-Instruct); every number is the class default",
+        notes="Hybrid: 36 Gated DeltaNet layers (fixed state) and 12 gated full-attention layers (every 4th), "
+        "partial RoPE (a quarter of each head); 512 experts, 10 per token, one gated shared expert. The config "
+        "class's defaults give max_position_embeddings 32768 (the released config.json states more).",
+    ),
+    ModelPreset(
+        name="qwen3.5-9b", num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, hidden_size=4096,
+        intermediate_size=12288, layer_types=_hybrid(32, 4), linear_attention=LinearAttentionConfig(
+            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+            mixer="gated_deltanet_split"),
+        **_QWEN_HYBRID, vocab_size=248320,
+        source="HF transformers 5.25 Qwen3_5TextConfig defaults, documented there as the Qwen3.5-9B style "
+        "configuration; every number is the class default",
+        notes="Hybrid: 24 Gated DeltaNet layers (fixed state) and 8 gated full-attention layers (every 4th), "
+        "partial RoPE; dense SwiGLU feed-forward. The language model of the multimodal Qwen3.5.",
     ),
 )
 
@@ -537,6 +586,7 @@ def preset_from_hf_config(
         qk_rope_head_dim=layout.qk_rope_head_dim,
         qk_nope_head_dim=layout.qk_nope_head_dim,
         v_head_dim=layout.v_head_dim,
+        linear_attention=layout.linear_attention,
         source=source,
         **_whole_model_fields(cfg, layout.model_type or ""),
     )
@@ -545,6 +595,7 @@ def preset_from_hf_config(
 # HF model types whose feed-forward has two matrices and whose norms are LayerNorms with biases (GPT-2 layout).
 _DENSE_LAYER_NORM = {"gpt2", "gpt_bigcode", "opt"}
 _TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"}
+_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # gated attention and recurrent layers
 
 
 def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
@@ -560,7 +611,8 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
         "attention_bias": gpt2 or bool(cfg.get("attention_bias", False)),
         "qkv_bias": model_type == "qwen2",
         "mlp_bias": gpt2 or bool(cfg.get("mlp_bias", False)),
-        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "olmo3"),
+        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "olmo3", *_HYBRID),
+        "attn_output_gate": model_type in _HYBRID,
         "qk_norm_scope": "projection" if model_type in ("olmo2", "olmo3") else "head",
         "pre_norms": model_type not in ("olmo2", "olmo3"),
         "attention_sinks": model_type == "gpt_oss",
@@ -577,6 +629,14 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
                    moe_intermediate_size=width)
         if model_type == "gpt_oss":  # experts with biases, a router with a bias, attention biases by default
             out.update(mlp_bias=True, router_bias=True, attention_bias=bool(cfg.get("attention_bias", True)))
+    if model_type in _HYBRID and (moe := read_moe({**cfg, "model_type": model_type})) is not None:
+        out.update(n_routed_experts=moe.n_routed_experts, num_experts_per_tok=moe.num_experts_per_tok,
+                   moe_intermediate_size=moe.moe_intermediate_size, n_shared_experts=moe.n_shared_experts,
+                   shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+                   shared_expert_gate=moe.shared_expert_gate)
+    if model_type in _HYBRID:  # HF's defaults where a config.json leaves them out
+        out["intermediate_size"] = out["intermediate_size"] or {"qwen3_next": 5632, "qwen3_5_text": 12288}.get(
+            model_type, out.get("moe_intermediate_size"))  # Qwen3.5-MoE has no dense MLP: the field is unused
     if cfg.get("n_routed_experts"):
         out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
                    moe_intermediate_size=cfg.get("moe_intermediate_size"),
