@@ -38,7 +38,7 @@ __all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_c
            "POSITIONS", "DECODER_POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION", "ACTIVATION_NAMES", "NORMS"]
 
 POSITIONS = ("rope", "learned", "sinusoidal", "alibi", "t5", "shaw", "none")
-DECODER_POSITIONS = ("rope", "learned", "alibi")
+DECODER_POSITIONS = ("rope", "learned", "alibi", "none")
 #: Feed-forward activations by name (the functions are :data:`qkv.nn.activations.ACTIVATIONS`, same keys).
 ACTIVATION_NAMES = ("silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "relu", "swiglu", "geglu")
 #: Norm kinds: ``"layer"`` (scale and shift) and ``"rms"`` (a scale per channel).
@@ -284,7 +284,8 @@ class DecoderConfig:
         rms_norm_eps: epsilon of every RMSNorm; layer_norm_eps: of every LayerNorm.
         norm_offset: RMSNorm scales by ``norm_offset + weight`` (Gemma: 1.0, weights stored around 0).
         position: ``"rope"`` (rotary, per layer type from ``rope``), ``"learned"`` (absolute embeddings added
-            to the tokens, GPT-2) or ``"alibi"`` (linear biases, Press et al. 2022, BLOOM).
+            to the tokens, GPT-2), ``"alibi"`` (linear biases, Press et al. 2022, BLOOM) or ``"none"`` (no
+            positions: order comes from the causal mask alone; Kimi Linear's MLA, ``latent.use_rope=False``).
         embed_norm: a LayerNorm right after the token embedding (BLOOM).
         scale_embeddings: multiply token embeddings by ``sqrt(hidden_size)`` (Gemma).
         sandwich_norms: also normalize each branch's output (Gemma 2/3 post-attention and
@@ -306,7 +307,8 @@ class DecoderConfig:
         rope: RoPE per layer type (a missing type uses ``"full_attention"``'s).
         max_position_embeddings: context length (RoPE ``dynamic``/YaRN defaults).
         latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
-            :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself).
+            :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself;
+            ``position`` is ``"rope"``, or ``"none"`` exactly when its ``use_rope`` is False).
         moe: DeepSeekMoE feed-forward on the layers it selects.
         backend: the :func:`qkv.attention` backend of every layer.
         decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
@@ -408,8 +410,10 @@ class DecoderConfig:
                              "is not a supported family)")
         if self.latent is not None and self.attention_sinks:
             raise ValueError("DecoderConfig: attention_sinks are not supported with latent attention (MLA)")
-        if self.latent is not None and self.position != "rope":
-            raise ValueError(f"DecoderConfig: latent attention (MLA) uses RoPE, got position={self.position!r}")
+        if self.latent is not None and self.position != ("rope" if self.latent.use_rope else "none"):
+            want = "'rope'" if self.latent.use_rope else "'none' (its use_rope is False: NoPE)"
+            raise ValueError(f"DecoderConfig: this latent attention (MLA) needs position={want}, got "
+                             f"position={self.position!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
 
     def window_for(self, layer_idx: int) -> int | None:
