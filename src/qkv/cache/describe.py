@@ -1,6 +1,7 @@
 """Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`,
-a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.LayerLayout`): ``LatentSpec`` for MLA,
-``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The description (in :mod:`qkv.spec`) knows
+a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.LayerLayout`): ``RecurrentSpec`` for the
+recurrent (``linear_attention``) layers of hybrid models, ``LatentSpec`` for MLA, ``SlidingWindowSpec`` for local
+layers, ``FullSpec`` otherwise. The description (in :mod:`qkv.spec`) knows
 nothing of the cache; the cache reads it here.
 
 Example:
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 from ..spec.config import DecoderConfig
 from ..spec.hf_config import LayerLayout
-from ..spec.layer_types import SLIDING_ATTENTION
+from ..spec.layer_types import LINEAR_ATTENTION, SLIDING_ATTENTION
 from ..spec.presets import ModelPreset
-from .specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
+from .specs import FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
 
 __all__ = ["cache_specs_of"]
 
@@ -26,9 +27,14 @@ def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> li
     if isinstance(description, DecoderConfig):
         c = description
         if c.latent is not None:
-            return [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim)] * c.num_hidden_layers
-        return [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
-                FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
+            attn: list[LayerSpec] = [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim)] * c.num_hidden_layers
+        else:
+            attn = [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
+                    FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
+        if c.linear_attention is None:
+            return attn
+        rec = RecurrentSpec(*c.linear_attention.recurrent_shape())
+        return [rec if t == LINEAR_ATTENTION else spec for t, spec in zip(c.layer_types, attn)]
     if isinstance(description, (ModelPreset, LayerLayout)):
         d = description
         if d.kv_lora_rank:

@@ -9,6 +9,7 @@ Example:
 """
 
 from ..spec.config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
+from ..spec.linear import LinearAttentionConfig
 from ._recurrent import RecurrentState
 from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention
@@ -33,7 +34,7 @@ __all__ = [
     "MultiHeadAttention", "AttentionModuleOutput",
     "RMSNorm", "rms_norm", "make_norm", "FeedForward", "GatedMLP", "MoE", "MoEConfig", "ACTIVATIONS",
     "TransformerBlock", "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights",
-    "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams",
+    "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams", "LinearAttentionConfig",
     "TransformerConfig", "PRESETS", "get_config",
     "LatentAttention", "LatentAttentionOutput", "LatentConfig", "SparseLatentAttention", "LightningIndexer",
     "IndexerOutput", "LinearAttention", "PerformerAttention",

@@ -3,8 +3,8 @@ family qkv loads, configured by fields (:class:`qkv.nn.DecoderConfig`), not copi
 
 Llama (Touvron et al. 2023), Mistral (Jiang et al. 2023, arXiv:2310.06825), Qwen2 (Yang et al. 2024,
 arXiv:2407.10671), Gemma 2 (arXiv:2408.00118), Gemma 3 (arXiv:2503.19786), DeepSeek-V2 (arXiv:2405.04434),
-GPT-2 (Radford et al. 2019) and BLOOM (BigScience 2022) differ in a handful of switches. Each layer is two
-pre-norm residual branches::
+GPT-2 (Radford et al. 2019), BLOOM (BigScience 2022) and the hybrid Qwen3-Next / Qwen3.5 differ in a handful of
+switches. Each layer is two pre-norm residual branches::
 
     x = x + attn_out_norm(attn(attn_norm(x)))     # attn_out_norm, ffn_out_norm: Gemma 2/3 only
     x = x + ffn_out_norm(ffn(ffn_norm(x)))
@@ -14,7 +14,12 @@ pre-norm residual branches::
   2022, BLOOM), optional QKV bias, per-head QK RMSNorm (Gemma 3), a score scale, tanh score soft-capping
   (Gemma 2) and a sliding window on local layers; or Multi-head Latent Attention (DeepSeek-V2) through
   :class:`qkv.nn.LatentAttention`. Attention runs through the module's ``attention_fn`` (default
-  :func:`qkv.attention`), caches through the :mod:`qkv.cache` protocol.
+  :func:`qkv.attention`), caches through the :mod:`qkv.cache` protocol. Optionally its output is gated,
+  ``o * sigmoid(gate(x))`` before the output projection (Qwen3-Next's gated attention).
+- or, on ``"linear_attention"`` layers of a hybrid model, a recurrent mixer, ``layers[i].linear_attn``
+  (:class:`qkv.nn.GatedDeltaNet`, Yang et al. 2025, arXiv:2412.06464) whose state the cache keeps under a
+  ``RecurrentSpec``: one :class:`qkv.cache.KVCache` holds both kinds of layer. Padding tokens (position
+  ``-1``) are zeroed before the mixer, so a left-padded row leaves the state its real tokens alone leave.
 - feed-forward: :class:`qkv.nn.GatedMLP` (SwiGLU, tanh-GeGLU), :class:`qkv.nn.FeedForward` (GPT-2, BLOOM)
   or :class:`qkv.nn.MoE` (DeepSeekMoE) on the layers the config selects.
 - :class:`qkv.nn.RMSNorm` (Gemma's ``1 + w`` variant included) or LayerNorm; embeddings optionally scaled by
@@ -65,8 +70,10 @@ from ..pos.ids import batch_positions, positions_from_padding
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..spec.config import DecoderConfig
+from ..spec.layer_types import LINEAR_ATTENTION
 from .cached import attention_mask, cached_attention, refuse_scoring_cache
 from .ffn import FeedForward, GatedMLP
+from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from .latent import LatentAttention
 from .moe import MoE
 from .norm import RMSNorm
@@ -149,13 +156,22 @@ class _RopeTable:
 class _ForwardContext:
     """What every layer of one forward pass shares: positions, cache, masks and RoPE tables of the step."""
 
-    __slots__ = ("positions", "cache", "n", "dtype", "_cos_sin", "_masks")
+    __slots__ = ("positions", "cache", "n", "dtype", "_cos_sin", "_masks", "_real")
 
     def __init__(self, positions: torch.Tensor | None, cache: AttentionCache | None, n: int,
                  dtype: torch.dtype) -> None:
         self.positions, self.cache, self.n, self.dtype = positions, cache, n, dtype
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int | None, masks.Mask] = {}
+        self._real: tuple[torch.Tensor | None] | None = None
+
+    def real_tokens(self) -> torch.Tensor | None:
+        """(B, N, 1) 1 on real tokens and 0 on padding (position -1), for recurrent layers; None without padding."""
+        if self._real is None:
+            pos = self.positions
+            pad = pos is not None and pos.dim() == 2 and bool((pos < 0).any())
+            self._real = ((pos >= 0).unsqueeze(-1).to(self.dtype) if pad else None,)
+        return self._real[0]
 
     def cos_sin(self, table: _RopeTable, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = id(table)
@@ -190,7 +206,8 @@ class SelfAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.layer_idx, self.window, self.rope = layer_idx, c.window_for(layer_idx), rope
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, (Hq + 2 * Hkv) * D, bias=c.qkv_bias)
+        self.output_gate = c.attn_output_gate  # then qkv_proj also gives the gate's Hq * D channels, last
+        self.qkv_proj = nn.Linear(c.hidden_size, (Hq * c.attn_output_gate + Hq + 2 * Hkv) * D, bias=c.qkv_bias)
         self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
         self.qk_norm_projection = c.qk_norm and c.qk_norm_scope == "projection"  # OLMo 2/3: over all heads
         q_dim, k_dim = (Hq * D, Hkv * D) if self.qk_norm_projection else (D, D)
@@ -217,7 +234,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D)
+        qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D), then the output gate's (B, N, Hq D)
+        gate = None
+        if self.output_gate:
+            qkv, gate = qkv.split(((Hq + 2 * Hkv) * D, Hq * D), dim=-1)
         if self.qk_norm_projection:
             q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
@@ -239,10 +259,14 @@ class SelfAttention(nn.Module):
                                score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
                                attention_fn=self.attention_fn, backend=self.backend,
                                decode_backend=self.decode_backend, head_gate=self.head_gate, owner="DecoderLM")
-        return self.o_proj(res.out.transpose(1, 2).reshape(B, N, Hq * D))  # (B, N, d)
+        out = res.out.transpose(1, 2).reshape(B, N, Hq * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)  # (B, N, d)
 
     def extra_repr(self) -> str:
         extra = f", window={self.window}" if self.window else ""
+        extra += ", output_gate" if self.output_gate else ""
         extra += ", alibi" if self.alibi is not None else ""
         extra += ", sinks" if self.sinks is not None else ""
         extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""
@@ -263,14 +287,27 @@ def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
     return FeedForward(c.hidden_size, c.intermediate_size, activation=c.hidden_act, bias=c.mlp_bias)
 
 
+def _linear_mixer(c: DecoderConfig, layer_idx: int) -> nn.Module:
+    """The recurrent mixer of a ``linear_attention`` layer (:class:`qkv.spec.linear.LinearAttentionConfig`)."""
+    lin = c.linear_attention
+    cls = SplitGatedDeltaNet if lin.mixer == "gated_deltanet_split" else GatedDeltaNet
+    return cls(c.hidden_size, num_k_heads=lin.linear_num_key_heads, num_v_heads=lin.linear_num_value_heads,
+               head_k_dim=lin.linear_key_head_dim, head_v_dim=lin.linear_value_head_dim,
+               conv_kernel_size=lin.linear_conv_kernel_dim, norm_eps=c.rms_norm_eps, layer_idx=layer_idx)
+
+
 class DecoderLayer(nn.Module):
-    """One layer: attention and feed-forward branches, each pre-normed (and post-normed with sandwich norms)."""
+    """One layer: attention (or a recurrent mixer, ``linear_attn``) and feed-forward branches, each pre-normed (and
+    post-normed with sandwich norms)."""
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
         super().__init__()
         self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.latent = c.latent is not None
-        if self.latent:
+        self.linear_attn = None
+        if c.layer_types[layer_idx] == LINEAR_ATTENTION:
+            self.linear_attn, self.latent = _linear_mixer(c, layer_idx), False
+        elif self.latent:
             backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
                        and not c.latent.attention_dropout else c.backend)
             self.self_attn = LatentAttention(c.latent, rope=rope, backend=backend, layer_idx=layer_idx)
@@ -283,7 +320,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
         a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
-        if self.latent:
+        if self.linear_attn is not None:
+            h = self._mix_recurrent(a, step)
+        elif self.latent:
             h = self.self_attn(a, positions=step.positions, cache=step.cache).out
         else:
             h = self.self_attn(a, step)
@@ -294,6 +333,20 @@ class DecoderLayer(nn.Module):
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
         return x + h
+
+    def _mix_recurrent(self, a: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
+        """The recurrent mixer over this step's tokens, its state read from and written to the cache."""
+        real, cache, i = step.real_tokens(), step.cache, self.linear_attn.layer_idx
+        if real is not None:  # padding writes nothing (the state only decays from zero before a left-padded row)
+            a = a * real
+        state = None if cache is None else cache.recurrent_state(i)
+        if a.shape[1] == 1 and state is not None:
+            res = self.linear_attn.step(a, state)
+        else:
+            res = self.linear_attn(a, state=state)
+        if cache is not None:
+            cache.update_recurrent(i, res.state, tokens=a.shape[1])
+        return res.out
 
 
 _PROTOCOL_CACHES: set[type] = set()  # cache types already checked against the protocol (a decode step is short)
@@ -327,7 +380,8 @@ class DecoderLM(nn.Module):
     swaps in CPU products from outside.
 
     ``cache_specs()``: one :mod:`qkv.cache` layer spec per layer: ``FullSpec``, ``SlidingWindowSpec`` for
-    local layers, ``LatentSpec`` for MLA; ``KVCache(model.cache_specs())`` is a cache for it.
+    local layers, ``LatentSpec`` for MLA, ``RecurrentSpec`` for recurrent layers; ``KVCache(model.cache_specs())``
+    is a cache for it.
 
     Example:
         >>> import torch
@@ -350,7 +404,7 @@ class DecoderLM(nn.Module):
         self.ropes: dict[str, _RopeTable] = {}
         if c.position == "rope":
             rotary_dim = c.latent.qk_rope_head_dim if c.latent is not None else c.head_dim
-            for kind in dict.fromkeys(c.layer_types):
+            for kind in dict.fromkeys(t for t in c.layer_types if t != LINEAR_ATTENTION):
                 self.ropes[kind] = _RopeTable(RotaryEmbedding.from_params(c.rope_for(kind), rotary_dim,
                                                                          c.max_position_embeddings))
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -362,7 +416,8 @@ class DecoderLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
         # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused
-        self._modified_scores = [i for i, layer in enumerate(self.layers) if not layer.latent
+        self._modified_scores = [i for i, layer in enumerate(self.layers)
+                                 if not layer.latent and layer.linear_attn is None
                                  and (layer.self_attn.score_mod is not None or layer.self_attn.alibi is not None)]
 
     def _positions(self, input_ids: torch.Tensor, attention_mask, positions, cache) -> torch.Tensor | None:

@@ -3,8 +3,9 @@
 - :class:`DecoderConfig` (the one decoder, :class:`qkv.nn.DecoderLM`) and :class:`TransformerConfig` (the
   encoder / encoder-decoder stacks), with their named tiny presets (:func:`get_config`);
 - :class:`RopeParams` (RoPE as data; :meth:`qkv.pos.RotaryEmbedding.from_params` builds the tensors),
-  :class:`LatentConfig` (MLA), :class:`MoEConfig` (DeepSeekMoE);
-- the layer types (:data:`FULL_ATTENTION`, :data:`SLIDING_ATTENTION`);
+  :class:`LatentConfig` (MLA), :class:`MoEConfig` (DeepSeekMoE), :class:`LinearAttentionConfig` (the recurrent
+  layers of hybrid models);
+- the layer types (:data:`FULL_ATTENTION`, :data:`SLIDING_ATTENTION`, :data:`LINEAR_ATTENTION`);
 - the one reader of an HF config (:mod:`qkv.spec.hf_config`: :func:`read_layout`, :func:`read_rope`,
   :func:`read_latent`, :func:`read_moe`, :func:`load_hf_config`), used by :mod:`qkv.models`,
   :func:`qkv.cache.plan_memory` and :mod:`qkv.costs` alike;
@@ -34,14 +35,16 @@ from .hf_config import (
     read_rope,
 )
 from .latent import LatentConfig
-from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from .layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
+from .linear import LinearAttentionConfig
 from .moe import MoEConfig
 from .presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
 from .rope import ROPE_TYPES, RopeParams
 
 __all__ = [
-    "AMBIGUOUS", "CONFIG_PRESETS", "DECODER_POSITIONS", "FULL_ATTENTION", "LAYER_TYPES", "PRESETS", "ROPE_TYPES",
-    "SLIDING_ATTENTION", "DecoderConfig", "LatentConfig", "LayerLayout", "ModelPreset", "MoEConfig", "RopeParams",
-    "TransformerConfig", "declared_dtype", "description_dtype", "get_config", "get_preset", "load_hf_config",
-    "preset_from_hf_config", "read_latent", "read_layout", "read_moe", "read_rope",
+    "AMBIGUOUS", "CONFIG_PRESETS", "DECODER_POSITIONS", "FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION",
+    "PRESETS", "ROPE_TYPES", "SLIDING_ATTENTION", "DecoderConfig", "LatentConfig", "LinearAttentionConfig",
+    "LayerLayout", "ModelPreset", "MoEConfig", "RopeParams", "TransformerConfig", "declared_dtype",
+    "description_dtype", "get_config", "get_preset", "load_hf_config", "preset_from_hf_config", "read_latent",
+    "read_layout", "read_moe", "read_rope",
 ]

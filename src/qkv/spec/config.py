@@ -30,7 +30,8 @@ from types import MappingProxyType
 from typing import Any
 
 from .latent import LatentConfig
-from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
+from .linear import LinearAttentionConfig
 from .moe import MoEConfig
 from .rope import RopeParams, check_rope_scaling
 
@@ -53,12 +54,13 @@ def _positive_ints(owner: str, obj, names) -> None:
             raise ValueError(f"{owner}: {name} must be a positive int, got {v!r}")
 
 
-def _check_layer_types(owner: str, layer_types: tuple[str, ...], n_layers: int, sliding_window) -> None:
+def _check_layer_types(owner: str, layer_types: tuple[str, ...], n_layers: int, sliding_window,
+                       known: tuple[str, ...] = LAYER_TYPES) -> None:
     if len(layer_types) != n_layers:
         raise ValueError(f"{owner}: layer_types has {len(layer_types)} entries for {n_layers} layers")
-    bad = set(layer_types) - set(LAYER_TYPES)
+    bad = set(layer_types) - set(known)
     if bad:
-        raise ValueError(f"{owner}: layer_types must be {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}, got {sorted(bad)}")
+        raise ValueError(f"{owner}: layer_types must be one of {known}, got {sorted(bad)}")
     if SLIDING_ATTENTION in layer_types and not (isinstance(sliding_window, int) and sliding_window > 0):
         raise ValueError(f"{owner}: sliding_attention layers need sliding_window (keys per query, a positive int), "
                          f"got {sliding_window!r}")
@@ -303,13 +305,18 @@ class DecoderConfig:
         final_logit_softcapping: the same on the output logits (Gemma 2).
         tie_word_embeddings: the LM head is the embedding matrix.
         sliding_window: keys per query on ``sliding_attention`` layers, the query included (HF convention).
-        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (default: all full).
+        layer_types: per layer ``"full_attention"``, ``"sliding_attention"`` or ``"linear_attention"`` (a
+            recurrent layer, shaped by ``linear_attention``) (default: all full).
         rope: RoPE per layer type (a missing type uses ``"full_attention"``'s).
         max_position_embeddings: context length (RoPE ``dynamic``/YaRN defaults).
         latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
             :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself;
             ``position`` is ``"rope"``, or ``"none"`` exactly when its ``use_rope`` is False).
         moe: DeepSeekMoE feed-forward on the layers it selects.
+        linear_attention: the recurrent mixer of the ``"linear_attention"`` layers (a
+            :class:`qkv.spec.linear.LinearAttentionConfig`: Gated DeltaNet of Qwen3-Next / Qwen3.5).
+        attn_output_gate: the attention output is multiplied by ``sigmoid(gate)``, ``gate`` a per-channel
+            projection of the layer input (Qwen3-Next's gated attention; HF folds it into ``q_proj``).
         backend: the :func:`qkv.attention` backend of every layer.
         decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
             ``"auto"`` and the layer's request allows it (no soft-capping). ``"sdpa"`` by default: measured
@@ -352,6 +359,8 @@ class DecoderConfig:
     max_position_embeddings: int = 2048
     latent: LatentConfig | None = None
     moe: MoEConfig | None = None
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     name: str = ""
@@ -393,7 +402,12 @@ class DecoderConfig:
             set_("layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
         else:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        _check_layer_types("DecoderConfig", self.layer_types, self.num_hidden_layers, self.sliding_window)
+        _check_layer_types("DecoderConfig", self.layer_types, self.num_hidden_layers, self.sliding_window,
+                           DECODER_LAYER_TYPES)
+        if (LINEAR_ATTENTION in self.layer_types) != (self.linear_attention is not None):
+            raise ValueError(f"DecoderConfig: {LINEAR_ATTENTION!r} layers and linear_attention (their mixer's shape) "
+                             f"go together; got {self.layer_types.count(LINEAR_ATTENTION)} such layers and "
+                             f"linear_attention={self.linear_attention!r}")
         if self.latent is not None and SLIDING_ATTENTION in self.layer_types:
             raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
         if FULL_ATTENTION not in self.rope:
@@ -408,6 +422,8 @@ class DecoderConfig:
         if not self.pre_norms and not self.sandwich_norms:
             raise ValueError("DecoderConfig: pre_norms=False needs sandwich_norms=True (a block without any norm "
                              "is not a supported family)")
+        if self.latent is not None and self.attn_output_gate:
+            raise ValueError("DecoderConfig: attn_output_gate is not supported with latent attention (MLA)")
         if self.latent is not None and self.attention_sinks:
             raise ValueError("DecoderConfig: attention_sinks are not supported with latent attention (MLA)")
         if self.latent is not None and self.position != ("rope" if self.latent.use_rope else "none"):

@@ -1,0 +1,77 @@
+"""The recurrent ("linear attention") token mixer of a hybrid decoder's ``linear_attention`` layers, as data.
+
+Hybrid models interleave softmax attention layers with recurrent layers whose state does not grow with the
+context: Qwen3-Next and Qwen3.5 put three Gated DeltaNet layers (Yang, Kautz, Hatamizadeh 2025,
+arXiv:2412.06464) before each full-attention layer. :class:`LinearAttentionConfig` holds the mixer's shape under
+HF's field names; :class:`qkv.nn.DecoderLM` builds the module (:mod:`qkv.nn.gated_deltanet`) and
+:func:`qkv.cache.describe.cache_specs_of` its cache spec (a ``RecurrentSpec``: the short convolution's last
+``K - 1`` inputs and a ``(Dk, Dv)`` state per value head).
+
+Mixers (``mixer``):
+
+- ``"gated_deltanet"``: Qwen3-Next's projections, ``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head;
+- ``"gated_deltanet_split"``: Qwen3.5's, ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+
+Example:
+    >>> c = LinearAttentionConfig(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    ...                           linear_value_head_dim=16)
+    >>> c.recurrent_shape()   # conv channels, taps, value heads, Dk, Dv
+    (96, 4, 4, 8, 16)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LinearAttentionConfig", "LINEAR_MIXERS"]
+
+#: The recurrent mixers a ``linear_attention`` layer may hold.
+LINEAR_MIXERS = ("gated_deltanet", "gated_deltanet_split")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearAttentionConfig:
+    """Shape of the recurrent mixer of every ``linear_attention`` layer (HF Qwen3-Next field names).
+
+    Args:
+        mixer: one of :data:`LINEAR_MIXERS`.
+        linear_num_key_heads: query/key heads ``Hk``.
+        linear_num_value_heads: value heads ``H``, a multiple of ``Hk`` (each key head serves ``H / Hk``).
+        linear_key_head_dim, linear_value_head_dim: ``Dk`` and ``Dv``.
+        linear_conv_kernel_dim: taps ``K`` of the short causal convolution over q, k and v.
+    """
+
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    mixer: str = "gated_deltanet"
+
+    def __post_init__(self) -> None:
+        if self.mixer not in LINEAR_MIXERS:
+            raise ValueError(f"LinearAttentionConfig: mixer must be one of {LINEAR_MIXERS}, got {self.mixer!r}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"LinearAttentionConfig: {name} must be a positive int, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"LinearAttentionConfig: linear_num_value_heads={self.linear_num_value_heads} must be a "
+                             f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
+
+    def recurrent_shape(self) -> tuple[int, int, int, int, int]:
+        """``(conv channels, conv taps, value heads, Dk, Dv)``: what a ``RecurrentSpec`` of this layer holds."""
+        Hk, H = self.linear_num_key_heads, self.linear_num_value_heads
+        Dk, Dv = self.linear_key_head_dim, self.linear_value_head_dim
+        return 2 * Hk * Dk + H * Dv, self.linear_conv_kernel_dim, H, Dk, Dv
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], *, mixer: str = "gated_deltanet") -> LinearAttentionConfig:
+        """From an HF Qwen3-Next / Qwen3.5 text config dict (HF's defaults for absent keys)."""
+        return cls(linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
+                   linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
+                   linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
+                   linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
+                   linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4), mixer=mixer)
