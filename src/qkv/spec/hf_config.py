@@ -47,15 +47,13 @@ from typing import Any
 
 from .config_file import read_json_config
 from .latent import LatentConfig
-from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from .layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .moe import MoEConfig
 from .rope import RopeParams, rope_type_of
 
 __all__ = ["LayerLayout", "read_layout", "read_rope", "read_latent", "read_moe", "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
-
-LINEAR_ATTENTION = "linear_attention"  # HF's value for a linear-attention (KDA) layer
 
 #: HF config defaults (``transformers``' config classes) for the keys a ``config.json`` may leave out.
 HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
@@ -239,7 +237,7 @@ def _layer_types(cfg: Mapping[str, Any], n: int, source: str) -> tuple[tuple[str
     given = cfg.get("layer_types")
     if given is not None:
         types = tuple(given)
-        unknown = sorted(set(types) - set(LAYER_TYPES))
+        unknown = sorted(set(types) - set(LAYER_TYPES) - ({LINEAR_ATTENTION} if model_type == "kimi_linear" else set()))
         if unknown:
             what = "".join(f" ({_OTHER_LAYER_TYPES[t]})" for t in unknown if t in _OTHER_LAYER_TYPES)
             raise ValueError(f"{source}: layer types {unknown}{what} not supported; known {FULL_ATTENTION!r}, "
