@@ -38,9 +38,15 @@ def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> li
     if isinstance(description, (ModelPreset, LayerLayout)):
         d = description
         if d.kv_lora_rank:
-            return [LatentSpec(d.kv_lora_rank, d.qk_rope_head_dim)] * d.num_hidden_layers
-        return [SlidingWindowSpec(d.sliding_window, d.num_key_value_heads, d.head_dim, d.v_head_dim)
-                if t == SLIDING_ATTENTION else FullSpec(d.num_key_value_heads, d.head_dim, d.v_head_dim)
-                for t in d.layer_types]
+            attn = [LatentSpec(d.kv_lora_rank, d.qk_rope_head_dim)] * d.num_hidden_layers
+        else:
+            attn = [SlidingWindowSpec(d.sliding_window, d.num_key_value_heads, d.head_dim, d.v_head_dim)
+                    if t == SLIDING_ATTENTION else FullSpec(d.num_key_value_heads, d.head_dim, d.v_head_dim)
+                    for t in d.layer_types]
+        lin = getattr(d, "linear_attention", None)
+        if lin is None:
+            return attn
+        rec = RecurrentSpec(*lin.recurrent_shape())
+        return [rec if t == LINEAR_ATTENTION else spec for t, spec in zip(d.layer_types, attn)]
     raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig, ModelPreset or hf_config.LayerLayout, got "
                     f"{type(description).__name__}")

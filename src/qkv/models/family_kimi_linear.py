@@ -40,7 +40,6 @@ import torch
 from ..nn import DecoderConfig, DecoderLM
 from ..spec.hf_config import hf_defaults, read_latent, read_moe
 from ..spec.layer_types import LINEAR_ATTENTION
-from ..spec.linear import LinearAttentionConfig
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder, rename_router_bias
 from .loading import FAMILIES, CheckpointError
@@ -60,11 +59,10 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
     try:
         full = hf_defaults(cfg)
         latent, moe = read_latent(full), read_moe(full)
-        linear = LinearAttentionConfig.from_hf(full, mixer="kda")
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"from_hf: cannot build a kimi_linear model from its config: {e}") from e
     return decoder_config_from(
-        full, head_dim=None, hidden_act=act, latent=latent, moe=moe, linear_attention=linear, position="none",
+        full, head_dim=None, hidden_act=act, latent=latent, moe=moe, position="none",
         rms_norm_eps=float(full.get("rms_norm_eps") or 1e-5),
         max_position_embeddings=int(full.get("model_max_length") or full.get("max_position_embeddings") or 1048576))
 

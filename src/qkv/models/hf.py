@@ -30,10 +30,11 @@ ATTN_STACK = ("q_proj", "k_proj", "v_proj")
 MLP_STACK = ("gate_proj", "up_proj")
 
 
-def rope_params(rope: RopeParams, *, interleaved: bool = False) -> RopeParams:
+def rope_params(rope: RopeParams, *, interleaved: bool = False, partial: bool = False) -> RopeParams:
     """A layer type's RoPE as :func:`qkv.spec.hf_config.read_layout` reads it, with the family's channel pairing;
-    ``CheckpointError`` for a partial rotation, which the decoder families do not build."""
-    if rope.partial_rotary_factor != 1.0:
+    ``CheckpointError`` for a partial rotation unless the family rotates the first channels only (``partial``:
+    Qwen3-Next and Qwen3.5 rotate a quarter of each head)."""
+    if rope.partial_rotary_factor != 1.0 and not partial:
         raise CheckpointError(f"from_hf: partial_rotary_factor={rope.partial_rotary_factor} (!= 1) is not supported "
                               "for this family")
     return dataclasses.replace(rope, scaling=dict(rope.scaling) if rope.scaling else None, interleaved=interleaved)
@@ -47,10 +48,12 @@ def read_checkpoint_layout(cfg: Mapping[str, Any]) -> LayerLayout:
         raise CheckpointError(f"from_hf: cannot read the {cfg.get('model_type')} config's layout: {e}") from e
 
 
-def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, **family: Any) -> DecoderConfig:
+def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, partial_rotary: bool = False,
+                   **family: Any) -> DecoderConfig:
     """A :class:`qkv.nn.DecoderConfig` from the fields every HF decoder config shares, the layout
-    (:func:`qkv.spec.hf_config.read_layout`: layer types, window, RoPE per layer type, head width) and a
-    family's switches (``family`` overrides); ``CheckpointError`` naming what is missing or wrong."""
+    (:func:`qkv.spec.hf_config.read_layout`: layer types, window, RoPE per layer type, head width, the recurrent
+    layers' mixer) and a family's switches (``family`` overrides; ``partial_rotary``: the family rotates
+    ``partial_rotary_factor`` of each head); ``CheckpointError`` naming what is missing or wrong."""
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size") if cfg.get(k) is None]
     if missing:
@@ -64,7 +67,8 @@ def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, **
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
         layer_types=layout.layer_types, sliding_window=layout.sliding_window,
-        rope={kind: rope_params(r, interleaved=interleaved_rope) for kind, r in layout.rope.items()},
+        rope={kind: rope_params(r, interleaved=interleaved_rope, partial=partial_rotary)
+              for kind, r in layout.rope.items()}, linear_attention=layout.linear_attention,
         name=str(cfg.get("model_type") or ""))
     common.update(family)
     try:

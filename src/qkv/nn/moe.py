@@ -189,8 +189,10 @@ class MoE(nn.Module):
             self.experts = Experts(m.n_routed_experts, hidden_size, m.moe_intermediate_size, activation)
         if m.topk_method == "noaux_tc":  # DeepSeek-V3's balancing bias: steers the choice, not trained by SGD
             self.register_buffer("e_score_correction_bias", torch.zeros(m.n_routed_experts))
-        self.shared_experts = (GatedMLP(hidden_size, m.moe_intermediate_size * m.n_shared_experts,
-                                        activation=activation, bias=bias) if m.n_shared_experts else None)
+        self.shared_experts = (GatedMLP(hidden_size, m.shared_width, activation=activation, bias=bias)
+                               if m.n_shared_experts else None)
+        # Qwen3-Next: the shared expert's output times sigmoid of a learned scalar per token
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if m.shared_expert_gate else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, d) -> (weights (T, k) float32, expert ids (T, k)); the router runs in float32, as HF's."""
@@ -209,5 +211,8 @@ class MoE(nn.Module):
         weights, idx = self.route(flat)
         out = self.experts(flat, idx, weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.view(shape)

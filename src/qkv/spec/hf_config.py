@@ -15,11 +15,16 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
   local layers per global one (layer ``i`` global iff ``(i + 1) % pattern == 0``);
 - Llama, DeepSeek, GPT-2, BLOOM: no layer slides;
 - other families (Mistral, Mixtral, ...): every layer slides when ``sliding_window`` is set, else none;
-  a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does.
+  a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does;
+- hybrid Qwen3-Next / Qwen3.5: ``"linear_attention"`` (Gated DeltaNet) layers, and every
+  ``full_attention_interval``-th layer (default 4) ``"full_attention"`` when ``layer_types`` is absent; the
+  recurrent layers' shape is :func:`read_linear_attention`'s (``LayerLayout.linear_attention``);
+- hybrid Kimi Linear: KDA (``"linear_attention"``) and MLA layers from a checkpoint's ``linear_attn_config``
+  (layers counted from 1), else transformers' default, layer ``i`` MLA when ``i > 0`` and ``i % 4 == 0``.
 
-Multimodal configs are read from ``text_config``. RoPE per layer type (:func:`read_rope`): transformers 5's
-``rope_parameters`` (per layer type for Gemma 3), or ``rope_theta`` with ``rope_scaling``; Gemma 3's older
-configs give local layers ``rope_local_base_freq`` without scaling. The MLA shape (:func:`read_latent`) and the
+Multimodal configs are read from ``text_config`` (Gemma 3, Qwen3.5). RoPE per layer type (:func:`read_rope`):
+transformers 5's ``rope_parameters`` (per layer type for Gemma 3), or ``rope_theta`` with ``rope_scaling``; Gemma 3's
+older configs give local layers ``rope_local_base_freq`` without scaling. The MLA shape (:func:`read_latent`) and the
 mixture of experts (:func:`read_moe`) are read here too, so no other module reads RoPE or HF names again.
 
 A field that changes the attention layout and that this reader does not model is refused, never ignored
@@ -47,11 +52,13 @@ from typing import Any
 
 from .config_file import read_json_config
 from .latent import LatentConfig
-from .layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
+from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from .linear import LinearAttentionConfig
 from .moe import MoEConfig
 from .rope import RopeParams, rope_type_of
 
-__all__ = ["LayerLayout", "read_layout", "read_rope", "read_latent", "read_moe", "load_hf_config", "text_config",
+__all__ = ["LayerLayout", "read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention",
+           "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
 
@@ -66,7 +73,12 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
                     "attn_logit_softcapping": None, "final_logit_softcapping": None, "rope_theta": 1_000_000.0,
                     "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
     "llama4_text": {"attention_chunk_size": 8192, "no_rope_layer_interval": 4},
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
+                    {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
 }
+#: Hybrid families: their recurrent layers' mixer (:data:`qkv.spec.linear.LINEAR_MIXERS`).
+HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
+                 "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda"}
 
 #: Layout fields this reader does not model, each with what it means; a config that sets one is refused.
 UNREAD_LAYOUT_FIELDS: Mapping[str, str] = {
@@ -120,7 +132,7 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for long in _ALIASES.values():  # the long name wins where both are present
         if long in cfg:
             out[long] = cfg[long]
-    if out.get("model_type") in ("gemma3", "llama4"):
+    if out.get("model_type") in ("gemma3", "llama4", "qwen3_5", "qwen3_5_moe"):
         out["model_type"] += "_text"
     return out
 
@@ -212,6 +224,7 @@ class LayerLayout:
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
     v_head_dim: int | None = None
+    linear_attention: LinearAttentionConfig | None = None  # the "linear_attention" layers' recurrent mixer
 
     def window_for(self, layer_idx: int) -> int | None:
         """Tokens layer ``layer_idx`` sees (None: every earlier token)."""
@@ -237,13 +250,19 @@ def _layer_types(cfg: Mapping[str, Any], n: int, source: str) -> tuple[tuple[str
     given = cfg.get("layer_types")
     if given is not None:
         types = tuple(given)
-        unknown = sorted(set(types) - set(LAYER_TYPES) - ({LINEAR_ATTENTION} if model_type == "kimi_linear" else set()))
+        unknown = sorted(set(types) - set(DECODER_LAYER_TYPES))
         if unknown:
             what = "".join(f" ({_OTHER_LAYER_TYPES[t]})" for t in unknown if t in _OTHER_LAYER_TYPES)
-            raise ValueError(f"{source}: layer types {unknown}{what} not supported; known {FULL_ATTENTION!r}, "
-                             f"{SLIDING_ATTENTION!r}")
+            raise ValueError(f"{source}: layer types {unknown}{what} not supported; known "
+                             f"{', '.join(map(repr, DECODER_LAYER_TYPES))}")
         if len(types) != n:
             raise ValueError(f"{source}: layer_types has {len(types)} entries for {n} layers")
+        if LINEAR_ATTENTION in types and model_type not in HYBRID_MIXERS:
+            raise ValueError(f"{source}: {LINEAR_ATTENTION!r} layers are read for {sorted(HYBRID_MIXERS)} only (the "
+                             f"recurrent mixer of {model_type or 'this model type'} is not known)")
+    elif model_type in HYBRID_MIXERS:  # HF: every full_attention_interval-th layer is full attention
+        every = cfg.get("full_attention_interval") or 4
+        types = tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(n))
     elif window is None:
         types = (FULL_ATTENTION,) * n
     elif "max_window_layers" in cfg:  # Qwen2/Qwen3: the first max_window_layers layers stay global
@@ -271,7 +290,7 @@ def _rope_entry(params: Mapping[str, Any] | None, cfg: Mapping[str, Any]) -> Rop
 def _ropes(cfg: Mapping[str, Any], types: tuple[str, ...]) -> dict[str, RopeParams]:
     params = cfg.get("rope_parameters")
     out = {}
-    for kind in dict.fromkeys((FULL_ATTENTION, *types)):
+    for kind in dict.fromkeys(t for t in (FULL_ATTENTION, *types) if t != LINEAR_ATTENTION):  # recurrent: no RoPE
         if isinstance(params, Mapping) and set(params) & {FULL_ATTENTION, SLIDING_ATTENTION}:
             entry = params.get(kind) or params.get(FULL_ATTENTION)
             out[kind] = _rope_entry(entry, cfg)
@@ -327,9 +346,9 @@ def read_latent(config) -> LatentConfig:
 def read_moe(config) -> MoEConfig | None:
     """The mixture-of-experts feed-forward of an HF config (None when it has no routed experts), for every family
     qkv loads: DeepSeek-V2 (softmax, greedy or group-limited), DeepSeek-V3 and Kimi Linear (sigmoid ``noaux_tc``
-    with the correction bias), Qwen3-MoE (``num_experts``, softmax) and GPT-OSS (``num_local_experts``, softmax
-    over the top logits, a router bias, clamped SwiGLU experts). Raises ``ValueError`` for a routing rule qkv does
-    not run.
+    with the correction bias), Qwen3-MoE (``num_experts``, softmax), Qwen3-Next (softmax and a shared expert scaled
+    by a sigmoid gate) and GPT-OSS (``num_local_experts``, softmax over the top logits, a router bias, clamped SwiGLU
+    experts). Raises ``ValueError`` for a routing rule qkv does not run.
 
     Example:
         >>> read_moe({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}).n_routed_experts
@@ -349,6 +368,16 @@ def read_moe(config) -> MoEConfig | None:
                          swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if model_type == "kimi_linear":
         return _kimi_moe(cfg)
+    if model_type in ("qwen3_next", "qwen3_5_moe_text"):  # Qwen2-MoE's block: softmax top-k, one gated shared expert
+        n = cfg.get("num_experts", 512 if model_type == "qwen3_next" else 256)
+        if not n:
+            return None
+        return MoEConfig(n_routed_experts=n,
+                         num_experts_per_tok=cfg.get("num_experts_per_tok", 10 if model_type == "qwen3_next" else 8),
+                         moe_intermediate_size=cfg.get("moe_intermediate_size", 512),
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), n_shared_experts=1,
+                         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 512),
+                         shared_expert_gate=True)
     if model_type == "qwen3_moe":
         n = cfg.get("num_experts") or cfg.get("num_local_experts")  # config.json / transformers 5 names
         if not n:
@@ -418,6 +447,20 @@ def _kimi_moe(cfg: Mapping[str, Any]) -> MoEConfig:
                      norm_topk_prob=bool(kw["norm_topk_prob"]))
 
 
+def read_linear_attention(config) -> LinearAttentionConfig | None:
+    """The recurrent mixer of a hybrid config's ``"linear_attention"`` layers (Qwen3-Next: ``gated_deltanet``;
+    Qwen3.5: ``gated_deltanet_split``; Kimi Linear: ``kda``), HF's defaults for absent keys; None for other model
+    types.
+
+    Example:
+        >>> read_linear_attention({"model_type": "qwen3_next", "linear_num_value_heads": 64}).linear_num_value_heads
+        64
+    """
+    cfg = hf_defaults(text_config(load_hf_config(config)))
+    mixer = HYBRID_MIXERS.get(cfg.get("model_type") or "")
+    return None if mixer is None else LinearAttentionConfig.from_hf(cfg, mixer=mixer)
+
+
 def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
     """Raise for a layout field this reader does not model (``UNREAD_LAYOUT_FIELDS``)."""
     cfg = dict(cfg)
@@ -484,4 +527,5 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> LayerLayout:
         qk_rope_head_dim=cfg.get("qk_rope_head_dim") if mla else None,
         qk_nope_head_dim=cfg.get("qk_nope_head_dim") if mla else None,
         v_head_dim=cfg.get("v_head_dim") if mla else cfg.get("v_head_dim"),
+        linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None,
     )

@@ -1,6 +1,6 @@
 """The mixture-of-experts feed-forward's shape and routing rule as data: DeepSeekMoE (Dai et al. 2024,
-arXiv:2401.06066), DeepSeek-V3's auxiliary-loss-free routing (arXiv:2412.19437), Qwen3-MoE and GPT-OSS. The module
-and the routing functions are in :mod:`qkv.nn.moe`.
+arXiv:2401.06066), DeepSeek-V3's auxiliary-loss-free routing (arXiv:2412.19437), Qwen3-MoE, Qwen3-Next and GPT-OSS.
+The module and the routing functions are in :mod:`qkv.nn.moe`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class MoEConfig:
 
     GPT-OSS: ``router_bias`` (the router has a bias) and ``swiglu_limit`` (experts are
     :class:`ClampedSwiGLUExperts` with ``swiglu_alpha``, biases included; None: :class:`Experts`).
+
+    Qwen3-Next (Qwen2-MoE's block): one shared expert of ``shared_expert_intermediate_size`` (default
+    ``moe_intermediate_size * n_shared_experts``) whose output is scaled by ``sigmoid(shared_expert_gate(x))``, a
+    learned scalar per token (``shared_expert_gate``).
     """
 
     n_routed_experts: int
@@ -41,6 +45,8 @@ class MoEConfig:
     router_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.topk_method not in _TOPK_METHODS:
@@ -51,6 +57,8 @@ class MoEConfig:
                              f"{self.n_routed_experts // 2})")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"MoEConfig: swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
+        if self.shared_expert_gate and not self.n_shared_experts:
+            raise ValueError("MoEConfig: shared_expert_gate needs a shared expert (n_shared_experts >= 1)")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(f"MoEConfig: num_experts_per_tok ({self.num_experts_per_tok}) must lie in "
                              f"[1, n_routed_experts={self.n_routed_experts}]")
@@ -59,6 +67,13 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: {self.topk_method} needs n_group dividing n_routed_experts "
                              f"({self.n_routed_experts}) and topk_group; got n_group={self.n_group}, "
                              f"topk_group={self.topk_group}")
+
+    @property
+    def shared_width(self) -> int:
+        """Hidden width of the shared experts, all together (0: none)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
 
     def is_moe(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
