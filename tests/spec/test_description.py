@@ -259,3 +259,17 @@ def test_kimi_linear_configs_the_reader_refuses(change, match):
     bad = {**KIMI_LINEAR_JSON, **change}
     with pytest.raises(ValueError, match=match):
         hf_config.read_moe(bad) if "linear_attn_config" not in change else hf_config.hf_defaults(bad)
+
+
+def test_kimi_linear_preset_is_its_config_json():
+    """The ``kimi-linear-48b-a3b`` preset and the published config.json describe the same model: the layer
+    pattern, the KDA mixer, NoPE MLA, and so the same parameters, recurrent state and KV bytes."""
+    from qkv.costs import kv_cache_memory, num_parameters
+
+    preset, read = qkv.spec.PRESETS["kimi-linear-48b-a3b"], qkv.spec.preset_from_hf_config(KIMI_LINEAR_JSON)
+    assert read.layer_types == preset.layer_types and read.linear_attention == preset.linear_attention
+    assert read.mla_use_nope and preset.mla_use_nope and read.max_position_embeddings == 1048576
+    assert num_parameters(read)[1:] == num_parameters(preset)[1:]
+    assert kv_cache_memory(read, context=4096) == kv_cache_memory(preset, context=4096)._replace(preset=read.name)
+    cfg = preset.config
+    assert cfg.position == "none" and not cfg.latent.use_rope and cfg.linear_attention.mixer == "kda"

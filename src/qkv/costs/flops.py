@@ -15,6 +15,9 @@ Training is forward + backward with backward = 2.5 x forward, so 3.5 x forward: 
 runs five matmuls (recomputed ``QK^T``, ``dV``, ``dP``, ``dQ``, ``dK``) against the forward's two, as
 counted by FlashAttention-2 (Dao 2023, arXiv:2307.08691).
 
+Recurrent (``"linear_attention"``) layers of a hybrid model run the gated delta rule instead,
+:func:`qkv.costs.gated_delta_flops`: linear in the tokens, a decode step the same at any context.
+
 MLA decode with the up-projections absorbed (DeepSeek-V2, arXiv:2405.04434, Sec. 2.1.2) attends in the
 latent space: each head scores a ``kv_lora_rank`` latent query plus a ``qk_rope_head_dim`` RoPE query
 against the cache and sums ``kv_lora_rank``-wide latent values, ``2 * B * Hq * pairs * (2 * kv_lora_rank
@@ -26,6 +29,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..spec.presets import ModelPreset
+from .sparse_flops import gated_delta_flops
 
 __all__ = [
     "TRAINING_MULTIPLIER",
@@ -33,6 +37,7 @@ __all__ = [
     "attention_flops",
     "mla_absorbed_flops",
     "model_attention_flops",
+    "recurrent_flops",
     "score_elements",
 ]
 
@@ -122,6 +127,7 @@ class AttentionFlops(NamedTuple):
     ``prefill``: forward over a causal prompt of ``context`` tokens. ``decode``: one new token against
     ``context`` cached tokens. ``training``: forward + backward over ``context`` tokens, 3.5 x prefill.
     ``decode_absorbed``: ``decode`` for MLA with absorbed up-projections, ``None`` for other models.
+    Recurrent layers (hybrid models) count their gated delta rule (:func:`recurrent_flops`).
     """
 
     preset: str
@@ -131,6 +137,16 @@ class AttentionFlops(NamedTuple):
     decode: int
     training: int
     decode_absorbed: int | None
+
+
+def recurrent_flops(preset: ModelPreset, tokens: int, *, batch: int = 1) -> int:
+    """FLOPs of one recurrent (``"linear_attention"``) layer of ``preset`` over ``tokens`` new tokens per sequence:
+    :func:`qkv.costs.gated_delta_flops` of its mixer's heads and widths (whatever was cached before)."""
+    lin = preset.linear_attention
+    if lin is None:
+        raise ValueError(f"recurrent_flops: {preset.name!r} has no linear_attention layers")
+    return gated_delta_flops(tokens, num_heads=lin.linear_num_value_heads, head_k_dim=lin.linear_key_head_dim,
+                             head_v_dim=lin.linear_value_head_dim, batch=batch)
 
 
 def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) -> AttentionFlops:
@@ -145,6 +161,12 @@ def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) 
     prefill = decode = 0
     absorbed = 0 if preset.kv_lora_rank is not None else None
     for kind, n in preset.layer_counts.items():
+        if kind == "recurrent":
+            step = recurrent_flops(preset, 1, batch=batch)
+            prefill += n * recurrent_flops(preset, context, batch=batch)
+            decode += n * step
+            absorbed = None if absorbed is None else absorbed + n * step
+            continue
         window = preset.sliding_window if kind == "local" else None
         shape = dict(head_dim=preset.head_dim, v_head_dim=preset.value_head_dim, causal=True, window=window)
         prefill += n * attention_flops(batch, preset.num_attention_heads, context, context, **shape)

@@ -4,7 +4,8 @@ A weight matrix ``(in, out)`` costs ``2 * in * out`` FLOPs per token (one multip
 norms, activations, softmax and the embedding lookup are not counted (they are O(d) per token). A
 mixture-of-experts layer counts its router, the ``num_experts_per_tok`` experts a token uses and the shared
 ones. Attention is :func:`qkv.costs.attention_flops` per layer (causal, local layers windowed; MLA counted
-expanded, ``Dqk + Dv`` per pair).
+expanded, ``Dqk + Dv`` per pair); a hybrid model's recurrent layers count their gated delta rule
+(:func:`qkv.costs.flops.recurrent_flops`) as attention and their projections as projections.
 
 - prefill: one forward over a causal prompt; logits for its last token only (what generation needs).
 - decode: one new token attending to ``context`` cached tokens (itself included); its logits.
@@ -34,8 +35,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..spec.presets import ModelPreset
-from .flops import attention_flops
-from .params import attention_weights, layer_ffn_params, require_whole_model, resolve_preset
+from .flops import attention_flops, recurrent_flops
+from .params import (
+    attention_weights,
+    layer_ffn_params,
+    linear_attention_weights,
+    require_whole_model,
+    resolve_preset,
+)
 
 __all__ = [
     "FlopBreakdown",
@@ -92,7 +99,11 @@ def _matmul_weights(preset: ModelPreset) -> tuple[int, int]:
     """Weights a token multiplies by, all layers: (attention projections, feed-forward actually used)."""
     p = preset
     ffn = sum(layer_ffn_params(p, i, bias=False)[1] for i in range(p.num_hidden_layers))
-    return p.num_hidden_layers * attention_weights(p), ffn
+    recurrent = p.layer_counts.get("recurrent", 0)
+    mixers = (p.num_hidden_layers - recurrent) * attention_weights(p)
+    if recurrent:
+        mixers += recurrent * linear_attention_weights(p.linear_attention, p.hidden_size)
+    return mixers, ffn
 
 
 def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *, batch: int = 1,
@@ -121,6 +132,9 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
     p = preset
     attn = 0
     for kind, n in p.layer_counts.items():
+        if kind == "recurrent":
+            attn += n * recurrent_flops(p, q_len, batch=batch)
+            continue
         window = p.sliding_window if kind == "local" else None
         attn += n * attention_flops(batch, p.num_attention_heads, q_len, kv_len, p.head_dim,
                                     v_head_dim=p.value_head_dim, causal=True, window=window)

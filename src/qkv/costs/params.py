@@ -9,6 +9,12 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
   (DeepSeek-V2, arXiv:2405.04434): an optional query compression ``d * q_lora_rank`` (+ its norm) before
   ``q_lora_rank * Hq * Dqk``, the joint down-projection ``d * (kv_lora_rank + qk_rope_head_dim)`` (+ norm),
   the up-projection ``kv_lora_rank * Hq * (qk_nope_head_dim + Dv)`` and the output.
+- recurrent (``"linear_attention"``) layers of a hybrid model, per mixer (:mod:`qkv.spec.linear`): Gated
+  DeltaNet (Qwen3-Next, Qwen3.5) ``d * (2 Hk Dk + 2 H Dv)`` (q, k, v and the output gate) + ``d * 2 H`` (beta,
+  decay) + ``H Dv * d`` (output), plus the convolution ``(2 Hk Dk + H Dv) * K``, ``2 H`` decay parameters and
+  the ``Dv`` norm; Kimi Delta Attention ``3 d H D`` (q, k, v) + ``2 (d D + D H D)`` (the low-rank forget and
+  output gates) + ``d H`` (beta) + ``H D * d``, plus the convolution ``3 H D * K``, ``H D + H`` decay
+  parameters and the ``D`` norm.
 - feed-forward: ``2 * d * f`` (dense, GPT-2) or ``3 * d * f`` (gated, SwiGLU/GeGLU, Shazeer 2020); a
   mixture of experts (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066) holds ``E`` routed experts of width
   ``moe_intermediate_size``, ``n_shared_experts`` always-on ones and a router ``d * E``; a token uses the
@@ -32,11 +38,12 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ..spec.config import DecoderConfig
+from ..spec.linear import LinearAttentionConfig
 from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
 __all__ = [
-    "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",
-    "require_whole_model", "resolve_preset",
+    "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "linear_attention_weights",
+    "layer_linear_attention_params", "num_parameters", "require_whole_model", "resolve_preset",
 ]
 
 
@@ -45,7 +52,7 @@ class ParamCount(NamedTuple):
 
     preset: str
     embedding: int  # token embeddings and any learned position table
-    attention: int  # every attention block (self and cross), biases and QK norms included
+    attention: int  # every attention block (self and cross; recurrent mixers), biases and QK norms included
     ffn: int  # every feed-forward block (all experts)
     norms: int
     lm_head: int  # 0 when tied to the embedding
@@ -99,6 +106,24 @@ def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
     return n
 
 
+def linear_attention_weights(mixer: LinearAttentionConfig, hidden_size: int) -> int:
+    """Weights of one recurrent layer's projection matrices (no convolution, gates' vectors or norm): what a token
+    multiplies by."""
+    d, Hk, H = hidden_size, mixer.linear_num_key_heads, mixer.linear_num_value_heads
+    Dk, Dv = mixer.linear_key_head_dim, mixer.linear_value_head_dim
+    if mixer.mixer == "kda":  # H == Hk, D == Dk == Dv
+        return 3 * d * H * Dv + 2 * (d * Dv + Dv * H * Dv) + d * H + H * Dv * d
+    return d * (2 * Hk * Dk + 2 * H * Dv) + d * 2 * H + H * Dv * d
+
+
+def layer_linear_attention_params(mixer: LinearAttentionConfig, hidden_size: int) -> int:
+    """Parameters of one recurrent layer: :func:`linear_attention_weights` plus the short convolution, the decay
+    parameters and the output norm."""
+    conv_dim, taps, H, _, Dv = mixer.recurrent_shape()
+    decay = H * Dv + H if mixer.mixer == "kda" else 2 * H  # per channel (KDA) or per head: dt_bias, A_log
+    return linear_attention_weights(mixer, hidden_size) + conv_dim * taps + decay + Dv
+
+
 def _mlp(preset: ModelPreset, width: int, *, bias: bool) -> int:
     d = preset.hidden_size
     if preset.mlp == "gated":
@@ -146,7 +171,10 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
     norm = d if p.norm == "rms" else 2 * d
     embedding = p.vocab_size * d + (p.learned_positions or 0) * d
     lm_head = 0 if p.tie_word_embeddings else p.vocab_size * d
-    attention = p.num_hidden_layers * layer_attention_params(p)
+    recurrent = p.layer_counts.get("recurrent", 0)
+    attention = (p.num_hidden_layers - recurrent) * layer_attention_params(p)
+    if recurrent:
+        attention += recurrent * layer_linear_attention_params(p.linear_attention, d)
     ffn = active_ffn = 0
     for i in range(p.num_hidden_layers):
         total_i, active_i = layer_ffn_params(p, i)

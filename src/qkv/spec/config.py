@@ -531,7 +531,7 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
             if "layer_types" not in overrides and isinstance(n, int) and n > 0:  # keep the pattern's first n
                 types = preset.layer_types
                 overrides["layer_types"] = tuple(types[i % len(types)] for i in range(n))
-                if "local" not in preset.layer_counts:
+                if "local" not in preset.layer_counts and "recurrent" not in preset.layer_counts:
                     del overrides["layer_types"]
             cfg = decoder_config_from_preset(preset)
             return cfg.replace(**overrides) if overrides else cfg
@@ -549,8 +549,8 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
 
     What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
     feed-forwards and for presets with pre- and post-norms, the Gemma layout), RoPE unless the preset has a
-    learned position table; experts with biases are GPT-OSS's clamped SwiGLU experts (limit 7).
-    The context length is the learned table's size, else the preset's stated
+    learned position table or MLA without positions (``mla_use_nope``); experts with biases are GPT-OSS's
+    clamped SwiGLU experts (limit 7). The context length is the learned table's size, else the preset's stated
     ``max_position_embeddings``, else 4096.
 
     Raises:
@@ -585,8 +585,12 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
                                     kv_lora_rank=p.kv_lora_rank, q_lora_rank=p.q_lora_rank,
                                     qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
-                                    v_head_dim=p.value_head_dim)
+                                    v_head_dim=p.value_head_dim, use_rope=not p.mla_use_nope)
         kw.pop("head_dim", None)
+        if p.mla_use_nope:
+            kw["position"] = "none"
+    if p.linear_attention is not None:
+        kw.update(linear_attention=p.linear_attention, layer_types=p.layer_types)
     if p.n_routed_experts is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,

@@ -1,8 +1,10 @@
 """Attention shapes of published models: one registry read by the CLI, the benchmarks and the tests.
 
 Field names follow HF ``transformers`` configs. ``layer_types`` uses HF's values, ``"full_attention"``
-(global) and ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
-HF's convention: the window counts the token itself). Every number is cited in the preset's ``source``.
+(global), ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
+HF's convention: the window counts the token itself) and ``"linear_attention"`` (recurrent: a hybrid model's
+linear-attention layers, whose state does not grow with the context). Every number is cited in the preset's
+``source``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Any
 
 from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
-from .hf_config import read_layout
-from .layer_types import FULL_ATTENTION, LAYER_KIND, SLIDING_ATTENTION
+from .hf_config import read_latent, read_layout, read_moe
+from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
+from .linear import LinearAttentionConfig
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
-FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
+FULL, SLIDING, LINEAR = FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION
 _LAYER_KIND = LAYER_KIND
 
 
@@ -60,6 +63,11 @@ class ModelPreset:
         pre_norms: each branch's input is normalized (False: OLMo 2/3, post-norm only; set ``sandwich_norms``).
         attention_sinks: one learnable sink logit per query head and layer (GPT-OSS).
         router_bias: the mixture-of-experts router has a bias (GPT-OSS).
+        linear_attention: the recurrent mixer of the ``"linear_attention"`` layers of a hybrid model (a
+            :class:`qkv.spec.linear.LinearAttentionConfig`); set exactly when such layers exist. Their state
+            (the short convolution's last inputs, a ``(Dk, Dv)`` matrix per head in float32) is per sequence,
+            flat in the context.
+        mla_use_nope: the MLA layers rotate nothing (NoPE, Kimi Linear; the checkpoints' name).
         tie_word_embeddings: the LM head is the embedding matrix.
         learned_positions: rows of a learned absolute position table (GPT-2: 1024), else none.
         max_position_embeddings: the longest context the released checkpoint is configured for (HF's
@@ -116,6 +124,8 @@ class ModelPreset:
     pre_norms: bool = True
     attention_sinks: bool = False
     router_bias: bool = False
+    linear_attention: LinearAttentionConfig | None = None
+    mla_use_nope: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -132,11 +142,16 @@ class ModelPreset:
             object.__setattr__(self, "layer_types", (SLIDING if self.sliding_window else FULL,) * n)
         types = tuple(self.layer_types)
         object.__setattr__(self, "layer_types", types)
-        if len(types) != n or not set(types) <= {FULL, SLIDING}:
+        if len(types) != n or not set(types) <= {FULL, SLIDING, LINEAR}:
             raise ValueError(
-                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}; got "
+                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}, {LINEAR!r}; got "
                 f"{len(types)} entries {sorted(set(types))}"
             )
+        if (LINEAR in types) != (self.linear_attention is not None):
+            raise ValueError(f"{self.name}: {LINEAR!r} layers and linear_attention (their mixer) go together; got "
+                             f"{types.count(LINEAR)} such layers and linear_attention={self.linear_attention!r}")
+        if self.mla_use_nope and self.kv_lora_rank is None:
+            raise ValueError(f"{self.name}: mla_use_nope describes MLA layers; set kv_lora_rank or drop it")
         if SLIDING in types and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError(f"{self.name}: sliding layers need a positive sliding_window")
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
@@ -169,7 +184,7 @@ class ModelPreset:
 
     @property
     def layer_counts(self) -> dict[str, int]:
-        """Layers per kind, ``{"global": n, "local": m}``, kinds with no layer left out."""
+        """Layers per kind, ``{"global": n, "local": m, "recurrent": r}``, kinds with no layer left out."""
         counts = {kind: self.layer_types.count(t) for t, kind in _LAYER_KIND.items()}
         return {kind: c for kind, c in counts.items() if c}
 
@@ -238,6 +253,10 @@ class ModelPreset:
             kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
                       first_k_dense_replace=m.first_k_dense_replace, router_bias=m.router_bias)
+        if c.linear_attention is not None:
+            kw["linear_attention"] = c.linear_attention
+        if c.latent is not None and not c.latent.use_rope:
+            kw["mla_use_nope"] = True
         return cls(**kw)
 
     def mha_equivalent(self) -> ModelPreset:
@@ -256,6 +275,7 @@ class ModelPreset:
             kv_lora_rank=None,
             qk_rope_head_dim=None,
             qk_nope_head_dim=None,
+            mla_use_nope=False,
             notes=f"{self.name} with one KV head per query head",
         )
 
@@ -281,7 +301,7 @@ _COUNTED_FIELDS = frozenset({
     "qk_norm", "qk_norm_scope", "pre_norms", "attention_sinks", "attention_scale", "attn_logit_softcapping",
     "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
-    "name",
+    "name", "linear_attention",
 })
 
 
@@ -360,6 +380,25 @@ _PRESETS_2025 = (
         layer_types=_pattern(32, 4), max_position_embeddings=65536, **_OLMO,
         source="Ai2 2025, OLMo 3; allenai/Olmo-3-1025-7B config.json (preset format 1)",
         notes="OLMo 2's blocks with three sliding-window (4096) layers per global layer; MHA.",
+    ),
+    ModelPreset(
+        name="kimi-linear-48b-a3b", num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+        head_dim=192, hidden_size=2304, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        mla_use_nope=True, vocab_size=163840, intermediate_size=9216, n_routed_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=1024, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1048576,
+        layer_types=tuple(FULL if i + 1 in (4, 8, 12, 16, 20, 24, 27) else LINEAR for i in range(27)),
+        linear_attention=LinearAttentionConfig(linear_num_key_heads=32, linear_num_value_heads=32,
+                                               linear_key_head_dim=128, linear_value_head_dim=128,
+                                               linear_conv_kernel_dim=4, mixer="kda"),
+        source="Kimi Team 2025, Kimi Linear: An Expressive, Efficient Attention Architecture, arXiv:2510.26692; "
+        "widths, heads, experts and context: transformers 5.25 KimiLinearConfig defaults (its checkpoint "
+        "moonshotai/Kimi-Linear-48B-A3B-Instruct); layer pattern: that checkpoint's config.json linear_attn_config, "
+        "full_attn_layers 4, 8, 12, 16, 20, 24, 27 counted from 1 (preset format 1)",
+        notes="20 Kimi Delta Attention layers (32 heads of 128, per-channel decay, a recurrent state flat in the "
+        "context: 32 x 128 x 128 fp32 plus the convolution's last 3 inputs per layer and sequence) and 7 MLA layers "
+        "without positions (NoPE), no q-LoRA; sigmoid routing with a correction bias, 8 of 256 experts plus 1 "
+        "shared, first layer dense. transformers' default layer_types (MLA at layers 4, 8, ..., 24 counted from 0) "
+        "differ from the checkpoint's.",
     ),
 )
 
@@ -537,6 +576,8 @@ def preset_from_hf_config(
         qk_rope_head_dim=layout.qk_rope_head_dim,
         qk_nope_head_dim=layout.qk_nope_head_dim,
         v_head_dim=layout.v_head_dim,
+        linear_attention=layout.linear_attention,
+        mla_use_nope=layout.is_mla and not read_latent(config).use_rope,
         source=source,
         **_whole_model_fields(cfg, layout.model_type or ""),
     )
@@ -577,7 +618,13 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
                    moe_intermediate_size=width)
         if model_type == "gpt_oss":  # experts with biases, a router with a bias, attention biases by default
             out.update(mlp_bias=True, router_bias=True, attention_bias=bool(cfg.get("attention_bias", True)))
-    if cfg.get("n_routed_experts"):
+    if model_type == "kimi_linear":  # its experts under checkpoint or transformers names: the one reader's
+        moe = read_moe(cfg)
+        out.update(n_routed_experts=moe.n_routed_experts, num_experts_per_tok=moe.num_experts_per_tok,
+                   moe_intermediate_size=moe.moe_intermediate_size, n_shared_experts=moe.n_shared_experts,
+                   first_k_dense_replace=moe.first_k_dense_replace,
+                   max_position_embeddings=cfg.get("model_max_length") or cfg.get("max_position_embeddings"))
+    elif cfg.get("n_routed_experts"):
         out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
                    moe_intermediate_size=cfg.get("moe_intermediate_size"),
                    n_shared_experts=cfg.get("n_shared_experts") or 0,
