@@ -335,12 +335,13 @@ def _shrunk(name):
                   num_key_value_heads=8)
     if p.n_routed_experts is not None:
         kw.update(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
-    if "recurrent" in p.layer_counts:  # a hybrid: one recurrent layer of the preset's mixer, then attention
-        lin = p.linear_attention
-        per_key = lin.linear_num_value_heads // lin.linear_num_key_heads
+        if p.shared_expert_intermediate_size:
+            kw.update(shared_expert_intermediate_size=24)
+    if "recurrent" in p.layer_counts:  # hybrid: a recurrent layer and a full-attention one
         kw.update(layer_types=("linear_attention", "full_attention"), linear_attention=dataclasses.replace(
-            lin, linear_num_key_heads=2, linear_num_value_heads=2 * per_key, linear_key_head_dim=8,
-            linear_value_head_dim=8 if lin.mixer == "kda" else 12))
+            p.linear_attention, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_num_value_heads=2 if p.linear_attention.mixer == "kda" else 4,  # KDA: as many key as value heads
+            linear_value_head_dim=8))
     return dataclasses.replace(p, name=f"{name}-small", **kw)
 
 

@@ -212,10 +212,13 @@ def memory(
     table = Table("kind", "layers", "cached tokens", "per token, layer", "per layer", "total")
     for g in m.layers:
         table.add_row(
-            g.kind, str(g.num_layers), f"{g.tokens:,}", format_bytes(g.bytes_per_token),
-            format_bytes(g.bytes_per_layer), format_bytes(g.total_bytes),
+            g.kind, str(g.num_layers), "fixed state" if g.kind == "recurrent" else f"{g.tokens:,}",
+            format_bytes(g.bytes_per_token), format_bytes(g.bytes_per_layer), format_bytes(g.total_bytes),
         )
     console.print(table)
+    if "recurrent" in m.by_layer_type:
+        console.print("recurrent layers keep a fixed state per sequence (convolution inputs and a float32 (Dk, Dv) "
+                      "state per head): the same bytes at any context")
     console.print(f"per token (all layers): {format_bytes(m.bytes_per_token)} ({m.bytes_per_token:,.0f} B)")
     console.print(
         f"total: {format_bytes(m.total_bytes)} = {format_bytes(m.total_bytes, binary=True)} "
@@ -429,17 +432,22 @@ def compare(
         return
     console = Console(soft_wrap=True)
     console.print(f"context {n:,} tokens, batch {batch}, {dtype}; GB = 1e9 B, KV cache only")
-    table = Table("preset", "kind", "per token", "total", "fits in")
+    hybrid = any("recurrent" in m.by_layer_type for m in ms.values())
+    table = Table("preset", "kind", "per token", *(("fixed state",) if hybrid else ()), "total", "fits in")
     table.columns[0].no_wrap = True
     for name, m in ms.items():
         p = models[name]
-        local = f" +{p.layer_counts['local']} local" if "local" in p.layer_counts else ""
+        local = "".join(f" +{p.layer_counts[k]} {k}" for k in ("local", "recurrent") if k in p.layer_counts)
         fits = ", ".join(str(g) for g, ok in m.fits.items() if ok)
+        state = (format_bytes(m.by_layer_type.get("recurrent", 0)),) if hybrid else ()
         table.add_row(
-            name, p.attention_kind.upper() + local, format_bytes(m.bytes_per_token),
+            name, p.attention_kind.upper() + local, format_bytes(m.bytes_per_token), *state,
             format_bytes(m.total_bytes), f"{fits} GB" if fits else "none",
         )
     console.print(table)
+    if hybrid:
+        console.print("fixed state: the recurrent layers' state, the same at any context (per token counts the "
+                      "attention layers only)")
     if plot is not None:
         console.print(f"plot written to {plot}")
 

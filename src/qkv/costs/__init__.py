@@ -39,7 +39,6 @@ from .memory import (
     gqa_kv_bytes_per_token,
     kv_cache_memory,
     mla_kv_bytes_per_token,
-    recurrent_state_bytes,
 )
 from .model_flops import (
     FlopBreakdown,
@@ -54,7 +53,6 @@ from .params import ParamCount, num_parameters
 from .sparse_flops import (
     bigbird_pairs,
     fixed_pairs,
-    gated_delta_flops,
     linear_attention_flops,
     longformer_pairs,
     pairs_flops,
@@ -99,12 +97,10 @@ __all__ = [
     "get_preset",
     "gqa_kv_bytes_per_token",
     "kv_cache_memory",
-    "gated_delta_flops",
     "linear_attention_flops",
     "longformer_pairs",
     "mla_absorbed_flops",
     "mla_kv_bytes_per_token",
-    "recurrent_state_bytes",
     "model_attention_flops",
     "model_flops",
     "num_parameters",

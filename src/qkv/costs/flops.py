@@ -15,13 +15,15 @@ Training is forward + backward with backward = 2.5 x forward, so 3.5 x forward: 
 runs five matmuls (recomputed ``QK^T``, ``dV``, ``dP``, ``dQ``, ``dK``) against the forward's two, as
 counted by FlashAttention-2 (Dao 2023, arXiv:2307.08691).
 
-Recurrent (``"linear_attention"``) layers of a hybrid model run the gated delta rule instead,
-:func:`qkv.costs.gated_delta_flops`: linear in the tokens, a decode step the same at any context.
-
 MLA decode with the up-projections absorbed (DeepSeek-V2, arXiv:2405.04434, Sec. 2.1.2) attends in the
 latent space: each head scores a ``kv_lora_rank`` latent query plus a ``qk_rope_head_dim`` RoPE query
 against the cache and sums ``kv_lora_rank``-wide latent values, ``2 * B * Hq * pairs * (2 * kv_lora_rank
 + qk_rope_head_dim)``. The per-query absorption matmuls are projections and are not counted.
+
+Recurrent layers of hybrid models (Gated DeltaNet, Yang et al. 2025, arXiv:2412.06464) have no scores: per token
+and value head the recurrent form reads the state with the key (``S^T k``), writes a rank-1 correction and reads
+it with the query, three ``Dk x Dv`` products, ``6 * B * H * N * Dk * Dv`` FLOPs whatever the context
+(:func:`recurrent_flops`; the short convolution, the decay and the norms are O(channels) and not counted).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..spec.presets import ModelPreset
-from .sparse_flops import gated_delta_flops
 
 __all__ = [
     "TRAINING_MULTIPLIER",
@@ -127,7 +128,6 @@ class AttentionFlops(NamedTuple):
     ``prefill``: forward over a causal prompt of ``context`` tokens. ``decode``: one new token against
     ``context`` cached tokens. ``training``: forward + backward over ``context`` tokens, 3.5 x prefill.
     ``decode_absorbed``: ``decode`` for MLA with absorbed up-projections, ``None`` for other models.
-    Recurrent layers (hybrid models) count their gated delta rule (:func:`recurrent_flops`).
     """
 
     preset: str
@@ -139,18 +139,24 @@ class AttentionFlops(NamedTuple):
     decode_absorbed: int | None
 
 
-def recurrent_flops(preset: ModelPreset, tokens: int, *, batch: int = 1) -> int:
-    """FLOPs of one recurrent (``"linear_attention"``) layer of ``preset`` over ``tokens`` new tokens per sequence:
-    :func:`qkv.costs.gated_delta_flops` of its mixer's heads and widths (whatever was cached before)."""
+def recurrent_flops(preset: ModelPreset, n_tokens: int, *, batch: int = 1) -> int:
+    """FLOPs of one recurrent (``linear_attention``) layer of ``preset`` over ``n_tokens`` new tokens per sequence:
+    ``6 * B * H * N * Dk * Dv`` (module notes), independent of the context before them.
+
+    Example:
+        >>> from qkv.costs import PRESETS
+        >>> recurrent_flops(PRESETS["qwen3-next-80b-a3b"], 1) == 6 * 32 * 128 * 128
+        True
+    """
     lin = preset.linear_attention
     if lin is None:
-        raise ValueError(f"recurrent_flops: {preset.name!r} has no linear_attention layers")
-    return gated_delta_flops(tokens, num_heads=lin.linear_num_value_heads, head_k_dim=lin.linear_key_head_dim,
-                             head_v_dim=lin.linear_value_head_dim, batch=batch)
+        raise ValueError(f"recurrent_flops: {preset.name} has no recurrent (linear_attention) layers")
+    return 6 * batch * lin.linear_num_value_heads * n_tokens * lin.linear_key_head_dim * lin.linear_value_head_dim
 
 
 def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) -> AttentionFlops:
-    """Prefill, per-token decode and training attention FLOPs of ``preset``; local layers use the window.
+    """Prefill, per-token decode and training attention FLOPs of ``preset``; local layers use the window,
+    recurrent layers :func:`recurrent_flops`.
 
     Example:
         >>> from qkv.costs import PRESETS
@@ -162,10 +168,9 @@ def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) 
     absorbed = 0 if preset.kv_lora_rank is not None else None
     for kind, n in preset.layer_counts.items():
         if kind == "recurrent":
-            step = recurrent_flops(preset, 1, batch=batch)
             prefill += n * recurrent_flops(preset, context, batch=batch)
-            decode += n * step
-            absorbed = None if absorbed is None else absorbed + n * step
+            decode += n * recurrent_flops(preset, 1, batch=batch)
+            absorbed = None if absorbed is None else absorbed + n * recurrent_flops(preset, 1, batch=batch)
             continue
         window = preset.sliding_window if kind == "local" else None
         shape = dict(head_dim=preset.head_dim, v_head_dim=preset.value_head_dim, causal=True, window=window)

@@ -6,10 +6,7 @@ Per token and layer the cache holds a key and a value per KV head, ``Hkv * (Dqk 
 fewer, MQA (Shazeer 2019, arXiv:1911.02150) one. MLA (DeepSeek-V2, arXiv:2405.04434, Sec. 2.1.2)
 caches once, for all heads, the compressed latent and the decoupled RoPE key: ``kv_lora_rank +
 qk_rope_head_dim`` elements. A local (sliding-window) layer keeps at most ``sliding_window`` tokens
-(Mistral's rolling buffer, arXiv:2310.06825), so it holds ``min(context, window)``. A recurrent
-(``"linear_attention"``) layer of a hybrid model (Qwen3-Next, Kimi Linear) keeps no tokens at all: per sequence the
-short convolution's last ``K - 1`` inputs (in the cache dtype) and one ``(Dk, Dv)`` state per head (float32, the
-dtype the gated delta rule accumulates in), the same at any context (:func:`recurrent_state_bytes`).
+(Mistral's rolling buffer, arXiv:2310.06825), so it holds ``min(context, window)``.
 
 Quantized caches (int8/int4/int2) usually store a scale and a zero-point per group of ``g``
 elements; with ``group_size=g`` both are counted as fp16, adding ``4 / g`` bytes per element
@@ -31,8 +28,8 @@ __all__ = [
     "element_bytes",
     "gqa_kv_bytes_per_token",
     "kv_cache_memory",
-    "mla_kv_bytes_per_token",
     "recurrent_state_bytes",
+    "mla_kv_bytes_per_token",
 ]
 
 # Common accelerator memory sizes in GB (1e9 bytes): 24 (RTX 4090, L4), 80 (A100/H100), 141 (H200).
@@ -87,30 +84,28 @@ def mla_kv_bytes_per_token(
     return (kv_lora_rank + qk_rope_head_dim) * element_bytes(dtype, group_size=group_size)
 
 
-def recurrent_state_bytes(preset: ModelPreset, *, dtype: str = "bf16") -> int:
-    """Bytes one sequence's state takes in one recurrent layer of ``preset`` (any context): the convolution's last
-    ``K - 1`` inputs in ``dtype``, the ``(Dk, Dv)`` state per head in float32 whatever ``dtype`` is (as
-    :class:`qkv.cache.RecurrentSpec` keeps it).
+def recurrent_state_bytes(preset: ModelPreset, *, dtype: str = "bf16", group_size: int | None = None) -> float:
+    """Bytes of one recurrent layer's state for one sequence, at any context: the short convolution's last
+    ``K - 1`` inputs in ``dtype`` and a ``(Dk, Dv)`` state per value head in float32 (float64 for a float64
+    cache), the dtype the gated delta rule accumulates in (what :class:`qkv.cache.RecurrentSpec` counts).
 
     Example:
         >>> from qkv.costs import PRESETS
-        >>> recurrent_state_bytes(PRESETS["kimi-linear-48b-a3b"])  # 32 heads of 128 x 128 fp32, 3 x 4096 x 3 bf16
-        2170880
+        >>> recurrent_state_bytes(PRESETS["qwen3-next-80b-a3b"]) == 8192 * 3 * 2 + 32 * 128 * 128 * 4
+        True
     """
-    lin = preset.linear_attention
-    if lin is None:
-        raise ValueError(f"recurrent_state_bytes: {preset.name!r} has no linear_attention layers")
-    conv_dim, taps, heads, dk, dv = lin.recurrent_shape()
-    return math.ceil(conv_dim * (taps - 1) * element_bytes(dtype) + heads * dk * dv * 4)
+    conv, K, H, Dk, Dv = preset.linear_attention.recurrent_shape()
+    wide = str(dtype).lower() in ("fp64", "float64", "torch.float64")
+    return conv * (K - 1) * element_bytes(dtype, group_size=group_size) + H * Dk * Dv * (8 if wide else 4)
 
 
 class LayerKV(NamedTuple):
-    """Cache of the layers of one kind (``"global"``, ``"local"`` or ``"recurrent"``); bytes rounded up. A recurrent
-    layer keeps no tokens (``tokens`` and ``bytes_per_token`` 0): ``bytes_per_layer`` is its state, times the batch."""
+    """Cache of the layers of one kind (``"global"``, ``"local"`` or ``"recurrent"``: a fixed state, ``tokens``
+    and ``bytes_per_token`` 0); bytes rounded up."""
 
     kind: str
     num_layers: int
-    tokens: int  # cached tokens per sequence in one layer: context, or min(context, window); 0 for recurrent
+    tokens: int  # cached tokens per sequence in one layer: context, or min(context, window)
     bytes_per_token: float  # one token, one layer
     bytes_per_layer: int  # batch * tokens * bytes_per_token
     total_bytes: int  # num_layers * bytes_per_layer
@@ -119,9 +114,9 @@ class LayerKV(NamedTuple):
 class KVMemory(NamedTuple):
     """KV-cache size of a model at a context length and batch.
 
-    ``bytes_per_token`` is one token of one sequence across all attention layers, before any window cap (the
-    cost of a token at short context); recurrent layers add none, their state is in ``total_bytes``.
-    ``fits[g]`` says whether the cache alone (no weights, no activations) fits in ``g`` GB, GB = 1e9 bytes.
+    ``bytes_per_token`` is one token of one sequence across all layers, before any window cap (the
+    cost of a token at short context). ``fits[g]`` says whether the cache alone (no weights, no
+    activations) fits in ``g`` GB, GB = 1e9 bytes.
     """
 
     preset: str
@@ -183,9 +178,9 @@ def kv_cache_memory(
         )
     layers = []
     for kind, n in preset.layer_counts.items():
-        if kind == "recurrent":
-            state = batch * recurrent_state_bytes(preset, dtype=dtype)
-            layers.append(LayerKV(kind, n, 0, 0.0, state, n * state))
+        if kind == "recurrent":  # a fixed state per sequence: the convolution's inputs and the (Dk, Dv) states
+            state = batch * recurrent_state_bytes(preset, dtype=dtype, group_size=group_size)
+            layers.append(LayerKV(kind, n, 0, 0, math.ceil(state), n * math.ceil(state)))
             continue
         tokens = min(context, preset.sliding_window) if kind == "local" else context
         per_layer = math.ceil(batch * tokens * per_token)

@@ -4,8 +4,7 @@ A weight matrix ``(in, out)`` costs ``2 * in * out`` FLOPs per token (one multip
 norms, activations, softmax and the embedding lookup are not counted (they are O(d) per token). A
 mixture-of-experts layer counts its router, the ``num_experts_per_tok`` experts a token uses and the shared
 ones. Attention is :func:`qkv.costs.attention_flops` per layer (causal, local layers windowed; MLA counted
-expanded, ``Dqk + Dv`` per pair); a hybrid model's recurrent layers count their gated delta rule
-(:func:`qkv.costs.flops.recurrent_flops`) as attention and their projections as projections.
+expanded, ``Dqk + Dv`` per pair).
 
 - prefill: one forward over a causal prompt; logits for its last token only (what generation needs).
 - decode: one new token attending to ``context`` cached tokens (itself included); its logits.
@@ -36,13 +35,7 @@ from typing import NamedTuple
 
 from ..spec.presets import ModelPreset
 from .flops import attention_flops, recurrent_flops
-from .params import (
-    attention_weights,
-    layer_ffn_params,
-    linear_attention_weights,
-    require_whole_model,
-    resolve_preset,
-)
+from .params import attention_weights, layer_ffn_params, recurrent_weights, require_whole_model, resolve_preset
 
 __all__ = [
     "FlopBreakdown",
@@ -99,10 +92,8 @@ def _matmul_weights(preset: ModelPreset) -> tuple[int, int]:
     """Weights a token multiplies by, all layers: (attention projections, feed-forward actually used)."""
     p = preset
     ffn = sum(layer_ffn_params(p, i, bias=False)[1] for i in range(p.num_hidden_layers))
-    recurrent = p.layer_counts.get("recurrent", 0)
-    mixers = (p.num_hidden_layers - recurrent) * attention_weights(p)
-    if recurrent:
-        mixers += recurrent * linear_attention_weights(p.linear_attention, p.hidden_size)
+    rec = p.layer_types.count("linear_attention")
+    mixers = (p.num_hidden_layers - rec) * attention_weights(p) + (rec * recurrent_weights(p) if rec else 0)
     return mixers, ffn
 
 

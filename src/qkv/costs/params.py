@@ -8,17 +8,19 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
   over whole projections, OLMo 2/3) and ``Hq`` sink logits (GPT-OSS). MLA
   (DeepSeek-V2, arXiv:2405.04434): an optional query compression ``d * q_lora_rank`` (+ its norm) before
   ``q_lora_rank * Hq * Dqk``, the joint down-projection ``d * (kv_lora_rank + qk_rope_head_dim)`` (+ norm),
-  the up-projection ``kv_lora_rank * Hq * (qk_nope_head_dim + Dv)`` and the output.
-- recurrent (``"linear_attention"``) layers of a hybrid model, per mixer (:mod:`qkv.spec.linear`): Gated
-  DeltaNet (Qwen3-Next, Qwen3.5) ``d * (2 Hk Dk + 2 H Dv)`` (q, k, v and the output gate) + ``d * 2 H`` (beta,
-  decay) + ``H Dv * d`` (output), plus the convolution ``(2 Hk Dk + H Dv) * K``, ``2 H`` decay parameters and
-  the ``Dv`` norm; Kimi Delta Attention ``3 d H D`` (q, k, v) + ``2 (d D + D H D)`` (the low-rank forget and
-  output gates) + ``d H`` (beta) + ``H D * d``, plus the convolution ``3 H D * K``, ``H D + H`` decay
-  parameters and the ``D`` norm.
+  the up-projection ``kv_lora_rank * Hq * (qk_nope_head_dim + Dv)`` and the output. Gated attention (Qwen3-Next,
+  ``attn_output_gate``) adds a second query-sized projection ``d * Hq * Dqk``, the output gate.
+- recurrent layers (``"linear_attention"``, Gated DeltaNet): input projections ``d * (2 Hk Dk + 2 H Dv + 2 H)``
+  (q, k, v, the output gate z, the write strength b and the decay a), the depthwise convolution
+  ``(2 Hk Dk + H Dv) * K``, ``2 H`` decay parameters (``A_log``, ``dt_bias``), the gated norm ``Dv`` and the
+  output ``H Dv * d``. Kimi Delta Attention (``mixer="kda"``, ``H`` heads of ``D``): ``3 d H D`` (q, k, v),
+  ``2 (d D + D H D)`` (the low-rank forget and output gates), ``d H`` (the write strength) and ``H D * d``, plus
+  the convolution ``3 H D * K``, ``H D + H`` decay parameters (a ``dt_bias`` per channel) and the norm ``D``.
 - feed-forward: ``2 * d * f`` (dense, GPT-2) or ``3 * d * f`` (gated, SwiGLU/GeGLU, Shazeer 2020); a
   mixture of experts (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066) holds ``E`` routed experts of width
   ``moe_intermediate_size``, ``n_shared_experts`` always-on ones and a router ``d * E``; a token uses the
-  router, ``num_experts_per_tok`` routed experts and the shared ones (the *active* count).
+  router, ``num_experts_per_tok`` routed experts and the shared ones (the *active* count); Qwen3-Next's shared
+  expert is ``shared_expert_intermediate_size`` wide with a ``d -> 1`` sigmoid gate.
 - norms: ``d`` per RMSNorm, ``2 d`` per LayerNorm; two per layer (four with sandwich norms, two again
   for OLMo 2/3's post-norm-only blocks) and a final one.
 - embeddings ``V * d`` (plus a learned position table), the LM head ``V * d`` unless tied.
@@ -38,12 +40,12 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ..spec.config import DecoderConfig
-from ..spec.linear import LinearAttentionConfig
 from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
 __all__ = [
-    "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "linear_attention_weights",
-    "layer_linear_attention_params", "num_parameters", "require_whole_model", "resolve_preset",
+    "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",
+    "recurrent_weights", "layer_recurrent_params",
+    "require_whole_model", "resolve_preset",
 ]
 
 
@@ -52,7 +54,7 @@ class ParamCount(NamedTuple):
 
     preset: str
     embedding: int  # token embeddings and any learned position table
-    attention: int  # every attention block (self and cross; recurrent mixers), biases and QK norms included
+    attention: int  # every attention block (self and cross), biases and QK norms included
     ffn: int  # every feed-forward block (all experts)
     norms: int
     lm_head: int  # 0 when tied to the embedding
@@ -85,7 +87,34 @@ def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
         nope = p.qk_nope_head_dim or Dqk - p.qk_rope_head_dim
         kv = d * (p.kv_lora_rank + p.qk_rope_head_dim) + p.kv_lora_rank * Hq * (nope + Dv)
         return q + kv + Hq * Dv * d
-    return d * Hq * Dqk + d * Hkv * (Dqk + Dv) + Hq * Dv * d
+    gate = d * Hq * Dqk if p.attn_output_gate and not cross else 0
+    return d * Hq * Dqk + d * Hkv * (Dqk + Dv) + Hq * Dv * d + gate
+
+
+def recurrent_weights(preset: ModelPreset) -> int:
+    """Projection weights of one recurrent (Gated DeltaNet, KDA) layer: what a token multiplies by."""
+    lin, d = preset.linear_attention, preset.hidden_size
+    Hk, H = lin.linear_num_key_heads, lin.linear_num_value_heads
+    Dk, Dv = lin.linear_key_head_dim, lin.linear_value_head_dim
+    if lin.mixer == "kda":  # H == Hk heads, D == Dk == Dv
+        return 3 * d * H * Dv + 2 * (d * Dv + Dv * H * Dv) + d * H + H * Dv * d
+    return d * (2 * Hk * Dk + 2 * H * Dv + 2 * H) + H * Dv * d
+
+
+def layer_recurrent_params(preset: ModelPreset) -> int:
+    """Parameters of one recurrent (Gated DeltaNet, KDA) layer: :func:`recurrent_weights`, the convolution, the
+    decay parameters and the gated norm."""
+    lin = preset.linear_attention
+    conv, K, H, _, Dv = lin.recurrent_shape()
+    decay = H * Dv + H if lin.mixer == "kda" else 2 * H  # dt_bias per channel (KDA) or per head, A_log per head
+    return recurrent_weights(preset) + conv * K + decay + Dv
+
+
+def _mixer_params(preset: ModelPreset) -> int:
+    """Every layer's token mixer: attention blocks and recurrent layers."""
+    rec = preset.layer_types.count("linear_attention")
+    return ((preset.num_hidden_layers - rec) * layer_attention_params(preset)
+            + (rec * layer_recurrent_params(preset) if rec else 0))
 
 
 def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
@@ -96,7 +125,7 @@ def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
         return n + (p.q_lora_rank or 0) + p.kv_lora_rank + (d if p.attention_bias else 0)  # latent norms
     Hq, Hkv, Dqk, Dv = p.num_attention_heads, p.num_key_value_heads, p.head_dim, p.value_head_dim
     if p.attention_bias or p.qkv_bias:
-        n += Hq * Dqk + Hkv * (Dqk + Dv)
+        n += (2 if p.attn_output_gate and not cross else 1) * Hq * Dqk + Hkv * (Dqk + Dv)
     if p.attention_bias:
         n += d
     if p.qk_norm:
@@ -104,24 +133,6 @@ def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
     if p.attention_sinks:
         n += Hq
     return n
-
-
-def linear_attention_weights(mixer: LinearAttentionConfig, hidden_size: int) -> int:
-    """Weights of one recurrent layer's projection matrices (no convolution, gates' vectors or norm): what a token
-    multiplies by."""
-    d, Hk, H = hidden_size, mixer.linear_num_key_heads, mixer.linear_num_value_heads
-    Dk, Dv = mixer.linear_key_head_dim, mixer.linear_value_head_dim
-    if mixer.mixer == "kda":  # H == Hk, D == Dk == Dv
-        return 3 * d * H * Dv + 2 * (d * Dv + Dv * H * Dv) + d * H + H * Dv * d
-    return d * (2 * Hk * Dk + 2 * H * Dv) + d * 2 * H + H * Dv * d
-
-
-def layer_linear_attention_params(mixer: LinearAttentionConfig, hidden_size: int) -> int:
-    """Parameters of one recurrent layer: :func:`linear_attention_weights` plus the short convolution, the decay
-    parameters and the output norm."""
-    conv_dim, taps, H, _, Dv = mixer.recurrent_shape()
-    decay = H * Dv + H if mixer.mixer == "kda" else 2 * H  # per channel (KDA) or per head: dt_bias, A_log
-    return linear_attention_weights(mixer, hidden_size) + conv_dim * taps + decay + Dv
 
 
 def _mlp(preset: ModelPreset, width: int, *, bias: bool) -> int:
@@ -140,7 +151,8 @@ def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) 
         n = _mlp(p, p.intermediate_size, bias=b)
         return n, n
     expert = _mlp(p, p.moe_intermediate_size, bias=b)
-    shared = _mlp(p, p.moe_intermediate_size * p.n_shared_experts, bias=b) if p.n_shared_experts else 0
+    width = p.shared_expert_intermediate_size or p.moe_intermediate_size * p.n_shared_experts
+    shared = _mlp(p, width, bias=b) + (p.hidden_size if p.shared_expert_gate else 0) if p.n_shared_experts else 0
     router = (p.hidden_size + (1 if p.router_bias else 0)) * p.n_routed_experts
     return router + p.n_routed_experts * expert + shared, router + p.num_experts_per_tok * expert + shared
 
@@ -171,10 +183,7 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
     norm = d if p.norm == "rms" else 2 * d
     embedding = p.vocab_size * d + (p.learned_positions or 0) * d
     lm_head = 0 if p.tie_word_embeddings else p.vocab_size * d
-    recurrent = p.layer_counts.get("recurrent", 0)
-    attention = (p.num_hidden_layers - recurrent) * layer_attention_params(p)
-    if recurrent:
-        attention += recurrent * layer_linear_attention_params(p.linear_attention, d)
+    attention = _mixer_params(p)
     ffn = active_ffn = 0
     for i in range(p.num_hidden_layers):
         total_i, active_i = layer_ffn_params(p, i)

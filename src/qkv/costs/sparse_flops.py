@@ -37,7 +37,6 @@ __all__ = [
     "bigbird_pairs",
     "fixed_pairs",
     "linear_attention_flops",
-    "gated_delta_flops",
     "longformer_pairs",
     "pairs_flops",
     "performer_flops",
@@ -186,23 +185,6 @@ def linear_attention_flops(n: int, *, features: int, num_heads: int = 1, v_head_
                     ("batch", batch)):
         _int("linear_attention_flops", name, v)
     return 2 * batch * num_heads * n * features * (2 * v_head_dim + 1)
-
-
-def gated_delta_flops(n: int, *, num_heads: int, head_k_dim: int, head_v_dim: int, batch: int = 1) -> int:
-    """Matmul FLOPs of a gated delta rule layer's recurrence (Gated DeltaNet, Yang et al. 2025,
-    arXiv:2412.06464; Kimi Delta Attention, arXiv:2510.26692) over ``n`` tokens: per token and head the state
-    ``S`` (Dk, Dv) is read by the key (``S^T k``), updated by a rank-one term (``k u^T``) and read by the query
-    (``S^T q``), ``2 Dk Dv`` each, so ``6 B H n Dk Dv``; the decays are elementwise and not counted. Linear in
-    ``n``, and a decode step costs the same at any context.
-
-    Example:
-        >>> gated_delta_flops(1, num_heads=32, head_k_dim=128, head_v_dim=128)
-        3145728
-    """
-    for name, v in (("n", n), ("num_heads", num_heads), ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
-                    ("batch", batch)):
-        _int("gated_delta_flops", name, v)
-    return 6 * batch * num_heads * n * head_k_dim * head_v_dim
 
 
 def performer_flops(n: int, *, num_features: int, head_dim: int, num_heads: int = 1, v_head_dim: int | None = None,

@@ -576,10 +576,11 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         qk_norm_scope=p.qk_norm_scope, pre_norms=p.pre_norms, attention_sinks=p.attention_sinks,
         position="learned" if p.learned_positions else "rope",
         max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
+        linear_attention=p.linear_attention, attn_output_gate=p.attn_output_gate,
     )
     if p.head_dim != p.hidden_size // p.num_attention_heads:
         kw["head_dim"] = p.head_dim
-    if "local" in p.layer_counts:
+    if "local" in p.layer_counts or "recurrent" in p.layer_counts:
         kw.update(sliding_window=p.sliding_window, layer_types=p.layer_types)
     if p.kv_lora_rank is not None:
         kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
@@ -589,12 +590,12 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         kw.pop("head_dim", None)
         if p.mla_use_nope:
             kw["position"] = "none"
-    if p.linear_attention is not None:
-        kw.update(linear_attention=p.linear_attention, layer_types=p.layer_types)
     if p.n_routed_experts is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
                               first_k_dense_replace=p.first_k_dense_replace, router_bias=p.router_bias,
                               # experts with biases: GPT-OSS's clamped SwiGLU (HF's default limit)
-                              swiglu_limit=7.0 if p.mlp_bias else None)
+                              swiglu_limit=7.0 if p.mlp_bias else None,
+                              shared_expert_intermediate_size=p.shared_expert_intermediate_size,
+                              shared_expert_gate=p.shared_expert_gate)
     return DecoderConfig(**kw)

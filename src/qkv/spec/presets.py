@@ -2,8 +2,8 @@
 
 Field names follow HF ``transformers`` configs. ``layer_types`` uses HF's values, ``"full_attention"``
 (global), ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
-HF's convention: the window counts the token itself) and ``"linear_attention"`` (recurrent: a hybrid model's
-linear-attention layers, whose state does not grow with the context). Every number is cited in the preset's
+HF's convention: the window counts the token itself) and ``"linear_attention"`` (recurrent: a fixed state,
+shaped by ``linear_attention``, Qwen3-Next / Qwen3.5 / Kimi Linear). Every number is cited in the preset's
 ``source``.
 """
 
@@ -25,7 +25,7 @@ from .linear import LinearAttentionConfig
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
-FULL, SLIDING, LINEAR = FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION
+FULL, SLIDING = FULL_ATTENTION, SLIDING_ATTENTION
 _LAYER_KIND = LAYER_KIND
 
 
@@ -79,6 +79,12 @@ class ModelPreset:
         n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts,
             first_k_dense_replace: DeepSeekMoE feed-forward (HF names); the first
             ``first_k_dense_replace`` layers stay dense with ``intermediate_size``.
+        shared_expert_intermediate_size, shared_expert_gate: Qwen3-Next's shared expert: its width (default
+            ``moe_intermediate_size * n_shared_experts``) and a sigmoid gate ``d -> 1`` scaling its output.
+        linear_attention: the recurrent mixer of the ``"linear_attention"`` layers (a
+            :class:`qkv.spec.linear.LinearAttentionConfig`); their cache is a fixed state per sequence.
+        attn_output_gate: the attention output is gated by ``sigmoid`` of a second query-sized projection
+            (Qwen3-Next, Qwen3.5: ``q_proj`` twice as tall).
 
     Example:
         >>> p = PRESETS["gemma-3-27b"]
@@ -124,7 +130,10 @@ class ModelPreset:
     pre_norms: bool = True
     attention_sinks: bool = False
     router_bias: bool = False
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
     linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
     mla_use_nope: bool = False
 
     def __post_init__(self) -> None:
@@ -142,14 +151,15 @@ class ModelPreset:
             object.__setattr__(self, "layer_types", (SLIDING if self.sliding_window else FULL,) * n)
         types = tuple(self.layer_types)
         object.__setattr__(self, "layer_types", types)
-        if len(types) != n or not set(types) <= {FULL, SLIDING, LINEAR}:
+        if len(types) != n or not set(types) <= {FULL, SLIDING, LINEAR_ATTENTION}:
             raise ValueError(
-                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}, {LINEAR!r}; got "
-                f"{len(types)} entries {sorted(set(types))}"
+                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}, {LINEAR_ATTENTION!r}; "
+                f"got {len(types)} entries {sorted(set(types))}"
             )
-        if (LINEAR in types) != (self.linear_attention is not None):
-            raise ValueError(f"{self.name}: {LINEAR!r} layers and linear_attention (their mixer) go together; got "
-                             f"{types.count(LINEAR)} such layers and linear_attention={self.linear_attention!r}")
+        if (LINEAR_ATTENTION in types) != (self.linear_attention is not None):
+            raise ValueError(f"{self.name}: {LINEAR_ATTENTION!r} layers need linear_attention (their recurrent "
+                             f"mixer's shape) and linear_attention needs such layers; got "
+                             f"{types.count(LINEAR_ATTENTION)} layers, linear_attention={self.linear_attention!r}")
         if self.mla_use_nope and self.kv_lora_rank is None:
             raise ValueError(f"{self.name}: mla_use_nope describes MLA layers; set kv_lora_rank or drop it")
         if SLIDING in types and not (self.sliding_window and self.sliding_window > 0):
@@ -252,9 +262,10 @@ class ModelPreset:
             m = c.moe
             kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
-                      first_k_dense_replace=m.first_k_dense_replace, router_bias=m.router_bias)
-        if c.linear_attention is not None:
-            kw["linear_attention"] = c.linear_attention
+                      first_k_dense_replace=m.first_k_dense_replace, router_bias=m.router_bias,
+                      shared_expert_intermediate_size=m.shared_expert_intermediate_size,
+                      shared_expert_gate=m.shared_expert_gate)
+        kw.update(linear_attention=c.linear_attention, attn_output_gate=c.attn_output_gate)
         if c.latent is not None and not c.latent.use_rope:
             kw["mla_use_nope"] = True
         return cls(**kw)
@@ -301,7 +312,7 @@ _COUNTED_FIELDS = frozenset({
     "qk_norm", "qk_norm_scope", "pre_norms", "attention_sinks", "attention_scale", "attn_logit_softcapping",
     "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
-    "name", "linear_attention",
+    "name", "linear_attention", "attn_output_gate",
 })
 
 
@@ -317,6 +328,12 @@ _GPT_OSS = dict(num_attention_heads=64, num_key_value_heads=8, head_dim=64, hidd
                 max_position_embeddings=131072)
 _QWEN3 = dict(head_dim=128, vocab_size=151936, qk_norm=True, max_position_embeddings=40960)
 _OLMO = dict(qk_norm=True, qk_norm_scope="projection", pre_norms=False, sandwich_norms=True)
+_QWEN_HYBRID = dict(head_dim=256, qk_norm=True, attn_output_gate=True, max_position_embeddings=32768)
+
+
+def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
+    """HF Qwen3-Next / Qwen3.5: layer ``i`` is full attention iff ``(i + 1) % interval == 0``, else recurrent."""
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
 _PRESETS_2025 = (
     ModelPreset(
         name="gpt-oss-20b", num_hidden_layers=24, layer_types=_pattern(24, 2), n_routed_experts=32, **_GPT_OSS,
@@ -382,11 +399,35 @@ _PRESETS_2025 = (
         notes="OLMo 2's blocks with three sliding-window (4096) layers per global layer; MHA.",
     ),
     ModelPreset(
+        name="qwen3-next-80b-a3b", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+        hidden_size=2048, intermediate_size=5632, n_routed_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, n_shared_experts=1, shared_expert_intermediate_size=512, shared_expert_gate=True,
+        layer_types=_hybrid(48, 4), linear_attention=LinearAttentionConfig(
+            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+        **_QWEN_HYBRID, vocab_size=151936,
+        source="HF transformers 5.25 Qwen3NextConfig defaults, documented there as the Qwen3-Next-80B-A3B "
+        "configuration (checkpoint Qwen/Qwen3-Next-80B-A3B-Instruct); every number is the class default",
+        notes="Hybrid: 36 Gated DeltaNet layers (fixed state) and 12 gated full-attention layers (every 4th), "
+        "partial RoPE (a quarter of each head); 512 experts, 10 per token, one gated shared expert. The config "
+        "class's defaults give max_position_embeddings 32768 (the released config.json states more).",
+    ),
+    ModelPreset(
+        name="qwen3.5-9b", num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, hidden_size=4096,
+        intermediate_size=12288, layer_types=_hybrid(32, 4), linear_attention=LinearAttentionConfig(
+            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+            mixer="gated_deltanet_split"),
+        **_QWEN_HYBRID, vocab_size=248320,
+        source="HF transformers 5.25 Qwen3_5TextConfig defaults, documented there as the Qwen3.5-9B style "
+        "configuration; every number is the class default",
+        notes="Hybrid: 24 Gated DeltaNet layers (fixed state) and 8 gated full-attention layers (every 4th), "
+        "partial RoPE; dense SwiGLU feed-forward. The language model of the multimodal Qwen3.5.",
+    ),
+    ModelPreset(
         name="kimi-linear-48b-a3b", num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
         head_dim=192, hidden_size=2304, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         mla_use_nope=True, vocab_size=163840, intermediate_size=9216, n_routed_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=1024, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1048576,
-        layer_types=tuple(FULL if i + 1 in (4, 8, 12, 16, 20, 24, 27) else LINEAR for i in range(27)),
+        layer_types=tuple(FULL if i + 1 in (4, 8, 12, 16, 20, 24, 27) else LINEAR_ATTENTION for i in range(27)),
         linear_attention=LinearAttentionConfig(linear_num_key_heads=32, linear_num_value_heads=32,
                                                linear_key_head_dim=128, linear_value_head_dim=128,
                                                linear_conv_kernel_dim=4, mixer="kda"),
@@ -586,6 +627,7 @@ def preset_from_hf_config(
 # HF model types whose feed-forward has two matrices and whose norms are LayerNorms with biases (GPT-2 layout).
 _DENSE_LAYER_NORM = {"gpt2", "gpt_bigcode", "opt"}
 _TIED_BY_DEFAULT = {"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"}
+_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # gated attention and recurrent layers
 
 
 def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
@@ -601,7 +643,8 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
         "attention_bias": gpt2 or bool(cfg.get("attention_bias", False)),
         "qkv_bias": model_type == "qwen2",
         "mlp_bias": gpt2 or bool(cfg.get("mlp_bias", False)),
-        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "olmo3"),
+        "qk_norm": model_type in ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "olmo2", "olmo3", *_HYBRID),
+        "attn_output_gate": model_type in _HYBRID,
         "qk_norm_scope": "projection" if model_type in ("olmo2", "olmo3") else "head",
         "pre_norms": model_type not in ("olmo2", "olmo3"),
         "attention_sinks": model_type == "gpt_oss",
@@ -618,6 +661,13 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
                    moe_intermediate_size=width)
         if model_type == "gpt_oss":  # experts with biases, a router with a bias, attention biases by default
             out.update(mlp_bias=True, router_bias=True, attention_bias=bool(cfg.get("attention_bias", True)))
+    if model_type in _HYBRID and (moe := read_moe({**cfg, "model_type": model_type})) is not None:
+        out.update(n_routed_experts=moe.n_routed_experts, num_experts_per_tok=moe.num_experts_per_tok,
+                   moe_intermediate_size=moe.moe_intermediate_size, n_shared_experts=moe.n_shared_experts,
+                   shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+                   shared_expert_gate=moe.shared_expert_gate)
+    if model_type in _HYBRID:  # HF's defaults where a config.json leaves them out
+        out["intermediate_size"] = out["intermediate_size"] or (5632 if model_type == "qwen3_next" else 12288)
     if model_type == "kimi_linear":  # its experts under checkpoint or transformers names: the one reader's
         moe = read_moe(cfg)
         out.update(n_routed_experts=moe.n_routed_experts, num_experts_per_tok=moe.num_experts_per_tok,
