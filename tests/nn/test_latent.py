@@ -450,6 +450,14 @@ def test_nope_config_errors_name_the_fix():
     with pytest.raises(TypeError, match="use_rope must be a bool"):
         _config(use_rope="no")
     assert _config(use_rope=False, qk_rope_head_dim=5).qk_rope_head_dim == 5  # nothing rotates: odd widths are fine
+    from qkv.nn import DecoderConfig
+
+    kw = dict(vocab_size=10, hidden_size=40, num_hidden_layers=1, num_attention_heads=3, intermediate_size=8)
+    with pytest.raises(ValueError, match=r"needs position='none' \(its use_rope is False: NoPE\), got position='rope'"):
+        DecoderConfig(**kw, latent=cfg)
+    with pytest.raises(ValueError, match=r"needs position='rope', got position='none'"):
+        DecoderConfig(**kw, latent=_config(), position="none")
+    assert DecoderConfig(**kw, latent=cfg, position="none").latent.use_rope is False
     with pytest.raises(ValueError, match="mla_use_nope=False"):
         LatentConfig.from_hf({"model_type": "kimi_linear", "hidden_size": 8, "num_attention_heads": 2,
                               "kv_lora_rank": 4, "mla_use_nope": False})

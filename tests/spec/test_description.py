@@ -261,6 +261,17 @@ def test_kimi_linear_configs_the_reader_refuses(change, match):
         hf_config.read_moe(bad) if "linear_attn_config" not in change else hf_config.hf_defaults(bad)
 
 
+def test_kda_mixer_has_as_many_key_as_value_heads():
+    from qkv.spec.linear import LinearAttentionConfig
+
+    kda = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+               mixer="kda")
+    assert LinearAttentionConfig(**kda).recurrent_shape() == (3 * 2 * 8, 4, 2, 8, 8)  # q, k, v convolved; (D, D)
+    for change in ({"linear_num_value_heads": 4}, {"linear_value_head_dim": 16}):
+        with pytest.raises(ValueError, match="the kda mixer has as many key as value heads, each as wide"):
+            LinearAttentionConfig(**{**kda, **change})
+
+
 def test_kimi_linear_preset_is_its_config_json():
     """The ``kimi-linear-48b-a3b`` preset and the published config.json describe the same model: the layer
     pattern, the KDA mixer, NoPE MLA, and so the same parameters, recurrent state and KV bytes."""
