@@ -668,17 +668,17 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
                    shared_expert_gate=moe.shared_expert_gate)
     if model_type in _HYBRID:  # HF's defaults where a config.json leaves them out
         out["intermediate_size"] = out["intermediate_size"] or (5632 if model_type == "qwen3_next" else 12288)
+    if cfg.get("n_routed_experts"):
+        out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
+                   moe_intermediate_size=cfg.get("moe_intermediate_size"),
+                   n_shared_experts=cfg.get("n_shared_experts") or 0,
+                   first_k_dense_replace=cfg.get("first_k_dense_replace") or 0)
     if model_type == "kimi_linear":  # its experts under checkpoint or transformers names: the one reader's
         moe = read_moe(cfg)
         out.update(n_routed_experts=moe.n_routed_experts, num_experts_per_tok=moe.num_experts_per_tok,
                    moe_intermediate_size=moe.moe_intermediate_size, n_shared_experts=moe.n_shared_experts,
                    first_k_dense_replace=moe.first_k_dense_replace,
                    max_position_embeddings=cfg.get("model_max_length") or cfg.get("max_position_embeddings"))
-    elif cfg.get("n_routed_experts"):
-        out.update(n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok"),
-                   moe_intermediate_size=cfg.get("moe_intermediate_size"),
-                   n_shared_experts=cfg.get("n_shared_experts") or 0,
-                   first_k_dense_replace=cfg.get("first_k_dense_replace") or 0)
     return out
 
 
