@@ -187,6 +187,18 @@ def test_checkpoint_directory_loads_like_the_model(tmp_path):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
+def test_checkpoint_missing_a_kda_convolution_is_named():
+    from qkv.models.family_kimi_linear import convert
+    from qkv.models.loading import CheckpointError
+
+    hf = _models("L4-qproj-g4k2-checkpoint-names")[0]
+    state = dict(hf.state_dict())
+    conv = state.pop("model.layers.1.self_attn.conv1d.weight")
+    state["model.layers.1.self_attn.q_conv1d.weight"] = conv[: conv.shape[0] // 3]
+    with pytest.raises(CheckpointError, match=r"lacks \['model.layers.1.self_attn.k_conv1d.weight', "):
+        convert(state, hf.config.to_dict())
+
+
 @pytest.mark.parametrize("change, match", [
     ({"hidden_act": "gelu"}, "KDA convolution is SiLU only"),
     ({"mla_use_nope": False}, "mla_use_nope=False"),

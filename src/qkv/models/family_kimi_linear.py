@@ -105,8 +105,8 @@ def _transformers_names(state: dict[str, torch.Tensor], c: DecoderConfig) -> dic
 
 def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
     c = decoder_config(config)
-    out = rename_router_bias(rename_decoder(_transformers_names(state, c), c, norms={"input_layernorm": "attn_norm",
-                                                             "post_attention_layernorm": "ffn_norm"}))
+    norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    out = rename_router_bias(rename_decoder(_transformers_names(state, c), c, norms=norms))
     for i, kind in enumerate(c.layer_types):
         if kind == LINEAR_ATTENTION:
             old, new = f"layers.{i}.self_attn.", f"layers.{i}.linear_attn."
