@@ -339,7 +339,8 @@ def _shrunk(name):
             kw.update(shared_expert_intermediate_size=24)
     if "recurrent" in p.layer_counts:  # hybrid: a recurrent layer and a full-attention one
         kw.update(layer_types=("linear_attention", "full_attention"), linear_attention=dataclasses.replace(
-            p.linear_attention, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            p.linear_attention, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_num_value_heads=2 if p.linear_attention.mixer == "kda" else 4,  # KDA: as many key as value heads
             linear_value_head_dim=8))
     return dataclasses.replace(p, name=f"{name}-small", **kw)
 

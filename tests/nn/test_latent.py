@@ -1,5 +1,6 @@
 """Multi-head latent attention (``qkv.nn.latent``): absorbed == expanded (forward and backward), the
-latent-only cache, cached decode == full recompute, and parity with HF transformers' DeepseekV2Attention."""
+latent-only cache, cached decode == full recompute, and parity with HF transformers' DeepseekV2Attention and
+(without positions, NoPE) KimiLinearAttention."""
 
 from __future__ import annotations
 
@@ -400,3 +401,63 @@ def test_parity_with_hf_deepseek_v2_attention(case):
     assert_within_budget(decoded, ref, base, what=f"{case} cached decode vs HF DeepseekV2Attention")
     if spec["rope"] is not None:
         assert cfg.softmax_scale != cfg.qk_head_dim ** -0.5  # the mscale_all_dim adjustment is exercised
+
+
+def test_parity_with_hf_kimi_linear_nope_attention():
+    """Kimi Linear's MLA rotates nothing: both paths and a cached decode against HF's KimiLinearAttention, and the
+    layer is blind to positions (shifted positions give the same output)."""
+    hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    from transformers import KimiLinearConfig
+
+    hf_cfg = KimiLinearConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_hidden_layers=1,
+                              vocab_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              attn_implementation="eager")
+    torch.manual_seed(0)
+    theirs = hf.KimiLinearAttention(hf_cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "layernorm" in name else 0.3 * torch.randn_like(p))
+    B, N = 2, 11
+    x = torch.randn(B, N, 64)
+    causal = torch.full((N, N), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        ref = theirs.double()(x.double(), attention_mask=causal.double())[0]
+        base = theirs.float()(x, attention_mask=causal)[0]
+    cfg = LatentConfig.from_hf(hf_cfg)
+    assert not cfg.use_rope and cfg.softmax_scale == cfg.qk_head_dim ** -0.5
+    ours = LatentAttention(cfg).eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    with torch.no_grad():
+        for path in ("expanded", "absorbed"):
+            for offset in (0, 7):
+                out = ours(x, positions=torch.arange(N) + offset, path=path).out
+                assert_within_budget(out, ref, base, what=f"NoPE {path} offset {offset} vs HF KimiLinearAttention")
+        cache = KVCache([ours.cache_spec()])
+        prompt = ours(x[:, :8], positions=torch.arange(8), cache=cache)
+        steps = [ours(x[:, t:t + 1], positions=torch.tensor([t]), cache=cache) for t in range(8, N)]
+    assert "nope" in repr(ours)
+    assert_within_budget(torch.cat([prompt.out] + [s.out for s in steps], dim=1), ref, base,
+                         what="NoPE cached decode vs HF KimiLinearAttention")
+
+
+def test_nope_config_errors_name_the_fix():
+    cfg = _config(use_rope=False)
+    with pytest.raises(ValueError, match="use_rope is False"):
+        LatentAttention(cfg, rope=lambda t, pos: t)
+    with pytest.raises(ValueError, match="rope_scaling must be None"):
+        _config(use_rope=False, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(TypeError, match="use_rope must be a bool"):
+        _config(use_rope="no")
+    assert _config(use_rope=False, qk_rope_head_dim=5).qk_rope_head_dim == 5  # nothing rotates: odd widths are fine
+    from qkv.nn import DecoderConfig
+
+    kw = dict(vocab_size=10, hidden_size=40, num_hidden_layers=1, num_attention_heads=3, intermediate_size=8)
+    with pytest.raises(ValueError, match=r"needs position='none' \(its use_rope is False: NoPE\), got position='rope'"):
+        DecoderConfig(**kw, latent=cfg)
+    with pytest.raises(ValueError, match=r"needs position='rope', got position='none'"):
+        DecoderConfig(**kw, latent=_config(), position="none")
+    assert DecoderConfig(**kw, latent=cfg, position="none").latent.use_rope is False
+    with pytest.raises(ValueError, match="mla_use_nope=False"):
+        LatentConfig.from_hf({"model_type": "kimi_linear", "hidden_size": 8, "num_attention_heads": 2,
+                              "kv_lora_rank": 4, "mla_use_nope": False})

@@ -207,3 +207,80 @@ def test_from_config_refuses_a_field_it_does_not_count(monkeypatch):
     with pytest.raises(ValueError, match="qk_norm=True"):
         qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-gemma"))
     assert qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-llama")).qk_norm is False
+
+
+# The published Kimi-Linear-48B-A3B-Instruct config.json (moonshotai), its layout and expert fields.
+KIMI_LINEAR_JSON = {
+    "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "mla_use_nope": True, "model_max_length": 1048576, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32,
+                           "short_conv_kernel_size": 4,
+                           "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]},
+    "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+    "routed_scaling_factor": 2.446, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+}
+
+
+def test_kimi_linear_reads_as_transformers_reads_it():
+    """Checkpoint names (``num_experts``, ``moe_renormalize``, ``linear_attn_config`` counted from 1) and
+    transformers' names give the same MoE, KDA shape and layer pattern as ``KimiLinearConfig``."""
+    cfg = hf_config.hf_defaults(KIMI_LINEAR_JSON)
+    mla = [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"]
+    assert mla == [3, 7, 11, 15, 19, 23, 26] and len(cfg["layer_types"]) == 27
+    assert (cfg["linear_num_heads"], cfg["linear_head_dim"], cfg["linear_conv_kernel_dim"]) == (32, 128, 4)
+    moe = hf_config.read_moe(KIMI_LINEAR_JSON)
+    assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.n_shared_experts, moe.topk_method) == (
+        256, 8, 1, "noaux_tc")
+    assert (moe.n_group, moe.topk_group, moe.norm_topk_prob, moe.routed_scaling_factor) == (1, 1, True, 2.446)
+    assert [moe.is_moe(i) for i in range(3)] == [False, True, True]
+    latent = hf_config.read_latent(KIMI_LINEAR_JSON)
+    assert not latent.use_rope and latent.q_lora_rank is None and latent.qk_head_dim == 192
+    default = hf_config.hf_defaults({"model_type": "kimi_linear", "num_hidden_layers": 9})["layer_types"]
+    assert [i for i, t in enumerate(default) if t == "full_attention"] == [4, 8]
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.KimiLinearConfig(**{k: v for k, v in KIMI_LINEAR_JSON.items() if k != "model_type"})
+    assert list(theirs.layer_types) == list(cfg["layer_types"])
+    assert [t == "sparse" for t in theirs.mlp_layer_types] == [moe.is_moe(i) for i in range(27)]
+    hf_names = theirs.to_dict()
+    assert hf_config.read_moe(hf_names) == moe and hf_config.hf_defaults(hf_names)["layer_types"] == cfg["layer_types"]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"moe_router_activation_func": "softmax"}, "sigmoid scores"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"mlp_layer_types": ["sparse", "dense"] + ["sparse"] * 25}, "'dense' ones first"),
+    ({"linear_attn_config": {"full_attn_layers": [0], "kda_layers": [1]}}, "counts layers from 1 to 27"),
+    ({"linear_attn_config": {"full_attn_layers": [1], "kda_layers": [2]}}, "for layers \\[3, 4"),
+], ids=["softmax-router", "moe-every-2", "dense-after-sparse", "layer-0", "layers-missing"])
+def test_kimi_linear_configs_the_reader_refuses(change, match):
+    bad = {**KIMI_LINEAR_JSON, **change}
+    with pytest.raises(ValueError, match=match):
+        hf_config.read_moe(bad) if "linear_attn_config" not in change else hf_config.hf_defaults(bad)
+
+
+def test_kda_mixer_has_as_many_key_as_value_heads():
+    from qkv.spec.linear import LinearAttentionConfig
+
+    kda = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+               mixer="kda")
+    assert LinearAttentionConfig(**kda).recurrent_shape() == (3 * 2 * 8, 4, 2, 8, 8)  # q, k, v convolved; (D, D)
+    for change in ({"linear_num_value_heads": 4}, {"linear_value_head_dim": 16}):
+        with pytest.raises(ValueError, match="the kda mixer has as many key as value heads, each as wide"):
+            LinearAttentionConfig(**{**kda, **change})
+
+
+def test_kimi_linear_preset_is_its_config_json():
+    """The ``kimi-linear-48b-a3b`` preset and the published config.json describe the same model: the layer
+    pattern, the KDA mixer, NoPE MLA, and so the same parameters, recurrent state and KV bytes."""
+    from qkv.costs import kv_cache_memory, num_parameters
+
+    preset, read = qkv.spec.PRESETS["kimi-linear-48b-a3b"], qkv.spec.preset_from_hf_config(KIMI_LINEAR_JSON)
+    assert read.layer_types == preset.layer_types and read.linear_attention == preset.linear_attention
+    assert read.mla_use_nope and preset.mla_use_nope and read.max_position_embeddings == 1048576
+    assert num_parameters(read)[1:] == num_parameters(preset)[1:]
+    assert kv_cache_memory(read, context=4096) == kv_cache_memory(preset, context=4096)._replace(preset=read.name)
+    cfg = preset.config
+    assert cfg.position == "none" and not cfg.latent.use_rope and cfg.linear_attention.mixer == "kda"

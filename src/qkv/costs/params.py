@@ -13,7 +13,9 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
 - recurrent layers (``"linear_attention"``, Gated DeltaNet): input projections ``d * (2 Hk Dk + 2 H Dv + 2 H)``
   (q, k, v, the output gate z, the write strength b and the decay a), the depthwise convolution
   ``(2 Hk Dk + H Dv) * K``, ``2 H`` decay parameters (``A_log``, ``dt_bias``), the gated norm ``Dv`` and the
-  output ``H Dv * d``.
+  output ``H Dv * d``. Kimi Delta Attention (``mixer="kda"``, ``H`` heads of ``D``): ``3 d H D`` (q, k, v),
+  ``2 (d D + D H D)`` (the low-rank forget and output gates), ``d H`` (the write strength) and ``H D * d``, plus
+  the convolution ``3 H D * K``, ``H D + H`` decay parameters (a ``dt_bias`` per channel) and the norm ``D``.
 - feed-forward: ``2 * d * f`` (dense, GPT-2) or ``3 * d * f`` (gated, SwiGLU/GeGLU, Shazeer 2020); a
   mixture of experts (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066) holds ``E`` routed experts of width
   ``moe_intermediate_size``, ``n_shared_experts`` always-on ones and a router ``d * E``; a token uses the
@@ -90,19 +92,22 @@ def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
 
 
 def recurrent_weights(preset: ModelPreset) -> int:
-    """Projection weights of one recurrent (Gated DeltaNet) layer: what a token multiplies by."""
+    """Projection weights of one recurrent (Gated DeltaNet, KDA) layer: what a token multiplies by."""
     lin, d = preset.linear_attention, preset.hidden_size
     Hk, H = lin.linear_num_key_heads, lin.linear_num_value_heads
     Dk, Dv = lin.linear_key_head_dim, lin.linear_value_head_dim
+    if lin.mixer == "kda":  # H == Hk heads, D == Dk == Dv
+        return 3 * d * H * Dv + 2 * (d * Dv + Dv * H * Dv) + d * H + H * Dv * d
     return d * (2 * Hk * Dk + 2 * H * Dv + 2 * H) + H * Dv * d
 
 
 def layer_recurrent_params(preset: ModelPreset) -> int:
-    """Parameters of one recurrent (Gated DeltaNet) layer: :func:`recurrent_weights`, the convolution, the decay
-    parameters and the gated norm."""
+    """Parameters of one recurrent (Gated DeltaNet, KDA) layer: :func:`recurrent_weights`, the convolution, the
+    decay parameters and the gated norm."""
     lin = preset.linear_attention
     conv, K, H, _, Dv = lin.recurrent_shape()
-    return recurrent_weights(preset) + conv * K + 2 * H + Dv
+    decay = H * Dv + H if lin.mixer == "kda" else 2 * H  # dt_bias per channel (KDA) or per head, A_log per head
+    return recurrent_weights(preset) + conv * K + decay + Dv
 
 
 def _mixer_params(preset: ModelPreset) -> int:

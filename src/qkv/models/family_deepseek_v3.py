@@ -35,7 +35,7 @@ import torch
 from ..nn import DecoderConfig, DecoderLM, LatentConfig, MoEConfig
 from ..spec.hf_config import read_moe
 from .hf import decoder_config as decoder_config_from
-from .hf import rename_decoder
+from .hf import rename_decoder, rename_router_bias
 from .loading import FAMILIES, CheckpointError
 
 __all__ = ["build", "convert", "decoder_config"]
@@ -71,8 +71,5 @@ def build(config: dict[str, Any]) -> DecoderLM:
 
 
 def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    out = rename_decoder(state, decoder_config(config), norms={"input_layernorm": "attn_norm",
-                                                              "post_attention_layernorm": "ffn_norm"})
-    for name in [n for n in out if n.endswith(".mlp.gate.e_score_correction_bias")]:
-        out[name.replace(".gate.", ".")] = out.pop(name)
-    return out
+    return rename_router_bias(rename_decoder(state, decoder_config(config), norms={
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}))

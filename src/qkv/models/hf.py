@@ -23,8 +23,8 @@ from ..spec.config import DecoderConfig, RopeParams
 from ..spec.hf_config import LayerLayout, read_layout
 from .loading import CheckpointError
 
-__all__ = ["rope_params", "read_checkpoint_layout", "decoder_config", "rename_decoder", "stack_tensors",
-           "ATTN_STACK", "MLP_STACK"]
+__all__ = ["rope_params", "read_checkpoint_layout", "decoder_config", "rename_decoder", "rename_router_bias",
+           "stack_tensors", "ATTN_STACK", "MLP_STACK"]
 
 ATTN_STACK = ("q_proj", "k_proj", "v_proj")
 MLP_STACK = ("gate_proj", "up_proj")
@@ -140,6 +140,15 @@ def rename_decoder(state: Mapping[str, torch.Tensor], config: DecoderConfig, *,
             out[rest] = src.pop(rest)
     out.update(src)
     return out
+
+
+def rename_router_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3-style routing (DeepSeek-V3, Kimi Linear): HF keeps the correction bias on the router,
+    ``mlp.gate.e_score_correction_bias``; :class:`qkv.nn.MoE` on itself, ``mlp.e_score_correction_bias``. Renames in
+    place and returns ``state``."""
+    for name in [n for n in state if n.endswith(".mlp.gate.e_score_correction_bias")]:
+        state[name.replace(".gate.", ".")] = state.pop(name)
+    return state
 
 
 def _rename_moe(src: dict[str, torch.Tensor], out: dict[str, torch.Tensor], mlp: str, n: int) -> None:

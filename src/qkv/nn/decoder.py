@@ -17,7 +17,8 @@ switches. Each layer is two pre-norm residual branches::
   :func:`qkv.attention`), caches through the :mod:`qkv.cache` protocol. Optionally its output is gated,
   ``o * sigmoid(gate(x))`` before the output projection (Qwen3-Next's gated attention).
 - or, on ``"linear_attention"`` layers of a hybrid model, a recurrent mixer, ``layers[i].linear_attn``
-  (:class:`qkv.nn.GatedDeltaNet`, Yang et al. 2025, arXiv:2412.06464) whose state the cache keeps under a
+  (:class:`qkv.nn.GatedDeltaNet`, Yang et al. 2025, arXiv:2412.06464; Kimi Linear's
+  :class:`qkv.nn.KimiDeltaAttention`, arXiv:2510.26692) whose state the cache keeps under a
   ``RecurrentSpec``: one :class:`qkv.cache.KVCache` holds both kinds of layer. Padding tokens (position
   ``-1``) are zeroed before the mixer, so a left-padded row leaves the state its real tokens alone leave.
 - feed-forward: :class:`qkv.nn.GatedMLP` (SwiGLU, tanh-GeGLU), :class:`qkv.nn.FeedForward` (GPT-2, BLOOM)
@@ -74,6 +75,7 @@ from ..spec.layer_types import LINEAR_ATTENTION
 from .cached import attention_mask, cached_attention, refuse_scoring_cache
 from .ffn import FeedForward, GatedMLP
 from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
+from .kda import KimiDeltaAttention
 from .latent import LatentAttention
 from .moe import MoE
 from .norm import RMSNorm
@@ -290,6 +292,10 @@ def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
 def _linear_mixer(c: DecoderConfig, layer_idx: int) -> nn.Module:
     """The recurrent mixer of a ``linear_attention`` layer (:class:`qkv.spec.linear.LinearAttentionConfig`)."""
     lin = c.linear_attention
+    if lin.mixer == "kda":
+        return KimiDeltaAttention(c.hidden_size, num_heads=lin.linear_num_value_heads,
+                                  head_dim=lin.linear_value_head_dim, conv_kernel_size=lin.linear_conv_kernel_dim,
+                                  norm_eps=c.rms_norm_eps, layer_idx=layer_idx)
     cls = SplitGatedDeltaNet if lin.mixer == "gated_deltanet_split" else GatedDeltaNet
     return cls(c.hidden_size, num_k_heads=lin.linear_num_key_heads, num_v_heads=lin.linear_num_value_heads,
                head_k_dim=lin.linear_key_head_dim, head_v_dim=lin.linear_value_head_dim,

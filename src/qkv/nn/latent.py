@@ -41,7 +41,9 @@ prints them.
 Parameter and config names are HF transformers' ``DeepseekV2Attention`` ones, so a checkpoint's
 attention weights load with ``load_state_dict`` unchanged. RoPE on ``q_rope``/``k_rope`` uses the
 interleaved channel pairs ``(2f, 2f+1)``, as HF's DeepSeek-V2 does; with YaRN scaling and
-``mscale_all_dim`` the softmax scale is multiplied by ``mscale(factor, mscale_all_dim) ** 2``.
+``mscale_all_dim`` the softmax scale is multiplied by ``mscale(factor, mscale_all_dim) ** 2``. Kimi Linear's
+MLA (Kimi Team 2025, arXiv:2510.26692) has no positions (``LatentConfig.use_rope=False``): the same
+arithmetic with nothing rotated, ``q_rope . k_rope`` a plain dot product with the shared key part.
 
 Shape legend: B batch, N tokens of ``x`` (= Nq), Nk keys (cached tokens), d ``hidden_size``, H heads,
 r ``kv_lora_rank``, dn ``qk_nope_head_dim``, dr ``qk_rope_head_dim``, dv ``v_head_dim``.
@@ -314,7 +316,8 @@ class LatentAttention(nn.Module):
     Args:
         config: a :class:`LatentConfig` (``LatentConfig.from_hf(hf_config)`` for a checkpoint).
         rope: a ``rope(x, positions)`` callable for the ``dr`` RoPE channels; default a
-            :class:`qkv.pos.RotaryEmbedding` from the config with interleaved pairs (HF DeepSeek-V2).
+            :class:`qkv.pos.RotaryEmbedding` from the config with interleaved pairs (HF DeepSeek-V2). Must be
+            None when ``config.use_rope`` is False (NoPE: nothing is rotated).
         path: ``"auto"`` (fewer FLOPs, see :meth:`explain_path`), ``"expanded"`` or ``"absorbed"``.
         causal: causal mask (DeepSeek-V2 is causal; ``False`` attends to every key).
         backend: the ``qkv.attention`` backend.
@@ -366,7 +369,10 @@ class LatentAttention(nn.Module):
             if c.q_lora_rank is not None:
                 self.q_a_layernorm.to(**kw)
         self.attention_fn = attention  # the operator both paths call; replaceable (capture, context parallelism)
-        self.rope = rope if rope is not None else RotaryEmbedding(
+        if not c.use_rope and rope is not None:
+            raise ValueError("LatentAttention: config.use_rope is False (NoPE), so nothing is rotated; pass rope=None "
+                             "or a LatentConfig with use_rope=True")
+        self.rope: RopeFn | None = None if not c.use_rope else rope if rope is not None else RotaryEmbedding(
             c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
             max_position_embeddings=c.max_position_embeddings, interleaved=True)
         self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
@@ -427,12 +433,14 @@ class LatentAttention(nn.Module):
                 raise ValueError("LatentAttention: a cache needs positions (B, N) of the new tokens")
             view = cache.update_latent(self.layer_idx, c_kv_BNr, k_rope_BNr, positions=pos, rope=self.rope)
             c_kv_BSr, k_rope_BSr, kv_pos, q_pos = view.c_kv, view.k_rope, view.kv_positions, view.q_positions
-            q_rope_BHNr = self.rope(q_rope_BHNr, q_pos.clamp_min(0))
+            if self.rope is not None:
+                q_rope_BHNr = self.rope(q_rope_BHNr, q_pos.clamp_min(0))
         else:
-            rot_pos = torch.arange(N, device=x.device) if pos is None else pos.clamp_min(0)
-            q_rope_BHNr = self.rope(q_rope_BHNr, rot_pos)
-            k_rope_BSr = self.rope(k_rope_BNr.unsqueeze(1), rot_pos).squeeze(1)  # (B, N, dr)
-            c_kv_BSr, q_pos, kv_pos = c_kv_BNr, pos, pos
+            k_rope_BSr, c_kv_BSr, q_pos, kv_pos = k_rope_BNr, c_kv_BNr, pos, pos  # (B, N, dr), (B, N, r)
+            if self.rope is not None:
+                rot_pos = torch.arange(N, device=x.device) if pos is None else pos.clamp_min(0)
+                q_rope_BHNr = self.rope(q_rope_BHNr, rot_pos)
+                k_rope_BSr = self.rope(k_rope_BNr.unsqueeze(1), rot_pos).squeeze(1)
         choice = self.explain_path(N, c_kv_BSr.shape[1], path=path)
         fn = mla_absorbed if choice.path == "absorbed" else mla_expanded
         heads = fn(q_nope_BHNn, q_rope_BHNr, c_kv_BSr, k_rope_BSr, self.kv_b_proj.weight, q_positions=q_pos,
@@ -459,6 +467,8 @@ class LatentAttention(nn.Module):
         parts = [f"hidden_size={c.hidden_size}", f"heads={c.num_attention_heads}", f"kv_lora_rank={c.kv_lora_rank}",
                  f"q_lora_rank={c.q_lora_rank}", f"qk_nope={c.qk_nope_head_dim}", f"qk_rope={c.qk_rope_head_dim}",
                  f"v={c.v_head_dim}", f"path={self.path!r}"]
+        if not c.use_rope:
+            parts.append("nope")
         if not self.causal:
             parts.append("causal=False")
         if self.backend != "auto":

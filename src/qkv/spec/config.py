@@ -39,7 +39,7 @@ __all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_c
            "POSITIONS", "DECODER_POSITIONS", "FULL_ATTENTION", "SLIDING_ATTENTION", "ACTIVATION_NAMES", "NORMS"]
 
 POSITIONS = ("rope", "learned", "sinusoidal", "alibi", "t5", "shaw", "none")
-DECODER_POSITIONS = ("rope", "learned", "alibi")
+DECODER_POSITIONS = ("rope", "learned", "alibi", "none")
 #: Feed-forward activations by name (the functions are :data:`qkv.nn.activations.ACTIVATIONS`, same keys).
 ACTIVATION_NAMES = ("silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "relu", "swiglu", "geglu")
 #: Norm kinds: ``"layer"`` (scale and shift) and ``"rms"`` (a scale per channel).
@@ -286,7 +286,8 @@ class DecoderConfig:
         rms_norm_eps: epsilon of every RMSNorm; layer_norm_eps: of every LayerNorm.
         norm_offset: RMSNorm scales by ``norm_offset + weight`` (Gemma: 1.0, weights stored around 0).
         position: ``"rope"`` (rotary, per layer type from ``rope``), ``"learned"`` (absolute embeddings added
-            to the tokens, GPT-2) or ``"alibi"`` (linear biases, Press et al. 2022, BLOOM).
+            to the tokens, GPT-2), ``"alibi"`` (linear biases, Press et al. 2022, BLOOM) or ``"none"`` (no
+            positions: order comes from the causal mask alone; Kimi Linear's MLA, ``latent.use_rope=False``).
         embed_norm: a LayerNorm right after the token embedding (BLOOM).
         scale_embeddings: multiply token embeddings by ``sqrt(hidden_size)`` (Gemma).
         sandwich_norms: also normalize each branch's output (Gemma 2/3 post-attention and
@@ -309,7 +310,8 @@ class DecoderConfig:
         rope: RoPE per layer type (a missing type uses ``"full_attention"``'s).
         max_position_embeddings: context length (RoPE ``dynamic``/YaRN defaults).
         latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
-            :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself).
+            :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself;
+            ``position`` is ``"rope"``, or ``"none"`` exactly when its ``use_rope`` is False).
         moe: DeepSeekMoE feed-forward on the layers it selects.
         linear_attention: the recurrent mixer of the ``"linear_attention"`` layers (a
             :class:`qkv.spec.linear.LinearAttentionConfig`: Gated DeltaNet of Qwen3-Next / Qwen3.5).
@@ -424,8 +426,10 @@ class DecoderConfig:
             raise ValueError("DecoderConfig: attn_output_gate is not supported with latent attention (MLA)")
         if self.latent is not None and self.attention_sinks:
             raise ValueError("DecoderConfig: attention_sinks are not supported with latent attention (MLA)")
-        if self.latent is not None and self.position != "rope":
-            raise ValueError(f"DecoderConfig: latent attention (MLA) uses RoPE, got position={self.position!r}")
+        if self.latent is not None and self.position != ("rope" if self.latent.use_rope else "none"):
+            want = "'rope'" if self.latent.use_rope else "'none' (its use_rope is False: NoPE)"
+            raise ValueError(f"DecoderConfig: this latent attention (MLA) needs position={want}, got "
+                             f"position={self.position!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
 
     def window_for(self, layer_idx: int) -> int | None:
@@ -545,8 +549,8 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
 
     What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
     feed-forwards and for presets with pre- and post-norms, the Gemma layout), RoPE unless the preset has a
-    learned position table; experts with biases are GPT-OSS's clamped SwiGLU experts (limit 7).
-    The context length is the learned table's size, else the preset's stated
+    learned position table or MLA without positions (``mla_use_nope``); experts with biases are GPT-OSS's
+    clamped SwiGLU experts (limit 7). The context length is the learned table's size, else the preset's stated
     ``max_position_embeddings``, else 4096.
 
     Raises:
@@ -582,8 +586,10 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
                                     kv_lora_rank=p.kv_lora_rank, q_lora_rank=p.q_lora_rank,
                                     qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
-                                    v_head_dim=p.value_head_dim)
+                                    v_head_dim=p.value_head_dim, use_rope=not p.mla_use_nope)
         kw.pop("head_dim", None)
+        if p.mla_use_nope:
+            kw["position"] = "none"
     if p.n_routed_experts is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,

@@ -18,7 +18,9 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
   a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does;
 - hybrid Qwen3-Next / Qwen3.5: ``"linear_attention"`` (Gated DeltaNet) layers, and every
   ``full_attention_interval``-th layer (default 4) ``"full_attention"`` when ``layer_types`` is absent; the
-  recurrent layers' shape is :func:`read_linear_attention`'s (``LayerLayout.linear_attention``).
+  recurrent layers' shape is :func:`read_linear_attention`'s (``LayerLayout.linear_attention``);
+- hybrid Kimi Linear: KDA (``"linear_attention"``) and MLA layers from a checkpoint's ``linear_attn_config``
+  (layers counted from 1), else transformers' default, layer ``i`` MLA when ``i > 0`` and ``i % 4 == 0``.
 
 Multimodal configs are read from ``text_config`` (Gemma 3, Qwen3.5). RoPE per layer type (:func:`read_rope`):
 transformers 5's ``rope_parameters`` (per layer type for Gemma 3), or ``rope_theta`` with ``rope_scaling``; Gemma 3's
@@ -76,7 +78,7 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
 }
 #: Hybrid families: their recurrent layers' mixer (:data:`qkv.spec.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
-                 "qwen3_5_moe_text": "gated_deltanet_split"}
+                 "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda"}
 
 #: Layout fields this reader does not model, each with what it means; a config that sets one is refused.
 UNREAD_LAYOUT_FIELDS: Mapping[str, str] = {
@@ -91,7 +93,8 @@ _OTHER_LAYER_TYPES = {"chunked_attention": "Llama 4's chunked attention"}
 _ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size",
             "n_embed": "hidden_size"}
 _PERIOD = {"gemma2": 2}  # local:global interleave fixed by the modelling code
-_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "gpt2", "bloom"})  # families that never slide
+_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "gpt2", "bloom", "kimi_linear"})  # never slide
+_NOPE_MLA = frozenset({"kimi_linear"})  # families whose MLA layers rotate nothing
 
 
 def _transformers_config(config) -> dict[str, Any] | None:
@@ -135,8 +138,40 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hf_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with HF's defaults (``HF_DEFAULTS`` of its ``model_type``) filled in for absent keys."""
-    return {**HF_DEFAULTS.get(config.get("model_type") or "", {}), **config}
+    """``config`` with HF's defaults (``HF_DEFAULTS`` of its ``model_type``) filled in for absent keys; a Kimi Linear
+    config's ``linear_attn_config`` read as transformers reads it (:func:`_kimi_linear_fields`)."""
+    out = {**HF_DEFAULTS.get(config.get("model_type") or "", {}), **config}
+    return _kimi_linear_fields(out) if out.get("model_type") == "kimi_linear" else out
+
+
+def _kimi_linear_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kimi Linear as transformers' ``KimiLinearConfig`` reads it: a checkpoint's ``linear_attn_config`` gives the
+    KDA shape (``num_heads``, ``head_dim``, ``short_conv_kernel_size`` over ``linear_num_heads``,
+    ``linear_head_dim``, ``linear_conv_kernel_dim``) and, unless ``layer_types`` is given, the layer pattern
+    (``full_attn_layers`` and ``kda_layers``, counted from 1); without either, layer ``i`` is MLA when ``i > 0`` and
+    ``i % 4 == 0``, KDA otherwise (transformers' default, which is not the released checkpoint's pattern)."""
+    sub = cfg.get("linear_attn_config") or {}
+    for ours, theirs in (("linear_num_heads", "num_heads"), ("linear_head_dim", "head_dim"),
+                         ("linear_conv_kernel_dim", "short_conv_kernel_size")):
+        if sub.get(theirs) is not None:
+            cfg[ours] = sub[theirs]
+    n = cfg.get("num_hidden_layers")
+    if cfg.get("layer_types") is None and isinstance(n, int) and n > 0:
+        if "full_attn_layers" in sub and "kda_layers" in sub:
+            types: list[str | None] = [None] * n
+            for kind, key in ((FULL_ATTENTION, "full_attn_layers"), (LINEAR_ATTENTION, "kda_layers")):
+                for layer in sub[key]:
+                    if not isinstance(layer, int) or not 1 <= layer <= n:
+                        raise ValueError(f"kimi_linear: linear_attn_config[{key!r}] counts layers from 1 to {n}, "
+                                         f"got {layer!r}")
+                    types[layer - 1] = kind
+            if None in types:
+                raise ValueError(f"kimi_linear: linear_attn_config names neither full_attn_layers nor kda_layers for "
+                                 f"layers {[i + 1 for i, t in enumerate(types) if t is None]} (counted from 1)")
+            cfg["layer_types"] = types
+        else:
+            cfg["layer_types"] = [FULL_ATTENTION if i and i % 4 == 0 else LINEAR_ATTENTION for i in range(n)]
+    return cfg
 
 
 #: The dtype a description of a published model (a preset, an HF config declaring none) is costed in: the
@@ -281,8 +316,10 @@ partial_rotary_factor=1.0)
 
 
 def read_latent(config) -> LatentConfig:
-    """The Multi-head Latent Attention shape of an HF DeepSeek-V2/V3 config (a dict, a ``transformers``
-    config, a path). RoPE comes from :func:`read_rope` (DeepSeek's YaRN ``mscale_all_dim`` included).
+    """The Multi-head Latent Attention shape of an HF DeepSeek-V2/V3 or Kimi Linear config (a dict, a
+    ``transformers`` config, a path). RoPE comes from :func:`read_rope` (DeepSeek's YaRN ``mscale_all_dim``
+    included); Kimi Linear's MLA has none (``use_rope=False``: transformers runs it without positions; a
+    config saying ``mla_use_nope: false`` is refused, since transformers would ignore it).
 
     Example:
         >>> cfg = {"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24}
@@ -291,21 +328,27 @@ def read_latent(config) -> LatentConfig:
     """
     cfg = hf_defaults(text_config(load_hf_config(config)))
     rope = _ropes(cfg, ())[FULL_ATTENTION]
+    nope = cfg.get("model_type") in _NOPE_MLA
+    if nope and cfg.get("mla_use_nope") is False:
+        raise ValueError(f"read_latent({cfg['model_type']}): mla_use_nope=False asks for rotated MLA keys, but "
+                         "transformers runs this family's MLA without positions whatever the config says; refused "
+                         "rather than guessed")
     kw: dict[str, Any] = {name: cfg[name] for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                                         "max_position_embeddings") if cfg.get(name) is not None}
     return LatentConfig(hidden_size=cfg.get("hidden_size"), num_attention_heads=cfg.get("num_attention_heads"),
                         kv_lora_rank=cfg.get("kv_lora_rank"), q_lora_rank=cfg.get("q_lora_rank"),
                         attention_bias=bool(cfg.get("attention_bias", False)),
                         attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0), rope_theta=rope.theta,
-                        rope_scaling=dict(rope.scaling) if rope.scaling else None, **kw)
+                        rope_scaling=dict(rope.scaling) if rope.scaling and not nope else None, use_rope=not nope,
+                        **kw)
 
 
 def read_moe(config) -> MoEConfig | None:
     """The mixture-of-experts feed-forward of an HF config (None when it has no routed experts), for every family
-    qkv loads: DeepSeek-V2 (softmax, greedy or group-limited), DeepSeek-V3 (sigmoid ``noaux_tc`` with the
-    correction bias), Qwen3-MoE (``num_experts``, softmax), Qwen3-Next (softmax and a shared expert scaled by a
-    sigmoid gate) and GPT-OSS (``num_local_experts``, softmax over the top
-    logits, a router bias, clamped SwiGLU experts). Raises ``ValueError`` for a routing rule qkv does not run.
+    qkv loads: DeepSeek-V2 (softmax, greedy or group-limited), DeepSeek-V3 and Kimi Linear (sigmoid ``noaux_tc``
+    with the correction bias), Qwen3-MoE (``num_experts``, softmax), Qwen3-Next (softmax and a shared expert scaled
+    by a sigmoid gate) and GPT-OSS (``num_local_experts``, softmax over the top logits, a router bias, clamped SwiGLU
+    experts). Raises ``ValueError`` for a routing rule qkv does not run.
 
     Example:
         >>> read_moe({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}).n_routed_experts
@@ -323,6 +366,8 @@ def read_moe(config) -> MoEConfig | None:
                          moe_intermediate_size=cfg["intermediate_size"], topk_method="topk_softmax", router_bias=True,
                          swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
                          swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+    if model_type == "kimi_linear":
+        return _kimi_moe(cfg)
     if model_type in ("qwen3_next", "qwen3_5_moe_text"):  # Qwen2-MoE's block: softmax top-k, one gated shared expert
         n = cfg.get("num_experts", 512 if model_type == "qwen3_next" else 256)
         if not n:
@@ -358,15 +403,62 @@ def read_moe(config) -> MoEConfig | None:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)))
 
 
+#: Kimi Linear's mixture of experts: (checkpoint name, transformers' attribute name, transformers' default).
+_KIMI_MOE = {"n_routed_experts": ("num_experts", "num_local_experts", 256),
+             "num_experts_per_tok": ("num_experts_per_token", "num_experts_per_tok", 8),
+             "n_shared_experts": ("num_shared_experts", "n_shared_experts", 1),
+             "n_group": ("num_expert_group", "n_group", 1),
+             "topk_group": ("topk_group", "topk_group", 1),
+             "norm_topk_prob": ("moe_renormalize", "norm_topk_prob", True),
+             "moe_intermediate_size": ("moe_intermediate_size", "moe_intermediate_size", 1024),
+             "routed_scaling_factor": ("routed_scaling_factor", "routed_scaling_factor", 2.446)}
+
+
+def _kimi_moe(cfg: Mapping[str, Any]) -> MoEConfig:
+    """Kimi Linear: DeepSeek-V3's routing (sigmoid scores, correction bias, groups) under checkpoint names
+    (``num_experts``, ``num_expert_group``, ``moe_renormalize``, ...) or transformers' (``num_local_experts``,
+    ``n_group``, ``norm_topk_prob``, ...), with transformers' defaults. MoE layers: ``mlp_layer_types`` (``"dense"``
+    then ``"sparse"``), else the first ``first_k_dense_replace`` (default 1) stay dense."""
+    source = "read_moe(kimi_linear)"
+    kw: dict[str, Any] = {}
+    for ours, (saved, hf_name, default) in _KIMI_MOE.items():
+        value = cfg.get(saved, cfg.get(hf_name))
+        kw[ours] = default if value is None else value
+    activation = cfg.get("moe_router_activation_func", "sigmoid")
+    if activation != "sigmoid":
+        raise ValueError(f"{source}: transformers routes Kimi Linear with sigmoid scores; this config says "
+                         f"moe_router_activation_func={activation!r}")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"{source}: moe_layer_freq={cfg['moe_layer_freq']} (an MoE every few layers) is ignored by "
+                         "transformers' Kimi Linear, so which layers route is ambiguous; refused")
+    n = cfg.get("num_hidden_layers")
+    types = cfg.get("mlp_layer_types")
+    if types is not None:
+        types = tuple(types)
+        dense = types.count("dense")
+        if set(types) - {"dense", "sparse"} or types != ("dense",) * dense + ("sparse",) * (len(types) - dense) or (
+                n is not None and len(types) != n):
+            raise ValueError(f"{source}: mlp_layer_types must be {n} entries, 'dense' ones first then 'sparse' "
+                             f"(the layout qkv's MoEConfig describes), got {_short(list(types))}")
+    else:
+        dense = cfg.get("first_k_dense_replace", 1)
+    return MoEConfig(n_routed_experts=kw["n_routed_experts"], num_experts_per_tok=kw["num_experts_per_tok"],
+                     moe_intermediate_size=kw["moe_intermediate_size"], n_shared_experts=kw["n_shared_experts"],
+                     first_k_dense_replace=dense, routed_scaling_factor=float(kw["routed_scaling_factor"]),
+                     topk_method="noaux_tc", n_group=kw["n_group"], topk_group=kw["topk_group"],
+                     norm_topk_prob=bool(kw["norm_topk_prob"]))
+
+
 def read_linear_attention(config) -> LinearAttentionConfig | None:
     """The recurrent mixer of a hybrid config's ``"linear_attention"`` layers (Qwen3-Next: ``gated_deltanet``;
-    Qwen3.5: ``gated_deltanet_split``), HF's defaults for absent keys; None for other model types.
+    Qwen3.5: ``gated_deltanet_split``; Kimi Linear: ``kda``), HF's defaults for absent keys; None for other model
+    types.
 
     Example:
         >>> read_linear_attention({"model_type": "qwen3_next", "linear_num_value_heads": 64}).linear_num_value_heads
         64
     """
-    cfg = text_config(load_hf_config(config))
+    cfg = hf_defaults(text_config(load_hf_config(config)))
     mixer = HYBRID_MIXERS.get(cfg.get("model_type") or "")
     return None if mixer is None else LinearAttentionConfig.from_hf(cfg, mixer=mixer)
 

@@ -1,6 +1,7 @@
 """The shape of one Multi-head Latent Attention (MLA) layer as data: DeepSeek-AI 2024, "DeepSeek-V2: A Strong,
 Economical, and Efficient Mixture-of-Experts Language Model", Section 2.1 (arXiv:2405.04434). The module is
-:class:`qkv.nn.latent.LatentAttention`.
+:class:`qkv.nn.latent.LatentAttention`. Kimi Linear's MLA layers (Kimi Team 2025, arXiv:2510.26692) rotate
+nothing (``use_rope=False``, "NoPE").
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class LatentConfig:
         max_position_embeddings: context length (YaRN's default ``factor``; dynamic NTK's threshold).
         norm_eps: epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``. HF builds both with the RMSNorm
             default ``1e-6`` whatever ``rms_norm_eps`` says, so that is the default here too.
+        use_rope: False for MLA without positions (NoPE, Kimi Linear; its checkpoints say ``mla_use_nope``):
+            the ``qk_rope_head_dim`` channels stay, as a key part shared by all heads, but are never rotated;
+            ``rope_theta`` and ``rope_scaling`` are then unused, and ``rope_scaling`` must be None.
 
     Example:
         >>> cfg = LatentConfig(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512)
@@ -54,6 +58,7 @@ class LatentConfig:
     rope_scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int = 2048
     norm_eps: float = 1e-6
+    use_rope: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -64,9 +69,14 @@ class LatentConfig:
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
             raise ValueError(f"LatentConfig: q_lora_rank must be None (plain q_proj) or a positive int, got "
                              f"{self.q_lora_rank!r}")
-        if self.qk_rope_head_dim % 2:
+        if not isinstance(self.use_rope, bool):
+            raise TypeError(f"LatentConfig: use_rope must be a bool, got {self.use_rope!r}")
+        if self.use_rope and self.qk_rope_head_dim % 2:
             raise ValueError(f"LatentConfig: qk_rope_head_dim must be even (RoPE rotates channel pairs), got "
                              f"{self.qk_rope_head_dim}")
+        if not self.use_rope and self.rope_scaling:
+            raise ValueError(f"LatentConfig: use_rope=False (NoPE) rotates nothing, so rope_scaling must be None, got "
+                             f"{dict(self.rope_scaling)!r}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"LatentConfig: attention_dropout must be in [0, 1), got {self.attention_dropout}")
 

@@ -10,7 +10,10 @@ HF's field names; :class:`qkv.nn.DecoderLM` builds the module (:mod:`qkv.nn.gate
 Mixers (``mixer``):
 
 - ``"gated_deltanet"``: Qwen3-Next's projections, ``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head;
-- ``"gated_deltanet_split"``: Qwen3.5's, ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+- ``"gated_deltanet_split"``: Qwen3.5's, ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``;
+- ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692; :class:`qkv.nn.KimiDeltaAttention`), the gated
+  delta rule with one decay per key channel: as many key as value heads, keys as wide as values (Kimi Linear's
+  ``linear_num_heads`` and ``linear_head_dim``).
 
 Example:
     >>> c = LinearAttentionConfig(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -27,12 +30,13 @@ from typing import Any
 __all__ = ["LinearAttentionConfig", "LINEAR_MIXERS"]
 
 #: The recurrent mixers a ``linear_attention`` layer may hold.
-LINEAR_MIXERS = ("gated_deltanet", "gated_deltanet_split")
+LINEAR_MIXERS = ("gated_deltanet", "gated_deltanet_split", "kda")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LinearAttentionConfig:
-    """Shape of the recurrent mixer of every ``linear_attention`` layer (HF Qwen3-Next field names).
+    """Shape of the recurrent mixer of every ``linear_attention`` layer (HF Qwen3-Next field names; Kimi Linear's
+    ``linear_num_heads`` is both head counts, its ``linear_head_dim`` both widths).
 
     Args:
         mixer: one of :data:`LINEAR_MIXERS`.
@@ -60,6 +64,11 @@ class LinearAttentionConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"LinearAttentionConfig: linear_num_value_heads={self.linear_num_value_heads} must be a "
                              f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
+        if self.mixer == "kda" and (self.linear_num_key_heads != self.linear_num_value_heads
+                                    or self.linear_key_head_dim != self.linear_value_head_dim):
+            raise ValueError(f"LinearAttentionConfig: the kda mixer has as many key as value heads, each as wide; got "
+                             f"{self.linear_num_key_heads} key and {self.linear_num_value_heads} value heads of "
+                             f"{self.linear_key_head_dim} and {self.linear_value_head_dim} channels")
 
     def recurrent_shape(self) -> tuple[int, int, int, int, int]:
         """``(conv channels, conv taps, value heads, Dk, Dv)``: what a ``RecurrentSpec`` of this layer holds."""
@@ -69,7 +78,13 @@ class LinearAttentionConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], *, mixer: str = "gated_deltanet") -> LinearAttentionConfig:
-        """From an HF Qwen3-Next / Qwen3.5 text config dict (HF's defaults for absent keys)."""
+        """From an HF Qwen3-Next / Qwen3.5 text config dict (HF's defaults for absent keys); for ``mixer="kda"`` a
+        Kimi Linear one as :func:`qkv.spec.hf_config.hf_defaults` leaves it (``linear_attn_config`` read)."""
+        if mixer == "kda":
+            heads, width = cfg.get("linear_num_heads", 32), cfg.get("linear_head_dim", 128)
+            return cls(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=width,
+                       linear_value_head_dim=width, linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+                       mixer=mixer)
         return cls(linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
                    linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
                    linear_key_head_dim=cfg.get("linear_key_head_dim", 128),

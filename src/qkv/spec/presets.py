@@ -3,7 +3,8 @@
 Field names follow HF ``transformers`` configs. ``layer_types`` uses HF's values, ``"full_attention"``
 (global), ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
 HF's convention: the window counts the token itself) and ``"linear_attention"`` (recurrent: a fixed state,
-shaped by ``linear_attention``, Qwen3-Next / Qwen3.5). Every number is cited in the preset's ``source``.
+shaped by ``linear_attention``, Qwen3-Next / Qwen3.5 / Kimi Linear). Every number is cited in the preset's
+``source``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
-from .hf_config import read_layout, read_moe
+from .hf_config import read_latent, read_layout, read_moe
 from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 
@@ -62,6 +63,11 @@ class ModelPreset:
         pre_norms: each branch's input is normalized (False: OLMo 2/3, post-norm only; set ``sandwich_norms``).
         attention_sinks: one learnable sink logit per query head and layer (GPT-OSS).
         router_bias: the mixture-of-experts router has a bias (GPT-OSS).
+        linear_attention: the recurrent mixer of the ``"linear_attention"`` layers of a hybrid model (a
+            :class:`qkv.spec.linear.LinearAttentionConfig`); set exactly when such layers exist. Their state
+            (the short convolution's last inputs, a ``(Dk, Dv)`` matrix per head in float32) is per sequence,
+            flat in the context.
+        mla_use_nope: the MLA layers rotate nothing (NoPE, Kimi Linear; the checkpoints' name).
         tie_word_embeddings: the LM head is the embedding matrix.
         learned_positions: rows of a learned absolute position table (GPT-2: 1024), else none.
         max_position_embeddings: the longest context the released checkpoint is configured for (HF's
@@ -128,6 +134,7 @@ class ModelPreset:
     shared_expert_gate: bool = False
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    mla_use_nope: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -153,6 +160,8 @@ class ModelPreset:
             raise ValueError(f"{self.name}: {LINEAR_ATTENTION!r} layers need linear_attention (their recurrent "
                              f"mixer's shape) and linear_attention needs such layers; got "
                              f"{types.count(LINEAR_ATTENTION)} layers, linear_attention={self.linear_attention!r}")
+        if self.mla_use_nope and self.kv_lora_rank is None:
+            raise ValueError(f"{self.name}: mla_use_nope describes MLA layers; set kv_lora_rank or drop it")
         if SLIDING in types and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError(f"{self.name}: sliding layers need a positive sliding_window")
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
@@ -257,6 +266,8 @@ class ModelPreset:
                       shared_expert_intermediate_size=m.shared_expert_intermediate_size,
                       shared_expert_gate=m.shared_expert_gate)
         kw.update(linear_attention=c.linear_attention, attn_output_gate=c.attn_output_gate)
+        if c.latent is not None and not c.latent.use_rope:
+            kw["mla_use_nope"] = True
         return cls(**kw)
 
     def mha_equivalent(self) -> ModelPreset:
@@ -275,6 +286,7 @@ class ModelPreset:
             kv_lora_rank=None,
             qk_rope_head_dim=None,
             qk_nope_head_dim=None,
+            mla_use_nope=False,
             notes=f"{self.name} with one KV head per query head",
         )
 
@@ -409,6 +421,25 @@ _PRESETS_2025 = (
         "configuration; every number is the class default",
         notes="Hybrid: 24 Gated DeltaNet layers (fixed state) and 8 gated full-attention layers (every 4th), "
         "partial RoPE; dense SwiGLU feed-forward. The language model of the multimodal Qwen3.5.",
+    ),
+    ModelPreset(
+        name="kimi-linear-48b-a3b", num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+        head_dim=192, hidden_size=2304, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        mla_use_nope=True, vocab_size=163840, intermediate_size=9216, n_routed_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=1024, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1048576,
+        layer_types=tuple(FULL if i + 1 in (4, 8, 12, 16, 20, 24, 27) else LINEAR_ATTENTION for i in range(27)),
+        linear_attention=LinearAttentionConfig(linear_num_key_heads=32, linear_num_value_heads=32,
+                                               linear_key_head_dim=128, linear_value_head_dim=128,
+                                               linear_conv_kernel_dim=4, mixer="kda"),
+        source="Kimi Team 2025, Kimi Linear: An Expressive, Efficient Attention Architecture, arXiv:2510.26692; "
+        "widths, heads, experts and context: transformers 5.25 KimiLinearConfig defaults (its checkpoint "
+        "moonshotai/Kimi-Linear-48B-A3B-Instruct); layer pattern: that checkpoint's config.json linear_attn_config, "
+        "full_attn_layers 4, 8, 12, 16, 20, 24, 27 counted from 1 (preset format 1)",
+        notes="20 Kimi Delta Attention layers (32 heads of 128, per-channel decay, a recurrent state flat in the "
+        "context: 32 x 128 x 128 fp32 plus the convolution's last 3 inputs per layer and sequence) and 7 MLA layers "
+        "without positions (NoPE), no q-LoRA; sigmoid routing with a correction bias, 8 of 256 experts plus 1 "
+        "shared, first layer dense. transformers' default layer_types (MLA at layers 4, 8, ..., 24 counted from 0) "
+        "differ from the checkpoint's.",
     ),
 )
 
@@ -587,6 +618,7 @@ def preset_from_hf_config(
         qk_nope_head_dim=layout.qk_nope_head_dim,
         v_head_dim=layout.v_head_dim,
         linear_attention=layout.linear_attention,
+        mla_use_nope=layout.is_mla and not read_latent(config).use_rope,
         source=source,
         **_whole_model_fields(cfg, layout.model_type or ""),
     )
@@ -642,6 +674,12 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
                    moe_intermediate_size=cfg.get("moe_intermediate_size"),
                    n_shared_experts=cfg.get("n_shared_experts") or 0,
                    first_k_dense_replace=cfg.get("first_k_dense_replace") or 0)
+    if model_type == "kimi_linear":  # its experts under checkpoint or transformers names: the one reader's
+        moe = read_moe(cfg)
+        out.update(n_routed_experts=moe.n_routed_experts, num_experts_per_tok=moe.num_experts_per_tok,
+                   moe_intermediate_size=moe.moe_intermediate_size, n_shared_experts=moe.n_shared_experts,
+                   first_k_dense_replace=moe.first_k_dense_replace,
+                   max_position_embeddings=cfg.get("model_max_length") or cfg.get("max_position_embeddings"))
     return out
 
 
