@@ -43,13 +43,13 @@ def tile_sizes(D: int, Dv: int, device: torch.device, dtype: torch.dtype = torch
     if backward:
         if widest <= 64:
             return Tiles(64, 64, 4, 2)
-        if widest <= 128:
-            return Tiles(32, 32, 4, 2) if wide else Tiles(64, 64, 8, 2)
+        if widest <= 128:  # bf16/fp16: the fastest of benchmarks/gpu_tune.py's sweep on an H200
+            return Tiles(32, 32, 4, 2) if wide else Tiles(128, 64, 8, 2)
         return Tiles(32, 32, 4, 1) if wide else Tiles(32, 32, 4, 2)
     if widest <= 64:
         return Tiles(64, 64, 4, 3) if wide else Tiles(128, 64, 4, 3)
-    if widest <= 128:
-        return Tiles(64, 32, 4, 2) if wide else Tiles(128, 64, 8, 3)
+    if widest <= 128:  # bf16/fp16: the fastest of benchmarks/gpu_tune.py's sweep on an H200
+        return Tiles(64, 32, 4, 2) if wide else Tiles(128, 128, 8, 2)
     return Tiles(32, 32, 4, 2) if wide else Tiles(64, 32, 8, 2)
 
 

@@ -32,14 +32,16 @@ __all__ = ["paged_decode", "mla_decode", "merge_splits"]
 def _paged_decode_kernel(Q, KP, VP, TABLE, KPOS, QPOS, O_PART, L_PART,
                          sq_b, sq_h, sk_p, sk_h, sk_t, sv_p, sv_h, sv_t, st_b, skp_b,
                          Hq, Hkv, G, T, NB, D, DV, scale, window, blocks_per_split, NS,
-                         HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-                         BG: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                         HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                         PAGES: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     offs_g = tl.arange(0, BG)
-    offs_t = tl.arange(0, BT)
+    offs_c = tl.arange(0, PAGES * BT)  # a tile of PAGES blocks: column c is slot c % BT of block c // BT
+    page = offs_c // BT
+    offs_t = offs_c % BT
     offs_d = tl.arange(0, BD)
     offs_dv = tl.arange(0, BDV)
     h = hk * G + offs_g  # the G query heads of this kv head
@@ -52,15 +54,16 @@ def _paged_decode_kernel(Q, KP, VP, TABLE, KPOS, QPOS, O_PART, L_PART,
     acc = tl.zeros([BG, BDV], tl.float32)
     j0 = split * blocks_per_split
     j1 = tl.minimum(j0 + blocks_per_split, NB)
-    for j in range(j0, j1):
-        blk = tl.load(TABLE + b.to(tl.int64) * st_b + j).to(tl.int64)
-        tmask = offs_t < T
-        kpos = tl.load(KPOS + b.to(tl.int64) * skp_b + j * T + offs_t, mask=tmask, other=-1)
+    for j in range(j0, j1, PAGES):
+        jp = j + page  # [PAGES * BT] the block of each column
+        tmask = (offs_t < T) & (jp < j1)
+        blk = tl.load(TABLE + b.to(tl.int64) * st_b + jp, mask=jp < j1, other=0).to(tl.int64)
+        kpos = tl.load(KPOS + b.to(tl.int64) * skp_b + jp * T + offs_t, mask=tmask, other=-1)
         ok = tmask & (kpos >= 0) & (kpos <= qpos)
         if HAS_WINDOW:
             ok = ok & (qpos - kpos < window)
-        k = tl.load(KP + blk * sk_p + hk.to(tl.int64) * sk_h + offs_t[None, :] * sk_t + offs_d[:, None],
-                    mask=tmask[None, :] & (offs_d < D)[:, None], other=0.0)  # [BD, BT]
+        k = tl.load(KP + blk[None, :] * sk_p + hk.to(tl.int64) * sk_h + offs_t[None, :] * sk_t + offs_d[:, None],
+                    mask=tmask[None, :] & (offs_d < D)[:, None], other=0.0)  # [BD, PAGES * BT]
         if PREC == 2:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * scale
         elif PREC == 1:
@@ -73,8 +76,8 @@ def _paged_decode_kernel(Q, KP, VP, TABLE, KPOS, QPOS, O_PART, L_PART,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VP + blk * sv_p + hk.to(tl.int64) * sv_h + offs_t[:, None] * sv_t + offs_dv[None, :],
-                    mask=tmask[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BT, BDV]
+        v = tl.load(VP + blk[:, None] * sv_p + hk.to(tl.int64) * sv_h + offs_t[:, None] * sv_t + offs_dv[None, :],
+                    mask=tmask[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [PAGES * BT, BDV]
         if PREC == 2:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         elif PREC == 1:
@@ -173,13 +176,19 @@ def merge_splits(o_part: torch.Tensor, l_part: torch.Tensor, dtype) -> tuple[tor
     return out.to(dtype), lse
 
 
-def _splits(n_units: int, programs: int, device: torch.device, splits: int | None) -> int:
+#: Launch settings of the paged decode kernel on CUDA: keys per tile (whole blocks gathered into one tile, so each
+#: loop step issues several blocks' loads at once), programs per SM the key splits aim for, warps and stages
+#: (the fastest of benchmarks/gpu_tune.py's sweep on an H200).
+DECODE_TILE_KEYS, DECODE_WAVES, DECODE_WARPS, DECODE_STAGES = 64, 4, 4, 2
+
+
+def _splits(n_units: int, programs: int, device: torch.device, splits: int | None, waves: int = 2) -> int:
     if splits is not None:
         return max(1, min(splits, n_units))
     if device.type != "cuda":
         return max(1, min(2, n_units))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_units, math.ceil(2 * sms / max(1, programs))))
+    return max(1, min(n_units, math.ceil(waves * sms / max(1, programs))))
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -223,8 +232,12 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     table = block_tables.to(torch.int32).contiguous()
     kpos = kv_positions.to(torch.int64).contiguous()
     qpos = q_positions.to(torch.int64).contiguous()
-    ns = _splits(max(NB, 1), B * Hkv, q.device, splits)
+    cuda = q.device.type == "cuda"
+    BT = _pow2(T)
+    pages = max(1, DECODE_TILE_KEYS // BT) if cuda else 2  # the interpreter: two blocks a tile, so tiles split
+    ns = _splits(max(NB, 1), B * Hkv, q.device, splits, DECODE_WAVES)
     per = math.ceil(max(NB, 1) / ns)
+    launch = dict(num_warps=DECODE_WARPS, num_stages=DECODE_STAGES) if cuda else {}
     o_part = torch.empty(B, Hq, ns, Dv, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, ns, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(B * Hkv, ns)](
@@ -232,7 +245,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), table.stride(0), kpos.stride(0),
         Hq, Hkv, G, T, NB, D, Dv, scale, int(window or 0), per, ns,
-        HAS_WINDOW=window is not None, PREC=_prec(q), BG=_pow2(G), BT=_pow2(T), BD=_pow2(D), BDV=_pow2(Dv))
+        HAS_WINDOW=window is not None, PREC=_prec(q), BG=_pow2(G), BT=BT, PAGES=pages, BD=_pow2(D), BDV=_pow2(Dv),
+        **launch)
     return merge_splits(o_part, l_part, q.dtype)
 
 

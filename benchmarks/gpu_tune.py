@@ -1,0 +1,133 @@
+"""Launch settings of qkv's Triton kernels on a CUDA machine: a sweep that prints (and writes) the fastest.
+
+The tile sizes, warps and stages of the attention kernels (:func:`qkv.backends.triton.attention.tile_sizes`) and
+the paged decode kernel's settings (``qkv.backends.triton.decode.DECODE_*``) are chosen for a GPU by measuring,
+not by guessing: this script times each candidate on ``benchmarks/gpu.py``'s published shapes (bf16, D = 128,
+N = 8192 causal and window 1024, forward and forward+backward; decode at 32K context over 16-token pages) and
+writes every timing to ``gpu_tune.json``. A candidate that does not compile (shared memory) is reported and
+skipped. Only the settings this sweep measured fastest go into the code.
+
+    python benchmarks/gpu_tune.py [--sections fwd,bwd,decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qkv  # noqa: E402
+from _harness import OUT_DIR, attention_flops, time_fn  # noqa: E402
+from qkv import masks as M  # noqa: E402
+from qkv.backends.triton import attention as A  # noqa: E402
+from qkv.backends.triton import decode as DEC  # noqa: E402
+
+FWD = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4),
+       (128, 128, 8, 2), (64, 128, 4, 3)]
+BWD = [(64, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2),
+       (32, 32, 4, 3), (64, 64, 8, 3), (128, 128, 8, 1)]
+DECODE = list(itertools.product((64, 128), (2, 4, 8), (4,), (2, 3))) + [(128, 4, 8, 3), (256, 4, 8, 2)]
+
+
+def _sync(fn):
+    def run():
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    return run
+
+
+def _only(tiles, backward: bool, default):
+    """A ``tile_sizes`` that gives ``tiles`` to the forward (or, with ``backward``, to the backward) only."""
+    def pick(D, Dv, device, dtype=torch.bfloat16, *, backward_call: bool = False, **kw):
+        return tiles if backward_call == backward else default(D, Dv, device, dtype, backward=backward_call)
+
+    def tile_sizes(D, Dv, device, dtype=torch.bfloat16, *, backward: bool = False):
+        return pick(D, Dv, device, dtype, backward_call=backward)
+    return tile_sizes
+
+
+def attention_sweep(backward: bool, results: list) -> None:
+    B, H, N, D, W = 2, 16, 8192, 128, 1024
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    default = A.tile_sizes
+    for case, mask in (("causal", M.causal()), (f"window{W}", M.sliding_window(W - 1))):
+        causal = case == "causal"
+        pairs = W * N - W * (W - 1) // 2
+        flops = attention_flops(B, H, N, N, D, causal=causal, allowed_fraction=None if causal else pairs / (N * N))
+        for cfg in (BWD if backward else FWD):
+            tiles = A.Tiles(*cfg)
+            A.tile_sizes = _only(tiles, backward, default)
+            qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+            if backward:
+                fn = _sync(lambda: torch.autograd.grad(qkv.attention(qg, kg, vg, mask=mask, backend="triton"),
+                                                       (qg, kg, vg), do))
+                mult = 3.5
+            else:
+                fn = _sync(lambda: qkv.attention(q, k, v, mask=mask, backend="triton"))
+                mult = 1.0
+            try:
+                t = time_fn(fn, warmup=2, repeat=10)
+                row = {"what": "fwdbwd" if backward else "fwd", "case": case, "tiles": cfg,
+                       "ms": t * 1e3, "tflops": mult * flops / t / 1e12}
+            except Exception as e:  # out of shared memory and the like: report, go on
+                row = {"what": "fwdbwd" if backward else "fwd", "case": case, "tiles": cfg,
+                       "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(row, flush=True)
+            results.append(row)
+    A.tile_sizes = default
+
+
+def decode_sweep(results: list) -> None:
+    B, Hq, Hkv, D, T, ctx = 8, 32, 8, 128, 16, 32768
+    nb = ctx // T
+    g = torch.Generator(device="cuda").manual_seed(2)
+    kp = torch.randn(B * nb + 1, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vp = torch.randn(B * nb + 1, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    tables = torch.randperm(B * nb, device="cuda").view(B, nb)
+    kpos = torch.arange(ctx, device="cuda").expand(B, ctx).contiguous()
+    qpos = torch.full((B,), ctx - 1, device="cuda")
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv_bytes = 2 * B * Hkv * ctx * D * kp.element_size()
+    saved = DEC.DECODE_TILE_KEYS, DEC.DECODE_WAVES, DEC.DECODE_WARPS, DEC.DECODE_STAGES
+    for cfg in DECODE:
+        DEC.DECODE_TILE_KEYS, DEC.DECODE_WAVES, DEC.DECODE_WARPS, DEC.DECODE_STAGES = cfg
+        try:
+            t = time_fn(_sync(lambda: DEC.paged_decode(q, kp, vp, tables, kpos, qpos)), warmup=3, repeat=20)
+            row = {"what": "decode", "settings": cfg, "us": t * 1e6, "GBps": kv_bytes / t / 1e9}
+        except Exception as e:
+            row = {"what": "decode", "settings": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(row, flush=True)
+        results.append(row)
+    DEC.DECODE_TILE_KEYS, DEC.DECODE_WAVES, DEC.DECODE_WARPS, DEC.DECODE_STAGES = saved
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default="decode,fwd,bwd")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_tune.py needs a CUDA device")
+    results: list = []
+    for name in args.sections.split(","):
+        if name == "decode":
+            decode_sweep(results)
+        elif name in ("fwd", "bwd"):
+            attention_sweep(name == "bwd", results)
+        else:
+            raise SystemExit(f"unknown section {name!r}: use decode, fwd, bwd")
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    path = OUT_DIR / "gpu_tune.json"
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                "results": results}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
