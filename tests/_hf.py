@@ -75,6 +75,8 @@ class OptionalModule:
         self._name = name
 
     def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # pytest's collection probes module globals (``__wrapped__``, ...): not a use
+            raise AttributeError(attr)
         import pytest
 
         return getattr(pytest.importorskip(self._name), attr)

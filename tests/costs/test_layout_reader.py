@@ -68,7 +68,7 @@ def test_layer_types_equal_hf(case):
     assert raw.head_dim == full.head_dim == hf_head_dim, (raw.head_dim, full.head_dim, hf_head_dim)
 
 
-def test_qwen2_cases_from_the_issue():
+def test_qwen2_layer_pattern_cases():
     four = {**_BASE, "model_type": "qwen2", "sliding_window": 6}
     assert read_layout({**four, "use_sliding_window": True, "max_window_layers": 2}).layer_types == (
         FULL_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_ATTENTION)

@@ -108,7 +108,7 @@ def test_rule_holds_in_place_on_whole_decode_steps():
     assert payload["rows"] and not faster, "\n".join(faster)
 
 
-def test_the_checker_refuses_the_rule_issue_29_found():
+def test_the_checker_refuses_a_rule_its_own_table_contradicts():
     """Row blocks for every weight of 512+ outputs (the rule before this table) is refused on the committed
     table, at the 512 x 1376 cells where F.linear won every repeat."""
     payload = json.loads(COMMITTED.read_text())
