@@ -1,5 +1,6 @@
 """Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`,
-a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.LayerLayout`): ``LatentSpec`` for MLA,
+a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.LayerLayout`): ``LatentSpec`` for MLA
+(``IndexedLatentSpec`` with DeepSeek Sparse Attention's indexer key),
 ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The description (in :mod:`qkv.spec`) knows
 nothing of the cache; the cache reads it here.
 
@@ -15,7 +16,7 @@ from ..spec.config import DecoderConfig
 from ..spec.hf_config import LayerLayout
 from ..spec.layer_types import SLIDING_ATTENTION
 from ..spec.presets import ModelPreset
-from .specs import FullSpec, LatentSpec, LayerSpec, SlidingWindowSpec
+from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, SlidingWindowSpec
 
 __all__ = ["cache_specs_of"]
 
@@ -25,12 +26,17 @@ def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> li
     config); ``TypeError`` for anything else."""
     if isinstance(description, DecoderConfig):
         c = description
+        if c.latent is not None and c.indexer is not None:
+            spec = IndexedLatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim, c.indexer.index_head_dim)
+            return [spec] * c.num_hidden_layers
         if c.latent is not None:
             return [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim)] * c.num_hidden_layers
         return [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
                 FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
     if isinstance(description, (ModelPreset, LayerLayout)):
         d = description
+        if d.kv_lora_rank and d.index_head_dim:
+            return [IndexedLatentSpec(d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim)] * d.num_hidden_layers
         if d.kv_lora_rank:
             return [LatentSpec(d.kv_lora_rank, d.qk_rope_head_dim)] * d.num_hidden_layers
         return [SlidingWindowSpec(d.sliding_window, d.num_key_value_heads, d.head_dim, d.v_head_dim)

@@ -66,6 +66,7 @@ from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..spec.config import DecoderConfig
 from .cached import attention_mask, cached_attention, refuse_scoring_cache
+from .dsa import SparseLatentAttention
 from .ffn import FeedForward, GatedMLP
 from .latent import LatentAttention
 from .moe import MoE
@@ -270,7 +271,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.latent = c.latent is not None
-        if self.latent:
+        if self.latent and c.indexer is not None:  # DSA: read only the index_topk listed latents (gather backend)
+            i, dropout = c.indexer, c.latent.attention_dropout
+            self.self_attn = SparseLatentAttention(
+                c.latent, index_n_heads=i.index_n_heads, index_head_dim=i.index_head_dim, index_topk=i.index_topk,
+                rope=rope, backend="gather" if c.backend == "auto" and not dropout else c.backend, layer_idx=layer_idx)
+        elif self.latent:
             backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
                        and not c.latent.attention_dropout else c.backend)
             self.self_attn = LatentAttention(c.latent, rope=rope, backend=backend, layer_idx=layer_idx)

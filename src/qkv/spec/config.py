@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .dsa import IndexerConfig
 from .latent import LatentConfig
 from .layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 from .moe import MoEConfig
@@ -308,6 +309,10 @@ class DecoderConfig:
         latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
             :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself).
         moe: DeepSeekMoE feed-forward on the layers it selects.
+        indexer: DeepSeek Sparse Attention on every MLA layer (DeepSeek-V3.2): a
+            :class:`qkv.spec.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
+            (:class:`qkv.nn.SparseLatentAttention`) run on the ``gather`` backend when ``backend`` is ``"auto"``
+            (each query reads only its ``index_topk`` latents, whatever the context).
         backend: the :func:`qkv.attention` backend of every layer.
         decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
             ``"auto"`` and the layer's request allows it (no soft-capping). ``"sdpa"`` by default: measured
@@ -350,6 +355,7 @@ class DecoderConfig:
     max_position_embeddings: int = 2048
     latent: LatentConfig | None = None
     moe: MoEConfig | None = None
+    indexer: IndexerConfig | None = None
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     name: str = ""
@@ -410,6 +416,14 @@ class DecoderConfig:
             raise ValueError("DecoderConfig: attention_sinks are not supported with latent attention (MLA)")
         if self.latent is not None and self.position != "rope":
             raise ValueError(f"DecoderConfig: latent attention (MLA) uses RoPE, got position={self.position!r}")
+        if self.indexer is not None and not isinstance(self.indexer, IndexerConfig):
+            raise TypeError(f"DecoderConfig: indexer must be a qkv.spec.dsa.IndexerConfig or None, got "
+                            f"{type(self.indexer).__name__}")
+        if self.indexer is not None and (self.latent is None or self.latent.q_lora_rank is None
+                                         or self.indexer.index_head_dim < self.latent.qk_rope_head_dim):
+            raise ValueError(f"DecoderConfig: indexer (DeepSeek Sparse Attention) needs latent with a q_lora_rank and "
+                             f"index_head_dim >= its qk_rope_head_dim; got latent={self.latent!r}, "
+                             f"indexer={self.indexer!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
 
     def window_for(self, layer_idx: int) -> int | None:
@@ -567,6 +581,9 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
                                     qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
                                     v_head_dim=p.value_head_dim)
         kw.pop("head_dim", None)
+    if p.index_topk is not None:
+        kw["indexer"] = IndexerConfig(index_n_heads=p.index_n_heads, index_head_dim=p.index_head_dim,
+                                      index_topk=p.index_topk)
     if p.n_routed_experts is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
