@@ -366,6 +366,18 @@ _PRESETS_2025 = (
         "without the multi-token-prediction module (published checkpoint: 685B with it), 37B active.",
     ),
     ModelPreset(
+        name="deepseek-v3.2", num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        head_dim=192, hidden_size=7168, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, vocab_size=129280, intermediate_size=18432, q_lora_rank=1536, n_routed_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
+        max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048,
+        source="DeepSeek-AI 2025, DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse "
+        "Attention, Sec. 2.1; transformers 5.25 DeepseekV32Config defaults (checkpoint deepseek-ai/DeepSeek-V3.2-Exp)",
+        notes="DeepSeek-V3's shape with DeepSeek Sparse Attention on every layer: a lightning indexer (64 heads of "
+        "128, FP8 in the release) scores every cached token and MLA reads the 2048 best per query; each token "
+        "caches its 128-wide indexer key beside the 576-wide latent.",
+    ),
+    ModelPreset(
         name="olmo-2-32b", num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
         hidden_size=5120, vocab_size=100352, intermediate_size=27648, max_position_embeddings=4096, **_OLMO,
         source="OLMo Team 2025, 2 OLMo 2 Furious, arXiv:2501.00656; allenai/OLMo-2-0325-32B config.json "
