@@ -181,20 +181,26 @@ def test_verify_cache(storage):
     assert report.ok, str(report)
 
 
-def test_default_cache_keeps_the_indexer_key():
+@pytest.mark.parametrize("storage", ["dynamic", "paged"])
+def test_default_cache_keeps_the_indexer_key(storage):
+    """``model.cache_specs()`` rows hold latent + RoPE key + indexer key; ``plan_memory`` of the model and of its
+    HF config give the bytes the cache then holds."""
     from qkv.cache import IndexedLatentSpec, plan_memory
 
-    model = _models("K5-Hi16-Di16")[2]
+    hf, _, model = _models("K5-Hi16-Di16")
     specs = model.cache_specs()
     assert specs == [IndexedLatentSpec(16, 8, 16)] * 2
+    assert specs[0].row_bytes(torch.float32) == 4 * (16 + 8 + 16)
     ids, _ = _prompt("K5-Hi16-Di16", padded=False)
-    cache = KVCache(specs)
+    kw = {"storage": Paged(block_size=4, num_blocks=64)} if storage == "paged" else {}
+    cache = KVCache(specs, **kw)
     with torch.no_grad():
         model(ids, cache=cache)
         model(ids[:, -1:], cache=cache)
-    plan = plan_memory(model, batch=2, context=N_PROMPT + 1, new_tokens=1)
-    assert [round(m.allocated_bytes) for m in plan.layers] == [m.allocated_bytes for m in cache.memory().layers]
-    assert specs[0].row_bytes(torch.float32) == 4 * (16 + 8 + 16)
+    held = [m.allocated_bytes for m in cache.memory().layers]
+    for description in (model, hf.config):
+        plan = plan_memory(description, batch=2, context=N_PROMPT + 1, new_tokens=1, dtype=torch.float32, **kw)
+        assert [round(m.allocated_bytes) for m in plan.layers] == held, description
 
 
 def test_decode_step_attends_to_k_latents_through_the_gather_backend():
