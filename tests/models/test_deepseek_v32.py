@@ -4,7 +4,8 @@ Tiny HF configs with weights redrawn at unit scale (and DeepSeek-V3's routing co
 routing and the indexer's choices matter; ``index_topk`` is smaller than the prompt, so each query attends to a
 strict subset of its keys. The indexer has 16 heads: its score is a weighted sum of per-head ReLUs, and with few
 heads many keys score exactly 0, a tie whose order HF's ``torch.topk`` leaves unspecified (qkv's stable sort
-prefers the earlier key); with 16 heads no tie reaches the top-k boundary (checked below).
+prefers the earlier key); with 16 heads no tie reaches the top-k boundary (checked below). Prefill and decode
+logits, weight gradients, left-padded generation, cache checks, the cache bytes and the decode step's reads.
 """
 
 from __future__ import annotations
@@ -143,6 +144,22 @@ def test_prefill_and_decode_step_within_budget(case):
         step = model(ids[:, -1:], cache=cache).logits[:, -1]
         _budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
     assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_within_budget(case):
+    """Backward through the sparse attention (the gather backend) and the experts: weight gradients of a random
+    linear function of the logits against HF float64; the indexer gets none (a top-k, as in HF and the paper)."""
+    hf, ref, model = (copy.deepcopy(m) for m in _models(case))
+    ids, _ = _prompt(case, padded=False)
+    w = torch.randn(2, N_PROMPT, _BASE["vocab_size"], generator=torch.Generator().manual_seed(5))
+    for m in (hf, ref, model):
+        (m(ids).logits * w.to(m.lm_head.weight.dtype)).sum().backward()
+    theirs, base, ours = (dict(m.named_parameters()) for m in (ref, hf, model))
+    for name in ("layers.0.self_attn.kv_b_proj.weight", "layers.1.self_attn.q_a_proj.weight",
+                 "layers.1.self_attn.kv_a_proj_with_mqa.weight", "embed_tokens.weight"):
+        _budget(ours[name].grad, theirs["model." + name].grad, base["model." + name].grad, what=f"{case} d{name}")
+    assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
 
 
 @pytest.mark.parametrize("case", list(CASES))
