@@ -275,7 +275,12 @@ def test_flops_deepseek_v32_sets_dsa_beside_dense_mla():
     assert "dsa" not in json.loads(run("flops", "deepseek-v3", "--json").stdout)
 
 
-def test_memory_deepseek_v32_counts_the_indexer_key():
+def test_memory_deepseek_v32_counts_the_indexer_key(tmp_path):
     r = run("memory", "deepseek-v3.2", "--context", "1000", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["bytes_per_token"] == 61 * (512 + 64 + 128) * 2
+    transformers = pytest.importorskip("transformers")
+    transformers.DeepseekV32Config(index_head_dim=96).save_pretrained(tmp_path)  # indexed_attention layer types
+    r = run("memory", str(tmp_path / "config.json"), "--context", "1000", "--dtype", "bf16", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["bytes_per_token"] == 61 * (512 + 64 + 96) * 2

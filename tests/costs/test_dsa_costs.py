@@ -147,6 +147,13 @@ def test_cache_bytes_count_the_indexer_key():
         dataclasses.replace(p, index_topk=None)
 
 
+def test_deepseek_v32_is_deepseek_v3_plus_its_indexers():
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 7168 * 64 + 2 * 128  # wq_b, wk, weights_proj, the key's LayerNorm
+    v3, v32 = num_parameters(PRESETS["deepseek-v3"]), num_parameters(PRESETS["deepseek-v3.2"])
+    assert v32.total - v3.total == v32.active - v3.active == 61 * indexer
+    assert num_parameters(ModelPreset.from_config(PRESETS["deepseek-v3.2"].config)).total == v32.total
+
+
 def test_num_parameters_equals_the_from_hf_model():
     transformers = pytest.importorskip("transformers")
     from qkv.models import from_hf

@@ -375,7 +375,8 @@ _PRESETS_2025 = (
         "Attention, Sec. 2.1; transformers 5.25 DeepseekV32Config defaults (checkpoint deepseek-ai/DeepSeek-V3.2-Exp)",
         notes="DeepSeek-V3's shape with DeepSeek Sparse Attention on every layer: a lightning indexer (64 heads of "
         "128, FP8 in the release) scores every cached token and MLA reads the 2048 best per query; each token "
-        "caches its 128-wide indexer key beside the 576-wide latent.",
+        "caches its 128-wide indexer key beside the 576-wide latent. 671.9B parameters without the "
+        "multi-token-prediction module: DeepSeek-V3's 671.0B plus 0.85B of indexers.",
     ),
     ModelPreset(
         name="olmo-2-32b", num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
