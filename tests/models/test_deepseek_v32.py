@@ -292,3 +292,19 @@ def test_matching_mlp_layer_types_and_hf_defaults_are_read():
     defaults = decoder_config(_config(index_n_heads=None, index_head_dim=None, index_topk=None))
     assert (defaults.indexer.index_n_heads, defaults.indexer.index_head_dim, defaults.indexer.index_topk) == \
         (64, 128, 2048)  # DeepseekV32Config's defaults
+
+
+def test_engine_tokens_equal_each_request_alone():
+    """Continuous batching over the paged cache, prompts prefilled in chunks shorter than ``index_topk`` and the
+    prompt (each chunk's queries select among the cached latents): each request's tokens equal generating it alone."""
+    from qkv.models import Engine
+
+    model = copy.deepcopy(_models("K5-Hi16-Di16")[2]).double()
+    g = torch.Generator().manual_seed(0)
+    requests = [(torch.randint(1, _BASE["vocab_size"], (n,), generator=g).tolist(), 5) for n in (9, 13, 6, 11)]
+    engine = Engine(model, num_blocks=40, block_size=4, max_batch=3, prefill_chunk=4)
+    ids = [engine.add(p, n) for p, n in requests]
+    results = engine.run()
+    for rid, (prompt, n) in zip(ids, requests, strict=True):
+        alone = generate(model, torch.tensor([prompt]), max_new_tokens=n).new_tokens[0].tolist()
+        assert results[rid].tokens == alone, rid
