@@ -258,3 +258,35 @@ def test_compare_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_pa
     assert r.exit_code == 2, r.output
     assert "pip install 'qkv[plot]'" in r.stderr and "Traceback" not in r.output, r.output
     assert r.stdout == "" and not png.exists()
+
+
+def test_flops_deepseek_v32_sets_dsa_beside_dense_mla():
+    from qkv.costs import dsa_model_flops, format_flops
+
+    f = dsa_model_flops(PRESETS["deepseek-v3.2"], context=131072)
+    r = run("flops", "deepseek-v3.2", "--context", "128k")
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert "indexer key 128" in out and "DeepSeek Sparse Attention: each query reads 2,048 latents" in out
+    wide = runner.invoke(app, ["flops", "deepseek-v3.2", "--context", "128k"], env={"COLUMNS": "200"}).stdout
+    for value in (f.prefill.indexer, f.prefill.selected, f.prefill.dense, f.decode.sparse, f.decode.dense):
+        assert format_flops(value) in wide, (format_flops(value), wide)
+    assert f"DSA prefill: fewer FLOPs than dense MLA from {f.crossover_prefill:,} tokens on" in out
+    assert f"DSA decode: fewer FLOPs than dense MLA from {f.crossover_decode:,} tokens on" in out
+    data = json.loads(run("flops", "deepseek-v3.2", "--context", "2k", "--json").stdout)
+    assert data["dsa"]["crossover_decode"] == f.crossover_decode and data["dsa"]["index_topk"] == 2048
+    assert data["dsa"]["decode"]["sparse"] > data["dsa"]["decode"]["dense"]  # 2k tokens: below the crossover
+    plain = run("flops", "deepseek-v3", "--context", "8k")
+    assert plain.exit_code == 0 and "Sparse Attention" not in plain.stdout
+    assert "dsa" not in json.loads(run("flops", "deepseek-v3", "--json").stdout)
+
+
+def test_memory_deepseek_v32_counts_the_indexer_key(tmp_path):
+    r = run("memory", "deepseek-v3.2", "--context", "1000", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["bytes_per_token"] == 61 * (512 + 64 + 128) * 2
+    transformers = pytest.importorskip("transformers")
+    transformers.DeepseekV32Config(index_head_dim=96).save_pretrained(tmp_path)  # indexed_attention layer types
+    r = run("memory", str(tmp_path / "config.json"), "--context", "1000", "--dtype", "bf16", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["bytes_per_token"] == 61 * (512 + 64 + 96) * 2

@@ -1,17 +1,26 @@
 """qkv.costs for sparse attention by selection: top-k pair counts equal the mask's allowed pairs, the indexer's
-FLOPs equal a count of its matmuls, and DSA beats dense MLA at long context but not at short."""
+FLOPs equal a count of its matmuls, and DSA beats dense MLA at long context but not at short; DeepSeek-V3.2's
+preset, parameter count and cache bytes count the indexer."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from qkv import masks as M
 from qkv.costs import (
+    PRESETS,
+    ModelPreset,
     attention_flops,
+    dsa_crossover_context,
     dsa_indexer_bytes,
     dsa_indexer_flops,
     dsa_layer_flops,
+    dsa_model_flops,
+    kv_cache_memory,
+    num_parameters,
     topk_attention_bytes,
     topk_attention_flops,
     topk_pairs,
@@ -62,3 +71,103 @@ def test_bad_arguments_are_refused():
         topk_pairs(4, 4, 0)
     with pytest.raises(ValueError, match="index_head_dim"):
         dsa_indexer_flops(1, 4, 4, hidden_size=8, q_lora_rank=4, index_n_heads=2, index_head_dim=0)
+
+
+_V32 = dict(hidden_size=7168, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=1536,
+            index_n_heads=64, index_head_dim=128, index_topk=2048)
+
+
+@pytest.mark.parametrize("nq,nk,k", [(q, kv, k) for q in (1, 2, 5, 9) for kv in (1, 3, 8, 9) for k in (1, 2, 8, 20)],
+                         ids=lambda x: str(x))
+def test_topk_pairs_closed_form_equals_the_row_by_row_sum(nq, nk, k):
+    kk = min(k, nk)
+    rows = [min(max(i + nk - nq + 1, 0), kk) for i in range(nq)]  # query i sees p + 1 keys, reads at most K
+    assert topk_pairs(nq, nk, k) == sum(rows)
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_crossover_is_the_first_context_where_dsa_wins(decode):
+    at = dsa_crossover_context(**_V32, decode=decode)
+    q_len = 1 if decode else None
+    before, after = dsa_layer_flops(1, at - 1, q_len=q_len, **_V32), dsa_layer_flops(1, at, q_len=q_len, **_V32)
+    assert before.sparse >= before.dense and after.sparse < after.dense, (at, before, after)
+    assert _V32["index_topk"] < at < 2 * _V32["index_topk"]
+    later = [dsa_layer_flops(1, n, q_len=q_len, **_V32) for n in (at + 1, 4 * at, 1 << 20)]
+    assert all(f.sparse < f.dense for f in later)
+
+
+def test_an_indexer_as_wide_as_mla_never_wins():
+    wide = {**_V32, "index_n_heads": 128, "index_head_dim": 2 * 512 + 64}
+    assert dsa_crossover_context(**wide, decode=True) is None and dsa_crossover_context(**wide) is None
+
+
+def test_dsa_model_flops_sum_the_layers_of_the_preset():
+    p = PRESETS["deepseek-v3.2"]
+    f = dsa_model_flops(p, context=131072, batch=2)
+    layer = dsa_layer_flops(2, 131072, **_V32)
+    assert f.prefill == tuple(61 * v for v in layer) and f.decode.dense == 61 * dsa_layer_flops(
+        2, 131072, q_len=1, **_V32).dense
+    assert (f.crossover_prefill, f.crossover_decode) == (dsa_crossover_context(**_V32),
+                                                         dsa_crossover_context(**_V32, decode=True))
+    with pytest.raises(ValueError, match="no lightning indexer"):
+        dsa_model_flops(PRESETS["deepseek-v3"], context=1024)
+    with pytest.raises(ValueError, match="context"):
+        dsa_model_flops(p, context=0)
+    with pytest.raises(ValueError, match="limit"):
+        dsa_crossover_context(**_V32, limit=0)
+
+
+def test_deepseek_v32_preset_is_transformers_config():
+    """The preset's numbers are ``DeepseekV32Config()``'s defaults (the DeepSeek-V3.2-Exp checkpoint's)."""
+    transformers = pytest.importorskip("transformers")
+    from qkv.spec import preset_from_hf_config
+
+    read = preset_from_hf_config(transformers.DeepseekV32Config().to_dict(), name="deepseek-v3.2")
+    ours = PRESETS["deepseek-v3.2"]
+    fields = ("num_hidden_layers", "num_attention_heads", "head_dim", "hidden_size", "kv_lora_rank",
+              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "vocab_size", "intermediate_size", "q_lora_rank",
+              "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+              "first_k_dense_replace", "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk",
+              "layer_types", "tie_word_embeddings")
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(read, f) for f in fields}
+
+
+def test_cache_bytes_count_the_indexer_key():
+    from qkv.cache import IndexedLatentSpec, plan_memory
+    from qkv.cache.plan import resolve_specs
+
+    p = PRESETS["deepseek-v3.2"]
+    m = kv_cache_memory(p, context=1000, dtype="bf16")
+    assert m.bytes_per_token == 61 * (512 + 64 + 128) * 2 and m.total_bytes == 1000 * m.bytes_per_token
+    assert resolve_specs("deepseek-v3.2")[0] == [IndexedLatentSpec(512, 64, 128)] * 61
+    assert plan_memory("deepseek-v3.2", context=1000).needed_bytes == m.total_bytes
+    with pytest.raises(ValueError, match="lightning indexer needs MLA"):
+        dataclasses.replace(PRESETS["llama-3-8b"], index_n_heads=4, index_head_dim=8, index_topk=2)
+    with pytest.raises(ValueError, match="lightning indexer"):
+        dataclasses.replace(p, index_topk=None)
+
+
+def test_deepseek_v32_is_deepseek_v3_plus_its_indexers():
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 7168 * 64 + 2 * 128  # wq_b, wk, weights_proj, the key's LayerNorm
+    v3, v32 = num_parameters(PRESETS["deepseek-v3"]), num_parameters(PRESETS["deepseek-v3.2"])
+    assert v32.total - v3.total == v32.active - v3.active == 61 * indexer
+    assert num_parameters(ModelPreset.from_config(PRESETS["deepseek-v3.2"].config)).total == v32.total
+
+
+def test_num_parameters_equals_the_from_hf_model():
+    transformers = pytest.importorskip("transformers")
+    from qkv.models import from_hf
+    from qkv.spec import preset_from_hf_config
+
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=16, first_k_dense_replace=1, index_n_heads=2, index_head_dim=16, index_topk=4)
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    ours = from_hf(hf)
+    count = num_parameters(preset_from_hf_config(cfg.to_dict(), name="tiny-v32"))
+    numel = sum(p.numel() for p in ours.parameters())
+    assert count.total == numel == sum(p.numel() for p in hf.parameters())
+    assert count.total == num_parameters(ModelPreset.from_config(ours.config)).total

@@ -1,7 +1,8 @@
 """Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`,
 a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.LayerLayout`): ``RecurrentSpec`` for the
-recurrent (``linear_attention``) layers of hybrid models, ``LatentSpec`` for MLA, ``SlidingWindowSpec`` for local
-layers, ``FullSpec`` otherwise. The description (in :mod:`qkv.spec`) knows
+recurrent (``linear_attention``) layers of hybrid models, ``LatentSpec`` for MLA (``IndexedLatentSpec`` with
+DeepSeek Sparse Attention's indexer key), ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The
+description (in :mod:`qkv.spec`) knows
 nothing of the cache; the cache reads it here.
 
 Example:
@@ -16,7 +17,7 @@ from ..spec.config import DecoderConfig
 from ..spec.hf_config import LayerLayout
 from ..spec.layer_types import LINEAR_ATTENTION, SLIDING_ATTENTION
 from ..spec.presets import ModelPreset
-from .specs import FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
+from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
 
 __all__ = ["cache_specs_of"]
 
@@ -26,6 +27,9 @@ def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> li
     config); ``TypeError`` for anything else."""
     if isinstance(description, DecoderConfig):
         c = description
+        if c.latent is not None and c.indexer is not None:
+            spec = IndexedLatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim, c.indexer.index_head_dim)
+            return [spec] * c.num_hidden_layers
         if c.latent is not None:
             attn: list[LayerSpec] = [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim)] * c.num_hidden_layers
         else:
@@ -37,6 +41,8 @@ def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> li
         return [rec if t == LINEAR_ATTENTION else spec for t, spec in zip(c.layer_types, attn)]
     if isinstance(description, (ModelPreset, LayerLayout)):
         d = description
+        if d.kv_lora_rank and d.index_head_dim:
+            return [IndexedLatentSpec(d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim)] * d.num_hidden_layers
         if d.kv_lora_rank:
             attn = [LatentSpec(d.kv_lora_rank, d.qk_rope_head_dim)] * d.num_hidden_layers
         else:

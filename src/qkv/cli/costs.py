@@ -136,6 +136,8 @@ def unique_names(models: Sequence[ModelPreset]) -> list[str]:
 def _describe(p: ModelPreset) -> str:
     if p.kv_lora_rank is not None:
         heads = f"{p.num_attention_heads} heads, latent {p.kv_lora_rank} + rope key {p.qk_rope_head_dim}"
+        if p.index_head_dim is not None:
+            heads += f" + indexer key {p.index_head_dim} (DSA: {p.index_topk} of the cached tokens per query)"
     else:
         heads = f"{p.num_attention_heads} query heads, {p.num_key_value_heads} KV heads x {p.head_dim}"
     layers = ", ".join(f"{n} {kind}" for kind, n in p.layer_counts.items())
@@ -243,7 +245,9 @@ def flops(
     passes, 3.5x forward for attention (FlashAttention-2's count) and 3x for the matmuls. Local layers see at
     most their window. For presets with the whole-model shape (`qkv presets` lists them) the table adds
     the projections, feed-forward (active experts) and LM head, and the crossover: the shortest context
-    at which attention's FLOPs reach the rest's.
+    at which attention's FLOPs reach the rest's. Models with DeepSeek Sparse Attention (deepseek-v3.2) add the
+    indexer and MLA over the selected latents against dense MLA (both in the latent space), and the context
+    from which DSA needs fewer FLOPs.
 
     Examples:
 
@@ -252,8 +256,10 @@ def flops(
         qkv flops gpt-3-175b --context 128k
 
         qkv flops deepseek-v2 --context 128k --json
+
+        qkv flops deepseek-v3.2 --context 128k
     """
-    from qkv.costs import crossover_context, model_flops, score_elements
+    from qkv.costs import crossover_context, dsa_model_flops, model_flops, score_elements
 
     with _friendly():
         p = load_preset(preset)
@@ -263,6 +269,7 @@ def flops(
         whole = p.vocab_size is not None and p.intermediate_size is not None and not p.encoder_layers
         m = model_flops(p, context=n, batch=batch) if whole else None
         cross = crossover_context(p) if whole else None
+        dsa = dsa_model_flops(p, context=n, batch=batch) if p.index_topk is not None else None
     scores = score_elements(n)
     if as_json:
         out = {**f._asdict(), "prefill_per_token": f.prefill / f.context, "score_elements_per_head": scores}
@@ -271,6 +278,10 @@ def flops(
                 b = getattr(m, name)
                 out[f"{name}_breakdown"] = {**b._asdict(), "rest": b.rest, "total": b.total}
             out["crossover_context"] = cross
+        if dsa is not None:
+            out["dsa"] = {"index_topk": dsa.index_topk, "prefill": dsa.prefill._asdict(),
+                          "decode": dsa.decode._asdict(), "crossover_prefill": dsa.crossover_prefill,
+                          "crossover_decode": dsa.crossover_decode}
         typer.echo(json.dumps(out, indent=2))
         return
     console = Console(soft_wrap=True)
@@ -291,6 +302,7 @@ def flops(
             table.add_row(name, format_flops(value), f"{value:.4g}")
         console.print(table)
         console.print("(attention only: this preset has no vocab_size/intermediate_size for the rest)")
+        _print_dsa(console, dsa)
         return
     table = Table("pass", "attention", "projections", "FFN", "LM head", "total", "attention share")
     for name, b in (("prefill (causal prompt)", m.prefill), ("decode, per new token", m.decode),
@@ -305,6 +317,27 @@ def flops(
     else:
         side = "past" if n >= cross else "below"
         console.print(f"crossover: attention reaches the rest from {cross:,} tokens on ({side} it at {n:,})")
+    _print_dsa(console, dsa)
+
+
+def _print_dsa(console: Console, dsa) -> None:
+    """DeepSeek Sparse Attention beside dense MLA (nothing for other models)."""
+    if dsa is None:
+        return
+    console.print(f"DeepSeek Sparse Attention: each query reads {dsa.index_topk:,} latents; the table above counts "
+                  "attention as dense MLA. All layers, MLA in the latent space (absorbed), as DSA's kernels run it:")
+    table = Table("pass", "indexer", "sparse MLA", "DSA total", "dense MLA", "DSA / dense")
+    for name, f in (("prefill (causal prompt)", dsa.prefill), ("decode, per new token", dsa.decode)):
+        table.add_row(name, format_flops(f.indexer), format_flops(f.selected), format_flops(f.sparse),
+                      format_flops(f.dense), f"{f.sparse / f.dense:.3g}x")
+    console.print(table)
+    for name, at in (("prefill", dsa.crossover_prefill), ("decode", dsa.crossover_decode)):
+        if at is None:
+            console.print(f"DSA {name}: never fewer FLOPs than dense MLA (the indexer costs as much per pair)")
+        else:
+            side = "past" if dsa.context >= at else "below"
+            console.print(f"DSA {name}: fewer FLOPs than dense MLA from {at:,} tokens on ({side} it at "
+                          f"{dsa.context:,})")
 
 
 def context_axis_end(models: Sequence[ModelPreset], context: int) -> int:

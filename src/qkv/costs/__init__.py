@@ -16,9 +16,12 @@ Example:
 from ..spec.presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
 from .dsa import (
     DSALayerFlops,
+    DSAModelFlops,
+    dsa_crossover_context,
     dsa_indexer_bytes,
     dsa_indexer_flops,
     dsa_layer_flops,
+    dsa_model_flops,
     topk_attention_bytes,
     topk_attention_flops,
     topk_pairs,
@@ -67,6 +70,9 @@ __all__ = [
     "dsa_indexer_bytes",
     "dsa_indexer_flops",
     "dsa_layer_flops",
+    "dsa_crossover_context",
+    "dsa_model_flops",
+    "DSAModelFlops",
     "topk_attention_bytes",
     "topk_attention_flops",
     "topk_pairs",

@@ -5,7 +5,9 @@ Conventions are :mod:`qkv.costs.flops`' (2 FLOPs per multiply-add, forward only,
 ``i`` sits at position ``i + Nk - Nq``). With top-k lists a causal query at position ``p`` reads
 ``min(K, p + 1)`` keys: :func:`topk_pairs`. The indexer scores every visible (query, key) pair (it is the
 dense part of DSA, but ``Hi * Di`` wide instead of ``H * (2 r + dr)``), so DSA beats dense MLA once
-``K`` is small against the context: :func:`dsa_layer_flops` gives both counts for one layer.
+``K`` is small against the context: :func:`dsa_layer_flops` gives both counts for one layer,
+:func:`dsa_model_flops` for every layer of a preset, with :func:`dsa_crossover_context`, the shortest context at
+which DSA needs fewer FLOPs than dense MLA.
 
 Bytes count what a step must read at least: the selected entries (each read once per query: a gather does
 not share reads between queries whose lists differ), the indexer keys of the whole context, and the float32
@@ -27,7 +29,7 @@ from typing import NamedTuple
 from .flops import attention_flops, mla_absorbed_flops
 
 __all__ = ["topk_pairs", "topk_attention_flops", "topk_attention_bytes", "dsa_indexer_flops", "dsa_indexer_bytes",
-           "DSALayerFlops", "dsa_layer_flops"]
+           "DSALayerFlops", "dsa_layer_flops", "DSAModelFlops", "dsa_model_flops", "dsa_crossover_context"]
 
 
 def _int(fn: str, **values: int) -> None:
@@ -43,8 +45,12 @@ def topk_pairs(q_len: int, kv_len: int, topk: int, *, causal: bool = True) -> in
     k = min(topk, kv_len)
     if not causal:
         return q_len * k
-    # Query i sees p + 1 = i + kv_len - q_len + 1 keys (none when that is <= 0) and reads at most k of them.
-    return sum(min(v, k) for v in range(max(kv_len - q_len + 1, 1), kv_len + 1))
+    # Query i sees p + 1 = i + kv_len - q_len + 1 keys (none when that is <= 0) and reads at most k of them:
+    # the sum of min(v, k) over v = lo .. kv_len, in closed form (exact integers, O(1) at any length).
+    lo = max(kv_len - q_len + 1, 1)
+    top = min(kv_len, k)
+    below = (lo + top) * (top - lo + 1) // 2 if top >= lo else 0  # v <= k: v keys each
+    return below + k * max(kv_len - max(lo, k + 1) + 1, 0)  # v > k: k keys each
 
 
 def topk_attention_flops(batch: int, num_heads: int, q_len: int, kv_len: int, topk: int, head_dim: int, *,
@@ -117,3 +123,84 @@ def dsa_layer_flops(batch: int, context: int, *, hidden_size: int, num_heads: in
     dense = mla_absorbed_flops(batch, num_heads, nq, context, kv_lora_rank=kv_lora_rank,
                                qk_rope_head_dim=qk_rope_head_dim, causal=True)
     return DSALayerFlops(idx, sel, idx + sel, dense)
+
+
+class DSAModelFlops(NamedTuple):
+    """DSA against dense MLA over every layer of a model (latent space, as :func:`dsa_layer_flops`):
+    ``prefill`` over a causal prompt of ``context`` tokens, ``decode`` one new token over ``context`` cached ones;
+    ``crossover_prefill`` / ``crossover_decode`` the shortest context from which DSA needs fewer FLOPs (None:
+    never)."""
+
+    preset: str
+    context: int
+    batch: int
+    index_topk: int
+    prefill: DSALayerFlops
+    decode: DSALayerFlops
+    crossover_prefill: int | None
+    crossover_decode: int | None
+
+
+def _layer_shape(preset) -> dict[str, int]:
+    p = preset
+    if p.index_topk is None or p.kv_lora_rank is None or p.q_lora_rank is None:
+        raise ValueError(f"dsa_model_flops: preset {p.name!r} has no lightning indexer (index_n_heads, index_head_dim, "
+                         "index_topk with MLA and a q_lora_rank); DeepSeek Sparse Attention presets: deepseek-v3.2")
+    return dict(hidden_size=p.hidden_size, num_heads=p.num_attention_heads, kv_lora_rank=p.kv_lora_rank,
+                qk_rope_head_dim=p.qk_rope_head_dim, q_lora_rank=p.q_lora_rank, index_n_heads=p.index_n_heads,
+                index_head_dim=p.index_head_dim, index_topk=p.index_topk)
+
+
+def dsa_crossover_context(*, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                          q_lora_rank: int, index_n_heads: int, index_head_dim: int, index_topk: int,
+                          decode: bool = False, limit: int = 1 << 40) -> int | None:
+    """The shortest context at which one layer's DSA (indexer + MLA over ``index_topk`` latents) needs fewer
+    FLOPs than dense MLA: for a prefill of that many tokens, or (``decode``) one token over that many cached.
+    None when DSA never wins below ``limit`` (an indexer as wide per pair as MLA itself).
+
+    Up to ``index_topk`` tokens DSA reads every key and pays the indexer on top; past it the dense count minus
+    DSA's grows linearly (decode) or as a convex quadratic (prefill), so it changes sign once, found by bisection.
+
+    Example:
+        >>> dsa_crossover_context(hidden_size=7168, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64,
+        ...                       q_lora_rank=1536, index_n_heads=64, index_head_dim=128, index_topk=2048, decode=True)
+        2284
+    """
+    shape = dict(hidden_size=hidden_size, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                 qk_rope_head_dim=qk_rope_head_dim, q_lora_rank=q_lora_rank, index_n_heads=index_n_heads,
+                 index_head_dim=index_head_dim, index_topk=index_topk)
+
+    def wins(n: int) -> bool:
+        f = dsa_layer_flops(1, n, q_len=1 if decode else None, **shape)
+        return f.sparse < f.dense
+
+    _int("dsa_crossover_context", limit=limit)
+    lo, hi = index_topk, limit  # DSA cannot win at or below index_topk: it reads every key there
+    if not wins(hi):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if wins(mid) else (mid, hi)
+    return hi
+
+
+def dsa_model_flops(preset, *, context: int, batch: int = 1) -> DSAModelFlops:
+    """DSA and dense MLA FLOPs of every layer of ``preset`` (a :class:`qkv.spec.ModelPreset` with an indexer, e.g.
+    ``PRESETS["deepseek-v3.2"]``) at ``context`` tokens, and the crossovers (:func:`dsa_crossover_context`).
+
+    Example:
+        >>> from qkv.spec import PRESETS
+        >>> f = dsa_model_flops(PRESETS["deepseek-v3.2"], context=131072)
+        >>> f.decode.sparse < f.decode.dense, f.crossover_decode
+        (True, 2284)
+    """
+    shape = _layer_shape(preset)
+    _int("dsa_model_flops", context=context, batch=batch)
+    n = preset.num_hidden_layers
+
+    def total(q_len):
+        f = dsa_layer_flops(batch, context, q_len=q_len, **shape)
+        return DSALayerFlops(*(n * v for v in f))
+
+    return DSAModelFlops(preset.name, context, batch, preset.index_topk, total(None), total(1),
+                         dsa_crossover_context(**shape), dsa_crossover_context(**shape, decode=True))

@@ -171,8 +171,9 @@ def kv_cache_memory(
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
     if preset.kv_lora_rank is not None:
         per_token = mla_kv_bytes_per_token(
-            preset.kv_lora_rank, preset.qk_rope_head_dim, dtype=dtype, group_size=group_size
-        )
+            preset.kv_lora_rank, preset.qk_rope_head_dim + (preset.index_head_dim or 0), dtype=dtype,
+            group_size=group_size,
+        )  # DeepSeek Sparse Attention caches its indexer key in the same row
     else:
         per_token = gqa_kv_bytes_per_token(
             preset.num_key_value_heads, preset.head_dim, v_head_dim=preset.value_head_dim, dtype=dtype,

@@ -8,7 +8,9 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
   over whole projections, OLMo 2/3) and ``Hq`` sink logits (GPT-OSS). MLA
   (DeepSeek-V2, arXiv:2405.04434): an optional query compression ``d * q_lora_rank`` (+ its norm) before
   ``q_lora_rank * Hq * Dqk``, the joint down-projection ``d * (kv_lora_rank + qk_rope_head_dim)`` (+ norm),
-  the up-projection ``kv_lora_rank * Hq * (qk_nope_head_dim + Dv)`` and the output. Gated attention (Qwen3-Next,
+  the up-projection ``kv_lora_rank * Hq * (qk_nope_head_dim + Dv)`` and the output; DeepSeek Sparse Attention's
+  lightning indexer (DeepSeek-V3.2) adds ``q_lora_rank * Hi * Di`` (``wq_b``), ``d * Di`` (``wk``), ``d * Hi``
+  (``weights_proj``) and a LayerNorm ``2 * Di`` on its key. Gated attention (Qwen3-Next,
   ``attn_output_gate``) adds a second query-sized projection ``d * Hq * Dqk``, the output gate.
 - recurrent layers (``"linear_attention"``, Gated DeltaNet): input projections ``d * (2 Hk Dk + 2 H Dv + 2 H)``
   (q, k, v, the output gate z, the write strength b and the decay a), the depthwise convolution
@@ -86,7 +88,11 @@ def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
         q = d * Hq * Dqk if p.q_lora_rank is None else p.q_lora_rank * (d + Hq * Dqk)
         nope = p.qk_nope_head_dim or Dqk - p.qk_rope_head_dim
         kv = d * (p.kv_lora_rank + p.qk_rope_head_dim) + p.kv_lora_rank * Hq * (nope + Dv)
-        return q + kv + Hq * Dv * d
+        indexer = 0
+        if p.index_topk is not None:  # DSA: wq_b, wk, weights_proj
+            Hi, Di = p.index_n_heads, p.index_head_dim
+            indexer = (p.q_lora_rank or 0) * Hi * Di + d * Di + d * Hi
+        return q + kv + Hq * Dv * d + indexer
     gate = d * Hq * Dqk if p.attn_output_gate and not cross else 0
     return d * Hq * Dqk + d * Hkv * (Dqk + Dv) + Hq * Dv * d + gate
 
@@ -122,6 +128,7 @@ def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
     p, d = preset, preset.hidden_size
     n = attention_weights(p, cross=cross)
     if p.kv_lora_rank is not None and not cross:
+        n += 2 * p.index_head_dim if p.index_topk is not None else 0  # the indexer key's LayerNorm
         return n + (p.q_lora_rank or 0) + p.kv_lora_rank + (d if p.attention_bias else 0)  # latent norms
     Hq, Hkv, Dqk, Dv = p.num_attention_heads, p.num_key_value_heads, p.head_dim, p.value_head_dim
     if p.attention_bias or p.qkv_bias:

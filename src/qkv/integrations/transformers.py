@@ -29,6 +29,10 @@ What HF hands over, and what qkv makes of it:
   that); ``s_aux`` (GPT-OSS's per-head sinks) becomes ``sinks=``; ``dropout`` (non-zero in training)
   becomes ``dropout_p``, drawn from torch's default generator (so the pattern differs from eager's).
   ``sliding_window`` needs nothing: the mask of a sliding layer already holds the window.
+- DeepSeek-V3.2's sparse attention (DSA): the indexer reads the mask before its top-k (``attention_mask[:, 0]``),
+  so the ``"qkv"`` mask indexes as the dense boolean HF would build; HF then passes each attention call the
+  selected keys (``indices``, (B, Nq, K)), which become a ``masks.topk`` list shared by the heads, AND-ed with
+  the mask, and (``backend="auto"``, no dropout) run on the ``gather`` backend, which reads only those keys.
 - ``output_attentions=True``: the probabilities are recomputed from the log-sum-exp with
   :func:`qkv.attention_probs` (exact, whatever backend ran), which HF's own fused paths cannot do. They are
   the probabilities before dropout, float in the query dtype.
@@ -38,15 +42,16 @@ token) returns zeros where eager averages every value; its attention row is zero
 
 Families checked against eager (random weights, tiny configs, ``tests/integrations/test_transformers.py``):
 Llama, Mistral, Qwen2, Gemma 2, Gemma 3 (text), GPT-2, GPT-OSS, BERT and T5 (encoder, decoder and
-cross-attention). Any family whose attention layers call ``ALL_ATTENTION_FUNCTIONS.get_interface`` works
-the same way. A family whose layers do not (BLOOM and a few others, which would silently run their own
-attention) is refused when it is built with ``attn_implementation="qkv"`` (``ValueError`` naming the class
-and model type), and :func:`use` raises for it.
+cross-attention); DeepSeek-V3.2 in ``tests/integrations/test_transformers_dsa.py``. Any family whose attention
+layers call ``ALL_ATTENTION_FUNCTIONS.get_interface`` works the same way. A family whose layers do not (BLOOM
+and a few others, which would silently run their own attention) is refused when it is built with
+``attn_implementation="qkv"`` (``ValueError`` naming the class and model type), and :func:`use` raises for it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import inspect
 import re
@@ -71,10 +76,25 @@ NAME = "qkv"
 
 @dataclass(frozen=True)
 class HFMask:
-    """What the ``"qkv"`` mask function hands HF, which passes it unchanged to every attention call."""
+    """What the ``"qkv"`` mask function hands HF, which passes it unchanged to every attention call.
+
+    Indexing it (``hf_mask[:, 0]``, as DeepSeek-V3.2's indexer does with the mask before its top-k) gives that
+    slice of the dense boolean mask ``(B, 1, Nq, Nk)`` (True: allowed), the form eager hands such code.
+    """
 
     mask: Mask | None  # None: every pair allowed
     source: str  # "analytic" or why it is dense
+    shape: tuple[int, int, int, int] | None = None  # (B, 1, Nq, Nk) of HF's request; None: unknown
+    device: torch.device | None = None
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if self.shape is None:
+            raise TypeError("HFMask: this mask does not know HF's (B, 1, Nq, Nk) shape, so it cannot be indexed; "
+                            "build it with qkv.integrations.transformers.hf_mask")
+        B, H, nq, nk = self.shape
+        if self.mask is None:
+            return torch.ones(self.shape, dtype=torch.bool, device=self.device)[index]
+        return self.mask.materialize(B, H, nq, nk, device=self.device)[index]
 
     def _refuse(self, other) -> None:
         raise TypeError("attn_implementation='qkv': this model adds the attention mask to its scores in its own "
@@ -271,14 +291,15 @@ def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offse
     g = _Geometry(int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset), torch.device(device))
     try:
         mask = _and(_translate(mask_function, g), _padding(attention_mask, g))
-        return HFMask(mask, "analytic")
+        return HFMask(mask, "analytic", (g.B, 1, g.nq, g.nk), g.device)
     except _Unknown as e:
         dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                              kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                              allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap,
                              device=device)
         return HFMask(M.dense(dense), f"dense: HF's mask composition holds {e}, which qkv does not read "
-                                      "analytically, so it takes the boolean mask HF builds")
+                                      "analytically, so it takes the boolean mask HF builds", (g.B, 1, g.nq, g.nk),
+                      g.device)
 
 
 # the attention call
@@ -321,14 +342,23 @@ def _forward_for(backend: str) -> Callable:
                              "run; pack with position_ids (HF then builds a document mask) or use "
                              "qkv.varlen_attention")
         mask, bias, source = _as_mask(attention_mask, module, is_causal, query.shape[2])
+        indices, run_on = kwargs.get("indices"), backend
+        if indices is not None:  # DeepSeek-V3.2: the indexer's (B, Nq, K) top-k keys, shared by the heads
+            mask, source = _selected(indices, mask, query), source + " & the indexer's top-k keys"
+            if backend == "auto" and not dropout:
+                run_on = "gather"  # read only the listed keys, as the sparse kernels HF would call do
         score_mod = [m for m in (None if position_bias is None else mods.bias(position_bias),
                                  None if not softcap else mods.softcap(float(softcap)), bias) if m is not None]
         sinks = None if s_aux is None else s_aux.to(query.device)
         kw = dict(mask=mask, score_mod=score_mod or None, scale=scaling, sinks=sinks)
         record = _recording.get()
         if record is not None:
-            record.append(LayerReport(_name_of(module), source, _explain(query, key, value, dropout_p=dropout, **kw)))
-        out = attention(query, key, value, dropout_p=float(dropout), backend=backend, **kw)
+            why = _explain(query, key, value, dropout_p=dropout, **kw)
+            if run_on != backend:
+                why = dataclasses.replace(why, chosen=run_on, note="HF passed the indexer's top-k keys: only those are "
+                                          "read")
+            record.append(LayerReport(_name_of(module), source, why))
+        out = attention(query, key, value, dropout_p=float(dropout), backend=run_on, **kw)
         probs = None
         if _attentions_requested(kwargs):
             with torch.no_grad():
@@ -336,6 +366,18 @@ def _forward_for(backend: str) -> Callable:
         return out.transpose(1, 2).contiguous(), probs
 
     return attention_forward
+
+
+def _selected(indices, mask: Mask | None, query: torch.Tensor) -> Mask:
+    """``mask & topk(indices)`` for HF's top-k key indices (B, Nq, K) (or (B, 1, Nq, K)), checked."""
+    B, Nq = query.shape[0], query.shape[2]
+    if not isinstance(indices, torch.Tensor) or indices.dim() not in (3, 4) or indices.shape[0] != B or \
+            indices.shape[-2] != Nq:
+        seen = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"qkv attention: indices (the top-k keys of each query, DeepSeek-V3.2's indexer) must be "
+                         f"(B, Nq, K) = ({B}, {Nq}, K), got {seen}")
+    lists = M.topk(indices if indices.dim() == 4 else indices.unsqueeze(1))
+    return lists if mask is None else mask & lists
 
 
 #: The attention function registered as ``"qkv"`` (``backend="auto"``).

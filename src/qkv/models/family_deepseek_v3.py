@@ -38,7 +38,7 @@ from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder, rename_router_bias
 from .loading import FAMILIES, CheckpointError
 
-__all__ = ["build", "convert", "decoder_config"]
+__all__ = ["build", "convert", "decoder_config", "rename"]
 
 FAMILIES["deepseek_v3"] = "qkv.models.family_deepseek_v3"
 
@@ -71,5 +71,10 @@ def build(config: dict[str, Any]) -> DecoderLM:
 
 
 def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return rename_router_bias(rename_decoder(state, decoder_config(config), norms={
+    return rename(state, decoder_config(config))
+
+
+def rename(state: dict[str, torch.Tensor], config: DecoderConfig) -> dict[str, torch.Tensor]:
+    """HF DeepSeek-V3 tensor names to :class:`DecoderLM` names for ``config`` (also DeepSeek-V3.2's)."""
+    return rename_router_bias(rename_decoder(state, config, norms={
         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}))

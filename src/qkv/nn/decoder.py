@@ -73,6 +73,7 @@ from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..spec.config import DecoderConfig
 from ..spec.layer_types import LINEAR_ATTENTION
 from .cached import attention_mask, cached_attention, refuse_scoring_cache
+from .dsa import SparseLatentAttention
 from .ffn import FeedForward, GatedMLP
 from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
@@ -313,6 +314,11 @@ class DecoderLayer(nn.Module):
         self.linear_attn = None
         if c.layer_types[layer_idx] == LINEAR_ATTENTION:
             self.linear_attn, self.latent = _linear_mixer(c, layer_idx), False
+        elif self.latent and c.indexer is not None:  # DSA: read only the index_topk listed latents (gather backend)
+            i, dropout = c.indexer, c.latent.attention_dropout
+            self.self_attn = SparseLatentAttention(
+                c.latent, index_n_heads=i.index_n_heads, index_head_dim=i.index_head_dim, index_topk=i.index_topk,
+                rope=rope, backend="gather" if c.backend == "auto" and not dropout else c.backend, layer_idx=layer_idx)
         elif self.latent:
             backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
                        and not c.latent.attention_dropout else c.backend)

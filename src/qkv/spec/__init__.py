@@ -3,8 +3,8 @@
 - :class:`DecoderConfig` (the one decoder, :class:`qkv.nn.DecoderLM`) and :class:`TransformerConfig` (the
   encoder / encoder-decoder stacks), with their named tiny presets (:func:`get_config`);
 - :class:`RopeParams` (RoPE as data; :meth:`qkv.pos.RotaryEmbedding.from_params` builds the tensors),
-  :class:`LatentConfig` (MLA), :class:`MoEConfig` (DeepSeekMoE), :class:`LinearAttentionConfig` (the recurrent
-  layers of hybrid models);
+  :class:`LatentConfig` (MLA), :class:`IndexerConfig` (DeepSeek Sparse Attention's indexer), :class:`MoEConfig`
+  (DeepSeekMoE), :class:`LinearAttentionConfig` (the recurrent layers of hybrid models);
 - the layer types (:data:`FULL_ATTENTION`, :data:`SLIDING_ATTENTION`, :data:`LINEAR_ATTENTION`);
 - the one reader of an HF config (:mod:`qkv.spec.hf_config`: :func:`read_layout`, :func:`read_rope`,
   :func:`read_latent`, :func:`read_moe`, :func:`load_hf_config`), used by :mod:`qkv.models`,
@@ -24,11 +24,13 @@ Example:
 
 from .config import DECODER_POSITIONS, DecoderConfig, TransformerConfig, get_config
 from .config import PRESETS as CONFIG_PRESETS
+from .dsa import IndexerConfig
 from .hf_config import (
     LayerLayout,
     declared_dtype,
     description_dtype,
     load_hf_config,
+    read_indexer,
     read_latent,
     read_layout,
     read_moe,
@@ -43,8 +45,8 @@ from .rope import ROPE_TYPES, RopeParams
 
 __all__ = [
     "AMBIGUOUS", "CONFIG_PRESETS", "DECODER_POSITIONS", "FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION",
-    "PRESETS", "ROPE_TYPES", "SLIDING_ATTENTION", "DecoderConfig", "LatentConfig", "LinearAttentionConfig",
-    "LayerLayout", "ModelPreset", "MoEConfig", "RopeParams", "TransformerConfig", "declared_dtype",
-    "description_dtype", "get_config", "get_preset", "load_hf_config", "preset_from_hf_config", "read_latent",
-    "read_layout", "read_moe", "read_rope",
+    "PRESETS", "ROPE_TYPES", "SLIDING_ATTENTION", "DecoderConfig", "IndexerConfig", "LatentConfig",
+    "LinearAttentionConfig", "LayerLayout", "ModelPreset", "MoEConfig", "RopeParams", "TransformerConfig",
+    "declared_dtype", "description_dtype", "get_config", "get_preset", "load_hf_config", "preset_from_hf_config",
+    "read_indexer", "read_latent", "read_layout", "read_moe", "read_rope",
 ]

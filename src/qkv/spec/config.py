@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .dsa import IndexerConfig
 from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
@@ -317,6 +318,10 @@ class DecoderConfig:
             :class:`qkv.spec.linear.LinearAttentionConfig`: Gated DeltaNet of Qwen3-Next / Qwen3.5).
         attn_output_gate: the attention output is multiplied by ``sigmoid(gate)``, ``gate`` a per-channel
             projection of the layer input (Qwen3-Next's gated attention; HF folds it into ``q_proj``).
+        indexer: DeepSeek Sparse Attention on every MLA layer (DeepSeek-V3.2): a
+            :class:`qkv.spec.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
+            (:class:`qkv.nn.SparseLatentAttention`) run on the ``gather`` backend when ``backend`` is ``"auto"``
+            (each query reads only its ``index_topk`` latents, whatever the context).
         backend: the :func:`qkv.attention` backend of every layer.
         decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
             ``"auto"`` and the layer's request allows it (no soft-capping). ``"sdpa"`` by default: measured
@@ -361,6 +366,7 @@ class DecoderConfig:
     moe: MoEConfig | None = None
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    indexer: IndexerConfig | None = None
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     name: str = ""
@@ -430,6 +436,14 @@ class DecoderConfig:
             want = "'rope'" if self.latent.use_rope else "'none' (its use_rope is False: NoPE)"
             raise ValueError(f"DecoderConfig: this latent attention (MLA) needs position={want}, got "
                              f"position={self.position!r}")
+        if self.indexer is not None and not isinstance(self.indexer, IndexerConfig):
+            raise TypeError(f"DecoderConfig: indexer must be a qkv.spec.dsa.IndexerConfig or None, got "
+                            f"{type(self.indexer).__name__}")
+        if self.indexer is not None and (self.latent is None or self.latent.q_lora_rank is None
+                                         or self.indexer.index_head_dim < self.latent.qk_rope_head_dim):
+            raise ValueError(f"DecoderConfig: indexer (DeepSeek Sparse Attention) needs latent with a q_lora_rank and "
+                             f"index_head_dim >= its qk_rope_head_dim; got latent={self.latent!r}, "
+                             f"indexer={self.indexer!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
 
     def window_for(self, layer_idx: int) -> int | None:
@@ -590,6 +604,9 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         kw.pop("head_dim", None)
         if p.mla_use_nope:
             kw["position"] = "none"
+    if p.index_topk is not None:
+        kw["indexer"] = IndexerConfig(index_n_heads=p.index_n_heads, index_head_dim=p.index_head_dim,
+                                      index_topk=p.index_topk)
     if p.n_routed_experts is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,

@@ -13,6 +13,8 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
 - Qwen2 / Qwen3: the window only when ``use_sliding_window``; then layers ``i >= max_window_layers`` slide;
 - Gemma 2: local and global layers alternate, layer 0 local; Gemma 3: ``sliding_window_pattern - 1``
   local layers per global one (layer ``i`` global iff ``(i + 1) % pattern == 0``);
+- DeepSeek-V3.2: HF's ``"indexed_attention"`` layers (DeepSeek Sparse Attention) cache every token, so they read
+  as ``"full_attention"``; the indexer's shape is :func:`read_indexer`'s, its cached key ``index_head_dim``;
 - Llama, DeepSeek, GPT-2, BLOOM: no layer slides;
 - other families (Mistral, Mixtral, ...): every layer slides when ``sliding_window`` is set, else none;
   a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does;
@@ -24,8 +26,9 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
 
 Multimodal configs are read from ``text_config`` (Gemma 3, Qwen3.5). RoPE per layer type (:func:`read_rope`):
 transformers 5's ``rope_parameters`` (per layer type for Gemma 3), or ``rope_theta`` with ``rope_scaling``; Gemma 3's
-older configs give local layers ``rope_local_base_freq`` without scaling. The MLA shape (:func:`read_latent`) and the
-mixture of experts (:func:`read_moe`) are read here too, so no other module reads RoPE or HF names again.
+older configs give local layers ``rope_local_base_freq`` without scaling. The MLA shape (:func:`read_latent`), the
+mixture of experts (:func:`read_moe`), the recurrent layers (:func:`read_linear_attention`) and DeepSeek-V3.2's
+lightning indexer (:func:`read_indexer`) are read here too, so no other module reads RoPE or HF names again.
 
 A field that changes the attention layout and that this reader does not model is refused, never ignored
 (``UNREAD_LAYOUT_FIELDS``): Llama 4's chunked attention (``attention_chunk_size``, HF's default 8192 when the
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config_file import read_json_config
+from .dsa import IndexerConfig
 from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
@@ -58,7 +62,7 @@ from .moe import MoEConfig
 from .rope import RopeParams, rope_type_of
 
 __all__ = ["LayerLayout", "read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention",
-           "load_hf_config", "text_config",
+           "read_indexer", "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
 
@@ -75,6 +79,7 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "llama4_text": {"attention_chunk_size": 8192, "no_rope_layer_interval": 4},
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
+    "deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
 }
 #: Hybrid families: their recurrent layers' mixer (:data:`qkv.spec.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
@@ -90,10 +95,13 @@ UNREAD_LAYOUT_FIELDS: Mapping[str, str] = {
 }
 #: What HF's other ``layer_types`` values mean, for the refusal message.
 _OTHER_LAYER_TYPES = {"chunked_attention": "Llama 4's chunked attention"}
+#: HF's layer type of DeepSeek Sparse Attention layers (DeepSeek-V3.2): full attention as far as the cache goes.
+INDEXED_ATTENTION = "indexed_attention"
 _ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size",
             "n_embed": "hidden_size"}
 _PERIOD = {"gemma2": 2}  # local:global interleave fixed by the modelling code
-_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "gpt2", "bloom", "kimi_linear"})  # never slide
+# families that never slide
+_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "deepseek_v32", "gpt2", "bloom", "kimi_linear"})
 _NOPE_MLA = frozenset({"kimi_linear"})  # families whose MLA layers rotate nothing
 
 
@@ -225,6 +233,7 @@ class LayerLayout:
     qk_nope_head_dim: int | None = None
     v_head_dim: int | None = None
     linear_attention: LinearAttentionConfig | None = None  # the "linear_attention" layers' recurrent mixer
+    index_head_dim: int | None = None  # DeepSeek-V3.2: the indexer key cached beside each latent
 
     def window_for(self, layer_idx: int) -> int | None:
         """Tokens layer ``layer_idx`` sees (None: every earlier token)."""
@@ -249,7 +258,7 @@ def _layer_types(cfg: Mapping[str, Any], n: int, source: str) -> tuple[tuple[str
         window = None
     given = cfg.get("layer_types")
     if given is not None:
-        types = tuple(given)
+        types = tuple(FULL_ATTENTION if t == INDEXED_ATTENTION else t for t in given)
         unknown = sorted(set(types) - set(DECODER_LAYER_TYPES))
         if unknown:
             what = "".join(f" ({_OTHER_LAYER_TYPES[t]})" for t in unknown if t in _OTHER_LAYER_TYPES)
@@ -463,6 +472,28 @@ def read_linear_attention(config) -> LinearAttentionConfig | None:
     return None if mixer is None else LinearAttentionConfig.from_hf(cfg, mixer=mixer)
 
 
+def read_indexer(config) -> IndexerConfig | None:
+    """DeepSeek Sparse Attention's lightning indexer of an HF config (DeepSeek-V3.2: ``index_n_heads``,
+    ``index_head_dim``, ``index_topk``), or None for a config without one. HF's ``DeepseekV32Config`` defaults
+    (64, 128, 2048) fill in absent keys of a ``deepseek_v32`` config; another config must give all three.
+
+    Example:
+        >>> read_indexer({"model_type": "deepseek_v32"}).index_topk
+        2048
+        >>> read_indexer({"model_type": "deepseek_v3"}) is None
+        True
+    """
+    cfg = hf_defaults(text_config(load_hf_config(config)))
+    names = ("index_n_heads", "index_head_dim", "index_topk")
+    if not any(cfg.get(n) is not None for n in names):
+        return None
+    missing = [n for n in names if cfg.get(n) is None]
+    if missing:
+        raise ValueError(f"read_indexer({cfg.get('model_type')}): an indexer needs {', '.join(names)}; missing "
+                         f"{', '.join(missing)}")
+    return IndexerConfig(**{n: cfg[n] for n in names})
+
+
 def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
     """Raise for a layout field this reader does not model (``UNREAD_LAYOUT_FIELDS``)."""
     cfg = dict(cfg)
@@ -530,4 +561,5 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> LayerLayout:
         qk_nope_head_dim=cfg.get("qk_nope_head_dim") if mla else None,
         v_head_dim=cfg.get("v_head_dim") if mla else cfg.get("v_head_dim"),
         linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None,
+        index_head_dim=cfg.get("index_head_dim") if mla and cfg.get("index_head_dim") is not None else None,
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
-from .hf_config import read_latent, read_layout, read_moe
+from .hf_config import read_indexer, read_latent, read_layout, read_moe
 from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 
@@ -76,6 +76,9 @@ class ModelPreset:
         encoder_layers: layers of a bidirectional encoder in front of the ``num_hidden_layers``
             decoder layers, each of which then also cross-attends (encoder-decoder, Vaswani et al.).
         q_lora_rank: MLA query compression width (DeepSeek-V2: 1536).
+        index_n_heads, index_head_dim, index_topk: DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2;
+            HF names): each MLA layer also caches an ``index_head_dim`` key per token and attends to
+            ``index_topk`` latents per query.
         n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts,
             first_k_dense_replace: DeepSeekMoE feed-forward (HF names); the first
             ``first_k_dense_replace`` layers stay dense with ``intermediate_size``.
@@ -135,6 +138,9 @@ class ModelPreset:
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     mla_use_nope: bool = False
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -174,6 +180,11 @@ class ModelPreset:
                              f"mlp={self.mlp!r}, norm={self.norm!r}")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"{self.name}: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
+        indexer = (self.index_n_heads, self.index_head_dim, self.index_topk)
+        if any(v is not None for v in indexer) and (
+                self.kv_lora_rank is None or not all(isinstance(v, int) and v > 0 for v in indexer)):
+            raise ValueError(f"{self.name}: a lightning indexer needs MLA (kv_lora_rank) and positive index_n_heads, "
+                             f"index_head_dim, index_topk; got {indexer}")
         if (self.n_routed_experts is None) != (self.num_experts_per_tok is None):
             raise ValueError(f"{self.name}: a mixture of experts needs both n_routed_experts and "
                              "num_experts_per_tok")
@@ -258,6 +269,9 @@ class ModelPreset:
             kw.update(num_key_value_heads=c.num_attention_heads, head_dim=lat.qk_head_dim,
                       kv_lora_rank=lat.kv_lora_rank, qk_rope_head_dim=lat.qk_rope_head_dim,
                       qk_nope_head_dim=lat.qk_nope_head_dim, v_head_dim=lat.v_head_dim, q_lora_rank=lat.q_lora_rank)
+        if c.indexer is not None:
+            kw.update(index_n_heads=c.indexer.index_n_heads, index_head_dim=c.indexer.index_head_dim,
+                      index_topk=c.indexer.index_topk)
         if c.moe is not None:
             m = c.moe
             kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
@@ -287,6 +301,9 @@ class ModelPreset:
             qk_rope_head_dim=None,
             qk_nope_head_dim=None,
             mla_use_nope=False,
+            index_n_heads=None,
+            index_head_dim=None,
+            index_topk=None,
             notes=f"{self.name} with one KV head per query head",
         )
 
@@ -311,8 +328,8 @@ _COUNTED_FIELDS = frozenset({
     "norm_offset", "position", "embed_norm", "scale_embeddings", "sandwich_norms", "qkv_bias", "o_bias", "mlp_bias",
     "qk_norm", "qk_norm_scope", "pre_norms", "attention_sinks", "attention_scale", "attn_logit_softcapping",
     "final_logit_softcapping", "tie_word_embeddings",
-    "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "backend", "decode_backend",
-    "name", "linear_attention", "attn_output_gate",
+    "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "indexer", "backend",
+    "decode_backend", "name", "linear_attention", "attn_output_gate",
 })
 
 
@@ -383,6 +400,19 @@ _PRESETS_2025 = (
         notes="MLA with q-LoRA; sigmoid routing with a correction bias (a buffer, not a parameter), 8 groups, "
         "4 kept, 8 of 256 experts plus 1 shared, first 3 layers dense; YaRN x40 from 4096. 671B parameters "
         "without the multi-token-prediction module (published checkpoint: 685B with it), 37B active.",
+    ),
+    ModelPreset(
+        name="deepseek-v3.2", num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        head_dim=192, hidden_size=7168, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, vocab_size=129280, intermediate_size=18432, q_lora_rank=1536, n_routed_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
+        max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048,
+        source="DeepSeek-AI 2025, DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse "
+        "Attention, Sec. 2.1; transformers 5.25 DeepseekV32Config defaults (checkpoint deepseek-ai/DeepSeek-V3.2-Exp)",
+        notes="DeepSeek-V3's shape with DeepSeek Sparse Attention on every layer: a lightning indexer (64 heads of "
+        "128, FP8 in the release) scores every cached token and MLA reads the 2048 best per query; each token "
+        "caches its 128-wide indexer key beside the 576-wide latent. 671.9B parameters without the "
+        "multi-token-prediction module: DeepSeek-V3's 671.0B plus 0.85B of indexers.",
     ),
     ModelPreset(
         name="olmo-2-32b", num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
@@ -654,6 +684,10 @@ def _whole_model_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, An
         "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("n_positions"),
         "q_lora_rank": cfg.get("q_lora_rank") if cfg.get("kv_lora_rank") is not None else None,
     }
+    indexer = read_indexer({**cfg, "model_type": model_type}) if cfg.get("kv_lora_rank") is not None else None
+    if indexer is not None:
+        out.update(index_n_heads=indexer.index_n_heads, index_head_dim=indexer.index_head_dim,
+                   index_topk=indexer.index_topk)
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # Qwen3-MoE, GPT-OSS
     if model_type in ("qwen3_moe", "gpt_oss") and experts and not cfg.get("n_routed_experts"):
         width = cfg.get("intermediate_size") if model_type == "gpt_oss" else cfg.get("moe_intermediate_size")
