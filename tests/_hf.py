@@ -53,7 +53,9 @@ def hf_causal_lm(config_cls: str, model_cls: str, fields: dict, *, seed: int,
     """An HF model ``model_cls`` of ``config_cls(**fields)`` in eval mode, with redrawn weights and a generation
     config for greedy decoding of fixed length (no EOS token, padding id 0). ``load``: more keywords of
     ``_from_config`` (e.g. ``experts_implementation="eager"``), with ``attn_implementation``."""
-    import transformers
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
 
     cfg = getattr(transformers, config_cls)(**fields)
     torch.manual_seed(0)

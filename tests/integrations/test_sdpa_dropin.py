@@ -133,8 +133,9 @@ def test_torch_name_is_the_same_function():
     (lambda q, k: qkv.sdpa(q, k.expand(3, -1, -1, -1), k.expand(3, -1, -1, -1)), "batch dims must match"),
     (lambda q, k: qkv.sdpa(q[0, 0, 0], k, k), "at least 2 dims"),
     (lambda q, k: qkv.sdpa(q, k, k, scale=float("nan")), "scale"),
+    (lambda q, k: qkv.sdpa(q, k[:, :3], k[:, :3], enable_gqa=True), "multiple"),
 ], ids=["gqa-off", "mask-and-causal", "mask-shape", "mask-dtype", "mask-type", "dropout", "empty-rows", "ranks",
-        "batch", "rank1", "scale"])
+        "batch", "rank1", "scale", "gqa-heads-not-a-multiple"])
 def test_bad_input_is_named(call, match):
     q = torch.randn(1, 4, 8, 16)
     k = torch.randn(1, 4, 8, 16)
@@ -179,3 +180,23 @@ def test_random_calls_match_torch(seed):
         base_out, base_grads = _run(F.scaled_dot_product_attention, q, k, v, mask, kw, dtype)
         out, grads = _run(qkv.sdpa, q, k, v, mask, kw, dtype)
         _check(f"seed {seed} {dtype}", out, grads, ref_out, ref_grads, base_out, base_grads, dtype)
+
+
+def test_three_dim_inputs_share_key_heads_with_enable_gqa_as_torch_does():
+    """3-D inputs are (heads, length, dim): 8 query heads over 2 key/value heads."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(h, n, 16, generator=g, dtype=torch.float64) for h, n in ((8, 5), (2, 7), (2, 7)))
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    got = qkv.sdpa(q.float(), k.float(), v.float(), enable_gqa=True)
+    base = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert got.shape == want.shape == (8, 5, 16)
+    assert_within_budget(got, want, base, what="3-D enable_gqa")
+
+
+@pytest.mark.parametrize("L,S", [(0, 7), (5, 0), (0, 0)])
+def test_zero_length_queries_or_keys_give_torchs_result(L, S):
+    """No queries: an empty output; no keys: every row empty, zeros as torch's CPU kernel gives them."""
+    q, k, v = torch.randn(1, 2, L, 16), torch.randn(1, 2, S, 16), torch.randn(1, 2, S, 16)
+    got, want = qkv.sdpa(q, k, v), F.scaled_dot_product_attention(q, k, v)
+    assert got.shape == want.shape == (1, 2, L, 16)
+    assert torch.equal(got, want)

@@ -129,6 +129,7 @@ def test_cached_greedy_generation_matches_hf(case):
 def test_hf_route_gives_eager_logits(case):
     """The same HF model with ``attn_implementation="qkv"`` (its full-attention layers): within budget of eager
     float64, eager float32 the baseline (left-padded batch)."""
+    pytest.importorskip("transformers")
     import qkv.integrations.transformers as qhf
 
     hf, ref, _ = _models(case)
@@ -195,6 +196,7 @@ def test_switches_reach_the_model():
 def test_qwen3_5_multimodal_checkpoint_loads_its_language_model(tmp_path):
     """A ``qwen3_5`` checkpoint (text config nested, ``model.language_model.*``, vision and MTP weights beside):
     its language model loads, vision and MTP weights are left out, the outer config's tying decides."""
+    pytest.importorskip("safetensors")
     from safetensors.torch import save_file
 
     hf, _, text_model = _models("qwen3_5_text-L4-Hv8")

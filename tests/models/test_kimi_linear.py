@@ -145,6 +145,7 @@ def test_cached_greedy_generation_matches_hf(case):
 def test_hf_route_gives_eager_logits(case):
     """The same HF model with ``attn_implementation="qkv"`` (its MLA layers through qkv): within budget of eager
     float64, eager float32 the baseline (left-padded batch)."""
+    pytest.importorskip("transformers")
     import qkv.integrations.transformers as qhf
 
     hf, ref, _ = _models(case)
