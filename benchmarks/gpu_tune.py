@@ -4,8 +4,8 @@ The tile sizes, warps and stages of the attention kernels (:func:`qkv.backends.t
 the paged decode kernel's settings (``qkv.backends.triton.decode.DECODE_*``) are chosen for a GPU by measuring,
 not by guessing: this script times each candidate on ``benchmarks/gpu.py``'s published shapes (bf16, D = 128,
 N = 8192 causal and window 1024, forward and forward+backward; decode at 32K context over 16-token pages) and
-writes every timing to ``gpu_tune.json``. A candidate that does not compile (shared memory) is reported and
-skipped. Only the settings this sweep measured fastest go into the code.
+writes every timing to ``gpu_tune.json`` in the harness's output folder. A candidate that does not compile
+(shared memory) is reported and skipped. Only the settings this sweep measured fastest go into the code.
 
     python benchmarks/gpu_tune.py [--sections fwd,bwd,decode]
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qkv  # noqa: E402
-from _harness import OUT_DIR, attention_flops, time_fn  # noqa: E402
+from _harness import Suite, attention_flops, time_fn  # noqa: E402
 from qkv import masks as M  # noqa: E402
 from qkv.backends.triton import attention as A  # noqa: E402
 from qkv.backends.triton import decode as DEC  # noqa: E402
@@ -32,6 +31,12 @@ FWD = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64,
 BWD = [(64, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2),
        (32, 32, 4, 3), (64, 64, 8, 3), (128, 128, 8, 1)]
 DECODE = list(itertools.product((64, 128), (2, 4, 8), (4,), (2, 3))) + [(128, 4, 8, 3), (256, 4, 8, 2)]
+
+
+def _name(cfg, *, decode: bool = False) -> str:
+    if decode:
+        return "{} keys/tile, {} programs/SM, {} warps, {} stages".format(*cfg)
+    return "{}x{} tiles, {} warps, {} stages".format(*cfg)
 
 
 def _sync(fn):
@@ -74,11 +79,11 @@ def attention_sweep(backward: bool, results: list) -> None:
                 mult = 1.0
             try:
                 t = time_fn(fn, warmup=2, repeat=10)
-                row = {"what": "fwdbwd" if backward else "fwd", "case": case, "tiles": cfg,
-                       "ms": t * 1e3, "tflops": mult * flops / t / 1e12}
+                row = {"what": "fwdbwd" if backward else "fwd", "case": case, "settings": _name(cfg),
+                       "time": f"{t * 1e3:.3f} ms", "rate": f"{mult * flops / t / 1e12:.1f} TFLOP/s"}
             except Exception as e:  # out of shared memory and the like: report, go on
-                row = {"what": "fwdbwd" if backward else "fwd", "case": case, "tiles": cfg,
-                       "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row = {"what": "fwdbwd" if backward else "fwd", "case": case, "settings": _name(cfg),
+                       "time": f"{type(e).__name__}: {str(e)[:120]}", "rate": ""}
             print(row, flush=True)
             results.append(row)
     A.tile_sizes = default
@@ -100,9 +105,11 @@ def decode_sweep(results: list) -> None:
         DEC.DECODE_TILE_KEYS, DEC.DECODE_WAVES, DEC.DECODE_WARPS, DEC.DECODE_STAGES = cfg
         try:
             t = time_fn(_sync(lambda: DEC.paged_decode(q, kp, vp, tables, kpos, qpos)), warmup=3, repeat=20)
-            row = {"what": "decode", "settings": cfg, "us": t * 1e6, "GBps": kv_bytes / t / 1e9}
+            row = {"what": "decode", "case": f"paged ctx{ctx}", "settings": _name(cfg, decode=True),
+                   "time": f"{t * 1e6:.1f} us", "rate": f"{kv_bytes / t / 1e9:.0f} GB/s"}
         except Exception as e:
-            row = {"what": "decode", "settings": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            row = {"what": "decode", "case": f"paged ctx{ctx}", "settings": _name(cfg, decode=True),
+                   "time": f"{type(e).__name__}: {str(e)[:120]}", "rate": ""}
         print(row, flush=True)
         results.append(row)
     DEC.DECODE_TILE_KEYS, DEC.DECODE_WAVES, DEC.DECODE_WARPS, DEC.DECODE_STAGES = saved
@@ -122,12 +129,14 @@ def main(argv=None) -> None:
             attention_sweep(name == "bwd", results)
         else:
             raise SystemExit(f"unknown section {name!r}: use decode, fwd, bwd")
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / "gpu_tune.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                "results": results}, indent=1))
-    print(f"wrote {path}")
-
+    suite = Suite("gpu_tune", "launch settings of the Triton kernels, bf16, D=128 (fastest goes into the code)",
+                  dtype="bfloat16")
+    for row in results:
+        suite.add({k: row[k] for k in ("what", "case", "settings")}, {k: row[k] for k in ("time", "rate")})
+    suite.note("Shapes as benchmarks/gpu.py: B=2, H=16, N=8192 (causal; window 1024) for fwd and fwdbwd (fwdbwd "
+               "times the backward's settings with the default forward); decode B=8, 32 query / 8 KV heads, 32K "
+               "context in 16-token pages. Median of 10 (attention) or 20 (decode) timed calls.")
+    suite.finish()
 
 if __name__ == "__main__":
     main()
