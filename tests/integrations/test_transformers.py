@@ -365,3 +365,20 @@ def test_full_bidirectional_without_padding_is_no_mask():
     got = qhf.hf_mask(batch_size=2, q_length=5, kv_length=5, mask_function=mu.bidirectional_mask_function,
                       attention_mask=torch.ones(2, 5, dtype=torch.long))
     assert got.mask is None and got.source == "analytic"
+
+
+def test_falcon_dispatches_through_the_interface_and_matches_eager():
+    """Falcon calls HF's AttentionInterface in this transformers: built with "qkv" it is not refused, every
+    attention call of a forward goes through qkv, and the logits are within budget of eager in float64 (eager in
+    float32 the baseline)."""
+    fields = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                  new_decoder_architecture=True, hidden_dropout=0.0, attention_dropout=0.0)
+    base = hf_causal_lm("FalconConfig", "FalconForCausalLM", fields, seed=3, attn_implementation="eager")
+    ref = copy.deepcopy(base).double()
+    cand = hf_causal_lm("FalconConfig", "FalconForCausalLM", fields, seed=3, attn_implementation="qkv")
+    ids = torch.randint(1, V, (2, N), generator=torch.Generator().manual_seed(0))
+    reports = qhf.explain(cand, input_ids=ids)
+    assert len(reports) == fields["num_hidden_layers"], [str(r) for r in reports]
+    with torch.no_grad():
+        assert_within_budget(cand(input_ids=ids).logits, ref(input_ids=ids).logits, base(input_ids=ids).logits,
+                             what="falcon logits")
