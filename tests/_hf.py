@@ -82,3 +82,24 @@ class OptionalModule:
         import pytest
 
         return getattr(pytest.importorskip(self._name), attr)
+
+
+def two_row_prompt(seed: int, vocab: int, n: int, *, pad: int = 0, low: int = 1):
+    """Two prompts of ``n`` token ids in ``[low, vocab)`` and their attention mask; the second row's first ``pad``
+    positions are left padding (id 0, mask 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab, (2, n), generator=gen)
+    mask = torch.ones_like(ids)
+    if pad:
+        mask[1, :pad] = 0
+        ids[1, :pad] = 0
+    return ids, mask
+
+
+def within_budget(ours, truth, base, what):
+    """:func:`qkv.testing.assert_within_budget`, after checking the reference and baseline are finite (a NaN or
+    inf would make both errors infinite and the budget pass vacuously)."""
+    from qkv.testing import assert_within_budget
+
+    assert torch.isfinite(truth).all() and torch.isfinite(base).all(), f"{what}: non-finite reference or baseline"
+    return assert_within_budget(ours, truth, base, what=what)

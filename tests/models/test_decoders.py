@@ -21,11 +21,10 @@ import dataclasses
 import pytest
 import torch
 
-from _hf import hf_causal_lm
+from _hf import hf_causal_lm, two_row_prompt, within_budget
 from qkv.cache import AttentionCache, KVCache, LatentSpec, Paged, SlidingWindowSpec, Static
 from qkv.models import CheckpointError, from_hf
 from qkv.models.generate import generate, prompt_positions
-from qkv.testing import assert_within_budget
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,13 +81,8 @@ def _models(case: str):
 
 
 def _prompt(case: str, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + sorted(CASES).index(case))
-    ids = torch.randint(1, _BASE["vocab_size"], (2, N_PROMPT), generator=gen)
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :N_PAD] = 0
-        ids[1, :N_PAD] = 0
-    return ids, mask
+    return two_row_prompt(100 + sorted(CASES).index(case), _BASE["vocab_size"], N_PROMPT,
+                          pad=N_PAD if padded else 0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -97,7 +91,7 @@ def test_prefill_logits_within_budget(case):
     ids, _ = _prompt(case, padded=False)
     with torch.no_grad():
         ours, base, truth = model(ids).logits, hf(ids).logits, ref(ids).logits
-    _budget(ours, truth, base, what=f"{case} prefill logits")
+    within_budget(ours, truth, base, what=f"{case} prefill logits")
     assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
 
 
@@ -118,18 +112,12 @@ def test_replaced_config_builds_the_same_model(case):
     assert any(not p.is_contiguous() for p in other.parameters())
     ids, _ = _prompt(case, padded=False)
     with torch.no_grad():
-        _budget(other(ids).logits, ref(ids).logits, hf(ids).logits, what=f"{case} input-major prefill logits")
+        within_budget(other(ids).logits, ref(ids).logits, hf(ids).logits, what=f"{case} input-major prefill logits")
         cache = KVCache(other.cache_specs())
         other(ids[:, :-1], cache=cache)
         step = other(ids[:, -1:], cache=cache).logits[:, -1]
-        _budget(step, ref(ids).logits[:, -1], hf(ids).logits[:, -1], what=f"{case} input-major decode step")
+        within_budget(step, ref(ids).logits[:, -1], hf(ids).logits[:, -1], what=f"{case} input-major decode step")
     assert _family(hf.config.to_dict()).decoder_config(hf.config.to_dict()) == model.config
-
-
-def _budget(ours, truth, base, what):
-    # A NaN or inf anywhere would make both errors infinite and the budget pass vacuously.
-    assert torch.isfinite(truth).all() and torch.isfinite(base).all(), f"{what}: non-finite reference or baseline"
-    return assert_within_budget(ours, truth, base, what=what)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -144,7 +132,7 @@ def test_left_padded_prefill_within_budget(case):
         ours = model(ids, positions=pos).logits
         base = hf(ids, attention_mask=mask, position_ids=pos.clamp_min(0)).logits
         truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    b = _budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+    b = within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
     # HF float32 on the padded batch must differ from the unpadded float64 rows by rounding only: a baseline
     # that let padding leak in would set an allowance large enough to hide the same leak in qkv.
     assert 0 < b.baseline_error < 1e-3 * max(1.0, float(truth.abs().max())), f"implausible baseline: {b}"

@@ -15,13 +15,12 @@ import copy
 import pytest
 import torch
 
-from _hf import hf_causal_lm
+from _hf import hf_causal_lm, two_row_prompt, within_budget
 from qkv import attention
 from qkv.backends.gather import split_selection
 from qkv.cache import KVCache, Paged, Static
 from qkv.models import CheckpointError, from_hf, verify_cache
 from qkv.models.generate import generate, prompt_positions
-from qkv.testing import assert_within_budget
 
 N_PROMPT, N_PAD, N_NEW = 14, 4, 8
 _BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
@@ -56,18 +55,8 @@ def _models(case: str):
 
 
 def _prompt(case: str, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + sorted(CASES).index(case))
-    ids = torch.randint(1, _BASE["vocab_size"], (2, N_PROMPT), generator=gen)
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :N_PAD] = 0
-        ids[1, :N_PAD] = 0
-    return ids, mask
-
-
-def _budget(ours, truth, base, what):
-    assert torch.isfinite(truth).all() and torch.isfinite(base).all(), f"{what}: non-finite reference or baseline"
-    return assert_within_budget(ours, truth, base, what=what)
+    return two_row_prompt(100 + sorted(CASES).index(case), _BASE["vocab_size"], N_PROMPT,
+                          pad=N_PAD if padded else 0)
 
 
 def _hf_selections(ref, ids) -> list[torch.Tensor]:
@@ -138,11 +127,11 @@ def test_prefill_and_decode_step_within_budget(case):
     ids, _ = _prompt(case, padded=False)
     with torch.no_grad():
         truth, base = ref(ids).logits, hf(ids).logits
-        _budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
+        within_budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
         cache = KVCache(model.cache_specs())
         model(ids[:, :-1], cache=cache)
         step = model(ids[:, -1:], cache=cache).logits[:, -1]
-        _budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
+        within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
     assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
 
 
@@ -158,7 +147,7 @@ def test_gradients_within_budget(case):
     theirs, base, ours = (dict(m.named_parameters()) for m in (ref, hf, model))
     for name in ("layers.0.self_attn.kv_b_proj.weight", "layers.1.self_attn.q_a_proj.weight",
                  "layers.1.self_attn.kv_a_proj_with_mqa.weight", "embed_tokens.weight"):
-        _budget(ours[name].grad, theirs["model." + name].grad, base["model." + name].grad, what=f"{case} d{name}")
+        within_budget(ours[name].grad, theirs["model." + name].grad, base["model." + name].grad, what=f"{case} d{name}")
     assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
 
 
@@ -173,7 +162,7 @@ def test_left_padded_prefill_within_budget(case):
         ours = model(ids, positions=pos).logits
         base = hf(ids, attention_mask=mask, position_ids=pos.clamp_min(0)).logits
         truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    _budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+    within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -24,11 +24,10 @@ import copy
 import pytest
 import torch
 
-from _hf import hf_causal_lm
+from _hf import hf_causal_lm, two_row_prompt, within_budget
 from qkv.cache import KVCache
 from qkv.models import from_hf
 from qkv.models.generate import generate, prompt_positions
-from qkv.testing import assert_within_budget
 
 N_PROMPT, N_PAD, N_NEW = 14, 4, 8
 _BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
@@ -73,18 +72,8 @@ def _models(case: str):
 
 
 def _prompt(case: str, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + sorted(CASES).index(case))
-    ids = torch.randint(3, _BASE["vocab_size"], (2, N_PROMPT), generator=gen)
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :N_PAD] = 0
-        ids[1, :N_PAD] = 0
-    return ids, mask
-
-
-def _budget(ours, truth, base, what):
-    assert torch.isfinite(truth).all() and torch.isfinite(base).all(), f"{what}: non-finite reference or baseline"
-    return assert_within_budget(ours, truth, base, what=what)
+    return two_row_prompt(100 + sorted(CASES).index(case), _BASE["vocab_size"], N_PROMPT,
+                          pad=N_PAD if padded else 0, low=3)
 
 
 def test_layers_are_what_the_config_says():
@@ -106,11 +95,11 @@ def test_prefill_and_decode_step_within_budget(case):
     ids, _ = _prompt(case, padded=False)
     with torch.no_grad():
         truth, base = ref(ids).logits, hf(ids).logits
-        _budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
+        within_budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
         cache = KVCache(model.cache_specs())
         model(ids[:, :-1], cache=cache)
         step = model(ids[:, -1:], cache=cache).logits[:, -1]
-        _budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
+        within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
         double = copy.deepcopy(model).double()(ids).logits
     torch.testing.assert_close(double, truth, rtol=1e-5, atol=1e-5)  # HF's float32 KDA bounds the agreement
     assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
@@ -126,7 +115,7 @@ def test_left_padded_prefill_within_budget(case):
         ours = model(ids, positions=prompt_positions(mask)).logits
         base = hf(ids, attention_mask=mask).logits
         truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    _budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+    within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -157,7 +146,7 @@ def test_hf_route_gives_eager_logits(case):
         ours = cand(ids, attention_mask=mask).logits
         base = hf(ids, attention_mask=mask).logits
         truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    _budget(ours[real], truth, base[real], what=f"{case} attn_implementation='qkv' logits")
+    within_budget(ours[real], truth, base[real], what=f"{case} attn_implementation='qkv' logits")
 
 
 @pytest.mark.parametrize("storage", ["dynamic", "static", "paged"])
