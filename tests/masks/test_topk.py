@@ -115,3 +115,23 @@ def test_lists_that_do_not_fit_the_call_are_refused():
         qkv.attention(q, k, v, mask=M.topk(torch.zeros(1, 1, 3, 1, dtype=torch.int64)))
     with pytest.raises(ValueError, match="3 heads"):
         qkv.attention(q, k, v, mask=M.topk(torch.zeros(1, 3, 4, 1, dtype=torch.int64)))
+
+
+def test_long_lists_are_read_as_bitmaps_equal_to_the_comparison_and_small_at_long_context():
+    """Lists longer than the unrolled length are read through one bitmap per row when that is smaller than
+    comparing every asked key with every listed one: the same answer as the comparison (dense keys, and keys
+    asked per row as the gather backend asks them), and 64 rows of 2,048 listed keys over 32K keys cost a
+    (64, 32K) bitmap, not a (64, 32K, 2048) comparison (17 GB)."""
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(-1, 70, (2, 3, 9, 80), generator=g)
+    m = qkv.masks.topk(idx)
+    b, h = torch.arange(2).view(-1, 1, 1, 1), torch.arange(3).view(1, -1, 1, 1)
+    q = torch.arange(9).view(1, 1, -1, 1)
+    rows = idx[b, h, q]
+    for kv in (torch.arange(70).view(1, 1, 1, -1), torch.randint(0, 70, (2, 3, 9, 5), generator=g)):
+        assert torch.equal(m.allowed(b, h, q, kv, 9, 70), (rows == kv.unsqueeze(-1)).any(-1))
+    assert torch.equal(m.allowed(b, h, q, torch.arange(70).view(1, 1, 1, -1), 9, 70), m.dense(2, 3, 9, 70))
+    big = qkv.masks.topk(torch.randint(0, 32768, (1, 1, 64, 2048), generator=g))
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    hit = big.allowed(zero, zero, torch.arange(64).view(1, 1, -1, 1), torch.arange(32768).view(1, 1, 1, -1), 64, 32768)
+    assert hit.shape == (1, 1, 64, 32768) and int(hit.sum(-1).max()) <= 2048

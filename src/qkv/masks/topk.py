@@ -77,6 +77,15 @@ class TopK(Mask):
         bb, qq = row_index(idx, b), q_idx.clamp(0, idx.shape[2] - 1)
         if not 0 < idx.shape[-1] <= UNROLL:
             rows = idx[bb, hh, qq]  # broadcast of (b, h, q) + (K,)
+            shape = torch.broadcast_shapes(rows.shape[:-1], kv_idx.shape)
+            if rows[..., 0].numel() * (nk + 1) <= math.prod(shape) * rows.shape[-1]:
+                # each row's keys as a bitmap over the nk keys (one spill column for -1), read at kv_idx: memory
+                # O(rows * nk) instead of O(rows * keys asked * K)
+                cols = torch.where(rows < 0, torch.full_like(rows, nk), rows)
+                bits = torch.zeros(*rows.shape[:-1], nk + 1, dtype=torch.bool, device=rows.device)
+                bits.scatter_(-1, cols, True)
+                at = kv_idx.clamp(0, nk).expand(shape).unsqueeze(-1)
+                return torch.gather(bits.expand(*shape, nk + 1), -1, at).squeeze(-1)
             return (rows == kv_idx.unsqueeze(-1)).any(-1)
         # Short lists: one comparison per entry, no reduction, so a compiled (Flex) mask_mod stays pointwise.
         hit = idx[bb, hh, qq, 0] == kv_idx
