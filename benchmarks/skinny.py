@@ -1,5 +1,5 @@
 """The products of a decode step, every CPU path on the same weights in one run, weights cold: the table the
-product rule (``qkv.cpu.rule``) follows and ``tests/test_cpu_rule.py`` checks it against.
+product rule (``qkv.cpu.rule``) follows and ``tests/cpu/test_rule.py`` checks it against.
 
 A decode step multiplies one row per sequence by every weight, so it must read every weight from memory once:
 the floor is the weight's bytes over the memory read rate (``read_GB_s``: the best of 7 sums over a 256 MB
@@ -18,17 +18,20 @@ per repeat: ``a/b`` is path a's time over path b's (above 1: b is faster), repor
 over the repeats, for every pair of paths on one layout. ``rule`` (``rule_input_major``) is the path the
 rule takes for the standard (input-major) weight, ``rule_no_onednn`` its fallback without oneDNN, and
 ``fastest`` the path with the lowest median. ``max_abs_diff`` compares every path with ``F.linear`` in
-float64. ``tests/test_cpu_rule.py`` refuses a rule that takes a path another measured path beat in every
+float64. ``tests/cpu/test_rule.py`` refuses a rule that takes a path another measured path beat in every
 repeat.
 
 Timed alone with the caches flushed, a small weight's product also pays for Python and torch state that
 the flush evicted. ``decode_step`` settles the rule in place: one-token steps of a 4-layer, width-512
 Llama-shaped ``qkv.nn.DecoderLM`` (vocabulary 32000) given ``qkv.cpu.optimize`` as it is (``rule``), with
-row blocks on the narrow weights as well (``narrow_row_blocks``, the rule before this table), and without
-oneDNN (``no_onednn``), paired repeats of 32 steps each at 1, 4 and 8 rows.
+``F.linear`` instead of row blocks on the narrow weights (``narrow_no_row_blocks``), without oneDNN
+(``no_onednn``), and with oneDNN on the narrow weights from one row later or earlier than the rule
+(``onednn_later``, ``onednn_earlier``), paired repeats of 32 steps each at 1, 2, 3, 4 and 8 rows. The narrow
+class is settled here (``qkv.cpu.rule.DECIDED_IN_PLACE``). ``--fit JSON`` prints the row bands a product table
+supports, the ones ``qkv.cpu.rule.TABLE`` follows.
 
 Published configuration (the defaults): torch's default thread count, then 1 thread; wall clock; 7 paired
-repeats. Expected time on a quiet 2-core machine: about 4 minutes.
+repeats. Expected time on a quiet 2-core machine: about 6 minutes.
 
 Usage: ``python benchmarks/skinny.py [--quick] [--repeat R] [--threads T1,T2]``
 """
@@ -123,10 +126,73 @@ def _product_table(shapes, rows_list: list[int], threads_list: list[int], repeat
                       f"({', '.join(f'{c} {v * 1e6:.0f} us' for c, v in med.items())})")
     suite.note("a/b > 1: path b is faster than path a (per paired repeat: the median, lowest and highest). rule: the "
                "path qkv.cpu.rule.choose takes (oneDNN where it runs); rule_no_onednn: its fallback without "
-               "oneDNN; fastest: the lowest median. tests/test_cpu_rule.py checks that no rule decision takes a "
+               "oneDNN; fastest: the lowest median. tests/cpu/test_rule.py checks that no rule decision takes a "
                "path another path beat in every repeat; where it fails after a new run, change "
                "qkv.cpu.rule.TABLE to follow the table.")
     suite.finish()
+
+
+DECISIONS = {"standard_onednn": ("linear", "row_blocks", "onednn"), "standard": ("linear", "row_blocks"),
+             "input_major_onednn": ("linear", "columns", "onednn"), "input_major": ("linear", "columns")}
+
+
+def _pair_ratio(row: dict, a: str, b: str) -> dict | None:
+    """time_a / time_b per repeat ({min, median, max}) from a table row, whichever order it stores."""
+    if isinstance(row.get(f"{a}/{b}"), dict):
+        return row[f"{a}/{b}"]
+    r = row.get(f"{b}/{a}")
+    return {"min": 1 / r["max"], "median": 1 / r["median"], "max": 1 / r["min"]} if isinstance(r, dict) else None
+
+
+def allowed(row: dict, contenders: tuple[str, ...]) -> list[str]:
+    """The contenders no other contender beat in every repeat of this cell."""
+    ok = []
+    for p in contenders:
+        if f"{p}_us" not in row:
+            continue
+        beaten = [o for o in contenders if o != p and (r := _pair_ratio(row, p, o)) is not None and r["min"] > 1]
+        if not beaten:
+            ok.append(p)
+    return ok
+
+
+def fit(payload: dict) -> dict:
+    """Row bands per (thread class, shape class) that follow a skinny table: for each measured row count and
+    decision (:data:`DECISIONS`), the path every shape of the class allows, the cheapest by the mean log time
+    over the fastest where several do and the previous row count's path is not among them (a conflict, listed,
+    where none does: the path losing least); then equal neighbouring row counts merged.
+
+    Returns {(threads, class): [(up_to, {decision: path}), ...], "conflicts": [...]}."""
+    import math
+
+    cells: dict = {}
+    for row in payload["rows"]:
+        key = (rule.thread_class(row["threads"]), rule.shape_class(row["N"], row["K"]))
+        cells.setdefault(key, {}).setdefault(row["rows"], []).append(row)
+    out: dict = {"conflicts": []}
+    for key, per_rows in sorted(cells.items()):
+        bands: list = []
+        for rows in sorted(per_rows):
+            pick = {}
+            for decision, contenders in DECISIONS.items():
+                group = per_rows[rows]
+                present = [c for c in contenders if all(f"{c}_us" in r for r in group)]
+                if not present:
+                    continue
+
+                def cost(p):
+                    return sum(math.log(r[f"{p}_us"] / min(r[f"{c}_us"] for c in present)) for r in group)
+                common = [p for p in present if all(p in allowed(r, tuple(present)) for r in group)]
+                if not common:
+                    out["conflicts"].append(f"{key} rows={rows} {decision}: no path allowed for every shape")
+                before = bands[-1][1].get(decision) if bands else None
+                pick[decision] = before if before in common else min(common or present, key=cost)
+            if bands and bands[-1][1] == pick:
+                bands[-1] = (rows, pick)
+            else:
+                bands.append((rows, pick))
+        out[key] = bands
+    return out
 
 
 def _decode_step(threads_list: list[int], repeat: int, quick: bool) -> None:
@@ -143,11 +209,22 @@ def _decode_step(threads_list: list[int], repeat: int, quick: bool) -> None:
     torch.manual_seed(0)
     plain = DecoderLM(config).eval()
     models = {"rule": optimize(copy.deepcopy(plain)), "no_onednn": optimize(copy.deepcopy(plain), onednn=False)}
-    models["narrow_row_blocks"] = models["rule"]
-    narrow = dict(rule.TABLE)
-    for t in (1, 2):
-        wide = rule.TABLE[t, "short"]
-        narrow[t, "narrow"] = narrow[t, "narrow"]._replace(row_blocks_up_to=wide.row_blocks_up_to)
+    # the narrow bands are settled on whole steps: the rule against oneDNN one row later / earlier on the narrow
+    # weights, no row blocks on them (cold single products favour F.linear there), and no oneDNN at all
+    blocks = {t: max([b.up_to for b in rule.TABLE[t, "narrow"] if b.standard_no_onednn == "row_blocks"], default=0)
+              for t in (1, 2)}
+    first_dnn = {t: 1 + max([b.up_to for b in rule.TABLE[t, "narrow"] if b.standard != "onednn"], default=0)
+                 for t in (1, 2)}
+    assert all(rule.TABLE[t, "narrow"] == rule.switches(blocks[t], first_dnn[t]) for t in (1, 2)), "narrow bands"
+
+    def narrow_table(row_blocks_up_to, onednn_from):
+        return {**rule.TABLE, **{(t, "narrow"): rule.switches(row_blocks_up_to(t), onednn_from(t)) for t in (1, 2)}}
+    tables = {"rule": rule.TABLE, "no_onednn": rule.TABLE,
+              "narrow_no_row_blocks": narrow_table(lambda t: 0, lambda t: first_dnn[t]),
+              "onednn_later": narrow_table(lambda t: blocks[t], lambda t: first_dnn[t] + 1),
+              "onednn_earlier": narrow_table(lambda t: blocks[t], lambda t: max(1, first_dnn[t] - 1))}
+    for name in tables:
+        models.setdefault(name, models["rule"])
     steps, prompt = (8, 8) if quick else (32, 64)
     suite = Suite("skinny_decode", "decode steps of an optimized model: the rule against two alternatives",
                   model=f"Llama-shaped DecoderLM, 4 layers, width {width}, vocabulary {vocab}", steps=steps,
@@ -155,12 +232,12 @@ def _decode_step(threads_list: list[int], repeat: int, quick: bool) -> None:
     table = rule.TABLE
     for threads in threads_list:
         torch.set_num_threads(threads)
-        for B in (1, 4, 8):
+        for B in (1, 2, 3, 4, 8):
             ids = torch.randint(0, vocab, (B, prompt))
 
             def run(name):
                 def go():
-                    rule.TABLE = narrow if name == "narrow_row_blocks" else table
+                    rule.TABLE = tables[name]
                     try:
                         model = models[name]
                         cache = KVCache(model.cache_specs(), storage=Static(prompt + steps))
@@ -183,13 +260,16 @@ def _decode_step(threads_list: list[int], repeat: int, quick: bool) -> None:
                         t[name].append(run(name)())
             suite.add({"B": B, "threads": threads}, {
                 **{f"{name}_us": statistics.median(v) * 1e6 for name, v in t.items()},
-                "narrow_row_blocks/rule": ratio(t["narrow_row_blocks"], t["rule"]),
-                "no_onednn/rule": ratio(t["no_onednn"], t["rule"])})
-            print(f"  decode step B={B} threads={threads}: narrow_row_blocks/rule "
-                  f"{suite.rows[-1]['narrow_row_blocks/rule']['median']:.2f}, no_onednn/rule "
-                  f"{suite.rows[-1]['no_onednn/rule']['median']:.2f}")
-    suite.note("x/rule > 1: the step is faster under the rule than under x. narrow_row_blocks: row blocks on the "
-               "narrow weights too (QKV, output and down projections here); no_onednn: optimize(onednn=False).")
+                "narrow_no_row_blocks/rule": ratio(t["narrow_no_row_blocks"], t["rule"]),
+                "no_onednn/rule": ratio(t["no_onednn"], t["rule"]),
+                "onednn_later/rule": ratio(t["onednn_later"], t["rule"]),
+                "onednn_earlier/rule": ratio(t["onednn_earlier"], t["rule"])})
+            print(f"  decode step B={B} threads={threads}: " + ", ".join(
+                f"{k} {v['median']:.2f}" for k, v in suite.rows[-1].items() if k.endswith("/rule")))
+    suite.note("x/rule > 1: the step is faster under the rule than under x. narrow_no_row_blocks: F.linear instead "
+               "of row blocks on the narrow weights (QKV, output and down projections here); no_onednn: "
+               "optimize(onednn=False); onednn_later / onednn_earlier: oneDNN from one row later / earlier than "
+               "the rule on the narrow weights.")
     suite.finish()
 
 
@@ -198,7 +278,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="two small shapes, 4 row counts, 3 repeats (a smoke run)")
     p.add_argument("--repeat", type=int, default=None, help="paired repeats per case (default 7; 3 with --quick)")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: torch's own, then 1)")
+    p.add_argument("--fit", metavar="JSON", default=None,
+                   help="print the row bands a skinny.json supports (qkv.cpu.rule.TABLE follows them) and exit")
     args = p.parse_args(argv)
+    if args.fit:
+        import json
+
+        fitted = fit(json.loads(Path(args.fit).read_text()))
+        for key, bands in fitted.items():
+            if key != "conflicts":
+                text = ", ".join(f"_b({up_to}, " + ", ".join(map(repr, pick.values())) + ")" for up_to, pick in bands)
+                print(f"    {key!r}: ({text}{',' if len(bands) == 1 else ''}),".replace("'", '"'))
+        print("conflicts:", *fitted["conflicts"], sep="\n  ")
+        return
     repeat = args.repeat or (3 if args.quick else 7)
     default_threads = torch.get_num_threads()
     threads_list = ([int(t) for t in args.threads.split(",")] if args.threads

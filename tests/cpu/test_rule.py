@@ -2,11 +2,12 @@
 
 Margin rule: in every measured cell (threads, weight shape, rows), the path the rule takes is refused when
 another measured path for the same weight layout was faster in every paired repeat (the table stores each
-pair's ratio per repeat as median, min and max). Both of the rule's decisions are judged: with oneDNN (where
-the cell measures it) and without (the fallback of a torch build without it, and of ``skinny_linear``). A
-cell whose chosen path it did not measure is unjudged: allowed only for oneDNN in a table written before
-``benchmarks/skinny.py`` measured it. ``F.linear`` is timed on the standard weight and stands for it in both
-layouts."""
+pair's ratio per repeat as median, min and max), except where every path lost that way in some shape of the
+rule's class at that row count (no class-wide rule can follow those cells). Both of the rule's decisions are
+judged: with oneDNN (where the cell measures it) and without (the fallback of a torch build without it, and
+of ``skinny_linear``). A cell whose chosen path it did not measure is unjudged: allowed only for oneDNN in a
+table written before ``benchmarks/skinny.py`` measured it. ``F.linear`` is timed on the standard weight and
+stands for it in both layouts. The narrow class is judged on whole decode steps instead (``skinny_decode.json``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from qkv.cpu import rule
-from qkv.cpu.rule import PATHS, TABLE, Paths, choose, shape_class
+from qkv.cpu.rule import MEASURED_ROWS, PATHS, TABLE, Band, choose, shape_class, switches
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "benchmarks" / "results" / "skinny.json"
@@ -48,9 +49,28 @@ def _beaten(pairs: dict, path: str, other: str) -> dict | None:
     return None
 
 
+def _no_common_path(payload: dict) -> set[tuple]:
+    """(thread class, shape class, rows, layout, onednn) where no contender escaped defeat in every shape of the
+    class: no class-wide rule can follow those cells, so there the rule is free (the fitter takes the path
+    losing least)."""
+    free: dict[tuple, set | None] = {}
+    for row in payload["rows"]:
+        pairs = _pairs(row)
+        measured = {p for pair in pairs for p in pair}
+        for layout, contenders in (("standard", STANDARD), ("input_major", INPUT_MAJOR)):
+            for with_onednn in ((True, False) if "onednn" in measured else (False,)):
+                cands = [c for c in contenders if c in measured and (with_onednn or c != "onednn")]
+                ok = {c for c in cands if not any(_beaten(pairs, c, o) for o in cands if o != c)}
+                key = (rule.thread_class(row["threads"]), shape_class(row["N"], row["K"]), row["rows"], layout,
+                       with_onednn)
+                free[key] = ok if free.get(key) is None else free[key] & ok
+    return {key for key, ok in free.items() if not ok}
+
+
 def disagreements(payload: dict) -> tuple[list[str], list[str], int]:
     """(refused decisions, unjudged decisions, judged decisions) of the rule on a skinny.json payload."""
     refused, unjudged, judged = [], [], 0
+    conflicts = _no_common_path(payload)
     for row in payload["rows"]:
         pairs = _pairs(row)
         measured = {p for pair in pairs for p in pair}
@@ -65,8 +85,10 @@ def disagreements(payload: dict) -> tuple[list[str], list[str], int]:
                         unjudged.append(where)
                     continue
                 judged += 1
-                if path == "row_blocks" and (rule.thread_class(threads), shape_class(n, k)) in rule.DECIDED_IN_PLACE:
+                if (rule.thread_class(threads), shape_class(n, k)) in rule.DECIDED_IN_PLACE:
                     continue  # judged on whole decode steps (test_rule_holds_in_place_on_whole_decode_steps)
+                if (rule.thread_class(threads), shape_class(n, k), rows, layout, with_onednn) in conflicts:
+                    continue
                 for other in others:
                     r = _beaten(pairs, path, other)
                     if r is not None:
@@ -109,32 +131,53 @@ def test_rule_holds_in_place_on_whole_decode_steps():
 
 
 def test_the_checker_refuses_a_rule_its_own_table_contradicts():
-    """Row blocks for every weight of 512+ outputs (the rule before this table) is refused on the committed
-    table, at the 512 x 1376 cells where F.linear won every repeat."""
+    """F.linear for every short weight (no row blocks, no oneDNN) is refused on the committed table, at the
+    LM-head and gate/up cells where row blocks or oneDNN won every repeat."""
     payload = json.loads(COMMITTED.read_text())
     old = dict(TABLE)
-    old[2, "narrow"] = Paths(row_blocks_up_to=8, columns_up_to=32, onednn_from=8)
+    for t in (1, 2):
+        old[t, "short"] = switches(row_blocks_up_to=0, onednn_from=MEASURED_ROWS + 1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rule, "TABLE", old)
-        mp.setattr(rule, "DECIDED_IN_PLACE", frozenset())  # judged on the cells alone, as that rule was
         refused, _, _ = disagreements(payload)
-    assert refused and all("N=512 K=1376" in r for r in refused), refused
-    assert any("rows=1 threads=2 standard" in r and "row_blocks" in r for r in refused), refused
+    assert refused and all(("N=32000 K=512" in r or "N=2752 K=512" in r) and ": linear, but" in r for r in refused), \
+        refused
+    assert any("rows=1 threads=2 standard" in r and "row_blocks was faster" in r for r in refused), refused
+    assert any("rows=8 threads=1 standard onednn=True" in r and "onednn was faster" in r for r in refused), refused
+
+
+def test_switches_and_bands():
+    bands = switches(2, 3)
+    assert [tuple(b) for b in bands] == [(2, "row_blocks", "row_blocks", "linear", "linear"),
+                                         (MEASURED_ROWS, "onednn", "linear", "onednn", "linear")]
+    assert switches(0, 1) == (Band(MEASURED_ROWS, "onednn", "linear", "onednn", "linear"),)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rule, "TABLE", {**TABLE, (1, "narrow"): bands})
+        assert [choose(r, 512, 512, threads=1) for r in (1, 2, 3, 32, 33, 4096)] == \
+            ["row_blocks", "row_blocks", "onednn", "onednn", "onednn", "onednn"]
+        assert [choose(r, 512, 512, threads=1, onednn=False) for r in (1, 2, 3, 33)] == \
+            ["row_blocks", "row_blocks", "linear", "linear"]
+        assert choose(5, 512, 512, threads=1, input_major=True, onednn=False) == "linear"
 
 
 def test_table_covers_every_key_and_is_ordered():
-    assert set(TABLE) == {(t, c) for t in (1, 2) for c in ("narrow", "short", "long")}
-    for key, paths in TABLE.items():
-        assert all(isinstance(v, int) and v >= 0 for v in paths), f"{key}: {paths}"
-        assert paths.row_blocks_up_to <= 32 and paths.columns_up_to <= 32, f"{key}: blocks beyond measured rows"
+    assert set(TABLE) == {(t, c) for t in (1, 2) for c in ("narrow", "short", "wide", "long")}
+    for key, bands in TABLE.items():
+        ups = [b.up_to for b in bands]
+        assert ups == sorted(set(ups)) and ups[-1] == MEASURED_ROWS, f"{key}: bands {ups}"
+        for b in bands:
+            assert b.standard in ("onednn", "row_blocks", "linear") and b.standard_no_onednn in ("row_blocks", "linear")
+            assert b.input_major in ("onednn", "columns", "linear") and b.input_major_no_onednn in ("columns", "linear")
     for rows in (0, 1, 3, 8, 9, 32, 33, 4096):
         for threads in (1, 2, 16):
-            for n, k in ((256, 256), (512, 1376), (32000, 512), (4096, 11008)):
+            for n, k in ((256, 256), (512, 1376), (32000, 512), (4096, 11008), (11008, 4096)):
                 for input_major in (False, True):
                     for onednn in (False, True):
                         path = choose(rows, n, k, threads=threads, input_major=input_major, onednn=onednn)
                         assert path in PATHS
                         assert onednn or path != "onednn"
                         assert path != ("row_blocks" if input_major else "columns")
+                        assert rows <= MEASURED_ROWS or path in ("onednn", "linear")
     assert choose(0, 32000, 512, threads=2) == "linear"
-    assert [shape_class(1023, 64), shape_class(1024, 1024), shape_class(1024, 1025)] == ["narrow", "short", "long"]
+    assert [shape_class(1023, 64), shape_class(1024, 1024), shape_class(1024, 1025), shape_class(2050, 1025)] == \
+        ["narrow", "short", "long", "wide"]

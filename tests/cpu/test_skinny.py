@@ -62,17 +62,18 @@ def test_row_blocks_match_linear(threads, dtype, rows, K):
 def test_blocking_rules():
     """The block counts the product rule (qkv.cpu.rule.TABLE) implies, without oneDNN."""
     assert row_blocks(1, 32000, 512, threads=1) == 4  # one thread: short rows still blocked
-    assert row_blocks(1, 32000, 4096, threads=1) == 1  # ... long rows read faster through F.linear
+    assert row_blocks(1, 32000, 4096, threads=1) == 1  # ... wide rows read faster through F.linear
     assert row_blocks(4, 32000, 4096, threads=2) == 4  # at least ROW_BLOCKS blocks
     assert row_blocks(1, 32000, 512, threads=16) == 16  # ... and one per thread
-    assert row_blocks(8, 32000, 512, threads=2) == 4  # up to 8 rows with several threads
-    assert row_blocks(9, 32000, 512, threads=2) == 1  # more rows: F.linear
-    assert row_blocks(5, 32000, 512, threads=1) == 1  # one thread: up to 4 rows
-    assert row_blocks(1, 256, 512, threads=1) == 1  # narrow weights, one thread: F.linear
+    assert row_blocks(32, 32000, 512, threads=2) == 4  # up to 32 rows with several threads
+    assert row_blocks(33, 32000, 512, threads=2) == 1  # more rows: F.linear
+    assert row_blocks(9, 32000, 512, threads=1) == 1  # one thread: up to 8 rows
+    assert row_blocks(2, 256, 512, threads=1) == 4  # narrow weights, one thread, 1-2 rows: whole decode steps
+    assert row_blocks(3, 256, 512, threads=1) == 1  # ... more rows: F.linear
     assert row_blocks(2, 512, 1376, threads=2) == 4  # narrow, 2 threads, 1-4 rows: decided on whole decode steps
     assert row_blocks(5, 512, 1376, threads=2) == 1  # ... 5 rows and more: F.linear
-    assert column_blocks(8, 32000, 512, threads=1) == 1  # input-major, one thread: plain GEMM
-    assert column_blocks(8, 32000, 512, threads=2) == 125  # ~256 outputs per block
+    assert column_blocks(8, 32000, 512, threads=1) == 125  # input-major, one thread: ~256 outputs per block
+    assert column_blocks(8, 32000, 512, threads=2) == 125
     assert column_blocks(1, 32000, 512, threads=2) == 16  # one row: ~2048 per block
     assert column_blocks(1, 1100, 512, threads=2) == 2  # at least one block per thread
     assert column_blocks(33, 32000, 512, threads=2) == 1  # many rows: BLAS parallelizes itself
@@ -88,7 +89,7 @@ def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch):
         skinny_linear(x, weight)
         assert calls, f"expected the blocked GEMM for {x.shape[0]} rows and 2 threads"
         calls.clear()
-    skinny_linear(torch.randn(9, 32), w)  # standard layout, more rows than ROW_BLOCK_ROWS
+    skinny_linear(torch.randn(33, 32), w)  # standard layout, more rows than the bands cover
     skinny_linear(torch.randn(64, 32), input_major(w))  # many rows
     skinny_linear(torch.randn(1, 32), w[:, ::2].repeat(1, 2))  # a contiguous copy: blocked (the one call below)
     skinny_linear(torch.randn(1, 16), w[:, ::2])  # a strided view, neither layout: F.linear

@@ -12,21 +12,25 @@ Four paths compute the same ``F.linear(x, weight)`` (float32; float64 for the bl
 - ``"linear"``: ``F.linear`` (MKL).
 
 :data:`TABLE` decides, keyed by thread count (1, or 2 meaning two or more) and shape class
-(:func:`shape_class`), in three numbers: row blocks for 1 to ``row_blocks_up_to`` rows, column blocks for 1
-to ``columns_up_to`` rows, oneDNN from ``onednn_from`` rows on. oneDNN goes first where it is allowed; a
-caller without it (no packed copy, a torch build without oneDNN) falls back to the blocks, then to
-``F.linear``. Every number follows ``benchmarks/results/skinny.json`` (``benchmarks/skinny.py`` writes it;
-``tests/test_cpu_rule.py`` reads it and checks every measured cell against :func:`choose`): a path is never
-taken where another measured path was faster in every paired repeat. Where a committed run has not measured
-a path yet, the numbers follow the whole-model runs in ``benchmarks/results/generate.json``, and the test
-checks them once the table measures it.
+(:func:`shape_class`), as row bands (:class:`Band`): for 1 to ``up_to`` rows (after the band before), the
+path for each weight layout with and without oneDNN (a caller without a packed copy, a torch build without
+oneDNN, ``qkv.cpu.optimize(onednn=False)``). Past the last measured band (32 rows) oneDNN where the last band
+takes it, else ``F.linear``.
+
+The bands follow ``benchmarks/results/skinny.json`` (``benchmarks/skinny.py`` writes it; ``python
+benchmarks/skinny.py --fit benchmarks/results/skinny.json`` prints the bands it supports, and
+``tests/cpu/test_rule.py`` checks every measured cell against :func:`choose`): a path is never taken where
+another measured path was faster in every paired repeat. The narrow class is the exception
+(:data:`DECIDED_IN_PLACE`): timed alone with the caches flushed a small weight's product pays for what a
+whole decode step keeps in cache, so its bands follow whole decode steps (``skinny_decode.json``, checked by
+the same test against oneDNN one row earlier and later, no row blocks and no oneDNN).
 
 Example:
     >>> from qkv.cpu.rule import choose, shape_class
-    >>> shape_class(32000, 512), shape_class(512, 1376)
-    ('short', 'narrow')
-    >>> choose(1, 32000, 512, threads=2), choose(1, 512, 1376, threads=1), choose(32, 512, 1376, threads=2)
-    ('row_blocks', 'linear', 'onednn')
+    >>> shape_class(32000, 512), shape_class(512, 1376), shape_class(11008, 4096), shape_class(4096, 11008)
+    ('short', 'narrow', 'wide', 'long')
+    >>> choose(1, 32000, 512, threads=2), choose(8, 512, 1376, threads=1), choose(1, 11008, 4096, threads=1)
+    ('row_blocks', 'onednn', 'linear')
     >>> choose(32, 512, 1376, threads=2, onednn=False)
     'linear'
 """
@@ -38,59 +42,96 @@ from typing import Literal, NamedTuple
 
 import torch
 
-__all__ = ["Paths", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "DECIDED_IN_PLACE", "shape_class",
-           "thread_class", "choose"]
+__all__ = ["Band", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "MEASURED_ROWS", "DECIDED_IN_PLACE",
+           "switches", "shape_class", "thread_class", "choose"]
 
 Path = Literal["row_blocks", "columns", "onednn", "linear"]
 #: The paths :func:`choose` names.
 PATHS: tuple[str, ...] = ("row_blocks", "columns", "onednn", "linear")
 
 NARROW_OUTPUTS = 1024  # fewer outputs than this: "narrow"
-LONG_INPUTS = 1024  # more inputs than this (and not narrow): "long", else "short"
+LONG_INPUTS = 1024  # more inputs than this (and not narrow): "wide" or "long", else "short"
+MEASURED_ROWS = 32  # the bands cover 1 .. this many rows
 
 
-class Paths(NamedTuple):
-    """One row of :data:`TABLE`: the row counts each path takes (0: never)."""
+class Band(NamedTuple):
+    """Rows from the band before's ``up_to`` + 1 to ``up_to``: the path for a standard weight and for an
+    input-major one, where oneDNN can run and where it cannot."""
 
-    row_blocks_up_to: int  # standard weight: row blocks for 1..this many rows
-    columns_up_to: int  # input-major weight: column blocks for 1..this many rows
-    onednn_from: int  # this many rows and more: oneDNN on a packed copy, where the caller has one
+    up_to: int
+    standard: Path  # "onednn", "row_blocks" or "linear"
+    standard_no_onednn: Path  # "row_blocks" or "linear"
+    input_major: Path  # "onednn", "columns" or "linear"
+    input_major_no_onednn: Path  # "columns" or "linear"
 
 
-#: (threads: 1, or 2 for two and more; shape class) -> :class:`Paths`. Measured on a 2-core AMD EPYC, MKL,
-#: weights cold (``benchmarks/results/skinny.json``, 2026-12-03): row blocks beat ``F.linear`` in every
-#: repeat for 1-8 rows of the short and long classes at 2 threads and for 1-4 short rows at one thread, and
-#: lose in every repeat for the narrow class (512 x 1376: 0.66-0.84 at 1, 4, 6 and 8 rows; at 2 threads whole
-#: decode steps overrule those cells for 1-4 rows, see :data:`DECIDED_IN_PLACE`); column blocks
-#: beat it for the wide classes at 2 threads and lose for the narrow one. oneDNN from 8 rows follows
-#: ``generate.json`` (Llama-like decode at batch 8: ``use_onednn`` 1.67x the default's tokens/s at 2
-#: threads, where the default took row blocks, 1.91x at 1 thread, where it took ``F.linear``; batch 4 split
-#: between runs), until ``skinny.json`` measures oneDNN per shape.
-TABLE: MappingProxyType[tuple[int, str], Paths] = MappingProxyType({
-    (1, "narrow"): Paths(row_blocks_up_to=0, columns_up_to=0, onednn_from=8),
-    (1, "short"): Paths(row_blocks_up_to=4, columns_up_to=0, onednn_from=8),
-    (1, "long"): Paths(row_blocks_up_to=0, columns_up_to=0, onednn_from=8),
-    (2, "narrow"): Paths(row_blocks_up_to=4, columns_up_to=0, onednn_from=8),
-    (2, "short"): Paths(row_blocks_up_to=8, columns_up_to=32, onednn_from=8),
-    (2, "long"): Paths(row_blocks_up_to=8, columns_up_to=32, onednn_from=8),
+def switches(row_blocks_up_to: int, onednn_from: int) -> tuple[Band, ...]:
+    """Bands for a class decided by two row counts: row blocks (standard weight) for 1 to
+    ``row_blocks_up_to`` rows, oneDNN from ``onednn_from`` rows on (where it runs), ``F.linear`` otherwise."""
+    bands: list[Band] = []
+    for rows in range(1, MEASURED_ROWS + 1):
+        blocks = "row_blocks" if rows <= row_blocks_up_to else "linear"
+        dnn = rows >= onednn_from
+        band = Band(rows, "onednn" if dnn else blocks, blocks, "onednn" if dnn else "linear", "linear")
+        if bands and bands[-1][1:] == band[1:]:
+            bands[-1] = band
+        else:
+            bands.append(band)
+    return tuple(bands)
+
+
+def _b(up_to: int, standard: Path, standard_no_onednn: Path, input_major: Path, input_major_no_onednn: Path) -> Band:
+    return Band(up_to, standard, standard_no_onednn, input_major, input_major_no_onednn)
+
+
+#: (threads: 1, or 2 for two and more; shape class) -> row bands. The bands of the short, wide and long classes
+#: are those ``python benchmarks/skinny.py --fit benchmarks/results/skinny.json`` prints for the committed run
+#: (2-core AMD EPYC, MKL, weights cold, 2026-12-04: LM head 32000x512, gate/up 2752x512, 4096x4096, 11008x4096,
+#: 4096x11008; 1-32 rows): oneDNN from 2-3 rows for every weight of 1024+ outputs (from one row for the long
+#: class at 2 threads), row blocks for 1-2 rows of the short class. Between the paths without oneDNN, 10-20%
+#: differences flip between runs, so those bands move with each new table. Narrow (QKV 768x512, output
+#: 512x512, down 512x1376): whole decode steps of the width-512 Llama (``skinny_decode.json``), oneDNN from 3
+#: rows (one thread, 4 rows: 1.55x the tokens/s of the table before, which started oneDNN at 8 rows).
+TABLE: MappingProxyType[tuple[int, str], tuple[Band, ...]] = MappingProxyType({
+    (1, "narrow"): switches(row_blocks_up_to=2, onednn_from=3),
+    (1, "short"): (_b(1, "row_blocks", "row_blocks", "columns", "columns"),
+                   _b(2, "row_blocks", "row_blocks", "onednn", "columns"),
+                   _b(8, "onednn", "row_blocks", "onednn", "columns"),
+                   _b(32, "onednn", "linear", "onednn", "columns")),
+    (1, "wide"): (_b(1, "linear", "linear", "linear", "linear"),
+                  _b(2, "onednn", "linear", "onednn", "linear"),
+                  _b(4, "onednn", "row_blocks", "onednn", "columns"),
+                  _b(12, "onednn", "linear", "onednn", "columns"),
+                  _b(32, "onednn", "row_blocks", "onednn", "columns")),
+    (1, "long"): (_b(1, "linear", "linear", "linear", "linear"),
+                  _b(2, "onednn", "linear", "onednn", "linear"),
+                  _b(12, "onednn", "linear", "onednn", "columns"),
+                  _b(16, "onednn", "row_blocks", "onednn", "columns"),
+                  _b(24, "onednn", "linear", "onednn", "columns"),
+                  _b(32, "onednn", "row_blocks", "onednn", "columns")),
+    (2, "narrow"): switches(row_blocks_up_to=4, onednn_from=3),
+    (2, "short"): (_b(1, "row_blocks", "row_blocks", "columns", "columns"),
+                   _b(2, "row_blocks", "row_blocks", "onednn", "columns"),
+                   _b(32, "onednn", "row_blocks", "onednn", "columns")),
+    (2, "wide"): (_b(32, "onednn", "row_blocks", "onednn", "columns"),),
+    (2, "long"): (_b(1, "onednn", "row_blocks", "columns", "columns"),
+                  _b(32, "onednn", "row_blocks", "onednn", "columns")),
 })
 
-
-#: (threads, shape class) whose row-block range is decided by whole decode steps, not by the cells of one weight
-#: read cold: small weights stay in cache between a step's products, which a cold single-product timing cannot
-#: see. At 2 threads, with the narrow weights (QKV, output, down projections of the width-512 Llama of
-#: ``benchmarks/generate.py``) on row blocks instead of ``F.linear``, whole decode steps took 0.74-0.90x the time
-#: at batch 1 and 0.61-0.90x at batch 4 in every one of 5 interleaved repeats (2026-12-03), while cold single
-#: 512 x 1376 products favoured ``F.linear`` (the cells ``skinny.json`` holds).
-DECIDED_IN_PLACE: frozenset[tuple[int, str]] = frozenset({(2, "narrow")})
+#: (threads, shape class) whose bands follow whole decode steps, not the cells of one weight read cold: small
+#: weights stay in cache between a step's products, which a cold single-product timing cannot see (cold,
+#: ``F.linear`` beats oneDNN on 512 x 512 at 4-32 rows; in whole steps oneDNN from 3 rows is faster).
+DECIDED_IN_PLACE: frozenset[tuple[int, str]] = frozenset({(1, "narrow"), (2, "narrow")})
 
 
 def shape_class(n_out: int, k: int) -> str:
-    """``"narrow"`` (fewer than :data:`NARROW_OUTPUTS` outputs), ``"long"`` (more than :data:`LONG_INPUTS`
-    inputs) or ``"short"``."""
+    """``"narrow"`` (fewer than :data:`NARROW_OUTPUTS` outputs), ``"short"`` (at most :data:`LONG_INPUTS`
+    inputs), ``"wide"`` (more inputs, at least twice as many outputs: up projections) or ``"long"``."""
     if n_out < NARROW_OUTPUTS:
         return "narrow"
-    return "long" if k > LONG_INPUTS else "short"
+    if k <= LONG_INPUTS:
+        return "short"
+    return "wide" if n_out >= 2 * k else "long"
 
 
 def thread_class(threads: int | None = None) -> int:
@@ -107,13 +148,15 @@ def choose(rows: int, n_out: int, k: int, *, threads: int | None = None, input_m
         rows: rows of the input (tokens in the step); ``n_out``, ``k``: the weight's outputs and inputs.
         threads: torch's thread count (default: ``torch.get_num_threads()``).
         input_major: the weight is stored input-major (column blocks instead of row blocks).
-        onednn: the caller can run oneDNN on a packed copy; False falls back as the module notes say.
+        onednn: the caller can run oneDNN on a packed copy; False takes the bands' paths without it.
     """
     if rows < 1:
         return "linear"
-    paths = TABLE[thread_class(threads), shape_class(n_out, k)]
-    if onednn and 0 < paths.onednn_from <= rows:
-        return "onednn"
+    bands = TABLE[thread_class(threads), shape_class(n_out, k)]
+    band = next((b for b in bands if rows <= b.up_to), None)
+    if band is None:  # more rows than measured: oneDNN where the last band takes it, else F.linear
+        last = bands[-1]
+        return "onednn" if onednn and "onednn" in (last.standard, last.input_major) else "linear"
     if input_major:
-        return "columns" if rows <= paths.columns_up_to else "linear"
-    return "row_blocks" if rows <= paths.row_blocks_up_to else "linear"
+        return band.input_major if onednn else band.input_major_no_onednn
+    return band.standard if onednn else band.standard_no_onednn

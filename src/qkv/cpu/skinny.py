@@ -42,12 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rule import TABLE, choose
+from .rule import MEASURED_ROWS, choose
 
 __all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear",
            "input_major", "standard_layout_state_dict", "sharing_parameters"]
 
-MAX_ROWS = max(max(p.row_blocks_up_to, p.columns_up_to) for p in TABLE.values())  # more rows: never blocked
+MAX_ROWS = MEASURED_ROWS  # more rows: never blocked
 ROW_BLOCKS = 4  # row blocks: at least this many (and at least one per thread)
 BLOCK_ROWS = 256  # column blocks of ~256 outputs for 2-32 rows,
 BLOCK_ONE_ROW = 2048  # of ~2048 for one row (fewer, longer streams), at least one block per thread
