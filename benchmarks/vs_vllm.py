@@ -20,8 +20,9 @@ Workloads:
   alike, so neither side's per-step instrumentation is trusted.
 - ``stream``: 64 requests with prompt lengths drawn from 16-512 and budgets from 8-128 (seeded), submitted at
   once; throughput = generated tokens / wall time. Both engines schedule them continuously: vLLM's offline
-  engine, and ``qkv.models.Engine`` (8 rows of a paged cache of 16-token blocks, prompts read in chunks of 64
-  tokens, finished rows handing their blocks to waiting requests at once).
+  engine, and ``qkv.models.Engine`` (64 rows of a paged cache of 16-token blocks, as many rows as requests, as
+  vLLM's scheduler admits up to 256; prompts read in chunks of 128 tokens, finished rows handing their blocks to
+  waiting requests at once).
 
 Each row reports the median and range over the paired repeats of qkv's rate over vLLM's, the target judged on the
 slowest repeat, the load average while it ran, and whether the greedy tokens are equal.
@@ -53,6 +54,9 @@ PINS = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.1"]
 UNUSED = ["torchvision", "torchaudio", "torchcodec"]
 RESULT = "@@qkv-vllm-result "  # prefix of the worker's answers on stdout (vLLM logs there too)
 TARGETS = {"fixed": 1.0, "fixed_b1": 1.2, "stream": 1.0}
+# the stream's engine: every request may hold a row at once (vLLM's scheduler admits up to 256 sequences), a pool
+# that holds all of them (64 requests of up to 512 + 128 tokens), prompts read 128 tokens per step
+STREAM_ROWS, STREAM_BLOCKS, STREAM_CHUNK = 64, 2560, 128
 
 
 def install(venv: Path) -> Path:
@@ -189,7 +193,7 @@ def _qkv_stream(model, requests, max_batch: int) -> tuple[float, list[list[int]]
     from qkv.models import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(model, num_blocks=1024, block_size=16, max_batch=max_batch, prefill_chunk=64)
+    engine = Engine(model, num_blocks=STREAM_BLOCKS, block_size=16, max_batch=max_batch, prefill_chunk=STREAM_CHUNK)
     ids = [engine.add(prompt, budget) for prompt, budget in requests]
     results = engine.run()
     seconds = time.perf_counter() - t0
@@ -260,10 +264,10 @@ def run(args) -> None:
                 ratios, loads, same = [], [], True
                 rates = {"vllm": [], "qkv": []}
                 with torch.inference_mode():
-                    _qkv_stream(model, requests[:2], max_batch=8)  # warm-up
+                    _qkv_stream(model, requests[:2], max_batch=STREAM_ROWS)  # warm-up
                     for _ in range(repeat):
                         out = worker.ask({"prompts": prompts, "budgets": budgets})
-                        t_q, q_tokens = _qkv_stream(model, requests, max_batch=8)
+                        t_q, q_tokens = _qkv_stream(model, requests, max_batch=STREAM_ROWS)
                         rates["vllm"].append(n_tokens / out["seconds"])
                         rates["qkv"].append(n_tokens / t_q)
                         ratios.append(out["seconds"] / t_q)
@@ -275,7 +279,8 @@ def run(args) -> None:
                     "ratio": _range(ratios),
                     "target": f"{target(_range(ratios), '>=', TARGETS['stream'])} ({TARGETS['stream']}x)",
                     "load_avg": statistics.median(loads), "same_tokens": same,
-                    "qkv_mode": "qkv.models.Engine(max_batch=8, block_size=16, prefill_chunk=64)",
+                    "qkv_mode": f"qkv.models.Engine(max_batch={STREAM_ROWS}, num_blocks={STREAM_BLOCKS}, "
+                                f"block_size=16, prefill_chunk={STREAM_CHUNK})",
                 })
             finally:
                 worker.close()

@@ -794,8 +794,9 @@ class PagedStore(Store):
         self.seen += n
         tab = step.tables[self.gi]  # (B, nb)
         nb = tab.shape[1]
-        k_all = self.kp[tab].permute(0, 2, 1, 3, 4).reshape(B, H, nb * T, Dk)
-        v_all = self.vp[tab].permute(0, 2, 1, 3, 4).reshape(B, H, nb * T, self.vp.shape[-1])
+        # gathered head-major, (H, B, nb, T, D): the (B, H, nb * T, D) view of it needs no second copy
+        k_all = self.kp.transpose(0, 1)[:, tab].transpose(0, 1).reshape(B, H, nb * T, Dk)
+        v_all = self.vp.transpose(0, 1)[:, tab].transpose(0, 1).reshape(B, H, nb * T, self.vp.shape[-1])
         return k_all, v_all, step.view_pos[self.gi]
 
     def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,

@@ -133,7 +133,7 @@ class Engine:
     request finished, yielding the updates; :meth:`run` does the same and returns the results by id.
     """
 
-    def __init__(self, model, *, num_blocks: int = 1024, block_size: int = 16, max_batch: int = 8,
+    def __init__(self, model, *, num_blocks: int = 1024, block_size: int = 16, max_batch: int = 32,
                  prefill_chunk: int = 64, prefix_caching: bool = False, pad_token_id: int = 0,
                  vocab_size: int | None = None, optimize: bool = True, mixed_steps: bool = False) -> None:
         if not isinstance(model, DecoderModel):
