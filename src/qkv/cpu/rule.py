@@ -152,7 +152,23 @@ def choose(rows: int, n_out: int, k: int, *, threads: int | None = None, input_m
     """
     if rows < 1:
         return "linear"
-    bands = TABLE[thread_class(threads), shape_class(n_out, k)]
+    global _memo_table
+    if _memo_table is not TABLE or len(_memo) > 65536:  # a table swapped in (skinny.py, tests): decide anew
+        _memo.clear()
+        _memo_table = TABLE
+    key = (rows, n_out, k, thread_class(threads), input_major, onednn)
+    path = _memo.get(key)
+    if path is None:
+        path = _memo[key] = _lookup(*key)
+    return path
+
+
+_memo: dict[tuple, Path] = {}  # a decode step asks for every product: the answers for the table in force
+_memo_table = None
+
+
+def _lookup(rows: int, n_out: int, k: int, threads: int, input_major: bool, onednn: bool) -> Path:
+    bands = TABLE[threads, shape_class(n_out, k)]
     band = next((b for b in bands if rows <= b.up_to), None)
     if band is None:  # more rows than measured: oneDNN where the last band takes it, else F.linear
         last = bands[-1]
