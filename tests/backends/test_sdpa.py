@@ -88,3 +88,18 @@ def test_sdpa_declines_with_reasons():
         qkv.attention(x, x, x, score_mod=qkv.mods.softcap(5.0), backend="sdpa")
     with pytest.raises(ValueError, match="dropout"):
         qkv.attention(x, x, x, dropout_p=0.1, backend="sdpa")
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_one_query_gqa_folds_groups_into_rows(mask_kind, monkeypatch):
+    """A decode step under GQA runs as G query rows per KV head (sdpa._decode_grouped) for every mask whose
+    dense form has one or Hq heads (per-head masks included), and equals the reference."""
+    from qkv.backends import sdpa
+
+    calls = []
+    real = sdpa._decode_grouped
+    monkeypatch.setattr(sdpa, "_decode_grouped", lambda *a: calls.append(1) or real(*a))
+    _check(2, 8, 2, 1, 23, 16, 16, torch.float32, mask_kind)
+    slopes = torch.tensor([2.0 ** -i for i in range(1, 9)], dtype=torch.float64)
+    _check(2, 8, 2, 1, 23, 16, 16, torch.float32, mask_kind, score_mod=qkv.mods.alibi(slopes))
+    assert calls or mask_kind in ("causal_top_left",), "the grouped decode path was not taken"
