@@ -375,6 +375,25 @@ def test_get_config_builds_a_small_model_shaped_like_a_preset():
         get_config("llama-9")
 
 
+@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v3"])
+def test_get_config_carries_a_new_width_and_head_count_into_mla(name):
+    """An MLA preset shrunk by get_config overrides builds a model of that width (the latent config follows the
+    overrides; it used to keep the preset's width and fail at the first forward)."""
+    from qkv.nn import DecoderLM, get_config
+    from qkv.spec.latent import LatentConfig
+
+    cfg = get_config(name, num_hidden_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=50,
+                     intermediate_size=64)  # one layer: the dense one (the experts come later)
+    assert (cfg.latent.hidden_size, cfg.latent.num_attention_heads, cfg.num_key_value_heads) == (64, 4, 4)
+    with torch.no_grad():
+        assert DecoderLM(cfg)(torch.randint(0, 50, (1, 5))).logits.shape == (1, 5, 50)
+    wrong = dataclasses.replace(cfg.latent, hidden_size=32)
+    with pytest.raises(ValueError, match=r"latent.hidden_size \(32\) must equal hidden_size \(64\)"):
+        cfg.replace(latent=wrong)
+    assert isinstance(cfg.replace(hidden_size=128).latent, LatentConfig)
+    assert cfg.replace(hidden_size=128).latent.hidden_size == 128
+
+
 def test_get_config_takes_the_presets_context_length():
     from qkv.costs import get_preset
     from qkv.nn import get_config

@@ -416,6 +416,11 @@ class DecoderConfig:
                              f"linear_attention={self.linear_attention!r}")
         if self.latent is not None and SLIDING_ATTENTION in self.layer_types:
             raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
+        if self.latent is not None and getattr(self.latent, "hidden_size", self.hidden_size) != self.hidden_size:
+            raise ValueError(f"DecoderConfig: latent.hidden_size ({self.latent.hidden_size}) must equal hidden_size "
+                             f"({self.hidden_size}): the latent attention (MLA) layers read the residual stream; build "
+                             f"it with LatentConfig(hidden_size={self.hidden_size}, ...) (DecoderConfig.replace and "
+                             f"get_config carry a new hidden_size into the latent themselves)")
         if FULL_ATTENTION not in self.rope:
             raise ValueError(f"DecoderConfig: rope needs a {FULL_ATTENTION!r} entry, got {sorted(self.rope)}")
         object.__setattr__(self, "rope", MappingProxyType(dict(self.rope)))  # given (or defaulted), never derived
@@ -471,6 +476,14 @@ class DecoderConfig:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"DecoderConfig: unknown field {unknown[0]!r}{hint}")
         kept = {n: getattr(self, n) for n in names if n not in self._derived}
+        if self.latent is not None and "latent" not in changes:
+            # the MLA layers' width and heads are the model's: a new width or head count reaches them too
+            carry = {f: changes[f] for f in ("hidden_size", "num_attention_heads") if f in changes}
+            if carry:
+                changes = {**changes, "latent": dataclasses.replace(self.latent, **carry)}
+                if ("num_attention_heads" in carry and "num_key_value_heads" not in changes
+                        and self.num_key_value_heads == self.num_attention_heads):
+                    changes["num_key_value_heads"] = carry["num_attention_heads"]
         return DecoderConfig(**{**kept, **changes})
 
 
