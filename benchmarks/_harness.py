@@ -302,3 +302,35 @@ def _fmt(v: Any) -> str:
             return f"{v:.3f}"
         return f"{v:.3g}"
     return str(v)
+
+
+PRODUCT_OPS = ("linear", "bmm", "addmm", "mm", "baddbmm")  # op names that multiply by the weights
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
+
+
+def _op_categories(prof) -> dict[str, float]:
+    """Self CPU seconds of a profiled run by category: products, attention, other torch ops."""
+    out = {"products": 0.0, "attention": 0.0, "other_ops": 0.0}
+    for e in prof.key_averages():
+        name = e.key.split("::")[-1]
+        kind = ("attention" if any(a in name for a in ATTENTION_OPS)
+                else "products" if name in PRODUCT_OPS or name.startswith("_linear") else "other_ops")
+        out[kind] += e.self_cpu_time_total / 1e6
+    return out
+
+
+def step_breakdown(generate_seconds, n_new: int) -> dict[str, float]:
+    """Where one decode step's time goes (ms): ``generate_seconds(n)`` (a generation of ``n`` new tokens,
+    returning its wall seconds) run for ``n_new`` and for 1 token under torch's profiler, the difference over
+    ``n_new - 1`` steps by category (``products``, ``attention``, ``other_ops``); ``python`` is the wall time no
+    torch op accounts for. Indicative: the profiler's own cost lands in the small ops and in Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runs = []
+    for n in (n_new, 1):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall = generate_seconds(n)
+        runs.append({**_op_categories(prof), "wall": wall})
+    per = {k: (runs[0][k] - runs[1][k]) / (n_new - 1) * 1e3 for k in runs[0]}
+    per["python"] = per.pop("wall") - per["products"] - per["attention"] - per["other_ops"]
+    return {f"step_{k}_ms": v for k, v in per.items()}

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Suite, ratio, read_rate, target  # noqa: E402
+from _harness import Suite, ratio, read_rate, step_breakdown, target  # noqa: E402
 from qkv.cpu import optimize  # noqa: E402
 
 TARGET = 1.5  # qkv decode tokens/s over HF's
@@ -133,6 +133,13 @@ class _Clock:
     _seen_prompt = False
 
 
+def _timed(run, n_new: int) -> float:
+    """Wall seconds of ``run(clock, n_new)``: a ``qkv_gen`` closure generating ``n_new`` tokens."""
+    clock = _Clock()
+    run(clock, n_new)
+    return clock.times[-1] - clock.times[0]
+
+
 def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int, repeat: int,
               thread_counts: list[int]) -> None:
     from qkv.cache import KVCache, Static
@@ -150,9 +157,9 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             return out[:, n_prompt:]
 
         def qkv_gen(model, optimized: bool = True):
-            def run(clock):
+            def run(clock, new: int = n_new):
                 cache = KVCache(model.cache_specs(), storage=Static(n_prompt + n_new))
-                return generate(model, ids, max_new_tokens=n_new, cache=cache, streamer=clock,
+                return generate(model, ids, max_new_tokens=new, cache=cache, streamer=clock,
                                 optimize=optimized).new_tokens
             return run
 
@@ -177,6 +184,7 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
                     steps[k].extend(these)
                     step_med[k].append(statistics.median(these))
                     step_p10[k].append(statistics.quantiles(these, n=10)[0])
+            where = step_breakdown(lambda n: _timed(qkv_gen(qkv_model), n), n_new)  # qkv's step, by category
         decode = {k: B / statistics.median(v) for k, v in steps.items()}
         e2e = {k: B * n_new / statistics.median(total[k]) for k in contenders}
         weight_rate = weight_bytes / statistics.median(steps["qkv"])
@@ -194,6 +202,7 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             "weights_MB": weight_bytes / 1e6, "qkv_GB_per_s": weight_rate / 1e9,
             "floor_ms": floor_s * 1e3, "qkv_step/floor": statistics.median(steps["qkv"]) / floor_s,
             "hf_step/floor": statistics.median(steps["hf"]) / floor_s,
+            **where,
             "target": f"{target(r, '>=', TARGETS.get(name, TARGET))} ({TARGETS.get(name, TARGET)}x)",
             "same_tokens": bool(torch.equal(tokens["hf"], tokens["qkv"])
                                 and torch.equal(tokens["hf"], tokens["qkv_plain"])),
@@ -228,7 +237,9 @@ def main(argv: list[str] | None = None) -> None:
         _run_case(suite, name, spec, (1, 4, 8), n_prompt, n_new, repeat, thread_counts)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}) "
                "in every repeat (ratios: the median over the "
-               "paired repeats, then the lowest and highest). decode: B / median time between streamed tokens; "
+               "paired repeats, then the lowest and highest). step_*_ms: where qkv's decode step goes (products, "
+               "attention, other torch ops, Python; one profiled run of each length, indicative). "
+               "decode: B / median time between streamed tokens; "
                "e2e includes prefill. optimize_ratio: qkv_plain's step time over qkv's (what qkv.cpu.optimize "
                "buys). qkv_input_major: qkv with wide weights stored input-major (optimize(input_major=True)). "
                "floor_ms: the weights a step reads (weights_MB; an untied embedding table counts one row) over "

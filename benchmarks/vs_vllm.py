@@ -25,7 +25,11 @@ Workloads:
   waiting requests at once).
 
 Each row reports the median and range over the paired repeats of qkv's rate over vLLM's, the target judged on the
-slowest repeat, the load average while it ran, and whether the greedy tokens are equal.
+slowest repeat, the load average while it ran, and whether the greedy tokens are equal. A fixed-batch row also
+says where qkv's decode step goes (``step_*_ms``: products, attention, other torch ops and Python, from one run
+of each length under torch's profiler, indicative: the profiler's own cost lands in the small ops and Python)
+against the step's memory floor (``floor_ms``: every weight read once, but one row of the embedding table, at
+the measured read rate) and vLLM's step.
 
 Published configuration (the defaults): 1 and 2 threads (vLLM's OpenMP threads bound to cores 0 and 0-1; torch
 threads for qkv), 5 paired repeats, wall clock. Usage::
@@ -188,6 +192,15 @@ def _qkv_generate(model, prompts: list[list[int]], n_new: int) -> tuple[float, l
     return time.perf_counter() - t0, out.new_tokens.tolist()
 
 
+def _qkv_breakdown(model, prompts: list[list[int]], n_new: int) -> dict[str, float]:
+    """Where one decode step's time goes (ms): a run of ``n_new`` tokens and one of 1 under torch's profiler, the
+    difference over ``n_new - 1`` steps, by category; ``python`` is the wall time no torch op accounts for (the
+    profiler's own cost lands there and in the small ops, so the split is indicative, the sum is the step)."""
+    from _harness import step_breakdown
+
+    return step_breakdown(lambda n: _qkv_generate(model, prompts, n)[0], n_new)
+
+
 def _qkv_stream(model, requests, max_batch: int) -> tuple[float, list[list[int]]]:
     """The requests through ``qkv.models.Engine`` (continuous batching); seconds and the new tokens per request."""
     from qkv.models import Engine
@@ -208,7 +221,7 @@ def run(args) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _harness import Suite, target
+    from _harness import Suite, read_rate, target
     from qkv.models import from_hf
 
     python = args.vllm_python or str(VENV / "bin" / "python")
@@ -228,6 +241,9 @@ def run(args) -> None:
         vocab = fields["vocab_size"]
         requests = stream_requests(16 if quick else 64, vocab, quick)
         model = from_hf(str(ckpt))
+        # a decode step reads every weight once, but only one row of the (untied) embedding table
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
         for threads in threads_list:
             torch.set_num_threads(threads)
             worker = VLLMWorker(python, ckpt, threads, max_len=1024)
@@ -252,12 +268,17 @@ def run(args) -> None:
                             ratios.append(q / v)
                             loads.append(os.getloadavg()[0])
                             same = same and q_tokens == full["tokens"]
+                    with torch.inference_mode():
+                        where = _qkv_breakdown(model, prompts, n_new)
+                    floor_ms = weight_bytes / read_rate(threads) * 1e3
                     goal = TARGETS["fixed_b1"] if B == 1 else TARGETS["fixed"]
                     suite.add({"workload": "fixed", "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {
                         "vllm_decode_tok_s": statistics.median(rates["vllm"]),
                         "qkv_decode_tok_s": statistics.median(rates["qkv"]),
                         "ratio": _range(ratios), "target": f"{target(_range(ratios), '>=', goal)} ({goal}x)",
                         "load_avg": statistics.median(loads), "same_tokens": same,
+                        "qkv_step_ms": B / statistics.median(rates["qkv"]) * 1e3, **where,
+                        "floor_ms": floor_ms, "vllm_step_ms": B / statistics.median(rates["vllm"]) * 1e3,
                     })
                 prompts, budgets = [r[0] for r in requests], [r[1] for r in requests]
                 n_tokens = sum(budgets)
