@@ -230,3 +230,17 @@ def test_cli_plan_cp():
     assert bad.exit_code == 2 and "--scheme must be one of" in bad.output
     counted = runner.invoke(app, ["plan-cp", "gemma-3-27b"])  # no model-card count: counted from the preset
     assert counted.exit_code == 0 and "gemma-3-27b" in counted.output, counted.output
+
+
+def test_sparse_attention_models_are_refused_not_given_dense_numbers():
+    """DeepSeek-V3.2 selects index_topk keys per query and ships indexer keys: the dense arithmetic refuses it
+    (layer_time, longest_context, plan) with a reason; its dense base model still plans."""
+    from qkv.costs import get_preset
+    from qkv.costs.context_parallel import layer_time, longest_context, plan
+
+    sparse = get_preset("deepseek-v3.2")
+    for call in (lambda: layer_time(sparse, context=8192, world=2, scheme="ring", device=H200),
+                 lambda: longest_context(sparse, world=8, device=H200), lambda: plan(sparse, max_world=2)):
+        with pytest.raises(ValueError, match="index_topk=2048 selected keys per query"):
+            call()
+    assert plan(get_preset("deepseek-v3"), max_world=2)

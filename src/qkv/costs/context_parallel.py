@@ -204,6 +204,17 @@ def scheme_work(scheme: str, world: int, *, causal: bool = True, skips_masked_ti
     return SchemeWork(fraction, n_blocks, mean, mean_blocks)
 
 
+def _dense_attention_only(p: ModelPreset, owner: str) -> None:
+    """The arithmetic here models dense (masked) attention over the whole context: refuse a model that selects
+    its keys (DeepSeek Sparse Attention), whose indexer keys also travel and whose attention reads K keys per
+    query, rather than give it dense numbers."""
+    if getattr(p, "index_topk", None) is not None:
+        raise ValueError(f"{owner}: {p.name!r} attends to index_topk={p.index_topk} selected keys per query "
+                         f"(DeepSeek Sparse Attention); this context-parallel arithmetic models dense attention "
+                         f"only (its K/V payload, N^2 work), so it would misstate this model; use the dense base "
+                         f"model's preset for an upper bound, or qkv.costs.dsa for the sparse layer's work")
+
+
 def _payload_per_token(p: ModelPreset, e: float) -> float:
     """Bytes of K and V (or MLA's latent) per token that travel between ranks."""
     if p.kv_lora_rank is not None:
@@ -228,6 +239,7 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
     ``check``: include qkv's pre-flight agreement (``qkv.distributed.attention(check=True)``, its default);
     ``ulysses``: the Ulysses degree U of ``usp`` (default :func:`ulysses_degree`).
     """
+    _dense_attention_only(p, "layer_time")
     if scheme not in SCHEMES:
         raise ValueError(f"layer_time: unknown scheme {scheme!r}; choose one of {SCHEMES}")
     if world < 1 or context < world:
@@ -326,6 +338,7 @@ def _memory_terms(p: ModelPreset, world: int) -> tuple[float, float]:
 def longest_context(p: ModelPreset, *, world: int, device: Device, memory_fraction: float = 0.9,
                     multiple: int = 1024) -> int:
     """Longest training context (a multiple of ``multiple`` tokens, and of 2W) that fits on ``world`` devices."""
+    _dense_attention_only(p, "longest_context")
     fixed, per_token = _memory_terms(p, world)
     room = memory_fraction * device.memory_bytes - fixed
     if room <= 0:
