@@ -204,6 +204,47 @@ def read_rate(threads: int) -> float:
     return _READ_RATE[threads]
 
 
+def peak_rss_during(fn: Callable[[], Any], interval_s: float = 1e-3) -> int:
+    """Peak growth of this process's resident memory while ``fn`` runs, in bytes: ``/proc/self/statm`` read every
+    ``interval_s`` by a thread (CUDA: the allocator's peak, as :func:`peak_memory_during`). For calls with so many
+    ops that the profiler's per-event records (:func:`peak_memory_during`) would themselves fill the memory (a
+    gather of one query row at a time over 32K rows); it misses spikes shorter than the interval."""
+    import os
+    import threading
+
+    if torch.cuda.is_available():
+        return peak_memory_during(fn)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    try:  # hand freed heap memory back first, so what fn allocates shows as growth (glibc)
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    base = peak = rss()
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss())
+            done.wait(interval_s)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak, rss()) - base
+
+
 def peak_memory_during(fn: Callable[[], Any]) -> int:
     """Peak bytes allocated by ``fn`` above the allocation at entry (CUDA allocator or CPU profiler)."""
     if torch.cuda.is_available():

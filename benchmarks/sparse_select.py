@@ -7,9 +7,10 @@ of K equal slices; all ``p + 1`` keys when ``p + 1 <= K``), shared by the query 
 them. Two list lengths: ``K = 2048`` (DeepSeek-V3.2's ``index_topk``) and ``K = 64 * ceil(N / 1024)``.
 
 Per row: the median time of each (paired round-robin repeats), the ratio dense/selected with its range,
-peak memory of one call, and the compute floor of the selected forward, ``4 * B * Hq * pairs/Nq * ... ``:
-exactly ``2 * B * Hq * pairs * (D + Dv)`` FLOPs (:func:`qkv.costs.topk_attention_flops`) over the measured
-GEMM rate. The crossover is the shortest N at which the selected forward beats dense in every repeat. The
+peak resident-memory growth of one call (sampled every millisecond: the profiler's per-op records would
+themselves fill the memory of a call that gathers one query row at a time), and the compute floor of the
+selected forward: exactly ``2 * B * Hq * pairs * (D + Dv)`` FLOPs (:func:`qkv.costs.topk_attention_flops`) over
+the measured GEMM rate. The crossover is the shortest N at which the selected forward beats dense in every repeat. The
 decode table times one query over a context of N keys: the selected step reads K keys, so it stays flat in
 the context once N > K, while dense SDPA grows with N.
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from _harness import Suite, gemm_rate, median_ms, parse_args, peak_memory_during, ratio, target, time_interleaved
+from _harness import Suite, gemm_rate, median_ms, parse_args, peak_rss_during, ratio, target, time_interleaved
 from qkv.costs import topk_attention_flops, topk_pairs
 
 
@@ -80,7 +81,7 @@ def main(argv=None) -> None:
                 err = float((sel()[:, :, -64:].float() - ref.float()).abs().max())
                 t = time_interleaved({"sel": sel, "dense": dense}, warmup=1, repeat=repeat, cpu=args.cpu_time,
                                      samples=True)
-                mem_sel, mem_dense = peak_memory_during(sel), peak_memory_during(dense)
+                mem_sel, mem_dense = peak_rss_during(sel), peak_rss_during(dense)
             flops = topk_attention_flops(B, Hq, n, n, K, D)
             floor_ms = flops / rate * 1e3
             speedup = ratio(t["dense"], t["sel"])
