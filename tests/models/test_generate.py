@@ -175,3 +175,24 @@ def test_errors(model):
     used = generate(model, ids, attention_mask=mask, max_new_tokens=2).cache
     with pytest.raises(ValueError, match="fresh cache"):
         generate(model, ids, attention_mask=mask, max_new_tokens=2, cache=used)
+
+
+@pytest.mark.parametrize("V", [7, 1024, 1031, 32000, 50257])
+def test_greedy_equals_argmax_with_ties_infinities_and_nans(V):
+    """generate's greedy pick (block maxima, then one block) is torch's argmax: the first index of the
+    maximum, ties across and inside blocks, rows of -inf, a larger value in the tail past the last whole block,
+    NaN rows (torch's argmax answers those)."""
+    from qkv.models.generate import greedy
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(9, V, generator=g)
+    x[1] = 0.0  # all tied: index 0
+    x[2] = float("-inf")
+    x[3, V // 2] = x[3, V - 1] = 50.0  # tie: the earlier one
+    x[4, V - 1] = 60.0  # the tail (or last block) alone
+    x[5, V // 3] = float("nan")
+    x[6, -1] = float("nan")
+    x[7] = torch.randint(0, 3, (V,), generator=g).float()  # many ties
+    x[8, 0] = x[8].max() + 1
+    assert torch.equal(greedy(x), x.argmax(-1))
+    assert torch.equal(greedy(x[:, ::1].t().contiguous().t()), x.argmax(-1))  # a non-contiguous view
