@@ -211,11 +211,8 @@ def _decode_step(threads_list: list[int], repeat: int, quick: bool) -> None:
     models = {"rule": optimize(copy.deepcopy(plain)), "no_onednn": optimize(copy.deepcopy(plain), onednn=False)}
     # the narrow bands are settled on whole steps: the rule against oneDNN one row later / earlier on the narrow
     # weights, no row blocks on them (cold single products favour F.linear there), and no oneDNN at all
-    blocks = {t: max([b.up_to for b in rule.TABLE[t, "narrow"] if b.standard_no_onednn == "row_blocks"], default=0)
-              for t in (1, 2)}
-    first_dnn = {t: 1 + max([b.up_to for b in rule.TABLE[t, "narrow"] if b.standard != "onednn"], default=0)
-                 for t in (1, 2)}
-    assert all(rule.TABLE[t, "narrow"] == rule.switches(blocks[t], first_dnn[t]) for t in (1, 2)), "narrow bands"
+    blocks = {t: rule.NARROW_SWITCHES[t][0] for t in (1, 2)}
+    first_dnn = {t: rule.NARROW_SWITCHES[t][1] for t in (1, 2)}
 
     def narrow_table(row_blocks_up_to, onednn_from):
         return {**rule.TABLE, **{(t, "narrow"): rule.switches(row_blocks_up_to(t), onednn_from(t)) for t in (1, 2)}}
@@ -287,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         fitted = fit(json.loads(Path(args.fit).read_text()))
         for key, bands in fitted.items():
             if key != "conflicts":
-                text = ", ".join(f"_b({up_to}, " + ", ".join(map(repr, pick.values())) + ")" for up_to, pick in bands)
+                text = ", ".join(f"Band({up_to}, " + ", ".join(map(repr, pick.values())) + ")" for up_to, pick in bands)
                 print(f"    {key!r}: ({text}{',' if len(bands) == 1 else ''}),".replace("'", '"'))
         print("conflicts:", *fitted["conflicts"], sep="\n  ")
         return

@@ -192,15 +192,6 @@ def _qkv_generate(model, prompts: list[list[int]], n_new: int) -> tuple[float, l
     return time.perf_counter() - t0, out.new_tokens.tolist()
 
 
-def _qkv_breakdown(model, prompts: list[list[int]], n_new: int) -> dict[str, float]:
-    """Where one decode step's time goes (ms): a run of ``n_new`` tokens and one of 1 under torch's profiler, the
-    difference over ``n_new - 1`` steps, by category; ``python`` is the wall time no torch op accounts for (the
-    profiler's own cost lands there and in the small ops, so the split is indicative, the sum is the step)."""
-    from _harness import step_breakdown
-
-    return step_breakdown(lambda n: _qkv_generate(model, prompts, n)[0], n_new)
-
-
 def _qkv_stream(model, requests, max_batch: int) -> tuple[float, list[list[int]]]:
     """The requests through ``qkv.models.Engine`` (continuous batching); seconds and the new tokens per request."""
     from qkv.models import Engine
@@ -221,7 +212,7 @@ def run(args) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _harness import Suite, read_rate, target
+    from _harness import Suite, read_rate, step_breakdown, target
     from qkv.models import from_hf
 
     python = args.vllm_python or str(VENV / "bin" / "python")
@@ -269,7 +260,7 @@ def run(args) -> None:
                             loads.append(os.getloadavg()[0])
                             same = same and q_tokens == full["tokens"]
                     with torch.inference_mode():
-                        where = _qkv_breakdown(model, prompts, n_new)
+                        where = step_breakdown(lambda n: _qkv_generate(model, prompts, n)[0], n_new)
                     floor_ms = weight_bytes / read_rate(threads) * 1e3
                     goal = TARGETS["fixed_b1"] if B == 1 else TARGETS["fixed"]
                     suite.add({"workload": "fixed", "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {

@@ -195,4 +195,4 @@ def test_greedy_equals_argmax_with_ties_infinities_and_nans(V):
     x[7] = torch.randint(0, 3, (V,), generator=g).float()  # many ties
     x[8, 0] = x[8].max() + 1
     assert torch.equal(greedy(x), x.argmax(-1))
-    assert torch.equal(greedy(x[:, ::1].t().contiguous().t()), x.argmax(-1))  # a non-contiguous view
+    assert torch.equal(greedy(x.t().contiguous().t()), x.argmax(-1))  # non-contiguous: torch's argmax itself

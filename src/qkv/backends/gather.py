@@ -29,10 +29,11 @@ from .base import NOMINAL_FLOPS, Backend, Estimate, format_work
 
 __all__ = ["GatherBackend", "split_selection"]
 
-#: Bytes of gathered keys and values per chunk of query rows: small enough that the product reads them from cache
-#: right after the gather writes them (2 MB: one row of 2,048 listed 128-wide keys and values in float32; 10% faster
-#: than 16 MB at N=4096 on the sparse_select inputs).
+#: Bytes of gathered keys and values per chunk of query rows. On CPU small enough that the product reads them from
+#: cache right after the gather writes them (2 MB: one row of 2,048 listed 128-wide keys and values in float32; 10%
+#: faster than 16 MB at N=4096 on the sparse_select inputs); elsewhere larger chunks, fewer launches.
 _CHUNK_BYTES = 2 << 20
+_CHUNK_BYTES_ACCELERATOR = 16 << 20
 
 
 def split_selection(mask: Mask | None) -> tuple[TopK | None, list[Mask]]:
@@ -151,7 +152,8 @@ class GatherBackend(Backend):
         idx = sel.indices.to(req.device)
         Hx = req.Hq if idx.shape[1] > 1 else req.Hkv
         per_row = req.B * Hx * idx.shape[-1] * (req.Dqk + req.Dv) * torch.finfo(acc).bits // 8
-        c = max(1, min(req.Nq, _CHUNK_BYTES // max(per_row, 1)))
+        chunk_bytes = _CHUNK_BYTES if req.device.type == "cpu" else _CHUNK_BYTES_ACCELERATOR
+        c = max(1, min(req.Nq, chunk_bytes // max(per_row, 1)))
         outs, lses = [], []
         track = req.requires_grad
         for r0 in range(0, req.Nq, c):

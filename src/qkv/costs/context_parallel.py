@@ -208,7 +208,7 @@ def _dense_attention_only(p: ModelPreset, owner: str) -> None:
     """The arithmetic here models dense (masked) attention over the whole context: refuse a model that selects
     its keys (DeepSeek Sparse Attention), whose indexer keys also travel and whose attention reads K keys per
     query, rather than give it dense numbers."""
-    if getattr(p, "index_topk", None) is not None:
+    if p.index_topk is not None:
         raise ValueError(f"{owner}: {p.name!r} attends to index_topk={p.index_topk} selected keys per query "
                          f"(DeepSeek Sparse Attention); this context-parallel arithmetic models dense attention "
                          f"only (its K/V payload, N^2 work), so it would misstate this model; use the dense base "

@@ -43,7 +43,7 @@ from typing import Literal, NamedTuple
 import torch
 
 __all__ = ["Band", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "MEASURED_ROWS", "DECIDED_IN_PLACE",
-           "switches", "shape_class", "thread_class", "choose"]
+           "NARROW_SWITCHES", "switches", "shape_class", "thread_class", "choose"]
 
 Path = Literal["row_blocks", "columns", "onednn", "linear"]
 #: The paths :func:`choose` names.
@@ -80,8 +80,9 @@ def switches(row_blocks_up_to: int, onednn_from: int) -> tuple[Band, ...]:
     return tuple(bands)
 
 
-def _b(up_to: int, standard: Path, standard_no_onednn: Path, input_major: Path, input_major_no_onednn: Path) -> Band:
-    return Band(up_to, standard, standard_no_onednn, input_major, input_major_no_onednn)
+#: Thread class -> (row_blocks_up_to, onednn_from) of the narrow class (:func:`switches`), settled on whole
+#: decode steps (:data:`DECIDED_IN_PLACE`; ``benchmarks/skinny.py`` times one row either side of them).
+NARROW_SWITCHES: MappingProxyType[int, tuple[int, int]] = MappingProxyType({1: (2, 3), 2: (4, 3)})
 
 
 #: (threads: 1, or 2 for two and more; shape class) -> row bands. The bands of the short, wide and long classes
@@ -93,29 +94,29 @@ def _b(up_to: int, standard: Path, standard_no_onednn: Path, input_major: Path, 
 #: 512x512, down 512x1376): whole decode steps of the width-512 Llama (``skinny_decode.json``), oneDNN from 3
 #: rows (one thread, 4 rows: 1.55x the tokens/s of the table before, which started oneDNN at 8 rows).
 TABLE: MappingProxyType[tuple[int, str], tuple[Band, ...]] = MappingProxyType({
-    (1, "narrow"): switches(row_blocks_up_to=2, onednn_from=3),
-    (1, "short"): (_b(1, "row_blocks", "row_blocks", "columns", "columns"),
-                   _b(2, "row_blocks", "row_blocks", "onednn", "columns"),
-                   _b(8, "onednn", "row_blocks", "onednn", "columns"),
-                   _b(32, "onednn", "linear", "onednn", "columns")),
-    (1, "wide"): (_b(1, "linear", "linear", "linear", "linear"),
-                  _b(2, "onednn", "linear", "onednn", "linear"),
-                  _b(4, "onednn", "row_blocks", "onednn", "columns"),
-                  _b(12, "onednn", "linear", "onednn", "columns"),
-                  _b(32, "onednn", "row_blocks", "onednn", "columns")),
-    (1, "long"): (_b(1, "linear", "linear", "linear", "linear"),
-                  _b(2, "onednn", "linear", "onednn", "linear"),
-                  _b(12, "onednn", "linear", "onednn", "columns"),
-                  _b(16, "onednn", "row_blocks", "onednn", "columns"),
-                  _b(24, "onednn", "linear", "onednn", "columns"),
-                  _b(32, "onednn", "row_blocks", "onednn", "columns")),
-    (2, "narrow"): switches(row_blocks_up_to=4, onednn_from=3),
-    (2, "short"): (_b(1, "row_blocks", "row_blocks", "columns", "columns"),
-                   _b(2, "row_blocks", "row_blocks", "onednn", "columns"),
-                   _b(32, "onednn", "row_blocks", "onednn", "columns")),
-    (2, "wide"): (_b(32, "onednn", "row_blocks", "onednn", "columns"),),
-    (2, "long"): (_b(1, "onednn", "row_blocks", "columns", "columns"),
-                  _b(32, "onednn", "row_blocks", "onednn", "columns")),
+    (1, "narrow"): switches(*NARROW_SWITCHES[1]),
+    (1, "short"): (Band(1, "row_blocks", "row_blocks", "columns", "columns"),
+                   Band(2, "row_blocks", "row_blocks", "onednn", "columns"),
+                   Band(8, "onednn", "row_blocks", "onednn", "columns"),
+                   Band(32, "onednn", "linear", "onednn", "columns")),
+    (1, "wide"): (Band(1, "linear", "linear", "linear", "linear"),
+                  Band(2, "onednn", "linear", "onednn", "linear"),
+                  Band(4, "onednn", "row_blocks", "onednn", "columns"),
+                  Band(12, "onednn", "linear", "onednn", "columns"),
+                  Band(32, "onednn", "row_blocks", "onednn", "columns")),
+    (1, "long"): (Band(1, "linear", "linear", "linear", "linear"),
+                  Band(2, "onednn", "linear", "onednn", "linear"),
+                  Band(12, "onednn", "linear", "onednn", "columns"),
+                  Band(16, "onednn", "row_blocks", "onednn", "columns"),
+                  Band(24, "onednn", "linear", "onednn", "columns"),
+                  Band(32, "onednn", "row_blocks", "onednn", "columns")),
+    (2, "narrow"): switches(*NARROW_SWITCHES[2]),
+    (2, "short"): (Band(1, "row_blocks", "row_blocks", "columns", "columns"),
+                   Band(2, "row_blocks", "row_blocks", "onednn", "columns"),
+                   Band(32, "onednn", "row_blocks", "onednn", "columns")),
+    (2, "wide"): (Band(32, "onednn", "row_blocks", "onednn", "columns"),),
+    (2, "long"): (Band(1, "onednn", "row_blocks", "columns", "columns"),
+                  Band(32, "onednn", "row_blocks", "onednn", "columns")),
 })
 
 #: (threads, shape class) whose bands follow whole decode steps, not the cells of one weight read cold: small

@@ -416,7 +416,7 @@ class DecoderConfig:
                              f"linear_attention={self.linear_attention!r}")
         if self.latent is not None and SLIDING_ATTENTION in self.layer_types:
             raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
-        if self.latent is not None and getattr(self.latent, "hidden_size", self.hidden_size) != self.hidden_size:
+        if self.latent is not None and self.latent.hidden_size != self.hidden_size:
             raise ValueError(f"DecoderConfig: latent.hidden_size ({self.latent.hidden_size}) must equal hidden_size "
                              f"({self.hidden_size}): the latent attention (MLA) layers read the residual stream; build "
                              f"it with LatentConfig(hidden_size={self.hidden_size}, ...) (DecoderConfig.replace and "
