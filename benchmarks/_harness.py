@@ -107,6 +107,34 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repe
     return {name: statistics.median(s) for name, s in times.items()}
 
 
+def device_time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7,
+                            number: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each named callable on the GPU, every repeat (paired across names by index).
+
+    On CUDA each repeat times ``number`` back-to-back calls between two CUDA events, so the host's launch work
+    overlaps the device's and the time is the device's (what a decode loop or a training step sees; one
+    synchronised call adds the host's launch latency on top). Elsewhere (a dry run on CPU) it is the wall clock
+    of :func:`time_interleaved`.
+    """
+    if not torch.cuda.is_available():
+        return time_interleaved(fns, warmup=warmup, repeat=repeat, number=number, samples=True)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(number):
+                fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 1e3 / number)
+    return times
+
+
 def spread(values: list[float]) -> dict[str, float]:
     """``{"median", "min", "max", "n"}`` of per-repeat values: what ``render.py`` prints as a range."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}

@@ -20,15 +20,22 @@ Targets (H200): forward >= 0.9x SDPA-flash TFLOP/s, backward >= 0.8x, window >= 
 of the bandwidth floor. ``--dry-run`` runs every section's logic at tiny sizes on CPU (Triton's
 interpreter, no timings that mean anything) to check the script itself; its correctness rows (``ok``,
 ``worst_ratio`` of error to budget, the decode error) are checked by ``tests/test_bench_smoke.py``.
-``--sections correctness,decode`` runs only the named sections (default: all four).
+``--sections correctness,decode`` runs only the named sections (default: all four). ``--tuned FILE`` first
+applies the launch settings that ``benchmarks/gpu_tune.py --best FILE`` measured fastest (recorded in the
+context), so one GPU session can sweep and then publish with the winners.
 
-    python benchmarks/gpu.py [--dry-run] [--sections correctness,speed,decode,flex_backend]
+Times are the device's: CUDA events around back-to-back calls, the peers interleaved repeat by repeat, so
+each ratio has a range over paired repeats and a target is met only when the slowest repeat meets it. The
+decode row also gives one synchronised call's latency (the host's launch work included).
+
+    python benchmarks/gpu.py [--dry-run] [--sections correctness,speed,decode,flex_backend] [--tuned FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import traceback
 
@@ -39,10 +46,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qkv  # noqa: E402
-from _harness import Suite, attention_flops, parse_args, time_fn  # noqa: E402
+from _harness import Suite, attention_flops, device_time_interleaved, parse_args, ratio, spread, target, time_fn  # noqa: E402
 from qkv import masks as M  # noqa: E402
 from qkv import mods  # noqa: E402
 from qkv.testing import assert_within_budget  # noqa: E402
+
+#: (causal, what) -> the least rate ratio against the peer (SDPA-flash under causal, Flex under the window)
+TARGETS = {(True, "fwd"): 0.9, (True, "fwdbwd"): 0.8, (False, "fwd"): 1.0, (False, "fwdbwd"): 1.0}
 
 
 def _sizes(dry: bool) -> dict:
@@ -141,20 +151,26 @@ def speed(suite: Suite, s: dict, dev: str, dtype, repeat: int, dry: bool) -> Non
 
             runs["sdpa_flash"] = (sdpa_fwd, sdpa_bwd)
         row = {}
-        for name, (fwd, fwdbwd) in runs.items():
-            for what, fn, mult in (("fwd", fwd, 1.0), ("fwdbwd", fwdbwd, 3.5)):
-                if fn is None:
+        for what, idx, mult in (("fwd", 0, 1.0), ("fwdbwd", 1, 3.5)):
+            fns = {}
+            for name, pair in runs.items():
+                if pair[idx] is None:
                     continue
-                try:
-                    t = time_fn(lambda fn=fn: _synced(fn, dev), warmup=1 if dry else 3, repeat=repeat)
-                    row[f"{name}_{what}_tflops"] = mult * flops / t / 1e12
+                try:  # the first call compiles; a failing one is reported and left out of the timing
+                    _synced(pair[idx], dev)
+                    fns[name] = pair[idx]
                 except Exception as e:
-                    suite.note(f"{case} {name} {what} failed: {type(e).__name__}: {e}")
-        peer = "sdpa_flash" if causal else "flex"
-        for what in ("fwd", "fwdbwd"):
-            a, b = row.get(f"triton_{what}_tflops"), row.get(f"{peer}_{what}_tflops")
-            if a and b:
-                row[f"{what}_vs_{peer}"] = a / b
+                    suite.note(f"{case} {name} {what} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            if not fns:
+                continue
+            times = device_time_interleaved(fns, warmup=1 if dry else 3, repeat=repeat, number=1 if dry else 3)
+            for name, ts in times.items():
+                row[f"{name}_{what}_tflops"] = mult * flops / statistics.median(ts) / 1e12
+            peer = "sdpa_flash" if causal else "flex"
+            if "triton" in times and peer in times:
+                r = ratio(times[peer], times["triton"])  # time ratio peer / triton = rate ratio triton / peer
+                row[f"{what}_vs_{peer}"] = r
+                row[f"{what}_target"] = target(r, ">=", TARGETS[(causal, what)])
         suite.add({"section": "speed", "case": case, "B": B, "H": H, "N": N, "D": D}, row)
 
 
@@ -186,13 +202,17 @@ def decode(suite: Suite, s: dict, dev: str, dtype, repeat: int, dry: bool) -> No
     kpos = torch.arange(ctx, device=dev).expand(B, ctx).contiguous()
     qpos = torch.full((B,), ctx - 1, device=dev)
     q = torch.randn(B, Hq, D, device=dev, dtype=dtype, generator=g)
-    t = time_fn(lambda: _synced(lambda: paged_decode(q, kp, vp, tables, kpos, qpos), dev), warmup=1 if dry else 5,
-                repeat=repeat)
-    kv_bytes = 2 * B * Hkv * ctx * D * kp.element_size()
     big = torch.empty(256 << 20 if not dry else 1 << 20, dtype=torch.uint8, device=dev)
-    t_copy = time_fn(lambda: _synced(lambda: big.clone(), dev), warmup=1, repeat=repeat)
-    bandwidth = 2 * big.numel() / t_copy  # read + write
-    floor = kv_bytes / bandwidth
+    times = device_time_interleaved({"decode": lambda: paged_decode(q, kp, vp, tables, kpos, qpos),
+                                     "copy": big.clone}, warmup=1 if dry else 5, repeat=repeat,
+                                    number=1 if dry else 20)
+    latency = time_fn(lambda: _synced(lambda: paged_decode(q, kp, vp, tables, kpos, qpos), dev),
+                      warmup=1 if dry else 5, repeat=repeat)
+    kv_bytes = 2 * B * Hkv * ctx * D * kp.element_size()
+    # per repeat: the floor (K and V bytes at the copy's read+write rate of that repeat) over the decode's time
+    of_floor = spread([kv_bytes / (2 * big.numel() / tc) / td for td, tc in zip(times["decode"], times["copy"])])
+    t = statistics.median(times["decode"])
+    floor = kv_bytes / (2 * big.numel() / statistics.median(times["copy"]))
     k_all = kp[tables[:1]].permute(0, 2, 1, 3, 4).reshape(1, Hkv, ctx, D)
     v_all = vp[tables[:1]].permute(0, 2, 1, 3, 4).reshape(1, Hkv, ctx, D)
     ref = torch.nn.functional.scaled_dot_product_attention(q[:1, :, None].float(), k_all.float(), v_all.float(),
@@ -200,8 +220,8 @@ def decode(suite: Suite, s: dict, dev: str, dtype, repeat: int, dry: bool) -> No
     out, _ = paged_decode(q[:1], kp, vp, tables[:1], kpos[:1], qpos[:1])
     err = float((out.float() - ref[:, :, 0]).abs().max())
     suite.add({"section": "decode", "case": f"paged ctx{ctx}", "B": B, "H": Hq, "Hkv": Hkv, "D": D},
-              {"us": t * 1e6, "floor_us": floor * 1e6, "of_floor": floor / t, "GBps": kv_bytes / t / 1e9,
-               "max_err_vs_fp32": err})
+              {"us": t * 1e6, "latency_us": latency * 1e6, "floor_us": floor * 1e6, "of_floor": of_floor,
+               "target": target(of_floor, ">=", 0.8), "GBps": kv_bytes / t / 1e9, "max_err_vs_fp32": err})
 
 
 def flex_backend(suite: Suite, s: dict, dev: str) -> None:
@@ -254,6 +274,7 @@ def _own_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--tuned", default=None)
     own, rest = p.parse_known_args(argv)
     own.sections = [x.strip() for x in own.sections.split(",") if x.strip()]
     unknown = [x for x in own.sections if x not in SECTIONS]
@@ -274,12 +295,17 @@ def main(argv=None) -> int:
         suite.note(why)  # an empty table in RESULTS.md that says why, rather than a silently missing section
         suite.finish()
         return 0
+    tuned = None
+    if own.tuned:
+        from gpu_tune import apply_best
+
+        tuned = apply_best(own.tuned)
     dev = "cpu" if dry else "cuda"
     dtype = torch.float32 if dry else torch.bfloat16
     s = _sizes(dry)
     repeat = args.repeat or (1 if dry else 10)
     suite = Suite("gpu", "Triton kernels vs SDPA-flash and Flex; Flex backend on CUDA", dry_run=dry,
-                  dtype=str(dtype).replace("torch.", ""), sections=own.sections)
+                  dtype=str(dtype).replace("torch.", ""), sections=own.sections, tuned=tuned)
     runs = {"correctness": lambda: correctness(suite, s, dev, dtype),
             "speed": lambda: speed(suite, s, dev, dtype, repeat, dry),
             "decode": lambda: decode(suite, s, dev, dtype, repeat, dry),

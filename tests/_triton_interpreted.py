@@ -38,6 +38,15 @@ def test_every_mask_forward_backward(name):
     check(2, 2, 1, 33, 33, 16, mask=MASKS[name], what=f"{name} {sid(2, 2, 1, 33, 33, 16)}")
 
 
+@pytest.mark.parametrize("heavy_first", [False, True], ids=["in_order", "heavy_first"])
+def test_forward_tile_order_changes_nothing(heavy_first, monkeypatch):
+    """The forward's query tiles run last-first on CUDA (FWD_HEAVY_FIRST); either order gives the reference."""
+    from qkv.backends.triton import attention as A
+
+    monkeypatch.setattr(A, "FWD_HEAVY_FIRST", heavy_first)
+    check(1, 2, 2, 45, 45, 16, mask=M.causal() & M.sliding_window(9), what=f"heavy_first={heavy_first}")
+
+
 @pytest.mark.parametrize("nq,nk", [(1, 37), (19, 37), (37, 19)], ids=lambda x: str(x))
 @pytest.mark.parametrize("align", ["bottom_right", "top_left"])
 def test_causal_alignments(nq, nk, align):

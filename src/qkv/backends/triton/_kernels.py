@@ -144,8 +144,11 @@ def attn_fwd(Q, K, V, O, LSE,
              HAS_PREFIX: tl.constexpr, TILE_HEADS: tl.constexpr,
              ALIBI_POS: tl.constexpr, ALIBI_BIDIR: tl.constexpr, BIAS_POS: tl.constexpr, HAS_CAP: tl.constexpr,
              HAS_DROP: tl.constexpr, PREC: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-    pid_m = tl.program_id(0)
+             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    if HEAVY_FIRST:  # last query tiles first: under a causal mask they hold the most key tiles (less tail)
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq

@@ -48,9 +48,14 @@ def tile_sizes(D: int, Dv: int, device: torch.device, dtype: torch.dtype = torch
         return Tiles(32, 32, 4, 1) if wide else Tiles(32, 32, 4, 2)
     if widest <= 64:
         return Tiles(64, 64, 4, 3) if wide else Tiles(128, 64, 4, 3)
-    if widest <= 128:  # bf16/fp16: the fastest of benchmarks/gpu_tune.py's sweep on an H200
-        return Tiles(64, 32, 4, 2) if wide else Tiles(128, 128, 8, 2)
+    if widest <= 128:  # bf16/fp16: the fastest over causal and window of benchmarks/gpu_tune.py's sweep, H200
+        return Tiles(64, 32, 4, 2) if wide else Tiles(128, 128, 8, 3)
     return Tiles(32, 32, 4, 2) if wide else Tiles(64, 32, 8, 2)
+
+
+#: The forward launches its query tiles last-first (under a causal mask the last hold the most key tiles, so the
+#: long programs start first and the short ones fill the tail); benchmarks/gpu_tune.py times both orders.
+FWD_HEAVY_FIRST = True
 
 
 def _pow2(n: int) -> int:
@@ -141,7 +146,8 @@ def _forward(cfg: _Config, q, k, v, bias, slopes):
     grid = (math.ceil(Nq / t.bm), B * Hq)
     K.attn_fwd[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
                      Hq, Hq // Hkv, Nq, Nk, D, Dv, cfg.scale, *args, **consts,
-                     BM=t.bm, BN=t.bn, BD=_pow2(D), BDV=_pow2(Dv), num_warps=t.warps, num_stages=t.stages)
+                     BM=t.bm, BN=t.bn, BD=_pow2(D), BDV=_pow2(Dv), HEAVY_FIRST=FWD_HEAVY_FIRST,
+                     num_warps=t.warps, num_stages=t.stages)
     return out, lse
 
 
