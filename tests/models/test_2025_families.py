@@ -342,3 +342,20 @@ def test_moe_config_refuses_bad_routing(change, match):
 
     with pytest.raises(ValueError, match=match):
         MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=4, **{"topk_group": 1, **change})
+
+
+def test_deepseek_v3_without_shared_experts_matches_hf():
+    """``n_shared_experts=0``: transformers builds zero-width shared experts (empty tensors, adding zero); from_hf
+    drops them and the model still gives HF's logits."""
+    _transformers()
+    _, _, overrides, _ = CASES["deepseek_v3-qlora24-noaux-yarn"]
+    hf = hf_causal_lm("DeepseekV3Config", "DeepseekV3ForCausalLM", {**_BASE, **overrides, "n_shared_experts": 0},
+                      seed=7, attn_implementation="eager", experts_implementation="eager")
+    assert any(p.numel() == 0 for n, p in hf.named_parameters() if "shared_experts" in n)
+    model = from_hf(hf)
+    assert all(layer.mlp.shared_experts is None for layer in model.layers[1:])
+    ids, _ = two_row_prompt(7, _BASE["vocab_size"], N_PROMPT)
+    with torch.no_grad():
+        within_budget(model(ids).logits, copy.deepcopy(hf).double()(ids).logits, hf(ids).logits,
+                      what="deepseek_v3 without shared experts")
+

@@ -63,7 +63,8 @@ CASES = {
         num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
         v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=16,
         first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.5, tie_word_embeddings=True), "static"),
+        routed_scaling_factor=1.5, tie_word_embeddings=True,
+        norm_topk_prob=True), "static"),  # transformers' V2 router ignores it: from_hf must too
 }
 
 

@@ -9,8 +9,10 @@ DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-E
   ``mscale``/``mscale_all_dim`` scales cos/sin and the softmax;
 - DeepSeekMoE (Dai et al. 2024, arXiv:2401.06066) from layer ``first_k_dense_replace`` on: a float32
   softmax router picking ``num_experts_per_tok`` of ``n_routed_experts`` (``greedy`` or
-  ``group_limited_greedy``), weights times ``routed_scaling_factor``, plus ``n_shared_experts`` experts
-  every token goes through; earlier layers have a dense SwiGLU of ``intermediate_size``.
+  ``group_limited_greedy``), weights times ``routed_scaling_factor`` and never renormalized (transformers'
+  router reads no ``norm_topk_prob``), plus ``n_shared_experts`` experts every token goes through (none for 0:
+  transformers then builds zero-width shared experts, which add nothing); earlier layers have a dense SwiGLU
+  of ``intermediate_size``.
 
 Tensor names: attention keeps HF's (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``); the router ``mlp.gate`` becomes

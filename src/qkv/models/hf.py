@@ -130,7 +130,7 @@ def rename_decoder(state: Mapping[str, torch.Tensor], config: DecoderConfig, *,
             out[rest] = src.pop(rest)
         mlp = f"{layer}mlp."
         if config.moe is not None and config.moe.is_moe(i):
-            _rename_moe(src, out, mlp, config.moe.n_routed_experts)
+            _rename_moe(src, out, mlp, config.moe.n_routed_experts, config.moe.n_shared_experts)
         else:
             for suffix in (".weight", ".bias"):
                 t = stack_tensors(src, mlp, MLP_STACK, suffix)
@@ -151,10 +151,15 @@ def rename_router_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return state
 
 
-def _rename_moe(src: dict[str, torch.Tensor], out: dict[str, torch.Tensor], mlp: str, n: int) -> None:
+def _rename_moe(src: dict[str, torch.Tensor], out: dict[str, torch.Tensor], mlp: str, n: int,
+                n_shared: int = 1) -> None:
     """DeepSeek MoE: router ``gate.weight``; experts either stacked (transformers 5 in memory:
     ``experts.gate_up_proj`` (E, 2f, d), ``experts.down_proj`` (E, d, f)) or one module per expert (files on
-    disk: ``experts.{e}.gate_proj.weight``, ...); shared experts' gate/up stacked like a dense MLP."""
+    disk: ``experts.{e}.gate_proj.weight``, ...); shared experts' gate/up stacked like a dense MLP. With
+    ``n_shared`` 0, HF still builds shared experts of width 0 (they add zero): their empty tensors are dropped."""
+    if not n_shared:
+        for name in [k for k in src if k.startswith(f"{mlp}shared_experts.") and src[k].numel() == 0]:
+            del src[name]
     if f"{mlp}gate.weight" in src:
         out[f"{mlp}router.weight"] = src.pop(f"{mlp}gate.weight")
     for name in ("gate_up_proj", "down_proj"):

@@ -409,7 +409,9 @@ def read_moe(config) -> MoEConfig | None:
         first_k_dense_replace=cfg.get("first_k_dense_replace") or 0, moe_layer_freq=cfg.get("moe_layer_freq") or 1,
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), topk_method=method,
         n_group=cfg.get("n_group") or (1 if v3 else None), topk_group=cfg.get("topk_group") or (1 if v3 else None),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)))
+        # transformers' DeepSeek-V2 router never renormalizes (it reads no norm_topk_prob; the released V2 configs
+        # say false): from_hf follows the model it converts
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False)
 
 
 #: Kimi Linear's mixture of experts: (checkpoint name, transformers' attribute name, transformers' default).
