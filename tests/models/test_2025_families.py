@@ -359,3 +359,17 @@ def test_deepseek_v3_without_shared_experts_matches_hf():
         within_budget(model(ids).logits, copy.deepcopy(hf).double()(ids).logits, hf(ids).logits,
                       what="deepseek_v3 without shared experts")
 
+
+
+def test_one_expert_renormalized_weighs_one_as_in_qwen_routers():
+    """Qwen's routers renormalize the top-k weights whatever k is: with one expert per token its weight is 1. A
+    Qwen3-MoE with ``num_experts_per_tok=1`` and ``norm_topk_prob`` gives HF's logits."""
+    _transformers()
+    _, _, overrides, _ = CASES["qwen3_moe-E6-k2-normtopk"]
+    hf = hf_causal_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**_BASE, **overrides, "num_experts_per_tok": 1},
+                      seed=8, attn_implementation="eager", experts_implementation="eager")
+    model = from_hf(hf)
+    ids, _ = two_row_prompt(8, _BASE["vocab_size"], N_PROMPT)
+    with torch.no_grad():
+        within_budget(model(ids).logits, copy.deepcopy(hf).double()(ids).logits, hf(ids).logits,
+                      what="qwen3_moe with one expert per token")
