@@ -53,7 +53,7 @@ def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, tor
         keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1, sorted=False).indices, 1.0)
         scores = scores.masked_fill(~keep.bool().repeat_interleave(E // m.n_group, dim=1), 0.0)
     weights, idx = scores.topk(m.num_experts_per_tok, dim=-1, sorted=False)
-    if m.norm_topk_prob:  # one expert renormalized weighs 1 (Qwen's routers; transformers' DeepSeek-V2 never renormalizes)
+    if m.norm_topk_prob:  # one expert renormalized weighs 1 (Qwen; transformers' DeepSeek-V2 never renormalizes)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * m.routed_scaling_factor, idx
 
