@@ -167,3 +167,61 @@ def test_paged_needs_fresh_rows_for_prefix_match():
         cache.match_prefix(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2))
     with pytest.raises(ValueError, match="num_blocks"):
         Paged(num_blocks=0)
+
+
+def _paged_step(window=None, defer=False):
+    """A paged cache holding rows of 3, 9 and 14 tokens (left-padded), then one decode step; its view."""
+    g = torch.Generator().manual_seed(3)
+    specs = [FullSpec(2, 8)] if window is None else [SlidingWindowSpec(window, 2, 8)]
+    cache = KVCache(specs, storage=Paged(block_size=4, num_blocks=64))
+    lens = [3, 9, 14]
+    pos = torch.full((3, 14), -1, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        pos[b, 14 - n:] = torch.arange(n)
+    cache.update(0, torch.randn(3, 2, 14, 8, generator=g), torch.randn(3, 2, 14, 8, generator=g), positions=pos)
+    step = torch.tensor(lens).view(3, 1)
+    view = cache.update(0, torch.randn(3, 2, 1, 8, generator=g), torch.randn(3, 2, 1, 8, generator=g),
+                        positions=step, defer_view=defer)
+    return cache, view
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_deferred_view_is_built_on_request_and_equals_the_eager_one(window):
+    """``update(..., defer_view=True)`` skips gathering a paged layer's view (a decode kernel reads the blocks in
+    place); ``view`` gathers it afterwards, equal to what an eager update returns."""
+    _, eager = _paged_step(window)
+    cache, deferred = _paged_step(window, defer=True)
+    assert deferred.k is None and deferred.v is None
+    assert torch.equal(deferred.kv_positions, eager.kv_positions)
+    built = cache.view(0)
+    assert torch.equal(built.k, eager.k) and torch.equal(built.v, eager.v)
+    assert cache.view(0) is built  # gathered once
+
+
+def test_view_before_any_update_is_refused():
+    cache = KVCache([FullSpec(2, 8)], storage=Paged(block_size=4, num_blocks=8))
+    with pytest.raises(ValueError, match="has not been updated"):
+        cache.view(0)
+
+
+def test_deferring_non_paged_layers_changes_nothing():
+    cache = KVCache([FullSpec(2, 8)])
+    view = cache.update(0, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), positions=torch.arange(3)[None],
+                        defer_view=True)
+    assert view.k is not None and view.k.shape == (1, 2, 3, 8)
+
+
+def test_paged_gather_with_gradients_matches_and_flows():
+    """The head-major block gather (index_select per head) equals advanced indexing, and with a pool that requires
+    grad it records the gradient (no out= copy)."""
+    from qkv.cache.paged import _gather_head_major
+
+    pool = torch.randn(9, 3, 4, 5, requires_grad=True)
+    tab = torch.tensor([[4, 1, 8], [0, 0, 2]])
+    want = pool.transpose(0, 1)[:, tab].transpose(0, 1).reshape(2, 3, 12, 5)
+    got = _gather_head_major(pool, tab)
+    assert torch.equal(got, want)
+    got.sum().backward()
+    assert pool.grad is not None and pool.grad[4].eq(1).all() and pool.grad[0].eq(2).all()
+    with torch.no_grad():
+        assert torch.equal(_gather_head_major(pool, tab), want)

@@ -20,6 +20,7 @@ from qkv.cache import (
     CacheView,
     CroppableCache,
     DecodingCache,
+    DeferredViewCache,
     ForkableCache,
     FullSpec,
     KVCache,
@@ -392,16 +393,18 @@ def test_score_ranked_eviction_is_refused_before_anything_is_written():
 
 def test_kv_cache_declares_every_capability_and_the_base_cache_none():
     cache = KVCache([FullSpec(1, 4)])
-    for proto in (AttentionCache, LatentCache, DecodingCache, PrefixMatchingCache, CroppableCache, ForkableCache,
-                  ResettableCache):
+    for proto in (AttentionCache, LatentCache, DecodingCache, DeferredViewCache, PrefixMatchingCache, CroppableCache,
+                  ForkableCache, ResettableCache):
         assert isinstance(cache, proto), proto.__name__
     base = BaseCache()
     assert isinstance(base, AttentionCache) and isinstance(base, LatentCache)
-    for proto in (DecodingCache, PrefixMatchingCache, CroppableCache, ForkableCache, ResettableCache):
+    for proto in (DecodingCache, DeferredViewCache, PrefixMatchingCache, CroppableCache, ForkableCache,
+                  ResettableCache):
         assert not isinstance(base, proto), proto.__name__
-    assert cache_capabilities(base) == (True, True, False)
-    assert cache_capabilities(DecodingBaseCache()) == (True, True, True)
-    assert cache_capabilities(object()) == (False, False, False)
+    assert cache_capabilities(base) == (True, True, False, False)
+    assert cache_capabilities(DecodingBaseCache()) == (True, True, True, False)  # decodes, always builds its view
+    assert cache_capabilities(cache) == (True, True, True, True)
+    assert cache_capabilities(object()) == (False, False, False, False)
 
 
 def test_verify_cache_runs_what_the_cache_declares():
@@ -496,3 +499,37 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result
+
+
+def test_single_query_step_defers_the_paged_view_only_for_the_default_decode_backend(monkeypatch):
+    """A plain one-query step over a paged cache asks for no view (``defer_view``) and offers the step to
+    ``cache.decode``; with another single-query backend (``decode_backend="tiled"``) the cache builds the view
+    eagerly and the operator runs on that backend. Both give the same attention."""
+    from qkv.cache import Paged
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    outs, seen = {}, []
+    real_update, real_decode = KVCache.update, KVCache.decode
+
+    def update(self, *a, **kw):
+        seen.append(("update", kw.get("defer_view", False)))
+        return real_update(self, *a, **kw)
+
+    def decode(self, *a, **kw):
+        seen.append(("decode", None))
+        return real_decode(self, *a, **kw)
+
+    monkeypatch.setattr(KVCache, "update", update)
+    monkeypatch.setattr(KVCache, "decode", decode)
+    for backend in ("sdpa", "tiled"):
+        cache = KVCache([FullSpec(2, 8)], storage=Paged(block_size=4, num_blocks=16))
+        cached_attention(q.expand(2, 4, 5, 8), k[:, :, :5], v[:, :, :5], cache=cache,
+                         positions=torch.arange(5).expand(2, 5), decode_backend=backend)
+        seen.clear()
+        outs[backend] = cached_attention(q, k[:, :, 5:], v[:, :, 5:], cache=cache,
+                                         positions=torch.full((2, 1), 5), decode_backend=backend).out
+        want = [("update", True), ("decode", None)] if backend == "sdpa" else [("update", False)]
+        assert seen == want, (backend, seen)
+    assert torch.allclose(outs["sdpa"], outs["tiled"], atol=1e-6)

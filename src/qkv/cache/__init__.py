@@ -31,6 +31,7 @@ from .protocol import (
     CroppableCache,
     DecoderModel,
     DecodingCache,
+    DeferredViewCache,
     ForkableCache,
     HasCacheSpecs,
     LatentCache,
@@ -66,5 +67,6 @@ __all__ = [
     "plan_memory", "MemoryPlan", "LayerPlan",
     "CacheView", "LatentView", "AttentionCache", "LatentCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
     "CachePolicy", "Quantizer",
-    "DecodingCache", "PrefixMatchingCache", "CroppableCache", "ForkableCache", "ResettableCache", "RowSlots",
+    "DecodingCache", "DeferredViewCache", "PrefixMatchingCache", "CroppableCache", "ForkableCache", "ResettableCache",
+    "RowSlots",
 ]

@@ -195,7 +195,7 @@ class KVCache:
 
     # protocol
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
-               rope: RopeFn | None = None) -> CacheView:
+               rope: RopeFn | None = None, defer_view: bool = False) -> CacheView:
         """Store this step's keys/values for a layer and return what its queries attend over.
 
         Args:
@@ -204,6 +204,9 @@ class KVCache:
             v: (B, Hkv, N, Dv) new values.
             positions: (B, N) int64 absolute positions, ``-1`` for padding tokens.
             rope: ``rope(x, positions) -> x`` (x: (B, H, N, D), positions: (B, N)) or ``None``.
+            defer_view: a caller about to :meth:`decode` in place: paged layers skip gathering their view (the
+                returned ``k`` and ``v`` are None; :meth:`view` gathers it if the decode declines). Other
+                layers return their view as always.
 
         Returns:
             :class:`CacheView` ``(k, v, kv_positions, q_positions)``.
@@ -218,18 +221,33 @@ class KVCache:
         else:
             if rope is not None:
                 k = rope(k, pos.clamp_min(0))
-            k_all, v_all, kv_pos = layer.store.write(k, v, pos)
+            if defer_view and isinstance(layer.store, PagedStore):
+                k_all, v_all, kv_pos = layer.store.write(k, v, pos, gather=False)
+            else:
+                k_all, v_all, kv_pos = layer.store.write(k, v, pos)
             q_pos = pos
         self._order.commit(positions, pos, layer=layer_idx)
         view = CacheView(k_all, v_all, kv_pos, q_pos)
         layer.last_view = view
         return view
 
+    def view(self, layer_idx: int) -> CacheView:
+        """The view of layer ``layer_idx``'s last :meth:`update`, gathered now if that update deferred it."""
+        layer = self._layer(layer_idx, None, "view")
+        view = layer.last_view
+        if view is None:
+            raise ValueError(f"view: layer {layer_idx} has not been updated since the cache was built or changed; "
+                             f"call update first")
+        if view.k is None:
+            view = layer.last_view = view._replace(**dict(zip(("k", "v"), layer.store.gather())))
+        return view
+
     def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
                ) -> torch.Tensor | None:
         """Attention of the step just stored for ``layer_idx`` (one query per row) by the storage's own
         decode kernel where it has one: paged pools on CUDA through Triton (:meth:`PagedStore.decode`),
-        reading the blocks in place. None otherwise: the caller attends over the view ``update`` returned.
+        reading the blocks in place. None otherwise: the caller attends over the view ``update`` returned
+        (or :meth:`view`, after a deferred update).
 
         Args:
             q: (B, Hq, 1, D) queries, rotated like the stored keys.

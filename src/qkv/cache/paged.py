@@ -764,6 +764,22 @@ class BlockManager:
         return out
 
 
+def _gather_head_major(pool: torch.Tensor, tab: torch.Tensor) -> torch.Tensor:
+    """Blocks ``tab`` (B, nb) of a pool (P, H, T, D) as the (B, H, nb * T, D) view of one (H, B * nb, T, D) copy:
+    one ``index_select`` of whole (T, D) blocks per head (measured 3-4x faster on CPU than advanced indexing of
+    the head-major pool), and each (row, head) slab contiguous, so the view needs no second copy."""
+    B, nb = tab.shape
+    H, T, D = pool.shape[1], pool.shape[2], pool.shape[3]
+    flat = tab.reshape(-1)
+    if torch.is_grad_enabled() and pool.requires_grad:  # out= does not record gradients
+        out = torch.stack([pool[:, h].index_select(0, flat) for h in range(H)])
+    else:
+        out = pool.new_empty(H, B * nb, T, D)
+        for h in range(H):
+            torch.index_select(pool[:, h], 0, flat, out=out[h])
+    return out.view(H, B, nb * T, D).transpose(0, 1)
+
+
 class PagedStore(Store):
     """One layer's pools; slots come from the shared :class:`BlockManager`."""
 
@@ -780,7 +796,9 @@ class PagedStore(Store):
     def batch(self) -> int | None:
         return self.manager.rows or None
 
-    def write(self, k, v, pos):
+    def write(self, k, v, pos, *, gather: bool = True):
+        """Store the step; return the layer's view ``(k_all, v_all, kv_positions)``, or ``(None, None,
+        kv_positions)`` without ``gather`` (the caller decodes in place, :meth:`decode`, or asks :meth:`gather`)."""
         step = self.manager.step_for(self.seen, pos)
         g, T = self.group, self.manager.T
         B, H, n, Dk = k.shape
@@ -792,19 +810,21 @@ class PagedStore(Store):
             self.kp[step.blocks[self.gi], :, step.offsets] = k.transpose(1, 2)[step.real]  # (n_real, H, Dk)
             self.vp[step.blocks[self.gi], :, step.offsets] = v.transpose(1, 2)[step.real]
         self.seen += n
-        tab = step.tables[self.gi]  # (B, nb)
-        nb = tab.shape[1]
-        # gathered head-major, (H, B, nb, T, D): the (B, H, nb * T, D) view of it needs no second copy
-        k_all = self.kp.transpose(0, 1)[:, tab].transpose(0, 1).reshape(B, H, nb * T, Dk)
-        v_all = self.vp.transpose(0, 1)[:, tab].transpose(0, 1).reshape(B, H, nb * T, self.vp.shape[-1])
-        return k_all, v_all, step.view_pos[self.gi]
+        if not gather:
+            return None, None, step.view_pos[self.gi]
+        return (*self.gather(), step.view_pos[self.gi])
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's view of this layer, ``(k_all (B, H, nb * T, Dk), v_all (B, H, nb * T, Dv))``."""
+        tab = self.manager.step.tables[self.gi]  # (B, nb)
+        return _gather_head_major(self.kp, tab), _gather_head_major(self.vp, tab)
 
     def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
                window: int | None = None) -> torch.Tensor | None:
         """Attention of the step just written (one query per row) straight over this layer's blocks,
         without gathering them: the Triton paged-decode kernel, when ``gpu_decode_ready`` holds for the
         query and the pools (CUDA, no gradients, triton installed); None otherwise, and the caller
-        attends over the view :meth:`write` returned.
+        attends over the view (:meth:`gather`).
 
         Args:
             q: (B, Hq, 1, D) rotated queries; q_positions (B, 1) int64.

@@ -71,7 +71,8 @@ import torch
 from .specs import FullSpec, LayerSpec
 from .storage import Store
 
-__all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecodingCache", "PrefixMatchingCache",
+__all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecodingCache", "DeferredViewCache",
+           "PrefixMatchingCache",
            "CroppableCache", "ForkableCache", "ResettableCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
            "CachePolicy", "Quantizer", "RowSlots"]
 
@@ -150,6 +151,19 @@ class DecodingCache(Protocol):
         """Causal attention of ``q`` (B, Hq, 1, D), rotated like the stored keys, over layer ``layer_idx``'s
         view of the step just stored (``window`` as in ``masks.positions(..., window=W)``): (B, Hq, 1, Dv), or
         None where the cache has no kernel for that layer and the caller attends over the view."""
+        ...
+
+
+@runtime_checkable
+class DeferredViewCache(Protocol):
+    """A :class:`DecodingCache` whose ``update(..., defer_view=True)`` may skip building a layer's view (returning
+    ``k`` and ``v`` None) for a caller about to ``decode`` in place; ``view`` builds it when the decode declines."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
+               rope: RopeFn | None = None, defer_view: bool = False) -> CacheView: ...
+
+    def view(self, layer_idx: int) -> CacheView:
+        """The view of layer ``layer_idx``'s last update, built now if that update deferred it."""
         ...
 
 

@@ -48,7 +48,7 @@ import torch
 
 from .. import masks
 from .._attention import attention
-from ..cache.protocol import AttentionCache, DecodingCache, LatentCache, RopeFn
+from ..cache.protocol import AttentionCache, DecodingCache, DeferredViewCache, LatentCache, RopeFn
 from ..pos.relative import PositionalBias
 from .protocol import AttentionFn, apply_head_gate
 
@@ -69,11 +69,13 @@ class AttentionHeads(NamedTuple):
 
 class CacheCapabilities(NamedTuple):
     """What a cache class declares, read once per class: the base protocol (:class:`qkv.cache.AttentionCache`),
-    latents (:class:`qkv.cache.LatentCache`), in-place decoding (:class:`qkv.cache.DecodingCache`)."""
+    latents (:class:`qkv.cache.LatentCache`), in-place decoding (:class:`qkv.cache.DecodingCache`), views built
+    only when a decode declines (:class:`qkv.cache.DeferredViewCache`)."""
 
     attention: bool
     latent: bool
     decoding: bool
+    deferred_view: bool = False
 
 
 _CAPABILITIES: dict[type, CacheCapabilities] = {}
@@ -85,14 +87,15 @@ def cache_capabilities(cache) -> CacheCapabilities:
     Example:
         >>> from qkv.cache import FullSpec, KVCache
         >>> cache_capabilities(KVCache([FullSpec(1, 4)]))
-        CacheCapabilities(attention=True, latent=True, decoding=True)
+        CacheCapabilities(attention=True, latent=True, decoding=True, deferred_view=True)
     """
     kind = type(cache)
     caps = _CAPABILITIES.get(kind)
     if caps is None:
+        decoding = isinstance(cache, DecodingCache)
         caps = _CAPABILITIES[kind] = CacheCapabilities(isinstance(cache, AttentionCache),
-                                                       isinstance(cache, LatentCache),
-                                                       isinstance(cache, DecodingCache))
+                                                       isinstance(cache, LatentCache), decoding,
+                                                       decoding and isinstance(cache, DeferredViewCache))
     return caps
 
 
@@ -218,8 +221,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         :class:`AttentionHeads` ``(out (B, Hq, N, Dv), lse (B, Hq, N) or None)``.
 
     A single-query step (``N == 1``) over a :class:`qkv.cache.DecodingCache` with a plain call
-    (:func:`plain_decode_step`, and no ``return_lse``) first offers the step to ``cache.decode``, which attends
-    in place where the cache has a kernel (paged pools on a GPU) and returns None otherwise.
+    (:func:`plain_decode_step`, no ``return_lse``, ``decode_backend`` None, ``"auto"`` or ``"sdpa"``) first offers
+    the step to ``cache.decode``, which attends in place where the cache has a kernel (paged pools on a GPU) and
+    returns None otherwise; a :class:`qkv.cache.DeferredViewCache` is asked not to build the view such a kernel
+    does not read (``update(..., defer_view=True)``, then ``view`` when the decode declines).
 
     Example:
         >>> import torch
@@ -267,19 +272,27 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                              f"follows the positions the cache reports")
         if score_mod is not None or position_bias is not None:
             refuse_scoring_cache(cache, layer_idx, owner=owner, modifiers=(position_bias, score_mod))
+    # in place where the cache can (a plain one-query step whose single-query backend is the default's)
+    in_place = (N == 1 and caps is not None and caps.decoding and not return_lse and position_bias is None
+                and decode_backend in (None, "auto", "sdpa")
+                and plain_decode_step(N, attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
+                                      score_mod=score_mod, sinks=sinks, dropout_p=dropout_p))
+    if cache is not None:
+        defer = {"defer_view": True} if in_place and caps.deferred_view else {}
         if rope is None or cache.keeps_absolute_positions(layer_idx):
             if rope is not None:
                 q, k = rotate(q, k) if rotate is not None else (rope(q, positions), rope(k, positions))
-            view = cache.update(layer_idx, k, v, positions=positions, rope=None)
+            view = cache.update(layer_idx, k, v, positions=positions, rope=None, **defer)
         else:  # the cache rotates keys where it keeps them and says where the queries sit
-            view = cache.update(layer_idx, k, v, positions=positions, rope=rope)
+            view = cache.update(layer_idx, k, v, positions=positions, rope=rope, **defer)
             q = rope(q, view.q_positions)
         k, v, q_pos, kv_pos = view.k, view.v, view.q_positions, view.kv_positions  # (B, Hkv, S, D), ...
     out = lse = None
-    if (N == 1 and caps is not None and caps.decoding and not return_lse and position_bias is None
-            and plain_decode_step(N, attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
-                                  score_mod=score_mod, sinks=sinks, dropout_p=dropout_p)):
+    if in_place:
         out = cache.decode(layer_idx, q, scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window)
+        if out is None and k is None:  # declined after a deferred update: build the view now
+            view = cache.view(layer_idx)
+            k, v = view.k, view.v
     if out is None:
         if step_mask is not None:
             built = step_mask if mask is None else step_mask & mask
