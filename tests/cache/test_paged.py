@@ -186,10 +186,16 @@ def _paged_step(window=None, defer=False):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_deferred_view_is_built_on_request_and_equals_the_eager_one(window):
-    """``update(..., defer_view=True)`` skips gathering a paged layer's view (a decode kernel reads the blocks in
-    place); ``view`` gathers it afterwards, equal to what an eager update returns."""
+def test_deferred_view_is_built_on_request_and_equals_the_eager_one(window, monkeypatch):
+    """``update(..., defer_view=True)`` skips gathering a paged layer's view where its decode kernel will serve
+    the step (here pretended: the kernel's conditions are CUDA and triton); ``view`` gathers it afterwards, equal
+    to what an eager update returns. Where the kernel will not serve it (this CPU), the view comes at once."""
+    from qkv.cache.paged import PagedStore
+
     _, eager = _paged_step(window)
+    _, not_served = _paged_step(window, defer=True)
+    assert torch.equal(not_served.k, eager.k)
+    monkeypatch.setattr(PagedStore, "decodes_in_place", lambda self, *t: True)
     cache, deferred = _paged_step(window, defer=True)
     assert deferred.k is None and deferred.v is None
     assert torch.equal(deferred.kv_positions, eager.kv_positions)

@@ -204,9 +204,10 @@ class KVCache:
             v: (B, Hkv, N, Dv) new values.
             positions: (B, N) int64 absolute positions, ``-1`` for padding tokens.
             rope: ``rope(x, positions) -> x`` (x: (B, H, N, D), positions: (B, N)) or ``None``.
-            defer_view: a caller about to :meth:`decode` in place: paged layers skip gathering their view (the
-                returned ``k`` and ``v`` are None; :meth:`view` gathers it if the decode declines). Other
-                layers return their view as always.
+            defer_view: a caller about to :meth:`decode` in place: paged layers whose decode kernel will serve
+                the step (CUDA, no gradients, triton installed) skip gathering their view (the returned ``k``
+                and ``v`` are None; :meth:`view` gathers it if the decode declines). Other layers return their
+                view as always.
 
         Returns:
             :class:`CacheView` ``(k, v, kv_positions, q_positions)``.
@@ -221,7 +222,7 @@ class KVCache:
         else:
             if rope is not None:
                 k = rope(k, pos.clamp_min(0))
-            if defer_view and isinstance(layer.store, PagedStore):
+            if defer_view and isinstance(layer.store, PagedStore) and layer.store.decodes_in_place(k, v):
                 k_all, v_all, kv_pos = layer.store.write(k, v, pos, gather=False)
             else:
                 k_all, v_all, kv_pos = layer.store.write(k, v, pos)

@@ -819,6 +819,12 @@ class PagedStore(Store):
         tab = self.manager.step.tables[self.gi]  # (B, nb)
         return _gather_head_major(self.kp, tab), _gather_head_major(self.vp, tab)
 
+    def decodes_in_place(self, *tensors: torch.Tensor) -> bool:
+        """Whether :meth:`decode` will serve a step of these tensors (the Triton kernel's conditions)."""
+        from ..backends.triton import gpu_decode_ready
+
+        return gpu_decode_ready(*tensors)
+
     def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
                window: int | None = None) -> torch.Tensor | None:
         """Attention of the step just written (one query per row) straight over this layer's blocks,
