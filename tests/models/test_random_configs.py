@@ -7,7 +7,9 @@ layer types, windows, RoPE variants, tied heads, biases, expert counts, top-k an
 
 - prefill logits of qkv float32 within the error budget of HF eager float64 (HF float32 the baseline);
 - greedy generation of a left-padded batch through the dynamic, static and paged caches gives HF's tokens;
-- HF with ``attn_implementation="qkv"`` gives eager's logits on the padded batch.
+- HF with ``attn_implementation="qkv"`` gives eager's logits on the padded batch;
+- ``qkv.costs.num_parameters`` of the HF config counts the HF model's parameters, and ``plan_memory`` gives the
+  bytes per layer the default cache then holds after a prefill and decode steps.
 
 One draw per family runs in ``make test``; ``make test-slow`` runs ten more per family. Draws stay inside what
 HF itself runs (a head dim the hidden size divides, two experts per routing group) and away from exact ties in
@@ -24,7 +26,8 @@ import pytest
 import torch
 
 from _hf import hf_causal_lm, two_row_prompt, within_budget
-from qkv.cache import KVCache, Paged, Static
+from qkv.cache import KVCache, Paged, Static, plan_memory
+from qkv.costs import num_parameters
 from qkv.models import from_hf
 from qkv.models.generate import generate
 
@@ -243,6 +246,18 @@ def check(family: str, seed: int) -> list[str]:
                           hf(padded, attention_mask=mask).logits[real], what="attn_implementation='qkv' logits")
         except AssertionError as e:
             problems.append(str(e))
+        cache = KVCache(model.cache_specs())
+        model(ids, cache=cache)
+        for _ in range(3):
+            model(ids[:, -1:], cache=cache)
+    counted, held = num_parameters(hf.config.to_dict()).total, sum(p.numel() for p in hf.parameters())
+    if counted != held:
+        problems.append(f"num_parameters {counted} where the HF model holds {held}")
+    plan = [(layer.kind, round(layer.allocated_bytes)) for layer in
+            plan_memory(model, batch=2, context=n + 3, new_tokens=3).layers]
+    built = [(m.kind, m.allocated_bytes) for m in cache.memory().layers]
+    if plan != built:
+        problems.append(f"plan_memory {plan} where the cache holds {built}")
     return [f"{family} draw {seed} {fields}: {p}" for p in problems]
 
 
