@@ -14,13 +14,16 @@ Sections, each guarded so one failure still reports the others (its error goes i
 3. decode at 32K context over a paged cache, against the memory-bandwidth floor (bytes of K and V over
    the measured copy bandwidth);
 4. the Flex backend (``qkv.attention(backend="flex")``) on CUDA: masks, modifiers, lse and gradients
-   against the float64 reference.
+   against the float64 reference;
+5. qkv's contract battery (:func:`qkv.conformance.check`: lse, masked rows, causal and window alignment, GQA,
+   softcap, sinks, empty keys, dtypes float32 and bfloat16, strided inputs, determinism, batch invariance) on the
+   device for the Triton backend, torch SDPA and qkv's SDPA backend: one row per kernel, the checks that differ.
 
 Targets (H200): forward >= 0.9x SDPA-flash TFLOP/s, backward >= 0.8x, window >= 1.0x Flex, decode >= 0.8x
 of the bandwidth floor. ``--dry-run`` runs every section's logic at tiny sizes on CPU (Triton's
 interpreter, no timings that mean anything) to check the script itself; its correctness rows (``ok``,
 ``worst_ratio`` of error to budget, the decode error) are checked by ``tests/test_bench_smoke.py``.
-``--sections correctness,decode`` runs only the named sections (default: all four). ``--tuned FILE`` first
+``--sections correctness,decode`` runs only the named sections (default: all five). ``--tuned FILE`` first
 applies the launch settings that ``benchmarks/gpu_tune.py --best FILE`` measured fastest (recorded in the
 context), so one GPU session can sweep and then publish with the winners.
 
@@ -28,7 +31,8 @@ Times are the device's: CUDA events around back-to-back calls, the peers interle
 each ratio has a range over paired repeats and a target is met only when the slowest repeat meets it. The
 decode row also gives one synchronised call's latency (the host's launch work included).
 
-    python benchmarks/gpu.py [--dry-run] [--sections correctness,speed,decode,flex_backend] [--tuned FILE]
+    python benchmarks/gpu.py [--dry-run] [--sections correctness,speed,decode,flex_backend,conformance]
+                             [--tuned FILE]
 """
 
 from __future__ import annotations
@@ -266,7 +270,24 @@ def flex_backend(suite: Suite, s: dict, dev: str) -> None:
             traceback.print_exc()
 
 
-SECTIONS = ("correctness", "speed", "decode", "flex_backend")
+def conformance(suite: Suite, dev: str) -> None:
+    """The contract battery on ``dev`` for each kernel (see the module docstring)."""
+    from qkv import conformance as C
+
+    for name in ("triton", "sdpa", "qkv-sdpa"):
+        try:
+            report = C.check(name, device=dev, dtypes=(torch.float32, torch.bfloat16))
+            differ = [f"{f.check}: {f.seen}"[:160] for f in report.findings if f.ok is False]
+            suite.add({"section": "conformance", "case": name},
+                      {"ok": not differ, "checks": len(report.findings),
+                       "not_supported": sum(f.ok is None for f in report.findings), "differs": "; ".join(differ)})
+        except Exception as e:
+            suite.add({"section": "conformance", "case": name}, {"ok": False})
+            suite.note(f"conformance {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            traceback.print_exc()
+
+
+SECTIONS = ("correctness", "speed", "decode", "flex_backend", "conformance")
 
 
 def _own_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -309,7 +330,8 @@ def main(argv=None) -> int:
     runs = {"correctness": lambda: correctness(suite, s, dev, dtype),
             "speed": lambda: speed(suite, s, dev, dtype, repeat, dry),
             "decode": lambda: decode(suite, s, dev, dtype, repeat, dry),
-            "flex_backend": lambda: flex_backend(suite, s, dev)}
+            "flex_backend": lambda: flex_backend(suite, s, dev),
+            "conformance": lambda: conformance(suite, dev)}
     for name in SECTIONS:
         if name in own.sections:
             section(suite, name, runs[name])

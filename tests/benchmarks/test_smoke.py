@@ -192,7 +192,7 @@ def _gqa_conversion(t):
                 f"kv={kv}: uptraining must lower the distillation loss and not lose agreement: {up}"
 
 
-def _gpu(t, sections=("correctness", "decode", "flex_backend")):
+def _gpu(t, sections=("correctness", "decode", "flex_backend", "conformance")):
     payload = t["gpu"]
     assert payload["context"].get("dry_run"), f"the smoke test runs the CPU dry run: {payload['context']}"
     failed = [n for n in payload["notes"] if "failed" in n]
@@ -210,6 +210,10 @@ def _gpu(t, sections=("correctness", "decode", "flex_backend")):
         assert r["max_err_vs_fp32"] < 1e-5, f"paged decode kernel (interpreted, float32): {r}"
     for r in by.get("speed", []):
         assert r.get("triton_fwd_tflops", 0) > 0 and r.get("triton_fwdbwd_tflops", 0) > 0, f"speed row: {r}"
+    conform = {r["case"]: r for r in by["conformance"]}
+    assert set(conform) == {"triton", "sdpa", "qkv-sdpa"}
+    assert conform["triton"]["ok"] and conform["qkv-sdpa"]["ok"], conform  # qkv's kernels keep qkv's contract
+    assert "causal_alignment" in conform["sdpa"]["differs"], conform["sdpa"]  # torch's top-left causal, reported
 
 
 def _skinny(t):
@@ -265,7 +269,8 @@ AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "sparse_select
              "mask_export": _mask_export, "batch_invariant": _batch_invariant}
 # The gpu suite runs on CPU through Triton's interpreter (--dry-run), without its speed section here: that one
 # compiles FlexAttention for the CPU (about a minute); test_gpu_dry_run_with_speed_section runs it under -m slow.
-EXTRA_ARGS = {"generate": ["--threads", "1"], "gpu": ["--dry-run", "--sections", "correctness,decode,flex_backend"],
+EXTRA_ARGS = {"generate": ["--threads", "1"],
+              "gpu": ["--dry-run", "--sections", "correctness,decode,flex_backend,conformance"],
               "quality": ["--methods", "dense", "--threads", "1"]}
 
 
@@ -320,7 +325,8 @@ def test_suite_runs_at_smallest_size_and_agrees(suite, tmp_path):
 @pytest.mark.slow  # torch.compile of FlexAttention for the CPU, about a minute: the speed section's logic only
 def test_gpu_dry_run_with_speed_section(tmp_path):
     _skip_without_needs("gpu")
-    _gpu(_run("gpu", ["--dry-run"], tmp_path), sections=("correctness", "speed", "decode", "flex_backend"))
+    _gpu(_run("gpu", ["--dry-run"], tmp_path), sections=("correctness", "speed", "decode", "flex_backend",
+                                                          "conformance"))
 
 
 def test_gpu_sections_flag_rejects_unknown_names(capsys):
