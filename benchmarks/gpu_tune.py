@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,7 @@ HEAVY_FIRST = (True, False)
 BWD = [(64, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2),
        (32, 32, 4, 3), (64, 64, 8, 3), (128, 128, 8, 1)]
 DECODE = list(itertools.product((64, 128), (2, 4, 8), (4,), (2, 3)))
+DECODE_NAMES = ("DECODE_TILE_KEYS", "DECODE_WAVES", "DECODE_WARPS", "DECODE_STAGES")  # what a DECODE row sets
 
 
 def _name(cfg, *, decode: bool = False) -> str:
@@ -125,9 +127,6 @@ def decode_sweep(results: list) -> None:
         setattr(DEC, n, x)
 
 
-DECODE_NAMES = ("DECODE_TILE_KEYS", "DECODE_WAVES", "DECODE_WARPS", "DECODE_STAGES")
-
-
 def best(results: list) -> dict:
     """The fastest decode settings, and the forward settings least slow over both masks together."""
     out: dict = {}
@@ -148,23 +147,16 @@ def best(results: list) -> dict:
 
 
 def apply_best(path: str) -> dict:
-    """Apply settings written by ``--best``: the decode globals, and the forward's tiles for bf16/fp16 heads of
-    up to 128 on CUDA (the shapes swept) and its tile order. Returns what was applied."""
-    chosen = json.loads(open(path).read())
+    """Apply settings written by ``--best`` in this process (gpu.py's shapes, the ones swept): the decode globals,
+    the forward's tiles and its tile order. Returns what was applied."""
+    chosen = json.loads(Path(path).read_text())
     for n, x in chosen.get("decode", {}).items():
         if n not in DECODE_NAMES:
             raise ValueError(f"apply_best: unknown decode setting {n!r} in {path}")
         setattr(DEC, n, x)
     fwd = chosen.get("forward")
     if fwd:
-        tiles, default = A.Tiles(*fwd["tiles"]), A.tile_sizes
-
-        def tile_sizes(D, Dv, device, dtype=torch.bfloat16, *, backward: bool = False):
-            if backward or device.type != "cuda" or dtype == torch.float32 or max(D, Dv) > 128:
-                return default(D, Dv, device, dtype, backward=backward)
-            return tiles
-
-        A.tile_sizes = tile_sizes
+        A.tile_sizes = _only(A.Tiles(*fwd["tiles"]), False, A.tile_sizes)
         A.FWD_HEAVY_FIRST = bool(fwd["FWD_HEAVY_FIRST"])
     return chosen
 

@@ -401,3 +401,40 @@ def test_cpu_peak_memory_counts_nested_allocations_once():
 
     peak = peak_memory_during(many) / 2**20
     assert 4 <= peak < 16, f"peak {peak:.1f} MiB for 4 MiB products freed one by one"
+
+
+def test_gpu_tune_picks_the_forward_least_slow_over_both_masks_and_applies_it(tmp_path, monkeypatch):
+    """``gpu_tune.best``: the fastest decode row; the forward settings whose times, each over its mask's fastest,
+    sum least (not the fastest on one mask alone). ``apply_best`` sets them for the forward only and restores
+    nothing it was not given."""
+    pytest.importorskip("triton")  # gpu_tune imports the Triton backend
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_tune as T
+    finally:
+        while str(BENCH) in sys.path:
+            sys.path.remove(str(BENCH))
+    rows = [{"what": "decode", "cfg": [64, 4, 4, 2], "seconds": 3.0}, {"what": "decode", "cfg": [128, 2, 4, 3],
+                                                                         "seconds": 2.0},
+            {"what": "fwd", "case": "causal", "cfg": [128, 128, 8, 3, True], "seconds": 1.0},  # fastest causal
+            {"what": "fwd", "case": "window", "cfg": [128, 128, 8, 3, True], "seconds": 2.0},  # 2x off the window
+            {"what": "fwd", "case": "causal", "cfg": [64, 64, 4, 3, False], "seconds": 1.1},
+            {"what": "fwd", "case": "window", "cfg": [64, 64, 4, 3, False], "seconds": 1.0},
+            {"what": "fwd", "case": "causal", "cfg": [128, 64, 8, 3, True], "seconds": 0.9}]  # no window row
+    chosen = T.best(rows)
+    assert chosen == {"decode": dict(zip(T.DECODE_NAMES, [128, 2, 4, 3])),
+                      "forward": {"tiles": [64, 64, 4, 3], "FWD_HEAVY_FIRST": False}}
+    for name in T.DECODE_NAMES:
+        monkeypatch.setattr(T.DEC, name, getattr(T.DEC, name))
+    monkeypatch.setattr(T.A, "tile_sizes", T.A.tile_sizes)
+    monkeypatch.setattr(T.A, "FWD_HEAVY_FIRST", T.A.FWD_HEAVY_FIRST)
+    bwd = T.A.tile_sizes(128, 128, torch.device("cuda"), backward=True)
+    path = tmp_path / "best.json"
+    path.write_text(json.dumps(chosen))
+    T.apply_best(str(path))
+    assert T.A.tile_sizes(128, 128, torch.device("cuda")) == T.A.Tiles(64, 64, 4, 3)
+    assert T.A.tile_sizes(128, 128, torch.device("cuda"), backward=True) == bwd
+    assert T.DEC.DECODE_TILE_KEYS == 128 and T.A.FWD_HEAVY_FIRST is False
+    path.write_text(json.dumps({"decode": {"DECODE_SPEED": 1}}))
+    with pytest.raises(ValueError, match="unknown decode setting"):
+        T.apply_best(str(path))

@@ -152,7 +152,7 @@ def rename_router_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _rename_moe(src: dict[str, torch.Tensor], out: dict[str, torch.Tensor], mlp: str, n: int,
-                n_shared: int = 1) -> None:
+                n_shared: int) -> None:
     """DeepSeek MoE: router ``gate.weight``; experts either stacked (transformers 5 in memory:
     ``experts.gate_up_proj`` (E, 2f, d), ``experts.down_proj`` (E, d, f)) or one module per expert (files on
     disk: ``experts.{e}.gate_proj.weight``, ...); shared experts' gate/up stacked like a dense MLP. With
