@@ -1,6 +1,6 @@
 """Decoding with KV caches on a small decoder (``qkv.nn.DecoderLM``, Llama shape, width 256, 4 layers).
 
-Four tables:
+Five tables:
 
 1. ``decode``: single-token decode tokens/s with a cache (dynamic, static, paged) against full
    recomputation of the whole sequence per token, at context 256, 1024, 4096 (target: >= 10x at 1024).
@@ -10,6 +10,12 @@ Four tables:
    prefix caching.
 4. ``decode_quant``: KIVI int4/int2 and int8 caches; stored bytes per token and logit error against a
    bf16 cache (same model, same tokens, teacher-forced).
+5. ``paged_cpu``: one attention call of a decode step over a paged pool (16-token blocks, 8 query / 2 KV heads,
+   head dim 64, blocks shuffled in a 4096-block pool), the two CPU paths side by side: the padded view (every
+   row's blocks gathered to the longest row's count, then SDPA) and the block path
+   (:func:`qkv.backends.paged.paged_decode_blocks`: each row's live blocks only), over rows of one length and
+   rows of mixed lengths; ``fill`` is the live share of the padded view, which decides the path
+   (``qkv.cache.paged.BLOCKS_BELOW_FILL``).
 
 Timing: cached decode and recomputation (table 1), prefix caching on and off (table 3) run round-robin,
 every repeat a pair; each ratio is its median and range over the paired repeats, and the target is met
@@ -30,6 +36,7 @@ import torch
 
 from _harness import Suite, median_ms, parse_args, ratio, target, time_interleaved
 from qkv.cache import KIVI, Dynamic, Int8, KVCache, Paged, Static
+from qkv.cache.paged import BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS
 from qkv.models.generate import forward_step, generate, prefill
 
 
@@ -121,6 +128,49 @@ def shared_prefix(suite: Suite, system_len: int, users: int, user_len: int, repe
 
 
 @torch.no_grad()
+def paged_cpu(suite: Suite, repeat: int, cpu: bool, quick: bool) -> None:
+    from qkv import attention
+    from qkv import masks as M
+    from qkv.backends.paged import gather_head_major, paged_decode_blocks
+
+    T, Hq, Hkv, D, P = 16, 8, 2, 64, 4096
+    g = torch.Generator().manual_seed(7)
+    kp, vp = torch.randn(P, Hkv, T, D, generator=g), torch.randn(P, Hkv, T, D, generator=g)
+    top = 128 if quick else 640
+    cases = [("one length", 32, top, 1.0), ("one long row", 1, 8 * top, 1.0),
+             ("mixed, 0.6..1 of the longest", 32, top, 0.6), ("mixed, 0.03..1 (a request stream)", 32, top, 0.03),
+             ("a short stream", 32, top // 4, 0.03),
+             ("a long stream", 8, 2 * top, 0.03)]
+    for name, B, longest, lo in cases:
+        lens = [longest] + torch.randint(int(lo * longest), longest + 1, (B - 1,), generator=g).tolist()
+        B, nb = len(lens), -(-max(lens) // T)
+        order = torch.randperm(P, generator=g)
+        tables, kpos, used = torch.zeros(B, nb, dtype=torch.int64), torch.full((B, nb * T), -1), 0
+        for b, n in enumerate(lens):
+            tables[b, :-(-n // T)] = order[used:used - (-n // T)]
+            used += -(-n // T)
+            kpos[b, :n] = torch.arange(n)
+        qpos = torch.tensor(lens) - 1
+        q = torch.randn(B, Hq, D, generator=g)
+
+        def padded():
+            k, v = gather_head_major(kp, tables), gather_head_major(vp, tables)
+            return attention(q[:, :, None], k, v, mask=M.positions(qpos[:, None], kpos))[:, :, 0]
+
+        def blocks():
+            return paged_decode_blocks(q, kp, vp, tables, kpos, qpos)[0]
+
+        err = float((padded() - blocks()).abs().max())
+        t = time_interleaved({"padded": padded, "blocks": blocks}, repeat=repeat, cpu=cpu, samples=True)
+        fill = sum(lens) / (B * nb * T)
+        taken = "blocks" if fill <= BLOCKS_BELOW_FILL and B * nb * T >= BLOCKS_MIN_SLOTS else "padded"
+        suite.add({"rows": name, "B": B, "longest": max(lens), "fill": round(fill, 3), "slots": B * nb * T},
+                  {"padded_ms": median_ms(t["padded"]), "blocks_ms": median_ms(t["blocks"]),
+                   "padded/blocks": ratio(t["padded"], t["blocks"]),
+                   "path taken": taken, "max_abs_diff": err})
+
+
+@torch.no_grad()
 def quantized(suite: Suite, prompt: int, steps: int) -> None:
     model, cfg = _model(torch.bfloat16)
     ids = _ids(1, prompt)
@@ -185,6 +235,13 @@ def main(argv=None) -> None:
                **{**ctx, "dtype": "bfloat16"})
     quantized(s4, 128 if quick else 1024, 16 if quick else 32)
     s4.finish()
+
+    s5 = Suite("paged_cpu", "paged decode attention on CPU: the padded view vs the block path, one call", **ctx)
+    paged_cpu(s5, repeat, args.cpu_time, quick)
+    s5.note(f"The cache takes the block path when fill <= {BLOCKS_BELOW_FILL} and the padded view holds at least "
+            f"{BLOCKS_MIN_SLOTS} slots (qkv.cache.paged.BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS). "
+            "padded/blocks: the padded view's time over the block path's, median and range over paired repeats.")
+    s5.finish()
 
 
 if __name__ == "__main__":

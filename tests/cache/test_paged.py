@@ -220,14 +220,14 @@ def test_deferring_non_paged_layers_changes_nothing():
 def test_paged_gather_with_gradients_matches_and_flows():
     """The head-major block gather (index_select per head) equals advanced indexing, and with a pool that requires
     grad it records the gradient (no out= copy)."""
-    from qkv.cache.paged import _gather_head_major
+    from qkv.backends.paged import gather_head_major
 
     pool = torch.randn(9, 3, 4, 5, requires_grad=True)
     tab = torch.tensor([[4, 1, 8], [0, 0, 2]])
     want = pool.transpose(0, 1)[:, tab].transpose(0, 1).reshape(2, 3, 12, 5)
-    got = _gather_head_major(pool, tab)
+    got = gather_head_major(pool, tab)
     assert torch.equal(got, want)
     got.sum().backward()
     assert pool.grad is not None and pool.grad[4].eq(1).all() and pool.grad[0].eq(2).all()
     with torch.no_grad():
-        assert torch.equal(_gather_head_major(pool, tab), want)
+        assert torch.equal(gather_head_major(pool, tab), want)

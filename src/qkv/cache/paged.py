@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..backends.paged import gather_head_major
 from .storage import Store
 
 __all__ = ["Paged", "PagedStore", "BlockManager", "CacheFull", "PoolStats", "prefix_hashes"]
@@ -764,20 +765,13 @@ class BlockManager:
         return out
 
 
-def _gather_head_major(pool: torch.Tensor, tab: torch.Tensor) -> torch.Tensor:
-    """Blocks ``tab`` (B, nb) of a pool (P, H, T, D) as the (B, H, nb * T, D) view of one (H, B * nb, T, D) copy:
-    one ``index_select`` of whole (T, D) blocks per head (measured 3-4x faster on CPU than advanced indexing of
-    the head-major pool), and each (row, head) slab contiguous, so the view needs no second copy."""
-    B, nb = tab.shape
-    H, T, D = pool.shape[1], pool.shape[2], pool.shape[3]
-    flat = tab.reshape(-1)
-    if torch.is_grad_enabled() and pool.requires_grad:  # out= does not record gradients
-        out = torch.stack([pool[:, h].index_select(0, flat) for h in range(H)])
-    else:
-        out = pool.new_empty(H, B * nb, T, D)
-        for h in range(H):
-            torch.index_select(pool[:, h], 0, flat, out=out[h])
-    return out.view(H, B, nb * T, D).transpose(0, 1)
+#: The block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves a CPU decode step when the step's rows
+#: fill at most this share of the padded view, and the view holds at least BLOCKS_MIN_SLOTS slots: on
+#: benchmarks/decode.py's ``paged_cpu`` table fuller views go faster padded (one SDPA over long rows beats many
+#: span-sized GEMMs) and small ones too (the block path's fixed cost, a few dozen small ops), while a request
+#: stream's ragged rows (about half full) go faster by blocks.
+BLOCKS_BELOW_FILL = 0.7
+BLOCKS_MIN_SLOTS = 4096
 
 
 class PagedStore(Store):
@@ -817,20 +811,39 @@ class PagedStore(Store):
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's view of this layer, ``(k_all (B, H, nb * T, Dk), v_all (B, H, nb * T, Dv))``."""
         tab = self.manager.step.tables[self.gi]  # (B, nb)
-        return _gather_head_major(self.kp, tab), _gather_head_major(self.vp, tab)
+        return gather_head_major(self.kp, tab), gather_head_major(self.vp, tab)
 
     def decodes_in_place(self, *tensors: torch.Tensor) -> bool:
-        """Whether :meth:`decode` will serve a step of these tensors (the Triton kernel's conditions)."""
+        """Whether :meth:`decode` will serve a step of these tensors (the Triton kernel's conditions, or the
+        block path's: :meth:`blocks_serve`)."""
         from ..backends.triton import gpu_decode_ready
 
-        return gpu_decode_ready(*tensors)
+        return gpu_decode_ready(*tensors) or self.blocks_serve(*tensors)
+
+    def blocks_serve(self, *tensors: torch.Tensor) -> bool:
+        """Whether the torch block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves this step: off
+        CUDA, float32/float64 pools and tensors, no gradients, and the step's rows ragged enough (live slots at
+        most :data:`BLOCKS_BELOW_FILL` of a padded view of at least :data:`BLOCKS_MIN_SLOTS` slots) that listing
+        each row's live blocks beats gathering and reading the padded view."""
+        from ..backends.paged import BLOCKS_DTYPES
+
+        step = self.manager.step
+        if step is None or self.kp is None:
+            return False
+        every = (*tensors, self.kp, self.vp)
+        if any(t.is_cuda or t.dtype not in BLOCKS_DTYPES for t in every):
+            return False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in every):
+            return False
+        pos = step.view_pos[self.gi]
+        return pos.numel() >= BLOCKS_MIN_SLOTS and int((pos >= 0).sum()) <= BLOCKS_BELOW_FILL * pos.numel()
 
     def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
                window: int | None = None) -> torch.Tensor | None:
-        """Attention of the step just written (one query per row) straight over this layer's blocks,
-        without gathering them: the Triton paged-decode kernel, when ``gpu_decode_ready`` holds for the
-        query and the pools (CUDA, no gradients, triton installed); None otherwise, and the caller
-        attends over the view (:meth:`gather`).
+        """Attention of the step just written (one query per row) over this layer's blocks, without the padded
+        view: the Triton paged-decode kernel (in place), when ``gpu_decode_ready`` holds for the query and the
+        pools (CUDA, no gradients, triton installed); else the torch block path over each row's live blocks,
+        when :meth:`blocks_serve` holds; None otherwise, and the caller attends over the view (:meth:`gather`).
 
         Args:
             q: (B, Hq, 1, D) rotated queries; q_positions (B, 1) int64.
@@ -842,12 +855,16 @@ class PagedStore(Store):
         from ..backends.triton import gpu_decode_ready
 
         step = self.manager.step
-        if step is None or q.dim() != 4 or q.shape[2] != 1 or not gpu_decode_ready(q, self.kp, self.vp):
+        if step is None or q.dim() != 4 or q.shape[2] != 1:
             return None
-        from ..backends.triton.decode import paged_decode
-
-        out, _ = paged_decode(q[:, :, 0], self.kp, self.vp, step.tables[self.gi], step.view_pos[self.gi],
-                              q_positions[:, 0], scale=scale, window=window)
+        if gpu_decode_ready(q, self.kp, self.vp):
+            from ..backends.triton.decode import paged_decode as kernel
+        elif self.blocks_serve(q):
+            from ..backends.paged import paged_decode_blocks as kernel
+        else:
+            return None
+        out, _ = kernel(q[:, :, 0], self.kp, self.vp, step.tables[self.gi], step.view_pos[self.gi],
+                        q_positions[:, 0], scale=scale, window=window)
         return out.unsqueeze(2)
 
     def cannot_drop(self, n):

@@ -1,0 +1,138 @@
+"""One decode step over a paged KV cache in torch ops: each row reads its own live blocks, with no padding.
+
+The Triton kernel (:func:`qkv.backends.triton.decode.paged_decode`) reads the blocks in place on a GPU. Elsewhere
+the cache used to gather every row's blocks into one padded ``(B, H, nb * T, D)`` view (``nb`` the longest
+row's block count) and run SDPA over it, so a batch of mixed lengths (continuous batching: rows from a few
+tokens to the whole context) copied, then read, padding up to the longest row: on ``benchmarks/vs_vllm.py``'s
+request stream that was about twice the live keys.
+
+Here the live blocks of all rows are listed once (a block is live when one of its slots holds a key the row's
+query may see) and gathered without padding, ``(n, Hkv, T, D)``; each block's scores are one small GEMM with its
+row's query heads ``(G, D) x (D, T)`` (GQA without repeating K/V), and the rows' softmax is assembled from the
+blocks' partial results (split softmax: a running maximum and sum per row, as flash-decoding merges its key
+splits; Dao et al. 2023, "Flash-Decoding for long-context inference"), so no ``(B, Hq, nb * T)`` tensor exists.
+The result is attention over each row's keys at or before its query's position (within the window when one is
+given), equal to SDPA's within float32 rounding; a row with no visible key returns zeros and ``lse = -inf``.
+
+Shape legend: B rows, Hq query heads, Hkv KV heads, G = Hq / Hkv, P pool blocks, T tokens per block, NB table
+entries per row, n live blocks of the step, D / Dv key / value head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["paged_decode_blocks", "gather_head_major", "BLOCKS_DTYPES", "SPAN_TOKENS"]
+
+#: Keys per GEMM: a row's live blocks are read in spans of this many tokens (whole blocks, at least one), so each
+#: score product is (G, D) x (D, SPAN_TOKENS) rather than one block wide; block-wide products ran at about half
+#: the rate of 64-key ones on CPU (benchmarks/decode.py's ``paged_cpu`` table measures the path as a whole).
+SPAN_TOKENS = 64
+
+#: Dtypes the block path computes in (its softmax runs in the query's dtype): float32 and float64. Lower precisions
+#: keep the gathered view and SDPA, which accumulates them in float32.
+BLOCKS_DTYPES = (torch.float32, torch.float64)
+
+
+def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                        kv_positions: torch.Tensor, q_positions: torch.Tensor, *, scale: float | None = None,
+                        window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query per row over the row's blocks of a paged cache.
+
+    Args:
+        q: (B, Hq, D) the step's queries (float32 or float64).
+        k_pool: (P, Hkv, T, D) and v_pool (P, Hkv, T, Dv): the layer's block pools, q's dtype and device.
+        block_tables: (B, NB) integer block ids per row, any filler block where a row has fewer.
+        kv_positions: (B, NB * T) integer position of each slot in table order, ``-1`` where empty.
+        q_positions: (B,) integer position of each row's query: a row sees the slots at or before it.
+        scale: default ``D ** -0.5``.
+        window: keep slots with ``q_pos - kv_pos < window`` (HF ``sliding_window``), or None.
+
+    Returns:
+        out (B, Hq, Dv) and lse (B, Hq), both in q's dtype.
+
+    Example:
+        >>> import torch
+        >>> k_pool, v_pool = torch.randn(2, 4, 1, 2, 8).unbind(0)   # 4 blocks of 2 tokens, one KV head
+        >>> q = torch.randn(1, 2, 8)                                 # one row, two query heads
+        >>> tables, pos = torch.tensor([[3, 1]]), torch.tensor([[0, 1, 2, -1]])
+        >>> out, lse = paged_decode_blocks(q, k_pool, v_pool, tables, pos, torch.tensor([2]))
+        >>> k = torch.cat([k_pool[3, 0], k_pool[1, 0, :1]]); v = torch.cat([v_pool[3, 0], v_pool[1, 0, :1]])
+        >>> ref = torch.softmax(q[0] @ k.T / 8 ** 0.5, -1) @ v
+        >>> torch.allclose(out[0], ref, atol=1e-6)
+        True
+    """
+    for name, t, dim in (("q", q, 3), ("k_pool", k_pool, 4), ("v_pool", v_pool, 4), ("block_tables", block_tables, 2),
+                         ("kv_positions", kv_positions, 2), ("q_positions", q_positions, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim:
+            raise ValueError(f"paged_decode_blocks: {name} must be a {dim}-D tensor, got "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    B, Hq, D = q.shape
+    P, Hkv, T, Dk = k_pool.shape
+    NB = block_tables.shape[1]
+    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hq % Hkv:
+        raise ValueError(f"paged_decode_blocks: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool "
+                         f"{tuple(v_pool.shape)} disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), "
+                         "Hq % Hkv == 0)")
+    if block_tables.shape[0] != B or tuple(kv_positions.shape) != (B, NB * T) or q_positions.shape[0] != B:
+        raise ValueError(f"paged_decode_blocks: block_tables {tuple(block_tables.shape)}, kv_positions "
+                         f"{tuple(kv_positions.shape)}, q_positions {tuple(q_positions.shape)} must be (B, NB), "
+                         f"(B, NB * T) = ({B}, {NB * T}) and (B,)")
+    if q.dtype not in BLOCKS_DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
+                        f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
+    Dv, G = v_pool.shape[3], Hq // Hkv
+    scale = D ** -0.5 if scale is None else float(scale)
+    S = max(1, SPAN_TOKENS // T)  # blocks per span
+    pad = S - 1  # a row's last span may run past its table: filler entries, no visible slot
+    tables = torch.nn.functional.pad(block_tables, (0, pad), value=int(block_tables[0, 0]) if B * NB else 0)
+    pos = torch.nn.functional.pad(kv_positions, (0, pad * T), value=-1).view(B, NB + pad, T)
+    qpos = q_positions.view(B, 1, 1)
+    seen = (pos >= 0) & (pos <= qpos)
+    if window is not None:
+        seen &= qpos - pos < window
+    live = seen.any(-1)  # (B, NB + pad): a row's live blocks are one run of its table
+    count = live.sum(1)
+    first = torch.where(count > 0, live.to(torch.int8).argmax(1), 0)
+    spans = -(-count // S)  # (B,)
+    rows = torch.repeat_interleave(torch.arange(B, device=q.device), spans)  # (n,) the row of each span
+    out = q.new_zeros(Hkv, B, G, Dv)
+    lse = q.new_full((Hkv, B, G), float("-inf"))
+    if rows.numel() == 0:
+        return out.permute(1, 0, 2, 3).reshape(B, Hq, Dv), lse.transpose(0, 1).reshape(B, Hq)
+    n = rows.numel()
+    ends = spans.cumsum(0)
+    j = torch.arange(n, device=q.device) - (ends - spans).index_select(0, rows)  # span index within its row
+    slot = (first.index_select(0, rows) + j * S).view(n, 1) + torch.arange(S, device=q.device)  # (n, S)
+    ids = tables[rows.view(n, 1), slot]  # (n, S) block ids, row by row
+    keep = seen[rows.view(n, 1), slot].view(1, n, 1, S * T)
+    kb, vb = (gather_head_major(p, ids.view(n, S)).transpose(0, 1) for p in (k_pool, v_pool))  # (Hkv, n, S*T, D)
+    qb = q.view(B, Hkv, G, D).index_select(0, rows).transpose(0, 1)  # (Hkv, n, G, D)
+    s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)  # (Hkv, n, G, S * T)
+    s.masked_fill_(~keep, float("-inf"))
+    at = rows.view(1, n, 1).expand(Hkv, n, G)
+    row_max = torch.full((Hkv, B, G), float("-inf"), dtype=s.dtype, device=s.device)
+    row_max.scatter_reduce_(1, at, s.amax(-1), "amax")  # every span holds a visible key: finite
+    p = s.sub_(row_max.index_select(1, rows).unsqueeze(-1)).exp_()  # masked slots 0
+    total = q.new_zeros(Hkv, B, G).index_add_(1, rows, p.sum(-1))
+    out.index_add_(1, rows, torch.matmul(p, vb))
+    alive = total > 0
+    out = torch.where(alive.unsqueeze(-1), out / total.clamp_min(torch.finfo(q.dtype).tiny).unsqueeze(-1), 0.0)
+    lse = torch.where(alive, row_max + total.log(), lse)
+    return out.permute(1, 0, 2, 3).reshape(B, Hq, Dv), lse.transpose(0, 1).reshape(B, Hq)
+
+
+def gather_head_major(pool: torch.Tensor, tab: torch.Tensor) -> torch.Tensor:
+    """Blocks ``tab`` (B, nb) of a pool (P, H, T, D) as the (B, H, nb * T, D) view of one (H, B * nb, T, D) copy:
+    one ``index_select`` of whole (T, D) blocks per head (measured 3-4x faster on CPU than advanced indexing of
+    the head-major pool), and each (row, head) slab contiguous, so the view needs no second copy."""
+    B, nb = tab.shape
+    H, T, D = pool.shape[1], pool.shape[2], pool.shape[3]
+    flat = tab.reshape(-1)
+    if torch.is_grad_enabled() and pool.requires_grad:  # out= does not record gradients
+        out = torch.stack([pool[:, h].index_select(0, flat) for h in range(H)])
+    else:
+        out = pool.new_empty(H, B * nb, T, D)
+        for h in range(H):
+            torch.index_select(pool[:, h], 0, flat, out=out[h])
+    return out.view(H, B, nb * T, D).transpose(0, 1)
