@@ -237,3 +237,49 @@ def test_engine_arguments():
     rid = engine.add(torch.tensor([1, 2, 3]), 1)
     result = engine.run()[rid]
     assert isinstance(result, EngineResult) and len(result.tokens) == 1
+
+
+def test_prefill_passes_are_the_cheapest_split():
+    """prefill_passes against every split of the rows sorted by width into runs (brute force, small cases): the
+    least padded positions plus pass costs; every row in exactly one pass."""
+    import itertools
+    import random
+
+    from qkv.models.engine import prefill_passes
+
+    def cost(passes, widths, c):
+        return sum(c + len(p) * max(widths[b] for b in p) for p in passes)
+
+    rng = random.Random(0)
+    for _ in range(60):
+        n, c = rng.randint(1, 7), rng.choice([0, 1, 8, 32, 1000])
+        widths = {b: rng.randint(1, 64) for b in rng.sample(range(20), n)}
+        got = prefill_passes(widths, c)
+        assert sorted(b for p in got for b in p) == sorted(widths) and all(p == sorted(p) for p in got)
+        order = sorted(widths, key=lambda b: (-widths[b], b))
+        best = min(cost([order[i:j] for i, j in zip((0, *cuts), (*cuts, n))], widths, c)
+                   for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        assert cost(got, widths, c) == best
+    assert prefill_passes({}) == []
+    assert prefill_passes({5: 10, 2: 10}, 1000) == [[2, 5]]
+
+
+def test_an_engine_step_splits_chunks_of_very_different_widths(monkeypatch):
+    """A long prompt chunk and a short final one go in separate passes (each as wide as its own chunk); the tokens
+    are those of generating alone."""
+    model = _lm(5)
+    widths = []
+    real = Engine._run
+
+    def spy(self, rows):
+        widths.append(sorted(self._feed_width(b) if self._rows[b].fed < len(self._rows[b].prompt) else 1
+                             for b in rows))
+        return real(self, rows)
+
+    monkeypatch.setattr(Engine, "_run", spy)
+    engine = Engine(model, num_blocks=64, block_size=4, max_batch=2, prefill_chunk=64)
+    a, b = engine.add(list(range(1, 61)), 3), engine.add([7, 8], 3)
+    results = engine.run()
+    assert widths[:2] == [[60], [2]]
+    for rid, prompt in ((a, list(range(1, 61))), (b, [7, 8])):
+        assert results[rid].tokens == _alone(model, prompt, 3)

@@ -5,8 +5,10 @@ et al. 2023, arXiv:2308.16369).
 Requests (a prompt, a budget of new tokens, optional stop tokens) are queued by :meth:`Engine.add` and decoded
 greedily. Every :meth:`Engine.step` runs the requests that hold a row of the cache:
 
-- rows still reading their prompt feed the next ``prefill_chunk`` prompt tokens, in one forward pass over those
-  rows (as wide as the longest chunk, shorter chunks right-aligned behind padding at position -1);
+- rows still reading their prompt feed the next ``prefill_chunk`` prompt tokens, in forward passes over those
+  rows (each as wide as its longest chunk, shorter chunks right-aligned behind padding at position -1), the rows
+  split into passes of similar chunk width where that saves more padding than a pass costs
+  (:func:`prefill_passes`);
 - rows decoding feed their last token, in one forward pass of width 1 over those rows.
 
 Each pass covers only its own rows (``cache.step_rows``), so a long prompt costs its own tokens and never
@@ -59,7 +61,7 @@ from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
 from .generate import _vocab_size, forward_step, sample_next
 
-__all__ = ["Engine", "EngineResult", "EngineUpdate"]
+__all__ = ["Engine", "EngineResult", "EngineUpdate", "prefill_passes"]
 
 
 class EngineResult(NamedTuple):
@@ -100,6 +102,42 @@ class _Request:
     fed: int = 0  # prompt tokens in the cache (prefix hits included)
     hits: int = 0
     tokens: list[int] = field(default_factory=list)
+
+
+#: What one more forward pass costs, in padded token positions: a pass reads every weight once and pays its
+#: per-layer launch and Python work whatever its width (on benchmarks/vs_vllm.py's Llama, width 512, about 6 ms
+#: at 1 thread, while a token position costs about 0.25 ms of products), so splitting the prompt chunks of one
+#: step into passes of similar width pays when it removes more padding than this per extra pass.
+PASS_COST_TOKENS = 32
+
+
+def prefill_passes(widths: dict[int, int], pass_cost: int = PASS_COST_TOKENS) -> list[list[int]]:
+    """Rows reading their prompts, split into forward passes so that padding plus the passes' fixed cost is least.
+
+    A pass is as wide as its widest chunk (narrower ones are padded), so it costs ``pass_cost + rows x width``
+    token positions; with the rows sorted by width, the cheapest split into runs of neighbours is found exactly
+    by dynamic programming (each pass's rows in ascending row order). ``widths`` maps row -> chunk width.
+
+    Example:
+        >>> prefill_passes({0: 128, 1: 128, 2: 3, 3: 2})   # two long chunks, two short ones: two passes
+        [[0, 1], [2, 3]]
+        >>> prefill_passes({0: 128, 1: 120, 2: 126})        # close widths share one pass
+        [[0, 1, 2]]
+    """
+    order = sorted(widths, key=lambda b: (-widths[b], b))
+    n = len(order)
+    best = [0.0] + [math.inf] * n  # best[j]: least cost of the first j rows (widest first)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # rows i .. j - 1 in one pass, as wide as row i
+            c = best[i] + pass_cost + (j - i) * widths[order[i]]
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    passes, j = [], n
+    while j:
+        passes.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return passes[::-1]
 
 
 def _check_count(owner: str, name: str, value, *, low: int = 1) -> int:
@@ -283,11 +321,15 @@ class Engine:
         if self.mixed_steps:
             return self._run(sorted(prefill + decode)) if prefill or decode else []
         updates: list[EngineUpdate] = []
-        if prefill:
-            updates += self._run(prefill)
+        for rows in prefill_passes({b: self._feed_width(b) for b in prefill}):
+            updates += self._run(rows)
         if decode:
             updates += self._run(decode)
         return updates
+
+    def _feed_width(self, b: int) -> int:
+        r = self._rows[b]
+        return min(self.prefill_chunk, len(r.prompt) - r.fed)
 
     def _admit(self) -> None:
         while self._waiting:
