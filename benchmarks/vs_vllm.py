@@ -19,10 +19,13 @@ Workloads:
   one with 1 (the prefill) are timed back to back; decode tokens/s = ``B * 63 / (t_64 - t_1)`` for both engines
   alike, so neither side's per-step instrumentation is trusted.
 - ``stream``: 64 requests with prompt lengths drawn from 16-512 and budgets from 8-128 (seeded), submitted at
-  once; throughput = generated tokens / wall time. Both engines schedule them continuously: vLLM's offline
-  engine, and ``qkv.models.Engine`` (64 rows of a paged cache of 16-token blocks, as many rows as requests, as
-  vLLM's scheduler admits up to 256; prompts read in chunks of 128 tokens, finished rows handing their blocks to
-  waiting requests at once).
+  once; throughput = generated tokens / wall time, after one untimed run of the whole stream on each side. Every
+  vLLM call starts with its prefix cache emptied (``LLM.reset_prefix_cache``, untimed): vLLM caches prompt
+  blocks by default, and a repeat sends the same prompts again, so without it vLLM skipped the prefill of every
+  repeat after the first while qkv's engine (a new one per repeat) computed it. Both engines schedule them
+  continuously: vLLM's offline engine, and ``qkv.models.Engine`` (64 rows of a paged cache of 16-token blocks,
+  as many rows as requests, as vLLM's scheduler admits up to 256; prompts read in chunks of 128 tokens, finished
+  rows handing their blocks to waiting requests at once).
 
 Each row reports the median and range over the paired repeats of qkv's rate over vLLM's, the target judged on the
 slowest repeat, the load average while it ran, and whether the greedy tokens are equal. A fixed-batch row also
@@ -167,6 +170,10 @@ def worker_main(checkpoint: str, max_len: int) -> None:
             prompts = [{"prompt_token_ids": ids} for ids in req["prompts"]]
             params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
                       for n in req["budgets"]]
+            # every call starts cold, as qkv's does: vLLM's prefix cache (on by default) would otherwise serve
+            # the prompts of the previous repeat, which are the same, and skip their prefill
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not reset its prefix cache; the timing would reuse earlier prompts")
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
@@ -276,7 +283,10 @@ def run(args) -> None:
                 ratios, loads, same = [], [], True
                 rates = {"vllm": [], "qkv": []}
                 with torch.inference_mode():
-                    _qkv_stream(model, requests[:2], max_batch=STREAM_ROWS)  # warm-up
+                    # warm-up: the whole stream once on each side, so both have met its shapes (oneDNN builds a
+                    # kernel per new product shape, and a stream's are many) before the timed repeats
+                    worker.ask({"prompts": prompts, "budgets": budgets})
+                    _qkv_stream(model, requests, max_batch=STREAM_ROWS)
                     for _ in range(repeat):
                         out = worker.ask({"prompts": prompts, "budgets": budgets})
                         t_q, q_tokens = _qkv_stream(model, requests, max_batch=STREAM_ROWS)
