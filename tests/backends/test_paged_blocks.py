@@ -76,6 +76,19 @@ def test_float64_and_the_query_before_some_keys():
     torch.testing.assert_close(lse, ref.lse[:, :, 0].double(), atol=1e-12, rtol=1e-12)
 
 
+def test_a_dead_block_between_live_ones():
+    """A table whose live blocks are not one run (a filler entry, all slots empty, between them): every live block
+    is read, the dead one masked."""
+    T = SPAN_TOKENS // 2  # two blocks a span: a run counted by its live blocks alone would stop one block short
+    q, kp, vp, tables, kpos, qpos = _case(3, B=2, Hq=2, Hkv=1, D=8, Dv=8, T=T, lens=[7 * T - 3, 9], first=[0, 0])
+    kpos[0, 2 * T:3 * T] = -1  # row 0's third block holds nothing
+    for window in (None, 5 * T):
+        out, lse = paged_decode_blocks(q, kp, vp, tables, kpos, qpos, window=window)
+        ref, base = _reference(q, kp, vp, tables, kpos, qpos, window=window)
+        assert_within_budget(out, ref.out[:, :, 0], base.out[:, :, 0], what="gap")
+        assert_within_budget(lse, ref.lse[:, :, 0].double(), base.lse[:, :, 0], what="gap lse", floor=1e-5)
+
+
 def test_long_rows_cross_many_spans():
     """Rows longer than several spans: the split softmax merges them exactly."""
     T = 16

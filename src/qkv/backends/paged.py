@@ -7,7 +7,7 @@ tokens to the whole context) copied, then read, padding up to the longest row: o
 request stream that was about twice the live keys.
 
 Here the live blocks of all rows are listed once (a block is live when one of its slots holds a key the row's
-query may see) and gathered without padding, ``(n, Hkv, T, D)``; each block's scores are one small GEMM with its
+query may see; a row reads its table from its first live block to its last) and gathered without padding, ``(n, Hkv, T, D)``; each block's scores are one small GEMM with its
 row's query heads ``(G, D) x (D, T)`` (GQA without repeating K/V), and the rows' softmax is assembled from the
 blocks' partial results (split softmax: a running maximum and sum per row, as flash-decoding merges its key
 splits; Dao et al. 2023, "Flash-Decoding for long-context inference"), so no ``(B, Hq, nb * T)`` tensor exists.
@@ -91,10 +91,11 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     seen = (pos >= 0) & (pos <= qpos)
     if window is not None:
         seen &= qpos - pos < window
-    live = seen.any(-1)  # (B, NB + pad): a row's live blocks are one run of its table
-    count = live.sum(1)
-    first = torch.where(count > 0, live.to(torch.int8).argmax(1), 0)
-    spans = -(-count // S)  # (B,)
+    live = seen.any(-1).to(torch.int8)  # (B, NB + pad)
+    any_live = live.amax(1) > 0
+    first = live.argmax(1)  # a row's first and last live blocks (dead ones between them are masked below)
+    last = live.shape[1] - 1 - live.flip(1).argmax(1)
+    spans = torch.where(any_live, -(-(last - first + 1) // S), 0)  # (B,)
     rows = torch.repeat_interleave(torch.arange(B, device=q.device), spans)  # (n,) the row of each span
     out = q.new_zeros(Hkv, B, G, Dv)
     lse = q.new_full((Hkv, B, G), float("-inf"))
