@@ -236,7 +236,8 @@ def main(argv=None) -> None:
     quantized(s4, 128 if quick else 1024, 16 if quick else 32)
     s4.finish()
 
-    s5 = Suite("paged_cpu", "paged decode attention on CPU: the padded view vs the block path, one call", **ctx)
+    s5 = Suite("paged_cpu", "paged decode attention on CPU: the padded view vs the block path, one call",
+               **{**ctx, "model": "none: one attention call, 8 query / 2 KV heads, head dim 64, 16-token blocks"})
     paged_cpu(s5, repeat, args.cpu_time, quick)
     s5.note(f"The cache takes the block path when fill <= {BLOCKS_BELOW_FILL} and the padded view holds at least "
             f"{BLOCKS_MIN_SLOTS} slots (qkv.cache.paged.BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS). "

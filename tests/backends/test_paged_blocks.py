@@ -124,7 +124,7 @@ def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only():
     g = torch.Generator().manual_seed(0)
 
     def step(lens, T=16):
-        cache = KVCache([FullSpec(2, 16)], storage=Paged(block_size=T, num_blocks=512))
+        cache = KVCache([FullSpec(2, 16)], storage=Paged(block_size=T, num_blocks=1024))
         B, n = len(lens), max(lens)
         pos = torch.full((B, n), -1, dtype=torch.int64)
         for b, m in enumerate(lens):
@@ -136,7 +136,7 @@ def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only():
         q = torch.randn(B, 4, 1, 16, generator=g)
         return cache, view, q, step_pos
 
-    ragged = [600, 10, 20, 5, 3, 300, 2, 1]
+    ragged = [1100, 10, 20, 5, 3, 300, 2, 1]
     slots = len(ragged) * -(-(max(ragged) + 1) // 16) * 16
     assert slots >= BLOCKS_MIN_SLOTS and (sum(ragged) + len(ragged)) / slots <= BLOCKS_BELOW_FILL
     cache, view, q, step_pos = step(ragged)
@@ -145,5 +145,5 @@ def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only():
     full = cache.view(0)
     ref = qkv.attention(q, full.k, full.v, mask=M.positions(step_pos, full.kv_positions), scale=0.25)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert step([600] * 8)[1].k is not None, "rows of one length: the padded view"
+    assert step([1100] * 8)[1].k is not None, "rows of one length: the padded view"
     assert step([40, 3, 2, 1], T=4)[1].k is not None, "a small view: padded"

@@ -771,7 +771,7 @@ class BlockManager:
 #: span-sized GEMMs) and small ones too (the block path's fixed cost, a few dozen small ops), while a request
 #: stream's ragged rows (about half full) go faster by blocks.
 BLOCKS_BELOW_FILL = 0.7
-BLOCKS_MIN_SLOTS = 4096
+BLOCKS_MIN_SLOTS = 8192
 
 
 class PagedStore(Store):
