@@ -76,6 +76,28 @@ def test_tokens_equal_each_request_alone(name):
     assert all(s.blocks_in_use == 0 for s in stats.values())  # every finished row returned its blocks
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_block_path_decodes_give_the_same_tokens(name, monkeypatch):
+    """Every decode step through the block path (qkv.backends.paged, forced here: these views are below its size
+    threshold) over GQA, sliding-window and MQA layers: each request's tokens equal generating it alone."""
+    import qkv.backends.paged as blocks
+    import qkv.cache.paged as paged
+
+    monkeypatch.setattr(paged, "BLOCKS_MIN_SLOTS", 0)
+    monkeypatch.setattr(paged, "BLOCKS_BELOW_FILL", 1.0)
+    served = []
+    real = blocks.paged_decode_blocks
+    monkeypatch.setattr(blocks, "paged_decode_blocks", lambda *a, **k: served.append(1) or real(*a, **k))
+    model = MODELS[name]()
+    requests = _requests(8, seed=7 + len(name))
+    engine = Engine(model, num_blocks=48, block_size=4, max_batch=4, prefill_chunk=8)
+    ids = [engine.add(p, n) for p, n in requests]
+    results, _ = _drive(engine)
+    assert served, "the block path should have served the decode steps"
+    for rid, (prompt, budget) in zip(ids, requests, strict=True):
+        assert results[rid].tokens == _alone(model, prompt, budget), rid
+
+
 def test_mixed_steps_give_the_same_tokens():
     """One forward pass per step over every running row (decode rows padded to the chunk width)."""
     model = MODELS["mistral_window"]()
@@ -262,6 +284,12 @@ def test_prefill_passes_are_the_cheapest_split():
         assert cost(got, widths, c) == best
     assert prefill_passes({}) == []
     assert prefill_passes({5: 10, 2: 10}, 1000) == [[2, 5]]
+    for bad, match in (([(0, 3)], "widths must be a dict"), ({0: 0}, "widths must map"), ({0: 2.5}, "widths must map"),
+                       ({"a": 3}, "widths must map")):
+        with pytest.raises(TypeError if "dict" in match else ValueError, match=match):
+            prefill_passes(bad)
+    with pytest.raises(ValueError, match="pass_cost"):
+        prefill_passes({0: 3}, -1)
 
 
 def test_an_engine_step_splits_chunks_of_very_different_widths(monkeypatch):

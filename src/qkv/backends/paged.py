@@ -6,16 +6,17 @@ row's block count) and run SDPA over it, so a batch of mixed lengths (continuous
 tokens to the whole context) copied, then read, padding up to the longest row: on ``benchmarks/vs_vllm.py``'s
 request stream that was about twice the live keys.
 
-Here the live blocks of all rows are listed once (a block is live when one of its slots holds a key the row's
-query may see; a row reads its table from its first live block to its last) and gathered without padding, ``(n, Hkv, T, D)``; each block's scores are one small GEMM with its
-row's query heads ``(G, D) x (D, T)`` (GQA without repeating K/V), and the rows' softmax is assembled from the
-blocks' partial results (split softmax: a running maximum and sum per row, as flash-decoding merges its key
-splits; Dao et al. 2023, "Flash-Decoding for long-context inference"), so no ``(B, Hq, nb * T)`` tensor exists.
+Here each row reads its table from its first live block to its last (a block is live when one of its slots
+holds a key the row's query may see), in spans of whole blocks (:data:`SPAN_TOKENS` keys), gathered without
+padding beyond a row's last span, ``(Hkv, n, S * T, D)``; each span's scores are one small GEMM with its row's
+query heads ``(G, D) x (D, S * T)`` (GQA without repeating K/V), and the rows' softmax is assembled from the
+spans' partial results (split softmax: a maximum and a sum per row, as flash-decoding merges its key splits; Dao
+et al. 2023, "Flash-Decoding for long-context inference"), so no ``(B, Hq, nb * T)`` tensor exists.
 The result is attention over each row's keys at or before its query's position (within the window when one is
 given), equal to SDPA's within float32 rounding; a row with no visible key returns zeros and ``lse = -inf``.
 
 Shape legend: B rows, Hq query heads, Hkv KV heads, G = Hq / Hkv, P pool blocks, T tokens per block, NB table
-entries per row, n live blocks of the step, D / Dv key / value head dims.
+entries per row, S blocks per span, n spans of the step, D / Dv key / value head dims.
 """
 
 from __future__ import annotations

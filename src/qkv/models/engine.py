@@ -105,9 +105,9 @@ class _Request:
 
 
 #: What one more forward pass costs, in padded token positions: a pass reads every weight once and pays its
-#: per-layer launch and Python work whatever its width (on benchmarks/vs_vllm.py's Llama, width 512, about 6 ms
-#: at 1 thread, while a token position costs about 0.25 ms of products), so splitting the prompt chunks of one
-#: step into passes of similar width pays when it removes more padding than this per extra pass.
+#: per-layer launch and Python work whatever its width, about as much as the products of 32 token positions on
+#: benchmarks/vs_vllm.py's Llama (width 512) at one thread; splitting the prompt chunks of one step into passes of
+#: similar width pays when it removes more padding than this per extra pass.
 PASS_COST_TOKENS = 32
 
 
@@ -124,6 +124,15 @@ def prefill_passes(widths: dict[int, int], pass_cost: int = PASS_COST_TOKENS) ->
         >>> prefill_passes({0: 128, 1: 120, 2: 126})        # close widths share one pass
         [[0, 1, 2]]
     """
+    if not isinstance(widths, dict):
+        raise TypeError(f"prefill_passes: widths must be a dict of row -> chunk width, got {type(widths).__name__}")
+    bad = [(b, w) for b, w in widths.items() if not all(isinstance(x, int) and not isinstance(x, bool) for x in (b, w))
+           or b < 0 or w < 1]
+    if bad:
+        raise ValueError(f"prefill_passes: widths must map row ids (ints >= 0) to chunk widths (ints >= 1), got "
+                         f"{bad[0][0]!r}: {bad[0][1]!r}")
+    if not isinstance(pass_cost, (int, float)) or isinstance(pass_cost, bool) or not pass_cost >= 0:
+        raise ValueError(f"prefill_passes: pass_cost must be a number >= 0 (token positions), got {pass_cost!r}")
     order = sorted(widths, key=lambda b: (-widths[b], b))
     n = len(order)
     best = [0.0] + [math.inf] * n  # best[j]: least cost of the first j rows (widest first)
