@@ -208,14 +208,12 @@ def gated_linear_chunked(
     q, k, v, g, _ = _chunks(p, min(chunk_size, p.v.shape[2]))  # a short call pads to itself, not to C
     b = g.to(torch.float64).cumsum(2)  # (M, nc, C[, Dk]); float64: differences of long sums keep their digits
     to_end, decay = _end_terms(b, q.dtype)
-    intra = _gated_scores(q, k, b, strict=False) @ v  # (M, nc, C, Dv)
+    out = _gated_scores(q, k, b, strict=False) @ v  # (M, nc, C, Dv): within each chunk
     sums = (k * to_end).transpose(-1, -2) @ v  # (M, nc, Dk, Dv): each chunk's own contribution at its end
-    starts = []
-    for c in range(sums.shape[1]):
-        starts.append(S)
-        S = S * decay[:, c] + sums[:, c]
-    S_in = torch.stack(starts, dim=1)  # (M, nc, Dk, Dv): the state each chunk starts from
-    out = intra + (q * _row_scale(b, q.dtype)) @ S_in
+    qe = q * _row_scale(b, q.dtype)  # queries scaled to read the state a chunk starts from
+    for c in range(sums.shape[1]):  # each chunk reads its starting state as soon as it is known: no stack
+        out[:, c].baddbmm_(qe[:, c], S)
+        S = torch.addcmul(sums[:, c], S, decay[:, c])
     return _finish(p, out.flatten(1, 2), S)
 
 
@@ -272,12 +270,10 @@ def gated_delta_chunked(
     U = T @ (v * bk)  # (M, nc, C, Dv)
     W = T @ (k * (bk * e_b))  # (M, nc, C, Dk)
     K_end = (k * to_end).transpose(-1, -2)  # (M, nc, Dk, C)
-    starts, writes = [], []
-    for c in range(U.shape[1]):
-        starts.append(S)
+    qe = q * e_b  # (M, nc, C, Dk): queries scaled to read the state a chunk starts from
+    out = v.new_empty(v.shape[0], v.shape[1], C, v.shape[-1])  # (M, nc, C, Dv)
+    for c in range(U.shape[1]):  # each chunk's output as soon as its state is known: no stack of states
         u = torch.baddbmm(U[:, c], W[:, c], S, alpha=-1)  # (M, C, Dv): this chunk's writes U - W S
-        writes.append(u)
+        out[:, c] = torch.bmm(qe[:, c], S).baddbmm_(P[:, c], u)
         S = torch.baddbmm(S * decay[:, c], K_end[:, c], u)
-    u = torch.stack(writes, dim=1)  # (M, nc, C, Dv)
-    out = P @ u + (q * e_b) @ torch.stack(starts, dim=1)
     return _finish(p, out.flatten(1, 2), S)
