@@ -375,17 +375,40 @@ def _fmt(v: Any) -> str:
 
 PRODUCT_OPS = ("linear", "bmm", "addmm", "mm", "baddbmm")  # op names that multiply by the weights
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
+#: Profiler ranges (torch.profiler.record_function) whose ops are attention whatever their names: the paged decode
+#: block path's GEMMs and gathers read keys and values, not weights
+ATTENTION_RANGES = ("qkv::paged_decode_blocks",)
 
 
 def _op_categories(prof) -> dict[str, float]:
-    """Self CPU seconds of a profiled run by category: products, attention, other torch ops."""
+    """Self CPU seconds of a profiled run by category: products, attention, other torch ops (an op inside one of
+    :data:`ATTENTION_RANGES` counts as attention)."""
     out = {"products": 0.0, "attention": 0.0, "other_ops": 0.0}
-    for e in prof.key_averages():
-        name = e.key.split("::")[-1]
-        kind = ("attention" if any(a in name for a in ATTENTION_OPS)
+    for e in prof.events():
+        if e.name in ATTENTION_RANGES:
+            out["attention"] += e.self_cpu_time_total / 1e6
+            continue
+        name = e.name.split("::")[-1]
+        parent, inside = e.cpu_parent, False
+        while parent is not None and not inside:
+            inside, parent = parent.name in ATTENTION_RANGES, parent.cpu_parent
+        kind = ("attention" if inside or any(a in name for a in ATTENTION_OPS)
                 else "products" if name in PRODUCT_OPS or name.startswith("_linear") else "other_ops")
         out[kind] += e.self_cpu_time_total / 1e6
     return out
+
+
+def stream_breakdown(run_seconds) -> dict[str, float]:
+    """Where one whole run goes (ms): ``run_seconds()`` (returning its wall seconds) under torch's profiler, by
+    category (``products``, ``attention``, ``other_ops``; ``python``: the wall time no torch op accounts for), as
+    ``stream_*_ms``. Indicative, as :func:`step_breakdown`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = run_seconds()
+    cats = _op_categories(prof)
+    cats["python"] = wall - sum(cats.values())
+    return {f"stream_{k}_ms": v * 1e3 for k, v in cats.items()}
 
 
 def step_breakdown(generate_seconds, n_new: int) -> dict[str, float]:

@@ -32,7 +32,10 @@ slowest repeat, the load average while it ran, and whether the greedy tokens are
 says where qkv's decode step goes (``step_*_ms``: products, attention, other torch ops and Python, from one run
 of each length under torch's profiler, indicative: the profiler's own cost lands in the small ops and Python)
 against the step's memory floor (``floor_ms``: every weight read once, but one row of the embedding table, at
-the measured read rate) and vLLM's step.
+the measured read rate) and vLLM's step. The stream row says the same of one whole qkv run (``stream_*_ms``, one
+more run under the profiler) against the products' compute floor (``products_floor_ms``: the FLOPs of every
+product the requests need, prompt tokens through the layers and fed-back tokens through the whole model, over the
+measured GEMM rate) and vLLM's time for the stream (``vllm_ms``).
 
 Published configuration (the defaults): 1 and 2 threads (vLLM's OpenMP threads bound to cores 0 and 0-1; torch
 threads for qkv), 5 paired repeats, wall clock. Usage::
@@ -211,6 +214,18 @@ def _qkv_stream(model, requests, max_batch: int) -> tuple[float, list[list[int]]
     return seconds, [results[i].tokens for i in ids]
 
 
+def stream_product_flops(model, requests) -> float:
+    """FLOPs of the stream's weight products, what any engine must multiply: every prompt token through the
+    layers, one token's logits per request at the end of its prompt, and every later token through the whole
+    model (the last new token is never fed back). Embedding lookups are not products."""
+    head = model.lm_head.weight.numel() if model.lm_head is not None else model.embed_tokens.weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
+    body -= model.lm_head.weight.numel() if model.lm_head is not None else 0
+    prompt = sum(len(p) for p, _ in requests)
+    fed_back = sum(n - 1 for _, n in requests)
+    return 2.0 * (prompt * body + len(requests) * head + fed_back * (body + head))
+
+
 def _range(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -219,7 +234,7 @@ def run(args) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _harness import Suite, read_rate, step_breakdown, target
+    from _harness import Suite, gemm_rate, read_rate, step_breakdown, stream_breakdown, target
     from qkv.models import from_hf
 
     python = args.vllm_python or str(VENV / "bin" / "python")
@@ -295,9 +310,15 @@ def run(args) -> None:
                         ratios.append(out["seconds"] / t_q)
                         loads.append(os.getloadavg()[0])
                         same = same and q_tokens == out["tokens"]
+                with torch.inference_mode():
+                    where = stream_breakdown(lambda: _qkv_stream(model, requests, max_batch=STREAM_ROWS)[0])
+                floor = stream_product_flops(model, requests) / gemm_rate() * 1e3
                 suite.add({"workload": "stream", "threads": threads, "requests": len(requests),
                            "prompt": "16-512" if not quick else "8-48", "new": "8-128" if not quick else "4-16"}, {
                     "vllm_tok_s": statistics.median(rates["vllm"]), "qkv_tok_s": statistics.median(rates["qkv"]),
+                    "qkv_ms": n_tokens / statistics.median(rates["qkv"]) * 1e3, **where,
+                    "products_floor_ms": floor,
+                    "vllm_ms": n_tokens / statistics.median(rates["vllm"]) * 1e3,
                     "ratio": _range(ratios),
                     "target": f"{target(_range(ratios), '>=', TARGETS['stream'])} ({TARGETS['stream']}x)",
                     "load_avg": statistics.median(loads), "same_tokens": same,

@@ -82,6 +82,15 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     if q.dtype not in BLOCKS_DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
+    with torch.profiler.record_function("qkv::paged_decode_blocks"):  # profiles count its GEMMs as attention
+        return _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
+
+
+def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window):
+    """:func:`paged_decode_blocks` on checked arguments."""
+    B, Hq, D = q.shape
+    Hkv, T = k_pool.shape[1], k_pool.shape[2]
+    NB = block_tables.shape[1]
     Dv, G = v_pool.shape[3], Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     S = max(1, SPAN_TOKENS // T)  # blocks per span
