@@ -60,8 +60,26 @@ def _drive(engine):
     return results, waited_for_blocks
 
 
+def _force_block_path(monkeypatch) -> list:
+    """Every paged decode step through the block path (qkv.backends.paged), also below its size threshold; the
+    list it returns grows by one per call of the path."""
+    import qkv.backends.paged as blocks
+    import qkv.cache.paged as paged
+
+    monkeypatch.setattr(paged, "BLOCKS_MIN_SLOTS", 0)
+    monkeypatch.setattr(paged, "BLOCKS_BELOW_FILL", 1.0)
+    served: list = []
+    real = blocks.paged_decode_blocks
+    monkeypatch.setattr(blocks, "paged_decode_blocks", lambda *a, **k: served.append(1) or real(*a, **k))
+    return served
+
+
+@pytest.mark.parametrize("decode", ["default", "block_path"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_tokens_equal_each_request_alone(name):
+def test_tokens_equal_each_request_alone(name, decode, monkeypatch):
+    """GQA, sliding-window and MQA layers, with the cache's own choice of decode path and with every decode step
+    through the block path."""
+    served = _force_block_path(monkeypatch) if decode == "block_path" else None
     model = MODELS[name]()
     requests = _requests(10, seed=len(name))
     engine = Engine(model, num_blocks=20, block_size=4, max_batch=4, prefill_chunk=8)
@@ -74,28 +92,7 @@ def test_tokens_equal_each_request_alone(name):
         assert results[rid].prompt_tokens == len(prompt)
     stats = engine.cache.pool_stats()
     assert all(s.blocks_in_use == 0 for s in stats.values())  # every finished row returned its blocks
-
-
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_block_path_decodes_give_the_same_tokens(name, monkeypatch):
-    """Every decode step through the block path (qkv.backends.paged, forced here: these views are below its size
-    threshold) over GQA, sliding-window and MQA layers: each request's tokens equal generating it alone."""
-    import qkv.backends.paged as blocks
-    import qkv.cache.paged as paged
-
-    monkeypatch.setattr(paged, "BLOCKS_MIN_SLOTS", 0)
-    monkeypatch.setattr(paged, "BLOCKS_BELOW_FILL", 1.0)
-    served = []
-    real = blocks.paged_decode_blocks
-    monkeypatch.setattr(blocks, "paged_decode_blocks", lambda *a, **k: served.append(1) or real(*a, **k))
-    model = MODELS[name]()
-    requests = _requests(8, seed=7 + len(name))
-    engine = Engine(model, num_blocks=48, block_size=4, max_batch=4, prefill_chunk=8)
-    ids = [engine.add(p, n) for p, n in requests]
-    results, _ = _drive(engine)
-    assert served, "the block path should have served the decode steps"
-    for rid, (prompt, budget) in zip(ids, requests, strict=True):
-        assert results[rid].tokens == _alone(model, prompt, budget), rid
+    assert served is None or served, "the block path should have served the decode steps"
 
 
 def test_mixed_steps_give_the_same_tokens():

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_decode_blocks", "gather_head_major", "BLOCKS_DTYPES", "SPAN_TOKENS"]
+__all__ = ["paged_decode_blocks", "gather_head_major", "check_paged_args", "BLOCKS_DTYPES", "SPAN_TOKENS"]
 
 #: Keys per GEMM: a row's live blocks are read in spans of this many tokens (whole blocks, at least one), so each
 #: score product is (G, D) x (D, SPAN_TOKENS) rather than one block wide; block-wide products ran at about half
@@ -63,27 +63,33 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         >>> torch.allclose(out[0], ref, atol=1e-6)
         True
     """
-    for name, t, dim in (("q", q, 3), ("k_pool", k_pool, 4), ("v_pool", v_pool, 4), ("block_tables", block_tables, 2),
-                         ("kv_positions", kv_positions, 2), ("q_positions", q_positions, 1)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dim:
-            raise ValueError(f"paged_decode_blocks: {name} must be a {dim}-D tensor, got "
-                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
-    B, Hq, D = q.shape
-    P, Hkv, T, Dk = k_pool.shape
-    NB = block_tables.shape[1]
-    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hq % Hkv:
-        raise ValueError(f"paged_decode_blocks: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool "
-                         f"{tuple(v_pool.shape)} disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), "
-                         "Hq % Hkv == 0)")
-    if block_tables.shape[0] != B or tuple(kv_positions.shape) != (B, NB * T) or q_positions.shape[0] != B:
-        raise ValueError(f"paged_decode_blocks: block_tables {tuple(block_tables.shape)}, kv_positions "
-                         f"{tuple(kv_positions.shape)}, q_positions {tuple(q_positions.shape)} must be (B, NB), "
-                         f"(B, NB * T) = ({B}, {NB * T}) and (B,)")
+    check_paged_args("paged_decode_blocks", q, k_pool, v_pool, block_tables, kv_positions, q_positions)
     if q.dtype not in BLOCKS_DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
     with torch.profiler.record_function("qkv::paged_decode_blocks"):  # profiles count its GEMMs as attention
         return _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
+
+
+def check_paged_args(fn: str, q, k_pool, v_pool, block_tables, kv_positions, q_positions) -> None:
+    """Raise ``ValueError`` (naming ``fn``) unless the arguments of a paged decode step have the ranks and agreeing
+    shapes both decode paths take: q (B, Hq, D), pools (P, Hkv, T, D | Dv), tables (B, NB), kv_positions
+    (B, NB * T), q_positions (B,), ``Hq % Hkv == 0``."""
+    for name, t, dim in (("q", q, 3), ("k_pool", k_pool, 4), ("v_pool", v_pool, 4), ("block_tables", block_tables, 2),
+                         ("kv_positions", kv_positions, 2), ("q_positions", q_positions, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim:
+            raise ValueError(f"{fn}: {name} must be a {dim}-D tensor, got "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    B, Hq, D = q.shape
+    P, Hkv, T, Dk = k_pool.shape
+    NB = block_tables.shape[1]
+    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hq % Hkv:
+        raise ValueError(f"{fn}: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)} "
+                         "disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), Hq % Hkv == 0)")
+    if block_tables.shape[0] != B or tuple(kv_positions.shape) != (B, NB * T) or q_positions.shape[0] != B:
+        raise ValueError(f"{fn}: block_tables {tuple(block_tables.shape)}, kv_positions {tuple(kv_positions.shape)}, "
+                         f"q_positions {tuple(q_positions.shape)} must be (B, NB), (B, NB * T) = ({B}, {NB * T}) "
+                         "and (B,)")
 
 
 def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window):

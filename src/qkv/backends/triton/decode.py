@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..paged import check_paged_args
+
 __all__ = ["paged_decode", "mla_decode", "merge_splits"]
 
 
@@ -235,21 +237,10 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     Returns:
         out (B, Hq, Dv) in q's dtype and lse (B, Hq) float32.
     """
-    for name, t, dim in (("q", q, 3), ("k_pool", k_pool, 4), ("v_pool", v_pool, 4), ("block_tables", block_tables, 2),
-                         ("kv_positions", kv_positions, 2), ("q_positions", q_positions, 1)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dim:
-            raise ValueError(f"paged_decode: {name} must be a {dim}-D tensor, got {tuple(getattr(t, 'shape', ()))}")
+    check_paged_args("paged_decode", q, k_pool, v_pool, block_tables, kv_positions, q_positions)
     B, Hq, D = q.shape
-    P, Hkv, T, Dk = k_pool.shape
+    Hkv, T = k_pool.shape[1], k_pool.shape[2]
     NB = block_tables.shape[1]
-    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hq % Hkv:
-        raise ValueError(f"paged_decode: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool "
-                         f"{tuple(v_pool.shape)} disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), "
-                         "Hq % Hkv == 0)")
-    if block_tables.shape[0] != B or tuple(kv_positions.shape) != (B, NB * T) or q_positions.shape[0] != B:
-        raise ValueError(f"paged_decode: block_tables {tuple(block_tables.shape)}, kv_positions "
-                         f"{tuple(kv_positions.shape)}, q_positions {tuple(q_positions.shape)} must be (B, NB), "
-                         f"(B, NB * T) = ({B}, {NB * T}) and (B,)")
     Dv, G = v_pool.shape[3], Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     q = q.contiguous()
