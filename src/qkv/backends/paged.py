@@ -129,7 +129,7 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     s.masked_fill_(~keep, float("-inf"))
     at = rows.view(1, n, 1).expand(Hkv, n, G)
     row_max = torch.full((Hkv, B, G), float("-inf"), dtype=s.dtype, device=s.device)
-    row_max.scatter_reduce_(1, at, s.amax(-1), "amax")  # every span holds a visible key: finite
+    row_max.scatter_reduce_(1, at, s.amax(-1), "amax")  # finite: a row with spans has a visible key
     p = s.sub_(row_max.index_select(1, rows).unsqueeze(-1)).exp_()  # masked slots 0
     total = q.new_zeros(Hkv, B, G).index_add_(1, rows, p.sum(-1))
     out.index_add_(1, rows, torch.matmul(p, vb))
