@@ -21,9 +21,11 @@ Everything except the short loop over chunks (three GEMMs per chunk, for the del
 matmul over all chunks at once. The gated linear rule has no sequential matmul at all: the chunk states
 follow from a scan of ``S' = e^{b_C} * S + H_c`` over chunk sums ``H_c``.
 
-The cumulative log-decays are summed and differenced in float64 (for float32 inputs too): with strong decays
-``b`` reaches hundreds of nats and ``b_t - b_s`` in float32 would keep only a few digits; the exponentials
-are taken in the input's accumulation dtype.
+The cumulative log-decays are summed and differenced in float64 (for float32 inputs too) where a chunk's decay
+is strong: ``b`` reaches hundreds of nats and ``b_t - b_s`` in float32 would keep only a few digits. Where every
+chunk stays within :data:`FLOAT32_LOG_DECAY` nats, float32 sums keep the differences to about ``2e-6`` absolute
+(a relative error of the decay factors like float32 rounding of the products) and are kept, which halves the
+memory the per-channel decays stream through. The exponentials are taken in the input's accumulation dtype.
 
 Per-channel gates need care: ``exp(b_td - b_sd)`` does not factor into a stable row and column scaling over
 a whole chunk (``exp(-b_s)`` overflows when a chunk decays by more than ~80 nats). Chunks are therefore
@@ -51,6 +53,19 @@ from qkv.linear._gated import Prepared, expand_heads, prepare_gated
 __all__ = ["DEFAULT_GATED_CHUNK_SIZE", "gated_linear_chunked", "gated_delta_chunked"]
 
 DEFAULT_GATED_CHUNK_SIZE = 64
+
+#: Largest |cumulative log-decay| inside a chunk (nats) for which float32 inputs keep their log-decays in float32.
+FLOAT32_LOG_DECAY = 16.0
+
+
+def _log_decays(g: torch.Tensor) -> torch.Tensor:
+    """Cumulative log-decays within each chunk, ``g`` (M, nc, C[, Dk]) summed along C: in float32 for float32 gates
+    whose chunks stay within :data:`FLOAT32_LOG_DECAY` nats, else in float64 (see the module notes)."""
+    if g.dtype == torch.float32:
+        b = g.cumsum(2)
+        if b.numel() == 0 or float(b.abs().amax()) <= FLOAT32_LOG_DECAY:
+            return b
+    return g.to(torch.float64).cumsum(2)
 """Tokens per chunk: large enough that the intra-chunk products are GEMMs, small enough that the
 ``C x C`` matrices and the per-chunk solve stay cheap (the GLA and Gated DeltaNet papers use 64)."""
 
@@ -206,7 +221,7 @@ def gated_linear_chunked(
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
     q, k, v, g, _ = _chunks(p, min(chunk_size, p.v.shape[2]))  # a short call pads to itself, not to C
-    b = g.to(torch.float64).cumsum(2)  # (M, nc, C[, Dk]); float64: differences of long sums keep their digits
+    b = _log_decays(g)  # (M, nc, C[, Dk])
     to_end, decay = _end_terms(b, q.dtype)
     out = _gated_scores(q, k, b, strict=False) @ v  # (M, nc, C, Dv): within each chunk
     sums = (k * to_end).transpose(-1, -2) @ v  # (M, nc, Dk, Dv): each chunk's own contribution at its end
@@ -259,7 +274,7 @@ def gated_delta_chunked(
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
     C = min(chunk_size, p.v.shape[2])  # a short call (a few tokens after a prefill) pads to itself, not to C
     q, k, v, g, beta = _chunks(p, C)
-    b = g.to(torch.float64).cumsum(2)  # (M, nc, C[, Dk]); float64: differences of long sums keep their digits
+    b = _log_decays(g)  # (M, nc, C[, Dk])
     to_end, decay = _end_terms(b, q.dtype)
     e_b = _row_scale(b, q.dtype)
     P = _gated_scores(q, k, b, strict=False)  # (M, nc, C, C)
