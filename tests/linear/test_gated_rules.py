@@ -339,3 +339,16 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, f"{module}: {result}"
+
+
+def test_log_decays_stay_float32_only_within_the_bound():
+    """float32 gates keep float32 cumulative log-decays while every chunk stays within FLOAT32_LOG_DECAY nats (the
+    large-decay test above checks both sides against the float64 reference); beyond it, and for float64 gates,
+    float64."""
+    from qkv.linear.gated_chunk import FLOAT32_LOG_DECAY, _log_decays
+
+    weak = torch.full((2, 3, 64), -FLOAT32_LOG_DECAY / 64)
+    assert _log_decays(weak).dtype == torch.float32
+    assert _log_decays(weak * 1.5).dtype == torch.float64
+    assert _log_decays(weak.double()).dtype == torch.float64
+    torch.testing.assert_close(_log_decays(weak).double(), weak.double().cumsum(2))
