@@ -260,6 +260,7 @@ class BlockManager:
         self.folded = 0  # leading history entries that each join _FOLD_STEPS steps' columns
         self.seen = 0
         self.step: _StepSlots | None = None
+        self.ragged: tuple[_StepSlots, dict[int, bool]] | None = None  # the step's answers of PagedStore._ragged
         self.stores: list[PagedStore] = []
         self.pending: list[tuple[_Group, int, bytes]] = []
         self.lookup_tokens = self.hit_tokens = self.hit_tokens_in_batch = 0
@@ -835,8 +836,21 @@ class PagedStore(Store):
             return False
         if torch.is_grad_enabled() and any(t.requires_grad for t in every):
             return False
-        pos = step.view_pos[self.gi]
-        return pos.numel() >= BLOCKS_MIN_SLOTS and int((pos >= 0).sum()) <= BLOCKS_BELOW_FILL * pos.numel()
+        return self._ragged(step)
+
+    def _ragged(self, step: _StepSlots) -> bool:
+        """The step's view holds at least BLOCKS_MIN_SLOTS slots, at most BLOCKS_BELOW_FILL of them live; counted
+        once per step and group (the update that defers the view and the decode ask it, every layer of the group
+        shares the view's positions)."""
+        m = self.manager
+        if m.ragged is None or m.ragged[0] is not step:
+            m.ragged = (step, {})
+        answers = m.ragged[1]
+        if self.gi not in answers:
+            pos = step.view_pos[self.gi]
+            answers[self.gi] = (pos.numel() >= BLOCKS_MIN_SLOTS
+                                and int((pos >= 0).sum()) <= BLOCKS_BELOW_FILL * pos.numel())
+        return answers[self.gi]
 
     def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
                window: int | None = None) -> torch.Tensor | None:

@@ -53,6 +53,11 @@ from qkv.linear._gated import Prepared, expand_heads, prepare_gated
 __all__ = ["DEFAULT_GATED_CHUNK_SIZE", "gated_linear_chunked", "gated_delta_chunked"]
 
 DEFAULT_GATED_CHUNK_SIZE = 64
+"""Tokens per chunk: large enough that the intra-chunk products are GEMMs, small enough that the
+``C x C`` matrices and the per-chunk solve stay cheap (the GLA and Gated DeltaNet papers use 64)."""
+
+_SUB = 16
+"""Sub-block of a chunk for per-channel gates: the diagonal sub-blocks form a ``(16, 16, Dk)`` product."""
 
 #: Largest |cumulative log-decay| inside a chunk (nats) for which float32 inputs keep their log-decays in float32.
 FLOAT32_LOG_DECAY = 16.0
@@ -66,11 +71,6 @@ def _log_decays(g: torch.Tensor) -> torch.Tensor:
         if b.numel() == 0 or float(b.abs().amax()) <= FLOAT32_LOG_DECAY:
             return b
     return g.to(torch.float64).cumsum(2)
-"""Tokens per chunk: large enough that the intra-chunk products are GEMMs, small enough that the
-``C x C`` matrices and the per-chunk solve stay cheap (the GLA and Gated DeltaNet papers use 64)."""
-
-_SUB = 16
-"""Sub-block of a chunk for per-channel gates: the diagonal sub-blocks form a ``(16, 16, Dk)`` product."""
 
 
 def _check_chunk(chunk_size, fn: str) -> None:
