@@ -78,7 +78,7 @@ class TopK(Mask):
         if not 0 < idx.shape[-1] <= UNROLL:
             rows = idx[bb, hh, qq]  # broadcast of (b, h, q) + (K,)
             shape = torch.broadcast_shapes(rows.shape[:-1], kv_idx.shape)
-            if rows[..., 0].numel() * (nk + 1) <= math.prod(shape) * rows.shape[-1]:
+            if math.prod(rows.shape[:-1]) * (nk + 1) <= math.prod(shape) * rows.shape[-1]:
                 # each row's keys as a bitmap over the nk keys (one spill column for -1), read at kv_idx: memory
                 # O(rows * nk) instead of O(rows * keys asked * K)
                 cols = torch.where(rows < 0, torch.full_like(rows, nk), rows)

@@ -1,0 +1,205 @@
+// Attention of each query row over the keys its list names, read in place from the K/V tensors.
+//
+// The selected-key attention of DeepSeek Sparse Attention (DeepSeek-AI, "DeepSeek-V3.2", 2025) and of MoBA
+// (Lu et al., "MoBA: Mixture of Block Attention for Long-Context LLMs", 2025): per query row, the listed keys
+// are copied a tile at a time into a small buffer that stays in cache, multiplied by the row's query heads with
+// the BLAS torch links (MKL's sgemm/dgemm), and merged with an online softmax (Milakov and Gimelshein, "Online
+// normalizer calculation for softmax", 2018), so no (rows x K x D) gather is ever materialized.
+// Semantics are those of qkv.masks.topk (see qkv/backends/gather.py): -1 lists no key, a repeat counts once,
+// an optional causal bound drops keys past row + offset, sinks add exp(sink) to each head's denominator.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*);
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+            const int*, const double*, const int*, const double*, double*, const int*);
+}
+
+namespace {
+
+constexpr int64_t kAhead = 8;  // keys prefetched ahead of the copy
+
+// Column-major BLAS: C (m x n) = alpha op(A) op(B) + beta C.
+inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                 int ldb, float beta, float* c, int ldc) {
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
+                 int ldb, double beta, double* c, int ldc) {
+  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx, double scale,
+         bool causal, int64_t offset, const T* sinks, int64_t tile, at::Tensor& out, at::Tensor& lse) {
+  using Vec = at::vec::Vectorized<T>;
+  const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Nk = k.size(2), Dv = v.size(3);
+  const int64_t Bi = idx.size(0), Hi = idx.size(1), K = idx.size(3);
+  const bool shared = Hi == 1;
+  const int64_t Hx = shared ? Hkv : Hq, G = shared ? Hq / Hkv : 1, rep = Hq / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  T* lp = lse.data_ptr<T>();
+  const int64_t qsb = q.stride(0), qsh = q.stride(1), qsn = q.stride(2);
+  const int64_t ksb = k.stride(0), ksh = k.stride(1), ksn = k.stride(2);
+  const int64_t vsb = v.stride(0), vsh = v.stride(1), vsn = v.stride(2);
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t work = B * Hx * Nq;
+  at::parallel_for(0, work, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> kt(tile * D), vt(tile * Dv), s(G * tile), o(G * Dv), m(G), l(G), qg(G * D);
+    std::vector<int64_t> keys(tile);
+    std::vector<uint64_t> seen((Nk + 63) / 64, 0);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w % Nq, hx = (w / Nq) % Hx, b = w / (Nq * Hx);
+      const int64_t h0 = shared ? hx * G : hx, kvh = shared ? hx : hx / rep;
+      const int64_t* list = ip + (((Bi == 1 ? 0 : b) * Hi + (shared ? 0 : hx)) * Nq + i) * K;
+      const int64_t last = causal ? std::min(Nk - 1, i + offset) : Nk - 1;
+      const T* kb = kp + b * ksb + kvh * ksh;
+      const T* vb = vp + b * vsb + kvh * vsh;
+      for (int64_t g = 0; g < G; ++g)  // the group's query rows, contiguous for the GEMM
+        std::memcpy(qg.data() + g * D, qp + b * qsb + (h0 + g) * qsh + i * qsn, D * sizeof(T));
+      std::fill(o.begin(), o.end(), T(0));
+      std::fill(m.begin(), m.end(), ninf);
+      std::fill(l.begin(), l.end(), T(0));
+      int64_t pos = 0;
+      while (true) {
+        int64_t n = 0;
+        while (n < tile && pos < K) {
+          const int64_t j = list[pos++];
+          if (j < 0 || j > last) continue;
+          uint64_t& word = seen[j >> 6];
+          const uint64_t bit = uint64_t(1) << (j & 63);
+          if (word & bit) continue;  // a repeat counts once
+          word |= bit;
+          keys[n++] = j;
+        }
+        if (n == 0) break;
+        for (int64_t t = 0; t < n; ++t) {
+          if (t + kAhead < n) {  // the rows a few keys ahead, so that their loads overlap these copies
+            const char* kr = reinterpret_cast<const char*>(kb + keys[t + kAhead] * ksn);
+            const char* vr = reinterpret_cast<const char*>(vb + keys[t + kAhead] * vsn);
+            for (int64_t c = 0; c < int64_t(D * sizeof(T)); c += 64) __builtin_prefetch(kr + c);
+            for (int64_t c = 0; c < int64_t(Dv * sizeof(T)); c += 64) __builtin_prefetch(vr + c);
+          }
+          std::memcpy(kt.data() + t * D, kb + keys[t] * ksn, D * sizeof(T));
+          std::memcpy(vt.data() + t * Dv, vb + keys[t] * vsn, Dv * sizeof(T));
+        }
+        // s (G x n, row-major) = scale * qg (G x D) kt^T: column-major s^T (n x G) = kt^T' (n x D) qg^T (D x G)
+        gemm('T', 'N', int(n), int(G), int(D), T(scale), kt.data(), int(D), qg.data(), int(D), T(0), s.data(),
+             int(n));
+        for (int64_t g = 0; g < G; ++g) {
+          T* row = s.data() + g * n;
+          Vec vmx(ninf);
+          int64_t t0 = 0;
+          for (; t0 + Vec::size() <= n; t0 += Vec::size()) vmx = at::vec::maximum(vmx, Vec::loadu(row + t0));
+          T lanes[Vec::size()];
+          vmx.store(lanes);
+          T mx = ninf;
+          for (int64_t u = 0; u < Vec::size(); ++u) mx = std::max(mx, lanes[u]);
+          for (; t0 < n; ++t0) mx = std::max(mx, row[t0]);
+          const T mnew = std::max(m[g], mx);
+          const T alpha = m[g] == ninf ? T(0) : std::exp(m[g] - mnew);
+          const Vec vm(mnew);
+          Vec acc(T(0));
+          int64_t t = 0;
+          for (; t + Vec::size() <= n; t += Vec::size()) {
+            Vec e = (Vec::loadu(row + t) - vm).exp();
+            e.store(row + t);
+            acc = acc + e;
+          }
+          acc.store(lanes);
+          T sum = 0;
+          for (int64_t u = 0; u < Vec::size(); ++u) sum += lanes[u];
+          for (; t < n; ++t) {
+            row[t] = std::exp(row[t] - mnew);
+            sum += row[t];
+          }
+          l[g] = l[g] * alpha + sum;
+          m[g] = mnew;
+          if (alpha != T(1)) {
+            T* og = o.data() + g * Dv;
+            const Vec va(alpha);
+            int64_t d = 0;
+            for (; d + Vec::size() <= Dv; d += Vec::size()) (Vec::loadu(og + d) * va).store(og + d);
+            for (; d < Dv; ++d) og[d] *= alpha;
+          }
+        }
+        // o (G x Dv) += p (G x n) vt (n x Dv): column-major o^T (Dv x G) += vt^T (Dv x n) p^T (n x G)
+        gemm('N', 'N', int(Dv), int(G), int(n), T(1), vt.data(), int(Dv), s.data(), int(n), T(1), o.data(),
+             int(Dv));
+      }
+      for (int64_t p2 = 0; p2 < K; ++p2) {  // forget this row's keys
+        const int64_t j = list[p2];
+        if (j >= 0 && j <= last) seen[j >> 6] = 0;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = h0 + g;
+        T mt = m[g], lt = l[g], f = T(1);
+        if (sinks != nullptr) {
+          const T z = sinks[h];
+          mt = std::max(m[g], z);
+          f = m[g] == ninf ? T(0) : std::exp(m[g] - mt);
+          lt = l[g] * f + std::exp(z - mt);
+        }
+        T* dst = op + ((b * Hq + h) * Nq + i) * Dv;
+        const T* og = o.data() + g * Dv;
+        if (lt > T(0)) {
+          const T c = f / lt;
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = og[d] * c;
+          lp[(b * Hq + h) * Nq + i] = mt + std::log(lt);
+        } else {
+          std::fill(dst, dst + Dv, T(0));
+          lp[(b * Hq + h) * Nq + i] = ninf;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& idx, double scale, bool causal, int64_t offset,
+                                         const c10::optional<at::Tensor>& sinks, int64_t tile) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && idx.device().is_cpu(),
+              "gather_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && idx.dim() == 4, "gather_attention: 4-D inputs");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "gather_attention: q, k, v of one dtype");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "gather_attention: unit last stride");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous(), "gather_attention: contiguous int64 lists");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && (idx.size(1) == 1 || idx.size(1) == q.size(1)),
+              "gather_attention: heads");
+  TORCH_CHECK(idx.size(0) == 1 || idx.size(0) == q.size(0), "gather_attention: list batch");
+  TORCH_CHECK(idx.size(2) == q.size(2), "gather_attention: one list per query row");
+  TORCH_CHECK(tile > 0, "gather_attention: tile > 0");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  at::Tensor z;
+  if (sinks.has_value()) {
+    z = sinks->to(q.scalar_type()).contiguous();
+    TORCH_CHECK(z.numel() == q.size(1), "gather_attention: one sink per query head");
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gather_attention", [&] {
+    run<scalar_t>(q, k, v, idx, scale, causal, offset, z.defined() ? z.data_ptr<scalar_t>() : nullptr, tile, out,
+                  lse);
+  });
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
+}

@@ -1,0 +1,94 @@
+"""qkv's compiled CPU kernels: C++ (``csrc/``) built once per machine with torch's extension builder.
+
+Some CPU work cannot be written fast as torch ops: attention over keys that each query row lists
+(``masks.topk``) must gather 2 MB of keys and values per row at DeepSeek-V3.2's K = 2,048, and as torch ops the
+gathered copy goes out to memory and is read back by the product. :mod:`qkv.cpu.csrc` holds kernels that read
+such keys in place instead; this module builds them on first use (``torch.utils.cpp_extension.load``: the C++
+compiler and ``ninja``, about 30 s, then cached under torch's extensions folder) for the vector width torch
+itself uses on this CPU (AVX-512, AVX2 or plain).
+
+Nothing here is a silent fallback. Where the kernels cannot be had (no compiler, a torch without the BLAS symbols
+they link, or ``QKV_CPU_KERNELS=0`` in the environment), :func:`unavailable_reason` says why, the backends that
+would use them take their torch-op path, and ``qkv.explain`` reports which path ran and why.
+
+Example:
+    >>> from qkv.cpu import kernels
+    >>> kernels.unavailable_reason() is None or isinstance(kernels.unavailable_reason(), str)
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["load", "unavailable_reason", "ENV"]
+
+#: Set to ``0`` to keep qkv from building or using its compiled CPU kernels (the torch-op paths run instead).
+ENV = "QKV_CPU_KERNELS"
+
+_SOURCES = ("gather_attention.cpp",)
+_FLAGS = {  # torch's own CPU capability names -> the flags that give ATen's vector types that width
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
+               "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+_lock = threading.Lock()
+_module = None
+_failure: str | None = None
+
+
+def _capability() -> str:
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - older torch: plain code
+        return "DEFAULT"
+    if cap.startswith("AVX512"):
+        return "AVX512"
+    return cap if cap in _FLAGS else "DEFAULT"
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the `ninja` package installs its binary beside this interpreter
+        here = Path(sys.executable).parent
+        if (here / "ninja").exists():
+            os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
+    cap = _capability()
+    src = Path(__file__).with_name("csrc")
+    return cpp_extension.load(name=f"qkv_cpu_kernels_{cap.lower()}", sources=[str(src / s) for s in _SOURCES],
+                              extra_cflags=["-O3", *_FLAGS.get(cap, [])], verbose=False)
+
+
+def load():
+    """The compiled kernels module (built on first call), or ``None`` where :func:`unavailable_reason` says why."""
+    global _module, _failure
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    if _module is not None or _failure is not None:
+        return _module
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                _module = _build()
+            except Exception as e:  # noqa: BLE001 - any build or import failure: say it once, use the torch paths
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                _failure = (f"building qkv's CPU kernels failed ({type(e).__name__}: {first}); they need a C++ "
+                            f"compiler and ninja (pip install ninja)")
+                warnings.warn(f"{_failure}; the torch-op paths run instead", RuntimeWarning, stacklevel=2)
+    return _module
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled kernels cannot run here, or ``None`` when they can (builds them if not yet built)."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0 in the environment"
+    load()
+    return _failure
