@@ -11,11 +11,12 @@ Five tables:
 4. ``decode_quant``: KIVI int4/int2 and int8 caches; stored bytes per token and logit error against a
    bf16 cache (same model, same tokens, teacher-forced).
 5. ``paged_cpu``: one attention call of a decode step over a paged pool (16-token blocks, 8 query / 2 KV heads,
-   head dim 64, blocks shuffled in a 4096-block pool), the two CPU paths side by side: the padded view (every
-   row's blocks gathered to the longest row's count, then SDPA) and the block path
-   (:func:`qkv.backends.paged.paged_decode_blocks`: each row's live blocks only), over rows of one length and
-   rows of mixed lengths; ``fill`` is the live share of the padded view, which decides the path
-   (``qkv.cache.paged.BLOCKS_BELOW_FILL``).
+   head dim 64, blocks shuffled in a 4096-block pool), the CPU paths side by side: the padded view (every
+   row's blocks gathered to the longest row's count, then SDPA), the torch-op block path (each row's live blocks
+   only, in spans) and the compiled kernel (:func:`qkv.backends.paged.paged_decode_blocks` where qkv's CPU kernels
+   are built: each row's visible slots read in place), over rows of one length and rows of mixed lengths;
+   ``fill`` is the live share of the padded view, which decides between the first two where the kernel is not
+   built (``qkv.cache.paged.BLOCKS_BELOW_FILL``).
 
 Timing: cached decode and recomputation (table 1), prefix caching on and off (table 3) run round-robin,
 every repeat a pair; each ratio is its median and range over the paired repeats, and the target is met
@@ -131,7 +132,10 @@ def shared_prefix(suite: Suite, system_len: int, users: int, user_len: int, repe
 def paged_cpu(suite: Suite, repeat: int, cpu: bool, quick: bool) -> None:
     from qkv import attention
     from qkv import masks as M
-    from qkv.backends.paged import gather_head_major, paged_decode_blocks
+    from qkv.backends.paged import _blocks, gather_head_major, paged_decode_blocks
+    from qkv.cpu import kernels
+
+    has_kernel = kernels.unavailable_reason() is None
 
     T, Hq, Hkv, D, P = 16, 8, 2, 64, 4096
     g = torch.Generator().manual_seed(7)
@@ -157,17 +161,25 @@ def paged_cpu(suite: Suite, repeat: int, cpu: bool, quick: bool) -> None:
             k, v = gather_head_major(kp, tables), gather_head_major(vp, tables)
             return attention(q[:, :, None], k, v, mask=M.positions(qpos[:, None], kpos))[:, :, 0]
 
-        def blocks():
+        def blocks():  # the torch-op block path
+            return _blocks(q, kp, vp, tables, kpos, qpos, None, None)[0]
+
+        def compiled():  # what paged_decode_blocks runs where qkv's CPU kernels are built
             return paged_decode_blocks(q, kp, vp, tables, kpos, qpos)[0]
 
-        err = float((padded() - blocks()).abs().max())
-        t = time_interleaved({"padded": padded, "blocks": blocks}, repeat=repeat, cpu=cpu, samples=True)
+        err = max(float((padded() - f()).abs().max()) for f in (blocks, compiled))
+        fns = {"padded": padded, "blocks": blocks} | ({"compiled": compiled} if has_kernel else {})
+        t = time_interleaved(fns, repeat=repeat, cpu=cpu, samples=True)
         fill = sum(lens) / (B * nb * T)
-        taken = "blocks" if fill <= BLOCKS_BELOW_FILL and B * nb * T >= BLOCKS_MIN_SLOTS else "padded"
+        ragged = fill <= BLOCKS_BELOW_FILL and B * nb * T >= BLOCKS_MIN_SLOTS
+        taken = "compiled" if has_kernel else "blocks" if ragged else "padded"
+        row = {"padded_ms": median_ms(t["padded"]), "blocks_ms": median_ms(t["blocks"]),
+               "padded/blocks": ratio(t["padded"], t["blocks"])}
+        if has_kernel:
+            row |= {"compiled_ms": median_ms(t["compiled"]), "padded/compiled": ratio(t["padded"], t["compiled"]),
+                    "blocks/compiled": ratio(t["blocks"], t["compiled"])}
         suite.add({"rows": name, "B": B, "longest": max(lens), "fill": round(fill, 3), "slots": B * nb * T},
-                  {"padded_ms": median_ms(t["padded"]), "blocks_ms": median_ms(t["blocks"]),
-                   "padded/blocks": ratio(t["padded"], t["blocks"]),
-                   "path taken": taken, "max_abs_diff": err})
+                  row | {"path taken": taken, "max_abs_diff": err})
 
 
 @torch.no_grad()
@@ -239,9 +251,11 @@ def main(argv=None) -> None:
     s5 = Suite("paged_cpu", "paged decode attention on CPU: the padded view vs the block path, one call",
                **{**ctx, "model": "none: one attention call, 8 query / 2 KV heads, head dim 64, 16-token blocks"})
     paged_cpu(s5, repeat, args.cpu_time, quick)
-    s5.note(f"The cache takes the block path when fill <= {BLOCKS_BELOW_FILL} and the padded view holds at least "
-            f"{BLOCKS_MIN_SLOTS} slots (qkv.cache.paged.BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS). "
-            "padded/blocks: the padded view's time over the block path's, median and range over paired repeats.")
+    s5.note("Where qkv's compiled CPU kernels are built (qkv.cpu.kernels), every CPU decode step takes the compiled "
+            "kernel (compiled: paged_decode_blocks reading each row's visible slots in place). Without them the cache "
+            f"takes the torch-op block path (blocks) when fill <= {BLOCKS_BELOW_FILL} and the padded view holds at "
+            f"least {BLOCKS_MIN_SLOTS} slots (qkv.cache.paged.BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS), else the padded "
+            "view. Ratios: the first path's time over the second's, median and range over paired repeats.")
     s5.finish()
 
 

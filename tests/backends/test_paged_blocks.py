@@ -1,4 +1,6 @@
-"""The torch block path of a paged decode step (qkv.backends.paged) against the float64 reference."""
+"""The block paths of a paged decode step (qkv.backends.paged) against the float64 reference: every test runs twice,
+on the compiled kernel (qkv's CPU kernels built: the visible slots read in place) and on the torch ops
+(QKV_CPU_KERNELS=0)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,21 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.backends.paged import SPAN_TOKENS, paged_decode_blocks
+from qkv.backends.paged import SPAN_TOKENS, blocks_compiled, paged_decode_blocks
+from qkv.cpu import kernels
 from qkv.testing import assert_within_budget
+
+pytestmark = pytest.mark.xdist_group("cpu_kernels")
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setenv(kernels.ENV, "0")
+    elif kernels.unavailable_reason():
+        pytest.fail(f"the compiled kernels must build on this machine: {kernels.unavailable_reason()}")
+    assert blocks_compiled(torch.zeros(1)) == (request.param == "compiled")
+    return request.param
 
 
 def _case(seed: int, *, B: int, Hq: int, Hkv: int, D: int, Dv: int, T: int, lens: list[int], first: list[int],
@@ -114,10 +129,10 @@ def test_bad_input():
         paged_decode_blocks(q, kp.double(), vp, tables, kpos, qpos)
 
 
-def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only():
+def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only(path):
     """A CPU decode step over rows of very different lengths is served by the block path (no view gathered) and
-    equals attention over the gathered view; rows of one length keep the padded view (nothing to save), and so do
-    small views (the block path's fixed cost)."""
+    equals attention over the gathered view. On the torch ops, rows of one length keep the padded view (nothing
+    to save), and so do small views (the block path's fixed cost); the compiled kernel serves every step."""
     from qkv.cache import FullSpec, KVCache, Paged
     from qkv.cache.paged import BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS
 
@@ -145,5 +160,12 @@ def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only():
     full = cache.view(0)
     ref = qkv.attention(q, full.k, full.v, mask=M.positions(step_pos, full.kv_positions), scale=0.25)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert step([1100] * 8)[1].k is not None, "rows of one length: the padded view"
-    assert step([40, 3, 2, 1], T=4)[1].k is not None, "a small view: padded"
+    for lens, T, why in (([1100] * 8, 16, "rows of one length"), ([40, 3, 2, 1], 4, "a small view")):
+        cache, view, q, step_pos = step(lens, T)
+        if path == "torch":
+            assert view.k is not None, f"{why}: the padded view on the torch ops"
+            continue
+        assert view.k is None, f"{why}: the compiled kernel serves every step"
+        full = cache.view(0)
+        ref = qkv.attention(q, full.k, full.v, mask=M.positions(step_pos, full.kv_positions), scale=0.25)
+        torch.testing.assert_close(cache.decode(0, q, scale=0.25), ref, atol=1e-5, rtol=1e-5)

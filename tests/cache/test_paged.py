@@ -187,12 +187,13 @@ def _paged_step(window=None, defer=False):
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_deferred_view_is_built_on_request_and_equals_the_eager_one(window, monkeypatch):
-    """``update(..., defer_view=True)`` skips gathering a paged layer's view where its decode kernel will serve
-    the step (here pretended: the kernel's conditions are CUDA and triton); ``view`` gathers it afterwards, equal
-    to what an eager update returns. Where the kernel will not serve it (this CPU), the view comes at once."""
+    """``update(..., defer_view=True)`` skips gathering a paged layer's view where a decode kernel will serve the
+    step (pretended either way here); ``view`` gathers it afterwards, equal to what an eager update returns. Where
+    no kernel will serve it, the view comes at once."""
     from qkv.cache.paged import PagedStore
 
     _, eager = _paged_step(window)
+    monkeypatch.setattr(PagedStore, "decodes_in_place", lambda self, *t: False)
     _, not_served = _paged_step(window, defer=True)
     assert torch.equal(not_served.k, eager.k)
     monkeypatch.setattr(PagedStore, "decodes_in_place", lambda self, *t: True)

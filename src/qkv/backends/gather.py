@@ -209,5 +209,5 @@ def _run_kernel(req: Request, sel: TopK, rest: list[Mask]) -> AttentionOutput:
     idx = sel.indices.to(device=req.device, dtype=torch.int64).contiguous()
     tile = max(16, _KERNEL_TILE_BYTES // (q.element_size() * max(req.Dqk, 1)))
     out, lse = kernels.load().gather_attention(q, k, v, idx, float(req.scale), bool(offsets),
-                                               min(offsets, default=0), req.sinks, tile)
+                                               min(offsets, default=0), req.sinks, tile, 0)
     return AttentionOutput(out, lse if req.dtype == torch.float64 else lse.to(torch.float32))

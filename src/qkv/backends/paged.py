@@ -15,6 +15,11 @@ et al. 2023, "Flash-Decoding for long-context inference"), so no ``(B, Hq, nb * 
 The result is attention over each row's keys at or before its query's position (within the window when one is
 given), equal to SDPA's within float32 rounding; a row with no visible key returns zeros and ``lse = -inf``.
 
+On CPU, with qkv's compiled kernels built (:mod:`qkv.cpu.kernels`) and no gradients asked for, the step runs the
+compiled gather kernel in its paged mode instead (``qkv/cpu/csrc/gather_attention.cpp``): each row lists its
+visible slots (block ``b``'s slot ``t`` as ``b * T + t``, ``-1`` for the rest) and the kernel reads them from the
+pools where they lie, a tile of keys at a time, with an online softmax: no gathered span, no per-span torch ops.
+
 Shape legend: B rows, Hq query heads, Hkv KV heads, G = Hq / Hkv, P pool blocks, T tokens per block, NB table
 entries per row, S blocks per span, n spans of the step, D / Dv key / value head dims.
 """
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_decode_blocks", "gather_head_major", "check_paged_args", "BLOCKS_DTYPES", "SPAN_TOKENS"]
+from ..cpu import kernels
+
+__all__ = ["paged_decode_blocks", "blocks_compiled", "gather_head_major", "check_paged_args", "BLOCKS_DTYPES", "SPAN_TOKENS"]
 
 #: Keys per GEMM: a row's live blocks are read in spans of this many tokens (whole blocks, at least one), so each
 #: score product is (G, D) x (D, SPAN_TOKENS) rather than one block wide; block-wide products ran at about half
@@ -33,6 +40,9 @@ SPAN_TOKENS = 64
 #: Dtypes the block path computes in (its softmax runs in the query's dtype): float32 and float64. Lower precisions
 #: keep the gathered view and SDPA, which accumulates them in float32.
 BLOCKS_DTYPES = (torch.float32, torch.float64)
+
+#: Bytes of keys per tile of the compiled kernel (as the gather backend's: 128 KB of keys and as much of values).
+_TILE_BYTES = 128 << 10
 
 
 def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -68,7 +78,40 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
     with torch.profiler.record_function("qkv::paged_decode_blocks"):  # profiles count its GEMMs as attention
+        if blocks_compiled(q, k_pool, v_pool):
+            return _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
         return _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
+
+
+def blocks_compiled(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode_blocks` runs the compiled kernel for these tensors: all on CPU, none needing a
+    gradient, and qkv's CPU kernels built (:func:`qkv.cpu.kernels.unavailable_reason` says why not)."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return kernels.load() is not None
+
+
+def _visible(pos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Slots holding a key the row's query may see: filled, at or before the query, within the window if any."""
+    seen = (pos >= 0) & (pos <= qpos)
+    if window is not None:
+        seen &= qpos - pos < window
+    return seen
+
+
+def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window):
+    """:func:`paged_decode_blocks` by the compiled kernel: each row lists its visible slots as ``block * T + slot``."""
+    B, Hq, D = q.shape
+    T = k_pool.shape[2]
+    seen = _visible(kv_positions.view(B, -1), q_positions.view(B, 1), window)
+    slots = (block_tables.to(torch.int64).unsqueeze(-1) * T + torch.arange(T, device=q.device)).view(B, -1)
+    lists = torch.where(seen, slots, -1).view(B, 1, 1, -1)
+    scale = D ** -0.5 if scale is None else float(scale)
+    out, lse = kernels.load().gather_attention(q.unsqueeze(2), k_pool, v_pool, lists, scale, False, 0, None,
+                                                _TILE_BYTES // (q.element_size() * max(D, 1)) or 1, T)
+    return out.squeeze(2), lse.squeeze(2)
 
 
 def check_paged_args(fn: str, q, k_pool, v_pool, block_tables, kv_positions, q_positions) -> None:
@@ -103,10 +146,7 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     pad = S - 1  # a row's last span may run past its table: filler entries, no visible slot
     tables = torch.nn.functional.pad(block_tables, (0, pad), value=int(block_tables[0, 0]) if B * NB else 0)
     pos = torch.nn.functional.pad(kv_positions, (0, pad * T), value=-1).view(B, NB + pad, T)
-    qpos = q_positions.view(B, 1, 1)
-    seen = (pos >= 0) & (pos <= qpos)
-    if window is not None:
-        seen &= qpos - pos < window
+    seen = _visible(pos, q_positions.view(B, 1, 1), window)
     live = seen.any(-1).to(torch.int8)  # (B, NB + pad)
     any_live = live.amax(1) > 0
     first = live.argmax(1)  # a row's first and last live blocks (dead ones between them are masked below)

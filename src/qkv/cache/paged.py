@@ -766,7 +766,8 @@ class BlockManager:
         return out
 
 
-#: The block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves a CPU decode step when the step's rows
+#: Without qkv's compiled CPU kernels (which serve every CPU decode step),
+#: the block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves a CPU decode step when the step's rows
 #: fill at most this share of the padded view, and the view holds at least BLOCKS_MIN_SLOTS slots: on
 #: benchmarks/decode.py's ``paged_cpu`` table fuller views go faster padded (one SDPA over long rows beats many
 #: span-sized GEMMs) and small ones too (the block path's fixed cost, a few dozen small ops), while a request
@@ -822,11 +823,12 @@ class PagedStore(Store):
         return gpu_decode_ready(*tensors) or self.blocks_serve(*tensors)
 
     def blocks_serve(self, *tensors: torch.Tensor) -> bool:
-        """Whether the torch block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves this step: off
-        CUDA, float32/float64 pools and tensors, no gradients, and the step's rows ragged enough (live slots at
-        most :data:`BLOCKS_BELOW_FILL` of a padded view of at least :data:`BLOCKS_MIN_SLOTS` slots) that listing
-        each row's live blocks beats gathering and reading the padded view."""
-        from ..backends.paged import BLOCKS_DTYPES
+        """Whether the block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves this step: off CUDA,
+        float32/float64 pools and tensors, no gradients, and either qkv's compiled CPU kernel built (it reads each
+        row's visible slots in place) or the step's rows ragged enough (live slots at most
+        :data:`BLOCKS_BELOW_FILL` of a padded view of at least :data:`BLOCKS_MIN_SLOTS` slots) that the torch-op
+        block path beats gathering and reading the padded view."""
+        from ..backends.paged import BLOCKS_DTYPES, blocks_compiled
 
         step = self.manager.step
         if step is None or self.kp is None:
@@ -836,6 +838,8 @@ class PagedStore(Store):
             return False
         if torch.is_grad_enabled() and any(t.requires_grad for t in every):
             return False
+        if blocks_compiled(*every):  # reads the visible slots in place: faster than the view at every fill measured
+            return True
         return self._ragged(step)
 
     def _ragged(self, step: _StepSlots) -> bool:

@@ -7,6 +7,11 @@
 // normalizer calculation for softmax", 2018), so no (rows x K x D) gather is ever materialized.
 // Semantics are those of qkv.masks.topk (see qkv/backends/gather.py): -1 lists no key, a repeat counts once,
 // an optional causal bound drops keys past row + offset, sinks add exp(sink) to each head's denominator.
+//
+// Keys are addressed one of two ways. Plain: k (B, Hkv, Nk, D), key j of batch row b at k[b, h, j]. Paged
+// (block_tokens = T > 0): k is a block pool (P, Hkv, T, D) shared by the rows, and key j is slot j % T of block
+// j / T, so a paged cache's decode step (qkv/backends/paged.py) lists each row's visible slots and reads them where
+// they lie, with no gathered or padded view.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -40,10 +45,13 @@ inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const doub
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx, double scale,
-         bool causal, int64_t offset, const T* sinks, int64_t tile, at::Tensor& out, at::Tensor& lse) {
+         bool causal, int64_t offset, const T* sinks, int64_t tile, int64_t block_tokens, at::Tensor& out,
+         at::Tensor& lse) {
   using Vec = at::vec::Vectorized<T>;
   const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Nk = k.size(2), Dv = v.size(3);
+  const bool paged = block_tokens > 0;
+  const int64_t Hkv = k.size(1), Dv = v.size(3);
+  const int64_t Nk = paged ? k.size(0) * block_tokens : k.size(2);
   const int64_t Bi = idx.size(0), Hi = idx.size(1), K = idx.size(3);
   const bool shared = Hi == 1;
   const int64_t Hx = shared ? Hkv : Hq, G = shared ? Hq / Hkv : 1, rep = Hq / Hkv;
@@ -67,8 +75,18 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       const int64_t h0 = shared ? hx * G : hx, kvh = shared ? hx : hx / rep;
       const int64_t* list = ip + (((Bi == 1 ? 0 : b) * Hi + (shared ? 0 : hx)) * Nq + i) * K;
       const int64_t last = causal ? std::min(Nk - 1, i + offset) : Nk - 1;
-      const T* kb = kp + b * ksb + kvh * ksh;
-      const T* vb = vp + b * vsb + kvh * vsh;
+      const T* kb = kp + (paged ? 0 : b * ksb) + kvh * ksh;
+      const T* vb = vp + (paged ? 0 : b * vsb) + kvh * vsh;
+      auto k_row = [&](int64_t j) {  // key j: row j, or slot j % T of block j / T
+        if (!paged) return kb + j * ksn;
+        const int64_t blk = j / block_tokens;
+        return kb + blk * ksb + (j - blk * block_tokens) * ksn;
+      };
+      auto v_row = [&](int64_t j) {
+        if (!paged) return vb + j * vsn;
+        const int64_t blk = j / block_tokens;
+        return vb + blk * vsb + (j - blk * block_tokens) * vsn;
+      };
       for (int64_t g = 0; g < G; ++g)  // the group's query rows, contiguous for the GEMM
         std::memcpy(qg.data() + g * D, qp + b * qsb + (h0 + g) * qsh + i * qsn, D * sizeof(T));
       std::fill(o.begin(), o.end(), T(0));
@@ -89,13 +107,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         if (n == 0) break;
         for (int64_t t = 0; t < n; ++t) {
           if (t + kAhead < n) {  // the rows a few keys ahead, so that their loads overlap these copies
-            const char* kr = reinterpret_cast<const char*>(kb + keys[t + kAhead] * ksn);
-            const char* vr = reinterpret_cast<const char*>(vb + keys[t + kAhead] * vsn);
+            const char* kr = reinterpret_cast<const char*>(k_row(keys[t + kAhead]));
+            const char* vr = reinterpret_cast<const char*>(v_row(keys[t + kAhead]));
             for (int64_t c = 0; c < int64_t(D * sizeof(T)); c += 64) __builtin_prefetch(kr + c);
             for (int64_t c = 0; c < int64_t(Dv * sizeof(T)); c += 64) __builtin_prefetch(vr + c);
           }
-          std::memcpy(kt.data() + t * D, kb + keys[t] * ksn, D * sizeof(T));
-          std::memcpy(vt.data() + t * Dv, vb + keys[t] * vsn, Dv * sizeof(T));
+          std::memcpy(kt.data() + t * D, k_row(keys[t]), D * sizeof(T));
+          std::memcpy(vt.data() + t * Dv, v_row(keys[t]), Dv * sizeof(T));
         }
         // s (G x n, row-major) = scale * qg (G x D) kt^T: column-major s^T (n x G) = kt^T' (n x D) qg^T (D x G)
         gemm('T', 'N', int(n), int(G), int(D), T(scale), kt.data(), int(D), qg.data(), int(D), T(0), s.data(),
@@ -173,7 +191,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& idx, double scale, bool causal, int64_t offset,
-                                         const c10::optional<at::Tensor>& sinks, int64_t tile) {
+                                         const c10::optional<at::Tensor>& sinks, int64_t tile,
+                                         int64_t block_tokens) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && idx.device().is_cpu(),
               "gather_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && idx.dim() == 4, "gather_attention: 4-D inputs");
@@ -186,6 +205,11 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(idx.size(0) == 1 || idx.size(0) == q.size(0), "gather_attention: list batch");
   TORCH_CHECK(idx.size(2) == q.size(2), "gather_attention: one list per query row");
   TORCH_CHECK(tile > 0, "gather_attention: tile > 0");
+  TORCH_CHECK(block_tokens == 0 || (k.size(2) == block_tokens && v.size(2) == block_tokens),
+              "gather_attention: block pools (P, Hkv, block_tokens, D)");
+  TORCH_CHECK(block_tokens > 0 || (k.size(0) == q.size(0) && v.size(0) == q.size(0)), "gather_attention: batch");
+  TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2) && k.size(3) == q.size(3),
+              "gather_attention: k (.., D) and v agree with q");
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor z;
@@ -194,8 +218,8 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
     TORCH_CHECK(z.numel() == q.size(1), "gather_attention: one sink per query head");
   }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gather_attention", [&] {
-    run<scalar_t>(q, k, v, idx, scale, causal, offset, z.defined() ? z.data_ptr<scalar_t>() : nullptr, tile, out,
-                  lse);
+    run<scalar_t>(q, k, v, idx, scale, causal, offset, z.defined() ? z.data_ptr<scalar_t>() : nullptr, tile,
+                  block_tokens, out, lse);
   });
   return {out, lse};
 }
