@@ -1,7 +1,8 @@
 """The compiled CPU kernel of the gather backend (qkv/cpu/csrc/gather_attention.cpp): calls that need no gradient
 read the listed keys in place. It equals the float64 reference on every layout it takes (lists shared or per head,
-GQA/MHA/MQA, a list batch of 1, strided queries, repeats and -1, empty rows, causal terms of either alignment,
-sinks, lists longer than a tile), float32 within the budget; explain says when it runs and why not; with the
+GQA/MHA/MQA, groups of whole vectors (heads in lanes) or not (BLAS products), a list batch of 1, strided queries,
+repeats and -1, empty rows, causal terms of either alignment, sinks, lists longer than a tile), float32 within the
+budget; explain says when it runs and why not; with the
 kernel switched off or unbuildable the torch ops give the same values."""
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ LAYOUTS = {  # (B, Hq, Hkv, Nq, Nk, K, per_head, list batch)
     "gqa-shared-batch1": (3, 6, 2, 13, 30, 7, False, 1),
     "mha-per-head": (2, 3, 3, 11, 25, 6, True, 2),
     "gqa-per-head": (1, 4, 2, 16, 16, 20, True, 1),  # K > Nk: repeats certain
+    # groups of whole vectors (16 float32 / 8 float64 lanes with AVX-512): the heads-in-lanes products
+    "lanes-mqa-16": (1, 16, 1, 9, 50, 13, False, 1),
+    "lanes-gqa-32": (2, 64, 2, 7, 40, 22, False, 2),
 }
 CAUSAL = {"none": None, "bottom_right": M.causal(), "top_left": M.causal("top_left"),
           "both": M.causal() & M.causal("top_left")}
@@ -70,10 +74,12 @@ def test_kernel_equals_the_reference(layout, causal, dtype):
         assert got.out.dtype == dtype and got.lse.dtype == dtype
 
 
-def test_lists_longer_than_a_tile_merge_exactly(monkeypatch):
+@pytest.mark.parametrize("heads", [(4, 4), (16, 1)], ids=["blas", "lanes"])
+def test_lists_longer_than_a_tile_merge_exactly(monkeypatch, heads):
     monkeypatch.setattr(gather, "_KERNEL_TILE_BYTES", 16)  # 16 keys per tile: every row spans many tiles
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 4, n, 32, dtype=torch.float64, generator=g) for n in (50, 300, 300))
+    q = torch.randn(2, heads[0], 50, 32, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, heads[1], 300, 32, dtype=torch.float64, generator=g) for _ in range(2))
     idx = torch.randint(-1, 300, (2, 1, 50, 200), generator=g)
     mask = M.topk(idx) & M.causal()
     # scores far apart between tiles: the running maximum must rescale what came before
@@ -151,7 +157,7 @@ def test_random_requests_match_the_reference():
     g = torch.Generator().manual_seed(7)
     for trial in range(25):
         r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
-        Hkv, G, B = r(1, 3), r(1, 5), r(1, 3)
+        Hkv, G, B = r(1, 3), (r(1, 5) if trial % 3 else 8 * r(1, 4)), r(1, 3)
         Hq, Nq, Nk, K, D, Dv = Hkv * G, r(1, 40), r(0, 90), r(0, 70) if trial else 0, r(1, 40), r(1, 40)
         per_head = bool(r(0, 1))
         idx = torch.randint(-1, max(Nk, 1), (r(0, 1) * (B - 1) + 1, Hq if per_head else 1, Nq, K), generator=g)

@@ -30,7 +30,8 @@ import torch
 
 from ..cpu import kernels
 
-__all__ = ["paged_decode_blocks", "blocks_compiled", "gather_head_major", "check_paged_args", "BLOCKS_DTYPES", "SPAN_TOKENS"]
+__all__ = ["paged_decode_blocks", "blocks_compiled", "gather_head_major", "check_paged_args", "BLOCKS_DTYPES",
+           "SPAN_TOKENS"]
 
 #: Keys per GEMM: a row's live blocks are read in spans of this many tokens (whole blocks, at least one), so each
 #: score product is (G, D) x (D, SPAN_TOKENS) rather than one block wide; block-wide products ran at about half

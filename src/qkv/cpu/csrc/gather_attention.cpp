@@ -43,6 +43,77 @@ inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const doub
   dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
+// One tile of n listed keys for a group of G query heads, G a multiple of the vector width L: the heads lie in
+// vector lanes, so a key's G scores are D vector FMAs of the transposed queries qt (D x G) with the key's
+// channels broadcast, the online softmax runs lane-wise, and the output ot (Dv x G) takes D vector FMAs per key.
+// Keys and values are read where they lie (k_row / v_row), four keys at a time. s: n x G scratch; m, l: G.
+template <typename T, typename KRow, typename VRow>
+void lanes_tile(const T* qt, const int64_t* keys, int64_t n, int64_t G, int64_t D, int64_t Dv, const KRow& k_row,
+                const VRow& v_row, T* s, T* ot, T* m, T* l) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t L = Vec::size();
+  constexpr int64_t U = 4;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int64_t t = 0; t < n; t += U) {
+    const int64_t u = std::min(U, n - t);
+    const T* kr[U];
+    for (int64_t a = 0; a < U; ++a) kr[a] = k_row(keys[t + std::min(a, u - 1)]);
+    for (int64_t a = 0; a < U && t + U + a < n; ++a) {  // the next keys, so that their loads overlap these FMAs
+      const char* next = reinterpret_cast<const char*>(k_row(keys[t + U + a]));
+      for (int64_t c = 0; c < int64_t(D * sizeof(T)); c += 64) __builtin_prefetch(next + c);
+    }
+    for (int64_t c = 0; c < G; c += L) {
+      Vec a0(T(0)), a1(T(0)), a2(T(0)), a3(T(0));
+      for (int64_t d = 0; d < D; ++d) {
+        const Vec qv = Vec::loadu(qt + d * G + c);
+        a0 = at::vec::fmadd(qv, Vec(kr[0][d]), a0);
+        a1 = at::vec::fmadd(qv, Vec(kr[1][d]), a1);
+        a2 = at::vec::fmadd(qv, Vec(kr[2][d]), a2);
+        a3 = at::vec::fmadd(qv, Vec(kr[3][d]), a3);
+      }
+      const Vec acc[U] = {a0, a1, a2, a3};
+      for (int64_t a = 0; a < u; ++a) acc[a].store(s + (t + a) * G + c);
+    }
+  }
+  for (int64_t c = 0; c < G; c += L) {  // online softmax, lane-wise
+    Vec mx(ninf);
+    for (int64_t t = 0; t < n; ++t) mx = at::vec::maximum(mx, Vec::loadu(s + t * G + c));
+    const Vec mold = Vec::loadu(m + c);
+    const Vec mnew = at::vec::maximum(mold, mx);
+    const Vec alpha = Vec::blendv((mold - mnew).exp(), Vec(T(0)), mold == Vec(ninf));
+    Vec sum(T(0));
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec e = (Vec::loadu(s + t * G + c) - mnew).exp();
+      e.store(s + t * G + c);
+      sum = sum + e;
+    }
+    (Vec::loadu(l + c) * alpha + sum).store(l + c);
+    mnew.store(m + c);
+    for (int64_t d = 0; d < Dv; ++d) (Vec::loadu(ot + d * G + c) * alpha).store(ot + d * G + c);
+  }
+  for (int64_t t = 0; t < n; t += U) {
+    const int64_t u = std::min(U, n - t);
+    const T* vr[U];
+    for (int64_t a = 0; a < U; ++a) vr[a] = v_row(keys[t + std::min(a, u - 1)]);
+    for (int64_t a = 0; a < U && t + U + a < n; ++a) {
+      const char* next = reinterpret_cast<const char*>(v_row(keys[t + U + a]));
+      for (int64_t c = 0; c < int64_t(Dv * sizeof(T)); c += 64) __builtin_prefetch(next + c);
+    }
+    for (int64_t c = 0; c < G; c += L) {
+      Vec p[U];  // a missing key (past n) gets probability 0 and reads the last real row
+      for (int64_t a = 0; a < U; ++a) p[a] = a < u ? Vec::loadu(s + (t + a) * G + c) : Vec(T(0));
+      for (int64_t d = 0; d < Dv; ++d) {
+        Vec o = Vec::loadu(ot + d * G + c);
+        o = at::vec::fmadd(p[0], Vec(vr[0][d]), o);
+        o = at::vec::fmadd(p[1], Vec(vr[1][d]), o);
+        o = at::vec::fmadd(p[2], Vec(vr[2][d]), o);
+        o = at::vec::fmadd(p[3], Vec(vr[3][d]), o);
+        o.store(ot + d * G + c);
+      }
+    }
+  }
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx, double scale,
          bool causal, int64_t offset, const T* sinks, int64_t tile, int64_t block_tokens, at::Tensor& out,
@@ -66,6 +137,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t vsb = v.stride(0), vsh = v.stride(1), vsn = v.stride(2);
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t work = B * Hx * Nq;
+  // Query heads sharing a list fill whole vectors: one key's scores for all of them are vector FMAs over D
+  // (lanes_tile), with no copy of the keys and no BLAS packing; other groups take the BLAS products.
+  const bool lanes = G % Vec::size() == 0;
   at::parallel_for(0, work, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> kt(tile * D), vt(tile * Dv), s(G * tile), o(G * Dv), m(G), l(G), qg(G * D);
     std::vector<int64_t> keys(tile);
@@ -87,8 +161,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         const int64_t blk = j / block_tokens;
         return vb + blk * vsb + (j - blk * block_tokens) * vsn;
       };
-      for (int64_t g = 0; g < G; ++g)  // the group's query rows, contiguous for the GEMM
-        std::memcpy(qg.data() + g * D, qp + b * qsb + (h0 + g) * qsh + i * qsn, D * sizeof(T));
+      if (lanes) {  // the group's query rows transposed, scale folded in: qg[d * G + g] = scale * q[g, d]
+        for (int64_t g = 0; g < G; ++g) {
+          const T* qrow = qp + b * qsb + (h0 + g) * qsh + i * qsn;
+          for (int64_t d = 0; d < D; ++d) qg[d * G + g] = T(scale) * qrow[d];
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g)  // the group's query rows, contiguous for the GEMM
+          std::memcpy(qg.data() + g * D, qp + b * qsb + (h0 + g) * qsh + i * qsn, D * sizeof(T));
+      }
       std::fill(o.begin(), o.end(), T(0));
       std::fill(m.begin(), m.end(), ninf);
       std::fill(l.begin(), l.end(), T(0));
@@ -105,6 +186,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           keys[n++] = j;
         }
         if (n == 0) break;
+        if (lanes) {
+          lanes_tile<T>(qg.data(), keys.data(), n, G, D, Dv, k_row, v_row, s.data(), o.data(), m.data(), l.data());
+          continue;
+        }
         for (int64_t t = 0; t < n; ++t) {
           if (t + kAhead < n) {  // the rows a few keys ahead, so that their loads overlap these copies
             const char* kr = reinterpret_cast<const char*>(k_row(keys[t + kAhead]));
@@ -173,10 +258,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           lt = l[g] * f + std::exp(z - mt);
         }
         T* dst = op + ((b * Hq + h) * Nq + i) * Dv;
-        const T* og = o.data() + g * Dv;
         if (lt > T(0)) {
           const T c = f / lt;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = og[d] * c;
+          if (lanes) {
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = o[d * G + g] * c;
+          } else {
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = o[g * Dv + d] * c;
+          }
           lp[(b * Hq + h) * Nq + i] = mt + std::log(lt);
         } else {
           std::fill(dst, dst + Dv, T(0));
