@@ -174,3 +174,19 @@ def test_random_requests_match_the_reference():
         ref = qkv.attention(q, k, v, mask=mask, sinks=sinks, backend="reference", return_lse=True)
         _check(got, ref, torch.float64)
         assert not math.isnan(float(got.out.sum())), trial
+
+
+@pytest.mark.parametrize("heads", [(16, 1), (6, 2)], ids=["lanes", "blas"])
+def test_row_blocks_and_key_windows(heads):
+    """More query rows than one block (64) and keys across several windows (4,096): each row's keys are bucketed
+    by window and the block's rows walk the windows together; the result is the same attention."""
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(11)
+    Nq, Nk, K = 150, 9000, 300
+    q = torch.randn(1, Hq, Nq, 16, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, Hkv, Nk, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    idx = torch.randint(-1, Nk, (1, 1, Nq, K), generator=g)
+    idx[0, 0, :, :50] = torch.arange(Nk - 50, Nk)  # the newest keys, listed by every row
+    mask = M.topk(idx) & M.causal()
+    ref = qkv.attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    _check(qkv.attention(q, k, v, mask=mask, backend="gather", return_lse=True), ref, torch.float64)

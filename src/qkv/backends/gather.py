@@ -17,9 +17,11 @@ training keeps O(Nq·K) memory, and the gradients are exact (plain autograd thro
 scatter-add into dK and dV).
 
 On CPU, a call that needs no gradient (inference, a decode step) runs qkv's compiled kernel instead
-(``qkv/cpu/csrc/gather_attention.cpp``, built by :mod:`qkv.cpu.kernels`): per query row it copies the listed keys a
-tile at a time into a buffer that stays in cache, multiplies them with the row's query heads by the BLAS torch links,
-and merges the tiles with an online softmax, so the gathered keys never travel to memory and back. It takes float32
+(``qkv/cpu/csrc/gather_attention.cpp``, built by :mod:`qkv.cpu.kernels`): blocks of 64 query rows walk the keys
+window by window (4,096 keys), so a key several rows list is read from memory once; per row and window the listed
+keys are multiplied with the row's query heads in place (heads in vector lanes where they fill whole vectors,
+else copied a tile at a time into a cache-resident buffer for the BLAS torch links), and merged with an online
+softmax, so no gathered keys ever travel to memory and back. It takes float32
 and float64, lists shared or per head, ``causal()`` terms (either alignment) and sinks; other mask terms, score
 modifiers and calls under autograd take the torch ops above, and ``qkv.explain`` says which ran and why.
 """

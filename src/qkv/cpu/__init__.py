@@ -9,6 +9,8 @@ applied to a plain model from outside by one call, :func:`optimize`.
   the product the rule picks. It relies on private ``torch.ops.mkldnn`` operators, so it runs only where
   :func:`~qkv.cpu.gemm.onednn_unavailable_reason` finds them working in this torch; elsewhere the rule falls
   back to the blocks and ``F.linear``.
+- :mod:`qkv.cpu.kernels`: qkv's compiled C++ kernels (``csrc/``), built on first use: attention over listed keys
+  read in place (the gather backend's and the paged decode step's CPU path).
 - :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,
   ``qkv.models.generate`` and ``SentenceEncoder`` call it by default); :func:`use_onednn` is the same with
   oneDNN required, kept for existing code.
