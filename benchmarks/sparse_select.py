@@ -17,12 +17,15 @@ the context once N > K, while dense SDPA grows with N.
 Targets (judged on the slowest repeat): at N = 32768 with K = 2048 the selected forward at least 4x faster
 than dense causal SDPA and within 2x of its FLOP floor.
 
-HF's eager DeepSeek-V3.2 attention scatters the top-k into an (N, N) mask: it costs what dense SDPA with a
-boolean mask costs plus the scatter, so it is not timed separately here.
+HF's eager DeepSeek-V3.2 attention (``hf_eager``: transformers' own ``eager_attention_forward`` of ``deepseek_v32``
+after the layer's scatter of the lists into an (N, N) mask, timed from the scatter on) runs on the ``K = 2048``
+lists while its (Hq, N, N) float32 scores fit this machine; it materializes every score, so beyond that it is
+not run and the table says so.
 
-On CPU the selected forward runs qkv's compiled gather kernel (``qkv/cpu/csrc/gather_attention.cpp``: listed keys
-read in place a tile at a time, products by the BLAS torch links, an online softmax); the ``path`` column is what
-``qkv.explain`` reports for the call (the kernel, or the torch ops and why).
+On CPU the selected forward runs qkv's compiled gather kernel (``qkv/cpu/csrc/gather_attention.cpp``: blocks of 64
+query rows walk the keys window by window, reading each row's listed keys in place, the 16 query heads of a list in
+vector lanes, an online softmax); the ``path`` column is what ``qkv.explain`` reports for the call (the kernel,
+or the torch ops and why).
 
 Published configuration (the defaults): B=1, Hq=16, Hkv=1 (lists shared, MQA as MLA's latent attention),
 D=Dv=128, float32 on CPU (bfloat16 on CUDA), 1 thread, process CPU time, 3 repeats.
@@ -55,6 +58,31 @@ def causal_lists(n: int, k: int, *, seed: int = 0, device="cpu") -> torch.Tensor
     return idx.view(1, 1, n, k).to(device)
 
 
+#: HF's eager DSA runs while its (B, Hq, N, N) float32 scores stay under this (it holds them and their softmax).
+HF_SCORES_BYTES = 5 << 30
+
+
+def _hf_eager(q, k, v, idx):
+    """HF DeepSeek-V3.2's eager path on these inputs: the layer's scatter of the top-k lists into a boolean mask
+    over its causal float mask, then transformers' ``eager_attention_forward`` (None without transformers)."""
+    try:
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import eager_attention_forward
+    except ImportError:
+        return None
+    B, Hq, n, D = q.shape
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = Hq // k.shape[1]
+    lists = idx.clamp_min(0)[:, 0].to(torch.int32)  # (B, N, K): HF's indexer gives int32 indices, no -1
+    causal = torch.full((n, n), torch.finfo(q.dtype).min, dtype=q.dtype).triu_(1).expand(B, 1, n, n)
+
+    def run():
+        index_mask = lists.new_ones((B, n, n), dtype=torch.bool).scatter(-1, lists.long(), False).unsqueeze(1)
+        mask = causal.masked_fill(index_mask, torch.finfo(q.dtype).min)
+        return eager_attention_forward(module, q, k, v, mask, scaling=D ** -0.5)[0]
+
+    return run
+
+
 def main(argv=None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv, threads=1, cpu_time=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,9 +112,15 @@ def main(argv=None) -> None:
                 tail = qkv.masks.topk(idx[:, :, -64:]) & qkv.masks.causal()  # the last 64 rows, by the reference
                 ref = qkv.attention(q[:, :, -64:], k, v, mask=tail, backend="reference")
                 err = float((sel()[:, :, -64:].float() - ref.float()).abs().max())
-                t = time_interleaved({"sel": sel, "dense": dense}, warmup=1, repeat=repeat, cpu=args.cpu_time,
-                                     samples=True)
+                fns = {"sel": sel, "dense": dense}
+                hf = _hf_eager(q, k, v, idx) if K == big_k and B * Hq * n * n * 4 <= HF_SCORES_BYTES else None
+                if hf is not None:
+                    fns["hf_eager"] = hf
+                t = time_interleaved(fns, warmup=1, repeat=repeat, cpu=args.cpu_time, samples=True)
                 mem_sel, mem_dense = peak_rss_during(sel), peak_rss_during(dense)
+                hf_cols = ({"hf_eager_ms": median_ms(t["hf_eager"]), "hf_eager/sel": ratio(t["hf_eager"], t["sel"]),
+                            "hf_eager_peak_MB": peak_rss_during(hf) / 1e6} if hf is not None else
+                           {"hf_eager_ms": "not run" if K == big_k else "-"})
                 why = str(qkv.explain(q, k, v, mask=mask).estimates["gather"])
             path = "compiled kernel" if "compiled CPU kernel" in why else why[why.find("as torch ops"):]
             flops = topk_attention_flops(B, Hq, n, n, K, D)
@@ -102,7 +136,7 @@ def main(argv=None) -> None:
                       {"sel_ms": median_ms(t["sel"]), "dense_ms": median_ms(t["dense"]), "dense/sel": speedup,
                        "floor_ms": floor_ms, "sel/floor": over_floor, "pairs/N": topk_pairs(n, n, K) / n,
                        "sel_peak_MB": mem_sel / 1e6, "dense_peak_MB": mem_dense / 1e6,
-                       "max|tail err|": err, "path": path, "target": met if judged else ""})
+                       **hf_cols, "max|tail err|": err, "path": path, "target": met if judged else ""})
     for rule, seen in wins.items():
         cross = next((n for n, win in seen if win), None)
         suite.note(f"crossover ({rule}): " + (f"selected beats dense in every repeat from N = {cross}" if cross

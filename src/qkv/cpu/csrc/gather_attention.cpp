@@ -1,10 +1,12 @@
 // Attention of each query row over the keys its list names, read in place from the K/V tensors.
 //
 // The selected-key attention of DeepSeek Sparse Attention (DeepSeek-AI, "DeepSeek-V3.2", 2025) and of MoBA
-// (Lu et al., "MoBA: Mixture of Block Attention for Long-Context LLMs", 2025): per query row, the listed keys
-// are copied a tile at a time into a small buffer that stays in cache, multiplied by the row's query heads with
-// the BLAS torch links (MKL's sgemm/dgemm), and merged with an online softmax (Milakov and Gimelshein, "Online
-// normalizer calculation for softmax", 2018), so no (rows x K x D) gather is ever materialized.
+// (Lu et al., "MoBA: Mixture of Block Attention for Long-Context LLMs", 2025). Blocks of query rows walk the keys
+// window by window (run); per row and window its listed keys are multiplied by the row's query heads either with
+// the heads in vector lanes, reading the keys where they lie (lanes_tile), or a tile at a time copied into a
+// cache-resident buffer for the BLAS torch links, MKL's sgemm/dgemm (blas_tile); tiles merge by an online softmax
+// (Milakov and Gimelshein, "Online normalizer calculation for softmax", 2018), so no (rows x K x D) gather is
+// ever materialized.
 // Semantics are those of qkv.masks.topk (see qkv/backends/gather.py): -1 lists no key, a repeat counts once,
 // an optional causal bound drops keys past row + offset, sinks add exp(sink) to each head's denominator.
 //
