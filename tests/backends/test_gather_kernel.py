@@ -14,7 +14,6 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.backends import gather
 from qkv.cpu import kernels
 
 pytestmark = pytest.mark.xdist_group("cpu_kernels")  # one worker builds the kernels; the others' tests need none
@@ -76,7 +75,7 @@ def test_kernel_equals_the_reference(layout, causal, dtype):
 
 @pytest.mark.parametrize("heads", [(4, 4), (16, 1)], ids=["blas", "lanes"])
 def test_lists_longer_than_a_tile_merge_exactly(monkeypatch, heads):
-    monkeypatch.setattr(gather, "_KERNEL_TILE_BYTES", 16)  # 16 keys per tile: every row spans many tiles
+    monkeypatch.setattr(kernels, "TILE_BYTES", 16)  # 16 keys per tile: every row spans many tiles
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, heads[0], 50, 32, dtype=torch.float64, generator=g)
     k, v = (torch.randn(2, heads[1], 300, 32, dtype=torch.float64, generator=g) for _ in range(2))

@@ -184,11 +184,6 @@ class GatherBackend(Backend):
         return AttentionOutput(out.to(req.dtype), lse if acc == torch.float64 else lse.to(torch.float32))
 
 
-#: Listed keys per tile of the compiled kernel: 256 keys of 128 float32 channels are 128 KB of keys and as much of
-#: values, which stay in a 1 MB L2 while the two products read them (128-512 measured within 5% at N = 32K).
-_KERNEL_TILE_BYTES = 128 << 10
-
-
 def _kernel_declines(req: Request, rest: list[Mask]) -> str | None:
     """Why the compiled CPU kernel does not take ``req`` (None: it does)."""
     if req.device.type != "cpu":
@@ -209,7 +204,7 @@ def _run_kernel(req: Request, sel: TopK, rest: list[Mask]) -> AttentionOutput:
     offsets = [m._offset(req.Nq, req.Nk) for m in rest]  # keys past row + offset are dropped; the tightest wins
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (req.q, req.k, req.v))
     idx = sel.indices.to(device=req.device, dtype=torch.int64).contiguous()
-    tile = max(16, _KERNEL_TILE_BYTES // (q.element_size() * max(req.Dqk, 1)))
     out, lse = kernels.load().gather_attention(q, k, v, idx, float(req.scale), bool(offsets),
-                                               min(offsets, default=0), req.sinks, tile, 0)
+                                               min(offsets, default=0), req.sinks,
+                                               kernels.tile_keys(q.element_size(), req.Dqk), 0)
     return AttentionOutput(out, lse if req.dtype == torch.float64 else lse.to(torch.float32))

@@ -42,9 +42,6 @@ SPAN_TOKENS = 64
 #: keep the gathered view and SDPA, which accumulates them in float32.
 BLOCKS_DTYPES = (torch.float32, torch.float64)
 
-#: Bytes of keys per tile of the compiled kernel (as the gather backend's: 128 KB of keys and as much of values).
-_TILE_BYTES = 128 << 10
-
 
 def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                         kv_positions: torch.Tensor, q_positions: torch.Tensor, *, scale: float | None = None,
@@ -111,7 +108,7 @@ def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale,
     lists = torch.where(seen, slots, -1).view(B, 1, 1, -1)
     scale = D ** -0.5 if scale is None else float(scale)
     out, lse = kernels.load().gather_attention(q.unsqueeze(2), k_pool, v_pool, lists, scale, False, 0, None,
-                                                _TILE_BYTES // (q.element_size() * max(D, 1)) or 1, T)
+                                                kernels.tile_keys(q.element_size(), D), T)
     return out.squeeze(2), lse.squeeze(2)
 
 

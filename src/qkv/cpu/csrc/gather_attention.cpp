@@ -213,7 +213,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   at::parallel_for(0, B * Hx * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> kt(lanes ? 0 : tile * D), vt(lanes ? 0 : tile * Dv), s(G * tile);
     std::vector<T> qg(R * G * D), o(R * G * Dv), m(R * G), l(R * G);
-    std::vector<int64_t> picked(K), keys(R * K), start(R * (windows + 1));
+    std::vector<int64_t> picked(K), keys(R * K), start(R * (windows + 1)), cursor(windows);
     std::vector<uint64_t> seen((Nk + 63) / 64, 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t blk = w % blocks, hx = (w / blocks) % Hx, b = w / (blocks * Hx);
@@ -260,8 +260,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         }
         for (int64_t t = 0; t < n; ++t) seen[picked[t] >> 6] = 0;  // forget this row's keys
         for (int64_t x = 0; x < windows; ++x) st[x + 1] += st[x];
-        std::vector<int64_t> fill(st, st + windows);
-        for (int64_t t = 0; t < n; ++t) keys[r * K + fill[picked[t] / kWindowKeys]++] = picked[t];
+        std::copy(st, st + windows, cursor.begin());
+        for (int64_t t = 0; t < n; ++t) keys[r * K + cursor[picked[t] / kWindowKeys]++] = picked[t];
       }
       std::fill(o.begin(), o.begin() + rows * G * Dv, T(0));
       std::fill(m.begin(), m.begin() + rows * G, ninf);
