@@ -2,10 +2,13 @@
 
 Some CPU work cannot be written fast as torch ops: attention over keys that each query row lists
 (``masks.topk``) must gather 2 MB of keys and values per row at DeepSeek-V3.2's K = 2,048, and as torch ops the
-gathered copy goes out to memory and is read back by the product. :mod:`qkv.cpu.csrc` holds kernels that read
-such keys in place instead; this module builds them on first use (``torch.utils.cpp_extension.load``: the C++
-compiler and ``ninja``, about 30 s, then cached under torch's extensions folder) for the vector width torch
-itself uses on this CPU (AVX-512, AVX2 or plain).
+gathered copy goes out to memory and is read back by the product; the chunked gated delta rule as batched torch ops
+sweeps every chunk through memory once per step of its algebra. :mod:`qkv.cpu.csrc` holds kernels that read such
+keys in place and work a chunk at a time in cache instead (``module.cpp`` binds one function per kernel file,
+``blas.h`` declares the BLAS they call); this module builds them on first use (``torch.utils.cpp_extension.load``:
+the C++ compiler and ``ninja``, about 30 s, then cached under torch's extensions folder) for the vector width torch
+itself uses on this CPU (AVX-512, AVX2 or plain), with OpenMP, so that ``at::parallel_for`` in them spreads over
+torch's threads (the process's one OpenMP runtime, torch's own).
 
 Nothing here is a silent fallback. Where the kernels cannot be had (no compiler, a torch without the BLAS symbols
 they link, or ``QKV_CPU_KERNELS=0`` in the environment), :func:`unavailable_reason` says why, the backends that
@@ -37,7 +40,7 @@ ENV = "QKV_CPU_KERNELS"
 #: values, which stay in a 1 MB L2 while a tile is multiplied (128-512 keys measured within 5% at N = 32K).
 TILE_BYTES = 128 << 10
 
-_SOURCES = ("gather_attention.cpp",)
+_SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp")
 _FLAGS = {  # torch's own CPU capability names -> the flags that give ATen's vector types that width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
                "-DCPU_CAPABILITY_AVX512"],
@@ -68,7 +71,8 @@ def _build():
     cap = _capability()
     src = Path(__file__).with_name("csrc")
     return cpp_extension.load(name=f"qkv_cpu_kernels_{cap.lower()}", sources=[str(src / s) for s in _SOURCES],
-                              extra_cflags=["-O3", *_FLAGS.get(cap, [])], verbose=False)
+                              extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(cap, [])], extra_ldflags=["-fopenmp"],
+                              verbose=False)
 
 
 def load():

@@ -38,6 +38,12 @@ Cost per token and value head, C = 64, Dk = Dv = D: about ``5 C D + 3 D^2`` mult
 (the four ``C x C x D`` products, the solve, and three ``D x D`` state products), ``2 C D + 2 D^2`` for the
 gated linear rule.
 
+On CPU without autograd (float32/float64), :func:`gated_delta_chunked` runs qkv's compiled kernel
+(``qkv/cpu/csrc/gated_delta.cpp``): the same algebra one (batch, head) sequence at a time, each chunk's steps back
+to back on buffers that stay in cache, with the per-channel chunks ending early where their log-decays would leave
+the factored form's safe range. Everything else (gradients, other devices, ``QKV_CPU_KERNELS=0``, a failed build)
+runs the torch ops below; :func:`delta_path` says which path a call takes and why.
+
 Shape legend: B batch, Hk query/key heads, H value heads, N tokens, Dk key dim, Dv value dim, C chunk size,
 nc chunks, M = B H rows of independent (batch, head) sequences.
 """
@@ -47,14 +53,22 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import pad as _pad
 
+from qkv.cpu import kernels
 from qkv.linear._common import LinearAttentionOutput
 from qkv.linear._gated import Prepared, expand_heads, prepare_gated
 
-__all__ = ["DEFAULT_GATED_CHUNK_SIZE", "gated_linear_chunked", "gated_delta_chunked"]
+__all__ = ["DEFAULT_GATED_CHUNK_SIZE", "KERNEL_CHUNK_SIZE", "gated_linear_chunked", "gated_delta_chunked",
+           "delta_path"]
 
 DEFAULT_GATED_CHUNK_SIZE = 64
-"""Tokens per chunk: large enough that the intra-chunk products are GEMMs, small enough that the
-``C x C`` matrices and the per-chunk solve stay cheap (the GLA and Gated DeltaNet papers use 64)."""
+"""Tokens per chunk of the torch ops: large enough that the intra-chunk products are GEMMs over all chunks at once,
+small enough that the ``C x C`` matrices and the per-chunk solve stay cheap (the GLA and Gated DeltaNet papers use
+64)."""
+
+KERNEL_CHUNK_SIZE = 16
+"""Tokens per chunk of the compiled CPU kernel: it works a chunk at a time in cache, so the per-token work of the
+intra-chunk products (``5 C D``) matters more than GEMM shapes; 16 was the fastest of 8-64 for head dims 64-256
+(``benchmarks/gated_linear.py``)."""
 
 _SUB = 16
 """Sub-block of a chunk for per-channel gates: the diagonal sub-blocks form a ``(16, 16, Dk)`` product."""
@@ -74,8 +88,36 @@ def _log_decays(g: torch.Tensor) -> torch.Tensor:
 
 
 def _check_chunk(chunk_size, fn: str) -> None:
+    if chunk_size is None:
+        return
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"{fn}: chunk_size must be a positive int, got {chunk_size!r}; try chunk_size=64")
+        raise ValueError(f"{fn}: chunk_size must be a positive int or None (the path's own), got {chunk_size!r}; "
+                         f"try chunk_size=64")
+
+
+def _kernel_declines(p: Prepared) -> str | None:
+    """Why the compiled kernel does not run this call (None when it does)."""
+    if p.v.device.type != "cpu":
+        return f"inputs on {p.v.device.type}, the kernel is CPU only"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (p.q, p.k, p.v, p.g, p.beta, p.state)):
+        return "autograd records this call (the kernel has no backward)"
+    return kernels.unavailable_reason()
+
+
+def delta_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+               initial_state: torch.Tensor | None = None) -> str:
+    """Which path :func:`gated_delta_chunked` takes for these inputs, and why.
+
+    Example:
+        >>> import torch
+        >>> q = k = v = torch.zeros(1, 1, 4, 8, requires_grad=True)
+        >>> delta_path(q, k, v, torch.zeros(1, 1, 4), torch.ones(1, 1, 4))
+        'torch ops (autograd records this call (the kernel has no backward))'
+    """
+    p = prepare_gated(q, k, v, g, beta, initial_state, fn="delta_path", delta=True)
+    why = _kernel_declines(p)
+    return "compiled CPU kernel" if why is None else f"torch ops ({why})"
 
 
 def _chunks(p: Prepared, C: int):
@@ -188,7 +230,7 @@ def gated_linear_chunked(
     v: torch.Tensor,
     g: torch.Tensor,
     *,
-    chunk_size: int = DEFAULT_GATED_CHUNK_SIZE,
+    chunk_size: int | None = None,
     initial_state: torch.Tensor | None = None,
 ) -> LinearAttentionOutput:
     """Causal gated linear attention (GLA with per-channel gates, Mamba2/SSD with one per head) by chunks.
@@ -198,7 +240,7 @@ def gated_linear_chunked(
         k: ``(B, Hk, N, Dk)``, same dtype and device.
         v: ``(B, H, N, Dv)`` with ``H`` a multiple of ``Hk`` (value head ``h`` reads key head ``h // (H // Hk)``).
         g: log-decay ``(B, H, N)`` or ``(B, H, N, Dk)``.
-        chunk_size: C, tokens per chunk, ``>= 1``; need not divide N.
+        chunk_size: C, tokens per chunk, ``>= 1``; need not divide N. ``None``: :data:`DEFAULT_GATED_CHUNK_SIZE`.
         initial_state: ``(B, H, Dk, Dv)`` or ``None`` for zeros.
 
     Returns:
@@ -220,7 +262,8 @@ def gated_linear_chunked(
     S = _initial(p)
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
-    q, k, v, g, _ = _chunks(p, min(chunk_size, p.v.shape[2]))  # a short call pads to itself, not to C
+    C = min(chunk_size or DEFAULT_GATED_CHUNK_SIZE, p.v.shape[2])  # a short call pads to itself, not to C
+    q, k, v, g, _ = _chunks(p, C)
     b = _log_decays(g)  # (M, nc, C[, Dk])
     to_end, decay = _end_terms(b, q.dtype)
     out = _gated_scores(q, k, b, strict=False) @ v  # (M, nc, C, Dv): within each chunk
@@ -239,7 +282,7 @@ def gated_delta_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     *,
-    chunk_size: int = DEFAULT_GATED_CHUNK_SIZE,
+    chunk_size: int | None = None,
     initial_state: torch.Tensor | None = None,
 ) -> LinearAttentionOutput:
     """The gated delta rule (Gated DeltaNet with per-head gates, KDA with per-channel gates) by chunks.
@@ -250,7 +293,9 @@ def gated_delta_chunked(
         v: ``(B, H, N, Dv)`` with ``H`` a multiple of ``Hk`` (value head ``h`` reads key head ``h // (H // Hk)``).
         g: log-decay ``(B, H, N)`` or ``(B, H, N, Dk)``.
         beta: ``(B, H, N)`` write strength.
-        chunk_size: C, tokens per chunk, ``>= 1``; need not divide N.
+        chunk_size: C, tokens per chunk, ``>= 1``; need not divide N. ``None``: the path's own,
+            :data:`KERNEL_CHUNK_SIZE` for the compiled CPU kernel, :data:`DEFAULT_GATED_CHUNK_SIZE` for the torch ops
+            (the result is the same up to rounding whatever the chunks).
         initial_state: ``(B, H, Dk, Dv)`` or ``None`` for zeros.
 
     Returns:
@@ -272,7 +317,13 @@ def gated_delta_chunked(
     S = _initial(p)
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
-    C = min(chunk_size, p.v.shape[2])  # a short call (a few tokens after a prefill) pads to itself, not to C
+    if _kernel_declines(p) is None:
+        B, H, _, Dv = p.v.shape
+        out, S = kernels.load().gated_delta_chunks(
+            p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), p.g.contiguous(), p.beta.contiguous(),
+            S.reshape(B, H, *S.shape[1:]).contiguous(), chunk_size or KERNEL_CHUNK_SIZE)
+        return LinearAttentionOutput(out.to(p.out_dtype), S)
+    C = min(chunk_size or DEFAULT_GATED_CHUNK_SIZE, p.v.shape[2])  # a short call pads to itself, not to C
     q, k, v, g, beta = _chunks(p, C)
     b = _log_decays(g)  # (M, nc, C[, Dk])
     to_end, decay = _end_terms(b, q.dtype)

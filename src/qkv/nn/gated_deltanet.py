@@ -29,7 +29,6 @@ from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_step
-from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, l2norm, mask_padding
 from qkv.nn.protocol import apply_head_gate
 
@@ -77,7 +76,7 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: Dv (``linear_value_head_dim``).
         conv_kernel_size: K (``linear_conv_kernel_dim``).
         norm_eps: epsilon of the gated output norm (``rms_norm_eps``).
-        chunk_size: tokens per chunk of the prefill.
+        chunk_size: tokens per chunk of the prefill; ``None`` lets the chunked form choose for its path.
         layer_idx: this layer's index among the model's layers (and in a KV cache).
         device, dtype: for the parameters.
 
@@ -92,7 +91,7 @@ class GatedDeltaNet(nn.Module):
     """
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel_size: int = 4, norm_eps: float = 1e-6, chunk_size: int = DEFAULT_GATED_CHUNK_SIZE,
+                 conv_kernel_size: int = 4, norm_eps: float = 1e-6, chunk_size: int | None = None,
                  layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         for name, val in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),

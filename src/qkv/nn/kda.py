@@ -26,7 +26,6 @@ from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_step
-from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, l2norm, mask_padding
 from qkv.nn.gated_deltanet import GatedRMSNorm
 from qkv.nn.protocol import apply_head_gate
@@ -62,7 +61,7 @@ class KimiDeltaAttention(nn.Module):
         head_dim: D (``linear_head_dim``).
         conv_kernel_size: K (``linear_conv_kernel_dim``).
         norm_eps: epsilon of the gated output norm (``rms_norm_eps``).
-        chunk_size: tokens per chunk of the prefill.
+        chunk_size: tokens per chunk of the prefill; ``None`` lets the chunked form choose for its path.
         layer_idx: this layer's index among the model's layers (and in a KV cache).
         device, dtype: for the parameters.
 
@@ -77,7 +76,7 @@ class KimiDeltaAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, conv_kernel_size: int = 4,
-                 norm_eps: float = 1e-6, chunk_size: int = DEFAULT_GATED_CHUNK_SIZE, layer_idx: int = 0,
+                 norm_eps: float = 1e-6, chunk_size: int | None = None, layer_idx: int = 0,
                  device=None, dtype=None) -> None:
         super().__init__()
         for name, val in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),

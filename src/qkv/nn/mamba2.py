@@ -29,7 +29,6 @@ from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput, gated_linear_chunked, gated_linear_step
-from qkv.linear.gated_chunk import DEFAULT_GATED_CHUNK_SIZE
 from qkv.nn._recurrent import RecurrentState, causal_conv, check_input, check_state, mask_padding
 from qkv.nn.protocol import apply_head_gate
 
@@ -69,7 +68,7 @@ class Mamba2Mixer(nn.Module):
         use_conv_bias: bias in the convolution.
         time_step_limit: ``(lo, hi)`` clamp of ``dt`` after the softplus.
         norm_eps: epsilon of the gated norm (``layer_norm_epsilon``).
-        chunk_size: tokens per chunk of the prefill.
+        chunk_size: tokens per chunk of the prefill; ``None`` lets the chunked form choose for its path.
         layer_idx: this layer's index among the model's layers (and in a KV cache).
         device, dtype: for the parameters.
 
@@ -86,7 +85,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int, n_groups: int = 1,
                  conv_kernel: int = 4, use_bias: bool = False, use_conv_bias: bool = True,
                  time_step_limit: tuple[float, float] = (0.0, math.inf), norm_eps: float = 1e-5,
-                 chunk_size: int = DEFAULT_GATED_CHUNK_SIZE, layer_idx: int = 0, device=None, dtype=None) -> None:
+                 chunk_size: int | None = None, layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         for name, val in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),
                           ("state_size", state_size), ("n_groups", n_groups), ("conv_kernel", conv_kernel)):

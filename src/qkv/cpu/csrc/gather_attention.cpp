@@ -24,12 +24,7 @@
 #include <limits>
 #include <vector>
 
-extern "C" {
-void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
-            const float*, const int*, const float*, float*, const int*);
-void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
-            const int*, const double*, const int*, const double*, double*, const int*);
-}
+#include "blas.h"
 
 namespace {
 
@@ -37,15 +32,7 @@ constexpr int64_t kAhead = 8;  // keys prefetched ahead of the copy
 constexpr int64_t kRows = 64;  // query rows walked together through the key windows
 constexpr int64_t kWindowKeys = 4096;  // keys per window: 4 MB of 128-wide float32 keys and values, in L3
 
-// Column-major BLAS: C (m x n) = alpha op(A) op(B) + beta C.
-inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
-                 int ldb, float beta, float* c, int ldc) {
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
-inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
-                 int ldb, double beta, double* c, int ldc) {
-  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
+using qkv_blas::gemm;
 
 // One tile of n listed keys for a group of G query heads, G a multiple of the vector width L: the heads lie in
 // vector lanes, so a key's G scores are D vector FMAs of the transposed queries qt (D x G) with the key's
@@ -211,6 +198,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // (lanes_tile), with no copy of the keys and no BLAS packing; other groups take the BLAS products.
   const bool lanes = G % Vec::size() == 0;
   at::parallel_for(0, B * Hx * blocks, 1, [&](int64_t begin, int64_t end) {
+    const qkv_blas::SequentialBlas one_thread;
     std::vector<T> kt(lanes ? 0 : tile * D), vt(lanes ? 0 : tile * Dv), s(G * tile);
     std::vector<T> qg(R * G * D), o(R * G * Dv), m(R * G), l(R * G);
     std::vector<int64_t> picked(K), keys(R * K), start(R * (windows + 1)), cursor(windows);
@@ -350,8 +338,4 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
                   block_tokens, out, lse);
   });
   return {out, lse};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
 }

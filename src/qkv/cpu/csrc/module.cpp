@@ -1,0 +1,17 @@
+// The Python module of qkv's CPU kernels: one binding per kernel file in this folder.
+#include <torch/extension.h>
+
+#include <vector>
+
+std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& idx, double scale, bool causal, int64_t offset,
+                                         const c10::optional<at::Tensor>& sinks, int64_t tile,
+                                         int64_t block_tokens);
+std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+                                           int64_t chunk);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
+  m.def("gated_delta_chunks", &gated_delta_chunks, "the gated delta rule by chunks, forward (CPU)");
+}
