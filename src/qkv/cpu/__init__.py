@@ -10,8 +10,9 @@ applied to a plain model from outside by one call, :func:`optimize`.
   :func:`~qkv.cpu.gemm.onednn_unavailable_reason` finds them working in this torch; elsewhere the rule falls
   back to the blocks and ``F.linear``.
 - :mod:`qkv.cpu.kernels`: qkv's compiled C++ kernels (``csrc/``), built on first use: attention over listed keys
-  read in place (the gather backend's and the paged decode step's CPU path), and the chunked gated delta rule a
-  chunk at a time in cache (``qkv.linear.gated_delta_chunked`` without autograd).
+  read in place (the gather backend's and the paged decode step's CPU path), the chunked gated delta rule a
+  chunk at a time in cache (``qkv.linear.gated_delta_chunked`` without autograd), and a gated-delta mixer's whole
+  decode step after its projections (``qkv.nn.GatedDeltaNet`` / ``KimiDeltaAttention``).
 - :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,
   ``qkv.models.generate`` and ``SentenceEncoder`` call it by default); :func:`use_onednn` is the same with
   oneDNN required, kept for existing code.

@@ -40,7 +40,7 @@ ENV = "QKV_CPU_KERNELS"
 #: values, which stay in a 1 MB L2 while a tile is multiplied (128-512 keys measured within 5% at N = 32K).
 TILE_BYTES = 128 << 10
 
-_SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp")
+_SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp")
 _FLAGS = {  # torch's own CPU capability names -> the flags that give ATen's vector types that width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
                "-DCPU_CAPABILITY_AVX512"],

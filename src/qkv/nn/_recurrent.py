@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RecurrentState", "causal_conv", "l2norm", "mask_padding", "check_input", "check_state"]
+__all__ = ["RecurrentState", "causal_conv", "l2norm", "mask_padding", "check_input", "check_state", "fused_delta_step"]
 
 
 class RecurrentState(NamedTuple):
@@ -50,11 +50,62 @@ def causal_conv(x_BNC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if prev_BCK is None:
         prev_BCK = x_BCN.new_zeros(B, Cc, K - 1)
     full = torch.cat([prev_BCK.to(x_BCN.dtype), x_BCN], dim=-1)  # (B, Cc, K - 1 + N)
-    y = F.conv1d(full, weight.to(full.dtype), None if bias is None else bias.to(full.dtype), groups=Cc)
+    if N == 1:  # a decode step: one dot of K taps per channel (F.conv1d costs ~100 us of setup for it on CPU)
+        y = (full * weight.to(full.dtype).view(Cc, K)).sum(-1, keepdim=True)
+        if bias is not None:
+            y = y + bias.to(full.dtype).unsqueeze(-1)
+    else:
+        y = F.conv1d(full, weight.to(full.dtype), None if bias is None else bias.to(full.dtype), groups=Cc)
     return F.silu(y).transpose(1, 2), full[:, :, full.shape[-1] - (K - 1):]
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def fused_delta_step(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                     g: torch.Tensor, beta: torch.Tensor, state: RecurrentState | None, *, Hk: int, Dk: int, Dv: int,
+                     q_scale: float) -> tuple[torch.Tensor, RecurrentState] | None:
+    """A gated-delta mixer's decode step after its projections, by qkv's compiled CPU kernel
+    (``qkv/cpu/csrc/delta_decode.cpp``): :func:`causal_conv` of one token, :func:`l2norm` of q and k (q times
+    ``q_scale``) and ``qkv.linear.gated_delta_step``, in one call instead of some 35 operator calls.
+
+    Args:
+        mixed: ``(B, 1, Cc)`` the projections ``[q (Hk Dk) | k (Hk Dk) | v (H Dv)]`` before the convolution.
+        conv_weight: ``(Cc, 1, K)``; conv_bias: must be None (the layers that use this have none).
+        g: ``(B, H, 1)`` or ``(B, H, 1, Dk)`` log-decays; beta: ``(B, H, 1)``.
+        state: the mixer's state, or None for a fresh sequence.
+
+    Returns:
+        ``(o (B, H, 1, Dv), the new RecurrentState)``, or ``None`` where the kernel does not run this call (not
+        CPU, not float32/float64 throughout, autograd recording, a bias, or the kernels unavailable): the caller
+        then runs the torch ops, which give the same values.
+    """
+    from qkv.cpu import kernels
+
+    B, _, Cc = mixed.shape
+    H = beta.shape[1]
+    work = mixed.dtype
+    tensors = [mixed, conv_weight, g, beta] + ([] if state is None else [state.conv, state.recurrent])
+    if (conv_bias is not None or mixed.device.type != "cpu" or work not in (torch.float32, torch.float64)
+            or any(t.dtype != work for t in tensors)
+            or torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    mod = kernels.load()
+    if mod is None:
+        return None
+    K = conv_weight.shape[-1]
+    if state is None:
+        conv, rec = mixed.new_zeros(B, Cc, K - 1), mixed.new_zeros(B, H, Dk, Dv)
+    else:
+        conv, rec = state.conv.contiguous(), state.recurrent.contiguous()
+    o, conv, rec = mod.delta_decode(mixed.reshape(B, Cc).contiguous(), conv, conv_weight.reshape(Cc, K).contiguous(),
+                                    g.reshape(B, H, -1).contiguous() if g.dim() == 4 else g.reshape(B, H).contiguous(),
+                                    beta.reshape(B, H).contiguous(), rec, Hk, q_scale, L2_EPS)
+    return o.unsqueeze(2), RecurrentState(conv, rec)
+
+
+L2_EPS = 1e-6
+"""Added to the sum of squares under the root in :func:`l2norm` (fla's and HF's value)."""
+
+
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (fla's and HF's form: eps inside the root)."""
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 

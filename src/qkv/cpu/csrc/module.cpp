@@ -10,8 +10,12 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
 std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
                                            int64_t chunk);
+std::vector<at::Tensor> delta_decode(const at::Tensor& mixed, const at::Tensor& conv_state,
+                                     const at::Tensor& conv_weight, const at::Tensor& g, const at::Tensor& beta,
+                                     const at::Tensor& state, int64_t Hk, double q_scale, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
   m.def("gated_delta_chunks", &gated_delta_chunks, "the gated delta rule by chunks, forward (CPU)");
+  m.def("delta_decode", &delta_decode, "a gated-delta mixer's decode step after its projections (CPU)");
 }
