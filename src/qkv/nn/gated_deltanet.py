@@ -47,6 +47,8 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, *,
                    activation=F.silu) -> torch.Tensor:
     """``rms_norm(x) * weight * activation(gate)`` over the last dim (norm before gate), in float32 for
     low-precision inputs."""
+    if x.dtype in (torch.float32, torch.float64) and weight.dtype == gate.dtype == x.dtype:  # fused: 3 ops, not 8
+        return F.rms_norm(x, weight.shape, weight, eps) * activation(gate)
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     xw = x.to(work)
     y = xw * torch.rsqrt(xw.square().mean(-1, keepdim=True) + eps) * weight.to(work)
