@@ -6,9 +6,9 @@ gathered copy goes out to memory and is read back by the product; the chunked ga
 sweeps every chunk through memory once per step of its algebra. :mod:`qkv.cpu.csrc` holds kernels that read such
 keys in place and work a chunk at a time in cache instead (``module.cpp`` binds one function per kernel file,
 ``blas.h`` declares the BLAS they call); this module builds them on first use (``torch.utils.cpp_extension.load``:
-the C++ compiler and ``ninja``, about 30 s, then cached under torch's extensions folder) for the vector width torch
-itself uses on this CPU (AVX-512, AVX2 or plain), with OpenMP, so that ``at::parallel_for`` in them spreads over
-torch's threads (the process's one OpenMP runtime, torch's own).
+the C++ compiler and ``ninja``, about a minute on 2 cores, then cached under torch's extensions folder) for the
+vector width torch itself uses on this CPU (AVX-512, AVX2 or plain), with OpenMP, so that ``at::parallel_for`` in
+them spreads over torch's threads (the process's one OpenMP runtime, torch's own).
 
 Nothing here is a silent fallback. Where the kernels cannot be had (no compiler, a torch without the BLAS symbols
 they link, or ``QKV_CPU_KERNELS=0`` in the environment), :func:`unavailable_reason` says why, the backends that
