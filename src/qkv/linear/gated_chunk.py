@@ -176,7 +176,8 @@ def _gated_scores(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor, *, strict: 
 
 
 _SAFE_SPREAD = {torch.float32: 60.0, torch.float64: 600.0}
-"""Largest log-decay spread inside a block for which ``exp(+spread)`` and its products stay finite."""
+"""Largest log-decay spread inside a block for which ``exp(+spread)`` and its products stay finite (e^60 ~ 1e26 in
+float32); the compiled kernel ends a per-channel chunk where its cumulative log-decays would exceed it."""
 
 
 def _spread(b: torch.Tensor) -> float:
@@ -321,7 +322,7 @@ def gated_delta_chunked(
         B, H, _, Dv = p.v.shape
         out, S = kernels.load().gated_delta_chunks(
             p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), p.g.contiguous(), p.beta.contiguous(),
-            S.reshape(B, H, *S.shape[1:]).contiguous(), chunk_size or KERNEL_CHUNK_SIZE)
+            S.reshape(B, H, *S.shape[1:]).contiguous(), chunk_size or KERNEL_CHUNK_SIZE, _SAFE_SPREAD[p.v.dtype])
         return LinearAttentionOutput(out.to(p.out_dtype), S)
     C = min(chunk_size or DEFAULT_GATED_CHUNK_SIZE, p.v.shape[2])  # a short call pads to itself, not to C
     q, k, v, g, beta = _chunks(p, C)

@@ -13,7 +13,7 @@
 //   [U | W] = (I + A)^-1 [beta V | beta K e^b]            u = U - W S
 //   O = (Q e^b) S + P u                                   S' = e^(b_n) S + (K e^(b_n - b))^T u
 // One decay per head: the scores are a GEMM times the (n x n) matrix e^(b_t - b_s). Per channel: the factored
-// GEMM (Q e^b)(K e^-b)^T, exact while a chunk's log-decays stay within kSafeLog nats (e^-b finite, products
+// GEMM (Q e^b)(K e^-b)^T, exact while a chunk's log-decays stay within safe_log nats (e^-b finite, products
 // within range): a chunk ends early where they would leave that range, and a single token beyond it forms each
 // pair's sum with its own exponentials.
 #include <torch/extension.h>
@@ -34,18 +34,13 @@ using qkv_blas::gemm;
 using qkv_blas::trsm;
 
 template <typename T>
-constexpr double kSafeLog = 60.0;  // e^60 ~ 1e26: the factored scores stay finite in float32
-template <>
-constexpr double kSafeLog<double> = 600.0;
-
-template <typename T>
 void exp_inplace(T* x, int64_t n) {
   at::vec::map([](at::vec::Vectorized<T> a) { return a.exp(); }, x, x, n);
 }
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-         at::Tensor& S, at::Tensor& out, int64_t C) {
+         at::Tensor& S, at::Tensor& out, int64_t C, double safe_log) {
   const int64_t B = v.size(0), H = v.size(1), N = v.size(2), Dv = v.size(3);
   const int64_t Hk = k.size(1), Dk = k.size(3), rep = H / Hk;
   const bool per_channel = g.dim() == 4;
@@ -79,7 +74,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       T* oh = op + bh * N * Dv;
       for (int64_t c0 = 0, n = 0; c0 < N; c0 += n) {
         // cumulative log-decays in double; with per-channel gates the chunk ends early where they would leave
-        // +-kSafeLog (a chunk is any run of tokens: the algebra holds for every split), so the factored scores
+        // +-safe_log (a chunk is any run of tokens: the algebra holds for every split), so the factored scores
         // stay finite whatever the decay; only a single token beyond it takes the exact pairwise form
         const int64_t most = std::min(C, N - c0);
         const T* gc = gh + c0 * gw;
@@ -92,7 +87,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             bc[t * gw + j] = x;
             row = std::max(row, std::abs(x));
           }
-          if (per_channel && t > 0 && row > kSafeLog<T>) break;
+          if (per_channel && t > 0 && row > safe_log) break;
           big = std::max(big, row);
           n = t + 1;
         }
@@ -104,7 +99,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         T* oc = oh + c0 * Dv;
         for (int64_t j = 0; j < n * gw; ++j) E[j] = T(bc[j]);
         exp_inplace(E.data(), n * gw);
-        const bool factored = !per_channel || big <= kSafeLog<T>;
+        const bool factored = !per_channel || big <= safe_log;
         // X = [q e^b ; beta k e^b] (per channel) or [q ; beta k] (per head); Y = [beta v | beta k e^b]
         for (int64_t t = 0; t < n; ++t) {
           const T bet = bt[t];
@@ -219,10 +214,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 // q, k (B, Hk, N, Dk); v (B, H, N, Dv), H a multiple of Hk (value head h reads key head h / (H / Hk)); g (B, H, N)
 // or (B, H, N, Dk) log-decays per token; beta (B, H, N); state (B, H, Dk, Dv). All contiguous, one floating dtype.
+// safe_log: the largest |cumulative log-decay| a per-channel chunk may reach (qkv.linear.gated_chunk._SAFE_SPREAD).
 // Returns {out (B, H, N, Dv), the final state}; the state given is not changed.
 std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
-                                           int64_t chunk) {
+                                           int64_t chunk, double safe_log) {
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta, &state}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "gated_delta_chunks: contiguous CPU tensors only");
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "gated_delta_chunks: one dtype");
@@ -236,11 +232,11 @@ std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor
               "gated_delta_chunks: beta (B, H, N)");
   TORCH_CHECK(state.dim() == 4 && state.size(0) == B && state.size(1) == H && state.size(2) == Dk &&
                   state.size(3) == Dv, "gated_delta_chunks: state (B, H, Dk, Dv)");
-  TORCH_CHECK(chunk > 0, "gated_delta_chunks: chunk > 0");
+  TORCH_CHECK(chunk > 0 && safe_log > 0, "gated_delta_chunks: chunk > 0, safe_log > 0");
   auto S = state.clone();
   auto out = at::empty({B, H, N, Dv}, v.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_chunks", [&] {
-    run<scalar_t>(q, k, v, g, beta, S, out, std::min(chunk, std::max<int64_t>(N, 1)));
+    run<scalar_t>(q, k, v, g, beta, S, out, std::min(chunk, std::max<int64_t>(N, 1)), safe_log);
   });
   return {out, S};
 }

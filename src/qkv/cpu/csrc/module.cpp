@@ -9,7 +9,7 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
                                          int64_t block_tokens);
 std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
-                                           int64_t chunk);
+                                           int64_t chunk, double safe_log);
 std::vector<at::Tensor> delta_decode(const at::Tensor& mixed, const at::Tensor& conv_state,
                                      const at::Tensor& conv_weight, const at::Tensor& g, const at::Tensor& beta,
                                      const at::Tensor& state, int64_t Hk, double q_scale, double eps);
