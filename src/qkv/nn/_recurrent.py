@@ -16,7 +16,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RecurrentState", "causal_conv", "l2norm", "mask_padding", "check_input", "check_state", "fused_delta_step"]
+from qkv.cpu import kernels
+from qkv.linear import gated_delta_chunked, gated_delta_step
+
+__all__ = ["RecurrentState", "causal_conv", "l2norm", "mask_padding", "check_input", "check_state", "fused_delta_step",
+           "delta_mix"]
 
 
 class RecurrentState(NamedTuple):
@@ -77,8 +81,6 @@ def fused_delta_step(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_bias: 
         CPU, not float32/float64 throughout, autograd recording, a bias, or the kernels unavailable): the caller
         then runs the torch ops, which give the same values.
     """
-    from qkv.cpu import kernels
-
     B, _, Cc = mixed.shape
     H = beta.shape[1]
     work = mixed.dtype
@@ -99,6 +101,39 @@ def fused_delta_step(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_bias: 
                                     g.reshape(B, H, -1).contiguous() if g.dim() == 4 else g.reshape(B, H).contiguous(),
                                     beta.reshape(B, H).contiguous(), rec, Hk, q_scale, L2_EPS)
     return o.unsqueeze(2), RecurrentState(conv, rec)
+
+
+def delta_mix(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: RecurrentState | None, *, Hk: int, Dk: int, Dv: int, chunk_size: int | None,
+              one_token: bool) -> tuple[torch.Tensor, RecurrentState]:
+    """The gated-delta part of a mixer (Gated DeltaNet, KDA) after its projections: the short convolution, L2-normed
+    q (times ``Dk ** -0.5``) and k, then the rule by :func:`~qkv.linear.gated_delta_step` for one token (one
+    compiled call, :func:`fused_delta_step`, where it applies) or :func:`~qkv.linear.gated_delta_chunked`.
+
+    Args:
+        mixed: ``(B, N, Cc)`` the projections ``[q (Hk Dk) | k (Hk Dk) | v (H Dv)]``; conv_weight ``(Cc, 1, K)``.
+        g: ``(B, H, N)`` or ``(B, H, N, Dk)`` log-decays; beta: ``(B, H, N)``; state: or None for a fresh sequence.
+
+    Returns:
+        ``(o (B, H, N, Dv), RecurrentState after the last token)``.
+    """
+    H = beta.shape[1]
+    if one_token:
+        fused = fused_delta_step(mixed, conv_weight, None, g, beta, state, Hk=Hk, Dk=Dk, Dv=Dv, q_scale=Dk ** -0.5)
+        if fused is not None:
+            return fused
+    B, N, _ = mixed.shape
+    mixed, conv = causal_conv(mixed, conv_weight, None, None if state is None else state.conv)
+    q, k, v = mixed.split([Hk * Dk, Hk * Dk, H * Dv], dim=-1)
+    q = l2norm(q.view(B, N, Hk, Dk)).transpose(1, 2) * Dk ** -0.5  # (B, Hk, N, Dk)
+    k = l2norm(k.view(B, N, Hk, Dk)).transpose(1, 2)  # (B, Hk, N, Dk)
+    v = v.reshape(B, N, H, Dv).transpose(1, 2)  # (B, H, N, Dv)
+    rec = None if state is None else state.recurrent
+    if one_token:
+        o, rec = gated_delta_step(q, k, v, g, beta, rec)
+    else:
+        o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=chunk_size, initial_state=rec)
+    return o, RecurrentState(conv, rec)
 
 
 L2_EPS = 1e-6

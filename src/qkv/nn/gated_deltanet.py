@@ -28,16 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
-from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_step
-from qkv.nn._recurrent import (
-    RecurrentState,
-    causal_conv,
-    check_input,
-    check_state,
-    fused_delta_step,
-    l2norm,
-    mask_padding,
-)
+from qkv.linear import LinearAttentionOutput
+from qkv.nn._recurrent import RecurrentState, check_input, check_state, delta_mix, mask_padding
 from qkv.nn.protocol import apply_head_gate
 
 __all__ = ["GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
@@ -162,22 +154,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.to(work).sigmoid().transpose(1, 2)  # (B, H, N)
         g = -self.A_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias.to(work))
         g = g.transpose(1, 2)  # (B, H, N)
-        fused = fused_delta_step(mixed, self.conv1d.weight, None, g, beta, state, Hk=Hk, Dk=Dk, Dv=Dv,
-                                 q_scale=Dk ** -0.5) if one_token else None
-        if fused is not None:
-            o, new_state = fused
-        else:
-            mixed, conv = causal_conv(mixed, self.conv1d.weight, None, None if state is None else state.conv)
-            q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q = l2norm(q.view(B, N, Hk, Dk)).transpose(1, 2) * Dk ** -0.5  # (B, Hk, N, Dk)
-            k = l2norm(k.view(B, N, Hk, Dk)).transpose(1, 2)  # (B, Hk, N, Dk)
-            v = v.reshape(B, N, H, Dv).transpose(1, 2)  # (B, H, N, Dv)
-            rec = None if state is None else state.recurrent
-            if one_token:
-                o, rec = gated_delta_step(q, k, v, g, beta, rec)  # g, beta stay in float32
-            else:
-                o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=rec)
-            new_state = RecurrentState(conv, rec)
+        o, new_state = delta_mix(mixed, self.conv1d.weight, g, beta, state, Hk=Hk, Dk=Dk, Dv=Dv,
+                                 chunk_size=self.chunk_size, one_token=one_token)  # g, beta stay in float32
         o = self.norm(o.transpose(1, 2), z)  # (B, N, H, Dv)
         o = apply_head_gate(o.transpose(1, 2), self.head_gate).transpose(1, 2)
         return LinearAttentionOutput(self.out_proj(o.reshape(B, N, H * Dv)), new_state)

@@ -25,16 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
-from qkv.linear import LinearAttentionOutput, gated_delta_chunked, gated_delta_step
-from qkv.nn._recurrent import (
-    RecurrentState,
-    causal_conv,
-    check_input,
-    check_state,
-    fused_delta_step,
-    l2norm,
-    mask_padding,
-)
+from qkv.linear import LinearAttentionOutput
+from qkv.nn._recurrent import RecurrentState, check_input, check_state, delta_mix, mask_padding
 from qkv.nn.gated_deltanet import GatedRMSNorm
 from qkv.nn.protocol import apply_head_gate
 
@@ -126,20 +118,8 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = self.forget_gate(x).transpose(1, 2)  # (B, H, N, D), float32 (float64 for float64 inputs)
         beta = self.b_proj(x).sigmoid().transpose(1, 2)  # (B, H, N)
-        fused = fused_delta_step(mixed, self.conv1d.weight, None, g, beta, state, Hk=H, Dk=D, Dv=D,
-                                 q_scale=D ** -0.5) if one_token else None
-        if fused is not None:
-            o, new_state = fused
-        else:
-            mixed, conv = causal_conv(mixed, self.conv1d.weight, None, None if state is None else state.conv)
-            q, k, v = (t.reshape(B, N, H, D).transpose(1, 2) for t in mixed.split(self.qkv_dim, dim=-1))
-            q, k = l2norm(q) * D ** -0.5, l2norm(k)  # (B, H, N, D)
-            rec = None if state is None else state.recurrent
-            if one_token:
-                o, rec = gated_delta_step(q, k, v, g, beta, rec)
-            else:
-                o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=rec)
-            new_state = RecurrentState(conv, rec)
+        o, new_state = delta_mix(mixed, self.conv1d.weight, g, beta, state, Hk=H, Dk=D, Dv=D,
+                                 chunk_size=self.chunk_size, one_token=one_token)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, N, H, D)
         o = self.o_norm(o.transpose(1, 2), gate)  # (B, N, H, D)
         o = apply_head_gate(o.transpose(1, 2), self.head_gate).transpose(1, 2)

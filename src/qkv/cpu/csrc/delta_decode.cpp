@@ -48,7 +48,7 @@ void run(const T* mixed, const T* conv_state, const T* w, const T* g, const T* b
   }
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, Dk * Dv));
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> kv(Dv), u(Dv);
+    std::vector<T> kv(Dv), u(Dv), a(Dk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H, kh = h / r;
       const T* yq = y.data() + b * Cc + kh * Dk;
@@ -59,10 +59,10 @@ void run(const T* mixed, const T* conv_state, const T* w, const T* g, const T* b
       const T* Sin = S0 + bh * Dk * Dv;
       T* Sout = S + bh * Dk * Dv;
       T* oh = o + bh * Dv;
-      const T a_head = per_channel ? T(0) : std::exp(gh[0]);
+      for (int64_t d = 0; d < Dk; ++d) a[d] = std::exp(gh[per_channel ? d : 0]);  // the decays, once
       std::fill(kv.begin(), kv.end(), T(0));
       for (int64_t d = 0; d < Dk; ++d) {  // kv = (a * S)^T k
-        const T f = (per_channel ? std::exp(gh[d]) : a_head) * yk[d];
+        const T f = a[d] * yk[d];
         const T* row = Sin + d * Dv;
         for (int64_t e = 0; e < Dv; ++e) kv[e] += f * row[e];
       }
@@ -71,12 +71,11 @@ void run(const T* mixed, const T* conv_state, const T* w, const T* g, const T* b
         oh[e] = T(0);
       }
       for (int64_t d = 0; d < Dk; ++d) {  // S' = a * S + k u^T, o = S'^T q, one pass
-        const T a = per_channel ? std::exp(gh[d]) : a_head;
-        const T kd = yk[d], qd = yq[d];
+        const T ad = a[d], kd = yk[d], qd = yq[d];
         const T* row = Sin + d * Dv;
         T* out = Sout + d * Dv;
         for (int64_t e = 0; e < Dv; ++e) {
-          const T s = a * row[e] + kd * u[e];
+          const T s = ad * row[e] + kd * u[e];
           out[e] = s;
           oh[e] += qd * s;
         }
