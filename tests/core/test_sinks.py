@@ -163,3 +163,53 @@ def test_bad_sinks_are_named(sinks, err, match):
     _, (q, k, v) = make_qkv(1, 2, 2, 4, 4, 8)
     with pytest.raises(err, match=match):
         qkv.attention(q, k, v, sinks=sinks)
+
+
+NO_GRAD_SHAPES = SHAPES + [(2, 8, 2, 1, 40, 16), (1, 8, 1, 1, 7, 8), (3, 4, 4, 1, 129, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape", NO_GRAD_SHAPES, ids=lambda s: shape_id(*s))
+def test_sdpa_sinks_without_gradient_from_the_lse(shape, dtype, monkeypatch):
+    """Without autograd the SDPA backend applies the sinks after the CPU flash kernel, from its log-sum-exp
+    (query heads folded into rows for one-query GQA); against the definition in float64 and the sink-as-a-key
+    path, with a keyless row (zeros), a window and padding."""
+    from qkv.backends import sdpa
+
+    B, Hq, Hkv, Nq, Nk, D = shape
+    master, cast = make_qkv(*shape, dtype=dtype)
+    z64, z = (t.detach() for t in _sinks(Hq, dtype))
+    lengths = torch.tensor([Nk, 0, max(Nk - 3, 1)])[:B]
+    mask = M.causal() & M.padding(lengths) & M.sliding_window(max(Nk // 2, 1))
+    allowed = mask.materialize(B, Hq, Nq, Nk)
+    taken = []
+    real = sdpa._sinks_by_lse
+    monkeypatch.setattr(sdpa, "_sinks_by_lse", lambda req: taken.append(1) or real(req))
+    with torch.no_grad():
+        out = qkv.attention(*cast, mask=mask, sinks=z, backend="sdpa")
+        ref_out, _ = by_definition(*master, z64, allowed)
+        base_out, _ = by_definition(*cast, z, allowed)
+        monkeypatch.setattr(sdpa, "_sinks_by_lse", lambda req: None)
+        as_key = qkv.attention(*cast, mask=mask, sinks=z, backend="sdpa")
+    assert taken and out.dtype == dtype and torch.isfinite(out).all()
+    assert_within_budget(out, ref_out, base_out, what="out")
+    assert_within_budget(out, ref_out, as_key, what="out against the sink-as-a-key path")
+    if B > 1:
+        assert (out[1] == 0).all(), "a row with no key puts all its mass on the sink: zeros"
+
+
+def test_sdpa_sinks_with_gradient_keep_the_key_path(monkeypatch):
+    """With a gradient to record, the sinks stay one more key (the flash kernel's lse has no backward)."""
+    from qkv.backends import sdpa
+
+    _, cast = make_qkv(1, 4, 2, 1, 9, 8, dtype=torch.float32, requires_grad=True)
+    assert sdpa._sinks_by_lse(_request(cast, _sinks(4, torch.float32)[1])) is None
+    with torch.no_grad():
+        assert sdpa._sinks_by_lse(_request(cast, _sinks(4, torch.float32)[1])) is not None
+
+
+def _request(qkv_tensors, sinks):
+    from qkv._request import Request
+
+    q, k, v = qkv_tensors
+    return Request(q=q, k=k, v=v, mask=None, score_mod=None, scale=q.shape[-1] ** -0.5, sinks=sinks)

@@ -18,7 +18,6 @@ import qkv.cpu
 from qkv.cache import KVCache
 from qkv.cpu import LinearProducts, Optimized, PrepackedLinear, optimize, optimized
 from qkv.cpu import gemm as gemm_module
-from qkv.cpu import skinny as skinny_module
 from qkv.nn import DecoderConfig, DecoderLM, FeedForward
 from qkv.nn.moe import Experts, MoEConfig
 from qkv.testing import assert_within_budget
@@ -76,7 +75,7 @@ def test_optimize_keeps_state_and_logits(two_threads, monkeypatch, name):
     state = model.state_dict()
     assert list(state) == list(before) and all(state[k].data_ptr() == p for k, p in before.items())
     assert all(t.is_contiguous() for t in state.values())
-    blocks, packed = _spy(monkeypatch, skinny_module, "by_rows"), _spy(monkeypatch, gemm_module, "_pointwise")
+    blocks, packed = _spy(monkeypatch, gemm_module, "rows_linear"), _spy(monkeypatch, gemm_module, "_pointwise")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 2048, (8, 10), generator=g)
     with torch.inference_mode():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qkv.cpu import skinny as skinny_module
 from qkv.cpu.skinny import InputMajorLinear, SkinnyLinear, column_blocks, input_major, row_blocks, skinny_linear
 from qkv.testing import assert_within_budget
 
@@ -82,8 +83,9 @@ def test_blocking_rules():
 
 def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch):
     calls = []
-    real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or real_bmm(*a, **k))
+    for name in ("rows_linear", "by_columns"):  # the two blocked paths
+        real = getattr(skinny_module, name)
+        monkeypatch.setattr(skinny_module, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     w = torch.randn(2048, 32)
     for x, weight in ((torch.randn(8, 32), w), (torch.randn(16, 32), input_major(w))):
         skinny_linear(x, weight)
@@ -130,3 +132,27 @@ def test_input_major_linear_keeps_values_names_and_layout():
     lin.load_state_dict({"weight": torch.zeros(64, 8), "bias": torch.zeros(64)})
     assert lin.weight.t().is_contiguous() and float(lin.weight.detach().abs().sum()) == 0.0
     assert lin.double().weight.t().is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("lead,n_out,k", [((1,), 1030, 64), ((1, 1), 4096, 24), ((2, 3), 2048, 40), ((5,), 7, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_linear_equals_the_python_blocks_bit_for_bit(dtype, lead, n_out, k, bias, monkeypatch):
+    """rows_linear (the compiled call where qkv's kernels are built, else Python) equals by_rows plus the bias
+    exactly, for any leading shape, outputs that the blocks do not divide, and both dtypes; with the kernels
+    switched off (QKV_CPU_KERNELS=0) it runs by_rows itself."""
+    from qkv.cpu import kernels
+    from qkv.cpu.skinny import by_rows, rows_linear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*lead, k, generator=g, dtype=dtype)
+    w = torch.randn(n_out, k, generator=g, dtype=dtype)
+    b = torch.randn(n_out, generator=g, dtype=dtype) if bias else None
+    want = by_rows(x.reshape(-1, k), w, 4)
+    if b is not None:
+        want += b
+    want = want.view(*lead, n_out)
+    got = rows_linear(x, w, b, 4)
+    assert got.shape == want.shape and torch.equal(got, want)
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert torch.equal(rows_linear(x, w, b, 4), want)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from qkv.testing import assert_within_budget
 
@@ -43,3 +45,66 @@ def test_experts_single_token_path_equals_the_grouped_one():
         for t in range(3):
             one = experts(x[t:t + 1], idx[t:t + 1], w[t:t + 1])[0]
             assert_within_budget(one, want[t], grouped[t], what=f"token {t}")
+
+
+def _loop(experts, x, idx, w, monkeypatch):
+    """The experts' own Python loop for one token (the compiled one-token call switched off)."""
+    import qkv.nn.moe as moe
+
+    with monkeypatch.context() as m:
+        m.setattr(moe, "one_token", lambda *a, **k: None)
+        return experts(x, idx, w)
+
+
+
+@pytest.mark.parametrize("kind", ["silu", "clamped"])
+@pytest.mark.parametrize("products", ["F.linear", "blocks", "blocks-unpacked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("d,f", [(512, 256), (24, 40), (1024, 1030)])
+def test_one_token_call_equals_the_loop_bit_for_bit(kind, products, dtype, d, f, monkeypatch):
+    """qkv.nn.moe.one_token (one call of the compiled kernels: the same products and activation ops in the same
+    order) equals the experts' Python loop exactly, for both expert kinds, F.linear and the CPU product rule's
+    row blocks, float32 and float64, biases and clamping that bites (GPT-OSS)."""
+    from qkv.cpu import kernels
+    from qkv.cpu.gemm import LinearProducts
+    from qkv.nn.moe import ClampedSwiGLUExperts, Experts, one_token
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    torch.manual_seed(1)
+    experts = (Experts(8, d, f, "silu") if kind == "silu" else ClampedSwiGLUExperts(8, d, f, alpha=1.702, limit=7.0))
+    experts = experts.to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn_like(p) * (20 / math.sqrt(p.shape[-1])))  # gates beyond the clamp limit
+    if products != "F.linear":
+        experts.linear_fn = LinearProducts(pack=products == "blocks")
+    x, idx, w = torch.randn(1, d, dtype=dtype), torch.tensor([[6, 1, 3]]), torch.rand(1, 3)
+    with torch.inference_mode():
+        fused = one_token(experts, x, idx, w, clamped=kind == "clamped")
+        loop = _loop(experts, x, idx, w, monkeypatch)
+    assert fused is not None and fused.dtype == dtype
+    assert torch.equal(fused, loop)
+    if kind == "clamped":
+        gate = F.linear(x, experts.gate_up_proj[1], experts.gate_up_proj_bias[1])[:, :f]
+        assert (gate.abs() > 7.0).any(), "the clamp limit bites"
+
+
+def test_one_token_call_declines_what_it_does_not_run(monkeypatch):
+    """A gradient being recorded, a product function of the caller's own, or the kernels switched off: None,
+    and the layer's loop runs (same result)."""
+    from qkv.cpu import kernels
+    from qkv.nn.moe import Experts, one_token
+
+    torch.manual_seed(2)
+    experts = Experts(4, 16, 8, "silu")
+    x, idx, w = torch.randn(1, 16), torch.tensor([[3, 0]]), torch.rand(1, 2)
+    assert one_token(experts, x, idx, w, clamped=False) is None  # parameters require grad, grad mode on
+    with torch.inference_mode():
+        want = _loop(experts, x, idx, w, monkeypatch)
+        experts.linear_fn = lambda a, b, c=None: F.linear(a, b, c)
+        assert one_token(experts, x, idx, w, clamped=False) is None
+        experts.linear_fn = F.linear
+        monkeypatch.setenv(kernels.ENV, "0")
+        assert one_token(experts, x, idx, w, clamped=False) is None
+        assert torch.equal(experts(x, idx, w), want)

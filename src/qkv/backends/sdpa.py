@@ -10,7 +10,9 @@ pattern). Those are declined with the reason.
 
 Sinks (``qkv._sinks``) map as one more key: a zero key (score ``0`` before the bias) with a zero value,
 whose additive mask column holds the sink logit ``z[h]``. That costs a K/V copy with one more row and a
-materialized float mask, but no log-sum-exp; gradients reach the sinks through the float mask.
+materialized float mask, but no log-sum-exp; gradients reach the sinks through the float mask. Where nothing
+needs a gradient on the CPU, the sinks are applied after the fact instead: the CPU flash kernel's log-sum-exp
+``L`` of each row gives the keys' share ``sigmoid(L - z[h])`` of the softmax (no copy).
 """
 
 from __future__ import annotations
@@ -159,8 +161,41 @@ def _decode_grouped(q, k, v, attn_mask, scale) -> torch.Tensor:
     return out.reshape(B, hq, 1, v.shape[-1])
 
 
+def _sinks_by_lse(req: Request) -> torch.Tensor | None:
+    """Sinks after the fact, where nothing needs a gradient: torch's CPU flash kernel returns each row's
+    log-sum-exp ``L`` beside its output, and the sink's share of the softmax leaves the keys ``sigmoid(L - z[h])``
+    of it, so ``out * sigmoid(L - z[h])`` is the sink-as-a-key result without copying K, V and a mask one column
+    wider (a fully masked row gives zeros either way). Float32/float64 CPU calls without score modifiers, with one
+    query per row under GQA (its query heads folded into rows, as :func:`_decode_grouped`); None otherwise."""
+    q, k, v, sinks = req.q, req.k, req.v, req.sinks
+    hq, hkv, nq = req.Hq, req.Hkv, req.Nq
+    if (req.score_mod is not None or not q.is_cpu or q.dtype not in (torch.float32, torch.float64)
+            or (hq != hkv and nq != 1) or req.Nk == 0
+            or torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks))):
+        return None
+    bias = None
+    if req.mask is not None:
+        allowed = req.mask.dense(req.B, hq, nq, req.Nk, device=req.device)  # (B or 1, Hq or 1, Nq, Nk)
+        bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+    B, D = q.shape[0], q.shape[-1]
+    if hq != hkv:  # one query: each KV head's query heads as rows
+        g = hq // hkv
+        q = q.reshape(B, hkv, g, D)
+        if bias is not None and bias.shape[1] == hq:
+            bias = bias.reshape(bias.shape[0], hkv, g, bias.shape[-1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                          scale=req.scale)
+    out, lse = out.reshape(B, hq, nq, v.shape[-1]), lse.reshape(B, hq, nq)
+    return out * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, hq, 1)).unsqueeze(-1)
+
+
 def _run_with_sinks(req: Request) -> AttentionOutput:
-    """The sinks as one more key (see the module docstring)."""
+    """The sinks as one more key (see the module docstring), or after the fact (:func:`_sinks_by_lse`)."""
+    out = _sinks_by_lse(req)
+    if out is not None:
+        if req.Nk < _CPU_NAN_ROWS_BELOW:
+            out = restore_nonfinite(req, out)[0]
+        return AttentionOutput(out, None)  # type: ignore[arg-type]
     B, Hq, Nq, Nk = req.B, req.Hq, req.Nq, req.Nk
     dt, dev = req.dtype, req.device
     zk = req.k.new_zeros(B, req.Hkv, 1, req.Dqk)

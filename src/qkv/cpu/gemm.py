@@ -43,11 +43,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .rule import choose
-from .skinny import SkinnyLinear, input_major, sharing_parameters, skinny_linear, standard_layout_state_dict
+from .rule import MEASURED_ROWS, choose
+from .skinny import (
+    ROW_BLOCKS,
+    SkinnyLinear,
+    blockable,
+    input_major,
+    row_blocks,
+    rows_linear,
+    sharing_parameters,
+    skinny_linear,
+    standard_layout_state_dict,
+)
 
-__all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "PrepackedWeight",
-           "PrepackedWeights", "WeightPacks", "PrepackedLinear", "LinearProducts", "can_fuse", "epilogue"]
+__all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "planned_row_blocks",
+           "PrepackedWeight", "PrepackedWeights", "WeightPacks", "PrepackedLinear", "LinearProducts", "can_fuse",
+           "epilogue"]
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -208,11 +219,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = F.linear(x, weight, bias)
         return y if activation is None else activation(y)
     K = x.shape[-1]
-    if packed is not None and K and choose(x.numel() // K, weight.shape[0], K) == "onednn" and _eligible(x, weight):
+    path = choose(x.numel() // K, weight.shape[0], K) if K else "linear"
+    if path == "onednn" and packed is not None and _eligible(x, weight):
         if activation is not None and epilogue(activation) is None:
             return activation(prepacked_linear(x, weight, bias, packed))
         return prepacked_linear(x, weight, bias, packed, activation)
-    y = skinny_linear(x, weight, bias)
+    if path == "row_blocks" and weight.is_contiguous() and blockable(x, weight):  # skinny_linear's blocks, decided
+        y = rows_linear(x, weight, bias, max(ROW_BLOCKS, torch.get_num_threads()))
+    else:
+        y = skinny_linear(x, weight, bias)
     return y if activation is None else activation(y)
 
 
@@ -278,3 +293,21 @@ class LinearProducts:
 
     def __repr__(self) -> str:
         return f"LinearProducts(pack={self.pack})"
+
+
+def planned_row_blocks(linear_fn: Callable, x: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The row blocks ``linear_fn(x, weight, bias)`` multiplies through (1: ``F.linear`` itself), for a
+    ``linear_fn`` that is ``F.linear`` or a :class:`LinearProducts` and a contiguous ``weight`` (N, K); None where
+    it takes another path (oneDNN, column blocks, a function of the caller's own), so that a fused caller
+    (:mod:`qkv.nn.moe`'s one-token experts) runs exactly the products ``linear_fn`` would."""
+    if linear_fn is F.linear:
+        return 1
+    if type(linear_fn) is not LinearProducts or not weight.is_contiguous() or x.device.type != "cpu":
+        return None
+    K, N = x.shape[-1], weight.shape[0]
+    rows = x.numel() // K if K else 0
+    if linear_fn.pack and choose(rows, N, K) == "onednn" and _eligible(x, weight):
+        return None
+    if rows > MEASURED_ROWS or not blockable(x, weight):
+        return 1
+    return row_blocks(rows, N, K)

@@ -16,8 +16,10 @@ MKL runs through its batched kernel:
   values as ``nn.Linear``): column blocks, ``(nb, M, K) @ (nb, K, N/nb)``, of about ``BLOCK_ROWS`` outputs
   (``BLOCK_ONE_ROW`` for one row; :class:`InputMajorLinear`, or ``qkv.cpu.optimize(model, input_major=True)``).
 
-Which rows and shapes take the blocks is the product rule's business (:mod:`qkv.cpu.rule`, one table that
-follows ``benchmarks/results/skinny.json``); everywhere else :func:`skinny_linear` is exactly ``F.linear``.
+Row blocks run from C++ where qkv's kernels are built (:func:`rows_linear`: the same ATen calls, one call instead of
+about ten from Python). Which rows and shapes take the blocks is the product rule's business (:mod:`qkv.cpu.rule`,
+one table that follows ``benchmarks/results/skinny.json``); everywhere else :func:`skinny_linear` is exactly
+``F.linear``.
 
 Every output is still one length-K dot product of the same operands; only the BLAS kernel that sums it
 differs. :class:`SkinnyLinear` is an ``nn.Linear`` (same parameters, names and layout) that multiplies
@@ -42,10 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .rule import MEASURED_ROWS, choose
 
 __all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear",
-           "input_major", "standard_layout_state_dict", "sharing_parameters"]
+           "input_major", "standard_layout_state_dict", "sharing_parameters", "blockable", "rows_linear"]
 
 MAX_ROWS = MEASURED_ROWS  # more rows: never blocked
 ROW_BLOCKS = 4  # row blocks: at least this many (and at least one per thread)
@@ -123,13 +126,37 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         nb = row_blocks(rows, N, K)
     else:
         nb = column_blocks(rows, N, K) if weight.t().is_contiguous() else 1
-    if (nb == 1 or x.dtype not in (torch.float32, torch.float64) or weight.dtype != x.dtype
-            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if nb == 1 or not blockable(x, weight):
         return F.linear(x, weight, bias)
-    out = (by_rows if standard else by_columns)(x.reshape(rows, K), weight, nb)
+    if standard:
+        return rows_linear(x, weight, bias, nb)
+    out = by_columns(x.reshape(rows, K), weight, nb)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], N)
+
+
+def blockable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether blocks may multiply ``x`` by ``weight``: float32/float64 alike, no gradient being recorded."""
+    return (x.dtype in _BLOCK_DTYPES and weight.dtype == x.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+_BLOCK_DTYPES = (torch.float32, torch.float64)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nb: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``nb`` row blocks (:func:`by_rows`, then the bias) for a CPU call
+    :func:`blockable` allows with a contiguous weight; from C++ where qkv's kernels are built (the same ATen
+    calls in the same order, one call instead of about ten: :mod:`qkv.cpu.kernels`)."""
+    mod = kernels.load()
+    if mod is not None:
+        return mod.rows_linear(x, weight, bias, nb)
+    K = x.shape[-1]
+    out = by_rows(x.reshape(-1, K), weight, nb)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def input_major(weight: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cpu import kernels
+from ..cpu.gemm import planned_row_blocks
 from ..spec.moe import MoEConfig
 from .activations import ACTIVATIONS, check_activation
 from .ffn import GatedMLP
@@ -82,6 +84,27 @@ def route_topk_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor
     return top.softmax(dim=-1) * m.routed_scaling_factor, idx
 
 
+def one_token(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
+              clamped: bool) -> torch.Tensor | None:
+    """One token's routed experts (x (1, d), idx and weights (1, k)) in one call of qkv's compiled CPU kernels
+    (:mod:`qkv.cpu.kernels`): the same products (:func:`qkv.cpu.gemm.planned_row_blocks`) and activation ops as
+    the loop of :class:`Experts` (SiLU) or :class:`ClampedSwiGLUExperts` (``clamped``), in the same order, so the
+    same values; None where it does not apply (not CPU, a gradient being recorded, another product path, the
+    kernels unavailable), and the caller runs its loop."""
+    up, down = experts.gate_up_proj, experts.down_proj
+    if (x.device.type != "cpu" or not up.is_contiguous() or not down.is_contiguous()
+            or torch.is_grad_enabled() and any(p.requires_grad for p in (x, up, down))):
+        return None
+    nb_up = planned_row_blocks(experts.linear_fn, x, up[0])
+    nb_down = planned_row_blocks(experts.linear_fn, x.new_empty(1, down.shape[-1]), down[0])
+    mod = kernels.load() if nb_up is not None and nb_down is not None else None
+    if mod is None:
+        return None
+    alpha, limit = (experts.alpha, experts.limit) if clamped else (0.0, 0.0)
+    return mod.moe_token(x, idx[0].tolist(), weights[0], up, getattr(experts, "gate_up_proj_bias", None), down,
+                         getattr(experts, "down_proj_bias", None), clamped, alpha, limit, nb_up, nb_down)
+
+
 class Experts(nn.Module):
     """``E`` gated experts stored stacked, as HF transformers 5 keeps them: ``gate_up_proj`` (E, 2f, d),
     ``down_proj`` (E, d, f). Each expert's products run through ``linear_fn`` (``F.linear``; a
@@ -98,6 +121,9 @@ class Experts(nn.Module):
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
+            fused = one_token(self, x, idx, weights, clamped=False) if self.act is F.silu else None
+            if fused is not None:
+                return fused
             out = torch.zeros_like(x)
             for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
                 gate, up = self.linear_fn(x, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -149,6 +175,9 @@ class ClampedSwiGLUExperts(nn.Module):
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
+            fused = one_token(self, x, idx, weights, clamped=True)
+            if fused is not None:
+                return fused
             out = torch.zeros_like(x)
             for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
                 out += (self._expert(e, x) * weights[:, j:j + 1]).to(out.dtype)

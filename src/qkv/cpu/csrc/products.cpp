@@ -1,0 +1,96 @@
+// The few-row products of a decode step, and a one-token mixture-of-experts feed-forward, each in one call.
+//
+// A decode step multiplies one row per sequence by every weight. The row-block product of qkv/cpu/skinny.py
+// (by_rows: the weight's output rows cut into nb blocks, strided views of the same storage, one batched GEMM)
+// is some ten tensor operations written in Python, whose dispatch costs a tenth of a small product; here the
+// same ATen calls run in the same order from C++, so the results are those of the Python path bit for bit.
+// moe_token runs a single token's k routed experts (ascending expert id, qkv/nn/moe.py's order) through the same
+// products and the experts' activation: SwiGLU (act(gate) * up, act SiLU) or GPT-OSS's clamped form
+// ((clamp(up) + 1) * min(gate, limit) * sigmoid(alpha * min(gate, limit))), each written as the torch ops of
+// qkv/nn/moe.py.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// x2 (M, K) @ weight (N, K)^T through nb row blocks of a contiguous weight (nb <= 1: at::linear) -> (M, N).
+at::Tensor rows_product(const at::Tensor& x2, const at::Tensor& weight, int64_t nb) {
+  if (nb <= 1) return at::linear(x2, weight);
+  const int64_t rows = x2.size(0), K = x2.size(1), N = weight.size(0);
+  const int64_t block = N / nb, main = nb * block;
+  auto blocks = weight.narrow(0, 0, main).view({nb, block, K});
+  auto xt = x2.t().expand({nb, K, rows});
+  auto out = at::empty({rows, N}, x2.options());
+  if (rows == 1) {
+    auto dst = out.narrow(1, 0, main).view({nb, block, 1});
+    at::bmm_out(dst, blocks, xt);
+  } else {
+    out.narrow(1, 0, main).copy_(at::bmm(blocks, xt).view({main, rows}).t());
+  }
+  if (main < N) out.narrow(1, main, N - main).copy_(at::linear(x2, weight.narrow(0, main, N - main)));
+  return out;
+}
+
+// rows_product with the bias: at::linear's fused bias where there are no blocks, as F.linear on the Python path.
+at::Tensor product(const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t nb) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (nb <= 1) return has_bias ? at::linear(x2, weight, *bias) : at::linear(x2, weight);
+  auto out = rows_product(x2, weight, nb);
+  if (has_bias) out.add_(*bias);
+  return out;
+}
+
+c10::optional<at::Tensor> select(const c10::optional<at::Tensor>& stacked, int64_t e) {
+  if (!stacked.has_value() || !stacked->defined()) return c10::nullopt;
+  return stacked->select(0, e);
+}
+
+}  // namespace
+
+// x (..., K) @ weight (N, K)^T (+ bias) -> (..., N), as qkv.cpu.skinny.by_rows then the bias.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       int64_t nb) {
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1) && weight.is_contiguous(),
+              "rows_linear: x (..., K) and a contiguous weight (N, K)");
+  const int64_t K = x.size(-1), N = weight.size(0);
+  const int64_t rows = K ? x.numel() / K : 0;
+  auto out = product(x.reshape({rows, K}), weight, bias, nb);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return out.view(sizes);
+}
+
+// One token's routed experts: x (1, d); ids, weights (k,) the chosen experts and their router weights (float32);
+// gate_up (E, 2f, d) and down (E, d, f) stacked (biases (E, 2f), (E, d) or None); clamped: GPT-OSS's activation
+// with alpha and limit, else SiLU(gate) * up; nb_gate_up, nb_down: row blocks of the two products (1: at::linear).
+at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const at::Tensor& weights,
+                     const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                     const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
+                     int64_t nb_gate_up, int64_t nb_down) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && gate_up.dim() == 3 && down.dim() == 3 &&
+                  weights.numel() == static_cast<int64_t>(ids.size()),
+              "moe_token: x (1, d), ids and weights (k,), gate_up (E, 2f, d), down (E, d, f)");
+  std::vector<std::pair<int64_t, int64_t>> order;  // (expert, slot), ascending expert id
+  for (size_t j = 0; j < ids.size(); ++j) order.emplace_back(ids[j], static_cast<int64_t>(j));
+  std::sort(order.begin(), order.end());
+  auto out = at::zeros_like(x);
+  const int64_t f = gate_up.size(1) / 2;
+  for (const auto& [e, j] : order) {
+    auto gu = product(x, gate_up.select(0, e), select(gate_up_bias, e), nb_gate_up);  // (1, 2f)
+    auto gate = gu.narrow(1, 0, f), up = gu.narrow(1, f, f);
+    at::Tensor h;
+    if (clamped) {
+      auto g = at::clamp(gate, c10::nullopt, limit);
+      auto u = up.clamp(-limit, limit);
+      h = (u + 1) * g * at::sigmoid(g * alpha);
+    } else {
+      h = at::silu(gate) * up;
+    }
+    auto y = product(h, down.select(0, e), select(down_bias, e), nb_down);  // (1, d)
+    out.add_((y * weights.narrow(0, j, 1)).to(out.scalar_type()));
+  }
+  return out;
+}
