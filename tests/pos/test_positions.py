@@ -321,3 +321,42 @@ def test_docstring_examples_run(name):
     module = importlib.import_module("qkv.pos" if name == "__init__" else f"qkv.pos.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("shape,R,batched", [((1, 10, 1, 64), 64, False), ((2, 8, 3, 96), 32, True),
+                                             ((1, 1, 1, 32), 16, True), ((3, 4, 5, 6), 2, False)])
+def test_apply_rotary_compiled_equals_the_torch_ops_bit_for_bit(dtype, interleaved, shape, R, batched, monkeypatch):
+    """On the CPU without a gradient, apply_rotary runs one call of qkv's compiled kernels (the same torch ops
+    in the same order); it equals the Python ops exactly (QKV_CPU_KERNELS=0), partial rotation and both pair
+    layouts included, and rotates by the definition (float64) within budget."""
+    from qkv.cpu import kernels
+    from qkv.pos.rope import apply_rotary
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    B, _, N, D = shape
+    angle = torch.rand(*((B, N) if batched else (N,)), R // 2, generator=g, dtype=torch.float64) * 6
+    angle = angle.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angle, angle), dim=-1)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    cos, sin = angle.cos().to(work), angle.sin().to(work)
+    with torch.inference_mode():
+        got = apply_rotary(x, cos, sin, interleaved=interleaved)
+        monkeypatch.setenv(kernels.ENV, "0")
+        want = apply_rotary(x, cos, sin, interleaved=interleaved)
+    assert got.dtype == dtype and torch.equal(got, want)
+    xd = x.double()
+    c, s = angle.cos().unsqueeze(-3), angle.sin().unsqueeze(-3)
+    a, b = (xd[..., 0:R:2], xd[..., 1:R:2]) if interleaved else (xd[..., :R // 2], xd[..., R // 2:R])
+    ca, sa = (c[..., 0::2], s[..., 0::2]) if interleaved else (c[..., :R // 2], s[..., :R // 2])
+    ra, rb = a * ca - b * sa, b * ca + a * sa  # each pair turned by its angle
+    ref = xd.clone()
+    if interleaved:
+        ref[..., 0:R:2], ref[..., 1:R:2] = ra, rb
+    else:
+        ref[..., :R // 2], ref[..., R // 2:R] = ra, rb
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]  # the output's rounding
+    torch.testing.assert_close(got.double(), ref, atol=tol * 8, rtol=tol)

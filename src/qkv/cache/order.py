@@ -76,8 +76,12 @@ class PositionOrder:
             start = torch.full((B,), -1, dtype=pos.dtype, device=pos.device)
         start = start.to(pos.device)
         real = pos >= 0
-        run = torch.cummax(torch.where(real, pos, -1), dim=1).values  # (B, N) highest so far in the step
-        prev = torch.maximum(torch.cat([start.view(B, 1), run[:, :-1]], dim=1), start.view(B, 1))
+        if pos.shape[1] == 1:  # a decode step: each row's one position against its history only
+            prev, last = start.view(B, 1), torch.maximum(start, pos[:, 0])
+        else:
+            run = torch.cummax(torch.where(real, pos, -1), dim=1).values  # (B, N) highest so far in the step
+            prev = torch.maximum(torch.cat([start.view(B, 1), run[:, :-1]], dim=1), start.view(B, 1))
+            last = torch.maximum(start, run[:, -1])
         bad = real & (pos <= prev)
         if bool(bad.any()):
             row, col = (int(i) for i in bad.nonzero()[0])
@@ -85,7 +89,7 @@ class PositionOrder:
                              f"{int(pos[row, col])} at step column {col} after position {int(prev[row, col])} was "
                              "already written; two keys at one position would both be attended. To rewrite the "
                              "tail use cache.crop(length) first (or a fresh cache / cache.reset())")
-        self._pending = (pos, torch.maximum(start, run[:, -1]))
+        self._pending = (pos, last)
 
     def commit(self, given, pos: torch.Tensor, *, layer: int = 0) -> None:
         """Record that layer ``layer`` stored ``pos``; call it after the store accepted the write that

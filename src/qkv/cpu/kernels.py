@@ -5,12 +5,12 @@ must gather 2 MB of keys and values per row at DeepSeek-V3.2's K = 2,048, and as
 out to memory and is read back by the product; the chunked gated delta rule as batched torch ops sweeps every chunk
 through memory once per step of its algebra. :mod:`qkv.cpu.csrc` holds kernels that read such keys in place and work
 a chunk at a time in cache instead. Other work is fast as torch ops but called so often that Python's share of each
-call dominates: a decode step's few-row products and one token's experts (``products.cpp``: the same ATen calls in
-the same order, from C++). ``module.cpp`` binds one function per kernel file and ``blas.h`` declares the BLAS they
-call. This module builds them on first use (``torch.utils.cpp_extension.load``: the C++ compiler and ``ninja``,
-about a minute on 2 cores, then cached under torch's extensions folder) for the vector width torch itself uses on
-this CPU (AVX-512, AVX2 or plain), with OpenMP, so that ``at::parallel_for`` in them spreads over torch's threads
-(the process's one OpenMP runtime, torch's own).
+call dominates: a decode step's few-row products and one token's experts (``products.cpp``), its rotary embeddings
+(``rotary.cpp``): the same ATen calls in the same order, from C++. ``module.cpp`` binds one function per kernel file
+and ``blas.h`` declares the BLAS they call. This module builds them on first use
+(``torch.utils.cpp_extension.load``: the C++ compiler and ``ninja``, about a minute on 2 cores, then cached under
+torch's extensions folder) for the vector width torch itself uses on this CPU (AVX-512, AVX2 or plain), with OpenMP,
+so that ``at::parallel_for`` in them spreads over torch's threads (the process's one OpenMP runtime, torch's own).
 
 Nothing here is a silent fallback. Where the kernels cannot be had (no compiler, a torch without the BLAS symbols
 they link, or ``QKV_CPU_KERNELS=0`` in the environment), :func:`unavailable_reason` says why, the backends that
@@ -42,7 +42,8 @@ ENV = "QKV_CPU_KERNELS"
 #: values, which stay in a 1 MB L2 while a tile is multiplied (128-512 keys measured within 5% at N = 32K).
 TILE_BYTES = 128 << 10
 
-_SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp")
+_SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp",
+            "rotary.cpp")
 _FLAGS = {  # torch's own CPU capability names -> the flags that give ATen's vector types that width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
                "-DCPU_CAPABILITY_AVX512"],

@@ -288,7 +288,9 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
         if q_pos is None and causal:
             q_pos = (torch.arange(Nq, device=q_nope.device) + (Nk - Nq)).expand(B, Nq)
             kv_pos = torch.arange(Nk, device=q_nope.device).expand(B, Nk)
-        folded = attention_mask(q_pos.repeat(1, H), kv_pos, causal=causal) if q_pos is not None else None
+        folded = None
+        if q_pos is not None:  # each head's rows at their query positions (a view for one query: no copy)
+            folded = attention_mask(q_pos.expand(B, H) if Nq == 1 else q_pos.repeat(1, H), kv_pos, causal=causal)
         res = attention_fn(q_BHNc.reshape(B, 1, H * Nq, r + dr), kv_B1Sc, kv_B1Sc, mask=folded, **kw)
         out_B1Mc, lse = (res.out, res.lse.view(B, H, Nq)) if return_lse else (res, None)
         o_lat_BHNr = out_B1Mc[..., :r].view(B, H, Nq, r)

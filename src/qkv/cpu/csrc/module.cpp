@@ -19,11 +19,13 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
                      const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                      const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
                      int64_t nb_gate_up, int64_t nb_down);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
   m.def("gated_delta_chunks", &gated_delta_chunks, "the gated delta rule by chunks, forward (CPU)");
   m.def("rows_linear", &rows_linear, "a few rows times a weight through row blocks, plus the bias (CPU)");
   m.def("moe_token", &moe_token, "one token's routed experts, ascending id, weighted and summed (CPU)");
+  m.def("rotary", &rotary, "rotary position embedding of one step's queries or keys (CPU)");
   m.def("delta_decode", &delta_decode, "a gated-delta mixer's decode step after its projections (CPU)");
 }
