@@ -103,3 +103,42 @@ def test_one_query_gqa_folds_groups_into_rows(mask_kind, monkeypatch):
     slopes = torch.tensor([2.0 ** -i for i in range(1, 9)], dtype=torch.float64)
     _check(2, 8, 2, 1, 23, 16, 16, torch.float32, mask_kind, score_mod=qkv.mods.alibi(slopes))
     assert calls or mask_kind in ("causal_top_left",), "the grouped decode path was not taken"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 40, 16), (1, 4, 4, 1, 129, 64), (3, 6, 1, 1, 9, 8)],
+                         ids=lambda s: shape_id(*s))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_step_by_positions_in_one_compiled_call(dtype, shape, window, sinks, monkeypatch):
+    """A cached decode step (one query per row, a positions mask with padding, a window, sinks) on the CPU
+    without autograd runs qkv's compiled decode_attention: within budget of the float64 reference, with a row
+    whose keys are all padding (zeros), and equal to the torch-op path with the kernels off."""
+    from qkv import masks
+    from qkv.backends import sdpa
+    from qkv.cpu import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    B, Hq, Hkv, Nq, Nk, D = shape
+    master, cast = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=dtype)
+    kv_pos = torch.arange(Nk).repeat(B, 1)
+    kv_pos[0, :3] = -1  # left padding
+    if B > 1:
+        kv_pos[1] = -1  # a row with no key at all
+    q_pos = torch.full((B, 1), Nk - 1)
+    mask = masks.positions(q_pos, kv_pos, causal=True, window=window)
+    z = torch.randn(Hq, generator=torch.Generator().manual_seed(2), dtype=torch.float64) if sinks else None
+    taken = []
+    real = sdpa._decode_by_positions
+    monkeypatch.setattr(sdpa, "_decode_by_positions", lambda req: taken.append(1) or real(req))
+    with torch.no_grad():
+        out = qkv.attention(*cast, mask=mask, sinks=None if z is None else z.to(dtype), backend="sdpa")
+        ref = qkv.attention(*master, mask=mask, sinks=z, backend="reference")
+        monkeypatch.setenv(kernels.ENV, "0")
+        ops = qkv.attention(*cast, mask=mask, sinks=None if z is None else z.to(dtype), backend="sdpa")
+    assert taken and out.shape == (B, Hq, 1, D) and out.dtype == dtype and torch.isfinite(out).all()
+    assert_within_budget(out, ref, ops, what="compiled decode step")
+    if B > 1:
+        assert (out[1] == 0).all(), "a row with no key attends to nothing: zeros"
+    assert torch.equal(out, ops), "the same ops as the torch path, in the same order"

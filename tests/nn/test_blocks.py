@@ -27,6 +27,7 @@ from qkv.nn import (
     rms_norm,
 )
 from qkv.pos import RotaryEmbedding
+from qkv.testing import assert_within_budget
 
 F64 = torch.float64
 
@@ -303,3 +304,30 @@ def test_attention_fn_hook_sees_every_call(name):
         m.attention_fn = recording
     assert torch.equal(run(), want)
     assert len(calls) == len(modules) and all(mask is not None for _, mask, _ in calls), calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("shape", [(1, 1, 512), (3, 7, 40), (2, 5), (4, 0, 8)])
+def test_rms_norm_compiled_loop_within_budget(dtype, offset, shape, monkeypatch):
+    """On the CPU without autograd RMSNorm runs qkv's compiled loop (norms.cpp): within budget of the float64
+    definition, with torch's F.rms_norm as the baseline, for Llama's and Gemma's weight conventions, a strided
+    input and an empty one; with the kernels off (QKV_CPU_KERNELS=0) it is torch's F.rms_norm itself."""
+    from qkv.cpu import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(6)
+    norm = RMSNorm(shape[-1], offset=offset, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    x = (torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 4).to(dtype)[..., ::2]  # strided
+    xd, wd = x.double(), norm.weight.double() + offset
+    want = xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * wd
+    with torch.inference_mode():
+        got = norm(x)
+        monkeypatch.setenv(kernels.ENV, "0")
+        torch_path = norm(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(torch_path, F.rms_norm(x, (shape[-1],), offset + norm.weight, 1e-5))
+    assert_within_budget(got, want, torch_path, what="compiled RMSNorm")

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cpu import kernels
 from ..spec.config import NORMS
 
 __all__ = ["rms_norm", "RMSNorm", "make_norm", "NORMS"]
@@ -38,9 +39,10 @@ class RMSNorm(nn.Module):
     """RMS normalization scaling by ``offset + weight``.
 
     ``offset = 0`` (Llama, T5): weights start at 1. ``offset = 1`` (Gemma, Qwen3-Next): weights start at 0.
-    float32 and float64 inputs whose dtype matches the weight's go through torch's fused ``F.rms_norm`` (one or
-    two ops instead of eight to eleven, which matters when decoding one token); low-precision inputs normalize in
-    float32.
+    float32 and float64 inputs whose dtype matches the weight's go through torch's ``F.rms_norm`` (one or two ops
+    instead of eight to eleven, which matters when decoding one token), or on the CPU without autograd through
+    qkv's compiled loop (:mod:`qkv.cpu.kernels`, ``norms.cpp``: one call, the sum of squares in float64);
+    low-precision inputs normalize in float32.
     """
 
     def __init__(self, dim: int, *, eps: float = 1e-6, offset: float = 0.0) -> None:
@@ -50,6 +52,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         full = x.dtype in (torch.float32, torch.float64)
+        if (full and self.weight.dtype == x.dtype and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            mod = kernels.load()
+            if mod is not None:  # one loop per row instead of torch's five or six operators
+                return mod.rms_norm(x, self.weight, self.eps, self.offset)
         if self.offset == 0:
             if full and self.weight.dtype == x.dtype:
                 return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

@@ -20,6 +20,10 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
                      const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
                      int64_t nb_gate_up, int64_t nb_down);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                            const at::Tensor& kv_pos, bool causal, int64_t window,
+                            const c10::optional<at::Tensor>& sinks, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
@@ -27,5 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "a few rows times a weight through row blocks, plus the bias (CPU)");
   m.def("moe_token", &moe_token, "one token's routed experts, ascending id, weighted and summed (CPU)");
   m.def("rotary", &rotary, "rotary position embedding of one step's queries or keys (CPU)");
+  m.def("rms_norm", &rms_norm, "RMS normalization of a few rows, one loop per row (CPU)");
+  m.def("decode_attention", &decode_attention, "one query per row over its cached keys by position (CPU)");
   m.def("delta_decode", &delta_decode, "a gated-delta mixer's decode step after its projections (CPU)");
 }
