@@ -78,10 +78,23 @@ def _build():
                               verbose=False)
 
 
+def _switched_off() -> bool:
+    """``QKV_CPU_KERNELS=0`` in the environment, read on every call (tests and users may set it at any time).
+    A decode step asks some thirty times, so on POSIX the environment's own dict is read (``os.environ.get``
+    costs microseconds: it encodes the key and goes through the mapping protocol)."""
+    data = getattr(os.environ, "_data", None)
+    if type(data) is dict and os.name == "posix":
+        return data.get(_ENV_KEY) == b"0"
+    return os.environ.get(ENV, "1") == "0"
+
+
+_ENV_KEY = ENV.encode()
+
+
 def load():
     """The compiled kernels module (built on first call), or ``None`` where :func:`unavailable_reason` says why."""
     global _module, _failure
-    if os.environ.get(ENV, "1") == "0":
+    if _switched_off():
         return None
     if _module is not None or _failure is not None:
         return _module
@@ -104,7 +117,7 @@ def tile_keys(element_size: int, dim: int) -> int:
 
 def unavailable_reason() -> str | None:
     """Why the compiled kernels cannot run here, or ``None`` when they can (builds them if not yet built)."""
-    if os.environ.get(ENV, "1") == "0":
+    if _switched_off():
         return f"{ENV}=0 in the environment"
     load()
     return _failure

@@ -256,7 +256,8 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
 
     The H query heads read one kv head, so (without an extra ``mask``) they are stacked as ``H * Nq``
     query rows of a single head and the mask is rebuilt by position (``q_positions`` tiled H times;
-    without positions, bottom-right: query ``i`` at ``i + Nk - Nq``). An extra ``mask``, whose
+    without positions, bottom-right: query ``i`` at ``i + Nk - Nq``); a one-query step with positions is
+    passed as grouped-query attention over the one KV head (the backend folds the heads into rows itself). An extra ``mask``, whose
     coordinates are (b, h, q_idx, kv_idx), keeps the (B, H, Nq) layout with ``Hkv = 1`` instead.
     With dropout the keep-pattern differs from :func:`mla_expanded`'s (same distribution).
     """
@@ -284,6 +285,9 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
         fast = _gpu_decode(q_lat_BHNr, q_rope, c_kv, k_rope, q_pos, kv_pos, scale)
     if fast is not None:
         o_lat_BHNr, lse = fast[0].unsqueeze(2), (fast[1].unsqueeze(2) if return_lse else None)
+    elif mask is None and Nq == 1 and q_pos is not None:  # a decode step: grouped-query attention, one KV head
+        res = attention_fn(q_BHNc, kv_B1Sc, kv_B1Sc, mask=attention_mask(q_pos, kv_pos, causal=causal), **kw)
+        o_lat_BHNr, lse = (res.out[..., :r], res.lse) if return_lse else (res[..., :r], None)
     elif mask is None:
         if q_pos is None and causal:
             q_pos = (torch.arange(Nq, device=q_nope.device) + (Nk - Nq)).expand(B, Nq)

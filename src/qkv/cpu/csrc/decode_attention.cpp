@@ -5,6 +5,9 @@
 // ops of qkv/backends/sdpa.py's path for such a step, from C++; the attention itself is torch's CPU flash kernel.
 #include <torch/extension.h>
 
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
 #include <limits>
 #include <tuple>
 
@@ -17,13 +20,30 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   v.size(-1) == q.size(-1) && q_pos.dim() == 2 && kv_pos.dim() == 2,
               "decode_attention: q (B, Hq, 1, D), k and v (B, Hkv, S, D), positions (B, 1) and (B, S)");
   const int64_t B = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(3), S = k.size(2);
-  auto qp = q_pos.to(kv_pos.device());
-  auto allowed = (kv_pos >= 0) & (qp >= 0);  // (B or 1, S)
-  if (causal) allowed = allowed & (kv_pos <= qp);
-  if (window > 0) allowed = allowed & ((qp - kv_pos) < window);
-  auto bias = at::zeros(allowed.sizes(), q.options()).masked_fill_(allowed.logical_not(),
-                                                                  -std::numeric_limits<double>::infinity());
-  bias = bias.view({allowed.size(0), 1, 1, S});
+  TORCH_CHECK(q_pos.scalar_type() == at::kLong && kv_pos.scalar_type() == at::kLong && q_pos.size(1) == 1 &&
+                  kv_pos.size(1) == S && (q_pos.size(0) == 1 || q_pos.size(0) == B) &&
+                  (kv_pos.size(0) == 1 || kv_pos.size(0) == B),
+              "decode_attention: int64 positions (B or 1, 1) and (B or 1, S)");
+  // The additive mask: 0 where key s may be read by row b's query, -inf elsewhere (padding on either side, a key
+  // after the query when causal, one at or beyond the window).
+  const int64_t rows = std::max(q_pos.size(0), kv_pos.size(0));
+  auto qp = q_pos.contiguous(), kp = kv_pos.contiguous();
+  auto bias = at::empty({rows, 1, 1, S}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention_mask", [&] {
+    const int64_t* pq = qp.data_ptr<int64_t>();
+    const int64_t* pk = kp.data_ptr<int64_t>();
+    scalar_t* pb = bias.data_ptr<scalar_t>();
+    const scalar_t blocked = -std::numeric_limits<scalar_t>::infinity();
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t at = pq[qp.size(0) == 1 ? 0 : b];
+      const int64_t* keys = pk + (kp.size(0) == 1 ? 0 : b) * S;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t p = keys[s];
+        const bool ok = p >= 0 && at >= 0 && (!causal || p <= at) && (window <= 0 || at - p < window);
+        pb[b * S + s] = ok ? scalar_t(0) : blocked;
+      }
+    }
+  });
   const int64_t g = Hq / Hkv;
   auto folded = q.reshape({B, Hkv, g, D});
   auto res = at::_scaled_dot_product_flash_attention_for_cpu(folded, k, v, 0.0, false, bias, scale);
