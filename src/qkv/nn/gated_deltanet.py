@@ -30,6 +30,7 @@ from torch import nn
 from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput
 from qkv.nn._recurrent import RecurrentState, check_input, check_state, delta_mix, mask_padding
+from qkv.nn.norm import compiled_rms_norm
 from qkv.nn.protocol import apply_head_gate
 
 __all__ = ["GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
@@ -40,7 +41,8 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, *,
     """``rms_norm(x) * weight * activation(gate)`` over the last dim (norm before gate), in float32 for
     low-precision inputs."""
     if x.dtype in (torch.float32, torch.float64) and weight.dtype == gate.dtype == x.dtype:  # fused: 3 ops, not 8
-        return F.rms_norm(x, weight.shape, weight, eps) * activation(gate)
+        y = compiled_rms_norm(x, weight, eps=eps)  # on the CPU without autograd: one compiled loop
+        return (F.rms_norm(x, weight.shape, weight, eps) if y is None else y) * activation(gate)
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     xw = x.to(work)
     y = xw * torch.rsqrt(xw.square().mean(-1, keepdim=True) + eps) * weight.to(work)

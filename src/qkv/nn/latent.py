@@ -254,12 +254,12 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     ``[q_lat | q_rope]`` over ``K' = [c_kv | k_rope]``, ``V' = c_kv``, then ``out_h = W_UV_h o_lat_h``.
     The latents are never decompressed. Same arguments and result as :func:`mla_expanded`.
 
-    The H query heads read one kv head, so (without an extra ``mask``) they are stacked as ``H * Nq``
-    query rows of a single head and the mask is rebuilt by position (``q_positions`` tiled H times;
-    without positions, bottom-right: query ``i`` at ``i + Nk - Nq``); a one-query step with positions is
-    passed as grouped-query attention over the one KV head (the backend folds the heads into rows itself). An extra ``mask``, whose
-    coordinates are (b, h, q_idx, kv_idx), keeps the (B, H, Nq) layout with ``Hkv = 1`` instead.
-    With dropout the keep-pattern differs from :func:`mla_expanded`'s (same distribution).
+    The H query heads read one kv head, so (without an extra ``mask``) they are stacked as ``H * Nq`` query rows
+    of a single head and the mask is rebuilt by position (``q_positions`` tiled H times; without positions,
+    bottom-right: query ``i`` at ``i + Nk - Nq``); a one-query step with positions is passed as grouped-query
+    attention over the one KV head (the backend folds the heads into rows itself). An extra ``mask``, whose
+    coordinates are (b, h, q_idx, kv_idx), keeps the (B, H, Nq) layout with ``Hkv = 1`` instead. With dropout
+    the keep-pattern differs from :func:`mla_expanded`'s (same distribution).
     """
     dn, dv = _check_inputs("mla_absorbed", q_nope, q_rope, c_kv, k_rope, kv_b_weight)
     B, H, Nq, _ = q_nope.shape

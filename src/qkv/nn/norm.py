@@ -21,7 +21,7 @@ from torch import nn
 from ..cpu import kernels
 from ..spec.config import NORMS
 
-__all__ = ["rms_norm", "RMSNorm", "make_norm", "NORMS"]
+__all__ = ["rms_norm", "compiled_rms_norm", "RMSNorm", "make_norm", "NORMS"]
 
 
 
@@ -33,6 +33,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float 
     if weight is not None:
         y = y * weight.to(work)
     return y.to(x.dtype)
+
+
+def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float = 0.0) -> torch.Tensor | None:
+    """``x / rms(x) * (offset + weight)`` in one call of qkv's compiled loop (:mod:`qkv.cpu.kernels`,
+    ``norms.cpp``) for float32/float64 CPU inputs with a weight of their dtype and no gradient being recorded;
+    None otherwise (the caller runs torch's ops)."""
+    if (x.dtype not in (torch.float32, torch.float64) or weight.dtype != x.dtype or x.device.type != "cpu"
+            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    mod = kernels.load()
+    return None if mod is None else mod.rms_norm(x, weight, eps, offset)
 
 
 class RMSNorm(nn.Module):
@@ -51,12 +62,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = compiled_rms_norm(x, self.weight, eps=self.eps, offset=self.offset)
+        if y is not None:
+            return y
         full = x.dtype in (torch.float32, torch.float64)
-        if (full and self.weight.dtype == x.dtype and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            mod = kernels.load()
-            if mod is not None:  # one loop per row instead of torch's five or six operators
-                return mod.rms_norm(x, self.weight, self.eps, self.offset)
         if self.offset == 0:
             if full and self.weight.dtype == x.dtype:
                 return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
