@@ -224,7 +224,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if activation is not None and epilogue(activation) is None:
             return activation(prepacked_linear(x, weight, bias, packed))
         return prepacked_linear(x, weight, bias, packed, activation)
-    if path == "row_blocks" and weight.is_contiguous() and blockable(x, weight):  # skinny_linear's blocks, decided
+    if (path == "row_blocks" and weight.dim() == 2 and weight.shape[1] == K and weight.is_contiguous()
+            and blockable(x, weight)):  # skinny_linear's row blocks, decided here
         y = rows_linear(x, weight, bias, max(ROW_BLOCKS, torch.get_num_threads()))
     else:
         y = skinny_linear(x, weight, bias)

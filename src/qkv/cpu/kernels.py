@@ -4,11 +4,13 @@ Some CPU work cannot be written fast as torch ops: attention over keys that each
 must gather 2 MB of keys and values per row at DeepSeek-V3.2's K = 2,048, and as torch ops the gathered copy goes
 out to memory and is read back by the product; the chunked gated delta rule as batched torch ops sweeps every chunk
 through memory once per step of its algebra. :mod:`qkv.cpu.csrc` holds kernels that read such keys in place and work
-a chunk at a time in cache instead. Other work is fast as torch ops but called so often that Python's share of each
-call dominates: a decode step's few-row products and one token's experts (``products.cpp``), its rotary embeddings
-(``rotary.cpp``): the same ATen calls in the same order, from C++. ``module.cpp`` binds one function per kernel file
-and ``blas.h`` declares the BLAS they call. This module builds them on first use
-(``torch.utils.cpp_extension.load``: the C++ compiler and ``ninja``, about a minute on 2 cores, then cached under
+a chunk at a time in cache instead. Other work is fast as torch ops but so small and so frequent that Python's
+dispatch dominates it: a decode step's few-row products and one token's experts (``products.cpp``), its rotary
+embeddings (``rotary.cpp``) and its attention over the cache by positions (``decode_attention.cpp``) run the same
+ATen calls in the same order from C++, and RMSNorm (``norms.cpp``) is one loop per row. ``module.cpp`` binds one
+function per kernel file and is the only one that includes pybind's headers (the kernels include ATen alone, which
+halves a cold build); ``blas.h`` declares the BLAS they call. This module builds them on first use
+(``torch.utils.cpp_extension.load``: the C++ compiler and ``ninja``, under a minute on 2 cores, then cached under
 torch's extensions folder) for the vector width torch itself uses on this CPU (AVX-512, AVX2 or plain), with OpenMP,
 so that ``at::parallel_for`` in them spreads over torch's threads (the process's one OpenMP runtime, torch's own).
 

@@ -3,7 +3,7 @@
 // head folded into rows (grouped-query attention reads each KV head once), learnable sinks (GPT-OSS) applied after
 // the fact from the log-sum-exp: out * sigmoid(L - z[h]), the softmax share the sink leaves the keys. The torch
 // ops of qkv/backends/sdpa.py's path for such a step, from C++; the attention itself is torch's CPU flash kernel.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Dispatch.h>
 

@@ -9,7 +9,7 @@
 // h / (H / Hk). Per (b, h), with a = e^g (one per head, or one per key channel) and S the (Dk x Dv) state:
 //   S <- a * S (rows),  u = beta (v - S^T k),  S <- S + k u^T,  o = S^T q
 // (qkv/linear/gated_recurrent.py's step, the recurrence of issue 27, in the same order).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

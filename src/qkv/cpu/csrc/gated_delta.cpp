@@ -16,7 +16,7 @@
 // GEMM (Q e^b)(K e^-b)^T, exact while a chunk's log-decays stay within safe_log nats (e^-b finite, products
 // within range): a chunk ends early where they would leave that range, and a single token beyond it forms each
 // pair's sum with its own exponentials.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

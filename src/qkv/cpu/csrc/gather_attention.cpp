@@ -14,7 +14,7 @@
 // (block_tokens = T > 0): k is a block pool (P, Hkv, T, D) shared by the rows, and key j is slot j % T of block
 // j / T, so a paged cache's decode step (qkv/backends/paged.py) lists each row's visible slots and reads them where
 // they lie, with no gathered or padded view.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 

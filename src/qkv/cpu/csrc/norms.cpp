@@ -3,7 +3,7 @@
 // five or six dispatched operators (pow, sum, div, add, rsqrt, mul), each costing more than a 512-wide row's
 // arithmetic; this is one loop per row. The sum of squares is accumulated in double (torch's in the input dtype),
 // so float32 results can differ from F.rms_norm's in the last bit, never by more.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 

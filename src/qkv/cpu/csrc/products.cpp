@@ -8,7 +8,7 @@
 // products and the experts' activation: SwiGLU (act(gate) * up, act SiLU) or GPT-OSS's clamped form
 // ((clamp(up) + 1) * min(gate, limit) * sigmoid(alpha * min(gate, limit))), each written as the torch ops of
 // qkv/nn/moe.py.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <utility>

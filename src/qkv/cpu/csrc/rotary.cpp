@@ -2,7 +2,7 @@
 // arXiv:2104.09864) applied to one step's queries or keys in one call: the torch ops of qkv/pos/rope.py's
 // apply_rotary, in the same order from C++, so the result is the same bit for bit. A decode step rotates a few
 // rows per layer, where the fifteen-odd small ops cost far more in Python dispatch than in arithmetic.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 // x (..., H, N, D); cos, sin (..., N, R) broadcast over the heads; the first R channels rotate, the rest pass.
 // Pairs are (2f, 2f + 1) when interleaved, else (f, f + R / 2).
