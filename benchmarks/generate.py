@@ -57,6 +57,7 @@ from qkv.cpu import optimize  # noqa: E402
 TARGET = 1.5  # qkv decode tokens/s over HF's
 TARGETS = {"gpt-oss-like": 1.8, "deepseek-v3-like": 1.8,  # the 2025 dense families
            "qwen3-next-like": 2.0}  # the hybrid (HF runs its recurrent layers through slow fallbacks)
+TARGET_BATCHES = {name: (1, 4) for name in TARGETS}  # their issues judge batch 1 and 4; the rest: every batch
 
 
 def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
@@ -203,7 +204,8 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             "floor_ms": floor_s * 1e3, "qkv_step/floor": statistics.median(steps["qkv"]) / floor_s,
             "hf_step/floor": statistics.median(steps["hf"]) / floor_s,
             **where,
-            "target": f"{target(r, '>=', TARGETS.get(name, TARGET))} ({TARGETS.get(name, TARGET)}x)",
+            "target": (f"{target(r, '>=', TARGETS.get(name, TARGET))} ({TARGETS.get(name, TARGET)}x)"
+                       if B in TARGET_BATCHES.get(name, (B,)) else "none at this batch"),
             "same_tokens": bool(torch.equal(tokens["hf"], tokens["qkv"])
                                 and torch.equal(tokens["hf"], tokens["qkv_plain"])),
         })
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in chosen:
         spec = configs[name]
         _run_case(suite, name, spec, (1, 4, 8), n_prompt, n_new, repeat, thread_counts)
-    suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}) "
+    suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}, "
+               "at batch 1 and 4, as their issues set it) "
                "in every repeat (ratios: the median over the "
                "paired repeats, then the lowest and highest). step_*_ms: where qkv's decode step goes (products, "
                "attention, other torch ops, Python; one profiled run of each length, indicative). "
