@@ -108,3 +108,43 @@ def test_one_token_call_declines_what_it_does_not_run(monkeypatch):
         monkeypatch.setenv(kernels.ENV, "0")
         assert one_token(experts, x, idx, w, clamped=False) is None
         assert torch.equal(experts(x, idx, w), want)
+
+
+@pytest.mark.parametrize("kind", ["silu", "clamped"])
+@pytest.mark.parametrize("products", ["F.linear", "blocks", "blocks-unpacked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("tokens", [2, 4, 7])
+def test_grouped_tokens_call_equals_the_loop_bit_for_bit(kind, products, dtype, tokens, monkeypatch):
+    """qkv.nn.moe.grouped_tokens (a few tokens' experts, grouped by expert, in one compiled call) equals the
+    experts' Python loop exactly, or declines (None) where an expert's row count goes to oneDNN; the layer's
+    output is the loop's either way."""
+    import qkv.nn.moe as moe
+    from qkv.cpu import kernels
+    from qkv.cpu.gemm import LinearProducts
+    from qkv.nn.moe import ClampedSwiGLUExperts, Experts
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    torch.manual_seed(3)
+    d, f = 64, 48
+    experts = (Experts(8, d, f, "silu") if kind == "silu" else ClampedSwiGLUExperts(8, d, f, alpha=1.702, limit=7.0))
+    experts = experts.to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn_like(p) * (20 / math.sqrt(p.shape[-1])))
+    if products != "F.linear":
+        experts.linear_fn = LinearProducts(pack=products == "blocks")
+    x = torch.randn(tokens, d, dtype=dtype)
+    others = torch.tensor([e for e in range(8) if e != 5])
+    idx = torch.stack([torch.tensor([5, int(others[torch.randint(7, ())])]) for _ in range(tokens)])  # 5: every token's
+    w = torch.rand(tokens, 2)
+    calls = []
+    real = moe.grouped_tokens
+    monkeypatch.setattr(moe, "grouped_tokens", lambda *a, **k: calls.append(r := real(*a, **k)) or r)
+    with torch.inference_mode():
+        got = experts(x, idx, w)
+        monkeypatch.setattr(moe, "grouped_tokens", lambda *a, **k: None)
+        loop = experts(x, idx, w)
+    assert got.dtype == dtype and torch.equal(got, loop)
+    if products == "F.linear" or dtype == torch.float64 or tokens <= 2:
+        assert calls and calls[0] is not None, "this case takes the compiled call"

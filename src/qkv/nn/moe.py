@@ -38,6 +38,7 @@ from torch import nn
 
 from ..cpu import kernels
 from ..cpu.gemm import planned_row_blocks
+from ..cpu.rule import MEASURED_ROWS
 from ..spec.moe import MoEConfig
 from .activations import ACTIVATIONS, check_activation
 from .ffn import GatedMLP
@@ -105,6 +106,38 @@ def one_token(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: t
                          getattr(experts, "down_proj_bias", None), clamped, alpha, limit, nb_up, nb_down)
 
 
+def grouped_tokens(experts: nn.Module, x: torch.Tensor, token: torch.Tensor, w: torch.Tensor, counts: list[int], *,
+                   clamped: bool) -> torch.Tensor | None:
+    """A few tokens' routed experts (x (T, d); the assignments grouped by expert: ``token`` and router weights ``w``
+    (A,), ``counts`` per expert) in one call of qkv's compiled CPU kernels: the loop of :class:`Experts` (SiLU) or
+    :class:`ClampedSwiGLUExperts` (``clamped``) with the same products and ops in the same order, so the same
+    values; None where it does not apply (as :func:`one_token`, or an expert's row count the product rule sends to
+    oneDNN), and the caller runs its loop."""
+    up, down = experts.gate_up_proj, experts.down_proj
+    if (x.device.type != "cpu" or x.shape[0] > MEASURED_ROWS or not up.is_contiguous() or not down.is_contiguous()
+            or torch.is_grad_enabled() and any(p.requires_grad for p in (x, up, down))):
+        return None
+    plans: dict[int, tuple[int | None, int | None]] = {}
+    nb_up, nb_down = [], []
+    for n in counts:
+        if n not in plans:
+            one = x.new_empty(1)  # stand-ins of the expert's (n, d) input and (n, f) hidden rows, for the plans
+            rows_in, rows_h = one.expand(max(n, 1), x.shape[-1]), one.expand(max(n, 1), down.shape[-1])
+            plans[n] = (planned_row_blocks(experts.linear_fn, rows_in, up[0]),
+                        planned_row_blocks(experts.linear_fn, rows_h, down[0]))
+        a, b = plans[n]
+        if a is None or b is None:
+            return None
+        nb_up.append(a)
+        nb_down.append(b)
+    mod = kernels.load()
+    if mod is None:
+        return None
+    alpha, limit = (experts.alpha, experts.limit) if clamped else (0.0, 0.0)
+    return mod.moe_grouped(x, token, w, counts, up, getattr(experts, "gate_up_proj_bias", None), down,
+                           getattr(experts, "down_proj_bias", None), clamped, alpha, limit, nb_up, nb_down)
+
+
 class Experts(nn.Module):
     """``E`` gated experts stored stacked, as HF transformers 5 keeps them: ``gate_up_proj`` (E, 2f, d),
     ``down_proj`` (E, d, f). Each expert's products run through ``linear_fn`` (``F.linear``; a
@@ -134,6 +167,9 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         token = order // k
         w = weights.reshape(-1)[order]
+        fused = grouped_tokens(self, x, token, w, counts, clamped=False) if self.act is F.silu else None
+        if fused is not None:
+            return fused
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):
@@ -186,6 +222,9 @@ class ClampedSwiGLUExperts(nn.Module):
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         token, w = order // k, weights.reshape(-1)[order]
+        fused = grouped_tokens(self, x, token, w, counts, clamped=True)
+        if fused is not None:
+            return fused
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):

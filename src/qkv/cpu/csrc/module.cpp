@@ -19,6 +19,11 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
                      const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                      const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
                      int64_t nb_gate_up, int64_t nb_down);
+at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::Tensor& weights,
+                       const std::vector<int64_t>& counts, const at::Tensor& gate_up,
+                       const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                       const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
+                       const std::vector<int64_t>& nb_gate_up, const std::vector<int64_t>& nb_down);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
@@ -30,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_chunks", &gated_delta_chunks, "the gated delta rule by chunks, forward (CPU)");
   m.def("rows_linear", &rows_linear, "a few rows times a weight through row blocks, plus the bias (CPU)");
   m.def("moe_token", &moe_token, "one token's routed experts, ascending id, weighted and summed (CPU)");
+  m.def("moe_grouped", &moe_grouped, "a few tokens' routed experts, grouped by expert (CPU)");
   m.def("rotary", &rotary, "rotary position embedding of one step's queries or keys (CPU)");
   m.def("rms_norm", &rms_norm, "RMS normalization of a few rows, one loop per row (CPU)");
   m.def("decode_attention", &decode_attention, "one query per row over its cached keys by position (CPU)");

@@ -94,3 +94,41 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
   }
   return out;
 }
+
+// Tokens grouped by expert (the loop of qkv/nn/moe.py for more than one token): x (T, d); token (A,) int64 the token
+// of each assignment, grouped by expert in ascending id; weights (A,) their router weights in the same order; counts
+// (E,) assignments per expert; nb_gate_up, nb_down (E,) row blocks of each expert's products for its row count.
+// Per expert with tokens: out.index_add_(0, t, (down(act(gate_up(x[t]))) * w).to(out's dtype)).
+at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::Tensor& weights,
+                       const std::vector<int64_t>& counts, const at::Tensor& gate_up,
+                       const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                       const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
+                       const std::vector<int64_t>& nb_gate_up, const std::vector<int64_t>& nb_down) {
+  const int64_t E = gate_up.size(0);
+  TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && static_cast<int64_t>(counts.size()) == E &&
+                  static_cast<int64_t>(nb_gate_up.size()) == E && static_cast<int64_t>(nb_down.size()) == E &&
+                  token.numel() == weights.numel(),
+              "moe_grouped: x (T, d), token and weights (A,), counts and row blocks (E,)");
+  auto out = at::zeros_like(x);
+  const int64_t f = gate_up.size(1) / 2;
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = counts[e];
+    if (n == 0) continue;
+    auto t = token.narrow(0, start, n);
+    auto gu = product(x.index_select(0, t), gate_up.select(0, e), select(gate_up_bias, e), nb_gate_up[e]);
+    auto gate = gu.narrow(1, 0, f), up = gu.narrow(1, f, f);
+    at::Tensor h;
+    if (clamped) {
+      auto g = at::clamp(gate, c10::nullopt, limit);
+      auto u = up.clamp(-limit, limit);
+      h = (u + 1) * g * at::sigmoid(g * alpha);
+    } else {
+      h = at::silu(gate) * up;
+    }
+    auto y = product(h, down.select(0, e), select(down_bias, e), nb_down[e]);
+    out.index_add_(0, t, (y * weights.narrow(0, start, n).unsqueeze(1)).to(out.scalar_type()));
+    start += n;
+  }
+  return out;
+}
