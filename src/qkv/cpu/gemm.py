@@ -45,8 +45,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .rule import MEASURED_ROWS, choose
 from .skinny import (
-    ROW_BLOCKS,
     SkinnyLinear,
+    block_count,
     blockable,
     input_major,
     row_blocks,
@@ -226,7 +226,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return prepacked_linear(x, weight, bias, packed, activation)
     if (path == "row_blocks" and weight.dim() == 2 and weight.shape[1] == K and weight.is_contiguous()
             and blockable(x, weight)):  # skinny_linear's row blocks, decided here
-        y = rows_linear(x, weight, bias, max(ROW_BLOCKS, torch.get_num_threads()))
+        y = rows_linear(x, weight, bias, block_count())
     else:
         y = skinny_linear(x, weight, bias)
     return y if activation is None else activation(y)

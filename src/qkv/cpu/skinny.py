@@ -48,7 +48,7 @@ from . import kernels
 from .rule import MEASURED_ROWS, choose
 
 __all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear",
-           "input_major", "standard_layout_state_dict", "sharing_parameters", "blockable", "rows_linear"]
+           "input_major", "standard_layout_state_dict", "sharing_parameters", "blockable", "rows_linear", "block_count"]
 
 MAX_ROWS = MEASURED_ROWS  # more rows: never blocked
 ROW_BLOCKS = 4  # row blocks: at least this many (and at least one per thread)
@@ -62,7 +62,13 @@ def row_blocks(rows: int, n_out: int, k: int, threads: int | None = None) -> int
     threads = torch.get_num_threads() if threads is None else threads
     if choose(rows, n_out, k, threads=threads, onednn=False) != "row_blocks":
         return 1
-    return max(ROW_BLOCKS, threads)
+    return block_count(threads)
+
+
+def block_count(threads: int | None = None) -> int:
+    """How many row blocks a product the rule sends to row blocks is cut into: at least :data:`ROW_BLOCKS`, at
+    least one per thread (default ``torch.get_num_threads()``)."""
+    return max(ROW_BLOCKS, torch.get_num_threads() if threads is None else threads)
 
 
 def column_blocks(rows: int, n_out: int, k: int, threads: int | None = None) -> int:

@@ -48,6 +48,24 @@ c10::optional<at::Tensor> select(const c10::optional<at::Tensor>& stacked, int64
   return stacked->select(0, e);
 }
 
+// Expert e on rows x (n, d): down(act(gate_up(x))) with its biases, as qkv/nn/moe.py's loops write it -> (n, d).
+at::Tensor expert(const at::Tensor& x, int64_t e, const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
+                  const at::Tensor& down, const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha,
+                  double limit, int64_t nb_gate_up, int64_t nb_down) {
+  const int64_t f = gate_up.size(1) / 2;
+  auto gu = product(x, gate_up.select(0, e), select(gate_up_bias, e), nb_gate_up);  // (n, 2f)
+  auto gate = gu.narrow(1, 0, f), up = gu.narrow(1, f, f);
+  at::Tensor h;
+  if (clamped) {
+    auto g = at::clamp(gate, c10::nullopt, limit);
+    auto u = up.clamp(-limit, limit);
+    h = (u + 1) * g * at::sigmoid(g * alpha);
+  } else {
+    h = at::silu(gate) * up;
+  }
+  return product(h, down.select(0, e), select(down_bias, e), nb_down);
+}
+
 }  // namespace
 
 // x (..., K) @ weight (N, K)^T (+ bias) -> (..., N), as qkv.cpu.skinny.by_rows then the bias.
@@ -77,19 +95,8 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
   for (size_t j = 0; j < ids.size(); ++j) order.emplace_back(ids[j], static_cast<int64_t>(j));
   std::sort(order.begin(), order.end());
   auto out = at::zeros_like(x);
-  const int64_t f = gate_up.size(1) / 2;
   for (const auto& [e, j] : order) {
-    auto gu = product(x, gate_up.select(0, e), select(gate_up_bias, e), nb_gate_up);  // (1, 2f)
-    auto gate = gu.narrow(1, 0, f), up = gu.narrow(1, f, f);
-    at::Tensor h;
-    if (clamped) {
-      auto g = at::clamp(gate, c10::nullopt, limit);
-      auto u = up.clamp(-limit, limit);
-      h = (u + 1) * g * at::sigmoid(g * alpha);
-    } else {
-      h = at::silu(gate) * up;
-    }
-    auto y = product(h, down.select(0, e), select(down_bias, e), nb_down);  // (1, d)
+    auto y = expert(x, e, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit, nb_gate_up, nb_down);
     out.add_((y * weights.narrow(0, j, 1)).to(out.scalar_type()));
   }
   return out;
@@ -110,23 +117,13 @@ at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::T
                   token.numel() == weights.numel(),
               "moe_grouped: x (T, d), token and weights (A,), counts and row blocks (E,)");
   auto out = at::zeros_like(x);
-  const int64_t f = gate_up.size(1) / 2;
   int64_t start = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = counts[e];
     if (n == 0) continue;
     auto t = token.narrow(0, start, n);
-    auto gu = product(x.index_select(0, t), gate_up.select(0, e), select(gate_up_bias, e), nb_gate_up[e]);
-    auto gate = gu.narrow(1, 0, f), up = gu.narrow(1, f, f);
-    at::Tensor h;
-    if (clamped) {
-      auto g = at::clamp(gate, c10::nullopt, limit);
-      auto u = up.clamp(-limit, limit);
-      h = (u + 1) * g * at::sigmoid(g * alpha);
-    } else {
-      h = at::silu(gate) * up;
-    }
-    auto y = product(h, down.select(0, e), select(down_bias, e), nb_down[e]);
+    auto y = expert(x.index_select(0, t), e, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit,
+                    nb_gate_up[e], nb_down[e]);
     out.index_add_(0, t, (y * weights.narrow(0, start, n).unsqueeze(1)).to(out.scalar_type()));
     start += n;
   }
