@@ -115,6 +115,18 @@ def test_long_rows_cross_many_spans():
     assert_within_budget(lse, ref.lse[:, :, 0].double(), base.lse[:, :, 0], what="long rows lse", floor=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_blocks_wider_than_a_span_and_model_shapes(window):
+    """Blocks of 160 tokens (wider than the compiled kernel's span of 128 keys: one block a span) and the head
+    shapes of a served model (8 query heads over 2 KV heads of 64 channels), float32."""
+    lens, first = [480, 1, 300, 161], [0, 0, 0, 0]
+    q, kp, vp, tables, kpos, qpos = _case(5, B=4, Hq=8, Hkv=2, D=64, Dv=64, T=160, lens=lens, first=first)
+    out, lse = paged_decode_blocks(q, kp, vp, tables, kpos, qpos, window=window)
+    ref, base = _reference(q, kp, vp, tables, kpos, qpos, window=window)
+    assert_within_budget(out, ref.out[:, :, 0], base.out[:, :, 0], what="wide blocks")
+    assert_within_budget(lse, ref.lse[:, :, 0].double(), base.lse[:, :, 0], what="wide blocks lse", floor=1e-5)
+
+
 def test_bad_input():
     q, kp, vp, tables, kpos, qpos = _case(0, B=2, Hq=2, Hkv=1, D=8, Dv=8, T=4, lens=[3, 2], first=[0, 0])
     with pytest.raises(ValueError, match="kv_positions"):
@@ -127,6 +139,10 @@ def test_bad_input():
         paged_decode_blocks(q.bfloat16(), kp.bfloat16(), vp.bfloat16(), tables, kpos, qpos)
     with pytest.raises(TypeError, match="float32/float64"):
         paged_decode_blocks(q, kp.double(), vp, tables, kpos, qpos)
+    bad = tables.clone()
+    bad[0, 0] = kp.shape[0] + 5  # a visible slot's block outside the pool
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_decode_blocks(q, kp, vp, bad, kpos, qpos)
 
 
 def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only(path):

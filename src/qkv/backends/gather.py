@@ -206,5 +206,5 @@ def _run_kernel(req: Request, sel: TopK, rest: list[Mask]) -> AttentionOutput:
     idx = sel.indices.to(device=req.device, dtype=torch.int64).contiguous()
     out, lse = kernels.load().gather_attention(q, k, v, idx, float(req.scale), bool(offsets),
                                                min(offsets, default=0), req.sinks,
-                                               kernels.tile_keys(q.element_size(), req.Dqk), 0)
+                                               kernels.tile_keys(q.element_size(), req.Dqk))
     return AttentionOutput(out, lse if req.dtype == torch.float64 else lse.to(torch.float32))

@@ -16,9 +16,9 @@ The result is attention over each row's keys at or before its query's position (
 given), equal to SDPA's within float32 rounding; a row with no visible key returns zeros and ``lse = -inf``.
 
 On CPU, with qkv's compiled kernels built (:mod:`qkv.cpu.kernels`) and no gradients asked for, the step runs the
-compiled gather kernel in its paged mode instead (``qkv/cpu/csrc/gather_attention.cpp``): each row lists its
-visible slots (block ``b``'s slot ``t`` as ``b * T + t``, ``-1`` for the rest) and the kernel reads them from the
-pools where they lie, a tile of keys at a time, with an online softmax: no gathered span, no per-span torch ops.
+compiled paged-decode kernel instead (``qkv/cpu/csrc/paged_decode.cpp``): per row and KV head it walks the row's
+table, skips blocks with no visible slot, and reads the visible keys and values from the pools where they lie,
+spans of whole blocks merged by an online softmax: no gathered span, no slot lists, no per-span torch ops.
 
 Shape legend: B rows, Hq query heads, Hkv KV heads, G = Hq / Hkv, P pool blocks, T tokens per block, NB table
 entries per row, S blocks per span, n spans of the step, D / Dv key / value head dims.
@@ -76,7 +76,7 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
     with torch.profiler.record_function("qkv::paged_decode_blocks"):  # profiles count its GEMMs as attention
-        if blocks_compiled(q, k_pool, v_pool):
+        if blocks_compiled(q, k_pool, v_pool) and (window is None or window >= 1):  # the kernel reads <= 0 as none
             return _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
         return _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
 
@@ -100,16 +100,21 @@ def _visible(pos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch
 
 
 def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window):
-    """:func:`paged_decode_blocks` by the compiled kernel: each row lists its visible slots as ``block * T + slot``."""
-    B, Hq, D = q.shape
-    T = k_pool.shape[2]
-    seen = _visible(kv_positions.view(B, -1), q_positions.view(B, 1), window)
-    slots = (block_tables.to(torch.int64).unsqueeze(-1) * T + torch.arange(T, device=q.device)).view(B, -1)
-    lists = torch.where(seen, slots, -1).view(B, 1, 1, -1)
-    scale = D ** -0.5 if scale is None else float(scale)
-    out, lse = kernels.load().gather_attention(q.unsqueeze(2), k_pool, v_pool, lists, scale, False, 0, None,
-                                                kernels.tile_keys(q.element_size(), D), T)
-    return out.squeeze(2), lse.squeeze(2)
+    """:func:`paged_decode_blocks` by the compiled kernel (``qkv/cpu/csrc/paged_decode.cpp``), which reads each
+    row's visible slots from the pools where they lie."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    try:
+        return kernels.load().paged_decode(q, k_pool, v_pool, _long(block_tables), _long(kv_positions),
+                                           _long(q_positions), scale, 0 if window is None else int(window))
+    except RuntimeError as e:  # the one data-dependent check the kernel makes
+        if "outside the pool" not in str(e):
+            raise
+        raise ValueError(f"paged_decode_blocks: block_tables name a block outside the pool of {k_pool.shape[0]} "
+                         f"blocks for a visible slot ({str(e).splitlines()[0]}); tables must hold pool block ids") from None
+
+
+def _long(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def check_paged_args(fn: str, q, k_pool, v_pool, block_tables, kv_positions, q_positions) -> None:
@@ -140,6 +145,10 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     NB = block_tables.shape[1]
     Dv, G = v_pool.shape[3], Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
+    if B * NB and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_pool.shape[0]:
+        raise ValueError(f"paged_decode_blocks: block_tables name a block outside the pool of {k_pool.shape[0]} "
+                         f"blocks (ids {int(block_tables.min())} .. {int(block_tables.max())}); tables must hold pool "
+                         "block ids")
     S = max(1, SPAN_TOKENS // T)  # blocks per span
     pad = S - 1  # a row's last span may run past its table: filler entries, no visible slot
     tables = torch.nn.functional.pad(block_tables, (0, pad), value=int(block_tables[0, 0]) if B * NB else 0)

@@ -9,11 +9,6 @@
 // ever materialized.
 // Semantics are those of qkv.masks.topk (see qkv/backends/gather.py): -1 lists no key, a repeat counts once,
 // an optional causal bound drops keys past row + offset, sinks add exp(sink) to each head's denominator.
-//
-// Keys are addressed one of two ways. Plain: k (B, Hkv, Nk, D), key j of batch row b at k[b, h, j]. Paged
-// (block_tokens = T > 0): k is a block pool (P, Hkv, T, D) shared by the rows, and key j is slot j % T of block
-// j / T, so a paged cache's decode step (qkv/backends/paged.py) lists each row's visible slots and reads them where
-// they lie, with no gathered or padded view.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -172,13 +167,11 @@ void blas_tile(const T* qg, const int64_t* keys, int64_t n, int64_t G, int64_t D
 // from memory fall by up to the rows' overlap (R K / Nk: 4x for 64 rows of 2,048 keys over 32K).
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& idx, double scale,
-         bool causal, int64_t offset, const T* sinks, int64_t tile, int64_t block_tokens, at::Tensor& out,
-         at::Tensor& lse) {
+         bool causal, int64_t offset, const T* sinks, int64_t tile, at::Tensor& out, at::Tensor& lse) {
   using Vec = at::vec::Vectorized<T>;
   const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3);
-  const bool paged = block_tokens > 0;
   const int64_t Hkv = k.size(1), Dv = v.size(3);
-  const int64_t Nk = paged ? k.size(0) * block_tokens : k.size(2);
+  const int64_t Nk = k.size(2);
   const int64_t Bi = idx.size(0), Hi = idx.size(1), K = idx.size(3);
   const bool shared = Hi == 1;
   const int64_t Hx = shared ? Hkv : Hq, G = shared ? Hq / Hkv : 1, rep = Hq / Hkv;
@@ -207,18 +200,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       const int64_t blk = w % blocks, hx = (w / blocks) % Hx, b = w / (blocks * Hx);
       const int64_t i0 = blk * R, rows = std::min(R, Nq - i0);
       const int64_t h0 = shared ? hx * G : hx, kvh = shared ? hx : hx / rep;
-      const T* kb = kp + (paged ? 0 : b * ksb) + kvh * ksh;
-      const T* vb = vp + (paged ? 0 : b * vsb) + kvh * vsh;
-      auto k_row = [&](int64_t j) {  // key j: row j, or slot j % T of block j / T
-        if (!paged) return kb + j * ksn;
-        const int64_t pb = j / block_tokens;
-        return kb + pb * ksb + (j - pb * block_tokens) * ksn;
-      };
-      auto v_row = [&](int64_t j) {
-        if (!paged) return vb + j * vsn;
-        const int64_t pb = j / block_tokens;
-        return vb + pb * vsb + (j - pb * block_tokens) * vsn;
-      };
+      const T* kb = kp + b * ksb + kvh * ksh;
+      const T* vb = vp + b * vsb + kvh * vsh;
+      auto k_row = [&](int64_t j) { return kb + j * ksn; };
+      auto v_row = [&](int64_t j) { return vb + j * vsn; };
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         T* qr = qg.data() + r * G * D;
@@ -307,8 +292,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& idx, double scale, bool causal, int64_t offset,
-                                         const c10::optional<at::Tensor>& sinks, int64_t tile,
-                                         int64_t block_tokens) {
+                                         const c10::optional<at::Tensor>& sinks, int64_t tile) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && idx.device().is_cpu(),
               "gather_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && idx.dim() == 4, "gather_attention: 4-D inputs");
@@ -321,9 +305,7 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(idx.size(0) == 1 || idx.size(0) == q.size(0), "gather_attention: list batch");
   TORCH_CHECK(idx.size(2) == q.size(2), "gather_attention: one list per query row");
   TORCH_CHECK(tile > 0, "gather_attention: tile > 0");
-  TORCH_CHECK(block_tokens == 0 || (k.size(2) == block_tokens && v.size(2) == block_tokens),
-              "gather_attention: block pools (P, Hkv, block_tokens, D)");
-  TORCH_CHECK(block_tokens > 0 || (k.size(0) == q.size(0) && v.size(0) == q.size(0)), "gather_attention: batch");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "gather_attention: batch");
   TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2) && k.size(3) == q.size(3),
               "gather_attention: k (.., D) and v agree with q");
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
@@ -334,8 +316,8 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
     TORCH_CHECK(z.numel() == q.size(1), "gather_attention: one sink per query head");
   }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gather_attention", [&] {
-    run<scalar_t>(q, k, v, idx, scale, causal, offset, z.defined() ? z.data_ptr<scalar_t>() : nullptr, tile,
-                  block_tokens, out, lse);
+    run<scalar_t>(q, k, v, idx, scale, causal, offset, z.defined() ? z.data_ptr<scalar_t>() : nullptr, tile, out,
+                  lse);
   });
   return {out, lse};
 }

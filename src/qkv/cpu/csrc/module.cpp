@@ -5,8 +5,7 @@
 
 std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& idx, double scale, bool causal, int64_t offset,
-                                         const c10::optional<at::Tensor>& sinks, int64_t tile,
-                                         int64_t block_tokens);
+                                         const c10::optional<at::Tensor>& sinks, int64_t tile);
 std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
                                            int64_t chunk, double safe_log);
@@ -24,6 +23,9 @@ at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::T
                        const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                        const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
                        const std::vector<int64_t>& nb_gate_up, const std::vector<int64_t>& nb_down);
+std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                     const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
+                                     double scale, int64_t window);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
@@ -39,5 +41,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary position embedding of one step's queries or keys (CPU)");
   m.def("rms_norm", &rms_norm, "RMS normalization of a few rows, one loop per row (CPU)");
   m.def("decode_attention", &decode_attention, "one query per row over its cached keys by position (CPU)");
+  m.def("paged_decode", &paged_decode, "one query per row over its blocks of a paged cache, read in place (CPU)");
   m.def("delta_decode", &delta_decode, "a gated-delta mixer's decode step after its projections (CPU)");
 }

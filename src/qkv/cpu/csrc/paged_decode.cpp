@@ -1,0 +1,306 @@
+// One decode step of attention over a paged KV cache: each row's query heads read the row's blocks where they lie
+// in the pools (PagedAttention: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
+// with PagedAttention", arXiv:2309.06180), a block at a time, merged by an online softmax (Milakov and
+// Gimelshein 2018, "Online normalizer calculation for softmax").
+//
+// A work item is one (row, KV head): the G query heads of that KV head (grouped-query attention reads each KV head
+// once) walk the row's table; a block whose slots the query may not see (empty, after the query, outside the
+// window) is skipped unread. Keys are taken in spans of whole blocks (up to kSpan keys): the visible slots' scores
+// are G dot products per key read from the pool in place (float32 with AVX-512: sixteen keys' dot products summed
+// lane-wise by one tree of shuffles), then one softmax update per head and span, vectorized over its keys, and the
+// values accumulated in a register tile of heads x head-dim vectors, each value vector loaded once per tile.
+// Nothing is gathered, listed or padded: the bytes read are the visible keys and values.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kSpan = 128;  // keys per softmax update (whole blocks; a block larger than this is one span)
+
+// sum_d a[d] b[d], two vector accumulators, then the lanes and the tail.
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t D) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t L = Vec::size();
+  Vec acc0(T(0)), acc1(T(0));
+  int64_t d = 0;
+  for (; d + 2 * L <= D; d += 2 * L) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + L), Vec::loadu(b + d + L), acc1);
+  }
+  for (; d + L <= D; d += L) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+  T s = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// s[t] = sum_d q[d] k[t][d] for the 16 keys k[t] = k + t * kst (D a multiple of 16), float32 with AVX-512:
+// each key's 16-lane partial sums, then the 16 vectors summed lane-wise into one by a tree of cross-lane
+// shuffles (45 operations for the 16 sums where reducing each vector apart takes about 160).
+#if defined(CPU_CAPABILITY_AVX512)
+inline void scores16(const float* q, const float* k, int64_t kst, int64_t D, float* s) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; t += 4) {  // four keys at a time: four independent FMA chains
+    // slot 4j + c of the tree's input comes out in lane 4c + j: feed key 4c + j there, so lane t holds key t
+    const float* k0 = k + ((t % 4) * 4 + t / 4) * kst;
+    const float* k1 = k + (((t + 1) % 4) * 4 + (t + 1) / 4) * kst;
+    const float* k2 = k + (((t + 2) % 4) * 4 + (t + 2) / 4) * kst;
+    const float* k3 = k + (((t + 3) % 4) * 4 + (t + 3) / 4) * kst;
+    __m512 qv = _mm512_loadu_ps(q);
+    __m512 a0 = _mm512_mul_ps(qv, _mm512_loadu_ps(k0)), a1 = _mm512_mul_ps(qv, _mm512_loadu_ps(k1));
+    __m512 a2 = _mm512_mul_ps(qv, _mm512_loadu_ps(k2)), a3 = _mm512_mul_ps(qv, _mm512_loadu_ps(k3));
+    for (int64_t d = 16; d < D; d += 16) {
+      qv = _mm512_loadu_ps(q + d);
+      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
+      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), a1);
+      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), a2);
+      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), a3);
+    }
+    acc[t] = a0;
+    acc[t + 1] = a1;
+    acc[t + 2] = a2;
+    acc[t + 3] = a3;
+  }
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit chunks 0-1: halves of acc[2i] summed, 2-3: of acc[2i + 1]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // chunk c: four partial sums of acc[4i + c]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // chunk c: two partial sums of acc[8i + c] then two of acc[8i + 4 + c]
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+  // chunk c, lane j: the sum of acc[4j + c]
+  _mm512_storeu_ps(s, _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD)));
+}
+constexpr bool kScores16 = true;
+#else
+inline void scores16(const float*, const float*, int64_t, int64_t, float*) {}
+constexpr bool kScores16 = false;
+#endif
+
+// o[g, c0 : c0 + CB L] = alpha[g] o[g, ..] + sum_u p[g, u] v_u[c0 : ..] for the GB heads g0 .. g0 + GB: a tile
+// of GB x CB vector accumulators held in registers while the keys stream by, each value vector loaded once.
+template <typename T, int GB, int CB>
+void values_tile(const T* p, int64_t ps, const T* alpha, const T* const* vrows, int64_t n, int64_t c0, T* o,
+                 int64_t Dv) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t L = Vec::size();
+  Vec acc[GB][CB];
+  for (int g = 0; g < GB; ++g)
+    for (int k = 0; k < CB; ++k) acc[g][k] = Vec::loadu(o + g * Dv + c0 + k * L) * Vec(alpha[g]);
+  for (int64_t u = 0; u < n; ++u) {
+    Vec v[CB];
+    for (int k = 0; k < CB; ++k) v[k] = Vec::loadu(vrows[u] + c0 + k * L);
+    for (int g = 0; g < GB; ++g) {
+      const Vec pg(p[g * ps + u]);
+      for (int k = 0; k < CB; ++k) acc[g][k] = at::vec::fmadd(pg, v[k], acc[g][k]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int k = 0; k < CB; ++k) acc[g][k].store(o + g * Dv + c0 + k * L);
+}
+
+template <typename T, int GB>
+void values_heads(const T* p, int64_t ps, const T* alpha, const T* const* vrows, int64_t n, T* o, int64_t Dv) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t L = Vec::size();
+  int64_t c = 0;
+  for (; c + 4 * L <= Dv; c += 4 * L) values_tile<T, GB, 4>(p, ps, alpha, vrows, n, c, o, Dv);
+  for (; c + L <= Dv; c += L) values_tile<T, GB, 1>(p, ps, alpha, vrows, n, c, o, Dv);
+  for (; c < Dv; ++c) {  // the head dim's tail
+    for (int g = 0; g < GB; ++g) {
+      T acc = o[g * Dv + c] * alpha[g];
+      for (int64_t u = 0; u < n; ++u) acc += p[g * ps + u] * vrows[u][c];
+      o[g * Dv + c] = acc;
+    }
+  }
+}
+
+// The values of a span for every head: heads four at a time (the tile's rows), then the rest.
+template <typename T>
+void values(const T* p, int64_t ps, const T* alpha, const T* const* vrows, int64_t n, int64_t G, int64_t Dv, T* o) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) values_heads<T, 4>(p + g * ps, ps, alpha + g, vrows, n, o + g * Dv, Dv);
+  switch (G - g) {
+    case 3: values_heads<T, 3>(p + g * ps, ps, alpha + g, vrows, n, o + g * Dv, Dv); break;
+    case 2: values_heads<T, 2>(p + g * ps, ps, alpha + g, vrows, n, o + g * Dv, Dv); break;
+    case 1: values_heads<T, 1>(p + g * ps, ps, alpha + g, vrows, n, o + g * Dv, Dv); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, const at::Tensor& tables,
+         const at::Tensor& kv_pos, const at::Tensor& q_pos, double scale, int64_t window, at::Tensor& out,
+         at::Tensor& lse) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t L = Vec::size();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t P = kpool.size(0), Hkv = kpool.size(1), Tb = kpool.size(2), Dv = vpool.size(3);
+  const int64_t NB = tables.size(1), G = Hq / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kpool.data_ptr<T>();
+  const T* vp = vpool.data_ptr<T>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* pos = kv_pos.data_ptr<int64_t>();
+  const int64_t* qps = q_pos.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  T* lp = lse.data_ptr<T>();
+  const int64_t qsb = q.stride(0), qsh = q.stride(1);
+  const int64_t ksp = kpool.stride(0), ksh = kpool.stride(1), kst = kpool.stride(2);
+  const int64_t vsp = vpool.stride(0), vsh = vpool.stride(1), vst = vpool.stride(2);
+  const T ninf = -std::numeric_limits<T>::infinity();
+  std::atomic<int64_t> bad_block{-1};
+  // Keys are taken a span at a time (up to kSpan, whole blocks): their scores, then one softmax update per head
+  // for the span and the span's values, so the update's fixed cost (maxima, exponentials, rescaling) is paid once
+  // per span rather than per block.
+  const int64_t span = std::max(kSpan, Tb);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> qs(G * D), o(G * Dv), s(G * span), m(G), l(G), alpha(G);
+    std::vector<const T*> vrows(span);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv, qpos = qps[b];
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = qp + b * qsb + (h * G + g) * qsh;
+        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = T(scale) * src[d];
+      }
+      std::fill(o.begin(), o.end(), T(0));
+      std::fill(m.begin(), m.end(), ninf);
+      std::fill(l.begin(), l.end(), T(0));
+      int64_t n = 0;  // keys in the span so far
+      auto flush = [&]() {  // the online-softmax update of every head by the span's n keys
+        for (int64_t g = 0; g < G; ++g) {
+          T* sg = s.data() + g * span;
+          Vec vmx(ninf);
+          int64_t t = 0;
+          for (; t + L <= n; t += L) vmx = at::vec::maximum(vmx, Vec::loadu(sg + t));
+          T mx = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+          for (; t < n; ++t) mx = std::max(mx, sg[t]);
+          const T mnew = std::max(m[g], mx);
+          const T a = m[g] == ninf ? T(0) : std::exp(m[g] - mnew);
+          const Vec vm(mnew);
+          Vec vsum(T(0));
+          for (t = 0; t + L <= n; t += L) {
+            const Vec e = (Vec::loadu(sg + t) - vm).exp();
+            e.store(sg + t);
+            vsum = vsum + e;
+          }
+          T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, vsum);
+          for (; t < n; ++t) {
+            sg[t] = std::exp(sg[t] - mnew);
+            sum += sg[t];
+          }
+          l[g] = l[g] * a + sum;
+          m[g] = mnew;
+          alpha[g] = a;
+        }
+        values<T>(s.data(), span, alpha.data(), vrows.data(), n, G, Dv, o.data());
+        n = 0;
+      };
+      const int64_t* row_pos = pos + b * NB * Tb;
+      for (int64_t j = 0; j < NB; ++j) {
+        const int64_t* pj = row_pos + j * Tb;
+        int64_t first = Tb, last = -1;
+        for (int64_t t = 0; t < Tb; ++t) {
+          const int64_t p = pj[t];
+          if (p >= 0 && p <= qpos && (window <= 0 || qpos - p < window)) {
+            first = std::min(first, t);
+            last = t;
+          }
+        }
+        if (last < 0) continue;  // nothing visible: the block is not read
+        const int64_t blk = tab[b * NB + j];
+        if (blk < 0 || blk >= P) {
+          bad_block.store(blk);
+          continue;
+        }
+        const int64_t cnt = last - first + 1;
+        if (n + cnt > span) flush();
+        const T* kb = kp + blk * ksp + h * ksh;
+        const T* vb = vp + blk * vsp + h * vsh;
+        int64_t t0 = first;  // scores of the slots first..last
+        if constexpr (std::is_same_v<T, float>) {
+          if (kScores16 && D % 16 == 0) {
+            for (; t0 + 16 <= last + 1; t0 += 16) {
+              for (int64_t g = 0; g < G; ++g) scores16(qs.data() + g * D, kb + t0 * kst, kst, D, s.data() + g * span + n + t0 - first);
+            }
+          }
+        }
+        for (int64_t t = t0; t <= last; ++t) {
+          for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = dot<T>(qs.data() + g * D, kb + t * kst, D);
+        }
+        for (int64_t t = first; t <= last; ++t) {  // slots between that the query may not see (a window's edge)
+          const int64_t p = pj[t];
+          if (!(p >= 0 && p <= qpos && (window <= 0 || qpos - p < window))) {
+            for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = ninf;
+          }
+          vrows[n + t - first] = vb + t * vst;
+        }
+        n += cnt;
+      }
+      if (n) flush();
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        T* dst = op + (b * Hq + hq) * Dv;
+        if (l[g] > T(0)) {
+          const T c = T(1) / l[g];
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = o[g * Dv + d] * c;
+          lp[b * Hq + hq] = m[g] + std::log(l[g]);
+        } else {  // no visible key: zeros, as the other paths give
+          std::fill(dst, dst + Dv, T(0));
+          lp[b * Hq + hq] = ninf;
+        }
+      }
+    }
+  });
+  TORCH_CHECK(bad_block.load() < 0, "paged_decode: a visible slot's block id ", bad_block.load(),
+              " lies outside the pool of ", P, " blocks");
+}
+
+}  // namespace
+
+// q (B, Hq, D); k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv) with unit last strides; tables (B, NB) int64;
+// kv_pos (B, NB * T) int64, -1 where empty; q_pos (B,) int64; window <= 0: none -> out (B, Hq, Dv), lse (B, Hq).
+std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                     const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
+                                     double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "paged_decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4 && tables.dim() == 2 && kv_pos.dim() == 2 &&
+                  q_pos.dim() == 1,
+              "paged_decode: q (B, Hq, D), pools (P, Hkv, T, D), tables (B, NB), kv_pos (B, NB * T), q_pos (B,)");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              "paged_decode: q and the pools of one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(3) == 1 && v_pool.stride(3) == 1, "paged_decode: unit last strides");
+  const int64_t B = q.size(0), NB = tables.size(1), Tb = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == q.size(2) && v_pool.size(0) == k_pool.size(0) && v_pool.size(1) == k_pool.size(1) &&
+                  v_pool.size(2) == Tb && q.size(1) % k_pool.size(1) == 0,
+              "paged_decode: pools (P, Hkv, T, D) and (P, Hkv, T, Dv) agreeing with q (B, Hq, D), Hq % Hkv == 0");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && kv_pos.scalar_type() == at::kLong &&
+                  q_pos.scalar_type() == at::kLong && tables.is_contiguous() && kv_pos.is_contiguous() &&
+                  q_pos.is_contiguous(),
+              "paged_decode: contiguous int64 tables and positions");
+  TORCH_CHECK(tables.size(0) == B && kv_pos.size(0) == B && kv_pos.size(1) == NB * Tb && q_pos.size(0) == B,
+              "paged_decode: tables (B, NB), kv_pos (B, NB * T), q_pos (B,)");
+  auto out = at::empty({B, q.size(1), v_pool.size(3)}, q.options());
+  auto lse = at::empty({B, q.size(1)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode", [&] {
+    run<scalar_t>(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, out, lse);
+  });
+  return {out, lse};
+}
