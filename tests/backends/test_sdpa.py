@@ -106,14 +106,15 @@ def test_one_query_gqa_folds_groups_into_rows(mask_kind, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 40, 16), (1, 4, 4, 1, 129, 64), (3, 6, 1, 1, 9, 8)],
-                         ids=lambda s: shape_id(*s))
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 40, 16), (1, 4, 4, 1, 129, 64), (3, 6, 1, 1, 9, 8),
+                                   (2, 8, 2, 1, 300, 64)], ids=lambda s: shape_id(*s))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_decode_step_by_positions_in_one_compiled_call(dtype, shape, window, sinks, monkeypatch):
     """A cached decode step (one query per row, a positions mask with padding, a window, sinks) on the CPU
-    without autograd runs qkv's compiled decode_attention: within budget of the float64 reference, with a row
-    whose keys are all padding (zeros), and equal to the torch-op path with the kernels off."""
+    without autograd runs qkv's compiled decode_attention (the paged-decode kernel over the cache as one block a
+    row, keys longer than its 128-key spans included): within budget of the float64 reference, with the torch-op
+    path (kernels off) as the baseline, and a row whose keys are all padding gives zeros."""
     from qkv import masks
     from qkv.backends import sdpa
     from qkv.cpu import kernels
@@ -141,4 +142,28 @@ def test_decode_step_by_positions_in_one_compiled_call(dtype, shape, window, sin
     assert_within_budget(out, ref, ops, what="compiled decode step")
     if B > 1:
         assert (out[1] == 0).all(), "a row with no key attends to nothing: zeros"
-    assert torch.equal(out, ops), "the same ops as the torch path, in the same order"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_compiled_decode_step_broadcast_positions_and_strided_cache(causal):
+    """The compiled decode step with positions shared by every row ((1, S) and (1, 1)), not causal (a query
+    before some keys sees them), and K/V views that are not contiguous (a (B, S, H, D) cache seen as (B, H, S, D)):
+    within budget of the float64 reference."""
+    from qkv import masks
+    from qkv.cpu import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, S, D = 3, 8, 2, 150, 32
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k = torch.randn(B, S, Hkv, D, generator=g).transpose(1, 2)
+    v = torch.randn(B, S, Hkv, D, generator=g).transpose(1, 2)
+    kv_pos = torch.arange(S).view(1, S)
+    q_pos = torch.tensor([[100]])
+    mask = masks.positions(q_pos, kv_pos, causal=causal, window=None)
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+        ref = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+        base = qkv.attention(q, k, v, mask=mask, backend="reference")
+    assert_within_budget(out, ref, base, what="broadcast positions decode step")

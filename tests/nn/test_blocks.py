@@ -17,6 +17,7 @@ from qkv.nn import (
     DecoderLM,
     EncoderDecoder,
     FeedForward,
+    GatedMLP,
     RMSNorm,
     RopeParams,
     TransformerBlock,
@@ -331,3 +332,35 @@ def test_rms_norm_compiled_loop_within_budget(dtype, offset, shape, monkeypatch)
     assert got.shape == x.shape and got.dtype == dtype
     assert torch.equal(torch_path, F.rms_norm(x, (shape[-1],), offset + norm.weight, 1e-5))
     assert_within_budget(got, want, torch_path, what="compiled RMSNorm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 2752), (3, 7, 70), (2, 2), (4, 0, 8), (0, 16)])
+def test_swiglu_gate_in_one_compiled_pass_equals_torch(dtype, shape, monkeypatch):
+    """SwiGLU's silu(gate) * up over a fused gate-up projection runs as one pass of qkv's compiled kernels on the
+    CPU without autograd (activations.cpp): bit for bit torch's two ops (a vectorized body and a scalar tail, as
+    torch computes them), a strided input and empty ones included; GatedMLP takes it. Under autograd, or with the
+    kernels off, the torch ops run (and gradients flow)."""
+    from qkv.cpu import kernels
+    from qkv.nn.activations import gated
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(9)
+    h = (torch.randn(*shape[:-1], shape[-1] + 6, generator=g) * 5).to(dtype)[..., :shape[-1]]  # rows strided
+    gate, up = h.chunk(2, dim=-1)
+    with torch.inference_mode():
+        got = gated(h, F.silu)
+        want = F.silu(gate) * up
+    assert got.shape == want.shape and got.dtype == dtype and torch.equal(got, want)
+    mlp = GatedMLP(8, 16).to(dtype)
+    x = torch.randn(3, 8, generator=g).to(dtype)
+    with torch.no_grad():
+        fast = mlp(x)
+        monkeypatch.setenv(kernels.ENV, "0")
+        slow = mlp(x)
+    assert torch.equal(fast, slow)
+    monkeypatch.delenv(kernels.ENV)
+    leaf = h.detach().clone().requires_grad_(True)
+    gated(leaf, F.silu).sum().backward()  # the torch ops: a gradient
+    assert leaf.grad is not None and leaf.grad.shape == leaf.shape

@@ -326,11 +326,15 @@ def test_docstring_examples_run(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("shape,R,batched", [((1, 10, 1, 64), 64, False), ((2, 8, 3, 96), 32, True),
-                                             ((1, 1, 1, 32), 16, True), ((3, 4, 5, 6), 2, False)])
-def test_apply_rotary_compiled_equals_the_torch_ops_bit_for_bit(dtype, interleaved, shape, R, batched, monkeypatch):
-    """On the CPU without a gradient, apply_rotary runs one call of qkv's compiled kernels (the same torch ops
-    in the same order); it equals the Python ops exactly (QKV_CPU_KERNELS=0), partial rotation and both pair
-    layouts included, and rotates by the definition (float64) within budget."""
+                                             ((1, 1, 1, 32), 16, True), ((3, 4, 5, 6), 2, False),
+                                             ((2, 8, 33, 128), 128, True), ((1, 2, 40, 64), 40, False)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["bhnd", "bnhd"])
+def test_apply_rotary_compiled_equals_the_torch_ops_bit_for_bit(dtype, interleaved, shape, R, batched, transposed,
+                                                                 monkeypatch):
+    """On the CPU without a gradient, apply_rotary runs one call of qkv's compiled kernels (float32/float64: one
+    vectorized pass; else the same torch ops in the same order); it equals the Python ops exactly
+    (QKV_CPU_KERNELS=0), partial rotation, both pair layouts and a projection's transposed layout included, and
+    rotates by the definition (float64) within budget."""
     from qkv.cpu import kernels
     from qkv.pos.rope import apply_rotary
 
@@ -338,6 +342,8 @@ def test_apply_rotary_compiled_equals_the_torch_ops_bit_for_bit(dtype, interleav
         pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
     g = torch.Generator().manual_seed(4)
     x = torch.randn(*shape, generator=g).to(dtype)
+    if transposed:  # (B, N, H, D) memory, as a projection's heads are split
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
     B, _, N, D = shape
     angle = torch.rand(*((B, N) if batched else (N,)), R // 2, generator=g, dtype=torch.float64) * 6
     angle = angle.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angle, angle), dim=-1)

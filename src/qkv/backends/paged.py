@@ -105,12 +105,13 @@ def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale,
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     try:
         return kernels.load().paged_decode(q, k_pool, v_pool, _long(block_tables), _long(kv_positions),
-                                           _long(q_positions), scale, 0 if window is None else int(window))
+                                           _long(q_positions), scale, 0 if window is None else int(window), True, None)
     except RuntimeError as e:  # the one data-dependent check the kernel makes
         if "outside the pool" not in str(e):
             raise
+        first = str(e).splitlines()[0]
         raise ValueError(f"paged_decode_blocks: block_tables name a block outside the pool of {k_pool.shape[0]} "
-                         f"blocks for a visible slot ({str(e).splitlines()[0]}); tables must hold pool block ids") from None
+                         f"blocks for a visible slot ({first}); tables must hold pool block ids") from None
 
 
 def _long(t: torch.Tensor) -> torch.Tensor:

@@ -168,9 +168,10 @@ def _decode_grouped(q, k, v, attn_mask, scale) -> torch.Tensor:
 
 def _decode_by_positions(req: Request) -> torch.Tensor | None:
     """A cached decode step (one query per row, a :func:`qkv.masks.positions` mask, sinks or not, no score
-    modifier) on the CPU without autograd in one call of qkv's compiled kernels (``decode_attention.cpp``): the
-    torch ops of the paths below (the positions rule, an additive mask, query heads folded into rows, the flash
-    kernel, :func:`_sinks_by_lse`'s sinks) from C++. None where it does not apply or the kernels are unavailable."""
+    modifier) on the CPU without autograd in one call of qkv's compiled kernels (``decode_attention.cpp``: the
+    paged-decode kernel over the cache as one block a row, reading each KV head once for its query heads, the
+    positions rule applied per slot, sinks in the denominator). None where it does not apply or the kernels are
+    unavailable."""
     m, q = req.mask, req.q
     if (type(m) is not Positions or q.shape[2] != 1 or req.score_mod is not None or not q.is_cpu
             or q.dtype not in (torch.float32, torch.float64) or req.v.shape[-1] != q.shape[-1] or req.Nk == 0

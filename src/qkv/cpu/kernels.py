@@ -5,9 +5,12 @@ must gather 2 MB of keys and values per row at DeepSeek-V3.2's K = 2,048, and as
 out to memory and is read back by the product; the chunked gated delta rule as batched torch ops sweeps every chunk
 through memory once per step of its algebra. :mod:`qkv.cpu.csrc` holds kernels that read such keys in place and work
 a chunk at a time in cache instead. Other work is fast as torch ops but so small and so frequent that Python's
-dispatch dominates it: a decode step's few-row products and one token's experts (``products.cpp``), its rotary
-embeddings (``rotary.cpp``) and its attention over the cache by positions (``decode_attention.cpp``) run the same
-ATen calls in the same order from C++, and RMSNorm (``norms.cpp``) is one loop per row. ``module.cpp`` binds one
+dispatch dominates it: a decode step's few-row products and one token's experts (``products.cpp``) run the same
+ATen calls in the same order from C++. Elementwise work that torch runs as several passes through memory is one
+pass: rotary embeddings (``rotary.cpp``) and SwiGLU's gate (``activations.cpp``), each with torch's values bit for
+bit, and RMSNorm (``norms.cpp``), one loop per row. A decode step's attention reads the cache in place, a paged
+cache's blocks or a contiguous cache as one block a row (``paged_decode.cpp``, ``decode_attention.cpp``), with no
+mask, list or padded view built. ``module.cpp`` binds one
 function per kernel file and is the only one that includes pybind's headers (the kernels include ATen alone, which
 halves a cold build); ``blas.h`` declares the BLAS they call. This module builds them on first use
 (``torch.utils.cpp_extension.load``: the C++ compiler and ``ninja``, under a minute on 2 cores, then cached under
@@ -45,7 +48,8 @@ ENV = "QKV_CPU_KERNELS"
 TILE_BYTES = 128 << 10
 
 _SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp",
-            "rotary.cpp", "norms.cpp", "decode_attention.cpp", "paged_decode.cpp")
+            "rotary.cpp", "norms.cpp", "decode_attention.cpp", "paged_decode.cpp",
+            "activations.cpp")
 _FLAGS = {  # torch's own CPU capability names -> the flags that give ATen's vector types that width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
                "-DCPU_CAPABILITY_AVX512"],
@@ -75,9 +79,11 @@ def _build():
             os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
     cap = _capability()
     src = Path(__file__).with_name("csrc")
+    # no fused multiply-adds but the kernels' own: kernels that redo torch's arithmetic (rotary, SwiGLU's gate)
+    # give its values bit for bit only when a * b + c rounds twice, as torch's separate ops do
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", *_FLAGS.get(cap, [])]
     return cpp_extension.load(name=f"qkv_cpu_kernels_{cap.lower()}", sources=[str(src / s) for s in _SOURCES],
-                              extra_cflags=["-O3", "-fopenmp", *_FLAGS.get(cap, [])], extra_ldflags=["-fopenmp"],
-                              verbose=False)
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _switched_off() -> bool:

@@ -19,7 +19,9 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "GATED", "gelu_tanh", "check_activation"]
+from ..cpu import kernels
+
+__all__ = ["ACTIVATIONS", "GATED", "gelu_tanh", "check_activation", "gated"]
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -48,3 +50,24 @@ def check_activation(owner: str, name: str) -> None:
     """Raise ``ValueError`` naming ``owner`` when ``name`` is not a key of :data:`ACTIVATIONS`."""
     if name not in ACTIVATIONS:
         raise ValueError(f"{owner}: activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+
+
+def gated(h: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``activation(gate) * up`` of a fused gate-up projection ``h`` (..., 2f), gate first. A SiLU gate (SwiGLU)
+    on float32/float64 CPU inputs with no gradient being recorded runs as one pass of qkv's compiled kernels
+    (:mod:`qkv.cpu.kernels`, ``activations.cpp``: the same values bit for bit, without the activation's
+    intermediate tensor); the rest as torch's two ops.
+
+    Example:
+        >>> import torch
+        >>> h = torch.randn(3, 8)
+        >>> torch.equal(gated(h, F.silu), F.silu(h[:, :4]) * h[:, 4:])
+        True
+    """
+    if (activation is F.silu and h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64)
+            and h.stride(-1) == 1 and not (torch.is_grad_enabled() and h.requires_grad)):
+        mod = kernels.load()
+        if mod is not None:
+            return mod.silu_mul(h)
+    gate, up = h.chunk(2, dim=-1)
+    return activation(gate) * up

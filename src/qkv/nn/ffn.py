@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .activations import ACTIVATIONS, GATED, check_activation
+from .activations import ACTIVATIONS, GATED, check_activation, gated
 
 __all__ = ["FeedForward", "GatedMLP", "ACTIVATIONS", "GATED"]
 
@@ -90,8 +90,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., f) each
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(gated(self.gate_up_proj(x), self.act))  # act(gate) * up, gate the first half
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

@@ -40,7 +40,7 @@ from ..cpu import kernels
 from ..cpu.gemm import planned_row_blocks
 from ..cpu.rule import MEASURED_ROWS
 from ..spec.moe import MoEConfig
-from .activations import ACTIVATIONS, check_activation
+from .activations import ACTIVATIONS, check_activation, gated
 from .ffn import GatedMLP
 
 __all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "MoE", "route_softmax", "route_noaux_tc",
@@ -159,8 +159,8 @@ class Experts(nn.Module):
                 return fused
             out = torch.zeros_like(x)
             for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
-                gate, up = self.linear_fn(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                out += (self.linear_fn(self.act(gate) * up, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
+                h = gated(self.linear_fn(x, self.gate_up_proj[e]), self.act)
+                out += (self.linear_fn(h, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
             return out
         flat = idx.reshape(-1)  # (T * k,)
         order = flat.argsort(stable=True)  # assignments grouped by expert
@@ -176,8 +176,8 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             t = token[start:start + n]
-            gate, up = self.linear_fn(x[t], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
-            y = self.linear_fn(self.act(gate) * up, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
+            h = gated(self.linear_fn(x[t], self.gate_up_proj[e]), self.act)  # (n, f)
+            y = self.linear_fn(h, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
             out.index_add_(0, t, y.to(out.dtype))
             start += n
         return out

@@ -25,7 +25,9 @@ at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::T
                        const std::vector<int64_t>& nb_gate_up, const std::vector<int64_t>& nb_down);
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                      const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
-                                     double scale, int64_t window);
+                                     double scale, int64_t window, bool causal,
+                                     const c10::optional<at::Tensor>& sinks);
+at::Tensor silu_mul(const at::Tensor& h);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
@@ -38,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "a few rows times a weight through row blocks, plus the bias (CPU)");
   m.def("moe_token", &moe_token, "one token's routed experts, ascending id, weighted and summed (CPU)");
   m.def("moe_grouped", &moe_grouped, "a few tokens' routed experts, grouped by expert (CPU)");
+  m.def("silu_mul", &silu_mul, "SwiGLU's silu(gate) * up over a fused gate-up projection, one pass (CPU)");
   m.def("rotary", &rotary, "rotary position embedding of one step's queries or keys (CPU)");
   m.def("rms_norm", &rms_norm, "RMS normalization of a few rows, one loop per row (CPU)");
   m.def("decode_attention", &decode_attention, "one query per row over its cached keys by position (CPU)");

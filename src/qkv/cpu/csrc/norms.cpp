@@ -26,11 +26,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
     at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* a = px + r * D;
-        double ss = 0.0;
-        for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(a[i]) * static_cast<double>(a[i]);
+        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight running sums, so the loop vectorizes
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8) {
+          for (int j = 0; j < 8; ++j) acc[j] += static_cast<double>(a[i + j]) * static_cast<double>(a[i + j]);
+        }
+        for (; i < D; ++i) acc[0] += static_cast<double>(a[i]) * static_cast<double>(a[i]);
+        const double ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
         const scalar_t inv = static_cast<scalar_t>(1.0 / std::sqrt(ss / static_cast<double>(D) + eps));
         scalar_t* y = py + r * D;
-        for (int64_t i = 0; i < D; ++i) y[i] = (a[i] * inv) * (off + pw[i]);
+        for (int64_t c = 0; c < D; ++c) y[c] = (a[c] * inv) * (off + pw[c]);
       }
     });
   });

@@ -29,7 +29,7 @@
 
 namespace {
 
-constexpr int64_t kSpan = 128;  // keys per softmax update (whole blocks; a block larger than this is one span)
+constexpr int64_t kSpan = 128;  // keys per softmax update (whole blocks, or kSpan-key pieces of a longer block)
 
 // sum_d a[d] b[d], two vector accumulators, then the lanes and the tail.
 template <typename T>
@@ -146,8 +146,8 @@ void values(const T* p, int64_t ps, const T* alpha, const T* const* vrows, int64
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, const at::Tensor& tables,
-         const at::Tensor& kv_pos, const at::Tensor& q_pos, double scale, int64_t window, at::Tensor& out,
-         at::Tensor& lse) {
+         const at::Tensor& kv_pos, const at::Tensor& q_pos, double scale, int64_t window, bool causal,
+         const T* sinks, at::Tensor& out, at::Tensor& lse) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t L = Vec::size();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -161,20 +161,23 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
   const int64_t* qps = q_pos.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   T* lp = lse.data_ptr<T>();
-  const int64_t qsb = q.stride(0), qsh = q.stride(1);
+  const int64_t qsb = q.stride(0), qsh = q.stride(1), psb = kv_pos.stride(0), qpsb = q_pos.stride(0);
   const int64_t ksp = kpool.stride(0), ksh = kpool.stride(1), kst = kpool.stride(2);
   const int64_t vsp = vpool.stride(0), vsh = vpool.stride(1), vst = vpool.stride(2);
   const T ninf = -std::numeric_limits<T>::infinity();
   std::atomic<int64_t> bad_block{-1};
-  // Keys are taken a span at a time (up to kSpan, whole blocks): their scores, then one softmax update per head
-  // for the span and the span's values, so the update's fixed cost (maxima, exponentials, rescaling) is paid once
-  // per span rather than per block.
-  const int64_t span = std::max(kSpan, Tb);
+  // Keys are taken a span at a time (up to kSpan, whole blocks or pieces of a longer one): their scores, then one
+  // softmax update per head for the span and the span's values, so the update's fixed cost (maxima,
+  // exponentials, rescaling) is paid once per span rather than per block.
+  const int64_t span = kSpan;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> qs(G * D), o(G * Dv), s(G * span), m(G), l(G), alpha(G);
     std::vector<const T*> vrows(span);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv, qpos = qps[b];
+      const int64_t b = w / Hkv, h = w % Hkv, qpos = qps[b * qpsb];
+      auto visible = [&](int64_t p) {
+        return p >= 0 && qpos >= 0 && (!causal || p <= qpos) && (window <= 0 || qpos - p < window);
+      };
       for (int64_t g = 0; g < G; ++g) {
         const T* src = qp + b * qsb + (h * G + g) * qsh;
         for (int64_t d = 0; d < D; ++d) qs[g * D + d] = T(scale) * src[d];
@@ -212,18 +215,18 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
         values<T>(s.data(), span, alpha.data(), vrows.data(), n, G, Dv, o.data());
         n = 0;
       };
-      const int64_t* row_pos = pos + b * NB * Tb;
-      for (int64_t j = 0; j < NB; ++j) {
+      const int64_t* row_pos = pos + b * psb;
+      for (int64_t piece = 0, pieces = (Tb + kSpan - 1) / kSpan; piece < NB * pieces; ++piece) {
+        const int64_t j = piece / pieces, lo = (piece % pieces) * kSpan, hi = std::min(Tb, lo + kSpan);  // slots
         const int64_t* pj = row_pos + j * Tb;
-        int64_t first = Tb, last = -1;
-        for (int64_t t = 0; t < Tb; ++t) {
-          const int64_t p = pj[t];
-          if (p >= 0 && p <= qpos && (window <= 0 || qpos - p < window)) {
+        int64_t first = hi, last = -1;
+        for (int64_t t = lo; t < hi; ++t) {
+          if (visible(pj[t])) {
             first = std::min(first, t);
             last = t;
           }
         }
-        if (last < 0) continue;  // nothing visible: the block is not read
+        if (last < 0) continue;  // nothing visible: the slots are not read
         const int64_t blk = tab[b * NB + j];
         if (blk < 0 || blk >= P) {
           bad_block.store(blk);
@@ -245,8 +248,7 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
           for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = dot<T>(qs.data() + g * D, kb + t * kst, D);
         }
         for (int64_t t = first; t <= last; ++t) {  // slots between that the query may not see (a window's edge)
-          const int64_t p = pj[t];
-          if (!(p >= 0 && p <= qpos && (window <= 0 || qpos - p < window))) {
+          if (!visible(pj[t])) {
             for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = ninf;
           }
           vrows[n + t - first] = vb + t * vst;
@@ -257,10 +259,17 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
         T* dst = op + (b * Hq + hq) * Dv;
-        if (l[g] > T(0)) {
-          const T c = T(1) / l[g];
+        T mt = m[g], lt = l[g], f = T(1);
+        if (sinks != nullptr) {  // a sink: one more logit z in the denominator, with no value
+          const T z = sinks[hq];
+          mt = std::max(m[g], z);
+          f = m[g] == ninf ? T(0) : std::exp(m[g] - mt);
+          lt = l[g] * f + std::exp(z - mt);
+        }
+        if (lt > T(0)) {
+          const T c = f / lt;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = o[g * Dv + d] * c;
-          lp[b * Hq + hq] = m[g] + std::log(l[g]);
+          lp[b * Hq + hq] = mt + std::log(lt);
         } else {  // no visible key: zeros, as the other paths give
           std::fill(dst, dst + Dv, T(0));
           lp[b * Hq + hq] = ninf;
@@ -275,10 +284,14 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
 }  // namespace
 
 // q (B, Hq, D); k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv) with unit last strides; tables (B, NB) int64;
-// kv_pos (B, NB * T) int64, -1 where empty; q_pos (B,) int64; window <= 0: none -> out (B, Hq, Dv), lse (B, Hq).
+// kv_pos (B, NB * T) int64, -1 where empty, q_pos (B,) int64 (a row of either may be broadcast, stride 0); a slot
+// is visible to a query at position >= 0 when filled, not after it if causal, inside the window (<= 0: none);
+// sinks (Hq,) or None -> out (B, Hq, Dv), lse (B, Hq). A (B, Hkv, S, D) cache is the pool of B blocks of S slots
+// with tables [[0], [1], ...].
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                      const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
-                                     double scale, int64_t window) {
+                                     double scale, int64_t window, bool causal,
+                                     const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
               "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4 && tables.dim() == 2 && kv_pos.dim() == 2 &&
@@ -292,15 +305,20 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_po
                   v_pool.size(2) == Tb && q.size(1) % k_pool.size(1) == 0,
               "paged_decode: pools (P, Hkv, T, D) and (P, Hkv, T, Dv) agreeing with q (B, Hq, D), Hq % Hkv == 0");
   TORCH_CHECK(tables.scalar_type() == at::kLong && kv_pos.scalar_type() == at::kLong &&
-                  q_pos.scalar_type() == at::kLong && tables.is_contiguous() && kv_pos.is_contiguous() &&
-                  q_pos.is_contiguous(),
-              "paged_decode: contiguous int64 tables and positions");
+                  q_pos.scalar_type() == at::kLong && tables.is_contiguous() && kv_pos.stride(1) == 1,
+              "paged_decode: int64 tables (contiguous) and positions (unit last stride)");
   TORCH_CHECK(tables.size(0) == B && kv_pos.size(0) == B && kv_pos.size(1) == NB * Tb && q_pos.size(0) == B,
               "paged_decode: tables (B, NB), kv_pos (B, NB * T), q_pos (B,)");
   auto out = at::empty({B, q.size(1), v_pool.size(3)}, q.options());
   auto lse = at::empty({B, q.size(1)}, q.options());
+  at::Tensor z;
+  if (sinks.has_value() && sinks->defined()) {
+    z = sinks->to(q.scalar_type()).contiguous();
+    TORCH_CHECK(z.numel() == q.size(1), "paged_decode: one sink per query head");
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode", [&] {
-    run<scalar_t>(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, out, lse);
+    run<scalar_t>(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal,
+                  z.defined() ? z.data_ptr<scalar_t>() : nullptr, out, lse);
   });
   return {out, lse};
 }
