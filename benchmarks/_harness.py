@@ -376,8 +376,9 @@ def _fmt(v: Any) -> str:
 PRODUCT_OPS = ("linear", "bmm", "addmm", "mm", "baddbmm")  # op names that multiply by the weights
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 #: Profiler ranges (torch.profiler.record_function) whose ops are attention whatever their names: the paged decode
-#: block path's GEMMs and gathers read keys and values, not weights
-ATTENTION_RANGES = ("qkv::paged_decode_blocks",)
+#: block path's GEMMs and gathers read keys and values, not weights; the compiled decode step's own loops
+#: (qkv.cpu.kernels.profiled names them while the profiler records)
+ATTENTION_RANGES = ("qkv::paged_decode_blocks", "qkv::decode_attention")
 
 
 def _op_categories(prof) -> dict[str, float]:

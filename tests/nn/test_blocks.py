@@ -364,3 +364,28 @@ def test_swiglu_gate_in_one_compiled_pass_equals_torch(dtype, shape, monkeypatch
     leaf = h.detach().clone().requires_grad_(True)
     gated(leaf, F.silu).sum().backward()  # the torch ops: a gradient
     assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+
+
+def test_compiled_kernels_are_named_in_profiles():
+    """Kernels that run their own loops (no ATen call inside) are invisible to torch's profiler; while it records,
+    qkv.cpu.kernels.profiled names them (qkv::rotary, qkv::silu_mul, qkv::rms_norm, qkv::decode_attention), so a
+    profile's breakdown counts their time where it belongs rather than as Python's. Outside a profile nothing is
+    recorded and the result is the same."""
+    from torch.profiler import profile
+
+    from qkv.cpu import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    model = DecoderLM(get_config("tiny-llama")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    from qkv.models import generate
+
+    with torch.inference_mode():
+        plain = generate(model, ids, max_new_tokens=3, optimize=False).new_tokens
+        with profile() as prof:
+            traced = generate(model, ids, max_new_tokens=3, optimize=False).new_tokens
+    names = {e.name for e in prof.events()}
+    assert {"qkv::rotary", "qkv::silu_mul", "qkv::rms_norm", "qkv::decode_attention"} <= names, sorted(
+        n for n in names if n.startswith("qkv::"))
+    assert torch.equal(plain, traced)

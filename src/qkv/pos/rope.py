@@ -154,7 +154,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     if x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad):
         mod = kernels.load()
         if mod is not None:  # the ops below in one call from C++ (the same values, less dispatch)
-            return mod.rotary(x, cos, sin, interleaved)
+            return kernels.profiled("rotary", mod.rotary, x, cos, sin, interleaved)
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads: (B, 1, N, R)
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     x_rot, x_pass = x[..., :R].to(work), x[..., R:]
