@@ -122,7 +122,7 @@ def profiled(name: str, fn, *args):
     """``fn(*args)``, inside a profiler range ``qkv::<name>`` while torch's profiler records. A kernel that makes
     no ATen call (its own loops) is otherwise invisible to the profiler, and its time would be counted as
     Python's; outside a profile this costs one attribute read, not a range (about 6 us)."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):  # torch's own flag, set while recording
         with torch.profiler.record_function(f"qkv::{name}"):
             return fn(*args)
     return fn(*args)
