@@ -167,3 +167,32 @@ def test_compiled_decode_step_broadcast_positions_and_strided_cache(causal):
         ref = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
         base = qkv.attention(q, k, v, mask=mask, backend="reference")
     assert_within_budget(out, ref, base, what="broadcast positions decode step")
+
+
+@pytest.mark.parametrize("Nk", [5, 40])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_compiled_decode_step_keeps_nonfinite_scores(Nk, bad):
+    """A NaN or +inf score in a row's allowed keys makes that row NaN (the reference's answer), short caches and
+    long ones alike, on the compiled decode step and the paged one; the other rows stay finite and within budget."""
+    from qkv import masks
+    from qkv.backends.paged import paged_decode_blocks
+    from qkv.cpu import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, generator=g)
+    v = torch.randn(B, Hkv, Nk, D, generator=g)
+    k[0, :, Nk // 2] = bad  # row 0: one key's scores non-finite
+    kv_pos, q_pos = torch.arange(Nk).repeat(B, 1), torch.full((B, 1), Nk - 1)
+    mask = masks.positions(q_pos, kv_pos, causal=True)
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+        ref = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    assert bool(torch.isnan(ref[0]).all()) and bool(torch.isnan(out[0]).all()), "row 0 is NaN, as the reference"
+    assert torch.isfinite(out[1]).all()
+    # k, v (B, Hkv, Nk, D) read as pools of B blocks of Nk slots, row b's table [b]
+    paged, _ = paged_decode_blocks(q[:, :, 0], k, v, torch.arange(B).view(B, 1), kv_pos, q_pos[:, 0])
+    assert bool(torch.isnan(paged[0]).all()) and torch.isfinite(paged[1]).all()

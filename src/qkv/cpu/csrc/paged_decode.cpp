@@ -266,7 +266,7 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
           f = m[g] == ninf ? T(0) : std::exp(m[g] - mt);
           lt = l[g] * f + std::exp(z - mt);
         }
-        if (lt > T(0)) {
+        if (lt != T(0)) {  // a NaN or +inf score leaves lt NaN: the row is NaN, as the contract says
           const T c = f / lt;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = o[g * Dv + d] * c;
           lp[b * Hq + hq] = mt + std::log(lt);
