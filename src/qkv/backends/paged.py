@@ -20,6 +20,12 @@ compiled paged-decode kernel instead (``qkv/cpu/csrc/paged_decode.cpp``): per ro
 table, skips blocks with no visible slot, and reads the visible keys and values from the pools where they lie,
 spans of whole blocks merged by an online softmax: no gathered span, no slot lists, no per-span torch ops.
 
+A prompt chunk (several queries per row: :func:`paged_prefill_blocks`) is read the same way by the compiled
+prefill kernel (``qkv/cpu/csrc/paged_prefill.cpp``): per row, KV head and tile of queries, the slots some query of
+the tile may see, in spans whose score and value products are GEMMs, merged by an online softmax
+(FlashAttention's, Dao et al. 2022, arXiv:2205.14135); the keys past a causal tile's last query are never read.
+Without the compiled kernels it attends over the gathered view under the positions mask.
+
 Shape legend: B rows, Hq query heads, Hkv KV heads, G = Hq / Hkv, P pool blocks, T tokens per block, NB table
 entries per row, S blocks per span, n spans of the step, D / Dv key / value head dims.
 """
@@ -30,8 +36,8 @@ import torch
 
 from ..cpu import kernels
 
-__all__ = ["paged_decode_blocks", "blocks_compiled", "gather_head_major", "check_paged_args", "BLOCKS_DTYPES",
-           "SPAN_TOKENS"]
+__all__ = ["paged_decode_blocks", "paged_prefill_blocks", "blocks_compiled", "gather_head_major", "check_paged_args",
+           "BLOCKS_DTYPES", "SPAN_TOKENS"]
 
 #: Keys per GEMM: a row's live blocks are read in spans of this many tokens (whole blocks, at least one), so each
 #: score product is (G, D) x (D, SPAN_TOKENS) rather than one block wide; block-wide products ran at about half
@@ -75,10 +81,121 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     if q.dtype not in BLOCKS_DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
         raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
-    with torch.profiler.record_function("qkv::paged_decode_blocks"):  # profiles count its GEMMs as attention
-        if blocks_compiled(q, k_pool, v_pool) and (window is None or window >= 1):  # the kernel reads <= 0 as none
-            return _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
-        return _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
+    # a profile names the step (qkv::paged_decode_blocks) and counts its work as attention
+    return kernels.profiled("paged_decode_blocks", _decode_step, q, k_pool, v_pool, block_tables, kv_positions,
+                            q_positions, scale, window)
+
+
+def _decode_step(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window):
+    if blocks_compiled(q, k_pool, v_pool) and (window is None or window >= 1):  # the kernel reads <= 0 as none
+        return _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
+    return _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
+
+
+def paged_prefill_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                         kv_positions: torch.Tensor, q_positions: torch.Tensor, *, scale: float | None = None,
+                         window: int | None = None, causal: bool = True,
+                         sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of several queries per row (a prompt chunk) over the row's blocks of a paged cache.
+
+    Args:
+        q: (B, Hq, N, D) the step's queries (float32 or float64), any strides with a unit last one.
+        k_pool: (P, Hkv, T, D) and v_pool (P, Hkv, T, Dv): the layer's block pools, q's dtype and device.
+        block_tables: (B, NB) integer block ids per row, any filler block where a row has fewer.
+        kv_positions: (B, NB * T) integer position of each slot in table order, ``-1`` where empty.
+        q_positions: (B, N) integer position of each query, ``-1`` for a padding query (its output is zeros).
+        scale: default ``D ** -0.5``.
+        window: keep slots with ``q_pos - kv_pos < window`` (HF ``sliding_window``), or None.
+        causal: a query sees the slots at or before its position (False: every filled slot).
+        sinks: (Hq,) sink logits (GPT-OSS): one more logit in each softmax's denominator, with no value.
+
+    Returns:
+        out (B, Hq, N, Dv) and lse (B, Hq, N), both in q's dtype; a query with no visible slot gives zeros and
+        ``lse = -inf``.
+
+    On CPU with qkv's compiled kernels built and no gradient asked for, the compiled kernel
+    (``qkv/cpu/csrc/paged_prefill.cpp``) reads the visible slots from the pools where they lie, tile by tile of
+    queries, and skips the slots no query of a tile may see (past a causal chunk's tile). Elsewhere the rows'
+    blocks are gathered into one padded view (:func:`gather_head_major`) and attended in torch ops under the
+    positions mask.
+
+    Example:
+        >>> import torch
+        >>> k_pool, v_pool = torch.randn(2, 4, 1, 2, 8).unbind(0)   # 4 blocks of 2 tokens, one KV head
+        >>> q = torch.randn(1, 2, 3, 8)                              # one row, two query heads, three queries
+        >>> tables, pos = torch.tensor([[3, 1]]), torch.tensor([[0, 1, 2, -1]])
+        >>> out, lse = paged_prefill_blocks(q, k_pool, v_pool, tables, pos, torch.tensor([[0, 1, 2]]))
+        >>> k = torch.cat([k_pool[3, 0], k_pool[1, 0, :1]]); v = torch.cat([v_pool[3, 0], v_pool[1, 0, :1]])
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> torch.allclose(out, ref, atol=1e-6)
+        True
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"paged_prefill_blocks: q must be a (B, Hq, N, D) tensor, got "
+                         f"{tuple(getattr(q, 'shape', ())) or type(q).__name__}")
+    B, Hq, N, D = q.shape
+    if not isinstance(q_positions, torch.Tensor) or tuple(q_positions.shape) != (B, N):
+        raise ValueError(f"paged_prefill_blocks: q_positions must be (B, N) = ({B}, {N}), got "
+                         f"{tuple(getattr(q_positions, 'shape', ())) or type(q_positions).__name__}")
+    check_paged_args("paged_prefill_blocks", q[:, :, 0] if N else q.new_empty(B, Hq, D), k_pool, v_pool,
+                     block_tables, kv_positions, q_positions[:, 0] if N else q_positions.new_zeros(B))
+    if q.dtype not in BLOCKS_DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"paged_prefill_blocks: q, k_pool and v_pool must share one of float32/float64, got "
+                        f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"paged_prefill_blocks: window must be an int >= 1 (keys per query) or None, got {window!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (Hq,)):
+        raise ValueError(f"paged_prefill_blocks: sinks must be a ({Hq},) tensor, one logit per query head, got "
+                         f"{tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
+    scale = D ** -0.5 if scale is None else float(scale)
+    # a profile names the step (qkv::paged_prefill_blocks) and counts its work as attention
+    return kernels.profiled("paged_prefill_blocks", _prefill_step, q, k_pool, v_pool, block_tables, kv_positions,
+                            q_positions, scale, window, causal, sinks)
+
+
+def _prefill_step(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window, causal, sinks):
+    if blocks_compiled(q, k_pool, v_pool) and q.stride(-1) == 1:
+        try:
+            return kernels.load().paged_prefill(q, k_pool, v_pool, _long(block_tables), _long(kv_positions),
+                                                _long(q_positions), scale, 0 if window is None else window,
+                                                bool(causal), sinks)
+        except RuntimeError as e:  # the one data-dependent check the kernel makes
+            if "outside the pool" not in str(e):
+                raise
+            raise ValueError(f"paged_prefill_blocks: block_tables name a block outside the pool of "
+                             f"{k_pool.shape[0]} blocks for a visible slot ({str(e).splitlines()[0]}); tables "
+                             "must hold pool block ids") from None
+    return _prefill_view(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window, causal, sinks)
+
+
+def _prefill_view(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window, causal, sinks):
+    """:func:`paged_prefill_blocks` in torch ops: the rows' blocks gathered into one padded view, scores under
+    the positions mask, the softmax with its sinks."""
+    B, Hq, N, D = q.shape
+    Hkv = k_pool.shape[1]
+    G = Hq // Hkv
+    if B * block_tables.shape[1] and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_pool.shape[0]:
+        raise ValueError(f"paged_prefill_blocks: block_tables name a block outside the pool of {k_pool.shape[0]} "
+                         f"blocks (ids {int(block_tables.min())} .. {int(block_tables.max())}); tables must hold pool "
+                         "block ids")
+    k, v = gather_head_major(k_pool, block_tables), gather_head_major(v_pool, block_tables)  # (B, Hkv, S, D)
+    pos, qpos = kv_positions.view(B, 1, 1, -1), q_positions.view(B, 1, N, 1)
+    seen = (pos >= 0) & (qpos >= 0)
+    if causal:
+        seen &= pos <= qpos
+    if window is not None:
+        seen &= qpos - pos < window
+    s = torch.matmul(q.reshape(B, Hkv, G * N, D), k.transpose(-1, -2)).mul_(scale).view(B, Hq, N, k.shape[2])
+    s = s.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).view(1, Hq, 1, 1).expand(B, Hq, N, 1)], -1)
+    lse = torch.logsumexp(s, -1).masked_fill(q_positions.view(B, 1, N) < 0, float("-inf"))  # padding: no sink
+    alive = lse != float("-inf")  # a NaN score keeps its row NaN
+    p = torch.where(alive.unsqueeze(-1), (s - lse.unsqueeze(-1)).exp(), 0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    out = torch.matmul(p.reshape(B, Hkv, G * N, k.shape[2]), v).view(B, Hq, N, v.shape[-1])
+    return out, lse
 
 
 def blocks_compiled(*tensors: torch.Tensor) -> bool:

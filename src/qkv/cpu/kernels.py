@@ -10,7 +10,9 @@ ATen calls in the same order from C++. Elementwise work that torch runs as sever
 pass: rotary embeddings (``rotary.cpp``) and SwiGLU's gate (``activations.cpp``), each with torch's values bit for
 bit, and RMSNorm (``norms.cpp``), one loop per row. A decode step's attention reads the cache in place, a paged
 cache's blocks or a contiguous cache as one block a row (``paged_decode.cpp``, ``decode_attention.cpp``), with no
-mask, list or padded view built. ``module.cpp`` binds one
+mask, list or padded view built; so does a prompt chunk's over a paged cache (``paged_prefill.cpp``, the score and
+value products by oneDNN's batch-reduce GEMM through torch), and a step's keys and values go into their blocks in
+one call (``paged_store.cpp``). ``module.cpp`` binds one
 function per kernel file and is the only one that includes pybind's headers (the kernels include ATen alone, which
 halves a cold build); ``blas.h`` declares the BLAS they call. This module builds them on first use
 (``torch.utils.cpp_extension.load``: the C++ compiler and ``ninja``, under a minute on 2 cores, then cached under
@@ -49,7 +51,7 @@ TILE_BYTES = 128 << 10
 
 _SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp",
             "rotary.cpp", "norms.cpp", "decode_attention.cpp", "paged_decode.cpp",
-            "activations.cpp")
+            "paged_prefill.cpp", "paged_store.cpp", "activations.cpp")
 _FLAGS = {  # torch's own CPU capability names -> the flags that give ATen's vector types that width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
                "-DCPU_CAPABILITY_AVX512"],

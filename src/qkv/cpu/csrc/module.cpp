@@ -27,6 +27,12 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_po
                                      const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
                                      double scale, int64_t window, bool causal,
                                      const c10::optional<at::Tensor>& sinks);
+std::vector<at::Tensor> paged_prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                      const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
+                                      double scale, int64_t window, bool causal,
+                                      const c10::optional<at::Tensor>& sinks);
+void paged_store(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& blocks, const at::Tensor& offsets, const at::Tensor& src);
 at::Tensor silu_mul(const at::Tensor& h);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset);
@@ -45,5 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS normalization of a few rows, one loop per row (CPU)");
   m.def("decode_attention", &decode_attention, "one query per row over its cached keys by position (CPU)");
   m.def("paged_decode", &paged_decode, "one query per row over its blocks of a paged cache, read in place (CPU)");
+  m.def("paged_prefill", &paged_prefill, "several queries per row over its blocks of a paged cache, in place (CPU)");
+  m.def("paged_store", &paged_store, "a step's keys and values into their blocks and slots of a paged cache (CPU)");
   m.def("delta_decode", &delta_decode, "a gated-delta mixer's decode step after its projections (CPU)");
 }
