@@ -113,7 +113,7 @@ class DecodingBaseCache(BaseCache):
         if self.answer is not None:
             return self.answer(q)
         k, v, kv_pos = self.layers[layer_idx]
-        q_pos = kv_pos[:, -1:]
+        q_pos = kv_pos[:, -q.shape[2]:]  # the step's queries: the last tokens stored
         return _naive(q.double(), k.double(), v.double(), q_pos, kv_pos, causal=True, window=window,
                       scale=scale).to(q.dtype)
 
@@ -324,7 +324,7 @@ def test_latent_observe_gets_queries_whose_products_are_the_scores():
 
 
 
-def test_a_decoding_cache_gets_exactly_the_plain_single_query_steps_of_multi_head_attention():
+def test_a_decoding_cache_gets_exactly_the_plain_steps_of_multi_head_attention():
     m = _mha()
     x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -332,7 +332,7 @@ def test_a_decoding_cache_gets_exactly_the_plain_single_query_steps_of_multi_hea
         cache = DecodingBaseCache()
         got = _run_mha(m, x, cache, CHUNKS)
     torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
-    assert [c[1] for c in cache.calls] == [(2, 4, 1, 8)] * 3, "one call per single-query step, not the prefill"
+    assert [c[1] for c in cache.calls] == [(2, 4, 6, 8)] + [(2, 4, 1, 8)] * 3, "one call per plain step, prompt too"
     assert cache.calls[0][2] == 8 ** -0.5 and cache.calls[0][3] is None
     with torch.no_grad():  # what decode returns is what the module attends with
         zero = DecodingBaseCache(answer=torch.zeros_like)
@@ -352,7 +352,8 @@ def test_a_decoding_cache_gets_exactly_the_plain_single_query_steps_of_multi_hea
         with torch.no_grad():
             _run_mha(m2, x, cache, [(0, 6)])
             m2(x[:, 6:7], positions=torch.tensor([6]), cache=cache, need_lse=change == "need_lse")
-        assert cache.calls == [], f"{change}: the step is not plain; the cache must not be asked to decode it"
+        prompt = [(2, 4, 6, 8)] if change == "need_lse" else []  # need_lse asks it of the last step only
+        assert [c[1] for c in cache.calls] == prompt, f"{change}: the step is not plain; the cache must not be asked"
 
 
 def test_a_decoder_offers_each_layer_its_decode_step_with_its_window():
@@ -365,12 +366,12 @@ def test_a_decoder_offers_each_layer_its_decode_step_with_its_window():
     cache = DecodingBaseCache()
     got = _decode(lm, cache, ids, 6)
     windows = [lm.config.window_for(i) for i in range(4)]
-    assert [(c[0], c[3]) for c in cache.calls] == [(i, windows[i]) for i in range(4)] * 2
+    assert [(c[0], c[3]) for c in cache.calls] == [(i, windows[i]) for i in range(4)] * 3  # prompt + 2 steps
     with torch.no_grad():
         torch.testing.assert_close(got, lm(ids).logits, atol=1e-4, rtol=1e-4)
     returns_none = DecodingBaseCache(answer=lambda q: None)  # no kernel for this layer: attend over the view
     torch.testing.assert_close(_decode(lm, returns_none, ids, 6), got, atol=1e-5, rtol=1e-5)
-    assert len(returns_none.calls) == 8
+    assert len(returns_none.calls) == 12
 
 
 

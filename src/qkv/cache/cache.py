@@ -204,8 +204,8 @@ class KVCache:
             v: (B, Hkv, N, Dv) new values.
             positions: (B, N) int64 absolute positions, ``-1`` for padding tokens.
             rope: ``rope(x, positions) -> x`` (x: (B, H, N, D), positions: (B, N)) or ``None``.
-            defer_view: a caller about to :meth:`decode` in place: paged layers whose decode kernel will serve
-                the step (CUDA, no gradients, triton installed) skip gathering their view (the returned ``k``
+            defer_view: a caller about to :meth:`decode` in place: paged layers whose kernel will serve the step
+                (:meth:`PagedStore.decodes_in_place`) skip gathering their view (the returned ``k``
                 and ``v`` are None; :meth:`view` gathers it if the decode declines). Other layers return their
                 view as always.
 
@@ -245,13 +245,13 @@ class KVCache:
 
     def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
                ) -> torch.Tensor | None:
-        """Attention of the step just stored for ``layer_idx`` (one query per row) by the storage's own
-        decode kernel where it has one: paged pools on CUDA through Triton (:meth:`PagedStore.decode`),
-        reading the blocks in place. None otherwise: the caller attends over the view ``update`` returned
-        (or :meth:`view`, after a deferred update).
+        """Causal attention of the step just stored for ``layer_idx`` by the storage's own kernel where it has
+        one (:meth:`PagedStore.decode`: paged pools read in place; one query per row through Triton on CUDA or
+        the block path on CPU, a prompt chunk through the compiled CPU kernel). None otherwise: the caller
+        attends over the view ``update`` returned (or :meth:`view`, after a deferred update).
 
         Args:
-            q: (B, Hq, 1, D) queries, rotated like the stored keys.
+            q: (B, Hq, N, D) queries, rotated like the stored keys.
             window: as in ``masks.positions(..., window=W)``.
         """
         layer = self._layer(layer_idx, None, "decode")

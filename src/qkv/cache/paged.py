@@ -11,6 +11,9 @@ Shape legend: B rows (sequences), H key/value heads, P blocks in the pool, T blo
   ``P`` is the null block: it is never written and its positions are ``-1``.
 - Padding tokens are not stored: each row holds exactly its real tokens, which is where paging saves
   memory against a batch padded to its longest row.
+- On CPU with qkv's compiled kernels (:mod:`qkv.cpu.kernels`) a step is written into its slots by one call
+  (``paged_store.cpp``) and attended where the blocks lie, one query per row or a prompt chunk
+  (:meth:`PagedStore.decode`); no padded view is gathered. Elsewhere layers attend over the gathered view.
 - A step's slots are allocated once, for every group, before anything is written: by
   ``cache.prepare(input_ids, positions)`` or by the first layer's write. When the pool cannot hold the
   step, :class:`CacheFull` is raised and nothing changes.
@@ -41,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from ..backends.paged import gather_head_major
+from ..cpu import kernels
 from .storage import Store
 
 __all__ = ["Paged", "PagedStore", "BlockManager", "CacheFull", "PoolStats", "prefix_hashes"]
@@ -233,6 +237,7 @@ class _StepSlots(NamedTuple):
     offsets: torch.Tensor  # (n_real,) slot inside the block
     tables: list[torch.Tensor]  # per group (B, nb) live blocks, null-padded
     view_pos: list[torch.Tensor]  # per group (B, nb * T) positions, -1 past each row's length
+    src: torch.Tensor  # (n_real,) each real token's flat index b * n + t in the step's (B, n)
 
 
 class BlockManager:
@@ -515,12 +520,13 @@ class BlockManager:
         device = positions.device
         tables, view_pos = self._views(device)
         self.step = _StepSlots(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
-                          torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos)
+                          torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos, real)
         if self.selected is not None:  # the layers see the selected rows only
             sel = torch.tensor(self.selected, dtype=torch.int64, device=device)
             self.step = self.step._replace(real=real.index_select(0, sel),
                                            tables=[t.index_select(0, sel) for t in tables],
                                            view_pos=[p.index_select(0, sel) for p in view_pos])
+        self.step = self.step._replace(src=self.step.real.reshape(-1).nonzero().view(-1))
         return self.step
 
     def _check_rows(self, B: int) -> None:
@@ -803,8 +809,13 @@ class PagedStore(Store):
             self.vp = v.new_zeros(g.P + 1, H, T, v.shape[-1])
             g.pools.append((self.kp, self.vp))
         if step.offsets.numel():
-            self.kp[step.blocks[self.gi], :, step.offsets] = k.transpose(1, 2)[step.real]  # (n_real, H, Dk)
-            self.vp[step.blocks[self.gi], :, step.offsets] = v.transpose(1, 2)[step.real]
+            mod = kernels.load() if k.device.type == "cpu" else None
+            if (mod is not None and k.dtype == v.dtype == self.kp.dtype == self.vp.dtype and k.stride(-1) == 1
+                    and v.stride(-1) == 1 and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
+                mod.paged_store(self.kp, self.vp, k, v, step.blocks[self.gi], step.offsets, step.src)
+            else:
+                self.kp[step.blocks[self.gi], :, step.offsets] = k.transpose(1, 2)[step.real]  # (n_real, H, Dk)
+                self.vp[step.blocks[self.gi], :, step.offsets] = v.transpose(1, 2)[step.real]
         self.seen += n
         if not gather:
             return None, None, step.view_pos[self.gi]
@@ -816,10 +827,15 @@ class PagedStore(Store):
         return gather_head_major(self.kp, tab), gather_head_major(self.vp, tab)
 
     def decodes_in_place(self, *tensors: torch.Tensor) -> bool:
-        """Whether :meth:`decode` will serve a step of these tensors (the Triton kernel's conditions, or the
-        block path's: :meth:`blocks_serve`)."""
+        """Whether :meth:`decode` will serve a step of these tensors (this step's ``k``, ``v``: (B, H, N, D)):
+        one query per row, the Triton kernel's conditions or the block path's (:meth:`blocks_serve`); several,
+        the compiled CPU kernel's (:func:`qkv.backends.paged.blocks_compiled`)."""
+        from ..backends.paged import BLOCKS_DTYPES, blocks_compiled
         from ..backends.triton import gpu_decode_ready
 
+        if tensors and tensors[0].dim() == 4 and tensors[0].shape[2] > 1:
+            every = (*tensors, *(t for t in (self.kp, self.vp) if t is not None))
+            return all(t.dtype in BLOCKS_DTYPES for t in every) and blocks_compiled(*every)
         return gpu_decode_ready(*tensors) or self.blocks_serve(*tensors)
 
     def blocks_serve(self, *tensors: torch.Tensor) -> bool:
@@ -858,23 +874,33 @@ class PagedStore(Store):
 
     def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
                window: int | None = None) -> torch.Tensor | None:
-        """Attention of the step just written (one query per row) over this layer's blocks, without the padded
-        view: the Triton paged-decode kernel (in place), when ``gpu_decode_ready`` holds for the query and the
+        """Causal attention of the step just written over this layer's blocks, without the padded view. One query
+        per row: the Triton paged-decode kernel (in place), when ``gpu_decode_ready`` holds for the query and the
         pools (CUDA, no gradients, triton installed); else the torch block path over each row's live blocks,
-        when :meth:`blocks_serve` holds; None otherwise, and the caller attends over the view (:meth:`gather`).
+        when :meth:`blocks_serve` holds. Several (a prompt chunk): the compiled CPU kernel
+        (:func:`qkv.backends.paged.paged_prefill_blocks`), reading each row's visible slots in place. None
+        otherwise, and the caller attends over the view (:meth:`gather`).
 
         Args:
-            q: (B, Hq, 1, D) rotated queries; q_positions (B, 1) int64.
+            q: (B, Hq, N, D) rotated queries; q_positions (B, N) int64 (``-1``: padding, zeros out).
             window: as in ``masks.positions(..., window=W)``.
 
         Returns:
-            (B, Hq, 1, Dv) in q's dtype, or None.
+            (B, Hq, N, Dv) in q's dtype, or None.
         """
         from ..backends.triton import gpu_decode_ready
 
         step = self.manager.step
-        if step is None or q.dim() != 4 or q.shape[2] != 1:
+        if step is None or q.dim() != 4 or self.kp is None:
             return None
+        if q.shape[2] > 1:  # a prompt chunk: the compiled CPU kernel reads the blocks in place, else the view
+            from ..backends.paged import BLOCKS_DTYPES, blocks_compiled, paged_prefill_blocks
+
+            if not (q.dtype in BLOCKS_DTYPES and q.dtype == self.kp.dtype and blocks_compiled(q, self.kp, self.vp)):
+                return None
+            out, _ = paged_prefill_blocks(q, self.kp, self.vp, step.tables[self.gi], step.view_pos[self.gi],
+                                          q_positions, scale=scale, window=window)
+            return out
         if gpu_decode_ready(q, self.kp, self.vp):
             from ..backends.triton.decode import paged_decode as kernel
         elif self.blocks_serve(q):

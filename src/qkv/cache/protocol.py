@@ -50,9 +50,9 @@ token for all heads; the view lists every cached latent with its position.
 Capabilities beyond the base protocol are declared apart, each a runtime-checkable protocol that callers test
 for (never the concrete :class:`qkv.cache.KVCache` class, which has them all):
 
-- :class:`DecodingCache`: ``cache.decode(layer_idx, q, scale=, window=)`` attends one query per row over the
-  step just stored, in place (paged pools on a GPU), or returns None (:func:`qkv.nn.cached_attention` then
-  attends over the view).
+- :class:`DecodingCache`: ``cache.decode(layer_idx, q, scale=, window=)`` attends the step just stored, in
+  place (paged pools: one query per row on a GPU or CPU, a prompt chunk on CPU), or returns None
+  (:func:`qkv.nn.cached_attention` then attends over the view).
 - :class:`PrefixMatchingCache`: ``cache.match_prefix(input_ids, positions, salt=)`` reuses cached prompt
   prefixes (``generate`` calls it when ``cache.prefix_caching`` is True).
 - :class:`CroppableCache` (``crop``), :class:`ForkableCache` (``fork``), :class:`ResettableCache` (``reset``):
@@ -144,13 +144,14 @@ class LatentCache(Protocol):
 
 @runtime_checkable
 class DecodingCache(Protocol):
-    """A cache that can attend a single-query step in place, over the keys it just stored."""
+    """A cache that can attend a step in place, over the keys it just stored."""
 
     def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
                ) -> torch.Tensor | None:
-        """Causal attention of ``q`` (B, Hq, 1, D), rotated like the stored keys, over layer ``layer_idx``'s
-        view of the step just stored (``window`` as in ``masks.positions(..., window=W)``): (B, Hq, 1, Dv), or
-        None where the cache has no kernel for that layer and the caller attends over the view."""
+        """Causal attention of ``q`` (B, Hq, N, D), rotated like the stored keys, over layer ``layer_idx``'s
+        view of the step just stored (``window`` as in ``masks.positions(..., window=W)``): (B, Hq, N, Dv), or
+        None where the cache has no kernel for that layer or step (a single-query kernel declines N > 1) and
+        the caller attends over the view."""
         ...
 
 

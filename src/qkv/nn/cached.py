@@ -220,11 +220,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
     Returns:
         :class:`AttentionHeads` ``(out (B, Hq, N, Dv), lse (B, Hq, N) or None)``.
 
-    A single-query step (``N == 1``) over a :class:`qkv.cache.DecodingCache` with a plain call
-    (:func:`plain_decode_step`, no ``return_lse``, ``decode_backend`` None, ``"auto"`` or ``"sdpa"``) first offers
-    the step to ``cache.decode``, which attends in place where the cache has a kernel (paged pools on a GPU) and
-    returns None otherwise; a :class:`qkv.cache.DeferredViewCache` is asked not to build the view such a kernel
-    does not read (``update(..., defer_view=True)``, then ``view`` when the decode declines).
+    A step over a :class:`qkv.cache.DecodingCache` with a plain call (:func:`plain_decode_step`'s conditions but
+    the query count, no ``return_lse``; for one query per row ``decode_backend`` None, ``"auto"`` or ``"sdpa"``)
+    first offers the step to ``cache.decode``, which attends in place where the cache has a kernel (paged pools:
+    one query per row on a GPU or CPU, a prompt chunk on CPU) and returns None otherwise; a
+    :class:`qkv.cache.DeferredViewCache` is asked not to build the view such a kernel does not read
+    (``update(..., defer_view=True)``, then ``view`` when the decode declines).
 
     Example:
         >>> import torch
@@ -272,10 +273,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                              f"follows the positions the cache reports")
         if score_mod is not None or position_bias is not None:
             refuse_scoring_cache(cache, layer_idx, owner=owner, modifiers=(position_bias, score_mod))
-    # in place where the cache can (a plain one-query step whose single-query backend is the default's)
-    in_place = (N == 1 and caps is not None and caps.decoding and not return_lse and position_bias is None
-                and decode_backend in (None, "auto", "sdpa")
-                and plain_decode_step(N, attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
+    # in place where the cache can: a plain step (one query per row whose single-query backend is the default's,
+    # or a prompt chunk on the default backend)
+    in_place = (caps is not None and caps.decoding and not return_lse and position_bias is None
+                and (N > 1 or decode_backend in (None, "auto", "sdpa"))
+                and plain_decode_step(1, attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
                                       score_mod=score_mod, sinks=sinks, dropout_p=dropout_p))
     if cache is not None:
         defer = {"defer_view": True} if in_place and caps.deferred_view else {}
