@@ -378,7 +378,7 @@ ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 #: Profiler ranges (torch.profiler.record_function) whose ops are attention whatever their names: the paged decode
 #: block path's GEMMs and gathers read keys and values, not weights; the compiled decode step's own loops
 #: (qkv.cpu.kernels.profiled names them while the profiler records)
-ATTENTION_RANGES = ("qkv::paged_decode_blocks", "qkv::decode_attention")
+ATTENTION_RANGES = ("qkv::paged_decode_blocks", "qkv::paged_prefill_blocks", "qkv::decode_attention")
 
 
 def _op_categories(prof) -> dict[str, float]:

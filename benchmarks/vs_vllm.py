@@ -22,10 +22,11 @@ Workloads:
   once; throughput = generated tokens / wall time, after one untimed run of the whole stream on each side. Every
   vLLM call starts with its prefix cache emptied (``LLM.reset_prefix_cache``, untimed): vLLM caches prompt
   blocks by default, and a repeat sends the same prompts again, so without it vLLM skipped the prefill of every
-  repeat after the first while qkv's engine (a new one per repeat) computed it. Both engines schedule them
-  continuously: vLLM's offline engine, and ``qkv.models.Engine`` (64 rows of a paged cache of 16-token blocks,
-  as many rows as requests, as vLLM's scheduler admits up to 256; prompts read in chunks of 128 tokens, finished
-  rows handing their blocks to waiting requests at once).
+  repeat after the first while qkv's engine computed it. Both engines are built once per thread count (vLLM's
+  ``LLM``, qkv's ``Engine`` with its pools) and schedule the requests continuously: vLLM's offline engine, and
+  ``qkv.models.Engine`` (64 rows of a paged cache of 128-token blocks, vLLM's CPU default; as many rows as
+  requests, as vLLM's scheduler admits up to 256; prompts read in chunks of up to 512 tokens, the Engine's
+  default, so each of these prompts in one pass; finished rows hand their blocks to waiting requests at once).
 
 Each row reports the median and range over the paired repeats of qkv's rate over vLLM's, the target judged on the
 slowest repeat, the load average while it ran, and whether the greedy tokens are equal. A fixed-batch row also
@@ -41,7 +42,8 @@ Published configuration (the defaults): 1 and 2 threads (vLLM's OpenMP threads b
 threads for qkv), 5 paired repeats, wall clock. Usage::
 
     python benchmarks/vs_vllm.py --install          # once: builds .venv-vllm
-    python benchmarks/vs_vllm.py [--quick] [--threads 1,2] [--repeat R] [--vllm-python PATH]
+    python benchmarks/vs_vllm.py [--quick] [--threads 1,2] [--repeat R] [--workloads fixed,stream]
+                                 [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ UNUSED = ["torchvision", "torchaudio", "torchcodec"]
 RESULT = "@@qkv-vllm-result "  # prefix of the worker's answers on stdout (vLLM logs there too)
 TARGETS = {"fixed": 1.0, "fixed_b1": 1.2, "stream": 1.0}
 # the stream's engine: every request may hold a row at once (vLLM's scheduler admits up to 256 sequences), a pool
-# that holds all of them (64 requests of up to 512 + 128 tokens), prompts read 128 tokens per step
-STREAM_ROWS, STREAM_BLOCKS, STREAM_CHUNK = 64, 2560, 128
+# that holds all of them (64 requests of up to 512 + 128 tokens) in blocks of 128 tokens (vLLM's CPU default), prompts
+# read up to 512 tokens per step (the Engine's default: here every prompt in one pass)
+STREAM_ROWS, STREAM_BLOCK, STREAM_CHUNK = 64, 128, 512
+STREAM_BLOCKS = 64 * (512 + 128) // STREAM_BLOCK
 
 
 def install(venv: Path) -> Path:
@@ -202,12 +206,20 @@ def _qkv_generate(model, prompts: list[list[int]], n_new: int) -> tuple[float, l
     return time.perf_counter() - t0, out.new_tokens.tolist()
 
 
-def _qkv_stream(model, requests, max_batch: int) -> tuple[float, list[list[int]]]:
-    """The requests through ``qkv.models.Engine`` (continuous batching); seconds and the new tokens per request."""
+def stream_engine(model):
+    """The stream's ``qkv.models.Engine``, built once per thread count as vLLM's ``LLM`` is (its pools allocated
+    once; every stream leaves it empty again)."""
     from qkv.models import Engine
 
+    return Engine(model, num_blocks=STREAM_BLOCKS, block_size=STREAM_BLOCK, max_batch=STREAM_ROWS,
+                  prefill_chunk=STREAM_CHUNK)
+
+
+def _qkv_stream(engine, requests) -> tuple[float, list[list[int]]]:
+    """The requests through ``engine`` (continuous batching); seconds and the new tokens per request."""
+    if engine.busy:
+        raise RuntimeError("vs_vllm: the stream's engine still holds requests from an earlier run")
     t0 = time.perf_counter()
-    engine = Engine(model, num_blocks=STREAM_BLOCKS, block_size=16, max_batch=max_batch, prefill_chunk=STREAM_CHUNK)
     ids = [engine.add(prompt, budget) for prompt, budget in requests]
     results = engine.run()
     seconds = time.perf_counter() - t0
@@ -244,7 +256,10 @@ def run(args) -> None:
     quick = args.quick
     threads_list = [int(t) for t in args.threads.split(",")]
     repeat = args.repeat or (2 if quick else 5)
-    batches = [1, 4] if quick else [1, 4, 8, 32]
+    workloads = set(args.workloads.split(","))
+    if not workloads or workloads - {"fixed", "stream"}:
+        raise SystemExit(f"--workloads takes fixed and/or stream, got {args.workloads!r}")
+    batches = ([1, 4] if quick else [1, 4, 8, 32]) if "fixed" in workloads else []
     n_prompt, n_new = (16, 8) if quick else (64, 64)
     suite = Suite("vs_vllm", "greedy decode tokens/s and request-stream throughput, qkv vs vLLM's CPU engine "
                   "(same checkpoint)", quick=quick)
@@ -293,6 +308,8 @@ def run(args) -> None:
                         "qkv_step_ms": B / statistics.median(rates["qkv"]) * 1e3, **where,
                         "floor_ms": floor_ms, "vllm_step_ms": B / statistics.median(rates["vllm"]) * 1e3,
                     })
+                if "stream" not in workloads:
+                    continue
                 prompts, budgets = [r[0] for r in requests], [r[1] for r in requests]
                 n_tokens = sum(budgets)
                 ratios, loads, same = [], [], True
@@ -301,17 +318,18 @@ def run(args) -> None:
                     # warm-up: the whole stream once on each side, so both have met its shapes (oneDNN builds a
                     # kernel per new product shape, and a stream's are many) before the timed repeats
                     worker.ask({"prompts": prompts, "budgets": budgets})
-                    _qkv_stream(model, requests, max_batch=STREAM_ROWS)
+                    engine = stream_engine(model)
+                    _qkv_stream(engine, requests)
                     for _ in range(repeat):
                         out = worker.ask({"prompts": prompts, "budgets": budgets})
-                        t_q, q_tokens = _qkv_stream(model, requests, max_batch=STREAM_ROWS)
+                        t_q, q_tokens = _qkv_stream(engine, requests)
                         rates["vllm"].append(n_tokens / out["seconds"])
                         rates["qkv"].append(n_tokens / t_q)
                         ratios.append(out["seconds"] / t_q)
                         loads.append(os.getloadavg()[0])
                         same = same and q_tokens == out["tokens"]
                 with torch.inference_mode():
-                    where = stream_breakdown(lambda: _qkv_stream(model, requests, max_batch=STREAM_ROWS)[0])
+                    where = stream_breakdown(lambda: _qkv_stream(engine, requests)[0])
                 floor = stream_product_flops(model, requests) / gemm_rate() * 1e3
                 suite.add({"workload": "stream", "threads": threads, "requests": len(requests),
                            "prompt": "16-512" if not quick else "8-48", "new": "8-128" if not quick else "4-16"}, {
@@ -323,7 +341,7 @@ def run(args) -> None:
                     "target": f"{target(_range(ratios), '>=', TARGETS['stream'])} ({TARGETS['stream']}x)",
                     "load_avg": statistics.median(loads), "same_tokens": same,
                     "qkv_mode": f"qkv.models.Engine(max_batch={STREAM_ROWS}, num_blocks={STREAM_BLOCKS}, "
-                                f"block_size=16, prefill_chunk={STREAM_CHUNK})",
+                                f"block_size={STREAM_BLOCK}, prefill_chunk={STREAM_CHUNK}), built once",
                 })
             finally:
                 worker.close()
@@ -336,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, short prompts (a smoke run)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     p.add_argument("--repeat", type=int, default=None, help="paired repeats (default 5; 2 with --quick)")
+    p.add_argument("--workloads", default="fixed,stream", help="comma-separated: fixed, stream (default both)")
     p.add_argument("--vllm-python", default=None, help=f"python of vLLM's environment (default {VENV}/bin/python)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-len", type=int, default=1024, help=argparse.SUPPRESS)
