@@ -237,7 +237,7 @@ class _StepSlots(NamedTuple):
     offsets: torch.Tensor  # (n_real,) slot inside the block
     tables: list[torch.Tensor]  # per group (B, nb) live blocks, null-padded
     view_pos: list[torch.Tensor]  # per group (B, nb * T) positions, -1 past each row's length
-    src: torch.Tensor  # (n_real,) each real token's flat index b * n + t in the step's (B, n)
+    src: torch.Tensor | None  # (n_real,) each real token's flat index b * n + t in the step's (B, n); CPU only
 
 
 class BlockManager:
@@ -520,13 +520,14 @@ class BlockManager:
         device = positions.device
         tables, view_pos = self._views(device)
         self.step = _StepSlots(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
-                          torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos, real)
+                          torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos, None)
         if self.selected is not None:  # the layers see the selected rows only
             sel = torch.tensor(self.selected, dtype=torch.int64, device=device)
             self.step = self.step._replace(real=real.index_select(0, sel),
                                            tables=[t.index_select(0, sel) for t in tables],
                                            view_pos=[p.index_select(0, sel) for p in view_pos])
-        self.step = self.step._replace(src=self.step.real.reshape(-1).nonzero().view(-1))
+        if device.type == "cpu":  # for the compiled write (nonzero would wait for a GPU: not built there)
+            self.step = self.step._replace(src=self.step.real.reshape(-1).nonzero().view(-1))
         return self.step
 
     def _check_rows(self, B: int) -> None:
@@ -809,7 +810,7 @@ class PagedStore(Store):
             self.vp = v.new_zeros(g.P + 1, H, T, v.shape[-1])
             g.pools.append((self.kp, self.vp))
         if step.offsets.numel():
-            mod = kernels.load() if k.device.type == "cpu" else None
+            mod = kernels.load() if k.device.type == "cpu" and step.src is not None else None
             if (mod is not None and k.dtype == v.dtype == self.kp.dtype == self.vp.dtype and k.stride(-1) == 1
                     and v.stride(-1) == 1 and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
                 mod.paged_store(self.kp, self.vp, k, v, step.blocks[self.gi], step.offsets, step.src)
