@@ -9,21 +9,10 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.backends.paged import SPAN_TOKENS, blocks_compiled, paged_decode_blocks
-from qkv.cpu import kernels
+from qkv.backends.paged import SPAN_TOKENS, paged_decode_blocks
 from qkv.testing import assert_within_budget
 
-pytestmark = pytest.mark.xdist_group("cpu_kernels")
-
-
-@pytest.fixture(autouse=True, params=["compiled", "torch"])
-def path(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setenv(kernels.ENV, "0")
-    elif kernels.unavailable_reason():
-        pytest.fail(f"the compiled kernels must build on this machine: {kernels.unavailable_reason()}")
-    assert blocks_compiled(torch.zeros(1)) == (request.param == "compiled")
-    return request.param
+pytestmark = [pytest.mark.xdist_group("cpu_kernels"), pytest.mark.usefixtures("kernel_path")]
 
 
 def _case(seed: int, *, B: int, Hq: int, Hkv: int, D: int, Dv: int, T: int, lens: list[int], first: list[int],
@@ -145,7 +134,7 @@ def test_bad_input():
         paged_decode_blocks(q, kp, vp, bad, kpos, qpos)
 
 
-def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only(path):
+def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only(kernel_path):
     """A CPU decode step over rows of very different lengths is served by the block path (no view gathered) and
     equals attention over the gathered view. On the torch ops, rows of one length keep the padded view (nothing
     to save), and so do small views (the block path's fixed cost); the compiled kernel serves every step."""
@@ -178,7 +167,7 @@ def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only(path):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for lens, T, why in (([1100] * 8, 16, "rows of one length"), ([40, 3, 2, 1], 4, "a small view")):
         cache, view, q, step_pos = step(lens, T)
-        if path == "torch":
+        if kernel_path == "torch":
             assert view.k is not None, f"{why}: the padded view on the torch ops"
             continue
         assert view.k is None, f"{why}: the compiled kernel serves every step"

@@ -9,21 +9,10 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.backends.paged import blocks_compiled, paged_prefill_blocks
-from qkv.cpu import kernels
+from qkv.backends.paged import paged_prefill_blocks
 from qkv.testing import assert_within_budget
 
-pytestmark = pytest.mark.xdist_group("cpu_kernels")
-
-
-@pytest.fixture(autouse=True, params=["compiled", "torch"])
-def path(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setenv(kernels.ENV, "0")
-    elif kernels.unavailable_reason():
-        pytest.fail(f"the compiled kernels must build on this machine: {kernels.unavailable_reason()}")
-    assert blocks_compiled(torch.zeros(1)) == (request.param == "compiled")
-    return request.param
+pytestmark = [pytest.mark.xdist_group("cpu_kernels"), pytest.mark.usefixtures("kernel_path")]
 
 
 def _case(seed: int, *, Hq: int, Hkv: int, D: int, Dv: int, T: int, past: list[int], chunk: list[int], first=None,
@@ -166,7 +155,7 @@ def test_bad_input():
         paged_prefill_blocks(q, kp, vp, bad, kpos, qpos)
 
 
-def test_a_paged_cache_serves_prompt_chunks_in_place(path):
+def test_a_paged_cache_serves_prompt_chunks_in_place(kernel_path):
     """A prompt chunk over a paged KV cache: with the compiled kernels its view is never gathered (the chunk is
     attended in place), and every layer's output equals attention over the gathered view; on the torch ops the
     view is gathered as before."""
@@ -187,8 +176,8 @@ def test_a_paged_cache_serves_prompt_chunks_in_place(path):
             k, v = torch.randn(B, 2, n, 16, generator=g), torch.randn(B, 2, n, 16, generator=g)
             got = cached_attention(q, k, v, layer_idx=layer, cache=cache, positions=pos, window=window).out
             served = cache._layers[layer].last_view.k is None  # the view was never gathered
-            if path == "compiled" or n > 1:  # (one query per row on the torch ops: the block path's own rule)
-                assert served == (path == "compiled"), (path, n, layer)
+            if kernel_path == "compiled" or n > 1:  # (one query per row on the torch ops: the block path's own rule)
+                assert served == (kernel_path == "compiled"), (kernel_path, n, layer)
             view = cache.view(layer)
             ref = qkv.attention(q, view.k, view.v, mask=M.positions(view.q_positions, view.kv_positions,
                                                                     window=window))

@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged.h"
+
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
@@ -292,30 +294,10 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_po
                                      const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
                                      double scale, int64_t window, bool causal,
                                      const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
-              "paged_decode: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4 && tables.dim() == 2 && kv_pos.dim() == 2 &&
-                  q_pos.dim() == 1,
-              "paged_decode: q (B, Hq, D), pools (P, Hkv, T, D), tables (B, NB), kv_pos (B, NB * T), q_pos (B,)");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
-              "paged_decode: q and the pools of one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(3) == 1 && v_pool.stride(3) == 1, "paged_decode: unit last strides");
-  const int64_t B = q.size(0), NB = tables.size(1), Tb = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == q.size(2) && v_pool.size(0) == k_pool.size(0) && v_pool.size(1) == k_pool.size(1) &&
-                  v_pool.size(2) == Tb && q.size(1) % k_pool.size(1) == 0,
-              "paged_decode: pools (P, Hkv, T, D) and (P, Hkv, T, Dv) agreeing with q (B, Hq, D), Hq % Hkv == 0");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && kv_pos.scalar_type() == at::kLong &&
-                  q_pos.scalar_type() == at::kLong && tables.is_contiguous() && kv_pos.stride(1) == 1,
-              "paged_decode: int64 tables (contiguous) and positions (unit last stride)");
-  TORCH_CHECK(tables.size(0) == B && kv_pos.size(0) == B && kv_pos.size(1) == NB * Tb && q_pos.size(0) == B,
-              "paged_decode: tables (B, NB), kv_pos (B, NB * T), q_pos (B,)");
+  const at::Tensor z = qkv_paged::check_args("paged_decode", q, k_pool, v_pool, tables, kv_pos, q_pos, sinks);
+  const int64_t B = q.size(0);
   auto out = at::empty({B, q.size(1), v_pool.size(3)}, q.options());
   auto lse = at::empty({B, q.size(1)}, q.options());
-  at::Tensor z;
-  if (sinks.has_value() && sinks->defined()) {
-    z = sinks->to(q.scalar_type()).contiguous();
-    TORCH_CHECK(z.numel() == q.size(1), "paged_decode: one sink per query head");
-  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode", [&] {
     run<scalar_t>(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal,
                   z.defined() ? z.data_ptr<scalar_t>() : nullptr, out, lse);

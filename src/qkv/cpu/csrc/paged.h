@@ -1,0 +1,39 @@
+// What the paged-cache attention kernels (paged_decode.cpp, paged_prefill.cpp) check of their arguments alike.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace qkv_paged {
+
+// q (B, Hq, D) with q_pos (B,), or q (B, Hq, N, D) with q_pos (B, N); k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv)
+// with unit last strides, Hq % Hkv == 0; tables (B, NB) contiguous int64, kv_pos (B, NB * T) int64 (unit last
+// stride); sinks (Hq,) or None. Returns the sinks in q's dtype, contiguous (undefined when None).
+inline at::Tensor check_args(const char* fn, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                             const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
+                             const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(), fn, ": CPU tensors only");
+  TORCH_CHECK((q.dim() == 3 || q.dim() == 4) && q_pos.dim() == q.dim() - 2 && k_pool.dim() == 4 &&
+                  v_pool.dim() == 4 && tables.dim() == 2 && kv_pos.dim() == 2,
+              fn, ": q (B, Hq, [N,] D), pools (P, Hkv, T, D), tables (B, NB), kv_pos (B, NB * T), q_pos (B, [N])");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              fn, ": q and the pools of one dtype");
+  TORCH_CHECK(q.stride(-1) == 1 && k_pool.stride(3) == 1 && v_pool.stride(3) == 1, fn, ": unit last strides");
+  const int64_t B = q.size(0), NB = tables.size(1), Tb = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == q.size(-1) && v_pool.size(0) == k_pool.size(0) && v_pool.size(1) == k_pool.size(1) &&
+                  v_pool.size(2) == Tb && q.size(1) % k_pool.size(1) == 0,
+              fn, ": pools (P, Hkv, T, D) and (P, Hkv, T, Dv) agreeing with q (B, Hq, [N,] D), Hq % Hkv == 0");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && kv_pos.scalar_type() == at::kLong &&
+                  q_pos.scalar_type() == at::kLong && tables.is_contiguous() && kv_pos.stride(1) == 1,
+              fn, ": int64 tables (contiguous) and positions (unit last stride)");
+  TORCH_CHECK(tables.size(0) == B && kv_pos.size(0) == B && kv_pos.size(1) == NB * Tb && q_pos.size(0) == B &&
+                  (q.dim() == 3 || q_pos.size(1) == q.size(2)),
+              fn, ": tables (B, NB), kv_pos (B, NB * T), q_pos (B, [N])");
+  at::Tensor z;
+  if (sinks.has_value() && sinks->defined()) {
+    z = sinks->to(q.scalar_type()).contiguous();
+    TORCH_CHECK(z.numel() == q.size(1), fn, ": one sink per query head");
+  }
+  return z;
+}
+
+}  // namespace qkv_paged
