@@ -115,12 +115,13 @@ def test_slots_out_of_position_order():
     _check(out, lse, ref, base, qpos, "out of order")
 
 
-def test_a_non_finite_key_keeps_its_rows_nan():
+@pytest.mark.parametrize("chunk, at", [(12, 6), (40, 21)])  # spans shorter and longer than one vector of scores
+def test_a_non_finite_key_keeps_its_rows_nan(chunk, at):
     """A NaN key leaves the rows of the queries that see it NaN (the contract), the other queries finite."""
-    q, kp, vp, tables, kpos, qpos = _case(7, Hq=2, Hkv=1, D=8, Dv=8, T=4, past=[0], chunk=[12])
-    kp[tables[0, 1], 0, 2] = float("nan")  # position 6
+    q, kp, vp, tables, kpos, qpos = _case(7, Hq=2, Hkv=1, D=8, Dv=8, T=4, past=[0], chunk=[chunk])
+    kp[tables[0, at // 4], 0, at % 4] = float("nan")
     out, _ = paged_prefill_blocks(q, kp, vp, tables, kpos, qpos)
-    assert bool(out[0, :, 6:].isnan().all()) and bool(out[0, :, :6].isfinite().all())
+    assert bool(out[0, :, at:].isnan().all()) and bool(out[0, :, :at].isfinite().all())
 
 
 def test_no_queries_and_queries_before_every_key():

@@ -2,6 +2,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
 
 namespace qkv_paged {
 
@@ -34,6 +40,44 @@ inline at::Tensor check_args(const char* fn, const at::Tensor& q, const at::Tens
     TORCH_CHECK(z.numel() == q.size(1), fn, ": one sink per query head");
   }
   return z;
+}
+
+// One online-softmax update (Milakov and Gimelshein 2018) of a query row by a span of n scores s: s becomes the
+// span's probabilities exp(s - m'), the running maximum m and denominator l move to the span's, and the factor
+// alpha = exp(m - m') that the row's accumulated output must be scaled by is returned. A span the row may see
+// none of (every score -inf) leaves m and l as they were and its probabilities zeros (alpha 1); a NaN score
+// spreads to l, so the row ends NaN.
+template <typename T>
+inline T online_update(T* s, int64_t n, T& m, T& l) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t L = Vec::size();
+  const T ninf = -std::numeric_limits<T>::infinity();
+  Vec vmx(ninf);
+  int64_t t = 0;
+  for (; t + L <= n; t += L) vmx = at::vec::maximum(vmx, Vec::loadu(s + t));
+  T mx = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+  for (; t < n; ++t) mx = std::isnan(s[t]) ? s[t] : std::max(mx, s[t]);
+  if (mx == ninf && m == ninf) {
+    std::fill(s, s + n, T(0));
+    return T(1);
+  }
+  const T mnew = std::isnan(mx) ? mx : std::max(m, mx);
+  const T a = m == ninf ? T(0) : std::exp(m - mnew);
+  const Vec vm(mnew);
+  Vec vsum(T(0));
+  for (t = 0; t + L <= n; t += L) {
+    const Vec e = (Vec::loadu(s + t) - vm).exp();
+    e.store(s + t);
+    vsum = vsum + e;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - mnew);
+    sum += s[t];
+  }
+  l = l * a + sum;
+  m = mnew;
+  return a;
 }
 
 }  // namespace qkv_paged

@@ -191,28 +191,7 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
       auto flush = [&]() {  // the online-softmax update of every head by the span's n keys
         for (int64_t g = 0; g < G; ++g) {
           T* sg = s.data() + g * span;
-          Vec vmx(ninf);
-          int64_t t = 0;
-          for (; t + L <= n; t += L) vmx = at::vec::maximum(vmx, Vec::loadu(sg + t));
-          T mx = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
-          for (; t < n; ++t) mx = std::max(mx, sg[t]);
-          const T mnew = std::max(m[g], mx);
-          const T a = m[g] == ninf ? T(0) : std::exp(m[g] - mnew);
-          const Vec vm(mnew);
-          Vec vsum(T(0));
-          for (t = 0; t + L <= n; t += L) {
-            const Vec e = (Vec::loadu(sg + t) - vm).exp();
-            e.store(sg + t);
-            vsum = vsum + e;
-          }
-          T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, vsum);
-          for (; t < n; ++t) {
-            sg[t] = std::exp(sg[t] - mnew);
-            sum += sg[t];
-          }
-          l[g] = l[g] * a + sum;
-          m[g] = mnew;
-          alpha[g] = a;
+          alpha[g] = qkv_paged::online_update<T>(sg, n, m[g], l[g]);
         }
         values<T>(s.data(), span, alpha.data(), vrows.data(), n, G, Dv, o.data());
         n = 0;

@@ -137,32 +137,8 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
               if (!visible(spos[t], qpos[r])) sr[t] = ninf;
             }
           }
-          Vec vmx(ninf);
-          int64_t t = 0;
-          for (; t + L <= n; t += L) vmx = at::vec::maximum(vmx, Vec::loadu(sr + t));
-          T mx = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
-          for (; t < n; ++t) mx = std::max(mx, sr[t]);
-          const T mnew = std::max(m[r], mx);
+          const T a = qkv_paged::online_update<T>(sr, n, m[r], l[r]);
           T* orow = o.data() + r * Dv;
-          if (mnew == ninf) {  // nothing this row may see yet: its probabilities are zeros
-            std::fill(sr, sr + n, T(0));
-            continue;
-          }
-          const T a = m[r] == ninf ? T(0) : std::exp(m[r] - mnew);
-          const Vec vm(mnew);
-          Vec vsum(T(0));
-          for (t = 0; t + L <= n; t += L) {
-            const Vec e = (Vec::loadu(sr + t) - vm).exp();
-            e.store(sr + t);
-            vsum = vsum + e;
-          }
-          T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, vsum);
-          for (; t < n; ++t) {
-            sr[t] = std::exp(sr[t] - mnew);
-            sum += sr[t];
-          }
-          l[r] = l[r] * a + sum;
-          m[r] = mnew;
           if (a != T(1)) {
             const Vec va(a);
             int64_t d = 0;
