@@ -149,8 +149,14 @@ def plain_decode_step(n_queries: int, *, attention_fn: AttentionFn | None, backe
         >>> plain_decode_step(1, attention_fn=qkv.attention, backend="auto", score_mod=qkv.mods.softcap(30.0))
         False
     """
-    return (n_queries == 1 and causal and attention_fn is attention and backend == "auto" and mask is None
-            and score_mod is None and sinks is None and not dropout_p)
+    return n_queries == 1 and _plain_call(attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
+                                          score_mod=score_mod, sinks=sinks, dropout_p=dropout_p)
+
+
+def _plain_call(*, attention_fn, backend, causal, mask, score_mod, sinks, dropout_p) -> bool:
+    """:func:`plain_decode_step`'s conditions but the query count: what a cache's in-place kernel honours."""
+    return (causal and attention_fn is attention and backend == "auto" and mask is None and score_mod is None
+            and sinks is None and not dropout_p)
 
 
 def refuse_scoring_cache(cache: AttentionCache, layer_idx: int, *, owner: str, modifiers: Sequence[object]) -> None:
@@ -277,8 +283,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
     # or a prompt chunk on the default backend)
     in_place = (caps is not None and caps.decoding and not return_lse and position_bias is None
                 and (N > 1 or decode_backend in (None, "auto", "sdpa"))
-                and plain_decode_step(1, attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
-                                      score_mod=score_mod, sinks=sinks, dropout_p=dropout_p))
+                and _plain_call(attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
+                                score_mod=score_mod, sinks=sinks, dropout_p=dropout_p))
     if cache is not None:
         defer = {"defer_view": True} if in_place and caps.deferred_view else {}
         if rope is None or cache.keeps_absolute_positions(layer_idx):

@@ -80,4 +80,27 @@ inline T online_update(T* s, int64_t n, T& m, T& l) {
   return a;
 }
 
+// A query row's result from its accumulated output o (Dv), running maximum m and denominator l: dst = o / l and
+// *lse = m + log l, with a sink logit (sink != nullptr) as one more term of the denominator, with no value. A row
+// with no visible key (l == 0, no sink) gives zeros and lse -inf, as the other paths; a NaN or +inf score left l NaN,
+// and the row is NaN, as the contract says.
+template <typename T>
+inline void finish_row(const T* o, int64_t Dv, T m, T l, const T* sink, T* dst, T* lse) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  T mt = m, lt = l, f = T(1);
+  if (sink != nullptr) {
+    mt = std::max(m, *sink);
+    f = m == ninf ? T(0) : std::exp(m - mt);
+    lt = l * f + std::exp(*sink - mt);
+  }
+  if (lt != T(0)) {
+    const T c = f / lt;
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = o[d] * c;
+    *lse = mt + std::log(lt);
+  } else {
+    std::fill(dst, dst + Dv, T(0));
+    *lse = ninf;
+  }
+}
+
 }  // namespace qkv_paged

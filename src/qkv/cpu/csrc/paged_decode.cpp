@@ -239,22 +239,8 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
       if (n) flush();
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
-        T* dst = op + (b * Hq + hq) * Dv;
-        T mt = m[g], lt = l[g], f = T(1);
-        if (sinks != nullptr) {  // a sink: one more logit z in the denominator, with no value
-          const T z = sinks[hq];
-          mt = std::max(m[g], z);
-          f = m[g] == ninf ? T(0) : std::exp(m[g] - mt);
-          lt = l[g] * f + std::exp(z - mt);
-        }
-        if (lt != T(0)) {  // a NaN or +inf score leaves lt NaN: the row is NaN, as the contract says
-          const T c = f / lt;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = o[g * Dv + d] * c;
-          lp[b * Hq + hq] = mt + std::log(lt);
-        } else {  // no visible key: zeros, as the other paths give
-          std::fill(dst, dst + Dv, T(0));
-          lp[b * Hq + hq] = ninf;
-        }
+        qkv_paged::finish_row<T>(o.data() + g * Dv, Dv, m[g], l[g], sinks == nullptr ? nullptr : sinks + hq,
+                                 op + (b * Hq + hq) * Dv, lp + b * Hq + hq);
       }
     }
   });

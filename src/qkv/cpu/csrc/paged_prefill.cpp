@@ -197,22 +197,13 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
         const int64_t g = r / nq, i = r % nq, hq = h * G + g;
         T* dst = op + ((b * N + n0 + i) * Hq + hq) * Dv;
         T* lse_at = lp + (b * Hq + hq) * N + n0 + i;
-        T mt = m[r], lt = l[r], f = T(1);
-        if (sinks != nullptr && qpos[r] >= 0) {  // a sink: one more logit z in the denominator, with no value
-          const T z = sinks[hq];
-          mt = std::max(m[r], z);
-          f = m[r] == ninf ? T(0) : std::exp(m[r] - mt);
-          lt = l[r] * f + std::exp(z - mt);
-        }
-        if (qpos[r] >= 0 && lt != T(0)) {  // a NaN or +inf score leaves lt NaN: the row is NaN, as the contract says
-          const T c = f / lt;
-          const T* orow = o.data() + r * Dv;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = orow[d] * c;
-          *lse_at = mt + std::log(lt);
-        } else {  // a padding query, or no visible key: zeros, as the other paths give
+        if (qpos[r] < 0) {  // a padding query: zeros, no sink
           std::fill(dst, dst + Dv, T(0));
           *lse_at = ninf;
+          continue;
         }
+        qkv_paged::finish_row<T>(o.data() + r * Dv, Dv, m[r], l[r], sinks == nullptr ? nullptr : sinks + hq, dst,
+                                 lse_at);
       }
     }
   });
