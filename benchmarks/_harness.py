@@ -373,7 +373,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-PRODUCT_OPS = ("linear", "bmm", "addmm", "mm", "baddbmm")  # op names that multiply by the weights
+PRODUCT_OPS = ("linear", "bmm", "addmm", "mm", "baddbmm", "head_screen")  # op names that multiply by the weights
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 #: Profiler ranges (torch.profiler.record_function) whose ops are attention whatever their names: the paged decode
 #: block path's GEMMs and gathers read keys and values, not weights; the compiled decode step's own loops

@@ -108,13 +108,14 @@ def test_optimize_is_idempotent_and_marks_the_model():
     modules = dict(model.named_modules())
     fns = {n: m.linear_fn for n, m in modules.items() if isinstance(m, qkv.cpu.LinearHost)}
     mark = optimized(model)
-    assert mark == Optimized(onednn=qkv.cpu.onednn_available(), input_major=None)
+    screened = qkv.cpu.greedy.screen_unavailable_reason() is None  # the DecoderLM's greedy head
+    assert mark == Optimized(onednn=qkv.cpu.onednn_available(), input_major=None, screen=screened)
     assert optimize(model) is model
     assert dict(model.named_modules()) == modules, "a second call swaps nothing"
     assert {n: m.linear_fn for n, m in model.named_modules() if isinstance(m, qkv.cpu.LinearHost)} == fns
     assert optimized(model) == mark
     optimize(model, onednn=False)  # new options are applied
-    assert optimized(model) == Optimized(onednn=False, input_major=None)
+    assert optimized(model) == Optimized(onednn=False, input_major=None, screen=screened)
     assert all(not m.pack for m in model.modules() if isinstance(m, PrepackedLinear))
 
 

@@ -240,6 +240,11 @@ class PrepackedLinear(SkinnyLinear):
     pack: bool = True
     activation: Activation | None = None
 
+    @property
+    def computes_linear(self) -> bool:
+        """``F.linear``'s product and nothing more (no activation applied after it)."""
+        return self.activation is None
+
     def _packed(self) -> PrepackedWeight:
         p = self.__dict__.get("_prepacked_weight")
         if p is None:
@@ -278,6 +283,8 @@ class LinearProducts:
     LM head, stacked experts, a fused QKV): each product the product rule's way (:func:`linear`), with one
     packed copy per weight or weight slice (:class:`PrepackedWeights`) when ``pack``.
     :func:`qkv.cpu.optimize` sets it as such a module's ``linear_fn``."""
+
+    computes_linear = True  # F.linear's product and nothing more
 
     def __init__(self, pack: bool = True) -> None:
         self.pack = pack

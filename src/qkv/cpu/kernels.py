@@ -51,7 +51,7 @@ TILE_BYTES = 128 << 10
 
 _SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp",
             "rotary.cpp", "norms.cpp", "decode_attention.cpp", "paged_decode.cpp",
-            "paged_prefill.cpp", "paged_store.cpp", "activations.cpp")
+            "paged_prefill.cpp", "paged_store.cpp", "activations.cpp", "greedy_head.cpp")
 _FLAGS = {  # torch's own CPU capability names -> the flags that give ATen's vector types that width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
                "-DCPU_CAPABILITY_AVX512"],

@@ -10,7 +10,9 @@ Models are built plain (``nn.Linear`` layers; a module that multiplies by weight
 - every module with a ``linear_fn`` (:class:`LinearHost`: a tied LM head, stacked MoE experts, a fused
   QKV) gets a :class:`qkv.cpu.gemm.LinearProducts`, the same rule for its own weights and slices of them;
 - a block computing ``up_activation(up_proj(x))`` (:class:`ActivatedUpProjection`, e.g. a GELU
-  ``qkv.nn.FeedForward``) has a ReLU/GELU moved into the up projection's oneDNN GEMM.
+  ``qkv.nn.FeedForward``) has a ReLU/GELU moved into the up projection's oneDNN GEMM;
+- a model that declares :class:`qkv.cpu.greedy.GreedyHead` (``qkv.nn.DecoderLM``) gets a
+  :class:`qkv.cpu.greedy.HeadScreen` for its greedy tokens, where the screen runs here (``screen=False``: never).
 
 ``state_dict()`` keeps its names and standard contiguous values (the parameters are the same objects;
 with ``input_major=True`` the wide weights are new parameters stored input-major, handed out contiguous),
@@ -41,6 +43,7 @@ from torch import nn
 
 from . import gemm
 from .gemm import LinearProducts, PrepackedLinear, can_fuse
+from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .skinny import SkinnyLinear
 
 __all__ = ["optimize", "optimized", "use_onednn", "Optimized", "LinearHost", "ActivatedUpProjection"]
@@ -49,11 +52,12 @@ _MARK = "_qkv_cpu_optimized"
 
 
 class Optimized(NamedTuple):
-    """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use) and the ``input_major``
-    option it was given (None: layouts kept)."""
+    """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use), the ``input_major``
+    option it was given (None: layouts kept), and ``screen`` (a greedy head was given a bfloat16 screen)."""
 
     onednn: bool
     input_major: bool | None
+    screen: bool = False
 
 
 @runtime_checkable
@@ -92,7 +96,8 @@ def _product_layer(child: nn.Linear, pack: bool, input_major: bool | None) -> nn
     return PrepackedLinear.from_linear(child, pack=pack, activation=activation, input_major_weight=want)
 
 
-def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None) -> nn.Module:
+def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None,
+             screen: bool | None = None) -> nn.Module:
     """Swap the CPU products of :mod:`qkv.cpu` into ``model`` (in place) and return it.
 
     Args:
@@ -105,6 +110,9 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
             (column blocks for few rows; an ablation, slower than row blocks in ``benchmarks/RESULTS.md``),
             False stores every weight standard, None (default) keeps each weight's layout. Where a layout
             changes the parameter becomes a new object: build a ``torch.optim`` optimizer after.
+        screen: None (default): greedy heads (:class:`qkv.cpu.greedy.GreedyHead`) get a bfloat16 screen where
+            it runs here (:func:`qkv.cpu.greedy.screen_unavailable_reason`); True: require it (``RuntimeError``
+            saying why it cannot run); False: never (and a screen set before is removed).
 
     Returns:
         ``model`` (see above for a bare ``nn.Linear``), marked so :func:`optimized` reports the options.
@@ -115,6 +123,14 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         raise TypeError(f"optimize: onednn must be None (where available), True or False, got {onednn!r}")
     if not (input_major is None or isinstance(input_major, bool)):
         raise TypeError(f"optimize: input_major must be None (keep layouts), True or False, got {input_major!r}")
+    if not (screen is None or isinstance(screen, bool)):
+        raise TypeError(f"optimize: screen must be None (where available), True or False, got {screen!r}")
+    no_screen = screen_unavailable_reason() if screen is not False else None
+    if screen is True and no_screen is not None:
+        raise RuntimeError(f"optimize: screen=True cannot run: {no_screen}; pass screen=None to use it where "
+                           f"available")
+    screened = screen is not False and no_screen is None
+    heads = False  # some greedy head got a screen
     why = gemm.onednn_unavailable_reason()
     if onednn is True and why is not None:
         raise RuntimeError(f"optimize: onednn=True cannot run: {why}; pass onednn=None to use it where available")
@@ -133,7 +149,11 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
                 and isinstance(parent.up_proj, PrepackedLinear) and parent.up_proj.activation is None
                 and can_fuse(parent.up_activation)):
             parent.up_proj.activation, parent.up_activation = parent.up_activation, None
-    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major)
+        if isinstance(parent, GreedyHead):
+            if (parent.head_screen is None) == screened:
+                parent.head_screen = HeadScreen() if screened else None
+            heads = heads or screened
+    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=heads)
     return model
 
 

@@ -191,6 +191,8 @@ def sharing_parameters(cls: type[nn.Linear], linear: nn.Linear) -> nn.Linear:
 class SkinnyLinear(nn.Linear):
     """``nn.Linear`` (same parameters, names and layout) multiplied through :func:`skinny_linear`."""
 
+    computes_linear = True  # F.linear's product and nothing more (an LM head's greedy screen may stand in)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> SkinnyLinear:
         """The same layer, sharing ``linear``'s parameters."""

@@ -59,7 +59,7 @@ from ..cache.protocol import DecoderModel
 from ..cache.specs import FullSpec, LatentSpec, RecurrentSpec, SlidingWindowSpec
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
-from .generate import _vocab_size, forward_step, sample_next
+from .generate import _vocab_size, last_tokens
 
 __all__ = ["Engine", "EngineResult", "EngineUpdate", "prefill_passes"]
 
@@ -373,9 +373,7 @@ class Engine:
         pos_t = torch.tensor([pad[1][len(ids):] + list(range(start, start + len(ids))) for ids, start in feeds],
                              dtype=torch.int64)
         self.cache.step_rows(rows if len(rows) < self.max_batch else None)
-        logits = forward_step(self.model, self.cache, ids_t.to(self.device), pos_t.to(self.device),
-                              last_only=True)[:, -1]
-        picks = sample_next(logits).tolist()
+        picks = last_tokens(self.model, self.cache, ids_t.to(self.device), pos_t.to(self.device)).tolist()
         updates = []
         for i, b in enumerate(rows):
             r = self._rows[b]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -44,7 +44,8 @@ from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
 from ..pos.ids import positions_from_padding
 
-__all__ = ["generate", "GenerateOutput", "prompt_positions", "sample_next", "logits_of", "forward_step", "prefill"]
+__all__ = ["generate", "GenerateOutput", "GreedyDecoder", "prompt_positions", "sample_next", "logits_of",
+           "forward_step", "last_logits", "last_tokens", "prefill"]
 
 Streamer = Callable[[torch.Tensor], None]
 
@@ -190,6 +191,32 @@ def forward_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, *, la
     return logits_of(model(ids, positions=positions, cache=cache))
 
 
+def last_logits(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`forward_step` over new columns; the logits (B, V) of the last one (the model computes only those
+    where it can)."""
+    return forward_step(model, cache, ids, positions, last_only=True)[:, -1]
+
+
+@runtime_checkable
+class GreedyDecoder(Protocol):
+    """A model that gives its greedy next tokens (B,) after the last column of a step without handing out logits
+    (``qkv.nn.DecoderLM.next_tokens``, which may screen its head: :mod:`qkv.cpu.greedy`)."""
+
+    def next_tokens(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                    cache=None) -> torch.Tensor: ...
+
+
+def last_tokens(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens (B,) int64 after the last of the new columns: the model's own ``next_tokens``
+    (:class:`GreedyDecoder`), else :func:`greedy` of :func:`last_logits`. Announces the columns to the cache first,
+    as :func:`forward_step` does."""
+    if isinstance(model, GreedyDecoder):
+        if cache is not None:
+            cache.prepare(ids, positions)
+        return model.next_tokens(ids, positions=positions, cache=cache)
+    return greedy(last_logits(model, cache, ids, positions).float())
+
+
 def _takes_logits_to_keep(model) -> bool:
     try:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -197,14 +224,16 @@ def _takes_logits_to_keep(model) -> bool:
         return False
 
 
-def prefill(model, cache, ids: torch.Tensor, positions: torch.Tensor, chunk: int | None) -> torch.Tensor:
-    """Run the prompt through the model (in chunks of ``chunk`` columns); logits (B, V) of the last column.
-    Only the last column's logits are computed where the model allows it (``logits_to_keep``)."""
+def prefill(model, cache, ids: torch.Tensor, positions: torch.Tensor, chunk: int | None,
+            step: Callable = last_logits) -> torch.Tensor:
+    """Run the prompt through the model (in chunks of ``chunk`` columns); what ``step`` gives for the last chunk:
+    by default the logits (B, V) of the last column (only those computed where the model allows it,
+    ``logits_to_keep``), or with ``step=last_tokens`` the greedy tokens (B,)."""
     N = ids.shape[1]
-    step = N if not chunk else chunk
+    width = N if not chunk else chunk
     last = None
-    for a in range(0, N, step):
-        last = forward_step(model, cache, ids[:, a:a + step], positions[:, a:a + step], last_only=True)[:, -1]
+    for a in range(0, N, width):
+        last = step(model, cache, ids[:, a:a + width], positions[:, a:a + width])
     return last
 
 
@@ -275,21 +304,26 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
                            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                            prefill_chunk_size=prefill_chunk_size, return_logits=return_logits)
     B = input_ids.shape[0]
+    # greedy without logits to return: the model's own next tokens where it gives them (a screened head)
+    tokens_only = not do_sample and not return_logits and isinstance(model, GreedyDecoder)
+    step = last_tokens if tokens_only else last_logits
     if use_cache:
         cache, hits = _open_cache(model, cache, input_ids, positions, salt)
-        logits = _prefill_rest(model, cache, input_ids, positions, hits, pad_token_id, prefill_chunk_size)
+        logits = _prefill_rest(model, cache, input_ids, positions, hits, pad_token_id, prefill_chunk_size, step)
     else:
         cache, hits = None, torch.zeros(B, dtype=torch.int64)
-        logits = forward_step(model, None, input_ids, positions, last_only=True)[:, -1]
-    if pad_token_id >= logits.shape[-1]:  # a model without a config: its logits tell the vocabulary
+        logits = step(model, None, input_ids, positions)
+    if not tokens_only and pad_token_id >= logits.shape[-1]:  # a model without a config: its logits tell it
         raise ValueError(f"generate: pad_token_id {pad_token_id} is outside the model's vocabulary of "
                          f"{logits.shape[-1]} tokens")
 
     def pick(step_logits: torch.Tensor) -> torch.Tensor:
+        if tokens_only:
+            return step_logits  # already the tokens
         return sample_next(step_logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                            generator=generator)
 
-    new_tokens, kept_logits, finished = _decode(model, cache, input_ids, positions, logits, pick,
+    new_tokens, kept_logits, finished = _decode(model, cache, input_ids, positions, logits, pick, step,
                                                 max_new_tokens=max_new_tokens, stops=stops,
                                                 pad_token_id=pad_token_id, streamer=streamer,
                                                 keep_logits=return_logits)
@@ -377,23 +411,25 @@ def _open_cache(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, 
 
 
 def _prefill_rest(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, hits: torch.Tensor,
-                  pad_token_id: int, chunk: int | None) -> torch.Tensor:
+                  pad_token_id: int, chunk: int | None, step: Callable = last_logits) -> torch.Tensor:
     """Step 3: prefill what the cache does not hold yet, each row's remaining prompt right-aligned (so a block
     shared with a longer row is written no later than its first reader); logits (B, V) of the last column."""
     if bool(hits.any()):
         run_ids, run_pos = _remaining_prompt(input_ids, positions, hits, pad_token_id)
     else:
         run_ids, run_pos = input_ids, positions
-    return prefill(model, cache, run_ids, run_pos, chunk)
+    return prefill(model, cache, run_ids, run_pos, chunk, step)
 
 
 def _decode(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor,
-            pick: Callable[[torch.Tensor], torch.Tensor], *, max_new_tokens: int, stops: torch.Tensor | None,
+            pick: Callable[[torch.Tensor], torch.Tensor], step: Callable = last_logits, *, max_new_tokens: int,
+            stops: torch.Tensor | None,
             pad_token_id: int, streamer: Streamer | None, keep_logits: bool
             ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Step 4: the decode loop from the prefill's last logits (B, V). A finished row emits ``pad_token_id`` at
-    position -1. Without a cache, each step recomputes the whole sequence. Returns the tokens (B,) and, when
-    ``keep_logits``, the float32 logits (B, V) of every step, and the finished rows (B,) bool."""
+    """Step 4: the decode loop from the prefill's last logits (B, V), or its tokens (B,) where ``step`` is
+    :func:`last_tokens` (``pick`` then passes them on). A finished row emits ``pad_token_id`` at position -1.
+    Without a cache, each step recomputes the whole sequence. Returns the tokens (B,) and, when ``keep_logits``,
+    the float32 logits (B, V) of every step, and the finished rows (B,) bool."""
     B, device = input_ids.shape[0], input_ids.device
     seq_ids, seq_pos = input_ids, positions
     next_pos = positions.max(dim=1).values + 1  # (B,)
@@ -413,11 +449,11 @@ def _decode(model, cache, input_ids: torch.Tensor, positions: torch.Tensor, logi
         if t == max_new_tokens - 1 or bool(finished.all()):
             break
         if cache is not None:
-            logits = forward_step(model, cache, tok.view(B, 1), step_pos.view(B, 1))[:, -1]
+            logits = step(model, cache, tok.view(B, 1), step_pos.view(B, 1))
         else:
             seq_ids = torch.cat([seq_ids, tok.view(B, 1)], dim=1)
             seq_pos = torch.cat([seq_pos, step_pos.view(B, 1)], dim=1)
-            logits = forward_step(model, None, seq_ids, seq_pos, last_only=True)[:, -1]
+            logits = step(model, None, seq_ids, seq_pos)
         next_pos = next_pos + 1
     return new_tokens, kept_logits, finished
 

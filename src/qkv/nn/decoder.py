@@ -55,7 +55,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,9 @@ from .kda import KimiDeltaAttention
 from .latent import LatentAttention
 from .moe import MoE
 from .norm import RMSNorm
+
+if TYPE_CHECKING:
+    from ..cpu.greedy import HeadScreen
 
 __all__ = ["DecoderLM", "DecoderLayer", "DecoderOutput", "SelfAttention", "positions_from_attention_mask"]
 
@@ -396,6 +399,13 @@ def _refuse_scoring_cache(model: DecoderLM, cache: AttentionCache) -> None:
                              modifiers=(attn.score_mod, "ALiBi" if attn.alibi is not None else None))
 
 
+def _plain_product(head) -> bool:
+    """Whether an LM head (an ``nn.Linear``, or the tied head's ``linear_fn``) computes ``F.linear`` and nothing
+    more: ``nn.Linear`` itself, ``F.linear``, or an object that says so (``computes_linear``, as
+    :mod:`qkv.cpu.gemm`'s products do)."""
+    return head is F.linear or type(head) is nn.Linear or getattr(head, "computes_linear", False) is True
+
+
 class DecoderLM(nn.Module):
     """The decoder-only language model of a :class:`qkv.nn.DecoderConfig`; a :class:`qkv.cache.DecoderModel`.
 
@@ -444,6 +454,7 @@ class DecoderLM(nn.Module):
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
+        self.head_screen: HeadScreen | None = None  # greedy tokens' bfloat16 screen (qkv.cpu.optimize sets one)
         # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused
         self._modified_scores = [i for i, layer in enumerate(self.layers)
                                  if not layer.latent and layer.linear_attn is None
@@ -492,15 +503,42 @@ class DecoderLM(nn.Module):
         Returns:
             :class:`DecoderOutput` ``(logits (B, N or logits_to_keep, V), cache)``.
         """
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"DecoderLM: logits_to_keep must be an int >= 0 (0: every position), got "
+                             f"{logits_to_keep!r}")
+        x = self._hidden(input_ids, attention_mask, positions, cache, logits_to_keep)
+        logits = self.linear_fn(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)  # (B, N, V)
+        cap = self.config.final_logit_softcapping
+        return DecoderOutput(logits if cap is None else cap * torch.tanh(logits / cap), cache)
+
+    def next_tokens(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                    cache: AttentionCache | None = None) -> torch.Tensor:
+        """Greedy next tokens (B,) int64 after the last column: ``forward(...).logits[:, -1].argmax(-1)``, the first
+        largest logit of each row. With a :class:`qkv.cpu.greedy.HeadScreen` in ``head_screen`` (set by
+        :func:`qkv.cpu.optimize` where it runs) the float32 head product is replaced by its bfloat16 screen and a
+        float64 check of the few tokens the screen leaves (the same tokens wherever float32 logits tell them
+        apart); a final logit softcap (monotonic) changes no token but ties, so a model with one takes the logits.
+        Arguments as :meth:`forward`."""
+        x = self._hidden(input_ids, None, positions, cache, 1)[:, -1]  # (B, d)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        bias = None if self.lm_head is None else self.lm_head.bias
+        screen = self.head_screen
+        if (screen is not None and bias is None and self.config.final_logit_softcapping is None
+                and _plain_product(self.linear_fn if self.lm_head is None else self.lm_head)
+                and screen.usable(x, weight)):
+            return screen.tokens(x, weight)
+        logits = self.linear_fn(x, weight) if self.lm_head is None else self.lm_head(x)
+        cap = self.config.final_logit_softcapping
+        return (logits if cap is None else cap * torch.tanh(logits / cap)).argmax(-1)
+
+    def _hidden(self, input_ids: torch.Tensor, attention_mask, positions, cache, keep: int) -> torch.Tensor:
+        """The final norm's output (B, N or keep, d): the checks, embeddings and every layer of :meth:`forward`."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
             seen = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
                     else type(input_ids).__name__)
             raise ValueError(f"DecoderLM: input_ids must be an integer tensor (B, N), got {seen}")
         if cache is not None and type(cache) not in _PROTOCOL_CACHES:
             _check_cache(cache)
-        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise ValueError(f"DecoderLM: logits_to_keep must be an int >= 0 (0: every position), got "
-                             f"{logits_to_keep!r}")
         if cache is not None and self._modified_scores:
             _refuse_scoring_cache(self, cache)
         N = input_ids.shape[1]
@@ -522,12 +560,9 @@ class DecoderLM(nn.Module):
             _refuse_inner_padding(real[..., 0] > 0, None if cache is None else cache.recurrent_state(i), i)
         for layer in self.layers:
             x = layer(x, step)
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        x = self.norm(x)
-        logits = self.linear_fn(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)  # (B, N, V)
-        cap = self.config.final_logit_softcapping
-        return DecoderOutput(logits if cap is None else cap * torch.tanh(logits / cap), cache)
+        if keep:
+            x = x[:, -keep:]
+        return self.norm(x)
 
     def cache_specs(self) -> list[LayerSpec]:
         """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""

@@ -39,6 +39,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
                             const at::Tensor& kv_pos, bool causal, int64_t window,
                             const c10::optional<at::Tensor>& sinks, double scale);
+std::vector<at::Tensor> screen_pack(const at::Tensor& weight);
+std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
+                                        const at::Tensor& A, const at::Tensor& B);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
@@ -53,5 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "one query per row over its blocks of a paged cache, read in place (CPU)");
   m.def("paged_prefill", &paged_prefill, "several queries per row over its blocks of a paged cache, in place (CPU)");
   m.def("paged_store", &paged_store, "a step's keys and values into their blocks and slots of a paged cache (CPU)");
+  m.def("screen_pack", &screen_pack, "an LM head's bfloat16 screen and its bound terms (CPU)");
+  m.def("screened_argmax", &screened_argmax, "greedy tokens through the bfloat16 screen, candidates in float64 (CPU)");
   m.def("delta_decode", &delta_decode, "a gated-delta mixer's decode step after its projections (CPU)");
 }

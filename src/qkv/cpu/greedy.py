@@ -1,0 +1,137 @@
+"""Greedy tokens of an LM head through a bfloat16 screen: the argmax of ``x @ W.T`` without the float32 product.
+
+A decode step's largest product is often its LM head (32000 x 512 floats are 65 MB, read once per step), yet greedy
+decoding keeps one index per row. :class:`HeadScreen` holds the head once more in bfloat16 (half the bytes,
+multiplied on the CPU's bfloat16 units by oneDNN's batch-reduce GEMM through torch), bounds every approximate
+logit's distance from the float32 logit rigorously (the rounding of ``x`` and ``W`` to bfloat16 by Cauchy-Schwarz,
+both products' float32 accumulation by Higham's gamma_K; ``csrc/greedy_head.cpp`` writes the bound out), and
+recomputes in float64 only the tokens whose upper bound reaches the row's largest lower bound: a handful per row.
+The token is the first largest of those float64 logits, so it is the argmax of the float32 logits wherever that
+is determined at all (two logits closer than a float32 product's rounding, about 1e-6 relative, can come out in
+either order from any two float32 GEMMs). Rows the screen cannot settle (a non-finite input or logit) take
+``F.linear`` and ``argmax``.
+
+It runs where qkv's compiled CPU kernels run and this CPU has a bfloat16 GEMM (AVX512-BF16 or AMX:
+:func:`screen_unavailable_reason` says why not, elsewhere the float32 head runs). The screen costs half the
+head's memory again; it is built on first use and rebuilt when the weight changes (as
+:class:`qkv.cpu.gemm.PrepackedWeight`). :func:`qkv.cpu.optimize` gives one to every module that declares
+:class:`GreedyHead` (``qkv.nn.DecoderLM``), whose ``next_tokens`` uses it; ``qkv.models.generate`` (greedy,
+without ``return_logits``) and ``qkv.models.Engine`` decode through ``next_tokens``.
+
+Example:
+    >>> import torch
+    >>> from qkv.cpu.greedy import HeadScreen, screen_unavailable_reason
+    >>> w, x = torch.randn(1000, 64), torch.randn(3, 64)
+    >>> screen = HeadScreen()
+    >>> tokens = screen.tokens(x, w) if screen_unavailable_reason() is None else (x @ w.T).argmax(-1)
+    >>> torch.equal(tokens, (x.double() @ w.double().T).argmax(-1))
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+
+__all__ = ["HeadScreen", "GreedyHead", "screen_unavailable_reason"]
+
+
+@functools.cache
+def _probe() -> str | None:
+    mod = kernels.load()
+    if mod is None:
+        return f"qkv's CPU kernels are unavailable ({kernels.unavailable_reason()})"
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(100, 16, generator=g), torch.randn(4, 16, generator=g)
+    try:
+        tokens, ok, _ = mod.screened_argmax(x, w, *mod.screen_pack(w))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"this CPU or torch build has no bfloat16 GEMM for the screen ({first})"
+    if not bool(ok.all()) or not torch.equal(tokens, (x.double() @ w.double().T).argmax(-1)):
+        return "the bfloat16 screen gave a wrong token on its probe in this build"
+    return None
+
+
+def screen_unavailable_reason() -> str | None:
+    """Why :class:`HeadScreen` cannot run here (then the float32 head runs), or None when it can: qkv's compiled
+    kernels, a bfloat16 GEMM on this CPU, and a probe's tokens equal to float64's."""
+    if kernels.unavailable_reason() is not None:
+        return f"qkv's CPU kernels are unavailable ({kernels.unavailable_reason()})"
+    return _probe()
+
+
+class HeadScreen:
+    """The bfloat16 screen of one LM head weight, built on first use and rebuilt when the weight changes (another
+    tensor, new storage, or an in-place write seen by its version counter; as :class:`qkv.cpu.gemm.PrepackedWeight`,
+    an in-place write to an inference tensor is not seen). :meth:`tokens` gives greedy tokens."""
+
+    def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
+        self._key: tuple | None = None
+        self._screen: tuple[torch.Tensor, ...] | None = None  # None with a key: the weight is not finite
+
+    def __deepcopy__(self, memo) -> HeadScreen:  # a copy builds its own screen lazily
+        return HeadScreen()
+
+    def __getstate__(self) -> dict:
+        return {"_source": None, "_key": None, "_screen": None}
+
+    def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`tokens` screens this product (float32 CPU tensors without gradient, an even number of
+        inputs, a finite weight, the screen available here); else it computes the float32 logits."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if (grad or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32
+                or weight.dtype != torch.float32 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]
+                or weight.shape[1] % 2 or x.numel() == 0 or screen_unavailable_reason() is not None):
+            return False
+        return self._get(weight) is not None
+
+    def _get(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        version = None if weight.is_inference() else weight._version
+        key = (weight.data_ptr(), version, tuple(weight.shape))
+        if self._source is not weight or self._key != key:
+            with torch.no_grad():
+                w = weight.detach().contiguous()
+                self._screen = tuple(kernels.load().screen_pack(w)) if bool(torch.isfinite(w).all()) else None
+            self._source, self._key = weight, key
+        return self._screen
+
+    def tokens(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K): int64 tokens of shape ``x.shape[:-1]``.
+        Through the screen where :meth:`usable`, else (and for rows it cannot settle) the float32 logits."""
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise TypeError(f"HeadScreen.tokens: x and weight must be tensors, got {type(x).__name__} and "
+                            f"{type(weight).__name__}")
+        if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"HeadScreen.tokens: x (..., K) and weight (V, K) must share K, got x "
+                             f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
+        lead, K = x.shape[:-1], x.shape[-1]
+        if not self.usable(x, weight):
+            return F.linear(x, weight).argmax(-1)
+        rows = x.reshape(-1, K).contiguous()
+        with torch.no_grad():
+            tokens, ok, _ = kernels.profiled("head_screen", kernels.load().screened_argmax, rows,
+                                             weight.detach().contiguous(), *self._screen)
+            if not bool(ok.all()):  # a non-finite input or logit: those rows through float32
+                bad = (~ok).nonzero()[:, 0]
+                tokens[bad] = F.linear(rows[bad], weight).argmax(-1)
+        return tokens.view(lead)
+
+    def __repr__(self) -> str:
+        held = "empty" if self._key is None else "not finite" if self._screen is None else \
+            f"{self._key[2][0]}x{self._key[2][1]}"
+        return f"HeadScreen({held})"
+
+
+@runtime_checkable
+class GreedyHead(Protocol):
+    """A model whose greedy tokens may go through a :class:`HeadScreen` held in ``head_screen`` (None: the float32
+    head). :func:`qkv.cpu.optimize` sets one where the screen runs."""
+
+    head_screen: HeadScreen | None

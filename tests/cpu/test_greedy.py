@@ -1,0 +1,218 @@
+"""qkv.cpu.greedy: greedy tokens through the LM head's bfloat16 screen. The reference is the float64 product's
+argmax (first index of the largest); the screen must equal it on random heads of many shapes, on near ties and
+exact ties (many candidates), at extreme scales, and hand rows it cannot settle (non-finite inputs) to float32;
+a non-finite or changed weight, bad input and an unavailable screen are handled; DecoderLM.next_tokens,
+generate and Engine give the tokens of the float32 logits with and without it."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qkv.cpu
+from qkv.cpu import greedy as greedy_module
+from qkv.cpu import kernels
+from qkv.cpu.greedy import GreedyHead, HeadScreen, screen_unavailable_reason
+from qkv.models import Engine, generate
+from qkv.nn import DecoderConfig, DecoderLM
+
+needs_screen = pytest.mark.skipif(screen_unavailable_reason() is not None,
+                                  reason=f"no bfloat16 screen here: {screen_unavailable_reason()}")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).argmax(-1)
+
+
+def kernel_counts(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mod = kernels.load()
+    return tuple(mod.screened_argmax(x.contiguous(), w.contiguous(), *mod.screen_pack(w.contiguous())))
+
+
+@needs_screen
+@pytest.mark.parametrize("V,K", [(1000, 64), (32000, 512), (33, 8), (31, 2), (4099, 96), (50, 1026)])
+@pytest.mark.parametrize("M", [1, 3, 17, 40])
+def test_tokens_equal_float64_argmax(V, K, M):
+    g = torch.Generator().manual_seed(V * 7 + K + M)
+    w = torch.randn(V, K, generator=g) / K ** 0.5
+    x = torch.randn(M, K, generator=g) * 2
+    tokens, ok, count = kernel_counts(x, w)
+    assert bool(ok.all())
+    assert torch.equal(tokens, reference(x, w))
+    assert int(count.max()) <= max(8, V // 50), "the screen leaves too many candidates to be worth its cost"
+    assert torch.equal(HeadScreen().tokens(x, w), reference(x, w))
+
+
+@needs_screen
+@settings(max_examples=40, deadline=None)
+@given(V=st.integers(1, 300), K=st.integers(1, 40).map(lambda k: 2 * k), M=st.integers(1, 9),
+       scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e6, 1e15]), seed=st.integers(0, 2 ** 16))
+def test_random_heads_and_scales(V, K, M, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, K, generator=g)
+    x = torch.randn(M, K, generator=g) * scale
+    assert torch.equal(HeadScreen().tokens(x, w), reference(x, w))
+
+
+@needs_screen
+def test_exact_ties_take_the_first_index():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(500, 64, generator=g)
+    x = torch.randn(4, 64, generator=g)
+    best = reference(x, w).tolist()
+    later, earlier = max(best[0] + 1, 450), min(best[2] - 1, 5)
+    assert later != best[2] and earlier >= 0
+    w[later] = w[best[0]]  # a later copy of row 0's winner ties it: the first index stays
+    w[earlier] = w[best[2]]  # an earlier copy of row 2's winner takes it
+    tokens, ok, count = kernel_counts(x, w)
+    assert bool(ok.all()) and torch.equal(tokens, reference(x, w))
+    assert int(tokens[0]) == best[0] and int(tokens[2]) == earlier
+    assert int(count[0]) >= 2 and int(count[2]) >= 2
+
+
+@needs_screen
+def test_near_ties_and_many_candidates():
+    """Logits closer than bfloat16's rounding: the screen cannot tell them apart, float64 does."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(64, generator=g)
+    w = base + 1e-5 * torch.randn(3000, 64, generator=g)  # every logit within ~1e-4 of the others
+    x = torch.randn(5, 64, generator=g)
+    tokens, ok, count = kernel_counts(x, w)
+    assert bool(ok.all()) and torch.equal(tokens, reference(x, w))
+    assert int(count.min()) > 100  # the bound keeps them all: the answer comes from float64
+    w2 = torch.randn(300, 64, generator=g)
+    w2[7] = w2[3] * (1 + 2 ** -20)  # one float32 ulp or so apart: bfloat16 maps both to the same values
+    x2 = w2[3:4].clone()
+    assert torch.equal(HeadScreen().tokens(x2, w2), reference(x2, w2))
+
+
+@needs_screen
+def test_non_finite_inputs_take_float32():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(700, 32, generator=g)
+    x = torch.randn(4, 32, generator=g)
+    x[1, 5] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] = 3e38  # finite, but the logits overflow
+    tokens, ok, _ = kernel_counts(x, w)
+    assert ok.tolist() == [True, False, False, False]
+    got = HeadScreen().tokens(x, w)
+    assert torch.equal(got, F.linear(x, w).argmax(-1))
+    assert int(got[0]) == int(reference(x[:1], w)[0])
+
+
+@needs_screen
+def test_weight_not_finite_or_changed():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(300, 16, generator=g)
+    x = torch.randn(3, 16, generator=g)
+    screen = HeadScreen()
+    assert screen.usable(x, w) and torch.equal(screen.tokens(x, w), reference(x, w))
+    w[5, 3] = float("nan")  # an in-place write: the screen is rebuilt, and refuses a weight that is not finite
+    assert not screen.usable(x, w)
+    assert torch.equal(screen.tokens(x, w), F.linear(x, w).argmax(-1))
+    w[5, 3] = 0.0
+    w[200] = x[0] * 10  # row 0 now picks 200
+    assert screen.usable(x, w)
+    tokens = screen.tokens(x, w)
+    assert int(tokens[0]) == 200 and torch.equal(tokens, reference(x, w))
+    other = torch.randn(300, 16, generator=g)  # another tensor
+    assert torch.equal(screen.tokens(x, other), reference(x, other))
+    assert "300x16" in repr(screen) and repr(copy.deepcopy(screen)) == "HeadScreen(empty)"
+
+
+def test_refusals_and_fallbacks(monkeypatch):
+    screen = HeadScreen()
+    with pytest.raises(TypeError, match="x and weight must be tensors"):
+        screen.tokens([1.0], torch.randn(3, 2))
+    with pytest.raises(ValueError, match="must share K"):
+        screen.tokens(torch.randn(2, 4), torch.randn(3, 6))
+    x, w = torch.randn(2, 4, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64)
+    assert not screen.usable(x, w) and torch.equal(screen.tokens(x, w), reference(x, w))  # float64: the product
+    xo, wo = torch.randn(2, 5), torch.randn(9, 5)  # odd K: no bfloat16 pairs
+    assert not screen.usable(xo, wo) and torch.equal(screen.tokens(xo, wo), F.linear(xo, wo).argmax(-1))
+    xg = torch.randn(2, 4, requires_grad=True)
+    assert not screen.usable(xg, torch.randn(9, 4))
+    monkeypatch.setattr(greedy_module, "screen_unavailable_reason", lambda: "no bfloat16 GEMM (test)")
+    x32, w32 = torch.randn(3, 8), torch.randn(20, 8)
+    assert not screen.usable(x32, w32) and torch.equal(screen.tokens(x32, w32), F.linear(x32, w32).argmax(-1))
+    monkeypatch.setattr(importlib.import_module("qkv.cpu.optimize"), "screen_unavailable_reason",
+                        lambda: "no bfloat16 GEMM (test)")
+    model = DecoderLM(DecoderConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32)).eval()
+    with pytest.raises(RuntimeError, match="screen=True cannot run: no bfloat16 GEMM"):
+        qkv.cpu.optimize(model, screen=True)
+    qkv.cpu.optimize(model)
+    assert model.head_screen is None and not qkv.cpu.optimized(model).screen
+
+
+def test_optimize_screen_option():
+    model = DecoderLM(DecoderConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32)).eval()
+    assert isinstance(model, GreedyHead) and model.head_screen is None
+    with pytest.raises(TypeError, match="screen must be None"):
+        qkv.cpu.optimize(model, screen="yes")
+    qkv.cpu.optimize(model)
+    available = screen_unavailable_reason() is None
+    assert (model.head_screen is not None) == available and qkv.cpu.optimized(model).screen == available
+    qkv.cpu.optimize(model, screen=False)
+    assert model.head_screen is None and not qkv.cpu.optimized(model).screen
+
+
+def _lm(tied: bool, cap: float | None = None, vocab: int = 3000) -> DecoderLM:
+    torch.manual_seed(5)
+    return DecoderLM(DecoderConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=tied,
+                                   final_logit_softcapping=cap)).eval()
+
+
+@needs_screen
+@pytest.mark.parametrize("tied", [False, True])
+def test_next_tokens_equal_the_logits_argmax(tied):
+    model = _lm(tied)
+    ref = copy.deepcopy(model).double()
+    qkv.cpu.optimize(model)
+    assert model.head_screen is not None
+    ids = torch.randint(0, 3000, (6, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = model.next_tokens(ids)
+        want = ref(ids).logits[:, -1].argmax(-1)
+        assert torch.equal(got, want)
+        assert torch.equal(got, model(ids).logits[:, -1].argmax(-1))
+    assert model.head_screen._key is not None  # the screen ran
+
+
+def test_next_tokens_softcap_and_plain_heads():
+    model = qkv.cpu.optimize(_lm(False, cap=2.0))
+    ids = torch.randint(0, 3000, (3, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(model.next_tokens(ids), model(ids).logits[:, -1].argmax(-1))
+    assert model.head_screen is None or model.head_screen._key is None  # the capped logits, not the screen
+    plain = _lm(True)
+    plain.linear_fn = lambda x, w, b=None: F.linear(x, w, b) * 2  # the user's own head product: never screened
+    plain.head_screen = HeadScreen()
+    with torch.no_grad():
+        assert torch.equal(plain.next_tokens(ids), plain(ids).logits[:, -1].argmax(-1))
+    assert plain.head_screen._key is None
+
+
+@needs_screen
+def test_generate_and_engine_tokens_with_and_without_the_screen():
+    model = qkv.cpu.optimize(_lm(False, vocab=4000))
+    plain = qkv.cpu.optimize(copy.deepcopy(model), screen=False)
+    ids = torch.randint(0, 4000, (4, 9), generator=torch.Generator().manual_seed(8))
+    a = generate(model, ids, max_new_tokens=12)
+    b = generate(plain, ids, max_new_tokens=12)
+    c = generate(model, ids, max_new_tokens=12, return_logits=True)  # logits wanted: the float32 head
+    assert torch.equal(a.new_tokens, b.new_tokens) and torch.equal(a.new_tokens, c.new_tokens)
+    assert torch.equal(c.logits.argmax(-1), c.new_tokens)
+    engine = Engine(model, num_blocks=64, block_size=8, max_batch=3)
+    rids = [engine.add(ids[i].tolist(), 12) for i in range(4)]
+    results = engine.run()
+    assert [results[r].tokens for r in rids] == b.new_tokens.tolist()
