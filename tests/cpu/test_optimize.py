@@ -64,9 +64,9 @@ def test_model_builds_plain_modules():
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_optimize_keeps_state_and_logits(two_threads, monkeypatch, name):
+def test_optimize_keeps_state_and_logits(two_threads, monkeypatch, name, row_block_table):
     """Same state_dict (names, the same tensors), logits within budget of float64 for prefills and for a
-    one-row and an 8-row decode step, through row blocks and (where it runs) oneDNN."""
+    one-row and an 8-row decode step, through row blocks (a table that takes them) and (where it runs) oneDNN."""
     model = _model(name)
     ref = copy.deepcopy(model).double()
     plain = copy.deepcopy(model)

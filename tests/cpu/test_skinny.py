@@ -46,7 +46,7 @@ def test_matches_linear(two_threads, layout, lead, n_out, bias):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows,K", [(1, 1024), (2, 300), (4, 64)])
-def test_row_blocks_match_linear(threads, dtype, rows, K):
+def test_row_blocks_match_linear(threads, dtype, rows, K, row_block_table):
     """The standard-layout path at one and two threads, in both BLAS dtypes, taken (checked) and exact to budget."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -60,8 +60,9 @@ def test_row_blocks_match_linear(threads, dtype, rows, K):
         torch.set_num_threads(before)
 
 
-def test_blocking_rules():
-    """The block counts the product rule (qkv.cpu.rule.TABLE) implies, without oneDNN."""
+def test_blocking_rules(row_block_table):
+    """The block counts a product table (here the one that takes row blocks, tests/cpu/conftest.py) implies,
+    without oneDNN."""
     assert row_blocks(1, 32000, 512, threads=1) == 4  # one thread: short rows still blocked
     assert row_blocks(1, 32000, 4096, threads=1) == 1  # ... wide rows read faster through F.linear
     assert row_blocks(4, 32000, 4096, threads=2) == 4  # at least ROW_BLOCKS blocks
@@ -81,7 +82,7 @@ def test_blocking_rules():
     assert column_blocks(8, 512, 1376, threads=2) == 1  # narrow weights: F.linear
 
 
-def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch):
+def test_blocked_path_taken_and_plain_otherwise(two_threads, monkeypatch, row_block_table):
     calls = []
     for name in ("rows_linear", "by_columns"):  # the two blocked paths
         real = getattr(skinny_module, name)

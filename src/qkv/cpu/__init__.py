@@ -13,6 +13,8 @@ applied to a plain model from outside by one call, :func:`optimize`.
   read in place (the gather backend's and the paged decode step's CPU path), the chunked gated delta rule a
   chunk at a time in cache (``qkv.linear.gated_delta_chunked`` without autograd), and a gated-delta mixer's whole
   decode step after its projections (``qkv.nn.GatedDeltaNet`` / ``KimiDeltaAttention``).
+- :mod:`qkv.cpu.greedy`: greedy tokens of an LM head through a bfloat16 screen with a rigorous bound, the few
+  tokens it leaves recomputed in float64 (:class:`~qkv.cpu.greedy.HeadScreen`; ``DecoderLM.next_tokens``).
 - :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,
   ``qkv.models.generate`` and ``SentenceEncoder`` call it by default); :func:`use_onednn` is the same with
   oneDNN required, kept for existing code.
@@ -30,9 +32,11 @@ from .gemm import (
     onednn_available,
     onednn_unavailable_reason,
 )
+from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .optimize import ActivatedUpProjection, LinearHost, Optimized, optimize, optimized, use_onednn
 from .skinny import InputMajorLinear, SkinnyLinear, input_major, skinny_linear
 
-__all__ = ["optimize", "optimized", "Optimized", "use_onednn", "LinearHost", "ActivatedUpProjection",
+__all__ = ["optimize", "optimized", "Optimized", "use_onednn", "LinearHost", "ActivatedUpProjection", "GreedyHead",
+           "HeadScreen", "screen_unavailable_reason",
            "onednn_available", "onednn_unavailable_reason", "PrepackedLinear", "PrepackedWeight",
            "PrepackedWeights", "LinearProducts", "SkinnyLinear", "InputMajorLinear", "input_major", "skinny_linear"]

@@ -30,7 +30,7 @@ Example:
     >>> shape_class(32000, 512), shape_class(512, 1376), shape_class(11008, 4096), shape_class(4096, 11008)
     ('short', 'narrow', 'wide', 'long')
     >>> choose(1, 32000, 512, threads=2), choose(8, 512, 1376, threads=1), choose(1, 11008, 4096, threads=1)
-    ('row_blocks', 'onednn', 'linear')
+    ('linear', 'onednn', 'onednn')
     >>> choose(32, 512, 1376, threads=2, onednn=False)
     'linear'
 """
@@ -82,41 +82,47 @@ def switches(row_blocks_up_to: int, onednn_from: int) -> tuple[Band, ...]:
 
 #: Thread class -> (row_blocks_up_to, onednn_from) of the narrow class (:func:`switches`), settled on whole
 #: decode steps (:data:`DECIDED_IN_PLACE`; ``benchmarks/skinny.py`` times one row either side of them).
-NARROW_SWITCHES: MappingProxyType[int, tuple[int, int]] = MappingProxyType({1: (2, 3), 2: (4, 3)})
+NARROW_SWITCHES: MappingProxyType[int, tuple[int, int]] = MappingProxyType({1: (0, 3), 2: (0, 3)})
 
 
 #: (threads: 1, or 2 for two and more; shape class) -> row bands. The bands of the short, wide and long classes
 #: are those ``python benchmarks/skinny.py --fit benchmarks/results/skinny.json`` prints for the committed run
-#: (2-core AMD EPYC, MKL, weights cold, 2026-12-04: LM head 32000x512, gate/up 2752x512, 4096x4096, 11008x4096,
-#: 4096x11008; 1-32 rows): oneDNN from 2-3 rows for every weight of 1024+ outputs (from one row for the long
-#: class at 2 threads), row blocks for 1-2 rows of the short class. Between the paths without oneDNN, 10-20%
-#: differences flip between runs, so those bands move with each new table. Narrow (QKV 768x512, output
-#: 512x512, down 512x1376): whole decode steps of the width-512 Llama (``skinny_decode.json``), oneDNN from 3
-#: rows (one thread, 4 rows: 1.55x the tokens/s of the table before, which started oneDNN at 8 rows).
+#: (2-core Intel Xeon with AVX-512 and AMX, MKL, weights cold, 2026-12-05: LM head 32000x512, gate/up 2752x512,
+#: 4096x4096, 11008x4096, 4096x11008; 1-32 rows): ``F.linear`` for 1-2 rows of the short and long classes (row
+#: blocks, which won there on the 2-core AMD EPYC of the table before, ran at about half its speed on this CPU),
+#: oneDNN from 3 rows, row blocks only where they won every repeat; between the paths without oneDNN, 10-20%
+#: differences flip between runs, so those bands move with each new table. Narrow (QKV 768x512, output 512x512,
+#: down 512x1376): whole decode steps of the width-512 Llama (``skinny_decode.json``): ``F.linear`` for 1-2 rows
+#: (row blocks lost every repeat at one row and one thread), oneDNN from 3 rows.
 TABLE: MappingProxyType[tuple[int, str], tuple[Band, ...]] = MappingProxyType({
     (1, "narrow"): switches(*NARROW_SWITCHES[1]),
-    (1, "short"): (Band(1, "row_blocks", "row_blocks", "columns", "columns"),
-                   Band(2, "row_blocks", "row_blocks", "onednn", "columns"),
-                   Band(8, "onednn", "row_blocks", "onednn", "columns"),
-                   Band(32, "onednn", "linear", "onednn", "columns")),
-    (1, "wide"): (Band(1, "linear", "linear", "linear", "linear"),
-                  Band(2, "onednn", "linear", "onednn", "linear"),
-                  Band(4, "onednn", "row_blocks", "onednn", "columns"),
-                  Band(12, "onednn", "linear", "onednn", "columns"),
-                  Band(32, "onednn", "row_blocks", "onednn", "columns")),
-    (1, "long"): (Band(1, "linear", "linear", "linear", "linear"),
-                  Band(2, "onednn", "linear", "onednn", "linear"),
-                  Band(12, "onednn", "linear", "onednn", "columns"),
-                  Band(16, "onednn", "row_blocks", "onednn", "columns"),
-                  Band(24, "onednn", "linear", "onednn", "columns"),
-                  Band(32, "onednn", "row_blocks", "onednn", "columns")),
+    (1, "short"): (Band(1, "linear", "linear", "columns", "columns"),
+                   Band(2, "linear", "linear", "linear", "linear"),
+                   Band(6, "onednn", "linear", "onednn", "columns"),
+                   Band(12, "onednn", "row_blocks", "onednn", "columns"),
+                   Band(32, "onednn", "linear", "onednn", "linear")),
+    (1, "wide"): (Band(1, "onednn", "linear", "onednn", "linear"),
+                  Band(2, "linear", "linear", "linear", "linear"),
+                  Band(4, "onednn", "linear", "onednn", "columns"),
+                  Band(12, "onednn", "row_blocks", "onednn", "columns"),
+                  Band(24, "onednn", "row_blocks", "onednn", "linear"),
+                  Band(32, "row_blocks", "row_blocks", "onednn", "linear")),
+    (1, "long"): (Band(2, "linear", "linear", "linear", "linear"),
+                  Band(12, "onednn", "row_blocks", "onednn", "columns"),
+                  Band(32, "row_blocks", "row_blocks", "onednn", "linear")),
     (2, "narrow"): switches(*NARROW_SWITCHES[2]),
-    (2, "short"): (Band(1, "row_blocks", "row_blocks", "columns", "columns"),
-                   Band(2, "row_blocks", "row_blocks", "onednn", "columns"),
+    (2, "short"): (Band(2, "linear", "linear", "linear", "linear"),
+                   Band(4, "onednn", "linear", "onednn", "columns"),
+                   Band(6, "onednn", "linear", "onednn", "linear"),
                    Band(32, "onednn", "row_blocks", "onednn", "columns")),
-    (2, "wide"): (Band(32, "onednn", "row_blocks", "onednn", "columns"),),
-    (2, "long"): (Band(1, "onednn", "row_blocks", "columns", "columns"),
-                  Band(32, "onednn", "row_blocks", "onednn", "columns")),
+    (2, "wide"): (Band(6, "onednn", "linear", "onednn", "linear"),
+                  Band(12, "onednn", "row_blocks", "onednn", "columns"),
+                  Band(32, "onednn", "row_blocks", "onednn", "linear")),
+    (2, "long"): (Band(2, "linear", "linear", "linear", "linear"),
+                  Band(12, "onednn", "row_blocks", "onednn", "columns"),
+                  Band(16, "row_blocks", "row_blocks", "onednn", "linear"),
+                  Band(24, "onednn", "row_blocks", "onednn", "linear"),
+                  Band(32, "row_blocks", "row_blocks", "onednn", "linear")),
 })
 
 #: (threads, shape class) whose bands follow whole decode steps, not the cells of one weight read cold: small
