@@ -94,8 +94,12 @@ def test_right_wrapper_passes_every_check():
 
 @pytest.mark.parametrize("name", ["reference", "tiled", "tiled-invariant"])
 def test_qkv_backends_conform(name):
+    """Every check; the default tiled path promises no batch invariance (its products' bits follow the CPU GEMM's
+    choices by shape: bitwise equal on a 2-core AMD EPYC, 1e-6 apart for chunked prefill on a 2-core Intel Xeon),
+    so there it is reported, not required; ``tiled-invariant`` (``batch_invariant=True``) requires it."""
     report = conformance.check(name)
-    assert report.ok, report.table()
+    promised = [f for f in report.findings if name != "tiled" or f.check != "batch_invariance"]
+    assert all(f.ok for f in promised), report.table()
 
 
 def test_unsupported_options_are_reported_not_failed():
