@@ -190,6 +190,18 @@ def attention_flops(B: int, Hq: int, Nq: int, Nk: int, D: int, *, causal: bool =
     return f / 2 if causal else f
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), so tables from different hosts are told apart."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def context(**extra: Any) -> dict[str, Any]:
     """The full context a number needs to be read: versions, threads, device, time."""
     ctx: dict[str, Any] = {
@@ -197,6 +209,7 @@ def context(**extra: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "device": "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
