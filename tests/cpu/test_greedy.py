@@ -216,3 +216,11 @@ def test_generate_and_engine_tokens_with_and_without_the_screen():
     rids = [engine.add(ids[i].tolist(), 12) for i in range(4)]
     results = engine.run()
     assert [results[r].tokens for r in rids] == b.new_tokens.tolist()
+
+
+def test_next_tokens_refuses_bad_input():
+    model = _lm(False, vocab=100)
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
+        model.next_tokens(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="positions"):
+        model.next_tokens(torch.zeros(2, 3, dtype=torch.int64), positions=torch.zeros(5, dtype=torch.int64))

@@ -413,6 +413,9 @@ class DecoderLM(nn.Module):
         config: the model's shape and switches (``qkv.nn.get_config("tiny-llama")``, or what
             :func:`qkv.models.from_hf` reads from a checkpoint).
 
+    ``next_tokens(ids, positions=, cache=)`` gives the greedy tokens after the last column without handing out
+    logits (through a bfloat16 screen of the head where :func:`qkv.cpu.optimize` set one: :mod:`qkv.cpu.greedy`).
+
     Submodules keep the names HF users know: ``embed_tokens``, ``layers[i].self_attn`` (``qkv_proj``,
     ``o_proj``), ``layers[i].mlp``, ``norm``, ``lm_head`` (None when tied to ``embed_tokens``). Every product
     is a plain ``nn.Linear`` or, for the tied head, ``linear_fn`` (``F.linear``); :func:`qkv.cpu.optimize`
