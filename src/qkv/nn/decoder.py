@@ -527,9 +527,8 @@ class DecoderLM(nn.Module):
         bias = None if self.lm_head is None else self.lm_head.bias
         screen = self.head_screen
         if (screen is not None and bias is None and self.config.final_logit_softcapping is None
-                and _plain_product(self.linear_fn if self.lm_head is None else self.lm_head)
-                and screen.usable(x, weight)):
-            return screen.tokens(x, weight)
+                and _plain_product(self.linear_fn if self.lm_head is None else self.lm_head)):
+            return screen.tokens(x, weight)  # F.linear's argmax where it cannot screen: the head's own product
         logits = self.linear_fn(x, weight) if self.lm_head is None else self.lm_head(x)
         cap = self.config.final_logit_softcapping
         return (logits if cap is None else cap * torch.tanh(logits / cap)).argmax(-1)
