@@ -29,7 +29,7 @@ Workloads:
   default, so each of these prompts in one pass; finished rows hand their blocks to waiting requests at once).
 
 The engines differ where they may: both multiply every layer in float32, but for the greedy token qkv reads its
-LM head through the bfloat16 screen of ``qkv.cpu.greedy`` (a bound per logit and the few tokens it leaves
+LM head through the int8 screen of ``qkv.cpu.greedy`` (a bound per logit and the few tokens it leaves
 recomputed in float64) where vLLM computes float32 logits; the tokens are compared in every row.
 
 Each row reports the median and range over the paired repeats of qkv's rate over vLLM's, the target judged on the
@@ -37,7 +37,7 @@ slowest repeat, the load average while it ran, and whether the greedy tokens are
 says where qkv's decode step goes (``step_*_ms``: products, attention, other torch ops and Python, from one run
 of each length under torch's profiler, indicative: the profiler's own cost lands in the small ops and Python)
 against the step's memory floor (``floor_ms``: every float32 weight read once, but one row of the embedding table,
-at the measured read rate; qkv's screened head reads half its bytes, so qkv can step below it) and vLLM's step.
+at the measured read rate; qkv's screened head reads a quarter of its bytes, so qkv can step below it) and vLLM's step.
 The stream row says the same of one whole qkv run (``stream_*_ms``, one more run under the profiler) against the
 products' compute floor (``products_floor_ms``: the FLOPs of every product the requests need, prompt tokens
 through the layers and fed-back tokens through the whole model, over the measured GEMM rate) and vLLM's time for

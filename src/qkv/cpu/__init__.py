@@ -13,7 +13,7 @@ applied to a plain model from outside by one call, :func:`optimize`.
   read in place (the gather backend's and the paged decode step's CPU path), the chunked gated delta rule a
   chunk at a time in cache (``qkv.linear.gated_delta_chunked`` without autograd), and a gated-delta mixer's whole
   decode step after its projections (``qkv.nn.GatedDeltaNet`` / ``KimiDeltaAttention``).
-- :mod:`qkv.cpu.greedy`: greedy tokens of an LM head through a bfloat16 screen with a rigorous bound, the few
+- :mod:`qkv.cpu.greedy`: greedy tokens of an LM head through an int8 screen with a rigorous bound, the few
   tokens it leaves recomputed in float64 (:class:`~qkv.cpu.greedy.HeadScreen`; ``DecoderLM.next_tokens``).
 - :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,
   ``qkv.models.generate`` and ``SentenceEncoder`` call it by default); :func:`use_onednn` is the same with

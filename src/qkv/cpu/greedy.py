@@ -1,22 +1,27 @@
-"""Greedy tokens of an LM head through a bfloat16 screen: the argmax of ``x @ W.T`` without the float32 product.
+"""Greedy tokens of an LM head through an int8 screen: the argmax of ``x @ W.T`` without the float32 product.
 
 A decode step's largest product is often its LM head (32000 x 512 floats are 65 MB, read once per step), yet greedy
-decoding keeps one index per row. :class:`HeadScreen` holds the head once more in bfloat16 (half the bytes,
-multiplied on the CPU's bfloat16 units by oneDNN's batch-reduce GEMM through torch), bounds every approximate
-logit's distance from the float32 logit rigorously (the rounding of ``x`` and ``W`` to bfloat16 by Cauchy-Schwarz,
-both products' float32 accumulation by Higham's gamma_K; ``csrc/greedy_head.cpp`` writes the bound out), and
-recomputes in float64 only the tokens whose upper bound reaches the row's largest lower bound: a handful per row.
-The token is the first largest of those float64 logits, so it is the argmax of the float32 logits wherever that
-is determined at all (two logits closer than a float32 product's rounding, about 1e-6 relative, can come out in
-either order from any two float32 GEMMs). Rows the screen cannot settle (a non-finite input or logit) take
+decoding keeps one index per row. :class:`HeadScreen` holds the head once more in int8 (a quarter of the bytes: each
+row as a scale times integers in [-127, 127]), takes each input row to 16-bit integers, and multiplies them exactly
+in integers on the CPU's int8 units (oneDNN's batch-reduce GEMM through torch, AMX or AVX512-VNNI). Every
+approximate logit gets a rigorous bound on its distance from the float32 logit (both quantizations by
+Cauchy-Schwarz, the float32 GEMM's accumulation by Higham's gamma_K; ``csrc/greedy_head.cpp`` writes the bound out),
+and only the tokens whose upper bound reaches the row's largest lower bound are recomputed in float64: a handful
+per row. The token is the first largest of those float64 logits, so it is the argmax of the float32 logits wherever
+that is determined at all (two logits closer than a float32 product's rounding, about 1e-6 relative, can come out
+in either order from any two float32 GEMMs). Rows the screen cannot settle (a non-finite input or logit) take
 ``F.linear`` and ``argmax``.
 
-It runs where qkv's compiled CPU kernels run and this CPU has a bfloat16 GEMM (AVX512-BF16 or AMX:
-:func:`screen_unavailable_reason` says why not, elsewhere the float32 head runs). The screen costs half the
-head's memory again; it is built on first use and rebuilt when the weight changes (as
-:class:`qkv.cpu.gemm.PrepackedWeight`). :func:`qkv.cpu.optimize` gives one to every module that declares
-:class:`GreedyHead` (``qkv.nn.DecoderLM``), whose ``next_tokens`` uses it; ``qkv.models.generate`` (greedy,
-without ``return_logits``) and ``qkv.models.Engine`` decode through ``next_tokens``.
+The screen's bytes matter twice: a step reads a quarter of the float32 head, and the decoder's own weights are more
+likely to stay in the CPU's last-level cache between steps when the head beside them is small.
+
+It runs where qkv's compiled CPU kernels run and this CPU has an int8 GEMM (AVX512-VNNI or AMX:
+:func:`screen_unavailable_reason` says why not, elsewhere the float32 head runs), for heads of up to 65,536
+inputs (the integer sums stay exact). The screen costs a quarter of the head's memory again; it is built on first
+use and rebuilt when the weight changes (as :class:`qkv.cpu.gemm.PrepackedWeight`). :func:`qkv.cpu.optimize` gives
+one to every module that declares :class:`GreedyHead` (``qkv.nn.DecoderLM``), whose ``next_tokens`` uses it;
+``qkv.models.generate`` (greedy, without ``return_logits``) and ``qkv.models.Engine`` decode through
+``next_tokens``.
 
 Example:
     >>> import torch
@@ -38,7 +43,10 @@ import torch.nn.functional as F
 
 from . import kernels
 
-__all__ = ["HeadScreen", "GreedyHead", "screen_unavailable_reason"]
+__all__ = ["HeadScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS"]
+
+#: The most inputs (K) a screened head may have: the screen's int32 sums of K products of 255 x 127 stay exact.
+MAX_INPUTS = 65536
 
 
 @functools.cache
@@ -52,22 +60,22 @@ def _probe() -> str | None:
         tokens, ok, _ = mod.screened_argmax(x, w, *mod.screen_pack(w))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"this CPU or torch build has no bfloat16 GEMM for the screen ({first})"
+        return f"this CPU or torch build has no int8 GEMM for the screen ({first})"
     if not bool(ok.all()) or not torch.equal(tokens, (x.double() @ w.double().T).argmax(-1)):
-        return "the bfloat16 screen gave a wrong token on its probe in this build"
+        return "the int8 screen gave a wrong token on its probe in this build"
     return None
 
 
 def screen_unavailable_reason() -> str | None:
     """Why :class:`HeadScreen` cannot run here (then the float32 head runs), or None when it can: qkv's compiled
-    kernels, a bfloat16 GEMM on this CPU, and a probe's tokens equal to float64's."""
+    kernels, an int8 GEMM on this CPU, and a probe's tokens equal to float64's."""
     if kernels.unavailable_reason() is not None:
         return f"qkv's CPU kernels are unavailable ({kernels.unavailable_reason()})"
     return _probe()
 
 
 class HeadScreen:
-    """The bfloat16 screen of one LM head weight, built on first use and rebuilt when the weight changes (another
+    """The int8 screen of one LM head weight, built on first use and rebuilt when the weight changes (another
     tensor, new storage, or an in-place write seen by its version counter; as :class:`qkv.cpu.gemm.PrepackedWeight`,
     an in-place write to an inference tensor is not seen). :meth:`tokens` gives greedy tokens."""
 
@@ -83,12 +91,13 @@ class HeadScreen:
         return {"_source": None, "_key": None, "_screen": None}
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether :meth:`tokens` screens this product (float32 CPU tensors without gradient, an even number of
-        inputs, a finite weight, the screen available here); else it computes the float32 logits."""
+        """Whether :meth:`tokens` screens this product (float32 CPU tensors without gradient, at most
+        :data:`MAX_INPUTS` inputs, a finite weight, the screen available here); else it computes the float32
+        logits."""
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if (grad or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32
                 or weight.dtype != torch.float32 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]
-                or weight.shape[1] % 2 or x.numel() == 0 or screen_unavailable_reason() is not None):
+                or weight.shape[1] > MAX_INPUTS or x.numel() == 0 or screen_unavailable_reason() is not None):
             return False
         return self._get(weight) is not None
 

@@ -12,7 +12,7 @@ bit, and RMSNorm (``norms.cpp``), one loop per row. A decode step's attention re
 cache's blocks or a contiguous cache as one block a row (``paged_decode.cpp``, ``decode_attention.cpp``), with no
 mask, list or padded view built; so does a prompt chunk's over a paged cache (``paged_prefill.cpp``, the score and
 value products by oneDNN's batch-reduce GEMM through torch), and a step's keys and values go into their blocks in
-one call (``paged_store.cpp``). Greedy tokens of an LM head come from a bfloat16 screen and a float64 check of the
+one call (``paged_store.cpp``). Greedy tokens of an LM head come from an int8 screen and a float64 check of the
 few tokens it leaves (``greedy_head.cpp``, :mod:`qkv.cpu.greedy`). ``module.cpp`` binds one
 function per kernel file and is the only one that includes pybind's headers (the kernels include ATen alone, which
 halves a cold build); ``blas.h`` declares the BLAS they call. This module builds them on first use

@@ -53,7 +53,7 @@ _MARK = "_qkv_cpu_optimized"
 
 class Optimized(NamedTuple):
     """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use), the ``input_major``
-    option it was given (None: layouts kept), and ``screen`` (a greedy head was given a bfloat16 screen)."""
+    option it was given (None: layouts kept), and ``screen`` (a greedy head was given an int8 screen)."""
 
     onednn: bool
     input_major: bool | None
@@ -110,7 +110,7 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
             (column blocks for few rows; an ablation, slower than row blocks in ``benchmarks/RESULTS.md``),
             False stores every weight standard, None (default) keeps each weight's layout. Where a layout
             changes the parameter becomes a new object: build a ``torch.optim`` optimizer after.
-        screen: None (default): greedy heads (:class:`qkv.cpu.greedy.GreedyHead`) get a bfloat16 screen where
+        screen: None (default): greedy heads (:class:`qkv.cpu.greedy.GreedyHead`) get an int8 screen where
             it runs here (:func:`qkv.cpu.greedy.screen_unavailable_reason`); True: require it (``RuntimeError``
             saying why it cannot run); False: never (and a screen set before is removed).
 

@@ -414,7 +414,7 @@ class DecoderLM(nn.Module):
             :func:`qkv.models.from_hf` reads from a checkpoint).
 
     ``next_tokens(ids, positions=, cache=)`` gives the greedy tokens after the last column without handing out
-    logits (through a bfloat16 screen of the head where :func:`qkv.cpu.optimize` set one: :mod:`qkv.cpu.greedy`).
+    logits (through an int8 screen of the head where :func:`qkv.cpu.optimize` set one: :mod:`qkv.cpu.greedy`).
 
     Submodules keep the names HF users know: ``embed_tokens``, ``layers[i].self_attn`` (``qkv_proj``,
     ``o_proj``), ``layers[i].mlp``, ``norm``, ``lm_head`` (None when tied to ``embed_tokens``). Every product
@@ -457,7 +457,7 @@ class DecoderLM(nn.Module):
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
-        self.head_screen: HeadScreen | None = None  # greedy tokens' bfloat16 screen (qkv.cpu.optimize sets one)
+        self.head_screen: HeadScreen | None = None  # greedy tokens' int8 screen (qkv.cpu.optimize sets one)
         # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused
         self._modified_scores = [i for i, layer in enumerate(self.layers)
                                  if not layer.latent and layer.linear_attn is None
@@ -518,7 +518,7 @@ class DecoderLM(nn.Module):
                     cache: AttentionCache | None = None) -> torch.Tensor:
         """Greedy next tokens (B,) int64 after the last column: ``forward(...).logits[:, -1].argmax(-1)``, the first
         largest logit of each row. With a :class:`qkv.cpu.greedy.HeadScreen` in ``head_screen`` (set by
-        :func:`qkv.cpu.optimize` where it runs) the float32 head product is replaced by its bfloat16 screen and a
+        :func:`qkv.cpu.optimize` where it runs) the float32 head product is replaced by its int8 screen and a
         float64 check of the few tokens the screen leaves (the same tokens wherever float32 logits tell them
         apart); a final logit softcap (monotonic) changes no token but ties, so a model with one takes the logits.
         Arguments as :meth:`forward`."""

@@ -1,19 +1,25 @@
-// Greedy tokens of an LM head without its float32 product: a bfloat16 screen, then the few candidates exactly.
+// Greedy tokens of an LM head without its float32 product: an int8 screen, then the few candidates exactly.
 //
 // logits = x W^T (x: M rows of K, W: V x K float32); the token is the first index of each row's maximum. The head
 // is the largest product of a decode step (32000 x 512 floats are 65 MB, read once per step), yet greedy decoding
-// needs one index per row. Here W is held once in bfloat16 (half the bytes, multiplied by oneDNN's batch-reduce
-// GEMM through torch, on AMX or AVX512-BF16 units) and every approximate logit a_n comes with a rigorous bound
-// b_n on its distance from the float32 logit any float32 GEMM may give (|l_n - a_n| <= b_n); with L the largest
-// lower bound a_n - b_n of a row, only tokens whose upper bound a_n + b_n reaches L can hold the row's maximum,
-// and those few are recomputed in float64, the first largest winning. The bound (Higham, "Accuracy and Stability
-// of Numerical Algorithms", 2nd ed., 2002, section 3.1: |fl(x.y) - x.y| <= gamma_K sum |x_k y_k|, gamma_K =
-// K u / (1 - K u)) is Cauchy-Schwarz on the rounding of x and of W to bfloat16, plus gamma_K for the screen's
-// own float32 accumulation and for the float32 GEMM it stands for:
-//   b_n = |x| |w_n - wb_n| + |x - xb| |wb_n| + g (|xb| |wb_n| + |x| |w_n|) + K 2^-124,   g = K 2^-23 >= 2 gamma_K,
-// the last term for products flushed to zero below float32's normal range (bfloat16 inputs below it are zeroed
-// here first, so their rounding is in the norms). Rows whose input or screen is not finite are returned as not
-// screened (ok false), for the caller's float32 path.
+// needs one index per row. Here W is held once more in int8, a quarter of its bytes (row n as s_n q_n: q_n integers
+// in [-127, 127], s_n = max |w_n| / 127), and each row of x as t x~ (x~ integers in [-32767, 32767], t = max |x| /
+// 32767, as two planes of unsigned bytes); oneDNN's batch-reduce GEMM through torch (AMX or AVX512-VNNI units)
+// gives D_n = x~ . q_n exactly in integers, and a_n = t s_n D_n is the approximate logit. Every a_n comes with a
+// rigorous bound b_n on its distance from the float32 logit l_n that any float32 GEMM may give (|l_n - a_n| <= b_n):
+// with L the largest lower bound a_n - b_n of a row, only tokens whose upper bound a_n + b_n reaches L can hold the
+// row's maximum, and those few are recomputed in float64, the first largest winning. The bound is Cauchy-Schwarz on
+// the two quantizations, x . w_n - t x~ . s_n q_n = (x - t x~) . w_n + t x~ . (w_n - s_n q_n), plus the float32
+// GEMM's own accumulation error (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002, section
+// 3.1: |fl(x.y) - x.y| <= gamma_K sum |x_k y_k| <= gamma_K |x| |y|, gamma_K = K u / (1 - K u)):
+//   b_n = (|x - t x~| + g |x|) |w_n| + min(|t x~| |w_n - s_n q_n|, |t x~|_1 |w_n - s_n q_n|_inf) + K 2^-124,
+// g = K 2^-23 >= gamma_K (norms are Euclidean but where marked: the second term is also Hoelder's with 1 and inf
+// norms, tighter where x has a few large entries, as real hidden states do),
+// the last term for products a float32 GEMM may flush to zero below the normal range; a_n's own rounding (two
+// double products, one float conversion) and the bound's float32 arithmetic are covered by widening b_n by
+// |a_n| 2^-20 and then by (1 + 2^-20). The int32 sums are exact while K (255 * 127) < 2^31, so K is at most
+// kMaxK. Rows whose input or approximate logits are not finite are returned as not screened (ok false), for the
+// caller's float32 path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -30,9 +36,12 @@ constexpr int64_t kBlock = 32;  // vocabulary entries per packed block
 using Vec = at::vec::Vectorized<float>;
 static_assert(kBlock % Vec::size() == 0, "a block is whole vectors");
 
-inline float bf16_flushed(float v) {  // v rounded to bfloat16 (nearest even), zero below the normal range
-  float r = static_cast<float>(c10::BFloat16(v));
-  return std::fabs(r) < std::numeric_limits<float>::min() ? 0.0f : r;
+constexpr int64_t kMaxK = 65536;  // K * 255 * 127 < 2^31: the screen's int32 sums are exact
+constexpr int64_t kRows = 32;     // rows of x per GEMM call (two byte planes each)
+
+inline int quantized(float v, float scale, int limit) {  // round(v / scale), clamped to [-limit, limit]
+  const double q = std::nearbyint(static_cast<double>(v) / scale);
+  return static_cast<int>(std::max<double>(-limit, std::min<double>(limit, q)));
 }
 
 inline float up(double v) {  // a float >= v
@@ -42,99 +51,129 @@ inline float up(double v) {  // a float >= v
 
 constexpr float kRel = 1.0f / (1 << 20);  // covers the rounding of the bound's own float32 arithmetic
 
-// the bound b = c1 A + c2 B + s of one vector of one row, widened by |a| 2^-20 and then by (1 + 2^-20)
-inline Vec bound(const Vec& va, const float* A, const float* B, const Vec& c1, const Vec& c2, const Vec& s) {
-  return ((c1 * Vec::loadu(A) + c2 * Vec::loadu(B)) + s + va.abs() * Vec(kRel)) * Vec(1.0f + kRel);
+// the bound b = c1 A + min(c2 B, c3 C) + s of one vector of one row, widened by |a| 2^-20 and then by (1 + 2^-20)
+struct RowTerms {
+  Vec c1, c2, c3;
+};
+inline Vec bound(const Vec& va, const float* A, const float* B, const float* C, const RowTerms& r, const Vec& s) {
+  const Vec quant = at::vec::minimum(r.c2 * Vec::loadu(B), r.c3 * Vec::loadu(C));
+  return ((r.c1 * Vec::loadu(A) + quant) + s + va.abs() * Vec(kRel)) * Vec(1.0f + kRel);
 }
 
 }  // namespace
 
-// W (V, K) float32 -> {packed (V/kBlock rounded up, K, kBlock) bfloat16 in the VNNI layout of torch's brgemm,
-// A (Vp) = |w_n - wb_n| + g |w_n|, B (Vp) = |wb_n|, as floats rounded up}; padding entries are zero.
+// W (V, K) float32 -> {packed (V/kBlock rounded up, Kp, kBlock) int8 in the VNNI layout of torch's brgemm, A (Vp)
+// = |w_n|, B (Vp) = |w_n - s_n q_n|, C (Vp) = |w_n - s_n q_n|_inf (floats rounded up), S (Vp) the scales s_n, R (Vp)
+// int32 the sums of q_n};
+// Kp is K rounded up to whole groups of four, padding entries are zero.
 std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "screen_pack: weight must be a contiguous float32 (V, K) tensor");
-  const int64_t V = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K % 2 == 0 && K > 0, "screen_pack: K must be even (bfloat16 pairs), got ", K);
-  TORCH_CHECK(at::native::cpublas::could_pack(at::kBFloat16), "screen_pack: no bfloat16 GEMM on this CPU");
+  const int64_t V = weight.size(0), K = weight.size(1), Kp = (K + 3) / 4 * 4;
+  TORCH_CHECK(K > 0 && K <= kMaxK, "screen_pack: K must be 1..", kMaxK, " (exact int32 sums), got ", K);
+  TORCH_CHECK(at::native::cpublas::could_pack(at::kChar), "screen_pack: no int8 GEMM on this CPU");
   const int64_t nb = (V + kBlock - 1) / kBlock, Vp = nb * kBlock;
-  const double g = K * std::ldexp(1.0, -23);
-  auto packed = at::empty({nb, K, kBlock}, weight.options().dtype(at::kBFloat16));
+  auto packed = at::empty({nb, Kp, kBlock}, weight.options().dtype(at::kChar));
   auto A = at::zeros({Vp}, weight.options());
   auto B = at::zeros({Vp}, weight.options());
+  auto C = at::zeros({Vp}, weight.options());
+  auto S = at::zeros({Vp}, weight.options());
+  auto R = at::zeros({Vp}, weight.options().dtype(at::kInt));
   const float* w = weight.data_ptr<float>();
-  float* pa = A.data_ptr<float>();
-  float* pb = B.data_ptr<float>();
-  auto* out = packed.data_ptr<at::BFloat16>();
+  float *pa = A.data_ptr<float>(), *pb = B.data_ptr<float>(), *pc = C.data_ptr<float>(), *ps = S.data_ptr<float>();
+  int32_t* pr = R.data_ptr<int32_t>();
+  auto* out = packed.data_ptr<int8_t>();
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<at::BFloat16> block(K * kBlock);  // (K, kBlock) row-major, before the VNNI packing
+    std::vector<int8_t> block(Kp * kBlock);  // (Kp, kBlock) row-major, before the VNNI packing
     for (int64_t b = b0; b < b1; ++b) {
+      std::fill(block.begin(), block.end(), int8_t(0));
       for (int64_t j = 0; j < kBlock; ++j) {
         const int64_t n = b * kBlock + j;
-        double err = 0, nwb = 0, nw = 0;
+        if (n >= V) continue;
+        const float* wn = w + n * K;
+        float big = 0.0f;
+        for (int64_t k = 0; k < K; ++k) big = std::max(big, std::fabs(wn[k]));
+        const float s = std::max(big / 127.0f, std::numeric_limits<float>::min());
+        double err = 0, nw = 0, worst = 0;
+        int32_t sum = 0;
         for (int64_t k = 0; k < K; ++k) {
-          const float v = n < V ? w[n * K + k] : 0.0f, r = bf16_flushed(v);
-          block[k * kBlock + j] = c10::BFloat16(r);
-          const double d = static_cast<double>(v) - r;
-          err += d * d, nwb += static_cast<double>(r) * r, nw += static_cast<double>(v) * v;
+          const int q = quantized(wn[k], s, 127);
+          block[k * kBlock + j] = static_cast<int8_t>(q);
+          sum += q;
+          const double d = static_cast<double>(wn[k]) - static_cast<double>(s) * q;  // s q exact in double
+          err += d * d, nw += static_cast<double>(wn[k]) * wn[k], worst = std::max(worst, std::fabs(d));
         }
-        if (n < V) {
-          pa[n] = up((std::sqrt(err) + g * std::sqrt(nw)) * (1 + 1e-12));
-          pb[n] = up(std::sqrt(nwb) * (1 + 1e-12));
-        }
+        pa[n] = up(std::sqrt(nw) * (1 + 1e-12));
+        pb[n] = up(std::sqrt(err) * (1 + 1e-12));
+        pc[n] = up(worst);
+        ps[n] = s, pr[n] = sum;
       }
-      at::native::cpublas::pack(K, kBlock, kBlock, kBlock, at::kBFloat16, at::kBFloat16, block.data(),
-                                out + b * K * kBlock);
+      at::native::cpublas::pack(Kp, kBlock, kBlock, kBlock, at::kChar, at::kChar, block.data(),
+                                out + b * Kp * kBlock);
     }
   });
-  return {packed, A, B};
+  return {packed, A, B, C, S, R};
 }
 
 // x (M, K) float32 -> {tokens (M) int64, ok (M) bool, candidates (M) int64}: tokens of the screened rows (ok),
 // and how many tokens each row recomputed.
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
-                                        const at::Tensor& A, const at::Tensor& B) {
+                                        const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+                                        const at::Tensor& S, const at::Tensor& R) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "screened_argmax: x must be a contiguous float32 (M, K) tensor");
   const int64_t M = x.size(0), K = x.size(1), V = weight.size(0), nb = packed.size(0), Vp = nb * kBlock;
+  const int64_t Kp = (K + 3) / 4 * 4;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && weight.is_contiguous() &&
                   weight.scalar_type() == at::kFloat,
               "screened_argmax: weight must be a contiguous float32 (V, K) tensor with x's K");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == kBlock && nb * kBlock >= V &&
-                  (nb - 1) * kBlock < V && A.numel() == Vp && B.numel() == Vp,
-              "screened_argmax: packed/A/B do not come from screen_pack(weight)");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == Kp && packed.size(2) == kBlock &&
+                  packed.scalar_type() == at::kChar && nb * kBlock >= V && (nb - 1) * kBlock < V &&
+                  A.numel() == Vp && B.numel() == Vp && C.numel() == Vp && S.numel() == Vp && R.numel() == Vp &&
+                  R.scalar_type() == at::kInt,
+              "screened_argmax: packed/A/B/C/S/R do not come from screen_pack(weight)");
   auto tokens = at::zeros({M}, x.options().dtype(at::kLong));
   auto ok = at::zeros({M}, x.options().dtype(at::kBool));
   auto count = at::zeros({M}, x.options().dtype(at::kLong));
   if (M == 0) return {tokens, ok, count};
   const float* px = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  const float* pa = A.data_ptr<float>();
-  const float* pb = B.data_ptr<float>();
-  const auto* pw = packed.data_ptr<at::BFloat16>();
+  const float *pa = A.data_ptr<float>(), *pb = B.data_ptr<float>(), *pc = C.data_ptr<float>();
+  const float* ps = S.data_ptr<float>();
+  const int32_t* pr = R.data_ptr<int32_t>();
+  const auto* pw = packed.data_ptr<int8_t>();
 
-  // per row: xb, c1 = |x|, c2 = |x - xb| + g |xb|, both rounded up; a row with a non-finite input is not screened
+  // per row: t and x~ = round(x / t) in 16 bits, held as u = x~ + 32768 in two unsigned bytes (rows 2m: u >> 8,
+  // 2m + 1: u & 255); c1 = |x - t x~| + g |x|, c2 = |t x~|, c3 = |t x~|_1, rounded up. A row with a non-finite input
+  // is not screened.
   const double g = K * std::ldexp(1.0, -23);
   const float slack = static_cast<float>(K * std::ldexp(1.0, -124));
-  std::vector<at::BFloat16> xb(M * K);
-  std::vector<float> c1(M), c2(M);
+  std::vector<uint8_t> xq(2 * M * Kp, 0);
+  std::vector<float> t(M), c1(M), c2(M), c3(M);
   std::vector<char> row_ok(M, 1);
   for (int64_t m = 0; m < M; ++m) {
-    double nx = 0, nxb = 0, ex = 0;
+    const float* xm = px + m * K;
+    float big = 0.0f;
+    for (int64_t k = 0; k < K; ++k) big = std::max(big, std::fabs(xm[k]));  // NaN is dropped here, seen below
+    t[m] = std::max(big / 32767.0f, std::numeric_limits<float>::min());
+    double nx = 0, nq = 0, ex = 0, aq = 0;
     for (int64_t k = 0; k < K; ++k) {
-      const float v = px[m * K + k], r = bf16_flushed(v);
-      xb[m * K + k] = c10::BFloat16(r);
-      const double d = static_cast<double>(v) - r;
-      nx += static_cast<double>(v) * v, nxb += static_cast<double>(r) * r, ex += d * d;
+      const int q = std::isfinite(xm[k]) ? quantized(xm[k], t[m], 32767) : 0;
+      const int u = q + 32768;
+      xq[2 * m * Kp + k] = static_cast<uint8_t>(u >> 8), xq[(2 * m + 1) * Kp + k] = static_cast<uint8_t>(u & 255);
+      const double tq = static_cast<double>(t[m]) * q, d = static_cast<double>(xm[k]) - tq;
+      nx += static_cast<double>(xm[k]) * xm[k], nq += tq * tq, ex += d * d, aq += std::fabs(tq);
     }
     if (!std::isfinite(nx)) row_ok[m] = 0;
-    c1[m] = up(std::sqrt(nx) * (1 + 1e-12));
-    c2[m] = up((std::sqrt(ex) + g * std::sqrt(nxb)) * (1 + 1e-12));
-    if (!std::isfinite(c1[m]) || !std::isfinite(c2[m])) row_ok[m] = 0;
+    c1[m] = up((std::sqrt(ex) + g * std::sqrt(nx)) * (1 + 1e-12));
+    c2[m] = up(std::sqrt(nq) * (1 + 1e-12));
+    c3[m] = up(aq * (1 + 1e-12));
+    if (!std::isfinite(c1[m]) || !std::isfinite(c2[m]) || !std::isfinite(c3[m])) row_ok[m] = 0;
   }
 
-  // the screen: approximate logits (M, Vp); per thread and row, the largest lower bound a - b (as a vector) and
-  // a vector that turns NaN where some a was NaN or infinite (a * 0)
+  // the screen: approximate logits a = t s D (M, Vp), D = sum x~ q exact, from the brgemm's int32 sums of both
+  // byte planes; per thread and row, the largest lower bound a - b (as a vector) and a vector that turns NaN where
+  // some a was infinite (a * 0)
   std::unique_ptr<float[]> a(new float[M * Vp]);  // every entry written by the screen
   constexpr int64_t L = Vec::size();
   const int threads = at::get_num_threads();
@@ -142,20 +181,36 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   std::vector<float> nan_acc(threads * M * L, 0.0f);
   const Vec vs(slack), zero(0.0f);
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    const int t = at::get_thread_num();
+    const int th = at::get_thread_num();
+    std::vector<int32_t> sums(2 * kRows * kBlock);
     for (int64_t b = b0; b < b1; ++b) {
-      float* ab = a.get() + b * kBlock;
-      at::native::cpublas::brgemm(M, kBlock, K, K, kBlock, Vp, false, xb.data(), pw + b * K * kBlock, ab, true);
+      const int8_t* wb = pw + b * Kp * kBlock;
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int64_t rows = std::min(kRows, M - m0);
+        at::native::cpublas::brgemm(2 * rows, kBlock, Kp, Kp, kBlock, kBlock, false, xq.data() + 2 * m0 * Kp, wb,
+                                    sums.data(), true);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int32_t* hi = sums.data() + 2 * r * kBlock;
+          const int32_t* lo = hi + kBlock;
+          float* am = a.get() + (m0 + r) * Vp + b * kBlock;
+          const double tm = t[m0 + r];
+          for (int64_t j = 0; j < kBlock; ++j) {
+            const int64_t n = b * kBlock + j;
+            const double d = 256.0 * hi[j] + lo[j] - 32768.0 * pr[n];  // exact: |d| < 2^53
+            am[j] = static_cast<float>(d * ps[n] * tm);
+          }
+        }
+      }
       const int64_t live = std::min(kBlock, V - b * kBlock);
       for (int64_t m = 0; m < M; ++m) {
-        const float* am = ab + m * Vp;
-        float* lo_m = lo_acc.data() + (t * M + m) * L;
-        float* nan_m = nan_acc.data() + (t * M + m) * L;
-        const Vec c1v(c1[m]), c2v(c2[m]);
+        const float* am = a.get() + m * Vp + b * kBlock;
+        float* lo_m = lo_acc.data() + (th * M + m) * L;
+        float* nan_m = nan_acc.data() + (th * M + m) * L;
+        const RowTerms terms{Vec(c1[m]), Vec(c2[m]), Vec(c3[m])};
         Vec lo = Vec::loadu(lo_m), bad = Vec::loadu(nan_m);
         for (int64_t j = 0; j < kBlock; j += L) {
           const Vec va = Vec::loadu(am + j);
-          const Vec cand = va - bound(va, pa + b * kBlock + j, pb + b * kBlock + j, c1v, c2v, vs);
+          const Vec cand = va - bound(va, pa + b * kBlock + j, pb + b * kBlock + j, pc + b * kBlock + j, terms, vs);
           if (j + L <= live) {
             lo = at::vec::maximum(lo, cand), bad = bad + va * zero;
           } else if (j < live) {  // the last block's padding entries take no part
@@ -174,25 +229,26 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   // largest winning
   int64_t* pt = tokens.data_ptr<int64_t>();
   bool* pok = ok.data_ptr<bool>();
-  int64_t* pc = count.data_ptr<int64_t>();
+  int64_t* pn = count.data_ptr<int64_t>();
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float floor = -std::numeric_limits<float>::infinity();
       bool good = row_ok[m];
-      for (int t = 0; t < threads; ++t)
+      for (int th = 0; th < threads; ++th)
         for (int64_t i = 0; i < L; ++i) {
-          floor = std::max(floor, lo_acc[(t * M + m) * L + i]);
-          good = good && nan_acc[(t * M + m) * L + i] == 0.0f;
+          floor = std::max(floor, lo_acc[(th * M + m) * L + i]);
+          good = good && nan_acc[(th * M + m) * L + i] == 0.0f;
         }
       if (!good || !std::isfinite(floor)) continue;
       const float* xm = px + m * K;
       const float* am = a.get() + m * Vp;
-      const Vec c1v(c1[m]), c2v(c2[m]), vfloor(floor);
+      const RowTerms terms{Vec(c1[m]), Vec(c2[m]), Vec(c3[m])};
+      const Vec vfloor(floor);
       double best = -std::numeric_limits<double>::infinity();
       int64_t arg = -1, seen = 0;
       for (int64_t j0 = 0; j0 < V; j0 += L) {
         const Vec va = Vec::loadu(am + j0);
-        const Vec hi = va + bound(va, pa + j0, pb + j0, c1v, c2v, vs);
+        const Vec hi = va + bound(va, pa + j0, pb + j0, pc + j0, terms, vs);
         int lanes = ~(hi >= vfloor).zero_mask() & ((1 << L) - 1);
         while (lanes) {
           const int i = __builtin_ctz(lanes);
@@ -213,7 +269,7 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
         }
       }
       if (arg < 0 || !std::isfinite(best)) continue;
-      pt[m] = arg, pok[m] = true, pc[m] = seen;
+      pt[m] = arg, pok[m] = true, pn[m] = seen;
     }
   });
   return {tokens, ok, count};

@@ -41,7 +41,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const c10::optional<at::Tensor>& sinks, double scale);
 std::vector<at::Tensor> screen_pack(const at::Tensor& weight);
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
-                                        const at::Tensor& A, const at::Tensor& B);
+                                        const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+                                        const at::Tensor& S, const at::Tensor& R);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
@@ -56,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "one query per row over its blocks of a paged cache, read in place (CPU)");
   m.def("paged_prefill", &paged_prefill, "several queries per row over its blocks of a paged cache, in place (CPU)");
   m.def("paged_store", &paged_store, "a step's keys and values into their blocks and slots of a paged cache (CPU)");
-  m.def("screen_pack", &screen_pack, "an LM head's bfloat16 screen and its bound terms (CPU)");
-  m.def("screened_argmax", &screened_argmax, "greedy tokens through the bfloat16 screen, candidates in float64 (CPU)");
+  m.def("screen_pack", &screen_pack, "an LM head's int8 screen and its bound terms (CPU)");
+  m.def("screened_argmax", &screened_argmax, "greedy tokens through the int8 screen, candidates in float64 (CPU)");
   m.def("delta_decode", &delta_decode, "a gated-delta mixer's decode step after its projections (CPU)");
 }
