@@ -25,6 +25,11 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -38,6 +43,7 @@ static_assert(kBlock % Vec::size() == 0, "a block is whole vectors");
 
 constexpr int64_t kMaxK = 65536;  // K * 255 * 127 < 2^31: the screen's int32 sums are exact
 constexpr int64_t kRows = 32;     // rows of x per GEMM call (two byte planes each)
+constexpr int64_t kGroup = 8;     // blocks per group: the candidate pass visits only the groups that hold some
 
 inline int quantized(float v, float scale, int limit) {  // round(v / scale), clamped to [-limit, limit]
   const double q = std::nearbyint(static_cast<double>(v) / scale);
@@ -58,6 +64,38 @@ struct RowTerms {
 inline Vec bound(const Vec& va, const float* A, const float* B, const float* C, const RowTerms& r, const Vec& s) {
   const Vec quant = at::vec::minimum(r.c2 * Vec::loadu(B), r.c3 * Vec::loadu(C));
   return ((r.c1 * Vec::loadu(A) + quant) + s + va.abs() * Vec(kRel)) * Vec(1.0f + kRel);
+}
+
+// a[j] = (256 hi[j] + lo[j] - 32768 R[j]) S[j] t for one block: the integer part exact in double (|.| < 2^53), two
+// double products and one rounding to float
+inline void approximate(const int32_t* hi, const int32_t* lo, const int32_t* R, const float* S, double t, float* a) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512d vt = _mm512_set1_pd(t), v256 = _mm512_set1_pd(256.0), vshift = _mm512_set1_pd(32768.0);
+  for (; j + 8 <= kBlock; j += 8) {
+    const __m512d h = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + j)));
+    const __m512d l = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + j)));
+    const __m512d r = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + j)));
+    const __m512d d = _mm512_sub_pd(_mm512_add_pd(_mm512_mul_pd(h, v256), l), _mm512_mul_pd(r, vshift));
+    const __m512d sc = _mm512_cvtps_pd(_mm256_loadu_ps(S + j));
+    _mm256_storeu_ps(a + j, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(d, sc), vt)));
+  }
+#endif
+  for (; j < kBlock; ++j) {
+    const double d = 256.0 * hi[j] + lo[j] - 32768.0 * R[j];
+    a[j] = static_cast<float>(d * S[j] * t);
+  }
+}
+
+inline float lanes_max(const Vec& v) {  // the largest lane, NaN if any lane is NaN
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float m = lanes[0];
+  for (int64_t i = 0; i < Vec::size(); ++i) {
+    if (std::isnan(lanes[i])) return lanes[i];
+    m = std::max(m, lanes[i]);
+  }
+  return m;
 }
 
 }  // namespace
@@ -171,55 +209,48 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
     if (!std::isfinite(c1[m]) || !std::isfinite(c2[m]) || !std::isfinite(c3[m])) row_ok[m] = 0;
   }
 
-  // the screen: approximate logits a = t s D (M, Vp), D = sum x~ q exact, from the brgemm's int32 sums of both
-  // byte planes; per thread and row, the largest lower bound a - b (as a vector) and a vector that turns NaN where
-  // some a was infinite (a * 0)
+  // the screen, a group of kGroup blocks of kBlock tokens at a time: approximate logits a = t s D (M, Vp), D = x~ .
+  // q exact from the brgemm's int32 sums of both byte planes; per row and group, the largest lower bound a - b, the
+  // largest upper bound a + b and the largest |a| (NaN or infinite where some a was not finite). The row's largest
+  // float32 logit is at least its largest lower bound, so only groups whose upper bound reaches it hold candidates.
+  const int64_t ng = (nb + kGroup - 1) / kGroup, span = kGroup * kBlock;
   std::unique_ptr<float[]> a(new float[M * Vp]);  // every entry written by the screen
+  std::vector<float> grp_lo(M * ng), grp_hi(M * ng), grp_mag(M * ng);
   constexpr int64_t L = Vec::size();
-  const int threads = at::get_num_threads();
-  std::vector<float> lo_acc(threads * M * L, -std::numeric_limits<float>::infinity());
-  std::vector<float> nan_acc(threads * M * L, 0.0f);
-  const Vec vs(slack), zero(0.0f);
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    const int th = at::get_thread_num();
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const Vec vs(slack);
+  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> sums(2 * kRows * kBlock);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int8_t* wb = pw + b * Kp * kBlock;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * span, live = std::min(span, V - first);  // tokens of this group (not padding)
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int64_t rows = std::min(kRows, M - m0);
-        at::native::cpublas::brgemm(2 * rows, kBlock, Kp, Kp, kBlock, kBlock, false, xq.data() + 2 * m0 * Kp, wb,
-                                    sums.data(), true);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int32_t* hi = sums.data() + 2 * r * kBlock;
-          const int32_t* lo = hi + kBlock;
-          float* am = a.get() + (m0 + r) * Vp + b * kBlock;
-          const double tm = t[m0 + r];
-          for (int64_t j = 0; j < kBlock; ++j) {
-            const int64_t n = b * kBlock + j;
-            const double d = 256.0 * hi[j] + lo[j] - 32768.0 * pr[n];  // exact: |d| < 2^53
-            am[j] = static_cast<float>(d * ps[n] * tm);
-          }
+        for (int64_t b = g * kGroup; b < std::min(nb, (g + 1) * kGroup); ++b) {
+          at::native::cpublas::brgemm(2 * rows, kBlock, Kp, Kp, kBlock, kBlock, false, xq.data() + 2 * m0 * Kp,
+                                      pw + b * Kp * kBlock, sums.data(), true);
+          for (int64_t r = 0; r < rows; ++r)
+            approximate(sums.data() + 2 * r * kBlock, sums.data() + (2 * r + 1) * kBlock, pr + b * kBlock,
+                        ps + b * kBlock, t[m0 + r], a.get() + (m0 + r) * Vp + b * kBlock);
         }
-      }
-      const int64_t live = std::min(kBlock, V - b * kBlock);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* am = a.get() + m * Vp + b * kBlock;
-        float* lo_m = lo_acc.data() + (th * M + m) * L;
-        float* nan_m = nan_acc.data() + (th * M + m) * L;
-        const RowTerms terms{Vec(c1[m]), Vec(c2[m]), Vec(c3[m])};
-        Vec lo = Vec::loadu(lo_m), bad = Vec::loadu(nan_m);
-        for (int64_t j = 0; j < kBlock; j += L) {
-          const Vec va = Vec::loadu(am + j);
-          const Vec cand = va - bound(va, pa + b * kBlock + j, pb + b * kBlock + j, pc + b * kBlock + j, terms, vs);
-          if (j + L <= live) {
-            lo = at::vec::maximum(lo, cand), bad = bad + va * zero;
-          } else if (j < live) {  // the last block's padding entries take no part
-            const int64_t n = live - j;
-            lo = at::vec::maximum(lo, Vec::set(Vec(-std::numeric_limits<float>::infinity()), cand, n));
-            bad = bad + Vec::set(zero, va, n) * zero;
+        for (int64_t m = m0; m < m0 + rows; ++m) {
+          const float* am = a.get() + m * Vp + first;
+          const RowTerms terms{Vec(c1[m]), Vec(c2[m]), Vec(c3[m])};
+          Vec lo(-kInf), hi(-kInf), mag(0.0f);
+          for (int64_t j = 0; j < live; j += L) {
+            const Vec va = Vec::loadu(am + j);
+            const Vec bv = bound(va, pa + first + j, pb + first + j, pc + first + j, terms, vs);
+            if (j + L <= live) {
+              lo = at::vec::maximum(lo, va - bv), hi = at::vec::maximum(hi, va + bv);
+              mag = at::vec::maximum(mag, va.abs());
+            } else {  // the last group's padding entries take no part
+              lo = at::vec::maximum(lo, Vec::set(Vec(-kInf), va - bv, live - j));
+              hi = at::vec::maximum(hi, Vec::set(Vec(-kInf), va + bv, live - j));
+              mag = at::vec::maximum(mag, Vec::set(Vec(0.0f), va.abs(), live - j));
+            }
           }
+          grp_lo[m * ng + g] = lanes_max(lo), grp_hi[m * ng + g] = lanes_max(hi);
+          grp_mag[m * ng + g] = lanes_max(mag);
         }
-        lo.store(lo_m), bad.store(nan_m);
       }
     }
     at::native::cpublas::brgemm_release(true);
@@ -232,13 +263,12 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   int64_t* pn = count.data_ptr<int64_t>();
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      float floor = -std::numeric_limits<float>::infinity();
+      float floor = -kInf;
       bool good = row_ok[m];
-      for (int th = 0; th < threads; ++th)
-        for (int64_t i = 0; i < L; ++i) {
-          floor = std::max(floor, lo_acc[(th * M + m) * L + i]);
-          good = good && nan_acc[(th * M + m) * L + i] == 0.0f;
-        }
+      for (int64_t g = 0; g < ng; ++g) {
+        good = good && std::isfinite(grp_mag[m * ng + g]);
+        floor = std::max(floor, grp_lo[m * ng + g]);
+      }
       if (!good || !std::isfinite(floor)) continue;
       const float* xm = px + m * K;
       const float* am = a.get() + m * Vp;
@@ -246,26 +276,29 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
       const Vec vfloor(floor);
       double best = -std::numeric_limits<double>::infinity();
       int64_t arg = -1, seen = 0;
-      for (int64_t j0 = 0; j0 < V; j0 += L) {
-        const Vec va = Vec::loadu(am + j0);
-        const Vec hi = va + bound(va, pa + j0, pb + j0, pc + j0, terms, vs);
-        int lanes = ~(hi >= vfloor).zero_mask() & ((1 << L) - 1);
-        while (lanes) {
-          const int i = __builtin_ctz(lanes);
-          lanes &= lanes - 1;
-          const int64_t n = j0 + i;
-          if (n >= V) break;
-          const float* wn = w + n * K;
-          double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-          int64_t k = 0;
-          for (; k + 4 <= K; k += 4) {
-            s0 += static_cast<double>(xm[k]) * wn[k], s1 += static_cast<double>(xm[k + 1]) * wn[k + 1];
-            s2 += static_cast<double>(xm[k + 2]) * wn[k + 2], s3 += static_cast<double>(xm[k + 3]) * wn[k + 3];
+      for (int64_t g = 0; g < ng; ++g) {
+        if (!(grp_hi[m * ng + g] >= floor)) continue;
+        for (int64_t j0 = g * span; j0 < std::min((g + 1) * span, V); j0 += L) {
+          const Vec va = Vec::loadu(am + j0);
+          const Vec hi = va + bound(va, pa + j0, pb + j0, pc + j0, terms, vs);
+          int lanes = ~(hi >= vfloor).zero_mask() & ((1 << L) - 1);
+          while (lanes) {
+            const int i = __builtin_ctz(lanes);
+            lanes &= lanes - 1;
+            const int64_t n = j0 + i;
+            if (n >= V) break;
+            const float* wn = w + n * K;
+            double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            int64_t k = 0;
+            for (; k + 4 <= K; k += 4) {
+              s0 += static_cast<double>(xm[k]) * wn[k], s1 += static_cast<double>(xm[k + 1]) * wn[k + 1];
+              s2 += static_cast<double>(xm[k + 2]) * wn[k + 2], s3 += static_cast<double>(xm[k + 3]) * wn[k + 3];
+            }
+            for (; k < K; ++k) s0 += static_cast<double>(xm[k]) * wn[k];
+            const double v = (s0 + s1) + (s2 + s3);
+            ++seen;
+            if (arg < 0 || v > best) best = v, arg = n;
           }
-          for (; k < K; ++k) s0 += static_cast<double>(xm[k]) * wn[k];
-          const double v = (s0 + s1) + (s2 + s3);
-          ++seen;
-          if (arg < 0 || v > best) best = v, arg = n;
         }
       }
       if (arg < 0 || !std::isfinite(best)) continue;
