@@ -19,7 +19,9 @@ Workloads:
   one with 1 (the prefill) are timed back to back; decode tokens/s = ``B * 63 / (t_64 - t_1)`` for both engines
   alike, so neither side's per-step instrumentation is trusted.
 - ``stream``: 64 requests with prompt lengths drawn from 16-512 and budgets from 8-128 (seeded), submitted at
-  once; throughput = generated tokens / wall time, after one untimed run of the whole stream on each side. Every
+  once; throughput = generated tokens / wall time, after one untimed run of the whole stream on each side. A
+  repeat runs the stream four times, vLLM, qkv, qkv, vLLM, and compares their sums (a drift of the host's speed
+  over the repeat's half minute, which this shared host shows, falls on both sides alike). Every
   vLLM call starts with its prefix cache emptied (``LLM.reset_prefix_cache``, untimed): vLLM caches prompt
   blocks by default, and a repeat sends the same prompts again, so without it vLLM skipped the prefill of every
   repeat after the first while qkv's engine computed it. Both engines are built once per thread count (vLLM's
@@ -325,14 +327,17 @@ def run(args) -> None:
                     worker.ask({"prompts": prompts, "budgets": budgets})
                     engine = stream_engine(model)
                     _qkv_stream(engine, requests)
-                    for _ in range(repeat):
+                    for _ in range(repeat):  # vLLM, qkv, qkv, vLLM: a linear drift of the host cancels
                         out = worker.ask({"prompts": prompts, "budgets": budgets})
                         t_q, q_tokens = _qkv_stream(engine, requests)
-                        rates["vllm"].append(n_tokens / out["seconds"])
-                        rates["qkv"].append(n_tokens / t_q)
-                        ratios.append(out["seconds"] / t_q)
+                        t_q2, q_tokens2 = _qkv_stream(engine, requests)
+                        out2 = worker.ask({"prompts": prompts, "budgets": budgets})
+                        v_s, q_s = out["seconds"] + out2["seconds"], t_q + t_q2
+                        rates["vllm"].append(2 * n_tokens / v_s)
+                        rates["qkv"].append(2 * n_tokens / q_s)
+                        ratios.append(v_s / q_s)
                         loads.append(os.getloadavg()[0])
-                        same = same and q_tokens == out["tokens"]
+                        same = same and q_tokens == out["tokens"] == q_tokens2 == out2["tokens"]
                 with torch.inference_mode():
                     where = stream_breakdown(lambda: _qkv_stream(engine, requests)[0])
                 floor = stream_product_flops(model, requests) / gemm_rate() * 1e3
