@@ -43,7 +43,7 @@ static_assert(kBlock % Vec::size() == 0, "a block is whole vectors");
 
 constexpr int64_t kMaxK = 65536;  // K * 255 * 127 < 2^31: the screen's int32 sums are exact
 constexpr int64_t kRows = 32;     // rows of x per GEMM call (two byte planes each)
-constexpr int64_t kGroup = 8;     // blocks per group: the candidate pass visits only the groups that hold some
+constexpr int64_t kGroup = 8;     // blocks per group: the candidate pass visits only groups that hold candidates
 
 inline int quantized(float v, float scale, int limit) {  // round(v / scale), clamped to [-limit, limit]
   const double q = std::nearbyint(static_cast<double>(v) / scale);
