@@ -43,8 +43,8 @@ against the step's memory floor (``floor_ms``: every float32 weight read once, b
 at the measured read rate; qkv's screened head reads a quarter of its bytes, so qkv can step below it) and vLLM's step.
 The stream row says the same of one whole qkv run (``stream_*_ms``, one more run under the profiler) against the
 products' compute floor (``products_floor_ms``: the FLOPs of every product the requests need, prompt tokens
-through the layers and fed-back tokens through the whole model, over the measured GEMM rate) and vLLM's time for
-the stream (``vllm_ms``).
+through the layers, in the last layer only their keys and values but for each prompt's last token, and fed-back
+tokens through the whole model, over the measured GEMM rate) and vLLM's time for the stream (``vllm_ms``).
 
 Published configuration (the defaults): 1 and 2 threads (vLLM's OpenMP threads bound to cores 0 and 0-1; torch
 threads for qkv), 5 paired repeats, wall clock. Usage::
@@ -236,14 +236,19 @@ def _qkv_stream(engine, requests) -> tuple[float, list[list[int]]]:
 
 def stream_product_flops(model, requests) -> float:
     """FLOPs of the stream's weight products, what any engine must multiply: every prompt token through the
-    layers, one token's logits per request at the end of its prompt, and every later token through the whole
-    model (the last new token is never fed back). Embedding lookups are not products."""
+    layers but the last, where only its key and value projections are needed (no later layer reads its output),
+    each prompt's last token through the whole model (one token's logits per request), and every later token
+    through the whole model (the last new token is never fed back). Embedding lookups are not products."""
     head = model.lm_head.weight.numel() if model.lm_head is not None else model.embed_tokens.weight.numel()
     body = sum(p.numel() for p in model.parameters()) - model.embed_tokens.weight.numel()
     body -= model.lm_head.weight.numel() if model.lm_head is not None else 0
+    c = model.config
+    last = sum(p.numel() for p in model.layers[-1].parameters())
+    last_kv = 2 * c.num_key_value_heads * c.head_dim * c.hidden_size
     prompt = sum(len(p) for p, _ in requests)
     fed_back = sum(n - 1 for _, n in requests)
-    return 2.0 * (prompt * body + len(requests) * head + fed_back * (body + head))
+    return 2.0 * ((prompt - len(requests)) * (body - last + last_kv) + len(requests) * (body + head)
+                  + fed_back * (body + head))
 
 
 def _range(xs: list[float]) -> dict:

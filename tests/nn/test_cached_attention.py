@@ -534,3 +534,95 @@ def test_single_query_step_defers_the_paged_view_only_for_the_default_decode_bac
         want = [("update", True), ("decode", None)] if backend == "sdpa" else [("update", False)]
         assert seen == want, (backend, seen)
     assert torch.allclose(outs["sdpa"], outs["tiled"], atol=1e-6)
+
+
+def _keep_caches():
+    """Every kind of cache the last-queries path meets: none, contiguous, paged (in-place kernels), the
+    base protocol, a decoding base cache (its own float64 decode), a scoring cache (H2O: sees every query)."""
+    return {
+        "none": lambda: None,
+        "kvcache": lambda: KVCache([FullSpec(2, 8)]),
+        "paged": lambda: KVCache([FullSpec(2, 8)], storage=Paged(block_size=4, num_blocks=16)),
+        "base": BaseCache,
+        "decoding-base": DecodingBaseCache,
+        "h2o": lambda: KVCache([FullSpec(2, 8)], policy=H2O(heavy=16, recent=16)),
+    }
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window4"])
+@pytest.mark.parametrize("store", sorted(_keep_caches()))
+def test_queries_to_keep_are_the_last_rows_of_the_full_call(store, window):
+    """``queries_to_keep=n``: the last n rows of the full call's output (and log-sum-exp), every key still stored,
+    so the next single-query step equals the full path's; left padding on one row; RoPE at absolute positions."""
+    make = _keep_caches()[store]
+    g = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, N, D = 2, 4, 2, 9, 8
+    q, k, v = (torch.randn(B, h, N + 1, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
+    pos = torch.arange(N + 1).expand(B, N + 1).clone()
+    pos[1, :2] = -1
+    pos[1, 2:] -= 2
+    rope = RotaryEmbedding(D)
+    full_cache = make()
+    full = cached_attention(q[:, :, :N], k[:, :, :N], v[:, :, :N], cache=full_cache, positions=pos[:, :N],
+                            rope=rope, window=window, return_lse=store != "paged")
+    for keep in (1, 3, N, N + 4):
+        cache = make()
+        res = cached_attention(q[:, :, :N], k[:, :, :N], v[:, :, :N], cache=cache, positions=pos[:, :N], rope=rope,
+                               window=window, return_lse=store != "paged", queries_to_keep=keep)
+        n = min(keep, N)
+        assert res.out.shape == (B, Hq, n, D)
+        torch.testing.assert_close(res.out, full.out[:, :, N - n:], atol=1e-12, rtol=0)
+        if res.lse is not None:
+            torch.testing.assert_close(res.lse, full.lse[:, :, N - n:], atol=1e-12, rtol=0)
+        if cache is None:
+            continue
+        if store == "base":
+            assert cache.observed[-1][1].shape[2] == N, "observe sees every query of the step"
+        step = [cached_attention(q[:, :, N:], k[:, :, N:], v[:, :, N:], cache=c, positions=pos[:, N:], rope=rope,
+                                 window=window).out for c in (cache, full_cache if keep == 1 else make())]
+        if keep == 1:
+            torch.testing.assert_close(step[0], step[1], atol=1e-12, rtol=0)
+
+
+def test_queries_to_keep_on_a_scoring_cache_shows_every_query():
+    """H2O ranks tokens by the attention every query paid: the cache observes all N queries and keeps what the
+    full call keeps; only the last rows are returned."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, h, 12, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    pos = torch.arange(12)[None]
+    caches = [KVCache([FullSpec(2, 8)], policy=H2O(heavy=3, recent=3)) for _ in range(2)]
+    full = cached_attention(q, k, v, cache=caches[0], positions=pos)
+    kept = cached_attention(q, k, v, cache=caches[1], positions=pos, queries_to_keep=2)
+    torch.testing.assert_close(kept.out, full.out[:, :, -2:], atol=1e-12, rtol=0)
+    nxt = [cached_attention(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], cache=c, positions=torch.tensor([[12]])).out
+           for c in caches]
+    torch.testing.assert_close(nxt[1], nxt[0], atol=1e-12, rtol=0)
+    views = [c.view(0) for c in caches]
+    assert torch.equal(views[0].kv_positions, views[1].kv_positions)  # the same tokens evicted
+
+
+def test_queries_to_keep_reach_the_decode_kernel_as_a_single_query():
+    """On a paged cache the last query of a prompt chunk goes to the single-query kernel with that column's
+    position; the decoding base cache gets the kept queries only."""
+    cache = DecodingBaseCache()
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 6, 8, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    cached_attention(q, k, v, cache=cache, positions=torch.arange(6).expand(2, 6), queries_to_keep=1)
+    assert [shape for _, shape, _, _ in cache.calls] == [(2, 4, 1, 8)]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None, "1"])
+def test_queries_to_keep_refuses_bad_values(bad):
+    q = k = v = torch.randn(1, 2, 3, 4)
+    cache = KVCache([FullSpec(2, 4)])
+    with pytest.raises(ValueError, match=r"queries_to_keep must be an int >= 0 .* got"):
+        cached_attention(q, k, v, cache=cache, positions=torch.arange(3)[None], queries_to_keep=bad)
+    assert cache.seq_length == 0  # refused before anything is stored
+
+
+def test_kv_cache_decode_refuses_more_queries_than_the_step():
+    cache = KVCache([FullSpec(2, 8)], storage=Paged(block_size=4, num_blocks=16))
+    k = v = torch.randn(1, 2, 3, 8)
+    cache.update(0, k, v, positions=torch.arange(3)[None])
+    with pytest.raises(ValueError, match=r"decode: q must be \(B, Hq, n, D\) with B = 1 and 1 <= n <= 3"):
+        cache.decode(0, torch.randn(1, 4, 4, 8), scale=0.3)

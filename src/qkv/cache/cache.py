@@ -251,14 +251,21 @@ class KVCache:
         attends over the view ``update`` returned (or :meth:`view`, after a deferred update).
 
         Args:
-            q: (B, Hq, N, D) queries, rotated like the stored keys.
+            q: (B, Hq, n, D) queries, rotated like the stored keys: those of the step's last ``n <= N`` columns
+                (a decoder's last layer keeps only the queries whose outputs it needs).
             window: as in ``masks.positions(..., window=W)``.
         """
         layer = self._layer(layer_idx, None, "decode")
         if (not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or not isinstance(layer.store, PagedStore)
                 or layer.last_view is None):  # other layers (sinks, latent, quantized) attend over their view
             return None
-        return layer.store.decode(q, layer.last_view.q_positions, scale=scale, window=window)
+        q_positions = layer.last_view.q_positions  # (B, N)
+        n = q.shape[2] if q.dim() == 4 else -1
+        if not 1 <= n <= q_positions.shape[1] or q.shape[0] != q_positions.shape[0]:
+            raise ValueError(f"decode: q must be (B, Hq, n, D) with B = {q_positions.shape[0]} and 1 <= n <= "
+                             f"{q_positions.shape[1]} (the queries of the step's last n columns), got "
+                             f"{tuple(q.shape)}")
+        return layer.store.decode(q, q_positions[:, q_positions.shape[1] - n:], scale=scale, window=window)
 
     def update_latent(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor, *,
                       positions: torch.Tensor, rope: RopeFn | None = None) -> LatentView:

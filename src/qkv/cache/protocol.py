@@ -148,10 +148,10 @@ class DecodingCache(Protocol):
 
     def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
                ) -> torch.Tensor | None:
-        """Causal attention of ``q`` (B, Hq, N, D), rotated like the stored keys, over layer ``layer_idx``'s
-        view of the step just stored (``window`` as in ``masks.positions(..., window=W)``): (B, Hq, N, Dv), or
-        None where the cache has no kernel for that layer or step (a single-query kernel declines N > 1) and
-        the caller attends over the view."""
+        """Causal attention of ``q`` (B, Hq, n, D), the queries of the last ``n <= N`` columns of the step just
+        stored, rotated like its keys, over layer ``layer_idx``'s view of that step (``window`` as in
+        ``masks.positions(..., window=W)``): (B, Hq, n, Dv), or None where the cache has no kernel for that layer
+        or step (a single-query kernel declines n > 1) and the caller attends over the view."""
         ...
 
 

@@ -190,7 +190,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                      sinks: torch.Tensor | None = None, attention_fn: AttentionFn = attention,
                      backend: str = "auto", decode_backend: str | None = None, dropout_p: float = 0.0,
                      return_lse: bool = False, head_gate: torch.Tensor | None = None,
-                     owner: str = "cached_attention") -> AttentionHeads:
+                     queries_to_keep: int = 0, owner: str = "cached_attention") -> AttentionHeads:
     """One attention call of a module, over a KV cache or not (the sequence in the module notes).
 
     Args:
@@ -221,10 +221,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         dropout_p: attention-probability dropout (the module passes 0 in eval mode).
         return_lse: also return the log-sum-exp (B, Hq, N).
         head_gate: (Hq,) multiplier of each head's output, or None.
+        queries_to_keep: when ``0 < queries_to_keep < N``, only the last that many queries attend and the
+            outputs are theirs, ``(B, Hq, queries_to_keep, Dv)``; every key and value of the step is still stored
+            (a decoder's last layer over a prompt, whose other columns' outputs nothing reads). A cache that ranks
+            tokens by observed attention (H2O, SnapKV) still sees every query: there all attend, and the last
+            are returned. 0 (default): every query.
         owner: the caller's name in error messages.
 
     Returns:
-        :class:`AttentionHeads` ``(out (B, Hq, N, Dv), lse (B, Hq, N) or None)``.
+        :class:`AttentionHeads` ``(out (B, Hq, N, Dv), lse (B, Hq, N) or None)`` (N the kept queries).
 
     A step over a :class:`qkv.cache.DecodingCache` with a plain call (:func:`plain_decode_step`'s conditions but
     the query count, no ``return_lse``; for one query per row ``decode_backend`` None, ``"auto"`` or ``"sdpa"``)
@@ -262,6 +267,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                         f"{type(position_bias).__name__}; static modifiers go in score_mod")
     if rotate is not None and rope is None:
         raise ValueError(f"{owner}: rotate needs rope as well (caches that re-position keys rotate them with rope)")
+    if type(queries_to_keep) is not int or queries_to_keep < 0:
+        raise ValueError(f"{owner}: queries_to_keep must be an int >= 0 (0: every query), got {queries_to_keep!r}")
+    # the last queries only: after the cache update (every key is stored), unless the cache ranks by attention
+    keep = queries_to_keep if 0 < queries_to_keep < N else 0
+    sliced_after = keep and cache is not None and cache.scores_attention(layer_idx)
+    n_attend = keep if keep and not sliced_after else N
     caps = None
     if cache is None:
         if rope is not None:
@@ -282,7 +293,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
     # in place where the cache can: a plain step (one query per row whose single-query backend is the default's,
     # or a prompt chunk on the default backend)
     in_place = (caps is not None and caps.decoding and not return_lse and position_bias is None
-                and (N > 1 or decode_backend in (None, "auto", "sdpa"))
+                and (n_attend > 1 or decode_backend in (None, "auto", "sdpa"))
                 and _plain_call(attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
                                 score_mod=score_mod, sinks=sinks, dropout_p=dropout_p))
     if cache is not None:
@@ -295,6 +306,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
             view = cache.update(layer_idx, k, v, positions=positions, rope=rope, **defer)
             q = rope(q, view.q_positions)
         k, v, q_pos, kv_pos = view.k, view.v, view.q_positions, view.kv_positions  # (B, Hkv, S, D), ...
+    q_seen = q  # what a scoring cache observes: every query
+    if n_attend < N:
+        q, step_mask = q[:, :, -n_attend:], None  # the step's mask covers every query: built again below
+        q_pos = None if q_pos is None else q_pos[:, -n_attend:]
     out = lse = None
     if in_place:
         out = cache.decode(layer_idx, q, scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window)
@@ -307,7 +322,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         else:
             built = attention_mask(q_pos, kv_pos, causal=causal, window=window, mask=mask)
         kw = {"mask": built, "scale": scale,
-              "backend": decode_backend if N == 1 and decode_backend is not None else backend}
+              "backend": decode_backend if n_attend == 1 and decode_backend is not None else backend}
         if return_lse:
             kw["return_lse"] = True
         if dropout_p:
@@ -320,8 +335,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         else:
             res = attention_fn(q, k, v, score_mod=score_mod, **kw)
         out, lse = (res.out, res.lse) if return_lse else (res, None)
+    if sliced_after:
+        out, lse = out[:, :, -keep:], None if lse is None else lse[:, :, -keep:]
     if head_gate is not None:
         out = apply_head_gate(out, head_gate)
     if cache is not None:
-        cache.observe(layer_idx, q, scale=scale)  # score-ranked eviction (H2O, SnapKV) sees the rotated queries
+        cache.observe(layer_idx, q_seen, scale=scale)  # score-ranked eviction (H2O, SnapKV): the rotated queries
     return AttentionHeads(out, lse)

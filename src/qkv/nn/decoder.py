@@ -33,7 +33,8 @@ overhead, so the decode path is kept short: fused QKV and gate/up projections; q
 one call from a cos/sin table and handed to the cache already rotated (when the cache keeps the layer's
 keys at absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
 backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; and ``logits_to_keep`` for the
-prefill. The model is built plain (``nn.Linear`` layers; the tied LM head and the experts multiply through
+prefill, where the last layer stores every column's keys and values but attends and runs its feed-forward for
+the kept columns only (what llama.cpp also skips; 1/L of a prompt's layer work on L layers). The model is built plain (``nn.Linear`` layers; the tied LM head and the experts multiply through
 ``linear_fn``, ``F.linear``); :func:`qkv.cpu.optimize` swaps in the CPU products (few rows cut into blocks
 of the weight over torch's threads, many rows through oneDNN-prepacked weights, as its measured rule says),
 and ``qkv.models.from_hf`` and ``qkv.models.generate`` call it by default. ``state_dict()`` holds standard
@@ -237,7 +238,9 @@ class SelfAttention(nn.Module):
         return (apply_rotary(q, cos, sin, interleaved=interleaved),
                 apply_rotary(k, cos, sin, interleaved=interleaved))
 
-    def forward(self, x: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: _ForwardContext, keep: int = 0) -> torch.Tensor:
+        """(B, N, d) -> (B, N, d); with ``0 < keep < N`` the outputs of the last ``keep`` columns only, (B, keep, d)
+        (every column's keys and values are still cached)."""
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D), then the output gate's (B, N, Hq D)
@@ -264,10 +267,12 @@ class SelfAttention(nn.Module):
                                step_mask=step.self_mask(self.window) if cache is None else None,
                                score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
                                attention_fn=self.attention_fn, backend=self.backend,
-                               decode_backend=self.decode_backend, head_gate=self.head_gate, owner="DecoderLM")
-        out = res.out.transpose(1, 2).reshape(B, N, Hq * D)
+                               decode_backend=self.decode_backend, head_gate=self.head_gate,
+                               queries_to_keep=keep, owner="DecoderLM")
+        n = res.out.shape[2]
+        out = res.out.transpose(1, 2).reshape(B, n, Hq * D)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * torch.sigmoid(gate[:, N - n:])
         return self.o_proj(out)  # (B, N, d)
 
     def extra_repr(self) -> str:
@@ -333,14 +338,21 @@ class DecoderLayer(nn.Module):
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
 
-    def forward(self, x: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: _ForwardContext, keep: int = 0) -> torch.Tensor:
+        """(B, N, d) -> (B, N, d); with ``0 < keep < N`` only the last ``keep`` columns go on, (B, keep, d): the
+        mixer still reads every column (the cache stores all keys and values, a recurrent state takes every
+        token), grouped-query attention attends only the kept queries, the feed-forward runs on the kept
+        columns (a decoder's last layer before logits of the last columns)."""
+        keep = keep if 0 < keep < x.shape[1] else 0
         a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
         if self.linear_attn is not None:
             h = self._mix_recurrent(a, step)
         elif self.latent:
             h = self.self_attn(a, positions=step.positions, cache=step.cache).out
         else:
-            h = self.self_attn(a, step)
+            h = self.self_attn(a, step, keep)
+        if keep:
+            x, h = x[:, -keep:], h[:, -keep:]  # a no-op view for the attention's output, already kept
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
         x = x + h
@@ -560,9 +572,10 @@ class DecoderLM(nn.Module):
         if self._recurrent and N > 1 and (real := step.real_tokens()) is not None:  # before any layer writes
             i = self._recurrent[0]
             _refuse_inner_padding(real[..., 0] > 0, None if cache is None else cache.recurrent_state(i), i)
-        for layer in self.layers:
-            x = layer(x, step)
-        if keep:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):  # the last layer carries on only the kept columns
+            x = layer(x, step, keep if i == last else 0)
+        if keep and x.shape[1] > keep:  # a model without layers
             x = x[:, -keep:]
         return self.norm(x)
 
