@@ -34,10 +34,11 @@ one call from a cos/sin table and handed to the cache already rotated (when the 
 keys at absolute positions); a positions mask over the single query row; single-row steps on the ``sdpa``
 backend (``decode_backend``), skipping ``auto``'s per-call cost estimates; and ``logits_to_keep`` for the
 prefill, where the last layer stores every column's keys and values but attends and runs its feed-forward for
-the kept columns only (what llama.cpp also skips; 1/L of a prompt's layer work on L layers). The model is built plain (``nn.Linear`` layers; the tied LM head and the experts multiply through
-``linear_fn``, ``F.linear``); :func:`qkv.cpu.optimize` swaps in the CPU products (few rows cut into blocks
-of the weight over torch's threads, many rows through oneDNN-prepacked weights, as its measured rule says),
-and ``qkv.models.from_hf`` and ``qkv.models.generate`` call it by default. ``state_dict()`` holds standard
+the kept columns only (what llama.cpp also skips; about 1/L of a prompt's layer work on L layers). The model
+is built plain (``nn.Linear`` layers; the tied LM head and the experts multiply through ``linear_fn``,
+``F.linear``); :func:`qkv.cpu.optimize` swaps in the CPU products (few rows cut into blocks of the weight over
+torch's threads, many rows through oneDNN-prepacked weights, as its measured rule says), and
+``qkv.models.from_hf`` and ``qkv.models.generate`` call it by default. ``state_dict()`` holds standard
 contiguous tensors either way.
 
 Shape legend: B batch, N new tokens, S cached slots, d hidden size, Hq query heads, Hkv key/value heads,
