@@ -2,15 +2,16 @@
 
 A decode step's largest product is often its LM head (32000 x 512 floats are 65 MB, read once per step), yet greedy
 decoding keeps one index per row. :class:`HeadScreen` holds the head once more in int8 (a quarter of the bytes: each
-row as a scale times integers in [-127, 127]), takes each input row to 16-bit integers, and multiplies them exactly
-in integers on the CPU's int8 units (oneDNN's batch-reduce GEMM through torch, AMX or AVX512-VNNI). Every
-approximate logit gets a rigorous bound on its distance from the float32 logit (both quantizations by
-Cauchy-Schwarz, the float32 GEMM's accumulation by Higham's gamma_K; ``csrc/greedy_head.cpp`` writes the bound out),
-and only the tokens whose upper bound reaches the row's largest lower bound are recomputed in float64: a handful
-per row. The token is the first largest of those float64 logits, so it is the argmax of the float32 logits wherever
-that is determined at all (two logits closer than a float32 product's rounding, about 1e-6 relative, can come out
-in either order from any two float32 GEMMs). Rows the screen cannot settle (a non-finite input or logit) take
-``F.linear`` and ``argmax``.
+row as a scale times integers in [-127, 127]), takes each input row to 8-bit integers (one byte plane, where its
+error stays near the head's and more than eight rows share the product) or 16-bit ones (two planes: few rows, or
+rows with large outliers), and multiplies them exactly in integers on the CPU's int8 units (oneDNN's batch-reduce
+GEMM through torch, AMX or AVX512-VNNI). Every approximate logit gets a rigorous bound on its distance from the
+float32 logit (both quantizations by Cauchy-Schwarz, the float32 GEMM's accumulation by Higham's gamma_K;
+``csrc/greedy_head.cpp`` writes the bound out), and only the tokens whose upper bound reaches the row's largest
+lower bound are recomputed in float64: a handful per row. The token is the first largest of those float64 logits, so
+it is the argmax of the float32 logits wherever that is determined at all (two logits closer than a float32
+product's rounding, about 1e-6 relative, can come out in either order from any two float32 GEMMs). Rows the screen
+cannot settle (a non-finite input or logit) take ``F.linear`` and ``argmax``.
 
 The screen's bytes matter twice: a step reads a quarter of the float32 head, and the decoder's own weights are more
 likely to stay in the CPU's last-level cache between steps when the head beside them is small.
@@ -57,7 +58,7 @@ def _probe() -> str | None:
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(100, 16, generator=g), torch.randn(4, 16, generator=g)
     try:
-        tokens, ok, _ = mod.screened_argmax(x, w, *mod.screen_pack(w))
+        tokens, ok, *_ = mod.screened_argmax(x, w, *mod.screen_pack(w))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"this CPU or torch build has no int8 GEMM for the screen ({first})"
@@ -125,7 +126,7 @@ class HeadScreen:
             return F.linear(x, weight).argmax(-1)
         rows = x.reshape(-1, K).contiguous()
         with torch.no_grad():
-            tokens, ok, _ = kernels.profiled("head_screen", kernels.load().screened_argmax, rows,
+            tokens, ok, *_ = kernels.profiled("head_screen", kernels.load().screened_argmax, rows,
                                              weight.detach().contiguous(), *self._screen)
             if not bool(ok.all()):  # a non-finite input or logit: those rows through float32
                 bad = (~ok).nonzero()[:, 0]

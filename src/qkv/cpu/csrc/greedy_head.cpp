@@ -3,8 +3,9 @@
 // logits = x W^T (x: M rows of K, W: V x K float32); the token is the first index of each row's maximum. The head
 // is the largest product of a decode step (32000 x 512 floats are 65 MB, read once per step), yet greedy decoding
 // needs one index per row. Here W is held once more in int8, a quarter of its bytes (row n as s_n q_n: q_n integers
-// in [-127, 127], s_n = max |w_n| / 127), and each row of x as t x~ (x~ integers in [-32767, 32767], t = max |x| /
-// 32767, as two planes of unsigned bytes); oneDNN's batch-reduce GEMM through torch (AMX or AVX512-VNNI units)
+// in [-127, 127], s_n = max |w_n| / 127), and each row of x as t x~ (x~ integers in [-127, 127], t = max |x| / 127,
+// one plane of unsigned bytes, where that keeps the row's error near the head's and more than kFewRows rows share
+// the call; else x~ in [-32767, 32767], t = max |x| / 32767, as two planes); oneDNN's batch-reduce GEMM through torch (AMX or AVX512-VNNI units)
 // gives D_n = x~ . q_n exactly in integers, and a_n = t s_n D_n is the approximate logit. Every a_n comes with a
 // rigorous bound b_n on its distance from the float32 logit l_n that any float32 GEMM may give (|l_n - a_n| <= b_n):
 // with L the largest lower bound a_n - b_n of a row, only tokens whose upper bound a_n + b_n reaches L can hold the
@@ -42,7 +43,9 @@ using Vec = at::vec::Vectorized<float>;
 static_assert(kBlock % Vec::size() == 0, "a block is whole vectors");
 
 constexpr int64_t kMaxK = 65536;  // K * 255 * 127 < 2^31: the screen's int32 sums are exact
-constexpr int64_t kRows = 32;     // rows of x per GEMM call (two byte planes each)
+constexpr int64_t kPlanes = 64;   // byte planes of x per GEMM call (a row takes one or two)
+constexpr double kPlaneSlack = 2;  // one plane when the row's relative error is at most this times the head's
+constexpr int64_t kFewRows = 8;    // up to this many rows all go in two planes: a GEMM call costs about the same
 constexpr int64_t kGroup = 8;     // blocks per group: the candidate pass visits only groups that hold candidates
 
 inline int quantized(float v, float scale, int limit) {  // round(v / scale), clamped to [-limit, limit]
@@ -66,23 +69,25 @@ inline Vec bound(const Vec& va, const float* A, const float* B, const float* C, 
   return ((r.c1 * Vec::loadu(A) + quant) + s + va.abs() * Vec(kRel)) * Vec(1.0f + kRel);
 }
 
-// a[j] = (256 hi[j] + lo[j] - 32768 R[j]) S[j] t for one block: the integer part exact in double (|.| < 2^53), two
-// double products and one rounding to float
+// a[j] = D S[j] t for one block, D = 256 hi[j] + lo[j] - 32768 R[j] for a row in two planes (lo given), else
+// D = hi[j] - 128 R[j]: the integer part exact in double (|.| < 2^53), two double products and one rounding to float
 inline void approximate(const int32_t* hi, const int32_t* lo, const int32_t* R, const float* S, double t, float* a) {
+  const double high = lo ? 256.0 : 1.0, shift = lo ? 32768.0 : 128.0;
   int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512d vt = _mm512_set1_pd(t), v256 = _mm512_set1_pd(256.0), vshift = _mm512_set1_pd(32768.0);
+  const __m512d vt = _mm512_set1_pd(t), vhigh = _mm512_set1_pd(high), vshift = _mm512_set1_pd(shift);
   for (; j + 8 <= kBlock; j += 8) {
     const __m512d h = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + j)));
-    const __m512d l = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + j)));
+    const __m512d l = lo ? _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + j)))
+                         : _mm512_setzero_pd();
     const __m512d r = _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(R + j)));
-    const __m512d d = _mm512_sub_pd(_mm512_add_pd(_mm512_mul_pd(h, v256), l), _mm512_mul_pd(r, vshift));
+    const __m512d d = _mm512_sub_pd(_mm512_add_pd(_mm512_mul_pd(h, vhigh), l), _mm512_mul_pd(r, vshift));
     const __m512d sc = _mm512_cvtps_pd(_mm256_loadu_ps(S + j));
     _mm256_storeu_ps(a + j, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(d, sc), vt)));
   }
 #endif
   for (; j < kBlock; ++j) {
-    const double d = 256.0 * hi[j] + lo[j] - 32768.0 * R[j];
+    const double d = high * hi[j] + (lo ? lo[j] : 0) - shift * R[j];
     a[j] = static_cast<float>(d * S[j] * t);
   }
 }
@@ -102,7 +107,8 @@ inline float lanes_max(const Vec& v) {  // the largest lane, NaN if any lane is 
 
 // W (V, K) float32 -> {packed (V/kBlock rounded up, Kp, kBlock) int8 in the VNNI layout of torch's brgemm, A (Vp)
 // = |w_n|, B (Vp) = |w_n - s_n q_n|, C (Vp) = |w_n - s_n q_n|_inf (floats rounded up), S (Vp) the scales s_n, R (Vp)
-// int32 the sums of q_n};
+// int32 the sums of q_n, P (1) the head's relative quantization error sum B / sum A (an input row goes in one byte
+// plane when its own relative error is at most kPlaneSlack P)};
 // Kp is K rounded up to whole groups of four, padding entries are zero.
 std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
@@ -150,14 +156,17 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
                                 out + b * Kp * kBlock);
     }
   });
-  return {packed, A, B, C, S, R};
+  double sum_a = 0, sum_b = 0;
+  for (int64_t n = 0; n < V; ++n) sum_a += pa[n], sum_b += pb[n];
+  auto P = at::full({1}, sum_a > 0 ? static_cast<float>(sum_b / sum_a) : 0.0f, weight.options());
+  return {packed, A, B, C, S, R, P};
 }
 
-// x (M, K) float32 -> {tokens (M) int64, ok (M) bool, candidates (M) int64}: tokens of the screened rows (ok),
-// and how many tokens each row recomputed.
+// x (M, K) float32 -> {tokens (M) int64, ok (M) bool, candidates (M) int64, planes (M) int64}: tokens of the
+// screened rows (ok), how many tokens each row recomputed, and in how many byte planes it went.
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                                         const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
-                                        const at::Tensor& S, const at::Tensor& R) {
+                                        const at::Tensor& S, const at::Tensor& R, const at::Tensor& P) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "screened_argmax: x must be a contiguous float32 (M, K) tensor");
   const int64_t M = x.size(0), K = x.size(1), V = weight.size(0), nb = packed.size(0), Vp = nb * kBlock;
@@ -168,12 +177,13 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == Kp && packed.size(2) == kBlock &&
                   packed.scalar_type() == at::kChar && nb * kBlock >= V && (nb - 1) * kBlock < V &&
                   A.numel() == Vp && B.numel() == Vp && C.numel() == Vp && S.numel() == Vp && R.numel() == Vp &&
-                  R.scalar_type() == at::kInt,
+                  R.scalar_type() == at::kInt && P.numel() == 1 && P.scalar_type() == at::kFloat,
               "screened_argmax: packed/A/B/C/S/R do not come from screen_pack(weight)");
   auto tokens = at::zeros({M}, x.options().dtype(at::kLong));
   auto ok = at::zeros({M}, x.options().dtype(at::kBool));
   auto count = at::zeros({M}, x.options().dtype(at::kLong));
-  if (M == 0) return {tokens, ok, count};
+  auto planes = at::zeros({M}, x.options().dtype(at::kLong));
+  if (M == 0) return {tokens, ok, count, planes};
   const float* px = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float *pa = A.data_ptr<float>(), *pb = B.data_ptr<float>(), *pc = C.data_ptr<float>();
@@ -181,33 +191,62 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   const int32_t* pr = R.data_ptr<int32_t>();
   const auto* pw = packed.data_ptr<int8_t>();
 
-  // per row: t and x~ = round(x / t) in 16 bits, held as u = x~ + 32768 in two unsigned bytes (rows 2m: u >> 8,
-  // 2m + 1: u & 255); c1 = |x - t x~| + g |x|, c2 = |t x~|, c3 = |t x~|_1, rounded up. A row with a non-finite input
-  // is not screened.
+  // per row: t and x~ = round(x / t), in 8 bits (x~ in [-127, 127], one plane of u = x~ + 128) where that error
+  // |x - t x~| is at most kPlaneSlack times the head's relative error P times |x| (the bound at most about
+  // 1 + kPlaneSlack times the two-plane one) and there are more than kFewRows rows (fewer, and each GEMM call
+  // costs about the same whatever its rows, so the second plane's tighter bound is free), else in 16 bits (x~ in [-32767, 32767], u = x~ + 32768 as two planes:
+  // u >> 8, then u & 255); c1 = |x - t x~| + g |x|, c2 = |t x~|, c3 = |t x~|_1, rounded up. A row with a
+  // non-finite input is not screened.
   const double g = K * std::ldexp(1.0, -23);
   const float slack = static_cast<float>(K * std::ldexp(1.0, -124));
-  std::vector<uint8_t> xq(2 * M * Kp, 0);
+  const double one_plane = kPlaneSlack * static_cast<double>(P.data_ptr<float>()[0]);
   std::vector<float> t(M), c1(M), c2(M), c3(M);
+  std::vector<int> limit(M);
+  std::vector<int64_t> first_plane(M + 1, 0);
   std::vector<char> row_ok(M, 1);
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = px + m * K;
     float big = 0.0f;
     for (int64_t k = 0; k < K; ++k) big = std::max(big, std::fabs(xm[k]));  // NaN is dropped here, seen below
-    t[m] = std::max(big / 32767.0f, std::numeric_limits<float>::min());
-    double nx = 0, nq = 0, ex = 0, aq = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      const int q = std::isfinite(xm[k]) ? quantized(xm[k], t[m], 32767) : 0;
-      const int u = q + 32768;
-      xq[2 * m * Kp + k] = static_cast<uint8_t>(u >> 8), xq[(2 * m + 1) * Kp + k] = static_cast<uint8_t>(u & 255);
-      const double tq = static_cast<double>(t[m]) * q, d = static_cast<double>(xm[k]) - tq;
-      nx += static_cast<double>(xm[k]) * xm[k], nq += tq * tq, ex += d * d, aq += std::fabs(tq);
+    for (const int lim : {127, 32767}) {
+      if (lim == 127 && M <= kFewRows) continue;
+      t[m] = std::max(big / static_cast<float>(lim), std::numeric_limits<float>::min());
+      double nx = 0, nq = 0, ex = 0, aq = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int q = std::isfinite(xm[k]) ? quantized(xm[k], t[m], lim) : 0;
+        const double tq = static_cast<double>(t[m]) * q, d = static_cast<double>(xm[k]) - tq;
+        nx += static_cast<double>(xm[k]) * xm[k], nq += tq * tq, ex += d * d, aq += std::fabs(tq);
+      }
+      limit[m] = lim;
+      row_ok[m] = std::isfinite(nx);
+      c1[m] = up((std::sqrt(ex) + g * std::sqrt(nx)) * (1 + 1e-12));
+      c2[m] = up(std::sqrt(nq) * (1 + 1e-12));
+      c3[m] = up(aq * (1 + 1e-12));
+      if (!std::isfinite(c1[m]) || !std::isfinite(c2[m]) || !std::isfinite(c3[m])) row_ok[m] = 0;
+      if (!row_ok[m] || std::sqrt(ex) <= one_plane * std::sqrt(nx)) break;
     }
-    if (!std::isfinite(nx)) row_ok[m] = 0;
-    c1[m] = up((std::sqrt(ex) + g * std::sqrt(nx)) * (1 + 1e-12));
-    c2[m] = up(std::sqrt(nq) * (1 + 1e-12));
-    c3[m] = up(aq * (1 + 1e-12));
-    if (!std::isfinite(c1[m]) || !std::isfinite(c2[m]) || !std::isfinite(c3[m])) row_ok[m] = 0;
+    first_plane[m + 1] = first_plane[m] + (limit[m] == 127 ? 1 : 2);
   }
+  std::vector<uint8_t> xq(first_plane[M] * Kp, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = px + m * K;
+    uint8_t* row = xq.data() + first_plane[m] * Kp;
+    for (int64_t k = 0; k < K; ++k) {
+      const int q = std::isfinite(xm[k]) ? quantized(xm[k], t[m], limit[m]) : 0;
+      if (limit[m] == 127) {
+        row[k] = static_cast<uint8_t>(q + 128);
+      } else {
+        const int u = q + 32768;
+        row[k] = static_cast<uint8_t>(u >> 8), row[Kp + k] = static_cast<uint8_t>(u & 255);
+      }
+    }
+  }
+  // rows in runs of at most kPlanes byte planes, one GEMM call per run and block
+  std::vector<int64_t> runs{0};
+  for (int64_t m = 1; m <= M; ++m)
+    if (m == M || first_plane[m + 1] - first_plane[runs.back()] > kPlanes) runs.push_back(m);
+  int64_t* pp = planes.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) pp[m] = first_plane[m + 1] - first_plane[m];
 
   // the screen, a group of kGroup blocks of kBlock tokens at a time: approximate logits a = t s D (M, Vp), D = x~ .
   // q exact from the brgemm's int32 sums of both byte planes; per row and group, the largest lower bound a - b, the
@@ -220,19 +259,21 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const Vec vs(slack);
   at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<int32_t> sums(2 * kRows * kBlock);
+    std::vector<int32_t> sums(kPlanes * kBlock);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t first = g * span, live = std::min(span, V - first);  // tokens of this group (not padding)
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t rows = std::min(kRows, M - m0);
+      for (size_t run = 0; run + 1 < runs.size(); ++run) {
+        const int64_t m0 = runs[run], m1 = runs[run + 1], p0 = first_plane[m0];
         for (int64_t b = g * kGroup; b < std::min(nb, (g + 1) * kGroup); ++b) {
-          at::native::cpublas::brgemm(2 * rows, kBlock, Kp, Kp, kBlock, kBlock, false, xq.data() + 2 * m0 * Kp,
-                                      pw + b * Kp * kBlock, sums.data(), true);
-          for (int64_t r = 0; r < rows; ++r)
-            approximate(sums.data() + 2 * r * kBlock, sums.data() + (2 * r + 1) * kBlock, pr + b * kBlock,
-                        ps + b * kBlock, t[m0 + r], a.get() + (m0 + r) * Vp + b * kBlock);
+          at::native::cpublas::brgemm(first_plane[m1] - p0, kBlock, Kp, Kp, kBlock, kBlock, false,
+                                      xq.data() + p0 * Kp, pw + b * Kp * kBlock, sums.data(), true);
+          for (int64_t m = m0; m < m1; ++m) {
+            const int32_t* hi = sums.data() + (first_plane[m] - p0) * kBlock;
+            approximate(hi, limit[m] == 127 ? nullptr : hi + kBlock, pr + b * kBlock, ps + b * kBlock, t[m],
+                        a.get() + m * Vp + b * kBlock);
+          }
         }
-        for (int64_t m = m0; m < m0 + rows; ++m) {
+        for (int64_t m = m0; m < m1; ++m) {
           const float* am = a.get() + m * Vp + first;
           const RowTerms terms{Vec(c1[m]), Vec(c2[m]), Vec(c3[m])};
           Vec lo(-kInf), hi(-kInf), mag(0.0f);
@@ -305,5 +346,5 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
       pt[m] = arg, pok[m] = true, pn[m] = seen;
     }
   });
-  return {tokens, ok, count};
+  return {tokens, ok, count, planes};
 }

@@ -42,7 +42,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 std::vector<at::Tensor> screen_pack(const at::Tensor& weight);
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                                         const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
-                                        const at::Tensor& S, const at::Tensor& R);
+                                        const at::Tensor& S, const at::Tensor& R, const at::Tensor& P);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_attention", &gather_attention, "attention over listed keys, read in place (CPU)");
