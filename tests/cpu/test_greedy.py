@@ -155,6 +155,25 @@ def test_byte_planes_follow_the_rows_error_and_count():
 
 
 @needs_screen
+def test_an_input_error_aligned_with_a_head_row_is_bounded():
+    """The one-plane bound is tight where the input's rounding error points along a head row: 63 entries of x sit
+    0.49 of a step above their 8-bit value (the rest exactly on it), and head row 1 reads exactly those entries. Its
+    approximate logit says -20 where the float32 logit is +10.9: only the full Cauchy-Schwarz term keeps it a
+    candidate (cut to 5% of it, the screen returns another token)."""
+    g = torch.Generator().manual_seed(11)
+    big = 100.0 * torch.where(torch.rand(2000, generator=g) < 0.5, -1.0, 1.0)  # on the grid: no error
+    off = torch.cat([torch.full((20,), -0.51), torch.full((43,), 0.49)])  # round to -1 and 0: errors +0.49
+    x = torch.cat([torch.tensor([127.0]), off, big])[None].repeat(9, 1)  # t = 127 / 127 = 1; nine rows: one plane
+    w = torch.randn(202, x.shape[1], generator=g) * 1e-4  # small rows: logits about 1
+    w[0] = 0.0
+    w[1] = 0.0
+    w[1, 1:64] = 1.0  # on its own grid: no weight error
+    tokens, ok, count, planes = kernel_result(x, w)
+    assert planes.tolist() == [1] * 9
+    assert bool(ok.all()) and torch.equal(tokens, reference(x, w)) and set(tokens.tolist()) == {1}
+
+
+@needs_screen
 def test_real_checkpoint_head_and_text():
     """A real head and real hidden states: all-MiniLM-L6-v2's word embeddings (30522 x 384) as a tied head, read by
     its encoder's last hidden states of real sentences (every position)."""
