@@ -274,7 +274,7 @@ class SelfAttention(nn.Module):
         out = res.out.transpose(1, 2).reshape(B, n, Hq * D)
         if gate is not None:
             out = out * torch.sigmoid(gate[:, N - n:])
-        return self.o_proj(out)  # (B, N, d)
+        return self.o_proj(out)  # (B, N or keep, d)
 
     def extra_repr(self) -> str:
         extra = f", window={self.window}" if self.window else ""
