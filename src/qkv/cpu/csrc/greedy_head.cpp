@@ -5,14 +5,15 @@
 // needs one index per row. Here W is held once more in int8, a quarter of its bytes (row n as s_n q_n: q_n integers
 // in [-127, 127], s_n = max |w_n| / 127), and each row of x as t x~ (x~ integers in [-127, 127], t = max |x| / 127,
 // one plane of unsigned bytes, where that keeps the row's error near the head's and more than kFewRows rows share
-// the call; else x~ in [-32767, 32767], t = max |x| / 32767, as two planes); oneDNN's batch-reduce GEMM through torch (AMX or AVX512-VNNI units)
-// gives D_n = x~ . q_n exactly in integers, and a_n = t s_n D_n is the approximate logit. Every a_n comes with a
-// rigorous bound b_n on its distance from the float32 logit l_n that any float32 GEMM may give (|l_n - a_n| <= b_n):
-// with L the largest lower bound a_n - b_n of a row, only tokens whose upper bound a_n + b_n reaches L can hold the
-// row's maximum, and those few are recomputed in float64, the first largest winning. The bound is Cauchy-Schwarz on
-// the two quantizations, x . w_n - t x~ . s_n q_n = (x - t x~) . w_n + t x~ . (w_n - s_n q_n), plus the float32
-// GEMM's own accumulation error (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002, section
-// 3.1: |fl(x.y) - x.y| <= gamma_K sum |x_k y_k| <= gamma_K |x| |y|, gamma_K = K u / (1 - K u)):
+// the call; else x~ in [-32767, 32767], t = max |x| / 32767, as two planes); oneDNN's batch-reduce GEMM through
+// torch (AMX or AVX512-VNNI units) gives D_n = x~ . q_n exactly in integers, and a_n = t s_n D_n is the approximate
+// logit. Every a_n comes with a rigorous bound b_n on its distance from the float32 logit l_n that any float32 GEMM
+// may give (|l_n - a_n| <= b_n): with L the largest lower bound a_n - b_n of a row, only tokens whose upper bound
+// a_n + b_n reaches L can hold the row's maximum, and those few are recomputed in float64, the first largest
+// winning. The bound is Cauchy-Schwarz on the two quantizations,
+// x . w_n - t x~ . s_n q_n = (x - t x~) . w_n + t x~ . (w_n - s_n q_n), plus the float32 GEMM's own accumulation
+// error (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002, section 3.1:
+// |fl(x.y) - x.y| <= gamma_K sum |x_k y_k| <= gamma_K |x| |y|, gamma_K = K u / (1 - K u)):
 //   b_n = (|x - t x~| + g |x|) |w_n| + min(|t x~| |w_n - s_n q_n|, |t x~|_1 |w_n - s_n q_n|_inf) + K 2^-124,
 // g = K 2^-23 >= gamma_K (norms are Euclidean but where marked: the second term is also Hoelder's with 1 and inf
 // norms, tighter where x has a few large entries, as real hidden states do),
@@ -194,9 +195,9 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   // per row: t and x~ = round(x / t), in 8 bits (x~ in [-127, 127], one plane of u = x~ + 128) where that error
   // |x - t x~| is at most kPlaneSlack times the head's relative error P times |x| (the bound at most about
   // 1 + kPlaneSlack times the two-plane one) and there are more than kFewRows rows (fewer, and each GEMM call
-  // costs about the same whatever its rows, so the second plane's tighter bound is free), else in 16 bits (x~ in [-32767, 32767], u = x~ + 32768 as two planes:
-  // u >> 8, then u & 255); c1 = |x - t x~| + g |x|, c2 = |t x~|, c3 = |t x~|_1, rounded up. A row with a
-  // non-finite input is not screened.
+  // costs about the same whatever its rows, so the second plane's tighter bound is free), else in 16 bits (x~ in
+  // [-32767, 32767], u = x~ + 32768 as two planes: u >> 8, then u & 255); c1 = |x - t x~| + g |x|, c2 = |t x~|,
+  // c3 = |t x~|_1, rounded up. A row with a non-finite input is not screened.
   const double g = K * std::ldexp(1.0, -23);
   const float slack = static_cast<float>(K * std::ldexp(1.0, -124));
   const double one_plane = kPlaneSlack * static_cast<double>(P.data_ptr<float>()[0]);
