@@ -562,13 +562,18 @@ def test_queries_to_keep_are_the_last_rows_of_the_full_call(store, window):
     pos[1, :2] = -1
     pos[1, 2:] -= 2
     rope = RotaryEmbedding(D)
-    full_cache = make()
-    full = cached_attention(q[:, :, :N], k[:, :, :N], v[:, :, :N], cache=full_cache, positions=pos[:, :N],
-                            rope=rope, window=window, return_lse=store != "paged")
+
+    def prefill(cache, keep):
+        return cached_attention(q[:, :, :N], k[:, :, :N], v[:, :, :N], cache=cache, positions=pos[:, :N], rope=rope,
+                                window=window, return_lse=store != "paged", queries_to_keep=keep)
+
+    def step(cache):
+        return cached_attention(q[:, :, N:], k[:, :, N:], v[:, :, N:], cache=cache, positions=pos[:, N:], rope=rope,
+                                window=window).out
+
     for keep in (1, 3, N, N + 4):
-        cache = make()
-        res = cached_attention(q[:, :, :N], k[:, :, :N], v[:, :, :N], cache=cache, positions=pos[:, :N], rope=rope,
-                               window=window, return_lse=store != "paged", queries_to_keep=keep)
+        full_cache, cache = make(), make()
+        full, res = prefill(full_cache, 0), prefill(cache, keep)
         n = min(keep, N)
         assert res.out.shape == (B, Hq, n, D)
         torch.testing.assert_close(res.out, full.out[:, :, N - n:], atol=1e-12, rtol=0)
@@ -578,10 +583,7 @@ def test_queries_to_keep_are_the_last_rows_of_the_full_call(store, window):
             continue
         if store == "base":
             assert cache.observed[-1][1].shape[2] == N, "observe sees every query of the step"
-        step = [cached_attention(q[:, :, N:], k[:, :, N:], v[:, :, N:], cache=c, positions=pos[:, N:], rope=rope,
-                                 window=window).out for c in (cache, full_cache if keep == 1 else make())]
-        if keep == 1:
-            torch.testing.assert_close(step[0], step[1], atol=1e-12, rtol=0)
+        torch.testing.assert_close(step(cache), step(full_cache), atol=1e-12, rtol=0)  # every key was stored
 
 
 def test_queries_to_keep_on_a_scoring_cache_shows_every_query():
