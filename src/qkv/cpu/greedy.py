@@ -37,28 +37,57 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import ops
 
-__all__ = ["HeadScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS"]
+__all__ = ["HeadScreen", "PackedScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS"]
 
 #: The most inputs (K) a screened head may have: the screen's int32 sums of K products of 255 x 127 stay exact.
 MAX_INPUTS = 65536
 
 
+class PackedScreen(NamedTuple):
+    """An LM head ``W (V, K)`` packed for the screen (``screen_pack`` in ``csrc/greedy_head.cpp``); ``Vp`` is V
+    rounded up to whole blocks of 32 entries, ``Kp`` K to whole groups of four (padding entries are zero).
+
+    Attributes:
+        packed: ``(Vp / 32, Kp, 32)`` int8, each row as integers in [-127, 127], in the VNNI layout of torch's
+            batch-reduce GEMM.
+        norms: ``(Vp,)`` float32, ``|w_n|``.
+        errors: ``(Vp,)`` float32, ``|w_n - s_n q_n|`` (rounded up).
+        max_errors: ``(Vp,)`` float32, ``|w_n - s_n q_n|_inf`` (rounded up).
+        scales: ``(Vp,)`` float32, the scales ``s_n``.
+        sums: ``(Vp,)`` int32, the sums of the integers ``q_n``.
+        relative_error: ``(1,)`` float32, the head's ``sum errors / sum norms`` (an input row goes in one byte
+            plane when its own relative error is at most a small multiple of it).
+    """
+
+    packed: torch.Tensor
+    norms: torch.Tensor
+    errors: torch.Tensor
+    max_errors: torch.Tensor
+    scales: torch.Tensor
+    sums: torch.Tensor
+    relative_error: torch.Tensor
+
+
+def pack(weight: torch.Tensor) -> PackedScreen:
+    """The screen of a contiguous float32 ``weight (V, K)``, ``K <= MAX_INPUTS`` (qkv's kernels must run here)."""
+    return PackedScreen(*ops.screen_pack(weight))
+
+
 @functools.cache
 def _probe() -> str | None:
-    mod = kernels.load()
-    if mod is None:
-        return f"qkv's CPU kernels are unavailable ({kernels.unavailable_reason()})"
+    if ops.unavailable_reason() is not None:
+        return f"qkv's CPU kernels are unavailable ({ops.unavailable_reason()})"
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(100, 16, generator=g), torch.randn(4, 16, generator=g)
     try:
-        tokens, ok, *_ = mod.screened_argmax(x, w, *mod.screen_pack(w))
+        tokens, ok, *_ = ops.screened_argmax(x, w, *pack(w))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"this CPU or torch build has no int8 GEMM for the screen ({first})"
@@ -70,8 +99,8 @@ def _probe() -> str | None:
 def screen_unavailable_reason() -> str | None:
     """Why :class:`HeadScreen` cannot run here (then the float32 head runs), or None when it can: qkv's compiled
     kernels, an int8 GEMM on this CPU, and a probe's tokens equal to float64's."""
-    if kernels.unavailable_reason() is not None:
-        return f"qkv's CPU kernels are unavailable ({kernels.unavailable_reason()})"
+    if ops.unavailable_reason() is not None:
+        return f"qkv's CPU kernels are unavailable ({ops.unavailable_reason()})"
     return _probe()
 
 
@@ -83,7 +112,7 @@ class HeadScreen:
     def __init__(self) -> None:
         self._source: torch.Tensor | None = None
         self._key: tuple | None = None
-        self._screen: tuple[torch.Tensor, ...] | None = None  # None with a key: the weight is not finite
+        self._screen: PackedScreen | None = None  # None with a key: the weight is not finite
 
     def __deepcopy__(self, memo) -> HeadScreen:  # a copy builds its own screen lazily
         return HeadScreen()
@@ -102,13 +131,13 @@ class HeadScreen:
             return False
         return self._get(weight) is not None
 
-    def _get(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    def _get(self, weight: torch.Tensor) -> PackedScreen | None:
         version = None if weight.is_inference() else weight._version
         key = (weight.data_ptr(), version, tuple(weight.shape))
         if self._source is not weight or self._key != key:
             with torch.no_grad():
                 w = weight.detach().contiguous()
-                self._screen = tuple(kernels.load().screen_pack(w)) if bool(torch.isfinite(w).all()) else None
+                self._screen = pack(w) if bool(torch.isfinite(w).all()) else None
             self._source, self._key = weight, key
         return self._screen
 
@@ -126,8 +155,8 @@ class HeadScreen:
             return F.linear(x, weight).argmax(-1)
         rows = x.reshape(-1, K).contiguous()
         with torch.no_grad():
-            tokens, ok, *_ = kernels.profiled("head_screen", kernels.load().screened_argmax, rows,
-                                             weight.detach().contiguous(), *self._screen)
+            tokens, ok, *_ = ops.profiled("head_screen", ops.screened_argmax, rows, weight.detach().contiguous(),
+                                          *self._screen)
             if not bool(ok.all()):  # a non-finite input or logit: those rows through float32
                 bad = (~ok).nonzero()[:, 0]
                 tokens[bad] = F.linear(rows[bad], weight).argmax(-1)

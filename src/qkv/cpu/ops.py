@@ -1,24 +1,42 @@
-"""The one door to qkv's compiled CPU kernels: a function per kernel, plus whether the kernels can run here.
+"""The one door to qkv's compiled CPU kernels: a function per operator ``torch.ops.qkv_cpu.<name>``, its
+eligibility test, and the shapes its outputs take (for FakeTensor tracing and ``torch.compile``).
 
-Code outside :mod:`qkv.cpu` never loads the kernels itself: a backend that runs a compiled kernel calls the
-function of this module of the same name (arguments as the kernel's schema in ``csrc/``), and asks
-:func:`unavailable_reason` (``None`` when the kernels run here) before choosing that path, so ``qkv.explain``
-can name the reason when it does not. Each function raises ``RuntimeError`` with that reason where the kernels
-cannot run; none of them falls back silently.
+Code outside :mod:`qkv.cpu` never loads the kernels itself. A caller that may run a compiled kernel asks the
+kernel's ``why_not_<name>(...)`` first: ``None`` where the kernel runs these inputs (CPU tensors, the dtypes it
+handles, no gradient being recorded, the kernels loaded), else a reason string that ``qkv.explain`` can name; then
+it calls the function of the kernel's name (arguments as the schema in ``csrc/module.cpp``). Each function raises
+``RuntimeError`` with the reason where the kernels cannot run; none of them falls back silently. Under autograd
+every operator refuses an input that requires a gradient (they have no backward), naming itself.
 
 Example:
+    >>> import torch
     >>> from qkv.cpu import ops
-    >>> ops.unavailable_reason() is None or isinstance(ops.unavailable_reason(), str)
-    True
+    >>> x, w = torch.randn(2, 8), torch.ones(8)
+    >>> why = ops.why_not_rms_norm(x, w)
+    >>> y = ops.rms_norm(x, w, 1e-6, 0.0) if why is None else torch.nn.functional.rms_norm(x, (8,), w, 1e-6)
+    >>> y.shape
+    torch.Size([2, 8])
 """
 
 from __future__ import annotations
 
+import torch
+
 from . import kernels
 
-__all__ = ["available", "unavailable_reason", "profiled", "gather_attention", "gated_delta_chunks", "delta_decode",
-           "rows_linear", "moe_token", "moe_grouped", "silu_mul", "rotary", "rms_norm", "decode_attention",
-           "paged_decode", "paged_prefill", "paged_store", "screen_pack", "screened_argmax"]
+__all__ = ["available", "unavailable_reason", "profiled", "OPERATORS", "gather_attention", "gated_delta_chunks",
+           "delta_decode", "rows_linear", "moe_token", "moe_grouped", "silu_mul", "rotary", "rms_norm",
+           "decode_attention", "paged_decode", "paged_prefill", "paged_store", "screen_pack", "screened_argmax",
+           "why_not", "why_not_rms_norm", "why_not_silu_mul", "why_not_rotary", "why_not_experts",
+           "why_not_delta_decode", "why_not_gated_delta_chunks", "why_not_decode_attention",
+           "why_not_gather_attention", "why_not_paged", "why_not_screen"]
+
+#: Every operator of the ``qkv_cpu`` library, as ``csrc/module.cpp`` declares them.
+OPERATORS = ("gather_attention", "gated_delta_chunks", "delta_decode", "rows_linear", "moe_token", "moe_grouped",
+             "silu_mul", "rotary", "rms_norm", "decode_attention", "paged_decode", "paged_prefill", "paged_store",
+             "screen_pack", "screened_argmax")
+
+_FLOATS = (torch.float32, torch.float64)
 
 profiled = kernels.profiled
 
@@ -29,15 +47,94 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
-    """Whether the compiled kernels run here (builds them on first call where they are not built yet)."""
+    """Whether the compiled kernels run here (loads or builds them on first call)."""
     return kernels.load() is not None
+
+
+def why_not(name: str, tensors, *, dtypes=_FLOATS, same_dtype: bool = True) -> str | None:
+    """The checks every kernel shares, for the operator ``name`` over ``tensors`` (None entries skipped): CPU,
+    a dtype of ``dtypes`` (one dtype throughout when ``same_dtype``), no gradient being recorded, the kernels
+    loaded. ``None`` when the kernel runs them, else why not."""
+    present = [t for t in tensors if t is not None]
+    for t in present:
+        if t.device.type != "cpu":
+            return f"qkv_cpu::{name} is CPU only, got a tensor on {t.device.type}"
+    dtype = present[0].dtype if present else None
+    for t in present:
+        if t.dtype not in dtypes:
+            return (f"qkv_cpu::{name} runs {'/'.join(str(d).removeprefix('torch.') for d in dtypes)}, got "
+                    f"{str(t.dtype).removeprefix('torch.')}")
+        if same_dtype and t.dtype != dtype:
+            return f"qkv_cpu::{name} needs one dtype, got {dtype} and {t.dtype}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return f"autograd records this call (qkv_cpu::{name} has no backward)"
+    return kernels.unavailable_reason()
+
+
+def why_not_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Whether :func:`rms_norm` runs ``x (..., D)`` with ``weight (D,)``: float32/float64 of one dtype, CPU."""
+    return why_not("rms_norm", (x, weight))
+
+
+def why_not_silu_mul(h: torch.Tensor) -> str | None:
+    """Whether :func:`silu_mul` runs ``h (..., 2f)``: float32/float64 with a unit last stride, CPU."""
+    if h.dim() < 1 or h.shape[-1] % 2 or h.stride(-1) != 1:
+        return f"qkv_cpu::silu_mul needs h (..., 2f) with a unit last stride, got {tuple(h.shape)}"
+    return why_not("silu_mul", (h,))
+
+
+def why_not_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Whether :func:`rotary` runs ``x (B, H, N, D)`` with ``cos``/``sin`` (any floating dtype, CPU)."""
+    return why_not("rotary", (x, cos, sin), dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16),
+                   same_dtype=False)
+
+
+def why_not_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
+    """Whether :func:`moe_token` / :func:`moe_grouped` run these experts: contiguous stacked weights, CPU."""
+    if not gate_up.is_contiguous() or not down.is_contiguous():
+        return "qkv_cpu::moe_token needs contiguous stacked expert weights"
+    return why_not("moe_token", (x, gate_up, down), dtypes=(torch.float32, torch.float64, torch.bfloat16,
+                                                             torch.float16), same_dtype=False)
+
+
+def why_not_delta_decode(*tensors: torch.Tensor | None) -> str | None:
+    """Whether :func:`delta_decode` runs a gated-delta step over these tensors: float32/float64 of one dtype, CPU."""
+    return why_not("delta_decode", tensors)
+
+
+def why_not_gated_delta_chunks(*tensors: torch.Tensor | None) -> str | None:
+    """Whether :func:`gated_delta_chunks` runs these tensors (CPU, any of them recording no gradient)."""
+    return why_not("gated_delta_chunks", tensors, dtypes=(torch.float32, torch.float64, torch.float16,
+                                                          torch.bfloat16), same_dtype=False)
+
+
+def why_not_decode_attention(*tensors: torch.Tensor | None) -> str | None:
+    """Whether :func:`decode_attention` runs queries, keys, values (and sinks): float32/float64, CPU."""
+    return why_not("decode_attention", tensors)
+
+
+def why_not_gather_attention(*tensors: torch.Tensor | None) -> str | None:
+    """Whether :func:`gather_attention` runs queries, keys, values (and sinks): float32/float64, CPU."""
+    return why_not("gather_attention", tensors)
+
+
+def why_not_paged(*tensors: torch.Tensor | None) -> str | None:
+    """Whether :func:`paged_decode` / :func:`paged_prefill` / :func:`paged_store` run these: float32/float64, CPU."""
+    return why_not("paged_decode", tensors)
+
+
+def why_not_screen(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Whether :func:`screen_pack` / :func:`screened_argmax` run ``x (M, K)`` against ``weight (V, K)``: float32,
+    CPU (the int8 GEMM itself is probed by :func:`qkv.cpu.greedy.screen_unavailable_reason`)."""
+    return why_not("screened_argmax", (x, weight), dtypes=(torch.float32,))
 
 
 def _mod():
     mod = kernels.load()
     if mod is None:
         raise RuntimeError(f"qkv's compiled CPU kernels are unavailable: {kernels.unavailable_reason()}; ask "
-                           "qkv.cpu.ops.unavailable_reason() before choosing a compiled path")
+                           "qkv.cpu.ops.unavailable_reason() (or the kernel's why_not_*) before choosing a "
+                           "compiled path")
     return mod
 
 
@@ -69,19 +166,20 @@ def moe_grouped(x, token, weights, counts, gate_up, gate_up_bias, down, down_bia
 
 
 def silu_mul(h):
-    return _mod().silu_mul(h)
+    return profiled("silu_mul", _mod().silu_mul, h)
 
 
 def rotary(x, cos, sin, interleaved):
-    return _mod().rotary(x, cos, sin, interleaved)
+    return profiled("rotary", _mod().rotary, x, cos, sin, interleaved)
 
 
 def rms_norm(x, weight, eps, offset):
-    return _mod().rms_norm(x, weight, eps, offset)
+    return profiled("rms_norm", _mod().rms_norm, x, weight, eps, offset)
 
 
 def decode_attention(q, k, v, q_pos, kv_pos, causal, window, sinks, scale):
-    return _mod().decode_attention(q, k, v, q_pos, kv_pos, causal, window, sinks, scale)
+    return profiled("decode_attention", _mod().decode_attention, q, k, v, q_pos, kv_pos, causal, window, sinks,
+                    scale)
 
 
 def paged_decode(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal, sinks):

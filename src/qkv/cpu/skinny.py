@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import ops
 from .rule import MEASURED_ROWS, choose
 
 __all__ = ["skinny_linear", "column_blocks", "row_blocks", "by_rows", "by_columns", "SkinnyLinear", "InputMajorLinear",
@@ -154,10 +154,9 @@ _BLOCK_DTYPES = (torch.float32, torch.float64)
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nb: int) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``nb`` row blocks (:func:`by_rows`, then the bias) for a CPU call
     :func:`blockable` allows with a contiguous weight; from C++ where qkv's kernels are built (the same ATen
-    calls in the same order, one call instead of about ten: :mod:`qkv.cpu.kernels`)."""
-    mod = kernels.load()
-    if mod is not None:
-        return mod.rows_linear(x, weight, bias, nb)
+    calls in the same order, one call instead of about ten: :mod:`qkv.cpu.ops`)."""
+    if ops.available():
+        return ops.rows_linear(x, weight, bias, nb)
     K = x.shape[-1]
     out = by_rows(x.reshape(-1, K), weight, nb)
     if bias is not None:
