@@ -19,6 +19,7 @@ from ._request import AttentionOutput, Request, build_request
 from ._sinks import apply_sinks, without_sinks
 from .backends.base import Estimate
 from .masks.causal import Causal
+from .masks.sequence import Positions
 
 __all__ = ["attention", "explain", "Explanation", "SMALL_PROBLEM", "MAX_PLAUSIBLE_HEADS"]
 
@@ -224,8 +225,14 @@ def _choose(req: Request, backend: str):
                              f"Use backend='auto' or see qkv.explain(...) for the backends that can.")
         return impl
     # Small problems (decode steps, short sequences): the fused kernel wins and estimating every backend's
-    # cost (block maps, compile caches) would cost more than the attention itself.
+    # cost (block maps, compile caches) would cost more than the attention itself. A cached decode step (one query
+    # per row under a positions mask) goes to the compiled decode kernel where it runs: it reads the cache in place
+    # and builds no mask.
     qs = req.q.shape
+    if qs[2] == 1 and type(req.mask) is Positions:
+        decode = _backends.get("cpu_decode")
+        if _decline(decode, req) is None:
+            return decode
     if qs[0] * qs[1] * qs[2] * req.k.shape[2] <= SMALL_PROBLEM:
         sdpa = _backends.get("sdpa")
         if _decline(sdpa, req) is None:
@@ -335,4 +342,6 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
                          estimates=estimates, declined=declined)
     if req.B * req.Hq * req.Nq * req.Nk <= SMALL_PROBLEM and chosen == "sdpa":
         report.note = f"small problem (<= {SMALL_PROBLEM:,} score elements): the fused kernel without estimating"
+    elif chosen == "cpu_decode":
+        report.note = "a cached decode step by positions: the compiled decode kernel without estimating"
     return report

@@ -113,10 +113,10 @@ def test_one_query_gqa_folds_groups_into_rows(mask_kind, monkeypatch):
 def test_decode_step_by_positions_in_one_compiled_call(dtype, shape, window, sinks, monkeypatch):
     """A cached decode step (one query per row, a positions mask with padding, a window, sinks) on the CPU
     without autograd runs qkv's compiled decode_attention (the paged-decode kernel over the cache as one block a
-    row, keys longer than its 128-key spans included): within budget of the float64 reference, with the torch-op
-    path (kernels off) as the baseline, and a row whose keys are all padding gives zeros."""
+    row, keys longer than its 128-key spans included), the ``cpu_decode`` backend: within budget of the float64
+    reference, with torch SDPA as the baseline, and a row whose keys are all padding gives zeros. Switched off,
+    the backend declines by name."""
     from qkv import masks
-    from qkv.backends import sdpa
     from qkv.cpu import kernels
 
     if kernels.load() is None:
@@ -130,15 +130,14 @@ def test_decode_step_by_positions_in_one_compiled_call(dtype, shape, window, sin
     q_pos = torch.full((B, 1), Nk - 1)
     mask = masks.positions(q_pos, kv_pos, causal=True, window=window)
     z = torch.randn(Hq, generator=torch.Generator().manual_seed(2), dtype=torch.float64) if sinks else None
-    taken = []
-    real = sdpa._decode_by_positions
-    monkeypatch.setattr(sdpa, "_decode_by_positions", lambda req: taken.append(1) or real(req))
     with torch.no_grad():
-        out = qkv.attention(*cast, mask=mask, sinks=None if z is None else z.to(dtype), backend="sdpa")
+        out = qkv.attention(*cast, mask=mask, sinks=None if z is None else z.to(dtype), backend="cpu_decode")
         ref = qkv.attention(*master, mask=mask, sinks=z, backend="reference")
         monkeypatch.setenv(kernels.ENV, "0")
         ops = qkv.attention(*cast, mask=mask, sinks=None if z is None else z.to(dtype), backend="sdpa")
-    assert taken and out.shape == (B, Hq, 1, D) and out.dtype == dtype and torch.isfinite(out).all()
+        with pytest.raises(ValueError, match=f"cpu_decode.*{kernels.ENV}=0 in the environment"):
+            qkv.attention(*cast, mask=mask, backend="cpu_decode")
+    assert out.shape == (B, Hq, 1, D) and out.dtype == dtype and torch.isfinite(out).all()
     assert_within_budget(out, ref, ops, what="compiled decode step")
     if B > 1:
         assert (out[1] == 0).all(), "a row with no key attends to nothing: zeros"

@@ -86,3 +86,28 @@ def test_the_layer_check_sees_lazy_and_relative_imports():
     source = "import torch\ndef f():\n    from ..cli import main\n    import qkv.models.generate\nfrom . import x\n"
     assert _targets(source, ["nn"]) == {"cli", "models", "nn"}
     assert _targets("from ...masks import causal\n", ["backends", "triton"]) == {"masks"}
+
+
+#: Packages that compute with plain torch (or ``qkv.attention``): qkv's compiled CPU kernels are put into their
+#: modules from outside by ``qkv.cpu.optimize``, so none of them imports ``qkv.cpu`` (not even for a type). Add
+#: ``"cache"`` once the paged cache no longer reaches the paged kernels itself (issue 45, item 4).
+PLAIN_TORCH = ("nn", "pos", "linear")
+
+
+def test_plain_torch_packages_import_nothing_from_cpu():
+    edges = _edges()
+    found = sorted(f"{where}: {src} imports cpu" for src in PLAIN_TORCH for tgt, where in edges.get(src, ())
+                   if tgt == "cpu")
+    assert not found, "speed is applied from outside (qkv.cpu.optimize); these import qkv.cpu:\n" + "\n".join(found)
+
+
+def test_only_cpu_loads_the_kernels():
+    """``kernels.load()`` is qkv.cpu's own: everything else reaches the kernels through ``qkv.cpu.ops``."""
+    found = sorted(str(p.relative_to(SRC)) for pkg in PLAIN_TORCH for p in (SRC / pkg).rglob("*.py")
+                   if "kernels.load" in p.read_text())
+    assert not found, f"call qkv.cpu.ops (or take a kernel slot qkv.cpu.optimize fills) instead: {found}"
+
+
+def test_the_cpu_rule_sees_a_type_only_import():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cpu.greedy import HeadScreen\n"
+    assert "cpu" in _targets(source, ["nn"])

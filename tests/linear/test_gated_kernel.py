@@ -1,20 +1,28 @@
-"""The compiled CPU kernel of the chunked gated delta rule (qkv/cpu/csrc/gated_delta.cpp): calls that need no
-gradient run it. It equals the float64 reference (``gated_delta_parallel``) for both gate shapes, grouped key heads,
-any chunk size (longer or shorter than the sequence, not dividing it), an initial state, per-channel log-decays far
-beyond the factored form's range (chunks end early; a lone token beyond it takes the pairwise form), strided and
-low-precision inputs; ``delta_path`` says when it runs and why not; switched off, the torch ops give the same
-values."""
+"""The compiled CPU kernel of the chunked gated delta rule (qkv/cpu/csrc/gated_delta.cpp, given to
+``gated_delta_chunked`` as ``kernel=qkv.cpu.fused.DELTA``, as ``qkv.cpu.optimize`` gives it to a model's mixers): calls
+that need no gradient run it. It equals the float64 reference (``gated_delta_parallel``) for both gate shapes, grouped
+key heads, any chunk size (longer or shorter than the sequence, not dividing it), an initial state, per-channel
+log-decays far beyond the factored form's range (chunks end early; a lone token beyond it takes the pairwise form),
+strided and low-precision inputs; ``delta_path`` says when it runs and why not; switched off, the torch ops give the
+same values."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from qkv.cpu import kernels
-from qkv.linear import gated_delta_chunked, gated_delta_parallel
-from qkv.linear.gated_chunk import delta_path
+from qkv.cpu.fused import DELTA
+from qkv.linear import gated_delta_chunked as plain_chunked
+from qkv.linear import gated_delta_parallel
+from qkv.linear.gated_chunk import delta_path as plain_path
 from qkv.testing import assert_within_budget
+
+gated_delta_chunked = functools.partial(plain_chunked, kernel=DELTA)
+delta_path = functools.partial(plain_path, kernel=DELTA)
 
 pytestmark = pytest.mark.xdist_group("cpu_kernels")
 
@@ -133,6 +141,15 @@ def test_gradients_keep_the_torch_ops():
     ref = gated_delta_parallel(*ref_leaves, initial_state=S0)
     for a, b in zip(grads, torch.autograd.grad(ref.out.sum(), ref_leaves)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_without_a_kernel_the_torch_ops_run_and_say_so():
+    q, k, v, g, beta, S0 = _inputs(1, 1, 2, 45, 8, 8, gate="head", seed=5)
+    why = "torch ops (no compiled kernel given (qkv.cpu.optimize gives a model's mixers qkv.cpu.fused.DELTA))"
+    assert plain_path(q, k, v, g, beta) == why
+    fast, slow = gated_delta_chunked(q, k, v, g, beta, initial_state=S0), plain_chunked(q, k, v, g, beta,
+                                                                                      initial_state=S0)
+    torch.testing.assert_close(fast.out, slow.out, rtol=1e-12, atol=1e-12)
 
 
 def test_delta_path_checks_its_inputs():

@@ -311,15 +311,17 @@ def test_attention_fn_hook_sees_every_call(name):
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("shape", [(1, 1, 512), (3, 7, 40), (2, 5), (4, 0, 8)])
 def test_rms_norm_compiled_loop_within_budget(dtype, offset, shape, monkeypatch):
-    """On the CPU without autograd RMSNorm runs qkv's compiled loop (norms.cpp): within budget of the float64
-    definition, with torch's F.rms_norm as the baseline, for Llama's and Gemma's weight conventions, a strided
-    input and an empty one; with the kernels off (QKV_CPU_KERNELS=0) it is torch's F.rms_norm itself."""
+    """On the CPU without autograd an optimized RMSNorm (qkv.cpu.optimize) runs qkv's compiled loop (norms.cpp): within
+    budget of the float64 definition, with torch's F.rms_norm as the baseline, for Llama's and Gemma's weight
+    conventions, a strided input and an empty one; with the kernels off (QKV_CPU_KERNELS=0) it is torch's F.rms_norm
+    itself."""
+    import qkv.cpu
     from qkv.cpu import kernels
 
     if kernels.load() is None:
         pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
     g = torch.Generator().manual_seed(6)
-    norm = RMSNorm(shape[-1], offset=offset, eps=1e-5).to(dtype)
+    norm = qkv.cpu.optimize(RMSNorm(shape[-1], offset=offset, eps=1e-5).to(dtype))
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[-1], generator=g))
     x = (torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 4).to(dtype)[..., ::2]  # strided
@@ -338,10 +340,12 @@ def test_rms_norm_compiled_loop_within_budget(dtype, offset, shape, monkeypatch)
 @pytest.mark.parametrize("shape", [(1, 1, 2752), (3, 7, 70), (2, 2), (4, 0, 8), (0, 16)])
 def test_swiglu_gate_in_one_compiled_pass_equals_torch(dtype, shape, monkeypatch):
     """SwiGLU's silu(gate) * up over a fused gate-up projection runs as one pass of qkv's compiled kernels on the
-    CPU without autograd (activations.cpp): bit for bit torch's two ops (a vectorized body and a scalar tail, as
-    torch computes them), a strided input and empty ones included; GatedMLP takes it. Under autograd, or with the
-    kernels off, the torch ops run (and gradients flow)."""
+    CPU without autograd (activations.cpp, qkv.cpu.fused.silu_gate): bit for bit torch's two ops (a vectorized
+    body and a scalar tail, as torch computes them), a strided input and empty ones included; an optimized GatedMLP
+    takes it. Under autograd, or with the kernels off, the torch ops run (and gradients flow)."""
+    import qkv.cpu
     from qkv.cpu import kernels
+    from qkv.cpu.fused import silu_gate
     from qkv.nn.activations import gated
 
     if kernels.load() is None:
@@ -350,10 +354,12 @@ def test_swiglu_gate_in_one_compiled_pass_equals_torch(dtype, shape, monkeypatch
     h = (torch.randn(*shape[:-1], shape[-1] + 6, generator=g) * 5).to(dtype)[..., :shape[-1]]  # rows strided
     gate, up = h.chunk(2, dim=-1)
     with torch.inference_mode():
-        got = gated(h, F.silu)
+        got = gated(h, F.silu, silu_gate)
+        assert silu_gate(h, F.silu) is not None or h.numel() == 0
         want = F.silu(gate) * up
     assert got.shape == want.shape and got.dtype == dtype and torch.equal(got, want)
-    mlp = GatedMLP(8, 16).to(dtype)
+    mlp = qkv.cpu.optimize(GatedMLP(8, 16).to(dtype), onednn=False)
+    assert mlp.gate_kernel is silu_gate
     x = torch.randn(3, 8, generator=g).to(dtype)
     with torch.no_grad():
         fast = mlp(x)
@@ -362,7 +368,8 @@ def test_swiglu_gate_in_one_compiled_pass_equals_torch(dtype, shape, monkeypatch
     assert torch.equal(fast, slow)
     monkeypatch.delenv(kernels.ENV)
     leaf = h.detach().clone().requires_grad_(True)
-    gated(leaf, F.silu).sum().backward()  # the torch ops: a gradient
+    assert silu_gate(leaf, F.silu) is None
+    gated(leaf, F.silu, silu_gate).sum().backward()  # the torch ops: a gradient
     assert leaf.grad is not None and leaf.grad.shape == leaf.shape
 
 
@@ -382,9 +389,9 @@ def test_compiled_kernels_are_named_in_profiles():
     from qkv.models import generate
 
     with torch.inference_mode():
-        plain = generate(model, ids, max_new_tokens=3, optimize=False).new_tokens
+        plain = generate(model, ids, max_new_tokens=3).new_tokens  # optimized: the compiled kernels swapped in
         with profile() as prof:
-            traced = generate(model, ids, max_new_tokens=3, optimize=False).new_tokens
+            traced = generate(model, ids, max_new_tokens=3).new_tokens
     names = {e.name for e in prof.events()}
     assert {"qkv::rotary", "qkv::silu_mul", "qkv::rms_norm", "qkv::decode_attention"} <= names, sorted(
         n for n in names if n.startswith("qkv::"))

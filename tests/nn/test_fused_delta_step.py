@@ -1,5 +1,6 @@
-"""The compiled decode step of the gated-delta mixers (qkv/cpu/csrc/delta_decode.cpp, via
-``qkv.nn._recurrent.fused_delta_step``): GatedDeltaNet and KimiDeltaAttention steps equal their torch-op steps
+"""The compiled decode step of the gated-delta mixers (qkv/cpu/csrc/delta_decode.cpp, put into a mixer's
+``delta_kernel`` by ``qkv.cpu.optimize`` and run by ``qkv.nn._recurrent.fused_delta_step``): GatedDeltaNet and
+KimiDeltaAttention steps equal their torch-op steps
 (``QKV_CPU_KERNELS=0``) from a fresh state and after a prefill, grouped key heads included; calls it cannot take
 are left to the torch ops."""
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import qkv.cpu
 from qkv.cpu import kernels
+from qkv.cpu.fused import DELTA
 from qkv.nn import GatedDeltaNet, KimiDeltaAttention
 from qkv.nn._recurrent import RecurrentState, fused_delta_step
 
@@ -27,7 +30,7 @@ def _layer(name, dtype):
     with torch.no_grad():
         for p in layer.parameters():  # weights large enough that the gates and the state matter
             p.normal_(0, 0.3)
-    return layer
+    return qkv.cpu.optimize(layer, onednn=False)
 
 
 def _steps(layer, x, state):
@@ -65,8 +68,9 @@ def test_calls_the_kernel_does_not_take_are_left_to_the_torch_ops():
     Cc = 2 * Hk * Dk + H * Dv
     mixed, w = torch.randn(B, 1, Cc), torch.randn(Cc, 1, K)
     g, beta = -torch.rand(B, H, 1), torch.rand(B, H, 1)
-    kw = {"Hk": Hk, "Dk": Dk, "Dv": Dv, "q_scale": 0.5}
+    kw = {"Hk": Hk, "Dk": Dk, "Dv": Dv, "q_scale": 0.5, "kernel": DELTA}
     assert fused_delta_step(mixed, w, None, g, beta, None, **kw) is not None
+    assert fused_delta_step(mixed, w, None, g, beta, None, **{**kw, "kernel": None}) is None  # not optimized
     assert fused_delta_step(mixed, w, torch.zeros(Cc), g, beta, None, **kw) is None  # a bias
     assert fused_delta_step(mixed.bfloat16(), w.bfloat16(), None, g, beta, None, **kw) is None  # mixed dtypes
     assert fused_delta_step(mixed.requires_grad_(), w, None, g, beta, None, **kw) is None  # autograd
@@ -80,4 +84,4 @@ def test_switched_off(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "0")
     mixed = torch.randn(1, 1, 16)
     assert fused_delta_step(mixed, torch.randn(16, 1, 4), None, -torch.rand(1, 2, 1), torch.rand(1, 2, 1), None,
-                            Hk=1, Dk=4, Dv=4, q_scale=0.5) is None
+                            Hk=1, Dk=4, Dv=4, q_scale=0.5, kernel=DELTA) is None

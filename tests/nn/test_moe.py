@@ -48,11 +48,9 @@ def test_experts_single_token_path_equals_the_grouped_one():
 
 
 def _loop(experts, x, idx, w, monkeypatch):
-    """The experts' own Python loop for one token (the compiled one-token call switched off)."""
-    import qkv.nn.moe as moe
-
+    """The experts' own Python loop for one token (no compiled experts in its slot)."""
     with monkeypatch.context() as m:
-        m.setattr(moe, "one_token", lambda *a, **k: None)
+        m.setattr(experts, "experts_kernel", None)
         return experts(x, idx, w)
 
 
@@ -62,12 +60,15 @@ def _loop(experts, x, idx, w, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("d,f", [(512, 256), (24, 40), (1024, 1030)])
 def test_one_token_call_equals_the_loop_bit_for_bit(kind, products, dtype, d, f, monkeypatch):
-    """qkv.nn.moe.one_token (one call of the compiled kernels: the same products and activation ops in the same
-    order) equals the experts' Python loop exactly, for both expert kinds, F.linear and the CPU product rule's
-    row blocks, float32 and float64, biases and clamping that bites (GPT-OSS)."""
+    """qkv.cpu.fused.EXPERTS.one_token (one call of the compiled kernels: the same products and activation ops in
+    the same order) equals the experts' Python loop exactly, for both expert kinds, F.linear and the CPU product
+    rule's row blocks, float32 and float64, biases and clamping that bites (GPT-OSS)."""
     from qkv.cpu import kernels
+    from qkv.cpu.fused import EXPERTS
     from qkv.cpu.gemm import LinearProducts
-    from qkv.nn.moe import ClampedSwiGLUExperts, Experts, one_token
+    from qkv.nn.moe import ClampedSwiGLUExperts, Experts
+
+    one_token = EXPERTS.one_token
 
     if kernels.load() is None:
         pytest.skip(f"qkv's CPU kernels: {kernels.unavailable_reason()}")
@@ -94,8 +95,10 @@ def test_one_token_call_declines_what_it_does_not_run(monkeypatch):
     """A gradient being recorded, a product function of the caller's own, or the kernels switched off: None,
     and the layer's loop runs (same result)."""
     from qkv.cpu import kernels
-    from qkv.nn.moe import Experts, one_token
+    from qkv.cpu.fused import EXPERTS
+    from qkv.nn.moe import Experts
 
+    one_token = EXPERTS.one_token
     torch.manual_seed(2)
     experts = Experts(4, 16, 8, "silu")
     x, idx, w = torch.randn(1, 16), torch.tensor([[3, 0]]), torch.rand(1, 2)
@@ -115,11 +118,11 @@ def test_one_token_call_declines_what_it_does_not_run(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("tokens", [2, 4, 7])
 def test_grouped_tokens_call_equals_the_loop_bit_for_bit(kind, products, dtype, tokens, monkeypatch):
-    """qkv.nn.moe.grouped_tokens (a few tokens' experts, grouped by expert, in one compiled call) equals the
+    """qkv.cpu.fused.EXPERTS.grouped (a few tokens' experts, grouped by expert, in one compiled call) equals the
     experts' Python loop exactly, or declines (None) where an expert's row count goes to oneDNN; the layer's
     output is the loop's either way."""
-    import qkv.nn.moe as moe
     from qkv.cpu import kernels
+    from qkv.cpu.fused import EXPERTS
     from qkv.cpu.gemm import LinearProducts
     from qkv.nn.moe import ClampedSwiGLUExperts, Experts
 
@@ -139,11 +142,16 @@ def test_grouped_tokens_call_equals_the_loop_bit_for_bit(kind, products, dtype, 
     idx = torch.stack([torch.tensor([5, int(others[torch.randint(7, ())])]) for _ in range(tokens)])  # 5: every token's
     w = torch.rand(tokens, 2)
     calls = []
-    real = moe.grouped_tokens
-    monkeypatch.setattr(moe, "grouped_tokens", lambda *a, **k: calls.append(r := real(*a, **k)) or r)
+
+    class Spy:  # the compiled experts, each grouped call recorded
+        def grouped(self, *a, **k):
+            calls.append(r := EXPERTS.grouped(*a, **k))
+            return r
+
+    experts.experts_kernel = Spy()
     with torch.inference_mode():
         got = experts(x, idx, w)
-        monkeypatch.setattr(moe, "grouped_tokens", lambda *a, **k: None)
+        experts.experts_kernel = None
         loop = experts(x, idx, w)
     assert got.dtype == dtype and torch.equal(got, loop)
     if products == "F.linear" or dtype == torch.float64 or tokens <= 2:

@@ -331,11 +331,12 @@ def test_docstring_examples_run(name):
 @pytest.mark.parametrize("transposed", [False, True], ids=["bhnd", "bnhd"])
 def test_apply_rotary_compiled_equals_the_torch_ops_bit_for_bit(dtype, interleaved, shape, R, batched, transposed,
                                                                  monkeypatch):
-    """On the CPU without a gradient, apply_rotary runs one call of qkv's compiled kernels (float32/float64: one
-    vectorized pass; else the same torch ops in the same order); it equals the Python ops exactly
-    (QKV_CPU_KERNELS=0), partial rotation, both pair layouts and a projection's transposed layout included, and
-    rotates by the definition (float64) within budget."""
+    """On the CPU without a gradient, apply_rotary given qkv.cpu.fused.rotary runs one call of qkv's compiled kernels
+    (float32/float64: one vectorized pass; else the same torch ops in the same order); it equals the Python ops exactly
+    (QKV_CPU_KERNELS=0), partial rotation, both pair layouts and a projection's transposed layout included, and rotates
+    by the definition (float64) within budget."""
     from qkv.cpu import kernels
+    from qkv.cpu.fused import rotary
     from qkv.pos.rope import apply_rotary
 
     if kernels.load() is None:
@@ -350,9 +351,10 @@ def test_apply_rotary_compiled_equals_the_torch_ops_bit_for_bit(dtype, interleav
     work = torch.float64 if dtype == torch.float64 else torch.float32
     cos, sin = angle.cos().to(work), angle.sin().to(work)
     with torch.inference_mode():
-        got = apply_rotary(x, cos, sin, interleaved=interleaved)
+        assert rotary(x, cos, sin, interleaved) is not None  # the compiled call runs these
+        got = apply_rotary(x, cos, sin, interleaved=interleaved, kernel=rotary)
         monkeypatch.setenv(kernels.ENV, "0")
-        want = apply_rotary(x, cos, sin, interleaved=interleaved)
+        want = apply_rotary(x, cos, sin, interleaved=interleaved, kernel=rotary)
     assert got.dtype == dtype and torch.equal(got, want)
     xd = x.double()
     c, s = angle.cos().unsqueeze(-3), angle.sin().unsqueeze(-3)

@@ -16,6 +16,7 @@ __all__ = ["Backend", "Estimate", "get", "names", "register", "generation", "sta
 
 # name -> "module:Class", in the order auto-dispatch lists them.
 _BUILTIN: dict[str, str] = {
+    "cpu_decode": "qkv.backends.cpu_decode:CPUDecodeBackend",
     "sdpa": "qkv.backends.sdpa:SDPABackend",
     "tiled": "qkv.backends.tiled:TiledBackend",
     "flex": "qkv.backends.flex:FlexBackend",

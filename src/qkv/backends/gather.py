@@ -17,7 +17,7 @@ training keeps O(Nq·K) memory, and the gradients are exact (plain autograd thro
 scatter-add into dK and dV).
 
 On CPU, a call that needs no gradient (inference, a decode step) runs qkv's compiled kernel instead
-(``qkv/cpu/csrc/gather_attention.cpp``, built by :mod:`qkv.cpu.kernels`): blocks of 64 query rows walk the keys
+(``qkv/cpu/csrc/gather_attention.cpp``, reached through :mod:`qkv.cpu.ops`): blocks of 64 query rows walk the keys
 window by window (4,096 keys), so a key several rows list is read from memory once; per row and window the listed
 keys are multiplied with the row's query heads in place (heads in vector lanes where they fill whole vectors,
 else copied a tile at a time into a cache-resident buffer for the BLAS torch links), and merged with an online
@@ -32,7 +32,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .._request import AttentionOutput, Request
-from ..cpu import kernels
+from ..cpu import ops
 from ..masks.base import And, Mask
 from ..masks.causal import Causal
 from ..masks.topk import TopK
@@ -197,14 +197,13 @@ def _kernel_declines(req: Request, rest: list[Mask]) -> str | None:
     other = [m for m in rest if type(m) is not Causal]
     if other:
         return f"mask term {other[0]!r} (the kernel evaluates causal() terms only)"
-    return kernels.unavailable_reason()
+    return ops.unavailable_reason()
 
 
 def _run_kernel(req: Request, sel: TopK, rest: list[Mask]) -> AttentionOutput:
     offsets = [m._offset(req.Nq, req.Nk) for m in rest]  # keys past row + offset are dropped; the tightest wins
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (req.q, req.k, req.v))
     idx = sel.indices.to(device=req.device, dtype=torch.int64).contiguous()
-    out, lse = kernels.load().gather_attention(q, k, v, idx, float(req.scale), bool(offsets),
-                                               min(offsets, default=0), req.sinks,
-                                               kernels.tile_keys(q.element_size(), req.Dqk))
+    out, lse = ops.gather_attention(q, k, v, idx, float(req.scale), bool(offsets), min(offsets, default=0),
+                                    req.sinks, ops.tile_keys(q.element_size(), req.Dqk))
     return AttentionOutput(out, lse if req.dtype == torch.float64 else lse.to(torch.float32))

@@ -21,9 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request
-from ..cpu import kernels
 from ..masks.causal import Causal
-from ..masks.sequence import Positions
 from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size, predicate_seconds, restore_nonfinite
 
 __all__ = ["SDPABackend"]
@@ -113,9 +111,6 @@ class SDPABackend(Backend):
                         f"fused kernel over all pairs, materializes a {format_size(mask_bytes)} mask")
 
     def run(self, req: Request) -> AttentionOutput:
-        out = _decode_by_positions(req)
-        if out is not None:
-            return AttentionOutput(out, None)  # type: ignore[arg-type]
         if req.sinks is not None:
             return _run_with_sinks(req)
         # Read each attribute once: this runs on every decode step of every layer.
@@ -164,27 +159,6 @@ def _decode_grouped(q, k, v, attn_mask, scale) -> torch.Tensor:
                      else attn_mask)  # (b, 1, 1, Nk) broadcasts over the heads and the folded rows
     out = F.scaled_dot_product_attention(q.reshape(B, hkv, g, D), k, v, attn_mask=attn_mask, scale=scale)
     return out.reshape(B, hq, 1, v.shape[-1])
-
-
-def _decode_by_positions(req: Request) -> torch.Tensor | None:
-    """A cached decode step (one query per row, a :func:`qkv.masks.positions` mask, sinks or not, no score
-    modifier) on the CPU without autograd in one call of qkv's compiled kernels (``decode_attention.cpp``: the
-    paged-decode kernel over the cache as one block a row, reading each KV head once for its query heads, the
-    positions rule applied per slot, sinks in the denominator). None where it does not apply or the kernels are
-    unavailable."""
-    m, q = req.mask, req.q
-    if (type(m) is not Positions or q.shape[2] != 1 or req.score_mod is not None or not q.is_cpu
-            or q.dtype not in (torch.float32, torch.float64) or req.v.shape[-1] != q.shape[-1] or req.Nk == 0
-            or torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                               for t in (q, req.k, req.v, req.sinks))):
-        return None
-    mod = kernels.load()
-    if mod is None:
-        return None
-    m.check(req.B, req.Hq, 1, req.Nk)
-    # its sums keep a NaN or +inf score (no per-register reduction drops it), so no non-finite check follows
-    return kernels.profiled("decode_attention", mod.decode_attention, q, req.k, req.v, m.qp, m.kp, m.causal,
-                            m.window or 0, req.sinks, req.scale)
 
 
 def _sinks_by_lse(req: Request) -> torch.Tensor | None:

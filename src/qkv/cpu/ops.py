@@ -24,9 +24,10 @@ import torch
 
 from . import kernels
 
-__all__ = ["available", "unavailable_reason", "profiled", "OPERATORS", "gather_attention", "gated_delta_chunks",
-           "delta_decode", "rows_linear", "moe_token", "moe_grouped", "silu_mul", "rotary", "rms_norm",
-           "decode_attention", "paged_decode", "paged_prefill", "paged_store", "screen_pack", "screened_argmax",
+__all__ = ["available", "unavailable_reason", "profiled", "tile_keys", "OPERATORS", "gather_attention",
+           "gated_delta_chunks", "delta_decode", "rows_linear", "moe_token", "moe_grouped", "silu_mul", "rotary",
+           "rms_norm", "decode_attention", "paged_decode", "paged_prefill", "paged_store", "screen_pack",
+           "screened_argmax",
            "why_not", "why_not_rms_norm", "why_not_silu_mul", "why_not_rotary", "why_not_experts",
            "why_not_delta_decode", "why_not_gated_delta_chunks", "why_not_decode_attention",
            "why_not_gather_attention", "why_not_paged", "why_not_screen"]
@@ -39,6 +40,7 @@ OPERATORS = ("gather_attention", "gated_delta_chunks", "delta_decode", "rows_lin
 _FLOATS = (torch.float32, torch.float64)
 
 profiled = kernels.profiled
+tile_keys = kernels.tile_keys
 
 
 def unavailable_reason() -> str | None:

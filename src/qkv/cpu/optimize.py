@@ -12,7 +12,17 @@ Models are built plain (``nn.Linear`` layers; a module that multiplies by weight
 - a block computing ``up_activation(up_proj(x))`` (:class:`ActivatedUpProjection`, e.g. a GELU
   ``qkv.nn.FeedForward``) has a ReLU/GELU moved into the up projection's oneDNN GEMM;
 - a model that declares :class:`qkv.cpu.greedy.GreedyHead` (``qkv.nn.DecoderLM``) gets a
-  :class:`qkv.cpu.greedy.HeadScreen` for its greedy tokens, where the screen runs here (``screen=False``: never).
+  :class:`qkv.cpu.greedy.HeadScreen` for its greedy tokens, where the screen runs here (``screen=False``: never);
+- every module with a compiled-kernel slot gets qkv's kernel (:mod:`qkv.cpu.fused`; ``compiled=False``: none, and
+  the ones set before are removed): ``norm_kernel`` (:class:`NormHost`: RMSNorm), ``gate_kernel``
+  (:class:`GateHost`: SwiGLU's gate), ``rotary_kernel`` (:class:`RotaryHost`: rotary embeddings),
+  ``experts_kernel`` (:class:`ExpertsHost`: routed experts, one token or grouped), ``delta_kernel``
+  (:class:`DeltaHost`: the gated-delta decode step and the chunked gated delta rule). Each kernel checks every call
+  (:mod:`qkv.cpu.ops`' ``why_not_*``) and declines what it does not run, so the module's torch ops run then;
+- an attention module whose single-query steps name ``decode_backend="sdpa"`` (:class:`DecodeHost`, the decoder's
+  self-attention) has them name ``"auto"`` instead, which sends a cached decode step to ``"cpu_decode"``, the
+  registry backend of qkv's compiled decode kernel, where it runs (``qkv.explain`` names it), and any other
+  single-query call to torch SDPA as before (``compiled=False`` gives ``"sdpa"`` back).
 
 ``state_dict()`` keeps its names and standard contiguous values (the parameters are the same objects;
 with ``input_major=True`` the wide weights are new parameters stored input-major, handed out contiguous),
@@ -41,23 +51,80 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemm
+from . import fused, gemm
 from .gemm import LinearProducts, PrepackedLinear, can_fuse
 from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .skinny import SkinnyLinear
 
-__all__ = ["optimize", "optimized", "use_onednn", "Optimized", "LinearHost", "ActivatedUpProjection"]
+__all__ = ["optimize", "optimized", "use_onednn", "Optimized", "LinearHost", "ActivatedUpProjection", "NormHost",
+           "GateHost", "RotaryHost", "ExpertsHost", "DeltaHost", "DecodeHost"]
 
 _MARK = "_qkv_cpu_optimized"
 
 
 class Optimized(NamedTuple):
     """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use), the ``input_major``
-    option it was given (None: layouts kept), and ``screen`` (a greedy head was given an int8 screen)."""
+    option it was given (None: layouts kept), ``screen`` (a greedy head was given an int8 screen), and
+    ``compiled`` (how many compiled-kernel slots hold qkv's kernels)."""
 
     onednn: bool
     input_major: bool | None
     screen: bool = False
+    compiled: int = 0
+
+
+@runtime_checkable
+class NormHost(Protocol):
+    """A module whose RMS norm tries ``norm_kernel(x, weight, eps, offset)`` first (``qkv.nn.RMSNorm``,
+    ``qkv.nn.GatedRMSNorm``; None: torch's ops)."""
+
+    norm_kernel: Callable | None
+
+
+@runtime_checkable
+class GateHost(Protocol):
+    """A module whose gated activation tries ``gate_kernel(h, activation)`` first (``qkv.nn.GatedMLP``,
+    ``qkv.nn.moe.Experts``; None: torch's ops)."""
+
+    gate_kernel: Callable | None
+
+
+@runtime_checkable
+class RotaryHost(Protocol):
+    """A module whose rotary embedding tries ``rotary_kernel(x, cos, sin, interleaved)`` first (the decoder's
+    self-attention; None: torch's ops)."""
+
+    rotary_kernel: Callable | None
+
+
+@runtime_checkable
+class ExpertsHost(Protocol):
+    """A stacked experts module that tries ``experts_kernel.one_token`` / ``.grouped`` first
+    (``qkv.nn.moe.ExpertsKernel``; None: its loop)."""
+
+    experts_kernel: object | None
+
+
+@runtime_checkable
+class DeltaHost(Protocol):
+    """A gated-delta mixer that tries ``delta_kernel`` (``qkv.nn._recurrent.DeltaKernel``) for its decode step and
+    its chunked rule first (None: torch's ops)."""
+
+    delta_kernel: object | None
+
+
+@runtime_checkable
+class DecodeHost(Protocol):
+    """An attention module whose single-query steps run on the backend named ``decode_backend``."""
+
+    decode_backend: str | None
+
+
+#: Each compiled-kernel slot and the kernel :func:`optimize` puts there.
+_SLOTS = ((NormHost, "norm_kernel", fused.rms_norm), (GateHost, "gate_kernel", fused.silu_gate),
+          (RotaryHost, "rotary_kernel", fused.rotary), (ExpertsHost, "experts_kernel", fused.EXPERTS),
+          (DeltaHost, "delta_kernel", fused.DELTA))
+_DECODE_MARK = "_qkv_cpu_decode_backend"  # the decode backend a module named before optimize gave it "auto"
 
 
 @runtime_checkable
@@ -97,7 +164,7 @@ def _product_layer(child: nn.Linear, pack: bool, input_major: bool | None) -> nn
 
 
 def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None,
-             screen: bool | None = None) -> nn.Module:
+             screen: bool | None = None, compiled: bool = True) -> nn.Module:
     """Swap the CPU products of :mod:`qkv.cpu` into ``model`` (in place) and return it.
 
     Args:
@@ -113,6 +180,9 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         screen: None (default): greedy heads (:class:`qkv.cpu.greedy.GreedyHead`) get an int8 screen where
             it runs here (:func:`qkv.cpu.greedy.screen_unavailable_reason`); True: require it (``RuntimeError``
             saying why it cannot run); False: never (and a screen set before is removed).
+        compiled: True (default) puts qkv's compiled kernels (:mod:`qkv.cpu.fused`) into every module's slot for
+            them (each declines, call by call, what it does not run: another device or dtype, autograd, the
+            kernels unavailable); False removes them (the model computes with torch's ops alone).
 
     Returns:
         ``model`` (see above for a bare ``nn.Linear``), marked so :func:`optimized` reports the options.
@@ -125,12 +195,16 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         raise TypeError(f"optimize: input_major must be None (keep layouts), True or False, got {input_major!r}")
     if not (screen is None or isinstance(screen, bool)):
         raise TypeError(f"optimize: screen must be None (where available), True or False, got {screen!r}")
+    if not isinstance(compiled, bool):
+        raise TypeError(f"optimize: compiled must be True (qkv's compiled kernels) or False (torch's ops), got "
+                        f"{compiled!r}")
     no_screen = screen_unavailable_reason() if screen is not False else None
     if screen is True and no_screen is not None:
         raise RuntimeError(f"optimize: screen=True cannot run: {no_screen}; pass screen=None to use it where "
                            f"available")
     screened = screen is not False and no_screen is None
     heads = False  # some greedy head got a screen
+    slots = 0  # compiled-kernel slots filled
     why = gemm.onednn_unavailable_reason()
     if onednn is True and why is not None:
         raise RuntimeError(f"optimize: onednn=True cannot run: {why}; pass onednn=None to use it where available")
@@ -153,7 +227,17 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
             if (parent.head_screen is None) == screened:
                 parent.head_screen = HeadScreen() if screened else None
             heads = heads or screened
-    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=heads)
+        for host, slot, kernel in _SLOTS:
+            if isinstance(parent, host) and getattr(parent, slot) in (None, kernel):
+                setattr(parent, slot, kernel if compiled else None)
+                slots += compiled
+        if isinstance(parent, DecodeHost):
+            if compiled and parent.decode_backend == "sdpa":
+                parent.__dict__[_DECODE_MARK], parent.decode_backend = parent.decode_backend, "auto"
+            elif not compiled and _DECODE_MARK in parent.__dict__:
+                parent.decode_backend = parent.__dict__.pop(_DECODE_MARK)
+            slots += compiled and _DECODE_MARK in parent.__dict__
+    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=heads, compiled=slots)
     return model
 
 

@@ -38,11 +38,12 @@ Cost per token and value head, C = 64, Dk = Dv = D: about ``5 C D + 3 D^2`` mult
 (the four ``C x C x D`` products, the solve, and three ``D x D`` state products), ``2 C D + 2 D^2`` for the
 gated linear rule.
 
-On CPU without autograd (float32/float64), :func:`gated_delta_chunked` runs qkv's compiled kernel
+Given a ``kernel`` (:class:`ChunkKernel`: ``qkv.cpu.fused.DELTA``, which ``qkv.cpu.optimize`` puts into a model's
+recurrent mixers), :func:`gated_delta_chunked` on CPU without autograd runs qkv's compiled kernel
 (``qkv/cpu/csrc/gated_delta.cpp``): the same algebra one (batch, head) sequence at a time, each chunk's steps back
 to back on buffers that stay in cache, with the per-channel chunks ending early where their log-decays would leave
-the factored form's safe range. Everything else (gradients, other devices, ``QKV_CPU_KERNELS=0``, a failed build)
-runs the torch ops below; :func:`delta_path` says which path a call takes and why.
+the factored form's safe range. Everything else (no kernel, gradients, other devices, ``QKV_CPU_KERNELS=0``, a
+failed build) runs the torch ops below; :func:`delta_path` says which path a call takes and why.
 
 Shape legend: B batch, Hk query/key heads, H value heads, N tokens, Dk key dim, Dv value dim, C chunk size,
 nc chunks, M = B H rows of independent (batch, head) sequences.
@@ -50,15 +51,29 @@ nc chunks, M = B H rows of independent (batch, head) sequences.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.nn.functional import pad as _pad
 
-from qkv.cpu import kernels
 from qkv.linear._common import LinearAttentionOutput
 from qkv.linear._gated import Prepared, expand_heads, prepare_gated
 
-__all__ = ["DEFAULT_GATED_CHUNK_SIZE", "KERNEL_CHUNK_SIZE", "gated_linear_chunked", "gated_delta_chunked",
-           "delta_path"]
+__all__ = ["DEFAULT_GATED_CHUNK_SIZE", "KERNEL_CHUNK_SIZE", "ChunkKernel", "gated_linear_chunked",
+           "gated_delta_chunked", "delta_path"]
+
+
+class ChunkKernel(Protocol):
+    """A compiled implementation of the chunked gated delta rule, given to :func:`gated_delta_chunked` as its
+    ``kernel`` (``qkv.cpu.fused.DELTA``, which ``qkv.cpu.optimize`` puts into a model's recurrent mixers)."""
+
+    def why_not(self, *tensors: torch.Tensor | None) -> str | None:
+        """Why it does not run these tensors (``q, k, v, g, beta, state``; None entries absent), or None."""
+
+    def __call__(self, q, k, v, g, beta, state, chunk_size: int, safe_log: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous ``q, k (B, Hk, N, Dk)``, ``v (B, H, N, Dv)``, ``g (B, H, N[, Dk])``, ``beta (B, H, N)``,
+        ``state (B, H, Dk, Dv)``; ``chunk_size`` tokens per chunk; ``safe_log`` the widest log-decay spread a chunk
+        keeps in factored form -> ``(out (B, H, N, Dv), state (B, H, Dk, Dv))``."""
 
 DEFAULT_GATED_CHUNK_SIZE = 64
 """Tokens per chunk of the torch ops: large enough that the intra-chunk products are GEMMs over all chunks at once,
@@ -95,28 +110,30 @@ def _check_chunk(chunk_size, fn: str) -> None:
                          f"try chunk_size=64")
 
 
-def _kernel_declines(p: Prepared) -> str | None:
+def _kernel_declines(p: Prepared, kernel: ChunkKernel | None) -> str | None:
     """Why the compiled kernel does not run this call (None when it does)."""
+    if kernel is None:
+        return "no compiled kernel given (qkv.cpu.optimize gives a model's mixers qkv.cpu.fused.DELTA)"
     if p.v.device.type != "cpu":
         return f"inputs on {p.v.device.type}, the kernel is CPU only"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (p.q, p.k, p.v, p.g, p.beta, p.state)):
         return "autograd records this call (the kernel has no backward)"
-    return kernels.unavailable_reason()
+    return kernel.why_not(p.q, p.k, p.v, p.g, p.beta, p.state)
 
 
 def delta_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-               initial_state: torch.Tensor | None = None) -> str:
-    """Which path :func:`gated_delta_chunked` takes for these inputs, and why.
+               initial_state: torch.Tensor | None = None, kernel: ChunkKernel | None = None) -> str:
+    """Which path :func:`gated_delta_chunked` takes for these inputs and this ``kernel``, and why.
 
     Example:
         >>> import torch
-        >>> q = k = v = torch.zeros(1, 1, 4, 8, requires_grad=True)
+        >>> q = k = v = torch.zeros(1, 1, 4, 8)
         >>> delta_path(q, k, v, torch.zeros(1, 1, 4), torch.ones(1, 1, 4))
-        'torch ops (autograd records this call (the kernel has no backward))'
+        "torch ops (no compiled kernel given (qkv.cpu.optimize gives a model's mixers qkv.cpu.fused.DELTA))"
     """
     p = prepare_gated(q, k, v, g, beta, initial_state, fn="delta_path", delta=True)
-    why = _kernel_declines(p)
+    why = _kernel_declines(p, kernel)
     return "compiled CPU kernel" if why is None else f"torch ops ({why})"
 
 
@@ -285,6 +302,7 @@ def gated_delta_chunked(
     *,
     chunk_size: int | None = None,
     initial_state: torch.Tensor | None = None,
+    kernel: ChunkKernel | None = None,
 ) -> LinearAttentionOutput:
     """The gated delta rule (Gated DeltaNet with per-head gates, KDA with per-channel gates) by chunks.
 
@@ -298,6 +316,7 @@ def gated_delta_chunked(
             :data:`KERNEL_CHUNK_SIZE` for the compiled CPU kernel, :data:`DEFAULT_GATED_CHUNK_SIZE` for the torch ops
             (the result is the same up to rounding whatever the chunks).
         initial_state: ``(B, H, Dk, Dv)`` or ``None`` for zeros.
+        kernel: a compiled implementation (:class:`ChunkKernel`) tried first, or ``None`` for the torch ops.
 
     Returns:
         ``LinearAttentionOutput(out (B, H, N, Dv) in q's dtype, state (B, H, Dk, Dv))``.
@@ -318,9 +337,9 @@ def gated_delta_chunked(
     S = _initial(p)
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
-    if _kernel_declines(p) is None:
+    if _kernel_declines(p, kernel) is None:
         B, H, _, Dv = p.v.shape
-        out, S = kernels.load().gated_delta_chunks(
+        out, S = kernel(
             p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), p.g.contiguous(), p.beta.contiguous(),
             S.reshape(B, H, *S.shape[1:]).contiguous(), chunk_size or KERNEL_CHUNK_SIZE, _SAFE_SPREAD[p.v.dtype])
         return LinearAttentionOutput(out.to(p.out_dtype), S)

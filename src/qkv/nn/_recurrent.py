@@ -11,16 +11,15 @@ Dk key dim, Dv value dim.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from qkv.cpu import kernels
 from qkv.linear import gated_delta_chunked, gated_delta_step
 
-__all__ = ["RecurrentState", "causal_conv", "l2norm", "mask_padding", "check_input", "check_state", "fused_delta_step",
-           "delta_mix"]
+__all__ = ["RecurrentState", "DeltaKernel", "causal_conv", "l2norm", "mask_padding", "check_input", "check_state",
+           "fused_delta_step", "delta_mix"]
 
 
 class RecurrentState(NamedTuple):
@@ -33,6 +32,27 @@ class RecurrentState(NamedTuple):
 
     conv: torch.Tensor
     recurrent: torch.Tensor
+
+
+class DeltaKernel(Protocol):
+    """Faster implementations of the gated delta rule for a recurrent mixer's ``delta_kernel`` slot, put there from
+    outside (``qkv.cpu.optimize``: qkv's compiled kernels). It is also the ``kernel`` of
+    :func:`qkv.linear.gated_delta_chunked` (``why_not`` and the call)."""
+
+    def why_not(self, *tensors: torch.Tensor | None) -> str | None:
+        """Why the chunked rule's kernel does not run these tensors, or None."""
+
+    def __call__(self, q, k, v, g, beta, state, chunk_size: int, safe_log: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunked rule over contiguous prepared tensors -> ``(out (B, H, N, Dv), state (B, H, Dk, Dv))``."""
+
+    def step_declines(self, *tensors: torch.Tensor | None) -> str | None:
+        """Why :meth:`step` does not run these tensors, or None."""
+
+    def step(self, mixed, conv_state, conv_weight, g, beta, state, Hk: int, q_scale: float,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step after the projections: ``mixed (B, Cc)``, ``conv_state (B, Cc, K - 1)``, ``conv_weight
+        (Cc, K)``, ``g (B, H[, Dk])``, ``beta (B, H)``, ``state (B, H, Dk, Dv)``, all contiguous -> ``(o (B, H, Dv),
+        conv_state, state)``."""
 
 
 def causal_conv(x_BNC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prev_BCK: torch.Tensor | None,
@@ -65,39 +85,35 @@ def causal_conv(x_BNC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def fused_delta_step(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                      g: torch.Tensor, beta: torch.Tensor, state: RecurrentState | None, *, Hk: int, Dk: int, Dv: int,
-                     q_scale: float) -> tuple[torch.Tensor, RecurrentState] | None:
-    """A gated-delta mixer's decode step after its projections, by qkv's compiled CPU kernel
-    (``qkv/cpu/csrc/delta_decode.cpp``): :func:`causal_conv` of one token, :func:`l2norm` of q and k (q times
-    ``q_scale``) and ``qkv.linear.gated_delta_step``, in one call instead of some 35 operator calls.
+                     q_scale: float, kernel: DeltaKernel | None) -> tuple[torch.Tensor, RecurrentState] | None:
+    """A gated-delta mixer's decode step after its projections by ``kernel.step`` (qkv's compiled CPU kernel
+    ``qkv/cpu/csrc/delta_decode.cpp`` where ``qkv.cpu.optimize`` set it): :func:`causal_conv` of one token,
+    :func:`l2norm` of q and k (q times ``q_scale``) and ``qkv.linear.gated_delta_step``, in one call instead of some
+    35 operator calls.
 
     Args:
         mixed: ``(B, 1, Cc)`` the projections ``[q (Hk Dk) | k (Hk Dk) | v (H Dv)]`` before the convolution.
         conv_weight: ``(Cc, 1, K)``; conv_bias: must be None (the layers that use this have none).
         g: ``(B, H, 1)`` or ``(B, H, 1, Dk)`` log-decays; beta: ``(B, H, 1)``.
         state: the mixer's state, or None for a fresh sequence.
+        kernel: a :class:`DeltaKernel`, or None (then this returns None).
 
     Returns:
-        ``(o (B, H, 1, Dv), the new RecurrentState)``, or ``None`` where the kernel does not run this call (not
-        CPU, not float32/float64 throughout, autograd recording, a bias, or the kernels unavailable): the caller
-        then runs the torch ops, which give the same values.
+        ``(o (B, H, 1, Dv), the new RecurrentState)``, or ``None`` where the kernel does not run this call (no
+        kernel, a bias, or ``kernel.step_declines`` the tensors: not CPU, not float32/float64 throughout, autograd
+        recording, the kernels unavailable): the caller then runs the torch ops, which give the same values.
     """
     B, _, Cc = mixed.shape
     H = beta.shape[1]
-    work = mixed.dtype
     tensors = [mixed, conv_weight, g, beta] + ([] if state is None else [state.conv, state.recurrent])
-    if (conv_bias is not None or mixed.device.type != "cpu" or work not in (torch.float32, torch.float64)
-            or any(t.dtype != work for t in tensors)
-            or torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return None
-    mod = kernels.load()
-    if mod is None:
+    if kernel is None or conv_bias is not None or kernel.step_declines(*tensors) is not None:
         return None
     K = conv_weight.shape[-1]
     if state is None:
         conv, rec = mixed.new_zeros(B, Cc, K - 1), mixed.new_zeros(B, H, Dk, Dv)
     else:
         conv, rec = state.conv.contiguous(), state.recurrent.contiguous()
-    o, conv, rec = mod.delta_decode(mixed.reshape(B, Cc).contiguous(), conv, conv_weight.reshape(Cc, K).contiguous(),
+    o, conv, rec = kernel.step(mixed.reshape(B, Cc).contiguous(), conv, conv_weight.reshape(Cc, K).contiguous(),
                                     g.reshape(B, H, -1).contiguous() if g.dim() == 4 else g.reshape(B, H).contiguous(),
                                     beta.reshape(B, H).contiguous(), rec, Hk, q_scale, L2_EPS)
     return o.unsqueeze(2), RecurrentState(conv, rec)
@@ -105,7 +121,7 @@ def fused_delta_step(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_bias: 
 
 def delta_mix(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: RecurrentState | None, *, Hk: int, Dk: int, Dv: int, chunk_size: int | None,
-              one_token: bool) -> tuple[torch.Tensor, RecurrentState]:
+              one_token: bool, kernel: DeltaKernel | None = None) -> tuple[torch.Tensor, RecurrentState]:
     """The gated-delta part of a mixer (Gated DeltaNet, KDA) after its projections: the short convolution, L2-normed
     q (times ``Dk ** -0.5``) and k, then the rule by :func:`~qkv.linear.gated_delta_step` for one token (one
     compiled call, :func:`fused_delta_step`, where it applies) or :func:`~qkv.linear.gated_delta_chunked`.
@@ -113,13 +129,15 @@ def delta_mix(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, b
     Args:
         mixed: ``(B, N, Cc)`` the projections ``[q (Hk Dk) | k (Hk Dk) | v (H Dv)]``; conv_weight ``(Cc, 1, K)``.
         g: ``(B, H, N)`` or ``(B, H, N, Dk)`` log-decays; beta: ``(B, H, N)``; state: or None for a fresh sequence.
+        kernel: the mixer's ``delta_kernel`` (:class:`DeltaKernel`), or None for torch's ops throughout.
 
     Returns:
         ``(o (B, H, N, Dv), RecurrentState after the last token)``.
     """
     H = beta.shape[1]
     if one_token:
-        fused = fused_delta_step(mixed, conv_weight, None, g, beta, state, Hk=Hk, Dk=Dk, Dv=Dv, q_scale=Dk ** -0.5)
+        fused = fused_delta_step(mixed, conv_weight, None, g, beta, state, Hk=Hk, Dk=Dk, Dv=Dv, q_scale=Dk ** -0.5,
+                                 kernel=kernel)
         if fused is not None:
             return fused
     B, N, _ = mixed.shape
@@ -132,7 +150,7 @@ def delta_mix(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, b
     if one_token:
         o, rec = gated_delta_step(q, k, v, g, beta, rec)
     else:
-        o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=chunk_size, initial_state=rec)
+        o, rec = gated_delta_chunked(q, k, v, g, beta, chunk_size=chunk_size, initial_state=rec, kernel=kernel)
     return o, RecurrentState(conv, rec)
 
 

@@ -19,9 +19,11 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
-from ..cpu import kernels
+__all__ = ["ACTIVATIONS", "GATED", "GateKernel", "gelu_tanh", "check_activation", "gated"]
 
-__all__ = ["ACTIVATIONS", "GATED", "gelu_tanh", "check_activation", "gated"]
+#: ``fn(h, activation) -> activation(gate) * up or None``: a faster gate put into a module's ``gate_kernel`` slot
+#: from outside (``qkv.cpu.optimize``: SwiGLU's in one pass); None for a call it does not run.
+GateKernel = Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], "torch.Tensor | None"]
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -52,11 +54,10 @@ def check_activation(owner: str, name: str) -> None:
         raise ValueError(f"{owner}: activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
 
 
-def gated(h: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``activation(gate) * up`` of a fused gate-up projection ``h`` (..., 2f), gate first. A SiLU gate (SwiGLU)
-    on float32/float64 CPU inputs with no gradient being recorded runs as one pass of qkv's compiled kernels
-    (:mod:`qkv.cpu.kernels`, ``activations.cpp``: the same values bit for bit, without the activation's
-    intermediate tensor); the rest as torch's two ops.
+def gated(h: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+          kernel: GateKernel | None = None) -> torch.Tensor:
+    """``activation(gate) * up`` of a fused gate-up projection ``h`` (..., 2f), gate first, as torch's two ops;
+    ``kernel`` (a module's ``gate_kernel``, None by default) is tried first.
 
     Example:
         >>> import torch
@@ -64,10 +65,9 @@ def gated(h: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]) -
         >>> torch.equal(gated(h, F.silu), F.silu(h[:, :4]) * h[:, 4:])
         True
     """
-    if (activation is F.silu and h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64)
-            and h.stride(-1) == 1 and not (torch.is_grad_enabled() and h.requires_grad)):
-        mod = kernels.load()
-        if mod is not None:
-            return kernels.profiled("silu_mul", mod.silu_mul, h)
+    if kernel is not None:
+        y = kernel(h, activation)
+        if y is not None:
+            return y
     gate, up = h.chunk(2, dim=-1)
     return activation(gate) * up

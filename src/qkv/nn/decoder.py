@@ -57,7 +57,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +71,7 @@ from ..cache.specs import LayerSpec
 from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions, positions_from_padding
 from ..pos.learned import LearnedPositionalEmbedding
-from ..pos.rope import RotaryEmbedding, apply_rotary
+from ..pos.rope import RotaryEmbedding, RotaryKernel, apply_rotary
 from ..spec.config import DecoderConfig
 from ..spec.layer_types import LINEAR_ATTENTION
 from .cached import attention_mask, cached_attention, refuse_scoring_cache
@@ -83,8 +83,13 @@ from .latent import LatentAttention
 from .moe import MoE
 from .norm import RMSNorm
 
-if TYPE_CHECKING:
-    from ..cpu.greedy import HeadScreen
+
+class TokenScreen(Protocol):
+    """Greedy tokens of an LM head without its whole float32 product, set into :class:`DecoderLM`'s ``head_screen``
+    from outside (``qkv.cpu.optimize`` sets a ``qkv.cpu.greedy.HeadScreen`` where its int8 screen runs)."""
+
+    def tokens(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K)."""
 
 __all__ = ["DecoderLM", "DecoderLayer", "DecoderOutput", "SelfAttention", "positions_from_attention_mask"]
 
@@ -229,15 +234,17 @@ class SelfAttention(nn.Module):
         plain = self.score_mod is None and self.alibi is None
         self.decode_backend = c.decode_backend if c.backend == "auto" and c.decode_backend and plain else c.backend
         self.attention_fn = attention
+        self.rotary_kernel: RotaryKernel | None = None  # qkv.cpu.optimize puts its compiled rotation here
         self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
 
     def _rotate_qk(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None, cos, sin):
         """Rotate queries and keys; in one call when they are still adjacent heads of ``qk``."""
-        interleaved = self.rope.emb.interleaved
+        interleaved, fast = self.rope.emb.interleaved, self.rotary_kernel
         if qk is not None:
-            return apply_rotary(qk, cos, sin, interleaved=interleaved).split((self.n_heads, self.n_kv_heads), dim=1)
-        return (apply_rotary(q, cos, sin, interleaved=interleaved),
-                apply_rotary(k, cos, sin, interleaved=interleaved))
+            both = apply_rotary(qk, cos, sin, interleaved=interleaved, kernel=fast)
+            return both.split((self.n_heads, self.n_kv_heads), dim=1)
+        return (apply_rotary(q, cos, sin, interleaved=interleaved, kernel=fast),
+                apply_rotary(k, cos, sin, interleaved=interleaved, kernel=fast))
 
     def forward(self, x: torch.Tensor, step: _ForwardContext, keep: int = 0) -> torch.Tensor:
         """(B, N, d) -> (B, N, d); with ``0 < keep < N`` the outputs of the last ``keep`` columns only, (B, keep, d)
@@ -470,7 +477,7 @@ class DecoderLM(nn.Module):
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
-        self.head_screen: HeadScreen | None = None  # greedy tokens' int8 screen (qkv.cpu.optimize sets one)
+        self.head_screen: TokenScreen | None = None  # greedy tokens' int8 screen (qkv.cpu.optimize sets one)
         # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused
         self._modified_scores = [i for i, layer in enumerate(self.layers)
                                  if not layer.latent and layer.linear_attn is None

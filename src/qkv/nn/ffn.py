@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .activations import ACTIVATIONS, GATED, check_activation, gated
+from .activations import ACTIVATIONS, GATED, GateKernel, check_activation, gated
 
 __all__ = ["FeedForward", "GatedMLP", "ACTIVATIONS", "GATED"]
 
@@ -88,9 +88,10 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[activation]
         self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.gate_kernel: GateKernel | None = None  # qkv.cpu.optimize puts SwiGLU's one-pass gate here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.gate_up_proj(x), self.act))  # act(gate) * up, gate the first half
+        return self.down_proj(gated(self.gate_up_proj(x), self.act, self.gate_kernel))  # act(gate) * up
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"

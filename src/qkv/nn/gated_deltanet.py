@@ -29,19 +29,20 @@ from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput
-from qkv.nn._recurrent import RecurrentState, check_input, check_state, delta_mix, mask_padding
-from qkv.nn.norm import compiled_rms_norm
+from qkv.nn._recurrent import DeltaKernel, RecurrentState, check_input, check_state, delta_mix, mask_padding
+from qkv.nn.norm import NormKernel
 from qkv.nn.protocol import apply_head_gate
 
 __all__ = ["GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
 
 
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, *, eps: float,
-                   activation=F.silu) -> torch.Tensor:
+                   activation=F.silu, norm_kernel: NormKernel | None = None) -> torch.Tensor:
     """``rms_norm(x) * weight * activation(gate)`` over the last dim (norm before gate), in float32 for
-    low-precision inputs."""
+    low-precision inputs; ``norm_kernel`` (see :class:`qkv.nn.RMSNorm`) is tried for the norm of float32/float64
+    inputs."""
     if x.dtype in (torch.float32, torch.float64) and weight.dtype == gate.dtype == x.dtype:  # fused: 3 ops, not 8
-        y = compiled_rms_norm(x, weight, eps=eps)  # on the CPU without autograd: one compiled loop
+        y = None if norm_kernel is None else norm_kernel(x, weight, eps, 0.0)
         return (F.rms_norm(x, weight.shape, weight, eps) if y is None else y) * activation(gate)
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     xw = x.to(work)
@@ -58,9 +59,11 @@ class GatedRMSNorm(nn.Module):
             raise ValueError(f"GatedRMSNorm: activation must be one of {sorted(_GATES)}, got {activation!r}")
         self.eps, self.activation = eps, activation
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.norm_kernel: NormKernel | None = None  # qkv.cpu.optimize puts its compiled loop here
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, self.weight, gate, eps=self.eps, activation=_GATES[self.activation])
+        return gated_rms_norm(x, self.weight, gate, eps=self.eps, activation=_GATES[self.activation],
+                              norm_kernel=self.norm_kernel)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}"
@@ -114,6 +117,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
                                 padding=conv_kernel_size - 1, **kw)
+        self.delta_kernel: DeltaKernel | None = None  # qkv.cpu.optimize puts the compiled gated delta rule here
         self._add_projections(kw)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **kw))
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads, **kw).uniform_(1, 16)))
@@ -157,7 +161,8 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias.to(work))
         g = g.transpose(1, 2)  # (B, H, N)
         o, new_state = delta_mix(mixed, self.conv1d.weight, g, beta, state, Hk=Hk, Dk=Dk, Dv=Dv,
-                                 chunk_size=self.chunk_size, one_token=one_token)  # g, beta stay in float32
+                                 chunk_size=self.chunk_size, one_token=one_token,
+                                 kernel=self.delta_kernel)  # g, beta stay in float32
         o = self.norm(o.transpose(1, 2), z)  # (B, N, H, Dv)
         o = apply_head_gate(o.transpose(1, 2), self.head_gate).transpose(1, 2)
         return LinearAttentionOutput(self.out_proj(o.reshape(B, N, H * Dv)), new_state)

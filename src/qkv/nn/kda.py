@@ -26,7 +26,7 @@ from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput
-from qkv.nn._recurrent import RecurrentState, check_input, check_state, delta_mix, mask_padding
+from qkv.nn._recurrent import DeltaKernel, RecurrentState, check_input, check_state, delta_mix, mask_padding
 from qkv.nn.gated_deltanet import GatedRMSNorm
 from qkv.nn.protocol import apply_head_gate
 
@@ -93,6 +93,7 @@ class KimiDeltaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False, **kw)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
                                 padding=conv_kernel_size - 1, **kw)
+        self.delta_kernel: DeltaKernel | None = None  # qkv.cpu.optimize puts the compiled gated delta rule here
         self.forget_gate = KimiForgetGate(hidden_size, num_heads, head_dim, **kw)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False, **kw)
         self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False, **kw)
@@ -119,7 +120,8 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(x).transpose(1, 2)  # (B, H, N, D), float32 (float64 for float64 inputs)
         beta = self.b_proj(x).sigmoid().transpose(1, 2)  # (B, H, N)
         o, new_state = delta_mix(mixed, self.conv1d.weight, g, beta, state, Hk=H, Dk=D, Dv=D,
-                                 chunk_size=self.chunk_size, one_token=one_token)
+                                 chunk_size=self.chunk_size, one_token=one_token,
+                                 kernel=self.delta_kernel)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, N, H, D)
         o = self.o_norm(o.transpose(1, 2), gate)  # (B, N, H, D)
         o = apply_head_gate(o.transpose(1, 2), self.head_gate).transpose(1, 2)

@@ -32,19 +32,33 @@ Example:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cpu import kernels
-from ..cpu.gemm import planned_row_blocks
-from ..cpu.rule import MEASURED_ROWS
 from ..spec.moe import MoEConfig
-from .activations import ACTIVATIONS, check_activation, gated
+from .activations import ACTIVATIONS, GateKernel, check_activation, gated
 from .ffn import GatedMLP
 
-__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "MoE", "route_softmax", "route_noaux_tc",
+__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "ExpertsKernel", "MoE", "route_softmax", "route_noaux_tc",
            "route_topk_softmax"]
+
+
+class ExpertsKernel(Protocol):
+    """A faster implementation of a stacked experts module's routed sum, put into its ``experts_kernel`` slot from
+    outside (``qkv.cpu.optimize``: one compiled call with the same products and ops in the same order). Each method
+    returns None for a call it does not run, and the module runs its loop."""
+
+    def one_token(self, experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
+                  clamped: bool) -> torch.Tensor | None:
+        """x (1, d); idx and weights (1, k) -> (1, d)."""
+
+    def grouped(self, experts: nn.Module, x: torch.Tensor, token: torch.Tensor, w: torch.Tensor, counts: list[int], *,
+                clamped: bool) -> torch.Tensor | None:
+        """x (T, d); ``token`` and router weights ``w`` (A,) of the assignments grouped by expert, ``counts`` (E,)
+        -> (T, d)."""
 
 
 def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,63 +99,13 @@ def route_topk_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor
     return top.softmax(dim=-1) * m.routed_scaling_factor, idx
 
 
-def one_token(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
-              clamped: bool) -> torch.Tensor | None:
-    """One token's routed experts (x (1, d), idx and weights (1, k)) in one call of qkv's compiled CPU kernels
-    (:mod:`qkv.cpu.kernels`): the same products (:func:`qkv.cpu.gemm.planned_row_blocks`) and activation ops as
-    the loop of :class:`Experts` (SiLU) or :class:`ClampedSwiGLUExperts` (``clamped``), in the same order, so the
-    same values; None where it does not apply (not CPU, a gradient being recorded, another product path, the
-    kernels unavailable), and the caller runs its loop."""
-    up, down = experts.gate_up_proj, experts.down_proj
-    if (x.device.type != "cpu" or not up.is_contiguous() or not down.is_contiguous()
-            or torch.is_grad_enabled() and any(p.requires_grad for p in (x, up, down))):
-        return None
-    nb_up = planned_row_blocks(experts.linear_fn, x, up[0])
-    nb_down = planned_row_blocks(experts.linear_fn, x.new_empty(1, down.shape[-1]), down[0])
-    mod = kernels.load() if nb_up is not None and nb_down is not None else None
-    if mod is None:
-        return None
-    alpha, limit = (experts.alpha, experts.limit) if clamped else (0.0, 0.0)
-    return mod.moe_token(x, idx[0].tolist(), weights[0], up, getattr(experts, "gate_up_proj_bias", None), down,
-                         getattr(experts, "down_proj_bias", None), clamped, alpha, limit, nb_up, nb_down)
-
-
-def grouped_tokens(experts: nn.Module, x: torch.Tensor, token: torch.Tensor, w: torch.Tensor, counts: list[int], *,
-                   clamped: bool) -> torch.Tensor | None:
-    """A few tokens' routed experts (x (T, d); the assignments grouped by expert: ``token`` and router weights ``w``
-    (A,), ``counts`` per expert) in one call of qkv's compiled CPU kernels: the loop of :class:`Experts` (SiLU) or
-    :class:`ClampedSwiGLUExperts` (``clamped``) with the same products and ops in the same order, so the same
-    values; None where it does not apply (as :func:`one_token`, or an expert's row count the product rule sends to
-    oneDNN), and the caller runs its loop."""
-    up, down = experts.gate_up_proj, experts.down_proj
-    if (x.device.type != "cpu" or x.shape[0] > MEASURED_ROWS or not up.is_contiguous() or not down.is_contiguous()
-            or torch.is_grad_enabled() and any(p.requires_grad for p in (x, up, down))):
-        return None
-    plans: dict[int, tuple[int | None, int | None]] = {}
-    nb_up, nb_down = [], []
-    for n in counts:
-        if n not in plans:
-            one = x.new_empty(1)  # stand-ins of the expert's (n, d) input and (n, f) hidden rows, for the plans
-            rows_in, rows_h = one.expand(max(n, 1), x.shape[-1]), one.expand(max(n, 1), down.shape[-1])
-            plans[n] = (planned_row_blocks(experts.linear_fn, rows_in, up[0]),
-                        planned_row_blocks(experts.linear_fn, rows_h, down[0]))
-        a, b = plans[n]
-        if a is None or b is None:
-            return None
-        nb_up.append(a)
-        nb_down.append(b)
-    mod = kernels.load()
-    if mod is None:
-        return None
-    alpha, limit = (experts.alpha, experts.limit) if clamped else (0.0, 0.0)
-    return mod.moe_grouped(x, token, w, counts, up, getattr(experts, "gate_up_proj_bias", None), down,
-                           getattr(experts, "down_proj_bias", None), clamped, alpha, limit, nb_up, nb_down)
-
 
 class Experts(nn.Module):
     """``E`` gated experts stored stacked, as HF transformers 5 keeps them: ``gate_up_proj`` (E, 2f, d),
     ``down_proj`` (E, d, f). Each expert's products run through ``linear_fn`` (``F.linear``; a
-    :class:`qkv.cpu.LinearHost`, which :func:`qkv.cpu.optimize` gives CPU products)."""
+    :class:`qkv.cpu.LinearHost`, which :func:`qkv.cpu.optimize` gives CPU products). ``experts_kernel``
+    (:class:`ExpertsKernel`) and ``gate_kernel`` (:data:`qkv.nn.activations.GateKernel`) are None until
+    :func:`qkv.cpu.optimize` fills them."""
 
     def __init__(self, n: int, d: int, f: int, act: str) -> None:
         super().__init__()
@@ -149,17 +113,20 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * f, d).normal_(std=0.02))
         self.down_proj = nn.Parameter(torch.empty(n, d, f).normal_(std=0.02))
         self.linear_fn = F.linear
+        self.experts_kernel: ExpertsKernel | None = None
+        self.gate_kernel: GateKernel | None = None
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
-            fused = one_token(self, x, idx, weights, clamped=False) if self.act is F.silu else None
+            kernel = self.experts_kernel if self.act is F.silu else None
+            fused = None if kernel is None else kernel.one_token(self, x, idx, weights, clamped=False)
             if fused is not None:
                 return fused
             out = torch.zeros_like(x)
             for e, j in sorted((e, j) for j, e in enumerate(idx[0].tolist())):
-                h = gated(self.linear_fn(x, self.gate_up_proj[e]), self.act)
+                h = gated(self.linear_fn(x, self.gate_up_proj[e]), self.act, self.gate_kernel)
                 out += (self.linear_fn(h, self.down_proj[e]) * weights[:, j:j + 1]).to(out.dtype)
             return out
         flat = idx.reshape(-1)  # (T * k,)
@@ -167,7 +134,8 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         token = order // k
         w = weights.reshape(-1)[order]
-        fused = grouped_tokens(self, x, token, w, counts, clamped=False) if self.act is F.silu else None
+        kernel = self.experts_kernel if self.act is F.silu else None
+        fused = None if kernel is None else kernel.grouped(self, x, token, w, counts, clamped=False)
         if fused is not None:
             return fused
         out = torch.zeros_like(x)
@@ -176,7 +144,7 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             t = token[start:start + n]
-            h = gated(self.linear_fn(x[t], self.gate_up_proj[e]), self.act)  # (n, f)
+            h = gated(self.linear_fn(x[t], self.gate_up_proj[e]), self.act, self.gate_kernel)  # (n, f)
             y = self.linear_fn(h, self.down_proj[e]) * w[start:start + n, None]  # float32 weights
             out.index_add_(0, t, y.to(out.dtype))
             start += n
@@ -199,6 +167,7 @@ class ClampedSwiGLUExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n, d, f).normal_(std=0.02))
         self.down_proj_bias = nn.Parameter(torch.zeros(n, d))
         self.linear_fn = F.linear
+        self.experts_kernel: ExpertsKernel | None = None  # qkv.cpu.optimize puts its compiled experts here
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fn(x, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)  # (n, f)
@@ -211,7 +180,8 @@ class ClampedSwiGLUExperts(nn.Module):
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
-            fused = one_token(self, x, idx, weights, clamped=True)
+            fused = None if self.experts_kernel is None else self.experts_kernel.one_token(self, x, idx, weights,
+                                                                                            clamped=True)
             if fused is not None:
                 return fused
             out = torch.zeros_like(x)
@@ -222,7 +192,8 @@ class ClampedSwiGLUExperts(nn.Module):
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         token, w = order // k, weights.reshape(-1)[order]
-        fused = grouped_tokens(self, x, token, w, counts, clamped=True)
+        fused = None if self.experts_kernel is None else self.experts_kernel.grouped(self, x, token, w, counts,
+                                                                                      clamped=True)
         if fused is not None:
             return fused
         out = torch.zeros_like(x)

@@ -14,15 +14,19 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cpu import kernels
 from ..spec.config import NORMS
 
-__all__ = ["rms_norm", "compiled_rms_norm", "RMSNorm", "make_norm", "NORMS"]
+__all__ = ["rms_norm", "RMSNorm", "NormKernel", "make_norm", "NORMS"]
 
+#: ``fn(x, weight, eps, offset) -> y or None``: a faster ``x / rms(x) * (offset + weight)`` put into a module's
+#: ``norm_kernel`` slot from outside (``qkv.cpu.optimize``); None for a call it does not run.
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float, float], "torch.Tensor | None"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float = 1e-6) -> torch.Tensor:
@@ -35,36 +39,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float 
     return y.to(x.dtype)
 
 
-def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float = 0.0) -> torch.Tensor | None:
-    """``x / rms(x) * (offset + weight)`` in one call of qkv's compiled loop (:mod:`qkv.cpu.kernels`,
-    ``norms.cpp``) for float32/float64 CPU inputs with a weight of their dtype and no gradient being recorded;
-    None otherwise (the caller runs torch's ops)."""
-    if (x.dtype not in (torch.float32, torch.float64) or weight.dtype != x.dtype or x.device.type != "cpu"
-            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return None
-    mod = kernels.load()
-    return None if mod is None else kernels.profiled("rms_norm", mod.rms_norm, x, weight, eps, offset)
-
-
 class RMSNorm(nn.Module):
     """RMS normalization scaling by ``offset + weight``.
 
     ``offset = 0`` (Llama, T5): weights start at 1. ``offset = 1`` (Gemma, Qwen3-Next): weights start at 0.
     float32 and float64 inputs whose dtype matches the weight's go through torch's ``F.rms_norm`` (one or two ops
-    instead of eight to eleven, which matters when decoding one token), or on the CPU without autograd through
-    qkv's compiled loop (:mod:`qkv.cpu.kernels`, ``norms.cpp``: one call, the sum of squares in float64);
-    low-precision inputs normalize in float32.
+    instead of eight to eleven, which matters when decoding one token); low-precision inputs normalize in float32.
+    ``norm_kernel`` (a :data:`NormKernel`, None by default) is tried first: ``qkv.cpu.optimize`` puts qkv's compiled
+    loop there (one call on the CPU without autograd, the sum of squares in float64).
     """
 
     def __init__(self, dim: int, *, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
+        self.norm_kernel: NormKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = compiled_rms_norm(x, self.weight, eps=self.eps, offset=self.offset)
-        if y is not None:
-            return y
+        if self.norm_kernel is not None:
+            y = self.norm_kernel(x, self.weight, self.eps, self.offset)
+            if y is not None:
+                return y
         full = x.dtype in (torch.float32, torch.float64)
         if self.offset == 0:
             if full and self.weight.dtype == x.dtype:

@@ -43,17 +43,16 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ..cpu import kernels
 from ..spec.hf_config import read_rope
 from ..spec.rope import ROPE_TYPES, RopeParams
 
 __all__ = [
-    "RotaryEmbedding", "ROPE_TYPES", "apply_rotary", "rope", "default_inv_freq", "linear_inv_freq",
+    "RotaryEmbedding", "ROPE_TYPES", "apply_rotary", "RotaryKernel", "rope", "default_inv_freq", "linear_inv_freq",
     "dynamic_ntk_inv_freq", "yarn_inv_freq", "yarn_attention_factor", "llama3_inv_freq",
 ]
 
@@ -136,13 +135,20 @@ def _rotate_pairs(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+#: ``fn(x, cos, sin, interleaved) -> rotated x or None``: a faster :func:`apply_rotary` put into a module's
+#: ``rotary_kernel`` slot from outside (``qkv.cpu.optimize``: one call from C++); None for a call it does not run.
+RotaryKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], "torch.Tensor | None"]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
+                 kernel: RotaryKernel | None = None) -> torch.Tensor:
     """Rotate the first ``R`` channels of ``x`` by precomputed ``cos``/``sin`` (pass the rest through).
 
     Args:
         x: (B, H, N, D) queries or keys.
         cos, sin: (B, N, R) or (N, R) in ``x``'s layout, e.g. from :meth:`RotaryEmbedding.cos_sin`.
         interleaved: channel pairing (see the module docstring).
+        kernel: a :data:`RotaryKernel` tried first (a module's ``rotary_kernel``), or None for torch's ops.
 
     Returns:
         (B, H, N, D) in ``x``'s dtype; float16/bfloat16 inputs rotate in float32.
@@ -151,10 +157,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     if R > x.shape[-1] or R % 2:
         raise ValueError(f"apply_rotary: rotary dim {R} must be even and <= head dim {x.shape[-1]} "
                          f"(x {tuple(x.shape)})")
-    if x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad):
-        mod = kernels.load()
-        if mod is not None:  # the ops below in one call from C++ (the same values, less dispatch)
-            return kernels.profiled("rotary", mod.rotary, x, cos, sin, interleaved)
+    if kernel is not None:
+        y = kernel(x, cos, sin, interleaved)
+        if y is not None:
+            return y
     cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads: (B, 1, N, R)
     work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
     x_rot, x_pass = x[..., :R].to(work), x[..., R:]
