@@ -66,7 +66,7 @@ def _writes_safely(fn):
 
 # Command modules, each exposing register(app). Listed explicitly: a missing one is an error, not a skip.
 _COMMAND_MODULES: tuple[str, ...] = ("demo", "costs", "bench", "embed", "presets", "plan_cp", "attention", "explore",
-                                     "conform")
+                                     "conform", "doctor")
 
 _registered = False
 

@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from . import fakes
+from .build import BASE_FLAGS, CAPABILITIES, CAPABILITIES_ENV, FLAGS, SOURCES, library_name
 
 __all__ = ["load", "unavailable_reason", "status", "Status", "tile_keys", "profiled", "capability", "ENV",
            "CAPABILITIES_ENV", "CAPABILITIES", "SOURCES", "FLAGS", "TILE_BYTES", "PREBUILT_DIR", "library_name"]
@@ -59,31 +60,9 @@ __all__ = ["load", "unavailable_reason", "status", "Status", "tile_keys", "profi
 #: Set to ``0`` to keep qkv from building or using its compiled CPU kernels (the torch-op paths run instead).
 ENV = "QKV_CPU_KERNELS"
 
-#: Comma-separated capabilities a wheel build compiles (``setup.py``; e.g. ``AVX512`` for this machine's only).
-CAPABILITIES_ENV = "QKV_CPU_CAPABILITIES"
-
 #: Bytes of keys per tile of the gather kernel: 256 keys of 128 float32 channels are 128 KB of keys and as much of
 #: values, which stay in a 1 MB L2 while a tile is multiplied (128-512 keys measured within 5% at N = 32K).
 TILE_BYTES = 128 << 10
-
-#: The C++ files of the library, ``csrc/`` relative.
-SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp",
-           "rotary.cpp", "norms.cpp", "decode_attention.cpp", "paged_decode.cpp",
-           "paged_prefill.cpp", "paged_store.cpp", "activations.cpp", "greedy_head.cpp")
-
-#: torch's own CPU capability names, lowest first -> the flags that give ATen's vector types that width.
-FLAGS = {
-    "DEFAULT": [],
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
-               "-DCPU_CAPABILITY_AVX512"],
-}
-CAPABILITIES = tuple(FLAGS)
-
-#: Compiler flags of every build: no fused multiply-adds but the kernels' own (kernels that redo torch's arithmetic,
-#: rotary and SwiGLU's gate, give its values bit for bit only when a * b + c rounds twice, as torch's separate ops
-#: do), OpenMP so that ``at::parallel_for`` spreads over torch's threads (the process's one OpenMP runtime).
-BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 #: Where a wheel puts its prebuilt libraries and ``build.json`` (the torch version they were built against).
 PREBUILT_DIR = Path(__file__).with_name("_lib")
@@ -108,11 +87,6 @@ class Status(NamedTuple):
     path: str | None
     reason: str | None
     note: str | None
-
-
-def library_name(cap: str) -> str:
-    """The file name of the library built for capability ``cap`` (a key of :data:`FLAGS`)."""
-    return f"qkv_cpu_{cap.lower()}.so"
 
 
 def capability() -> str:

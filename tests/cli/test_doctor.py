@@ -1,0 +1,48 @@
+"""`qkv doctor`: the compiled kernels' state (prebuilt / JIT / off and why), capability, torch, threads, oneDNN and the
+int8 screen, as text and as JSON."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from qkv.cli import _register, app
+from qkv.cpu import kernels
+
+runner = CliRunner()
+
+
+def _run(*args, env=None):
+    _register()
+    return runner.invoke(app, ["doctor", *args], env={"COLUMNS": "240", **(env or {})})
+
+
+def test_doctor_json_reports_each_path():
+    res = _run("--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    st = kernels.status()
+    assert info["kernels"]["state"] == st.state and info["kernels"]["library"] == st.path
+    assert info["kernels"]["capability"] in kernels.CAPABILITIES
+    assert info["torch"] == torch.__version__
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["threads"] == {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
+    for key in ("onednn", "int8_head_screen"):
+        assert info[key]["on"] == (info[key]["off_because"] is None)
+
+
+def test_doctor_text_names_the_state_and_why_a_path_is_off(monkeypatch):
+    res = _run()
+    assert res.exit_code == 0, res.output
+    state = kernels.status().state
+    assert {"prebuilt": "compiled kernels: prebuilt", "jit": "compiled kernels: built by JIT at first use"}[state] \
+        in res.output
+    assert f"torch: {torch.__version__}" in res.output and "threads:" in res.output and "oneDNN products:" in res.output
+    monkeypatch.setenv(kernels.ENV, "0")
+    off = _run()
+    assert off.exit_code == 0, off.output
+    assert "compiled kernels: off" in off.output
+    assert f"off because: {kernels.ENV}=0 in the environment" in off.output
+    assert "int8 head screen: off (qkv's CPU kernels are unavailable" in off.output
