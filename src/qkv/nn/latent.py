@@ -93,7 +93,6 @@ PATHS = ("auto", "expanded", "absorbed")
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# path choice (FLOPs)
 class PathChoice(NamedTuple):
     """Which path a forward takes and the FLOP counts behind it (forward, all ``batch`` sequences, the
     parts that differ between paths: projections common to both are left out)."""
@@ -311,7 +310,6 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     return LatentHeads(out_BHNv, lse)
 
 
-# module
 class LatentAttentionOutput(NamedTuple):
     """``out`` (B, N, d); ``lse`` (B, H, N) float32 when ``need_lse=True`` else None; ``path`` taken."""
 
