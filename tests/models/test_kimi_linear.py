@@ -80,7 +80,7 @@ def test_layers_are_what_the_config_says():
     for case, kinds in (("L4-qproj-g4k2-checkpoint-names", ["kda", "kda", "mla", "kda"]),
                         ("L5-qlora-default-pattern", ["kda", "kda", "kda", "kda", "mla"])):
         hf, _, model = _models(case)
-        got = ["kda" if layer.linear_attn is not None else "mla" for layer in model.layers]
+        got = ["kda" if layer.recurrent else "mla" for layer in model.layers]
         assert got == kinds, case
         assert [s.kind for s in model.cache_specs()] == ["recurrent" if k == "kda" else "latent" for k in kinds]
         mla = model.layers[kinds.index("mla")].self_attn

@@ -32,7 +32,7 @@ def _model(**kw) -> DecoderLM:
 
 def test_layers_and_cache_specs():
     lm = _model()
-    assert [type(layer.linear_attn).__name__ if layer.linear_attn is not None else "attn" for layer in lm.layers] == [
+    assert [type(layer.mixer).__name__ if layer.recurrent else "attn" for layer in lm.layers] == [
         "GatedDeltaNet", "GatedDeltaNet", "attn", "GatedDeltaNet"]
     specs = lm.cache_specs()
     assert [s.kind for s in specs] == ["recurrent", "recurrent", "full", "recurrent"]

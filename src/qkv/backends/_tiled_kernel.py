@@ -31,7 +31,6 @@ __all__ = ["Problem", "forward_slice", "backward_slice", "pad_rows", "pad_keys",
 _NEG_INF = float("-inf")
 
 
-# layouts
 def pad_rows(x: torch.Tensor, plan: Plan, dtype, fill: float = 0.0) -> torch.Tensor:
     """(nb, Hq, Nq, E) -> (nb, Hq, TQ*bq, E) in ``dtype`` (a copy only when padding or casting)."""
     pad = plan.tq * plan.block_q - x.shape[2]
@@ -92,7 +91,6 @@ def _nan_like_rows(plan: Plan, nb: int, Hq: int, extra: tuple[int, ...], dtype, 
     return torch.full((nb, Hq, plan.tq * plan.block_q, *extra), float("nan"), dtype=dtype, device=device)
 
 
-# shared per-chunk pieces
 class Problem:
     """What the loops need besides the tensors: the request's semantics for one batch slice."""
 
@@ -284,7 +282,6 @@ def _scores(plan: Plan, pb: Problem, step: _ChunkTiles, q_act: torch.Tensor, kt:
     return s
 
 
-# forward
 def forward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, stats=None):
     """Online-softmax attention over the plan.
 
@@ -358,7 +355,6 @@ def forward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt
     return out, lse
 
 
-# backward
 def _tile_probs(pb: Problem, step: _ChunkTiles, s_raw: torch.Tensor, lse_rows: torch.Tensor, track: bool,
                 raw_grad: bool):
     """Recompute one chunk's probabilities ``P = exp(S - lse)`` [nb, Hkv, nact, GB, W] from the forward's lse.

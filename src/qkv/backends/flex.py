@@ -97,7 +97,6 @@ _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _compiled: set[tuple] = set()
 
 
-# lowering
 def to_block_mask(mask: Mask | None, nq: int, nk: int, *, device=None, block_size=BLOCK_SIZE,
                   with_q_blocks: bool = False, B: int | None = None, H: int | None = None):
     """The Flex ``BlockMask`` of ``mask`` from its analytic block map; never evaluates ``allowed``.
@@ -206,7 +205,6 @@ def _with_sink_key(req: Request) -> Request:
                                sinks=None)
 
 
-# compile cache
 @functools.cache
 def _compiled_flex() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
@@ -301,7 +299,6 @@ def _dynamo_problem() -> str | None:
     return None
 
 
-# the backend
 class FlexBackend(Backend):
     """torch FlexAttention: block-sparse over the mask's allowed tiles, compiled once per signature."""
 

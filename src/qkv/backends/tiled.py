@@ -178,7 +178,6 @@ class _Spec:
                        device=self.device, fill_masked=self.fill_masked)
 
 
-# forward / backward
 def _forward(spec: _Spec, q, k, v):
     """Returns out (B, Hq, Nq, Dv) and lse (B, Hq, Nq), both in the compute dtype."""
     if spec.empty:  # no queries, or no keys: zeros and lse = -inf

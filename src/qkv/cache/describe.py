@@ -16,29 +16,35 @@ from __future__ import annotations
 from ..spec.config import DecoderConfig
 from ..spec.hf_config import LayerLayout
 from ..spec.layer_types import LINEAR_ATTENTION, SLIDING_ATTENTION
+from ..spec.mixers import CacheShape, mixer_of
 from ..spec.presets import ModelPreset
 from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
 
-__all__ = ["cache_specs_of"]
+__all__ = ["cache_specs_of", "spec_of"]
+
+#: The layer spec class of each cache kind a mixer declares (:data:`qkv.spec.mixers.CACHE_KINDS`).
+_SPECS: dict[str, type[LayerSpec]] = {"full": FullSpec, "sliding": SlidingWindowSpec, "latent": LatentSpec,
+                                      "indexed_latent": IndexedLatentSpec, "recurrent": RecurrentSpec}
+
+
+def spec_of(shape: CacheShape) -> LayerSpec:
+    """The :mod:`qkv.cache` layer spec of a mixer's :class:`qkv.spec.mixers.CacheShape`.
+
+    Example:
+        >>> spec_of(CacheShape("sliding", (8, 2, 16))).max_tokens
+        8
+    """
+    if not isinstance(shape, CacheShape) or shape.kind not in _SPECS:
+        raise ValueError(f"spec_of: expected a qkv.spec.mixers.CacheShape of kind {', '.join(_SPECS)}, got {shape!r}")
+    return _SPECS[shape.kind](*shape.args)
 
 
 def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> list[LayerSpec]:
     """One layer spec per layer of ``description`` (what :meth:`qkv.nn.DecoderLM.cache_specs` returns for its
-    config); ``TypeError`` for anything else."""
+    config: each layer's mixer declares its cache, :mod:`qkv.spec.mixers`); ``TypeError`` for anything else."""
     if isinstance(description, DecoderConfig):
         c = description
-        if c.latent is not None and c.indexer is not None:
-            spec = IndexedLatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim, c.indexer.index_head_dim)
-            return [spec] * c.num_hidden_layers
-        if c.latent is not None:
-            attn: list[LayerSpec] = [LatentSpec(c.latent.kv_lora_rank, c.latent.qk_rope_head_dim)] * c.num_hidden_layers
-        else:
-            attn = [SlidingWindowSpec(w, c.num_key_value_heads, c.head_dim) if (w := c.window_for(i)) else
-                    FullSpec(c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
-        if c.linear_attention is None:
-            return attn
-        rec = RecurrentSpec(*c.linear_attention.recurrent_shape())
-        return [rec if t == LINEAR_ATTENTION else spec for t, spec in zip(c.layer_types, attn)]
+        return [spec_of(mixer_of(c, i).cache(c, i)) for i in range(c.num_hidden_layers)]
     if isinstance(description, (ModelPreset, LayerLayout)):
         d = description
         if d.kv_lora_rank and d.index_head_dim:

@@ -41,22 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..costs.memory import element_bytes  # the one count (a torch dtype or a name); scales are the quantizer's
+
 __all__ = ["LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
            "RecurrentSpec",
            "element_bytes"]
 
-_NAMED_BYTES = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
-                "fp8": 1.0, "int8": 1.0, "int4": 0.5, "int2": 0.25, "fp64": 8.0, "float64": 8.0}
-
-
-def element_bytes(dtype: torch.dtype | str) -> float:
-    """Bytes per stored element: a torch dtype, or a name such as ``"bf16"``, ``"int4"``, ``"int2"``
-    (sub-byte integers pack 2 or 4 per byte; scales and zero-points are counted by the quantizer)."""
-    if isinstance(dtype, torch.dtype):
-        return float(torch.empty((), dtype=dtype).element_size())
-    if isinstance(dtype, str) and dtype.lower() in _NAMED_BYTES:
-        return _NAMED_BYTES[dtype.lower()]
-    raise ValueError(f"dtype: expected a torch.dtype or one of {sorted(_NAMED_BYTES)}, got {dtype!r}")
 
 
 def _whole(x: float) -> int | float:

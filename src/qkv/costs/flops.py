@@ -55,7 +55,7 @@ def _sum_clipped(lo: int, hi: int, cap: int) -> int:
     return rising + cap * (hi - max(mid, lo - 1))
 
 
-def _pairs_x2(q_len: int, kv_len: int, causal: bool, window: int | None) -> int:
+def attended_pairs_x2(q_len: int, kv_len: int, causal: bool, window: int | None) -> int:
     """Twice the (query, key) pairs computed, so the causal half of an odd square stays an int."""
     for arg, value in (("q_len", q_len), ("kv_len", kv_len), ("window", window)):
         if (value is not None or arg != "window") and (not isinstance(value, int) or value <= 0):
@@ -89,7 +89,7 @@ def attention_flops(
         >>> attention_flops(1, 1, 4, 4, 8, causal=True), attention_flops(1, 1, 4, 4, 8, window=2)
         (256, 224)
     """
-    pairs_x2 = _pairs_x2(q_len, kv_len, causal, window)
+    pairs_x2 = attended_pairs_x2(q_len, kv_len, causal, window)
     return batch * num_heads * pairs_x2 * (head_dim + (v_head_dim or head_dim))
 
 
@@ -106,7 +106,7 @@ def mla_absorbed_flops(
         >>> mla_absorbed_flops(1, 128, 1, 1000, kv_lora_rank=512, qk_rope_head_dim=64)
         278528000
     """
-    pairs_x2 = _pairs_x2(q_len, kv_len, causal, window)
+    pairs_x2 = attended_pairs_x2(q_len, kv_len, causal, window)
     return batch * num_heads * pairs_x2 * (2 * kv_lora_rank + qk_rope_head_dim)
 
 

@@ -37,11 +37,14 @@ DEVICE_GB = (24, 80, 141)
 _GROUP_SCALE_BYTES = 4  # fp16 scale + fp16 zero-point per group
 
 
-def element_bytes(dtype: str = "bf16", *, group_size: int | None = None) -> float:
-    """Bytes stored per cache element, group scales and zero-points included when asked.
+def element_bytes(dtype: Any = "bf16", *, group_size: int | None = None) -> float:
+    """Bytes stored per cache element, group scales and zero-points included when asked: the one count of qkv
+    (:mod:`qkv.cache` uses it too).
 
     Args:
-        dtype: storage dtype name (see :func:`qkv.costs.parse_dtype`).
+        dtype: storage dtype name (see :func:`qkv.costs.parse_dtype`) or a ``torch.dtype`` (read by its name, so
+            this module needs no torch); float64 too (8 bytes: the float64 reference caches of :mod:`qkv.cache`),
+            which the cost tables do not offer.
         group_size: elements sharing one fp16 scale and one fp16 zero-point, integer dtypes only;
             adds ``4 / group_size`` bytes per element. ``None`` counts the payload only.
 
@@ -49,10 +52,11 @@ def element_bytes(dtype: str = "bf16", *, group_size: int | None = None) -> floa
         >>> element_bytes("int4"), element_bytes("int4", group_size=32)
         (0.5, 0.625)
     """
-    size = parse_dtype(dtype)
+    wide = str(dtype).strip().lower().removeprefix("torch.") in ("fp64", "float64", "double")
+    size = 8.0 if wide else parse_dtype(dtype)
     if group_size is None:
         return size
-    if not _dtype_key(dtype).startswith("int"):
+    if wide or not _dtype_key(dtype).startswith("int"):
         raise ValueError(f"group_size applies to int8/int4/int2 caches, not {dtype!r}; drop it")
     if not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..spec.mixers import mixer_of
 from ..spec.presets import ModelPreset
-from .flops import attention_flops, recurrent_flops
-from .params import attention_weights, layer_ffn_params, recurrent_weights, require_whole_model, resolve_preset
+from .flops import attended_pairs_x2
+from .params import decoder_side, layer_ffn_params, require_whole_model, resolve_preset
 
 __all__ = [
     "FlopBreakdown",
@@ -89,12 +90,10 @@ def _positive(what: str, **values: int) -> None:
 
 
 def _matmul_weights(preset: ModelPreset) -> tuple[int, int]:
-    """Weights a token multiplies by, all layers: (attention projections, feed-forward actually used)."""
-    p = preset
+    """Weights a token multiplies by, all layers: (every layer's mixer projections, feed-forward actually used)."""
+    p, c = preset, decoder_side(preset)
     ffn = sum(layer_ffn_params(p, i, bias=False)[1] for i in range(p.num_hidden_layers))
-    rec = p.layer_types.count("linear_attention")
-    mixers = (p.num_hidden_layers - rec) * attention_weights(p) + (rec * recurrent_weights(p) if rec else 0)
-    return mixers, ffn
+    return sum(mixer_of(c, i).weights(c) for i in range(c.num_hidden_layers)), ffn
 
 
 def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *, batch: int = 1,
@@ -120,15 +119,12 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
         raise ValueError(f"forward_flops: kv_len ({kv_len}) must be >= q_len ({q_len}): the new tokens are keys too")
     if logits not in ("all", "last"):
         raise ValueError(f"forward_flops: logits must be 'all' or 'last', got {logits!r}")
-    p = preset
+    p, c = preset, decoder_side(preset)
     attn = 0
-    for kind, n in p.layer_counts.items():
-        if kind == "recurrent":
-            attn += n * recurrent_flops(p, q_len, batch=batch)
-            continue
-        window = p.sliding_window if kind == "local" else None
-        attn += n * attention_flops(batch, p.num_attention_heads, q_len, kv_len, p.head_dim,
-                                    v_head_dim=p.value_head_dim, causal=True, window=window)
+    for i in range(c.num_hidden_layers):  # each layer's mixer: per attended (query, key) pair and per new token
+        kind = mixer_of(c, i)
+        pairs_x2 = attended_pairs_x2(q_len, kv_len, True, kind.window(c, i))
+        attn += batch * (pairs_x2 * kind.pair_flops(c) // 2 + q_len * kind.token_flops(c))
     proj, ffn = _matmul_weights(p)
     tokens = batch * q_len
     head_rows = tokens if logits == "all" else batch

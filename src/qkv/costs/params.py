@@ -37,11 +37,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ..spec.config import DecoderConfig
+from ..spec.config import DecoderConfig, decoder_config_from_preset
+from ..spec.mixers import get_mixer, mixer_of
 from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
 __all__ = [
@@ -79,67 +81,68 @@ def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[s
                     f"qkv.spec.DecoderConfig, got {type(preset_or_config).__name__}")
 
 
+def decoder_side(preset: ModelPreset) -> DecoderConfig:
+    """The one description of ``preset``'s decoder stack, whose mixers :mod:`qkv.spec.mixers` counts (a whole-model
+    preset; an encoder-decoder's decoder side)."""
+    return decoder_config_from_preset(dataclasses.replace(preset, encoder_layers=0) if preset.encoder_layers
+                                      else preset)
+
+
+def _attention_layer(c: DecoderConfig) -> int:
+    """The first layer of ``c`` that attends (its attention kind is every attending layer's)."""
+    return next((i for i in range(c.num_hidden_layers) if not mixer_of(c, i).recurrent), 0)
+
+
+def _cross(c: DecoderConfig) -> DecoderConfig:
+    """The plain attention block of an encoder or a cross-attention: ``c``'s heads, no output gate, no sinks."""
+    if c.latent is not None:
+        raise ValueError(f"{c.name}: an encoder or cross-attention block of a latent-attention (MLA) model is not "
+                         "counted; count such a model from its built parameters")
+    return c.replace(attn_output_gate=False, attention_sinks=False, layer_types=None, sliding_window=None,
+                     linear_attention=None)
+
+
 def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
     """Weights of one attention block's projection matrices (no biases, no norms): what a token multiplies
-    by. ``cross``: a plain MHA/GQA block (an encoder's or a cross-attention block), never MLA."""
-    p, d = preset, preset.hidden_size
-    Hq, Hkv, Dqk, Dv = p.num_attention_heads, p.num_key_value_heads, p.head_dim, p.value_head_dim
-    if p.kv_lora_rank is not None and not cross:
-        q = d * Hq * Dqk if p.q_lora_rank is None else p.q_lora_rank * (d + Hq * Dqk)
-        nope = p.qk_nope_head_dim or Dqk - p.qk_rope_head_dim
-        kv = d * (p.kv_lora_rank + p.qk_rope_head_dim) + p.kv_lora_rank * Hq * (nope + Dv)
-        indexer = 0
-        if p.index_topk is not None:  # DSA: wq_b, wk, weights_proj
-            Hi, Di = p.index_n_heads, p.index_head_dim
-            indexer = (p.q_lora_rank or 0) * Hi * Di + d * Di + d * Hi
-        return q + kv + Hq * Dv * d + indexer
-    gate = d * Hq * Dqk if p.attn_output_gate and not cross else 0
-    return d * Hq * Dqk + d * Hkv * (Dqk + Dv) + Hq * Dv * d + gate
+    by (the mixer registry's count, :mod:`qkv.spec.mixers`). ``cross``: a plain MHA/GQA block (an encoder's or a
+    cross-attention block), never MLA."""
+    c = decoder_side(preset)
+    if cross:
+        return get_mixer("attention").weights(_cross(c))
+    return mixer_of(c, _attention_layer(c)).weights(c)
 
 
 def recurrent_weights(preset: ModelPreset) -> int:
     """Projection weights of one recurrent (Gated DeltaNet, KDA) layer: what a token multiplies by."""
-    lin, d = preset.linear_attention, preset.hidden_size
-    Hk, H = lin.linear_num_key_heads, lin.linear_num_value_heads
-    Dk, Dv = lin.linear_key_head_dim, lin.linear_value_head_dim
-    if lin.mixer == "kda":  # H == Hk heads, D == Dk == Dv
-        return 3 * d * H * Dv + 2 * (d * Dv + Dv * H * Dv) + d * H + H * Dv * d
-    return d * (2 * Hk * Dk + 2 * H * Dv + 2 * H) + H * Dv * d
+    c = decoder_side(preset)
+    return get_mixer(_recurrent_kind(c)).weights(c)
 
 
 def layer_recurrent_params(preset: ModelPreset) -> int:
     """Parameters of one recurrent (Gated DeltaNet, KDA) layer: :func:`recurrent_weights`, the convolution, the
     decay parameters and the gated norm."""
-    lin = preset.linear_attention
-    conv, K, H, _, Dv = lin.recurrent_shape()
-    decay = H * Dv + H if lin.mixer == "kda" else 2 * H  # dt_bias per channel (KDA) or per head, A_log per head
-    return recurrent_weights(preset) + conv * K + decay + Dv
+    c = decoder_side(preset)
+    return get_mixer(_recurrent_kind(c)).params(c)
+
+
+def _recurrent_kind(c: DecoderConfig) -> str:
+    if c.linear_attention is None:
+        raise ValueError(f"{c.name}: has no recurrent (linear_attention) layers")
+    return c.linear_attention.mixer
 
 
 def _mixer_params(preset: ModelPreset) -> int:
-    """Every layer's token mixer: attention blocks and recurrent layers."""
-    rec = preset.layer_types.count("linear_attention")
-    return ((preset.num_hidden_layers - rec) * layer_attention_params(preset)
-            + (rec * layer_recurrent_params(preset) if rec else 0))
+    """Every layer's token mixer: attention blocks and recurrent layers, each as its kind counts itself."""
+    c = decoder_side(preset)
+    return sum(mixer_of(c, i).params(c) for i in range(c.num_hidden_layers))
 
 
 def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
     """Parameters of one attention block: :func:`attention_weights` plus biases and norms."""
-    p, d = preset, preset.hidden_size
-    n = attention_weights(p, cross=cross)
-    if p.kv_lora_rank is not None and not cross:
-        n += 2 * p.index_head_dim if p.index_topk is not None else 0  # the indexer key's LayerNorm
-        return n + (p.q_lora_rank or 0) + p.kv_lora_rank + (d if p.attention_bias else 0)  # latent norms
-    Hq, Hkv, Dqk, Dv = p.num_attention_heads, p.num_key_value_heads, p.head_dim, p.value_head_dim
-    if p.attention_bias or p.qkv_bias:
-        n += (2 if p.attn_output_gate and not cross else 1) * Hq * Dqk + Hkv * (Dqk + Dv)
-    if p.attention_bias:
-        n += d
-    if p.qk_norm:
-        n += (Hq + Hkv) * Dqk if p.qk_norm_scope == "projection" else 2 * Dqk
-    if p.attention_sinks:
-        n += Hq
-    return n
+    c = decoder_side(preset)
+    if cross:
+        return get_mixer("attention").params(_cross(c))
+    return mixer_of(c, _attention_layer(c)).params(c)
 
 
 def _mlp(preset: ModelPreset, width: int, *, bias: bool) -> int:

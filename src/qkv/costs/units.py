@@ -23,6 +23,7 @@ _DTYPE_ALIASES = {
     "float32": "fp32", "f32": "fp32", "float": "fp32",
     "float16": "fp16", "f16": "fp16", "half": "fp16",
     "bfloat16": "bf16",
+    "uint8": "int8",
     "float8": "fp8", "e4m3": "fp8", "e5m2": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
 }
 

@@ -116,7 +116,6 @@ class Exchange:
                     f"on rank {self.rank} of {self.world}: a peer died, stalled or did not make the same call "
                     f"({str(e).splitlines()[0][:200]})") from e
 
-    # agreement before data moves
     def agree(self, fields: dict[str, tuple[int, ...]], device=None) -> None:
         """All-gather a small integer description of this rank's call and raise ``ValueError`` naming the
         first rank whose description differs (every rank raises the same error). ``device``: where the
@@ -144,7 +143,6 @@ class Exchange:
                         "dtypes (shard the sequence evenly; pad it to a multiple the scheme needs)")
                 at += n
 
-    # point to point
     def start_shift(self, tensors: list[torch.Tensor], step: str) -> _Pending:
         """Send each tensor to the next rank and receive the previous rank's (one ring step), asynchronously."""
         nxt, prv = self._global((self.rank + 1) % self.world), self._global((self.rank - 1) % self.world)
@@ -157,7 +155,6 @@ class Exchange:
         self._record("sendrecv", step, sum(_nbytes(s) for s in sent))
         return _Pending(self, dist.batch_isend_irecv(ops), received, f"ring shift {step}")
 
-    # collectives
     def all_gather(self, t: torch.Tensor, step: str, *, phase: str | None = None) -> list[torch.Tensor]:
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.world)]

@@ -121,7 +121,6 @@ _REGISTERED: set[str] = set()  # the names register() gave transformers
 _recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("qkv_hf_recording", default=None)
 
 
-# reading HF's mask functions
 class _Unknown(Exception):
     """A part of HF's mask composition that qkv does not read analytically."""
 
@@ -302,7 +301,6 @@ def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offse
                       g.device)
 
 
-# the attention call
 def _as_mask(attention_mask, module, is_causal, nq: int) -> tuple[Mask | None, object, str]:
     """(mask, additive bias or None, where the mask came from)."""
     if isinstance(attention_mask, HFMask):

@@ -23,11 +23,14 @@ from .kda import KimiDeltaAttention
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
 from .mamba2 import Mamba2Mixer
+from .mixer import DecoderMixer
+from .mixers import MIXER_MODULES, build_mixer, register_mixer_module
 from .moe import MoE, MoEConfig
 from .norm import RMSNorm, make_norm, rms_norm
 from .packed import packed_documents
 from .performer import PerformerAttention
 from .protocol import AttentionModule, attention_modules
+from .self_attention import SelfAttention
 from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
 __all__ = [
@@ -40,4 +43,5 @@ __all__ = [
     "IndexerOutput", "LinearAttention", "PerformerAttention",
     "AttentionModule", "attention_modules", "packed_documents", "cached_attention", "AttentionHeads",
     "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
+    "DecoderMixer", "MIXER_MODULES", "SelfAttention", "build_mixer", "register_mixer_module",
 ]

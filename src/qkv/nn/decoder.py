@@ -9,7 +9,7 @@ switches. Each layer is two pre-norm residual branches::
     x = x + attn_out_norm(attn(attn_norm(x)))     # attn_out_norm, ffn_out_norm: Gemma 2/3 only
     x = x + ffn_out_norm(ffn(ffn_norm(x)))
 
-- attention (:class:`SelfAttention`): grouped-query attention (Ainslie et al. 2023) with one fused QKV
+- attention (:class:`qkv.nn.SelfAttention`): grouped-query attention (Ainslie et al. 2023) with one fused QKV
   projection, RoPE (Su et al. 2021) per layer type, learned absolute positions (GPT-2) or ALiBi (Press et al.
   2022, BLOOM), optional QKV bias, per-head QK RMSNorm (Gemma 3), a score scale, tanh score soft-capping
   (Gemma 2) and a sliding window on local layers; or Multi-head Latent Attention (DeepSeek-V2) through
@@ -25,6 +25,10 @@ switches. Each layer is two pre-norm residual branches::
   or :class:`qkv.nn.MoE` (DeepSeekMoE) on the layers the config selects.
 - :class:`qkv.nn.RMSNorm` (Gemma's ``1 + w`` variant included) or LayerNorm; embeddings optionally scaled by
   ``sqrt(d)`` (Gemma); final logits optionally soft-capped (Gemma 2); LM head tied to the embedding or not.
+
+Each layer's mixer is the kind :func:`qkv.spec.mixers.mixer_of` names (attention, MLA, DSA, Gated DeltaNet, KDA),
+built by :func:`qkv.nn.mixers.build_mixer` and called one way, ``mixer.mix(x, step, keep)``
+(:class:`qkv.nn.mixer.DecoderMixer`); nothing here chooses by kind.
 
 Reading HF checkpoints into it is :mod:`qkv.models`' business (``qkv.models.hf`` and one family file each).
 
@@ -63,25 +67,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import masks, mods
-from .._attention import attention
+from .. import masks
 from ..cache.describe import cache_specs_of
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
-from ..pos.alibi import ALiBiBias
 from ..pos.ids import batch_positions, positions_from_padding
 from ..pos.learned import LearnedPositionalEmbedding
-from ..pos.rope import RotaryEmbedding, RotaryKernel, apply_rotary
+from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..spec.config import DecoderConfig
 from ..spec.layer_types import LINEAR_ATTENTION
-from .cached import attention_mask, cached_attention, refuse_scoring_cache
-from .dsa import SparseLatentAttention
+from ..spec.mixers import mixer_of
+from .cached import attention_mask, refuse_scoring_cache
 from .ffn import FeedForward, GatedMLP
-from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
-from .kda import KimiDeltaAttention
-from .latent import LatentAttention
+from .mixer import DecoderMixer
+from .mixers import build_mixer
 from .moe import MoE
 from .norm import RMSNorm
+from .self_attention import SelfAttention
 
 
 class TokenScreen(Protocol):
@@ -123,7 +125,7 @@ def positions_from_attention_mask(attention_mask: torch.Tensor, n_new: int) -> t
     return pos[:, pos.shape[1] - n_new:]
 
 
-class _RopeTable:
+class RopeTable:
     """cos/sin of a :class:`qkv.pos.RotaryEmbedding` kept as a table over positions ``0 .. L-1`` (grown by
     doubling, angles in float64), so a decode step costs one gather per layer instead of recomputing
     frequencies. ``dynamic`` scaling depends on the sequence length and is computed per call instead.
@@ -186,7 +188,7 @@ class _ForwardContext:
             self._real = ((pos >= 0).unsqueeze(-1).to(self.dtype) if pad else None,)
         return self._real[0]
 
-    def cos_sin(self, table: _RopeTable, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, table: RopeTable, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = id(table)
         if key not in self._cos_sin:
             pos = self.positions if self.positions is not None else torch.arange(self.n, device=device)
@@ -199,97 +201,6 @@ class _ForwardContext:
         if window not in self._masks:
             self._masks[window] = attention_mask(self.positions, self.positions, causal=True, window=window)
         return self._masks[window]
-
-
-class SelfAttention(nn.Module):
-    """Causal grouped-query self attention of :class:`DecoderLM`: one fused QKV projection, positions by RoPE
-    (a table of the model's), ALiBi or none (learned positions are added to the embeddings), the cache protocol.
-
-    ``qkv_proj`` (d -> (Hq + 2 Hkv) D) stacks HF's ``q_proj``, ``k_proj``, ``v_proj`` rows in that order, so
-    queries and keys are adjacent heads of one tensor and rotate in one call. Attention runs through
-    ``self.attention_fn`` (signature of :func:`qkv.attention`; default it), which receives rotated queries
-    and keys, the mask and the score modifiers in absolute positions, and the scale. ``scale`` may be set
-    per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``). The cache update, rotation,
-    mask, head gate and observation around it are :func:`qkv.nn.cached_attention`'s, given this layer's fused
-    rotation and the step's shared mask.
-    """
-
-    def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.layer_idx, self.window, self.rope = layer_idx, c.window_for(layer_idx), rope
-        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        self.output_gate = c.attn_output_gate  # then qkv_proj also gives the gate's Hq * D channels, last
-        self.qkv_proj = nn.Linear(c.hidden_size, (Hq * c.attn_output_gate + Hq + 2 * Hkv) * D, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
-        self.qk_norm_projection = c.qk_norm and c.qk_norm_scope == "projection"  # OLMo 2/3: over all heads
-        q_dim, k_dim = (Hq * D, Hkv * D) if self.qk_norm_projection else (D, D)
-        self.q_norm = RMSNorm(q_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
-        self.sinks = nn.Parameter(torch.zeros(Hq)) if c.attention_sinks else None  # (Hq,) GPT-OSS sink logits
-        self.alibi = ALiBiBias(Hq) if c.position == "alibi" else None
-        self.scale = c.attention_scale
-        self.score_mod = mods.softcap(c.attn_logit_softcapping) if c.attn_logit_softcapping else None
-        self.backend = c.backend
-        plain = self.score_mod is None and self.alibi is None
-        self.decode_backend = c.decode_backend if c.backend == "auto" and c.decode_backend and plain else c.backend
-        self.attention_fn = attention
-        self.rotary_kernel: RotaryKernel | None = None  # qkv.cpu.optimize puts its compiled rotation here
-        self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
-
-    def _rotate_qk(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None, cos, sin):
-        """Rotate queries and keys; in one call when they are still adjacent heads of ``qk``."""
-        interleaved, fast = self.rope.emb.interleaved, self.rotary_kernel
-        if qk is not None:
-            both = apply_rotary(qk, cos, sin, interleaved=interleaved, kernel=fast)
-            return both.split((self.n_heads, self.n_kv_heads), dim=1)
-        return (apply_rotary(q, cos, sin, interleaved=interleaved, kernel=fast),
-                apply_rotary(k, cos, sin, interleaved=interleaved, kernel=fast))
-
-    def forward(self, x: torch.Tensor, step: _ForwardContext, keep: int = 0) -> torch.Tensor:
-        """(B, N, d) -> (B, N, d); with ``0 < keep < N`` the outputs of the last ``keep`` columns only, (B, keep, d)
-        (every column's keys and values are still cached)."""
-        B, N, _ = x.shape
-        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D), then the output gate's (B, N, Hq D)
-        gate = None
-        if self.output_gate:
-            qkv, gate = qkv.split(((Hq + 2 * Hkv) * D, Hq * D), dim=-1)
-        if self.qk_norm_projection:
-            q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
-        qkv = qkv.view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
-        qk, v = qkv.split((Hq + Hkv, Hkv), dim=1)  # (B, Hq + Hkv, N, D), (B, Hkv, N, D)
-        q, k = qk.split((Hq, Hkv), dim=1)
-        if self.q_norm is not None and not self.qk_norm_projection:
-            q, k, qk = self.q_norm(q), self.k_norm(k), None
-        rope, rotate = self.rope, None
-        if rope is not None:
-            cos, sin = step.cos_sin(rope, x.device)  # (B, N, R) or (N, R)
-
-            def rotate(q, k):
-                return self._rotate_qk(q, k, qk, cos, sin)
-        cache = step.cache
-        res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=rope,
-                               rotate=rotate, window=self.window,
-                               step_mask=step.self_mask(self.window) if cache is None else None,
-                               score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
-                               attention_fn=self.attention_fn, backend=self.backend,
-                               decode_backend=self.decode_backend, head_gate=self.head_gate,
-                               queries_to_keep=keep, owner="DecoderLM")
-        n = res.out.shape[2]
-        out = res.out.transpose(1, 2).reshape(B, n, Hq * D)
-        if gate is not None:
-            out = out * torch.sigmoid(gate[:, N - n:])
-        return self.o_proj(out)  # (B, N or keep, d)
-
-    def extra_repr(self) -> str:
-        extra = f", window={self.window}" if self.window else ""
-        extra += ", output_gate" if self.output_gate else ""
-        extra += ", alibi" if self.alibi is not None else ""
-        extra += ", sinks" if self.sinks is not None else ""
-        extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""
-        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}{extra}"
 
 
 def _norm(c: DecoderConfig, dim: int) -> nn.Module:
@@ -306,45 +217,28 @@ def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
     return FeedForward(c.hidden_size, c.intermediate_size, activation=c.hidden_act, bias=c.mlp_bias)
 
 
-def _linear_mixer(c: DecoderConfig, layer_idx: int) -> nn.Module:
-    """The recurrent mixer of a ``linear_attention`` layer (:class:`qkv.spec.linear.LinearAttentionConfig`)."""
-    lin = c.linear_attention
-    if lin.mixer == "kda":
-        return KimiDeltaAttention(c.hidden_size, num_heads=lin.linear_num_value_heads,
-                                  head_dim=lin.linear_value_head_dim, conv_kernel_size=lin.linear_conv_kernel_dim,
-                                  norm_eps=c.rms_norm_eps, layer_idx=layer_idx)
-    cls = SplitGatedDeltaNet if lin.mixer == "gated_deltanet_split" else GatedDeltaNet
-    return cls(c.hidden_size, num_k_heads=lin.linear_num_key_heads, num_v_heads=lin.linear_num_value_heads,
-               head_k_dim=lin.linear_key_head_dim, head_v_dim=lin.linear_value_head_dim,
-               conv_kernel_size=lin.linear_conv_kernel_dim, norm_eps=c.rms_norm_eps, layer_idx=layer_idx)
-
-
 class DecoderLayer(nn.Module):
-    """One layer: attention (or a recurrent mixer, ``linear_attn``) and feed-forward branches, each pre-normed (and
-    post-normed with sandwich norms)."""
+    """One layer: a token mixer and a feed-forward branch, each pre-normed (and post-normed with sandwich norms).
 
-    def __init__(self, c: DecoderConfig, layer_idx: int, rope: _RopeTable | None) -> None:
+    The mixer is the kind :func:`qkv.spec.mixers.mixer_of` names for the layer, built and called one way
+    (:class:`qkv.nn.mixer.DecoderMixer`) and held under HF's name for its kind (``self_attn`` for attention,
+    ``linear_attn`` for a recurrent mixer); :attr:`mixer` is it, whatever the name."""
+
+    def __init__(self, c: DecoderConfig, layer_idx: int, rope: RopeTable | None) -> None:
         super().__init__()
+        kind = mixer_of(c, layer_idx)
+        self.kind, self.recurrent, self._mixer_name = kind.name, kind.recurrent, kind.attribute
         self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
-        self.latent = c.latent is not None
-        self.linear_attn = None
-        if c.layer_types[layer_idx] == LINEAR_ATTENTION:
-            self.linear_attn, self.latent = _linear_mixer(c, layer_idx), False
-        elif self.latent and c.indexer is not None:  # DSA: read only the index_topk listed latents (gather backend)
-            i, dropout = c.indexer, c.latent.attention_dropout
-            self.self_attn = SparseLatentAttention(
-                c.latent, index_n_heads=i.index_n_heads, index_head_dim=i.index_head_dim, index_topk=i.index_topk,
-                rope=rope, backend="gather" if c.backend == "auto" and not dropout else c.backend, layer_idx=layer_idx)
-        elif self.latent:
-            backend = (c.decode_backend if c.backend == "auto" and c.decode_backend
-                       and not c.latent.attention_dropout else c.backend)
-            self.self_attn = LatentAttention(c.latent, rope=rope, backend=backend, layer_idx=layer_idx)
-        else:
-            self.self_attn = SelfAttention(c, layer_idx, rope)
+        setattr(self, kind.attribute, build_mixer(c, layer_idx, rope))
         self.attn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
         self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
+
+    @property
+    def mixer(self) -> DecoderMixer:
+        """This layer's token mixer (``self_attn`` or ``linear_attn``)."""
+        return getattr(self, self._mixer_name)
 
     def forward(self, x: torch.Tensor, step: _ForwardContext, keep: int = 0) -> torch.Tensor:
         """(B, N, d) -> (B, N, d); with ``0 < keep < N`` only the last ``keep`` columns go on, (B, keep, d): the
@@ -353,14 +247,9 @@ class DecoderLayer(nn.Module):
         columns (a decoder's last layer before logits of the last columns)."""
         keep = keep if 0 < keep < x.shape[1] else 0
         a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
-        if self.linear_attn is not None:
-            h = self._mix_recurrent(a, step)
-        elif self.latent:
-            h = self.self_attn(a, positions=step.positions, cache=step.cache).out
-        else:
-            h = self.self_attn(a, step, keep)
+        h = self.mixer.mix(a, step, keep)
         if keep:
-            x, h = x[:, -keep:], h[:, -keep:]  # a no-op view for the attention's output, already kept
+            x, h = x[:, -keep:], h[:, -keep:]  # a no-op view for an output already kept
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
         x = x + h
@@ -368,20 +257,6 @@ class DecoderLayer(nn.Module):
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
         return x + h
-
-    def _mix_recurrent(self, a: torch.Tensor, step: _ForwardContext) -> torch.Tensor:
-        """The recurrent mixer over this step's tokens, its state read from and written to the cache."""
-        real, cache, i = step.real_tokens(), step.cache, self.linear_attn.layer_idx
-        if real is not None:  # padding writes nothing (the state only decays from zero before a left-padded row)
-            a = a * real
-        state = None if cache is None else cache.recurrent_state(i)
-        if a.shape[1] == 1 and state is not None:
-            res = self.linear_attn.step(a, state)
-        else:
-            res = self.linear_attn(a, state=state)
-        if cache is not None:
-            cache.update_recurrent(i, res.state, tokens=a.shape[1])
-        return res.out
 
 
 def _refuse_inner_padding(real: torch.Tensor, state, layer_idx: int) -> None:
@@ -414,9 +289,7 @@ def _check_cache(cache) -> None:
 def _refuse_scoring_cache(model: DecoderLM, cache: AttentionCache) -> None:
     """Before anything is written: a layer with score modifiers cannot be ranked by q.k alone (H2O, SnapKV)."""
     for i in model._modified_scores:
-        attn = model.layers[i].self_attn
-        refuse_scoring_cache(cache, i, owner="DecoderLM",
-                             modifiers=(attn.score_mod, "ALiBi" if attn.alibi is not None else None))
+        refuse_scoring_cache(cache, i, owner="DecoderLM", modifiers=model.layers[i].mixer.score_modifiers())
 
 
 def _plain_product(head) -> bool:
@@ -463,11 +336,11 @@ class DecoderLM(nn.Module):
             raise TypeError(f"DecoderLM: config must be a qkv.nn.DecoderConfig (e.g. qkv.nn.get_config('tiny-llama')), "
                             f"got {type(config).__name__}")
         c = self.config = config
-        self.ropes: dict[str, _RopeTable] = {}
+        self.ropes: dict[str, RopeTable] = {}
         if c.position == "rope":
             rotary_dim = c.latent.qk_rope_head_dim if c.latent is not None else c.head_dim
             for kind in dict.fromkeys(t for t in c.layer_types if t != LINEAR_ATTENTION):
-                self.ropes[kind] = _RopeTable(RotaryEmbedding.from_params(c.rope_for(kind), rotary_dim,
+                self.ropes[kind] = RopeTable(RotaryEmbedding.from_params(c.rope_for(kind), rotary_dim,
                                                                          c.max_position_embeddings))
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.pos_embed = (LearnedPositionalEmbedding(c.max_position_embeddings, c.hidden_size)
@@ -479,10 +352,8 @@ class DecoderLM(nn.Module):
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
         self.head_screen: TokenScreen | None = None  # greedy tokens' int8 screen (qkv.cpu.optimize sets one)
         # layers whose scores carry modifiers (ALiBi, softcap): a cache that ranks tokens by q.k alone is refused
-        self._modified_scores = [i for i, layer in enumerate(self.layers)
-                                 if not layer.latent and layer.linear_attn is None
-                                 and (layer.self_attn.score_mod is not None or layer.self_attn.alibi is not None)]
-        self._recurrent = [i for i, layer in enumerate(self.layers) if layer.linear_attn is not None]
+        self._modified_scores = [i for i, layer in enumerate(self.layers) if layer.mixer.score_modifiers()]
+        self._recurrent = [i for i, layer in enumerate(self.layers) if layer.recurrent]
 
     def _positions(self, input_ids: torch.Tensor, attention_mask, positions, cache) -> torch.Tensor | None:
         B, N = input_ids.shape

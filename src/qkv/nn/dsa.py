@@ -44,7 +44,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,9 @@ from .latent import (
     mla_absorbed,
     mla_expanded,
 )
+
+if TYPE_CHECKING:
+    from ..spec.config import DecoderConfig
 
 __all__ = ["LightningIndexer", "IndexerOutput", "SparseLatentAttention", "sparse_path_flops"]
 
@@ -192,6 +195,15 @@ class SparseLatentAttention(LatentAttention):
             rope=RotaryEmbedding(c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
                                  max_position_embeddings=c.max_position_embeddings, interleaved=False),
             device=kw.get("device"), dtype=kw.get("dtype"))
+
+    @classmethod
+    def for_decoder(cls, config: DecoderConfig, layer_idx: int, rope=None) -> SparseLatentAttention:
+        """The DSA mixer of layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`): on the ``gather`` backend when
+        the config's is ``"auto"`` (each query reads only its ``index_topk`` latents), else on the config's."""
+        c, ix = config, config.indexer
+        backend = "gather" if c.backend == "auto" and not c.latent.attention_dropout else c.backend
+        return cls(c.latent, index_n_heads=ix.index_n_heads, index_head_dim=ix.index_head_dim,
+                   index_topk=ix.index_topk, rope=rope, backend=backend, layer_idx=layer_idx)
 
     def cache_spec(self):
         """This layer's :class:`qkv.cache.IndexedLatentSpec`: ``r + dr + index_head_dim`` per token."""

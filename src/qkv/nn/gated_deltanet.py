@@ -30,8 +30,10 @@ from torch import nn
 from qkv.cache.specs import RecurrentSpec
 from qkv.linear import LinearAttentionOutput
 from qkv.nn._recurrent import DeltaKernel, RecurrentState, check_input, check_state, delta_mix, mask_padding
+from qkv.nn.mixer import MixerStep, mix_recurrent
 from qkv.nn.norm import NormKernel
 from qkv.nn.protocol import apply_head_gate
+from qkv.spec.config import DecoderConfig
 
 __all__ = ["GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
 
@@ -197,6 +199,21 @@ class GatedDeltaNet(nn.Module):
     def cache_spec(self) -> RecurrentSpec:
         """What a :class:`qkv.cache.KVCache` keeps for this layer: the convolution's inputs and the state."""
         return RecurrentSpec(self.conv_dim, self.conv_kernel_size, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    @classmethod
+    def for_decoder(cls, config: DecoderConfig, layer_idx: int, rope=None) -> GatedDeltaNet:
+        """The mixer of ``linear_attention`` layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`)."""
+        lin = config.linear_attention
+        return cls(config.hidden_size, num_k_heads=lin.linear_num_key_heads, num_v_heads=lin.linear_num_value_heads,
+                   head_k_dim=lin.linear_key_head_dim, head_v_dim=lin.linear_value_head_dim,
+                   conv_kernel_size=lin.linear_conv_kernel_dim, norm_eps=config.rms_norm_eps, layer_idx=layer_idx)
+
+    def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+        """The decoder's call (:class:`qkv.nn.mixer.DecoderMixer`): every column goes through the cached state."""
+        return mix_recurrent(self, x, step)
+
+    def score_modifiers(self) -> tuple:
+        return ()
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_k_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +81,10 @@ from .cached import AttentionHeads, attention_mask, cache_capabilities, plain_de
 from .norm import RMSNorm
 from .protocol import apply_head_gate
 
+if TYPE_CHECKING:
+    from ..spec.config import DecoderConfig
+    from .mixer import MixerStep
+
 __all__ = ["LatentConfig", "LatentAttention", "LatentAttentionOutput", "LatentHeads", "PathChoice",
            "PATHS", "mla_expanded", "mla_absorbed", "path_flops", "crossover_queries"]
 
@@ -89,7 +93,6 @@ PATHS = ("auto", "expanded", "absorbed")
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# path choice (FLOPs)
 class PathChoice(NamedTuple):
     """Which path a forward takes and the FLOP counts behind it (forward, all ``batch`` sequences, the
     parts that differ between paths: projections common to both are left out)."""
@@ -307,7 +310,6 @@ def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
     return LatentHeads(out_BHNv, lse)
 
 
-# module
 class LatentAttentionOutput(NamedTuple):
     """``out`` (B, N, d); ``lse`` (B, H, N) float32 when ``need_lse=True`` else None; ``path`` taken."""
 
@@ -392,6 +394,23 @@ class LatentAttention(nn.Module):
     def n_kv_heads(self) -> int:
         """1: every head reads the one cached latent (:class:`qkv.nn.protocol.AttentionModule`)."""
         return 1
+
+    @classmethod
+    def for_decoder(cls, config: DecoderConfig, layer_idx: int, rope: RopeFn | None = None) -> LatentAttention:
+        """The MLA mixer of layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`): every step on the config's
+        ``decode_backend`` when its backend is ``"auto"`` (one backend per layer), else on its backend."""
+        c = config
+        backend = (c.decode_backend if c.backend == "auto" and c.decode_backend and not c.latent.attention_dropout
+                   else c.backend)
+        return cls(c.latent, rope=rope, backend=backend, layer_idx=layer_idx)
+
+    def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+        """The decoder's call (:class:`qkv.nn.mixer.DecoderMixer`): every column attends (the decoder keeps the
+        last ``keep``)."""
+        return self(x, positions=step.positions, cache=step.cache).out
+
+    def score_modifiers(self) -> tuple:
+        return ()
 
     def cache_spec(self):
         """This layer's :class:`qkv.cache.LatentSpec`: ``kv_lora_rank + qk_rope_head_dim`` per token."""

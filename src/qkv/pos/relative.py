@@ -143,7 +143,6 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
-# T5
 def t5_bucket(relative_position: torch.Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
               max_distance: int = 128) -> torch.Tensor:
     """T5's bucket of a relative distance ``j - p`` (memory position minus query position).
@@ -225,7 +224,6 @@ class T5RelativeBias(PositionalBias):
                 f"bidirectional={self.bidirectional}")
 
 
-# Shaw
 def shaw_index(relative_position: torch.Tensor, max_distance: int) -> torch.Tensor:
     """Row of the Shaw tables for distance ``j - p``: ``clip(j - p, -k, k) + k`` in ``[0, 2k]``."""
     return relative_position.clamp(-max_distance, max_distance) + max_distance

@@ -5,7 +5,8 @@
 - :class:`RopeParams` (RoPE as data; :meth:`qkv.pos.RotaryEmbedding.from_params` builds the tensors),
   :class:`LatentConfig` (MLA), :class:`IndexerConfig` (DeepSeek Sparse Attention's indexer), :class:`MoEConfig`
   (DeepSeekMoE), :class:`LinearAttentionConfig` (the recurrent layers of hybrid models);
-- the layer types (:data:`FULL_ATTENTION`, :data:`SLIDING_ATTENTION`, :data:`LINEAR_ATTENTION`);
+- the layer types (:data:`FULL_ATTENTION`, :data:`SLIDING_ATTENTION`, :data:`LINEAR_ATTENTION`), and the mixer
+  registry (:mod:`qkv.spec.mixers`: each kind of layer's cache, parameter and FLOP counts; :func:`mixer_of`);
 - the one reader of an HF config (:mod:`qkv.spec.hf_config`: :func:`read_layout`, :func:`read_rope`,
   :func:`read_latent`, :func:`read_moe`, :func:`load_hf_config`), used by :mod:`qkv.models`,
   :func:`qkv.cache.plan_memory` and :mod:`qkv.costs` alike;
@@ -39,6 +40,7 @@ from .hf_config import (
 from .latent import LatentConfig
 from .layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
+from .mixers import MIXERS, CacheShape, MixerKind, get_mixer, mixer_of, register_mixer
 from .moe import MoEConfig
 from .presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
 from .rope import ROPE_TYPES, RopeParams
@@ -49,4 +51,5 @@ __all__ = [
     "LinearAttentionConfig", "LayerLayout", "ModelPreset", "MoEConfig", "RopeParams", "TransformerConfig",
     "declared_dtype", "description_dtype", "get_config", "get_preset", "load_hf_config", "preset_from_hf_config",
     "read_indexer", "read_latent", "read_layout", "read_moe", "read_rope",
+    "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mixer_of", "register_mixer",
 ]

@@ -197,7 +197,6 @@ class TransformerConfig:
             if not self.rope_theta > 0:
                 raise ValueError(f"TransformerConfig: rope_theta must be > 0, got {self.rope_theta}")
 
-    # HF-named views
     @property
     def hidden_size(self) -> int:
         return self.d_model

@@ -27,10 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .mixers import recurrent_mixers
+
 __all__ = ["LinearAttentionConfig", "LINEAR_MIXERS"]
 
-#: The recurrent mixers a ``linear_attention`` layer may hold.
-LINEAR_MIXERS = ("gated_deltanet", "gated_deltanet_split", "kda")
+#: The recurrent mixers a ``linear_attention`` layer may hold (those of :mod:`qkv.spec.mixers` at import; a kind
+#: registered later is accepted too).
+LINEAR_MIXERS = recurrent_mixers()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +42,7 @@ class LinearAttentionConfig:
     ``linear_num_heads`` is both head counts, its ``linear_head_dim`` both widths).
 
     Args:
-        mixer: one of :data:`LINEAR_MIXERS`.
+        mixer: a recurrent kind of :data:`qkv.spec.mixers.MIXERS` (:data:`LINEAR_MIXERS`).
         linear_num_key_heads: query/key heads ``Hk``.
         linear_num_value_heads: value heads ``H``, a multiple of ``Hk`` (each key head serves ``H / Hk``).
         linear_key_head_dim, linear_value_head_dim: ``Dk`` and ``Dv``.
@@ -54,8 +57,9 @@ class LinearAttentionConfig:
     mixer: str = "gated_deltanet"
 
     def __post_init__(self) -> None:
-        if self.mixer not in LINEAR_MIXERS:
-            raise ValueError(f"LinearAttentionConfig: mixer must be one of {LINEAR_MIXERS}, got {self.mixer!r}")
+        if self.mixer not in recurrent_mixers():
+            raise ValueError(f"LinearAttentionConfig: mixer must be one of the recurrent kinds of qkv.spec.mixers, "
+                             f"{recurrent_mixers()}, got {self.mixer!r}")
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_conv_kernel_dim"):
             v = getattr(self, name)

@@ -132,7 +132,6 @@ def _modify(s, b, h, offs_m, offs_n, Nq, Nk, SLOPES, s_slope, BIAS, sb_b, sb_h, 
     return s, t
 
 
-# forward
 @triton.jit(do_not_specialize=["seed", "threshold", "Nq", "Nk"])
 def attn_fwd(Q, K, V, O, LSE,
              sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
@@ -202,7 +201,6 @@ def attn_fwd(Q, K, V, O, LSE,
     tl.store(LSE + pid_bh.to(tl.int64) * Nq + offs_m, lse, mask=offs_m < Nq)
 
 
-# backward
 @triton.jit
 def _tile_grads(q, k, v, do, lse, delta, b, h, Hq, offs_m, offs_n, kind, kt, Nq, Nk, scale,
                 band_lo, band_hi, KVLEN, s_kvlen, QID, s_qid, KID, s_kid, PREFIX, s_prefix, TILES, s_tile, s_tile_h,

@@ -62,7 +62,6 @@ class ModPlan:
     cap: float | None = None
 
 
-# score modifiers
 def lower_mods(mod: ScoreMod | None) -> ModPlan | str:
     """The modifiers' kernel form, or the reason they have none."""
     plan = ModPlan()
@@ -100,7 +99,6 @@ def bias_tensor(plan: ModPlan, B: int, Hq: int, nq: int, nk: int, device) -> tor
     return m.dense_bias(1, Hq, nq, nk, dtype=torch.float32, device=device)
 
 
-# masks
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -1,0 +1,133 @@
+"""Causal grouped-query self attention, the softmax mixer of :class:`qkv.nn.DecoderLM`'s attention layers:
+grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245) with one fused QKV projection, RoPE (Su et al.
+2021, arXiv:2104.09864) per layer type, ALiBi (Press et al. 2022, arXiv:2108.12409) or no positions, optional QKV
+bias, QK RMSNorm per head (Gemma 3) or over the projections (OLMo 2/3), a score scale, tanh score soft-capping
+(Gemma 2), attention sinks (GPT-OSS), an output gate (Qwen3-Next) and a sliding window on local layers.
+
+Shape legend: B batch, N new tokens, d hidden size, Hq query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .. import mods
+from .._attention import attention
+from ..pos.alibi import ALiBiBias
+from ..pos.rope import RotaryKernel, apply_rotary
+from ..spec.config import DecoderConfig
+from .cached import cached_attention
+from .norm import RMSNorm
+
+if TYPE_CHECKING:
+    from .decoder import RopeTable
+    from .mixer import MixerStep
+
+__all__ = ["SelfAttention"]
+
+
+class SelfAttention(nn.Module):
+    """Causal grouped-query self attention of :class:`DecoderLM`: one fused QKV projection, positions by RoPE
+    (a table of the model's), ALiBi or none (learned positions are added to the embeddings), the cache protocol.
+
+    ``qkv_proj`` (d -> (Hq + 2 Hkv) D) stacks HF's ``q_proj``, ``k_proj``, ``v_proj`` rows in that order, so
+    queries and keys are adjacent heads of one tensor and rotate in one call. Attention runs through
+    ``self.attention_fn`` (signature of :func:`qkv.attention`; default it), which receives rotated queries
+    and keys, the mask and the score modifiers in absolute positions, and the scale. ``scale`` may be set
+    per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``). The cache update, rotation,
+    mask, head gate and observation around it are :func:`qkv.nn.cached_attention`'s, given this layer's fused
+    rotation and the step's shared mask.
+    """
+
+    def __init__(self, c: DecoderConfig, layer_idx: int, rope: RopeTable | None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.layer_idx, self.window, self.rope = layer_idx, c.window_for(layer_idx), rope
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        self.output_gate = c.attn_output_gate  # then qkv_proj also gives the gate's Hq * D channels, last
+        self.qkv_proj = nn.Linear(c.hidden_size, (Hq * c.attn_output_gate + Hq + 2 * Hkv) * D, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
+        self.qk_norm_projection = c.qk_norm and c.qk_norm_scope == "projection"  # OLMo 2/3: over all heads
+        q_dim, k_dim = (Hq * D, Hkv * D) if self.qk_norm_projection else (D, D)
+        self.q_norm = RMSNorm(q_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(Hq)) if c.attention_sinks else None  # (Hq,) GPT-OSS sink logits
+        self.alibi = ALiBiBias(Hq) if c.position == "alibi" else None
+        self.scale = c.attention_scale
+        self.score_mod = mods.softcap(c.attn_logit_softcapping) if c.attn_logit_softcapping else None
+        self.backend = c.backend
+        plain = self.score_mod is None and self.alibi is None
+        self.decode_backend = c.decode_backend if c.backend == "auto" and c.decode_backend and plain else c.backend
+        self.attention_fn = attention
+        self.rotary_kernel: RotaryKernel | None = None  # qkv.cpu.optimize puts its compiled rotation here
+        self.head_gate: torch.Tensor | None = None  # (Hq,) multiplier of each head's output; None: 1
+
+    def _rotate_qk(self, q: torch.Tensor, k: torch.Tensor, qk: torch.Tensor | None, cos, sin):
+        """Rotate queries and keys; in one call when they are still adjacent heads of ``qk``."""
+        interleaved, fast = self.rope.emb.interleaved, self.rotary_kernel
+        if qk is not None:
+            both = apply_rotary(qk, cos, sin, interleaved=interleaved, kernel=fast)
+            return both.split((self.n_heads, self.n_kv_heads), dim=1)
+        return (apply_rotary(q, cos, sin, interleaved=interleaved, kernel=fast),
+                apply_rotary(k, cos, sin, interleaved=interleaved, kernel=fast))
+
+    @classmethod
+    def for_decoder(cls, config: DecoderConfig, layer_idx: int, rope: RopeTable | None = None) -> SelfAttention:
+        """The attention mixer of layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`)."""
+        return cls(config, layer_idx, rope)
+
+    def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+        """The decoder's call (:class:`qkv.nn.mixer.DecoderMixer`): :meth:`forward`."""
+        return self(x, step, keep)
+
+    def score_modifiers(self) -> tuple:
+        """The softcap and ALiBi this layer adds to its scores, those it has."""
+        return tuple(m for m in (self.score_mod, "ALiBi" if self.alibi is not None else None) if m is not None)
+
+    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+        """(B, N, d) -> (B, N, d); with ``0 < keep < N`` the outputs of the last ``keep`` columns only, (B, keep, d)
+        (every column's keys and values are still cached)."""
+        B, N, _ = x.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D), then the output gate's (B, N, Hq D)
+        gate = None
+        if self.output_gate:
+            qkv, gate = qkv.split(((Hq + 2 * Hkv) * D, Hq * D), dim=-1)
+        if self.qk_norm_projection:
+            q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        qkv = qkv.view(B, N, Hq + 2 * Hkv, D).transpose(1, 2)  # (B, Hq + 2 Hkv, N, D)
+        qk, v = qkv.split((Hq + Hkv, Hkv), dim=1)  # (B, Hq + Hkv, N, D), (B, Hkv, N, D)
+        q, k = qk.split((Hq, Hkv), dim=1)
+        if self.q_norm is not None and not self.qk_norm_projection:
+            q, k, qk = self.q_norm(q), self.k_norm(k), None
+        rope, rotate = self.rope, None
+        if rope is not None:
+            cos, sin = step.cos_sin(rope, x.device)  # (B, N, R) or (N, R)
+
+            def rotate(q, k):
+                return self._rotate_qk(q, k, qk, cos, sin)
+        cache = step.cache
+        res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=rope,
+                               rotate=rotate, window=self.window,
+                               step_mask=step.self_mask(self.window) if cache is None else None,
+                               score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
+                               attention_fn=self.attention_fn, backend=self.backend,
+                               decode_backend=self.decode_backend, head_gate=self.head_gate,
+                               queries_to_keep=keep, owner="DecoderLM")
+        n = res.out.shape[2]
+        out = res.out.transpose(1, 2).reshape(B, n, Hq * D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate[:, N - n:])
+        return self.o_proj(out)  # (B, N or keep, d)
+
+    def extra_repr(self) -> str:
+        extra = f", window={self.window}" if self.window else ""
+        extra += ", output_gate" if self.output_gate else ""
+        extra += ", alibi" if self.alibi is not None else ""
+        extra += ", sinks" if self.sinks is not None else ""
+        extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""
+        return f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}{extra}"

@@ -1,0 +1,277 @@
+"""The mixer registry, torch-free half: every kind of token-mixing layer a :class:`qkv.spec.DecoderConfig` can hold,
+with what the cache, the cost arithmetic and the decoder need to know of it.
+
+A decoder layer is a token mixer followed by a feed-forward. The mixer kinds (:data:`MIXERS`):
+
+- ``"attention"``: grouped-query softmax attention (Ainslie et al. 2023, arXiv:2305.13245), full or sliding;
+- ``"mla"``: Multi-head Latent Attention (DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434);
+- ``"dsa"``: MLA reading only the latents a lightning indexer picks, DeepSeek Sparse Attention (DeepSeek-AI 2025,
+  DeepSeek-V3.2-Exp);
+- ``"gated_deltanet"`` and ``"gated_deltanet_split"``: Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025,
+  arXiv:2412.06464) with Qwen3-Next's and Qwen3.5's projections;
+- ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692).
+
+Each :class:`MixerKind` declares, for one layer of a config: the module attribute the layer holds it under (HF's
+``self_attn`` or ``linear_attn``, so checkpoints map by name), its cache as a :class:`CacheShape` (which
+:func:`qkv.cache.describe.cache_specs_of` turns into a layer spec), its parameter count, the projection weights a
+token multiplies by, and its mixing FLOPs (per attended (query, key) pair and per token; DSA's are MLA's dense
+count, its top-k count is :func:`qkv.costs.dsa_model_flops`). :func:`mixer_of` is the
+one place that says which kind a layer is; the modules are :mod:`qkv.nn.mixers`' half of the registry, under the
+same names.
+
+A new kind of layer is one :class:`MixerKind` registered here (:func:`register_mixer`), its module class with a
+registry line in :mod:`qkv.nn.mixers`, and, for a recurrent kind, nothing else: its name is a value of
+:attr:`qkv.spec.LinearAttentionConfig.mixer`.
+
+Example:
+    >>> from qkv.spec import get_config
+    >>> c = get_config("tiny-llama")
+    >>> kind = mixer_of(c, 0)
+    >>> kind.name, kind.attribute, kind.cache(c, 0)
+    ('attention', 'self_attn', CacheShape(kind='full', args=(2, 16)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, NamedTuple
+
+from .layer_types import LINEAR_ATTENTION
+
+if TYPE_CHECKING:
+    from .config import DecoderConfig
+
+__all__ = ["CACHE_KINDS", "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mixer_of", "recurrent_mixers",
+           "register_mixer"]
+
+#: The :mod:`qkv.cache` layer specs a mixer's cache may be, by their ``kind`` (``"indexed_latent"``: a latent with
+#: DeepSeek Sparse Attention's indexer key beside it).
+CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent")
+
+
+class CacheShape(NamedTuple):
+    """What one layer caches, as data: a :mod:`qkv.cache` spec kind (one of :data:`CACHE_KINDS`) and that spec's
+    constructor arguments (``"full"``: Hkv, D; ``"sliding"``: window, Hkv, D; ``"latent"``: kv_lora_rank,
+    qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
+    Dk, Dv)."""
+
+    kind: str
+    args: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixerKind:
+    """One kind of token mixer. Every function takes the :class:`qkv.spec.DecoderConfig` of the model.
+
+    Args:
+        name: the registry key (for a recurrent kind, the ``mixer`` value of its ``LinearAttentionConfig``).
+        attribute: the submodule name a decoder layer holds the mixer under (``"self_attn"``, ``"linear_attn"``).
+        cache: ``(config, layer_idx) -> CacheShape`` of one layer.
+        params: ``config -> int``, the parameters of one such mixer (biases and inner norms included): what
+            ``sum(p.numel() for p in mixer.parameters())`` of the built module gives.
+        weights: ``config -> int``, the projection weights one token multiplies by (two FLOPs each).
+        pair_flops: ``config -> int``, FLOPs per attended (query, key) pair of one sequence (scores and values;
+            0 for a recurrent mixer).
+        token_flops: ``config -> int``, mixing FLOPs per new token of one sequence beyond the projections and the
+            pairs (a recurrent mixer's state update and read; 0 for attention).
+        window: ``(config, layer_idx) -> int | None``, the keys a query attends to (None: every earlier one).
+    """
+
+    name: str
+    attribute: str
+    cache: Callable[[DecoderConfig, int], CacheShape]
+    params: Callable[[DecoderConfig], int]
+    weights: Callable[[DecoderConfig], int]
+    pair_flops: Callable[[DecoderConfig], int]
+    token_flops: Callable[[DecoderConfig], int]
+    window: Callable[[DecoderConfig, int], int | None]
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the layer keeps a fixed state instead of a cache that grows with the context."""
+        return self.name in _RECURRENT
+
+
+_MIXERS: dict[str, MixerKind] = {}
+_RECURRENT: set[str] = set()
+
+#: The registered mixer kinds by name, read-only.
+MIXERS: Mapping[str, MixerKind] = MappingProxyType(_MIXERS)
+
+
+def register_mixer(kind: MixerKind, *, recurrent: bool = False) -> MixerKind:
+    """Add ``kind`` to :data:`MIXERS` (``recurrent``: it sits on ``"linear_attention"`` layers and keeps a fixed
+    state). ``ValueError`` when the name is taken; ``TypeError`` for anything but a :class:`MixerKind`."""
+    if not isinstance(kind, MixerKind):
+        raise TypeError(f"register_mixer: kind must be a qkv.spec.mixers.MixerKind, got {type(kind).__name__}")
+    if kind.name in _MIXERS:
+        raise ValueError(f"register_mixer: a mixer named {kind.name!r} is already registered; pick another name (the "
+                         f"registered ones: {', '.join(_MIXERS)})")
+    _MIXERS[kind.name] = kind
+    if recurrent:
+        _RECURRENT.add(kind.name)
+    return kind
+
+
+def get_mixer(name: str) -> MixerKind:
+    """The registered kind ``name``; ``ValueError`` naming the registered ones otherwise."""
+    if not isinstance(name, str) or name not in _MIXERS:
+        raise ValueError(f"unknown mixer kind {name!r}; registered: {', '.join(_MIXERS)} (register a new one with "
+                         "qkv.spec.mixers.register_mixer)")
+    return _MIXERS[name]
+
+
+def recurrent_mixers() -> tuple[str, ...]:
+    """Names of the registered recurrent kinds, the values ``LinearAttentionConfig.mixer`` accepts."""
+    return tuple(n for n in _MIXERS if n in _RECURRENT)
+
+
+def mixer_of(config: DecoderConfig, layer_idx: int) -> MixerKind:
+    """The kind of layer ``layer_idx``'s mixer: a ``"linear_attention"`` layer's is its ``linear_attention.mixer``;
+    otherwise ``"dsa"`` with an indexer, ``"mla"`` with a latent, else ``"attention"``.
+
+    Example:
+        >>> from qkv.spec import get_config
+        >>> [mixer_of(get_config("qwen3-next-80b-a3b", num_hidden_layers=4), i).name for i in range(4)]
+        ['gated_deltanet', 'gated_deltanet', 'gated_deltanet', 'attention']
+    """
+    n = config.num_hidden_layers
+    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < n:
+        raise ValueError(f"mixer_of: layer_idx must be an int in [0, {n}), got {layer_idx!r}")
+    if config.layer_types[layer_idx] == LINEAR_ATTENTION:
+        return get_mixer(config.linear_attention.mixer)
+    if config.latent is not None:
+        return get_mixer("dsa" if config.indexer is not None else "mla")
+    return get_mixer("attention")
+
+
+def _window(c: DecoderConfig, i: int) -> int | None:
+    return c.window_for(i)
+
+
+def _no_window(c: DecoderConfig, i: int) -> None:
+    return None
+
+
+def _zero(c: DecoderConfig) -> int:
+    return 0
+
+
+def _gqa_cache(c: DecoderConfig, i: int) -> CacheShape:
+    w = c.window_for(i)
+    if w:
+        return CacheShape("sliding", (w, c.num_key_value_heads, c.head_dim))
+    return CacheShape("full", (c.num_key_value_heads, c.head_dim))
+
+
+def _gqa_weights(c: DecoderConfig) -> int:
+    d, Hq, Hkv, D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    gate = d * Hq * D if c.attn_output_gate else 0  # Qwen3-Next: a second query-sized projection, the output gate
+    return d * Hq * D + 2 * d * Hkv * D + Hq * D * d + gate
+
+
+def _gqa_params(c: DecoderConfig) -> int:
+    d, Hq, Hkv, D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    n = _gqa_weights(c)
+    if c.qkv_bias:
+        n += (Hq * c.attn_output_gate + Hq + 2 * Hkv) * D
+    if c.o_bias:
+        n += d
+    if c.qk_norm:  # RMSNorm: a scale per channel, per head (Gemma 3, Qwen3) or over the projection (OLMo 2/3)
+        n += (Hq + Hkv) * D if c.qk_norm_scope == "projection" else 2 * D
+    if c.attention_sinks:
+        n += Hq
+    return n
+
+
+def _gqa_pair_flops(c: DecoderConfig) -> int:
+    return 2 * c.num_attention_heads * 2 * c.head_dim
+
+
+def _mla_cache(c: DecoderConfig, i: int) -> CacheShape:
+    return CacheShape("latent", (c.latent.kv_lora_rank, c.latent.qk_rope_head_dim))
+
+
+def _mla_weights(c: DecoderConfig) -> int:
+    lat, d = c.latent, c.hidden_size
+    Hq, Dqk, Dv = lat.num_attention_heads, lat.qk_head_dim, lat.v_head_dim
+    q = d * Hq * Dqk if lat.q_lora_rank is None else lat.q_lora_rank * (d + Hq * Dqk)
+    kv = d * (lat.kv_lora_rank + lat.qk_rope_head_dim) + lat.kv_lora_rank * Hq * (lat.qk_nope_head_dim + Dv)
+    return q + kv + Hq * Dv * d
+
+
+def _mla_params(c: DecoderConfig) -> int:
+    lat = c.latent
+    norms = (lat.q_lora_rank or 0) + lat.kv_lora_rank  # q_a_layernorm, kv_a_layernorm
+    bias = ((lat.q_lora_rank or 0) + lat.kv_lora_rank + lat.qk_rope_head_dim + c.hidden_size
+            if lat.attention_bias else 0)  # q_a_proj, kv_a_proj_with_mqa, o_proj
+    return _mla_weights(c) + norms + bias
+
+
+def _mla_pair_flops(c: DecoderConfig) -> int:
+    lat = c.latent
+    return 2 * lat.num_attention_heads * (lat.qk_head_dim + lat.v_head_dim)
+
+
+def _dsa_cache(c: DecoderConfig, i: int) -> CacheShape:
+    lat = c.latent
+    return CacheShape("indexed_latent", (lat.kv_lora_rank, lat.qk_rope_head_dim, c.indexer.index_head_dim))
+
+
+def _dsa_weights(c: DecoderConfig) -> int:
+    ix, d = c.indexer, c.hidden_size
+    Hi, Di = ix.index_n_heads, ix.index_head_dim
+    return _mla_weights(c) + c.latent.q_lora_rank * Hi * Di + d * Di + d * Hi  # the indexer's wq_b, wk, weights_proj
+
+
+def _dsa_params(c: DecoderConfig) -> int:
+    return _mla_params(c) + _dsa_weights(c) - _mla_weights(c) + 2 * c.indexer.index_head_dim  # its key's LayerNorm
+
+
+def _recurrent_cache(c: DecoderConfig, i: int) -> CacheShape:
+    return CacheShape("recurrent", c.linear_attention.recurrent_shape())
+
+
+def _gdn_weights(c: DecoderConfig) -> int:
+    lin, d = c.linear_attention, c.hidden_size
+    Hk, H, Dk, Dv = (lin.linear_num_key_heads, lin.linear_num_value_heads, lin.linear_key_head_dim,
+                     lin.linear_value_head_dim)
+    return d * (2 * Hk * Dk + 2 * H * Dv + 2 * H) + H * Dv * d  # q, k, v, z, b, a; the output
+
+
+def _gdn_params(c: DecoderConfig) -> int:
+    conv, K, H, _, Dv = c.linear_attention.recurrent_shape()
+    return _gdn_weights(c) + conv * K + 2 * H + Dv  # depthwise conv, A_log and dt_bias per head, the gated norm
+
+
+def _kda_weights(c: DecoderConfig) -> int:
+    lin, d = c.linear_attention, c.hidden_size
+    H, D = lin.linear_num_value_heads, lin.linear_value_head_dim
+    return 3 * d * H * D + 2 * (d * D + D * H * D) + d * H + H * D * d  # q, k, v; low-rank f and g; beta; output
+
+
+def _kda_params(c: DecoderConfig) -> int:
+    conv, K, H, _, D = c.linear_attention.recurrent_shape()
+    return _kda_weights(c) + conv * K + H * D + H + D  # conv, dt_bias per channel and A_log per head, the norm
+
+
+def _recurrent_token_flops(c: DecoderConfig) -> int:
+    lin = c.linear_attention  # the delta rule reads, corrects and writes a (Dk, Dv) state per head: 6 H Dk Dv
+    return 6 * lin.linear_num_value_heads * lin.linear_key_head_dim * lin.linear_value_head_dim
+
+
+register_mixer(MixerKind(name="attention", attribute="self_attn", cache=_gqa_cache, params=_gqa_params,
+                         weights=_gqa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
+register_mixer(MixerKind(name="mla", attribute="self_attn", cache=_mla_cache, params=_mla_params,
+                         weights=_mla_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
+register_mixer(MixerKind(name="dsa", attribute="self_attn", cache=_dsa_cache, params=_dsa_params,
+                         weights=_dsa_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
+for _name in ("gated_deltanet", "gated_deltanet_split"):
+    register_mixer(MixerKind(name=_name, attribute="linear_attn", cache=_recurrent_cache, params=_gdn_params,
+                             weights=_gdn_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,
+                             window=_no_window), recurrent=True)
+register_mixer(MixerKind(name="kda", attribute="linear_attn", cache=_recurrent_cache, params=_kda_params,
+                         weights=_kda_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,
+                         window=_no_window), recurrent=True)
