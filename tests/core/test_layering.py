@@ -16,8 +16,8 @@ SRC = Path(qkv.__file__).resolve().parent
 CORE = 1
 LAYERS: dict[str, float] = {
     "spec": 0, "costs": 0.5, "cpu": 0.5,  # the model description; arithmetic on it; CPU products (imports no qkv)
-    **dict.fromkeys(["_attention", "_request", "_merge", "_probs", "_dropout", "_layout", "_sinks", "lse", "masks",
-                     "mods", "pos", "varlen", "backends", "linear", "testing", "plain", "sparse"], CORE),
+    **dict.fromkeys(["_attention", "_request", "_paged", "_merge", "_probs", "_dropout", "_layout", "_sinks", "lse",
+                     "masks", "mods", "pos", "varlen", "backends", "linear", "testing", "plain", "sparse"], CORE),
     "cache": 2,
     "nn": 3,
     "distributed": 4, "interpret": 4,
@@ -86,3 +86,24 @@ def test_the_layer_check_sees_lazy_and_relative_imports():
     source = "import torch\ndef f():\n    from ..cli import main\n    import qkv.models.generate\nfrom . import x\n"
     assert _targets(source, ["nn"]) == {"cli", "models", "nn"}
     assert _targets("from ...masks import causal\n", ["backends", "triton"]) == {"masks"}
+
+
+#: Packages that must not import some packages of lower layers: the rule, and why.
+FORBIDDEN: dict[str, dict[str, str]] = {
+    "cache": {"cpu": "compiled kernels are applied from outside (qkv.cpu.optimize) or run by a registered backend",
+              "backends": "the cache hands block-pool operands to qkv.attention (qkv.PagedKV) and writes through "
+                          "qkv._paged; the paged backend serves them"},
+}
+
+
+def test_forbidden_imports():
+    """qkv.cache imports neither qkv.cpu nor qkv.backends (lazy imports included)."""
+    found = [f"{where}: {src} imports {tgt} ({why})" for src, rules in FORBIDDEN.items()
+             for tgt, where in sorted(_edges().get(src, ())) if (why := rules.get(tgt))]
+    assert not found, "forbidden imports:\n" + "\n".join(found)
+
+
+def test_the_forbidden_rule_sees_a_lazy_backend_import():
+    assert "backends" in _targets("def f():\n    from ...backends.paged import gather_head_major\n",
+                                  ["cache", "paged"])
+

@@ -61,16 +61,16 @@ def _drive(engine):
 
 
 def _force_block_path(monkeypatch) -> list:
-    """Every paged decode step through the block path (qkv.backends.paged), also below its size threshold; the
-    list it returns grows by one per call of the path."""
+    """Every paged decode step through the block path of the paged backend (qkv.backends.paged: the compiled kernel,
+    or the torch block path also below its size threshold); the list it returns grows by one per call of the path."""
     import qkv.backends.paged as blocks
-    import qkv.cache.paged as paged
 
-    monkeypatch.setattr(paged, "BLOCKS_MIN_SLOTS", 0)
-    monkeypatch.setattr(paged, "BLOCKS_BELOW_FILL", 1.0)
+    monkeypatch.setattr(blocks, "BLOCKS_MIN_SLOTS", 0)
+    monkeypatch.setattr(blocks, "BLOCKS_BELOW_FILL", 1.0)
     served: list = []
-    real = blocks.paged_decode_blocks
-    monkeypatch.setattr(blocks, "paged_decode_blocks", lambda *a, **k: served.append(1) or real(*a, **k))
+    for name in ("_compiled", "_blocks"):
+        real = getattr(blocks, name)
+        monkeypatch.setattr(blocks, name, lambda *a, _real=real, **k: served.append(1) or _real(*a, **k))
     return served
 
 

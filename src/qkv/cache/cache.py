@@ -207,10 +207,9 @@ class KVCache:
             v: (B, Hkv, N, Dv) new values.
             positions: (B, N) int64 absolute positions, ``-1`` for padding tokens.
             rope: ``rope(x, positions) -> x`` (x: (B, H, N, D), positions: (B, N)) or ``None``.
-            defer_view: a caller about to :meth:`decode` in place: paged layers whose kernel will serve the step
-                (:meth:`PagedStore.decodes_in_place`) skip gathering their view (the returned ``k``
-                and ``v`` are None; :meth:`view` gathers it if the decode declines). Other layers return their
-                view as always.
+            defer_view: a caller about to :meth:`decode` in place: layers whose store reads its own tensors there
+                (paged pools) skip gathering their view (the returned ``k`` and ``v`` are None; :meth:`view`
+                gathers it if the decode declines). Other layers return their view as always.
 
         Returns:
             :class:`CacheView` ``(k, v, kv_positions, q_positions)``.
@@ -246,10 +245,10 @@ class KVCache:
 
     def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
                ) -> torch.Tensor | None:
-        """Causal attention of the step just stored for ``layer_idx`` by the storage's own kernel where it has
-        one (:meth:`PagedStore.decode`: paged pools read in place; one query per row through Triton on CUDA or
-        the block path on CPU, a prompt chunk through the compiled CPU kernel). None otherwise: the caller
-        attends over the view ``update`` returned (or :meth:`view`, after a deferred update).
+        """Causal attention of the step just stored for ``layer_idx`` over what its store holds, read in place where
+        the store can (paged pools: :func:`qkv.attention` on block-pool operands, served by the ``paged`` backend,
+        whose choice ``qkv.explain`` names). None otherwise: the caller attends over the view ``update`` returned
+        (or :meth:`view`, after a deferred update).
 
         Args:
             q: (B, Hq, n, D) queries, rotated like the stored keys: those of the step's last ``n <= N`` columns

@@ -5,7 +5,6 @@ copy-on-write, the prefix index, admission) and a layer's store (:mod:`.store`: 
 from .blocks import BlockManager
 from .config import CacheFull, Paged, PoolStats
 from .prefix import prefix_hashes
-from .store import BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS, PagedStore
+from .store import PagedStore
 
-__all__ = ["Paged", "PagedStore", "BlockManager", "CacheFull", "PoolStats", "prefix_hashes", "BLOCKS_BELOW_FILL",
-           "BLOCKS_MIN_SLOTS"]
+__all__ = ["Paged", "PagedStore", "BlockManager", "CacheFull", "PoolStats", "prefix_hashes"]

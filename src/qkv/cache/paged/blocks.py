@@ -152,7 +152,6 @@ class BlockManager:
         self.folded = 0  # leading history entries that each join _FOLD_STEPS steps' columns
         self.seen = 0
         self.step: StepSlots | None = None
-        self.ragged: tuple[StepSlots, dict[int, bool]] | None = None  # the step's answers of PagedStore._ragged
         self.stores: list = []
         self.pending: list[tuple[BlockGroup, int, bytes]] = []
         self.lookup_tokens = self.hit_tokens = self.hit_tokens_in_batch = 0
