@@ -24,6 +24,7 @@ _ATTRS = {
     "MAX_PLAUSIBLE_HEADS": "qkv._attention",
     "merge_states": "qkv._merge",
     "AttentionOutput": "qkv._request",
+    "PagedKV": "qkv._request",
     "attention_probs": "qkv._probs",
     "sdpa": "qkv.integrations.sdpa",
     "scaled_dot_product_attention": "qkv.integrations.sdpa",
@@ -35,6 +36,7 @@ _SUBMODULES = {"masks", "mods", "backends", "testing", "costs", "conformance", "
                "interpret", "distributed", "cli", "lse", "varlen", "integrations", "sparse"}
 
 __all__ = ["attention", "explain", "Explanation", "MAX_PLAUSIBLE_HEADS", "merge_states", "AttentionOutput",
+           "PagedKV",
            "attention_probs", "attention_stats", "AttentionStats", "sdpa", "scaled_dot_product_attention",
            "varlen_attention", "masks", "mods", "backends", "lse", "varlen", "__version__"]
 
@@ -58,6 +60,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._attention import MAX_PLAUSIBLE_HEADS, Explanation, attention, explain  # noqa: F401
     from ._merge import merge_states  # noqa: F401
     from ._probs import AttentionStats, attention_probs, attention_stats  # noqa: F401
-    from ._request import AttentionOutput  # noqa: F401
+    from ._request import AttentionOutput, PagedKV  # noqa: F401
     from .integrations.sdpa import scaled_dot_product_attention, sdpa  # noqa: F401
     from .varlen import varlen_attention  # noqa: F401

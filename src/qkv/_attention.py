@@ -15,7 +15,7 @@ import torch
 
 from . import backends as _backends
 from ._layout import from_bhnd, layout_hint, to_bhnd
-from ._request import AttentionOutput, Request, build_request
+from ._request import AttentionOutput, PagedKV, Request, build_request
 from ._sinks import apply_sinks, without_sinks
 from .backends.base import Estimate
 from .masks.causal import Causal
@@ -30,7 +30,8 @@ SMALL_PROBLEM = 1 << 20
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, score_mod=None,
               scale: float | None = None, return_lse: bool = False, dropout_p: float = 0.0,
               generator: torch.Generator | None = None, backend: str = "auto", sinks: torch.Tensor | None = None,
-              layout: str | None = None, batch_invariant: bool = False, **unexpected):
+              layout: str | None = None, batch_invariant: bool = False, paged: PagedKV | None = None,
+              **unexpected):
     """Scaled dot-product attention with masks and score modifiers.
 
     ``scores = scale * q @ k^T``, then each score modifier in order, then the mask; softmax over keys;
@@ -69,6 +70,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
         batch_invariant: each row's ``out`` and ``lse`` are bitwise the same whatever the batch size, the
             other rows, prefill chunking and key splits (:mod:`qkv.backends._invariant`; ``tiled`` and
             ``reference`` take it, the others decline). Slower: rows run in fixed-shape steps.
+        paged: :class:`qkv.PagedKV` ``(block_tables, kv_positions, q_positions, window)``: ``k`` and ``v`` are
+            block pools (P, Hkv, T, Dqk) and (P, Hkv, T, Dv) of a paged KV cache, and each row attends the slots
+            its table names under the causal positions mask (no ``mask``, ``score_mod`` or ``dropout_p``). The
+            ``paged`` backend serves it, in place where it can (:mod:`qkv.backends.paged`).
 
     Returns:
         ``out`` (B, Hq, Nq, Dv) in the input dtype, or ``AttentionOutput(out, lse)`` with ``return_lse``.
@@ -84,6 +89,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, s
     """
     if unexpected:
         _refuse_unexpected(unexpected)
+    if paged is not None:  # block pools: no layout question, one backend family
+        req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                            dropout_p=dropout_p, sinks=sinks, layout="bhnd" if layout is None else layout,
+                            batch_invariant=batch_invariant, paged=paged)
+        impl = _choose(req, backend)
+        sub = _for_backend(impl, req)
+        result = impl.run(sub)
+        if sub is not req:
+            result = apply_sinks(result.out, result.lse, req.sinks)
+        return result if return_lse else result.out
     if layout is None:
         layout = "bhnd"
         req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
@@ -205,6 +220,9 @@ def _for_backend(impl, req: Request) -> Request:
 
 
 def _decline(impl, req: Request) -> str | None:
+    if impl.paged_operands != (req.paged is not None):
+        return ("it reads keys and values as (B, Hkv, Nk, D) tensors, not block pools (paged=)" if req.paged is not None
+                else "it reads block pools (paged=qkv.PagedKV(...)) only")
     if req.batch_invariant and not impl.batch_invariant:
         return ("batch_invariant=True: its results depend on the batch (kernel choice and reduction order follow "
                 "the shapes); backends 'tiled' and 'reference' take it")
@@ -224,6 +242,8 @@ def _choose(req: Request, backend: str):
             raise ValueError(f"attention: backend {backend!r} cannot run this request: {reason}. "
                              f"Use backend='auto' or see qkv.explain(...) for the backends that can.")
         return impl
+    if req.paged is not None:
+        return _choose_paged(req)
     # Small problems (decode steps, short sequences): the fused kernel wins and estimating every backend's
     # cost (block maps, compile caches) would cost more than the attention itself. A cached decode step (one query
     # per row under a positions mask) goes to the compiled decode kernel where it runs: it reads the cache in place
@@ -256,6 +276,34 @@ def _choose(req: Request, backend: str):
         if len(held) >= _MAX_DECISIONS:
             held.clear()
         held[key] = (best.name, req.score_mod)  # the modifier is compared by identity on a hit
+    return best
+
+
+_paged_backends: tuple[int, list] = (-1, [])
+
+
+def _choose_paged(req: Request):
+    """auto's choice for block-pool operands: among the backends that read them (listed once per generation of the
+    registry), the cheapest that accepts."""
+    global _paged_backends
+    gen, impls = _paged_backends
+    if gen != _backends.generation():
+        impls = [b for b in (_backends.get(n) for n in _backends.names()) if b.paged_operands]
+        _paged_backends = (_backends.generation(), impls)
+    if len(impls) == 1 and _decline(impls[0], req) is None:
+        return impls[0]
+    best, best_cost, reasons = None, float("inf"), []
+    for impl in impls:
+        reason = _decline(impl, req)
+        if reason is not None:
+            reasons.append(f"{impl.name}: {reason}")
+            continue
+        cost = impl.estimate(_for_backend(impl, req)).seconds
+        if cost < best_cost:
+            best, best_cost = impl, cost
+    if best is None:
+        raise ValueError(f"attention: no registered backend reads these block-pool operands ({'; '.join(reasons)}); "
+                         f"gather the rows' view and call attention on it")
     return best
 
 
@@ -314,7 +362,7 @@ class Explanation:
 
 
 def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-            generator=None, sinks=None, layout=None, batch_invariant=False) -> Explanation:
+            generator=None, sinks=None, layout=None, batch_invariant=False, paged=None) -> Explanation:
     """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not.
 
     Example:
@@ -324,8 +372,13 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
         True
     """
     layout = "bhnd" if layout is None else layout
-    req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
-                 dropout_p=dropout_p, generator=generator, sinks=sinks, batch_invariant=batch_invariant)
+    if paged is not None:
+        req = build_request(q, k, v, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                            dropout_p=dropout_p, sinks=sinks, layout=layout, batch_invariant=batch_invariant,
+                            paged=paged)
+    else:
+        req = _build(q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                     dropout_p=dropout_p, generator=generator, sinks=sinks, batch_invariant=batch_invariant)
     # Estimates first: a mask without an analytic block map is priced as a first call pays it (the predicate on
     # every pair), before choosing caches what that work found.
     estimates, declined = {}, {}
@@ -344,4 +397,6 @@ def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False,
         report.note = f"small problem (<= {SMALL_PROBLEM:,} score elements): the fused kernel without estimating"
     elif chosen == "cpu_decode":
         report.note = "a cached decode step by positions: the compiled decode kernel without estimating"
+    else:
+        report.note = _backends.get(chosen).path(_for_backend(_backends.get(chosen), req))
     return report

@@ -15,7 +15,7 @@ import torch
 from .masks.base import Mask
 from .mods.base import ScoreMod, as_score_mod
 
-__all__ = ["AttentionOutput", "Request", "build_request", "SUPPORTED_DTYPES", "LAYOUT_NAMES"]
+__all__ = ["AttentionOutput", "PagedKV", "Request", "build_request", "SUPPORTED_DTYPES", "LAYOUT_NAMES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: The layouts ``qkv.attention(..., layout=)`` reads q, k, v (and writes ``out``) in.
@@ -29,6 +29,29 @@ class AttentionOutput(NamedTuple):
 
     out: torch.Tensor
     lse: torch.Tensor
+
+
+class PagedKV(NamedTuple):
+    """Keys and values held in block pools (PagedAttention, Kwon et al. 2023, arXiv:2309.06180): the operands that
+    make ``qkv.attention(q, k_pool, v_pool, paged=PagedKV(...))`` read each row's keys where its blocks lie.
+
+    ``k_pool`` (P, Hkv, T, Dqk) and ``v_pool`` (P, Hkv, T, Dv) hold P blocks of T slots. Row ``b`` reads the
+    blocks ``block_tables[b]`` in order, so its slot ``j`` is slot ``j % T`` of block ``block_tables[b, j // T]``;
+    a query at position ``p`` attends the slots whose position is in ``0 .. p`` (within ``window`` when given): the
+    causal positions mask (``qkv.masks.positions(q_positions, kv_positions, causal=True, window=window)``) of
+    the gathered view, without gathering it.
+
+    Fields:
+        block_tables: (B, NB) integer block ids in ``[0, P)``, any filler block where a row has fewer.
+        kv_positions: (B, NB * T) integer position of each slot in table order, ``-1`` where empty.
+        q_positions: (B, Nq) integer position of each query, ``-1`` for padding (its output is zeros).
+        window: keys kept per query, the query included (HF ``sliding_window``), or None.
+    """
+
+    block_tables: torch.Tensor
+    kv_positions: torch.Tensor
+    q_positions: torch.Tensor
+    window: int | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +71,7 @@ class Request:
     sinks: torch.Tensor | None = None  # (Hq,) learnable sink logits, see qkv._sinks
     layout: str = "bhnd"  # the layout the caller's tensors had (q/k/v here are always (B, H, N, D) views)
     batch_invariant: bool = False  # each row's bits independent of the batch (qkv.backends._invariant)
+    paged: PagedKV | None = None  # k and v are block pools (P, Hkv, T, D) read through these tables
 
     @property
     def B(self) -> int:
@@ -67,7 +91,8 @@ class Request:
 
     @property
     def Nk(self) -> int:
-        return self.k.shape[2]
+        """Keys per row: of the view (the tables' slots, ``NB * T``, for block-pool operands)."""
+        return self.k.shape[2] if self.paged is None else self.paged.kv_positions.shape[1]
 
     @property
     def Dqk(self) -> int:
@@ -102,7 +127,9 @@ class Request:
         return (f"B={self.B} Hq={self.Hq} Hkv={self.Hkv} Nq={self.Nq} Nk={self.Nk} Dqk={self.Dqk} Dv={self.Dv} "
                 f"{str(self.dtype).replace('torch.', '')} {self.device.type}, layout {LAYOUT_NAMES[self.layout]}"
                 + (", sinks" if self.sinks is not None else "")
-                + (", batch_invariant" if self.batch_invariant else ""))
+                + (", batch_invariant" if self.batch_invariant else "")
+                + ("" if self.paged is None else f", paged: {self.k.shape[0]} blocks of {self.k.shape[2]} slots"
+                   + ("" if self.paged.window is None else f", window {self.paged.window}")))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -136,13 +163,16 @@ def _check_devices(arg: str, owner, tensors, device: torch.device) -> None:
 
 
 def build_request(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
-                  generator=None, sinks=None, layout="bhnd", batch_invariant=False) -> Request:
+                  generator=None, sinks=None, layout="bhnd", batch_invariant=False, paged=None) -> Request:
     """Validate the arguments of :func:`qkv.attention`; every misuse raises with the fix.
 
     Valid calls take one combined test of shapes, dtypes and devices (attribute reads only, no tensor ops:
     this runs on every decode step of every layer); only a failing call walks the checks one by one to
     say what is wrong.
     """
+    if paged is not None:
+        return _build_paged(q, k, v, paged, mask=mask, score_mod=score_mod, scale=scale, return_lse=return_lse,
+                            dropout_p=dropout_p, sinks=sinks, layout=layout, batch_invariant=batch_invariant)
     try:
         qs, ks, vs = q.shape, k.shape, v.shape
         dt = q.dtype
@@ -234,3 +264,87 @@ def _check_sinks(sinks, q: torch.Tensor) -> None:
         raise ValueError(f"attention: sinks must have shape (Hq,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
     if sinks.device != q.device:
         raise ValueError(f"attention: sinks are on {sinks.device} but q is on {q.device}; move them with .to(q.device)")
+
+
+_INDEX_DTYPES = frozenset((torch.int64, torch.int32))
+
+
+def _build_paged(q, k_pool, v_pool, paged, *, mask, score_mod, scale, return_lse, dropout_p, sinks, layout,
+                 batch_invariant) -> Request:
+    """:func:`build_request` for block-pool operands (:class:`PagedKV`): one combined test of shapes, dtypes and
+    devices for valid calls (attribute reads), one min/max of the tables (the only tensor work), and a walk
+    through the checks, naming the argument, only when it fails."""
+    if not isinstance(paged, PagedKV):
+        raise TypeError(f"attention: paged must be a qkv.PagedKV(block_tables, kv_positions, q_positions, window), "
+                        f"got {type(paged).__name__}")
+    for name, given, default in (("mask", mask, None), ("score_mod", score_mod, None), ("dropout_p", dropout_p, 0.0),
+                                 ("batch_invariant", batch_invariant, False), ("layout", layout, "bhnd")):
+        if isinstance(given, torch.Tensor) or given != default:
+            raise ValueError(f"attention: {name}={given!r} is not taken with paged= operands, whose mask is the "
+                             f"causal positions mask of PagedKV (q_positions, kv_positions, window); gather the "
+                             f"rows' view and call attention on it for anything else")
+    tables, kv_pos, q_pos, window = paged
+    try:
+        qs, ks, vs, ts = q.shape, k_pool.shape, v_pool.shape, tables.shape
+        dt, dev = q.dtype, q.device
+        ok = (isinstance(q, torch.Tensor) and isinstance(k_pool, torch.Tensor) and isinstance(v_pool, torch.Tensor)
+              and len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dt in _SUPPORTED
+              and k_pool.dtype == dt and v_pool.dtype == dt and k_pool.device == dev and v_pool.device == dev
+              and ks[:3] == vs[:3] and qs[3] == ks[3] and ks[1] > 0 and qs[1] % ks[1] == 0
+              and len(ts) == 2 and ts[0] == qs[0] and tables.dtype in _INDEX_DTYPES and tables.device == dev
+              and kv_pos.shape == (qs[0], ts[1] * ks[2]) and kv_pos.dtype in _INDEX_DTYPES and kv_pos.device == dev
+              and q_pos.shape == (qs[0], qs[2]) and q_pos.dtype in _INDEX_DTYPES and q_pos.device == dev
+              and (window is None or (type(window) is int and window >= 1)))
+    except AttributeError:
+        ok = False
+    if not ok:
+        _raise_for_paged(q, k_pool, v_pool, paged)
+    if tables.numel():
+        lo, hi = torch.aminmax(tables)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= ks[0]:
+            raise ValueError(f"attention: block_tables hold block ids {lo} .. {hi} but the pools have {ks[0]} blocks; "
+                             f"every entry must lie in [0, {ks[0]}) (fill a short row's table with any valid id)")
+    if scale is None:
+        scale = qs[3] ** -0.5 if qs[3] > 0 else 1.0
+    else:
+        scale = _check_scale(scale)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+    return Request(q, k_pool, v_pool, None, None, scale, bool(return_lse), 0.0, None, sinks, "bhnd", False, paged)
+
+
+def _raise_for_paged(q, k_pool, v_pool, paged) -> None:
+    """Walk the checks of block-pool operands one by one and raise the first failure with its fix."""
+    tables, kv_pos, q_pos, window = paged
+    for name, t, dims in (("q", q, "(B, Hq, Nq, Dqk)"), ("k_pool", k_pool, "(P, Hkv, T, Dqk)"),
+                          ("v_pool", v_pool, "(P, Hkv, T, Dv)")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"attention: with paged=, {name} must be a {dims} tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"attention: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
+    if not q.dtype == k_pool.dtype == v_pool.dtype:
+        raise TypeError(f"attention: q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, "
+                        f"{v_pool.dtype}; cast them with .to(dtype)")
+    if k_pool.shape[:3] != v_pool.shape[:3] or q.shape[3] != k_pool.shape[3] or k_pool.shape[1] == 0 \
+            or q.shape[1] % k_pool.shape[1]:
+        raise ValueError(f"attention: q {_shape(q)}, k_pool {_shape(k_pool)}, v_pool {_shape(v_pool)} disagree (need "
+                         "k_pool (P, Hkv, T, Dqk), v_pool (P, Hkv, T, Dv), q (B, Hq, Nq, Dqk), Hq % Hkv == 0)")
+    B, Nq, T = q.shape[0], q.shape[2], k_pool.shape[2]
+    NB = tables.shape[1] if isinstance(tables, torch.Tensor) and tables.dim() == 2 else None
+    for name, t, want in (("block_tables", tables, (B, NB if NB is not None else "NB")),
+                          ("kv_positions", kv_pos, (B, NB * T if NB is not None else "NB * T")),
+                          ("q_positions", q_pos, (B, Nq))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be an integer tensor {want}, got {type(t).__name__}")
+        if t.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"attention: {name} must hold int64 (or int32) ids, got {t.dtype}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"attention: {name} must be {want} for q {_shape(q)} and blocks of {T} slots, got "
+                             f"{_shape(t)}")
+        if t.device != q.device:
+            raise ValueError(f"attention: {name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
+    raise ValueError(f"attention: paged window must be an int >= 1 (keys per query, the query included) or None, "
+                     f"got {window!r}")
+

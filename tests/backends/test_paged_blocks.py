@@ -134,12 +134,13 @@ def test_bad_input():
         paged_decode_blocks(q, kp, vp, bad, kpos, qpos)
 
 
-def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only(kernel_path):
+def test_the_paged_backend_takes_the_block_path_for_large_ragged_views_only(kernel_path):
     """A CPU decode step over rows of very different lengths is served by the block path (no view gathered) and
-    equals attention over the gathered view. On the torch ops, rows of one length keep the padded view (nothing
-    to save), and so do small views (the block path's fixed cost); the compiled kernel serves every step."""
+    equals attention over the gathered view. On the torch ops, rows of one length take the padded view (nothing
+    to save), and so do small views (the block path's fixed cost); the compiled kernel serves every step. The cache
+    never gathers a view for the step itself: the paged backend chooses, and qkv.explain names its path."""
+    from qkv.backends.paged import BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS
     from qkv.cache import FullSpec, KVCache, Paged
-    from qkv.cache.paged import BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS
 
     g = torch.Generator().manual_seed(0)
 
@@ -154,23 +155,25 @@ def test_the_paged_store_takes_the_block_path_for_large_ragged_views_only(kernel
         kv = torch.randn(B, 2, 1, 16, generator=g), torch.randn(B, 2, 1, 16, generator=g)
         view = cache.update(0, *kv, positions=step_pos, defer_view=True)
         q = torch.randn(B, 4, 1, 16, generator=g)
-        return cache, view, q, step_pos
+        store, slots = cache._layers[0].store, cache._manager.step
+        paged = qkv.PagedKV(slots.tables[0], slots.view_pos[0], step_pos)
+        return cache, view, q, step_pos, qkv.explain(q, store.kp, store.vp, paged=paged, scale=0.25)
 
     ragged = [1100, 10, 20, 5, 3, 300, 2, 1]
     slots = len(ragged) * -(-(max(ragged) + 1) // 16) * 16
     assert slots >= BLOCKS_MIN_SLOTS and (sum(ragged) + len(ragged)) / slots <= BLOCKS_BELOW_FILL
-    cache, view, q, step_pos = step(ragged)
-    assert view.k is None, "ragged rows: the block path serves the step, no view is gathered"
-    out = cache.decode(0, q, scale=0.25)
-    full = cache.view(0)
-    ref = qkv.attention(q, full.k, full.v, mask=M.positions(step_pos, full.kv_positions), scale=0.25)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    for lens, T, why in (([1100] * 8, 16, "rows of one length"), ([40, 3, 2, 1], 4, "a small view")):
-        cache, view, q, step_pos = step(lens, T)
-        if kernel_path == "torch":
-            assert view.k is not None, f"{why}: the padded view on the torch ops"
-            continue
-        assert view.k is None, f"{why}: the compiled kernel serves every step"
+    for lens, T, why in ((ragged, 16, "ragged rows"), ([1100] * 8, 16, "rows of one length"),
+                         ([40, 3, 2, 1], 4, "a small view")):
+        cache, view, q, step_pos, report = step(lens, T)
+        assert view.k is None, f"{why}: the cache gathers no view for an in-place step"
+        assert report.chosen == "paged"
+        if kernel_path == "compiled":
+            assert report.note.startswith("compiled paged-decode kernel"), (why, report.note)
+        elif lens is ragged:
+            assert report.note.startswith("torch ops by blocks"), (why, report.note)
+        else:
+            assert report.note.startswith("torch ops over the gathered view"), (why, report.note)
+        out = cache.decode(0, q, scale=0.25)
         full = cache.view(0)
         ref = qkv.attention(q, full.k, full.v, mask=M.positions(step_pos, full.kv_positions), scale=0.25)
-        torch.testing.assert_close(cache.decode(0, q, scale=0.25), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -159,7 +159,7 @@ def test_bad_input():
 def test_a_paged_cache_serves_prompt_chunks_in_place(kernel_path):
     """A prompt chunk over a paged KV cache: with the compiled kernels its view is never gathered (the chunk is
     attended in place), and every layer's output equals attention over the gathered view; on the torch ops the
-    view is gathered as before."""
+    paged backend gathers the view itself (its torch-op path, named by qkv.explain), never the cache."""
     from qkv.cache import FullSpec, KVCache, Paged, SlidingWindowSpec
     from qkv.nn.cached import cached_attention
 
@@ -176,9 +176,14 @@ def test_a_paged_cache_serves_prompt_chunks_in_place(kernel_path):
             q = torch.randn(B, 4, n, 16, generator=g)
             k, v = torch.randn(B, 2, n, 16, generator=g), torch.randn(B, 2, n, 16, generator=g)
             got = cached_attention(q, k, v, layer_idx=layer, cache=cache, positions=pos, window=window).out
-            served = cache._layers[layer].last_view.k is None  # the view was never gathered
-            if kernel_path == "compiled" or n > 1:  # (one query per row on the torch ops: the block path's own rule)
-                assert served == (kernel_path == "compiled"), (kernel_path, n, layer)
+            assert cache._layers[layer].last_view.k is None  # the cache gathered no view: the backend chose
+            store, slots = cache._layers[layer].store, cache._manager.step
+            paged = qkv.PagedKV(slots.tables[store.gi], slots.view_pos[store.gi], pos, window)
+            path = qkv.explain(q, store.kp, store.vp, paged=paged).note
+            if kernel_path == "compiled":
+                assert path.startswith("compiled paged-"), (n, layer, path)
+            elif n > 1:  # (one query per row on the torch ops: the block path's own rule)
+                assert path.startswith("torch ops over the gathered view"), (n, layer, path)
             view = cache.view(layer)
             ref = qkv.attention(q, view.k, view.v, mask=M.positions(view.q_positions, view.kv_positions,
                                                                     window=window))

@@ -186,17 +186,10 @@ def _paged_step(window=None, defer=False):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_deferred_view_is_built_on_request_and_equals_the_eager_one(window, monkeypatch):
-    """``update(..., defer_view=True)`` skips gathering a paged layer's view where a decode kernel will serve the
-    step (pretended either way here); ``view`` gathers it afterwards, equal to what an eager update returns. Where
-    no kernel will serve it, the view comes at once."""
-    from qkv.cache.paged import PagedStore
-
+def test_deferred_view_is_built_on_request_and_equals_the_eager_one(window):
+    """``update(..., defer_view=True)`` skips gathering a paged layer's view (the paged backend reads the pools in
+    place, on every path); ``view`` gathers it afterwards, equal to what an eager update returns."""
     _, eager = _paged_step(window)
-    monkeypatch.setattr(PagedStore, "decodes_in_place", lambda self, *t: False)
-    _, not_served = _paged_step(window, defer=True)
-    assert torch.equal(not_served.k, eager.k)
-    monkeypatch.setattr(PagedStore, "decodes_in_place", lambda self, *t: True)
     cache, deferred = _paged_step(window, defer=True)
     assert deferred.k is None and deferred.v is None
     assert torch.equal(deferred.kv_positions, eager.kv_positions)
@@ -221,7 +214,7 @@ def test_deferring_non_paged_layers_changes_nothing():
 def test_paged_gather_with_gradients_matches_and_flows():
     """The head-major block gather (index_select per head) equals advanced indexing, and with a pool that requires
     grad it records the gradient (no out= copy)."""
-    from qkv.backends.paged import gather_head_major
+    from qkv._paged import gather_head_major
 
     pool = torch.randn(9, 3, 4, 5, requires_grad=True)
     tab = torch.tensor([[4, 1, 8], [0, 0, 2]])

@@ -139,7 +139,7 @@ def test_refusals_change_nothing():
 
 def test_long_history_is_folded_and_crop_still_counts_the_same(monkeypatch):
     """A long-running engine's step record stays a short list (steps joined), and crop reads it alike."""
-    import qkv.cache.paged as paged
+    import qkv.cache.paged.blocks as paged
 
     def run(fold: int):
         monkeypatch.setattr(paged, "_FOLD_STEPS", fold)

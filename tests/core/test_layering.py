@@ -16,8 +16,8 @@ SRC = Path(qkv.__file__).resolve().parent
 CORE = 1
 LAYERS: dict[str, float] = {
     "spec": 0, "costs": 0.5, "cpu": 0.5,  # the model description; arithmetic on it; CPU products (imports no qkv)
-    **dict.fromkeys(["_attention", "_request", "_merge", "_probs", "_dropout", "_layout", "_sinks", "lse", "masks",
-                     "mods", "pos", "varlen", "backends", "linear", "testing", "plain", "sparse"], CORE),
+    **dict.fromkeys(["_attention", "_request", "_paged", "_merge", "_probs", "_dropout", "_layout", "_sinks", "lse",
+                     "masks", "mods", "pos", "varlen", "backends", "linear", "testing", "plain", "sparse"], CORE),
     "cache": 2,
     "nn": 3,
     "distributed": 4, "interpret": 4,
@@ -89,9 +89,8 @@ def test_the_layer_check_sees_lazy_and_relative_imports():
 
 
 #: Packages that compute with plain torch (or ``qkv.attention``): qkv's compiled CPU kernels are put into their
-#: modules from outside by ``qkv.cpu.optimize``, so none of them imports ``qkv.cpu`` (not even for a type). Add
-#: ``"cache"`` once the paged cache no longer reaches the paged kernels itself (issue 45, item 4).
-PLAIN_TORCH = ("nn", "pos", "linear")
+#: modules from outside by ``qkv.cpu.optimize``, so none of them imports ``qkv.cpu`` (not even for a type).
+PLAIN_TORCH = ("nn", "pos", "linear", "cache")
 
 
 def test_plain_torch_packages_import_nothing_from_cpu():
@@ -111,3 +110,24 @@ def test_only_cpu_loads_the_kernels():
 def test_the_cpu_rule_sees_a_type_only_import():
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cpu.greedy import HeadScreen\n"
     assert "cpu" in _targets(source, ["nn"])
+
+
+#: Packages that must not import some packages of lower layers: the rule, and why.
+FORBIDDEN: dict[str, dict[str, str]] = {
+    "cache": {"cpu": "compiled kernels are applied from outside (qkv.cpu.optimize) or run by a registered backend",
+              "backends": "the cache hands block-pool operands to qkv.attention (qkv.PagedKV) and writes through "
+                          "qkv._paged; the paged backend serves them"},
+}
+
+
+def test_forbidden_imports():
+    """qkv.cache imports neither qkv.cpu nor qkv.backends (lazy imports included)."""
+    found = [f"{where}: {src} imports {tgt} ({why})" for src, rules in FORBIDDEN.items()
+             for tgt, where in sorted(_edges().get(src, ())) if (why := rules.get(tgt))]
+    assert not found, "forbidden imports:\n" + "\n".join(found)
+
+
+def test_the_forbidden_rule_sees_a_lazy_backend_import():
+    assert "backends" in _targets("def f():\n    from ...backends.paged import gather_head_major\n",
+                                  ["cache", "paged"])
+

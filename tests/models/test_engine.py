@@ -61,16 +61,16 @@ def _drive(engine):
 
 
 def _force_block_path(monkeypatch) -> list:
-    """Every paged decode step through the block path (qkv.backends.paged), also below its size threshold; the
-    list it returns grows by one per call of the path."""
+    """Every paged decode step through the block path of the paged backend (qkv.backends.paged: the compiled kernel,
+    or the torch block path also below its size threshold); the list it returns grows by one per call of the path."""
     import qkv.backends.paged as blocks
-    import qkv.cache.paged as paged
 
-    monkeypatch.setattr(paged, "BLOCKS_MIN_SLOTS", 0)
-    monkeypatch.setattr(paged, "BLOCKS_BELOW_FILL", 1.0)
+    monkeypatch.setattr(blocks, "BLOCKS_MIN_SLOTS", 0)
+    monkeypatch.setattr(blocks, "BLOCKS_BELOW_FILL", 1.0)
     served: list = []
-    real = blocks.paged_decode_blocks
-    monkeypatch.setattr(blocks, "paged_decode_blocks", lambda *a, **k: served.append(1) or real(*a, **k))
+    for name in ("_compiled", "_blocks"):
+        real = getattr(blocks, name)
+        monkeypatch.setattr(blocks, name, lambda *a, _real=real, **k: served.append(1) or _real(*a, **k))
     return served
 
 
@@ -185,8 +185,9 @@ def test_prefix_caching_shares_blocks_and_keeps_tokens():
 
 def _state(engine):
     stats = engine.cache.pool_stats()
-    return (engine.waiting, engine.running, engine._next_id, list(engine._reserved), engine.cache.seq_length,
-            {k: tuple(v) for k, v in stats.items()}, [(r.rid, r.fed, list(r.tokens)) for r in engine._rows if r])
+    return (engine.waiting, engine.running, engine._next_id, list(engine.cache._manager.reserved),
+            engine.cache.seq_length, {k: tuple(v) for k, v in stats.items()},
+            [(r.rid, r.fed, list(r.tokens)) for r in engine._rows if r])
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -308,3 +309,24 @@ def test_an_engine_step_splits_chunks_of_very_different_widths(monkeypatch):
     assert widths[:2] == [[60], [2]]
     for rid, prompt in ((a, list(range(1, 61))), (b, [7, 8])):
         assert results[rid].tokens == _alone(model, prompt, 3)
+
+
+@pytest.mark.parametrize("extra, admitted", [(0, True), (1, False)], ids=["fits-exactly", "one-token-short"])
+def test_admission_asks_the_block_manager(extra, admitted):
+    """The engine keeps no ledger: it asks cache.can_admit. A second request that needs exactly the blocks the first
+    leaves (2 + 6 of 8) runs beside it and finishes (the promise was enough); one token more (7 blocks) waits until
+    the first finishes."""
+    model = MODELS["gqa"]()
+    engine = Engine(model, num_blocks=8, block_size=4, max_batch=2, prefill_chunk=32)
+    a = engine.add([1, 2, 3, 4, 5], 4)  # 5 + 4 - 1 = 8 tokens stored: 2 blocks
+    prompt = list(range(3, 23))
+    b = engine.add(prompt, 5 + extra)  # 20 + 5 - 1 = 24 tokens: 6 blocks (25: 7)
+    assert engine.cache.can_admit(20, 5 + extra, chunk=32)  # alone it fits either way
+    engine.step()
+    assert engine.running == ([a, b] if admitted else [a])
+    assert engine.cache._manager.reserved == [8 if admitted else 2]
+    results = engine.run()
+    assert results[b].tokens == _alone(model, prompt, 5 + extra)
+    assert results[a].tokens == _alone(model, [1, 2, 3, 4, 5], 4)
+    assert engine.cache._manager.reserved == [0]
+

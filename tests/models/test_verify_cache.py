@@ -13,9 +13,9 @@ import torch
 
 from _toy_lm import ToyLM, single_thread  # noqa: F401 (single_thread: autouse fixture)
 from qkv.cache import H2O, KIVI, Dynamic, Int8, KVCache, Paged, SlidingWindowSpec, SnapKV, Static, StreamingLLM
-from qkv.cache import paged as paged_mod
 from qkv.cache import policies as policies_mod
 from qkv.cache import quant as quant_mod
+from qkv.cache.paged import blocks as paged_mod
 from qkv.cache.policies import HeadwiseStore, _H2ORule
 from qkv.models.verify import verify_cache
 
@@ -351,7 +351,7 @@ def test_policies_exact_under_budget(factory):
 
 def test_catches_missing_copy_on_write(monkeypatch):
     m = _toy("gqa")
-    monkeypatch.setattr(paged_mod._Group, "shared", lambda self, b: False)
+    monkeypatch.setattr(paged_mod.BlockGroup, "shared", lambda self, b: False)
     report = verify_cache(m, lambda: KVCache(m, storage=Paged(block_size=4, num_blocks=64)), prompt_lengths=(9, 6),
                           raise_on_failure=False)
     bad = {c.name for c in report.checks if not c.ok}

@@ -23,6 +23,7 @@ _BUILTIN: dict[str, str] = {
     "triton": "qkv.backends.triton:TritonBackend",
     "gather": "qkv.backends.gather:GatherBackend",
     "reference": "qkv.backends.reference:ReferenceBackend",
+    "paged": "qkv.backends.paged:PagedBackend",
 }
 _loaded: dict[str, Backend] = {}
 _generation = 0

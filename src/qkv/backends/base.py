@@ -64,6 +64,9 @@ class Backend:
     #: True when ``run`` honours ``req.batch_invariant`` (each row's bits independent of the rest of the batch,
     #: of prefill chunking and of key splits); the others are declined for such requests by ``qkv.attention``.
     batch_invariant: bool = False
+    #: True for a backend that reads block-pool operands (``req.paged``: ``qkv.attention(..., paged=PagedKV(...))``),
+    #: and only those; ``qkv.attention`` declines the other requests for it, and paged requests for the others.
+    paged_operands: bool = False
 
     def decline(self, req: Request) -> str | None:
         """``None`` when this backend honours the request exactly; otherwise the reason it cannot."""
@@ -75,6 +78,11 @@ class Backend:
     def run(self, req: Request) -> AttentionOutput:
         """Compute the request. ``lse`` may be ``None`` when ``req.return_lse`` is False."""
         raise NotImplementedError
+
+    def path(self, req: Request) -> str:
+        """Which of its paths this backend takes for ``req`` and why, for ``qkv.explain``; "" (the default) for a
+        backend with one path."""
+        return ""
 
     def __repr__(self) -> str:
         return f"<qkv backend {self.name}>"

@@ -1,4 +1,19 @@
-"""One decode step over a paged KV cache in torch ops: each row reads its own live blocks, with no padding.
+"""The ``paged`` backend: attention over a paged KV cache's block pools where the blocks lie (block-pool operands,
+``qkv.attention(q, k_pool, v_pool, paged=qkv.PagedKV(block_tables, kv_positions, q_positions, window))``), and
+the step's write into the pools (:meth:`PagedBackend.store`). Its paths, which ``qkv.explain`` names with the
+reason (:meth:`PagedBackend.path`):
+
+- ``compiled``: qkv's compiled CPU kernels through :mod:`qkv.cpu.ops` (``paged_decode`` for one query per row,
+  ``paged_prefill`` for a prompt chunk, ``paged_store`` for the write): CPU, float32/float64, no gradients, the
+  kernels built here (``qkv.cpu.ops.unavailable_reason()`` says why not);
+- ``triton``: the Triton paged-decode kernel (:func:`qkv.backends.triton.decode.paged_decode`) for one query per
+  row on CUDA without gradients;
+- ``blocks``: torch ops over each row's live blocks (below), for a one-query step of float32/float64 rows ragged
+  enough (:data:`BLOCKS_BELOW_FILL`, :data:`BLOCKS_MIN_SLOTS`) where the compiled kernel cannot run;
+- ``view``: torch ops over the rows' gathered view under the positions mask (any dtype, accumulating low
+  precisions in float32; gradients flow), everywhere else.
+
+One decode step over a paged KV cache in torch ops: each row reads its own live blocks, with no padding.
 
 The Triton kernel (:func:`qkv.backends.triton.decode.paged_decode`) reads the blocks in place on a GPU. Elsewhere
 the cache used to gather every row's blocks into one padded ``(B, H, nb * T, D)`` view (``nb`` the longest
@@ -15,7 +30,7 @@ et al. 2023, "Flash-Decoding for long-context inference"), so no ``(B, Hq, nb * 
 The result is attention over each row's keys at or before its query's position (within the window when one is
 given), equal to SDPA's within float32 rounding; a row with no visible key returns zeros and ``lse = -inf``.
 
-On CPU, with qkv's compiled kernels built (:mod:`qkv.cpu.kernels`) and no gradients asked for, the step runs the
+On CPU, with qkv's compiled kernels built (:mod:`qkv.cpu.ops`) and no gradients asked for, the step runs the
 compiled paged-decode kernel instead (``qkv/cpu/csrc/paged_decode.cpp``): per row and KV head it walks the row's
 table, skips blocks with no visible slot, and reads the visible keys and values from the pools where they lie,
 spans of whole blocks merged by an online softmax: no gathered span, no slot lists, no per-span torch ops.
@@ -34,10 +49,13 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu import kernels
+from .._paged import gather_head_major
+from .._request import AttentionOutput, Request
+from ..cpu import ops
+from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops
 
-__all__ = ["paged_decode_blocks", "paged_prefill_blocks", "blocks_compiled", "gather_head_major", "check_paged_args",
-           "BLOCKS_DTYPES", "SPAN_TOKENS"]
+__all__ = ["PagedBackend", "paged_decode_blocks", "paged_prefill_blocks", "blocks_compiled", "gather_head_major",
+           "check_paged_args", "BLOCKS_DTYPES", "SPAN_TOKENS", "BLOCKS_BELOW_FILL", "BLOCKS_MIN_SLOTS"]
 
 #: Keys per GEMM: a row's live blocks are read in spans of this many tokens (whole blocks, at least one), so each
 #: score product is (G, D) x (D, SPAN_TOKENS) rather than one block wide; block-wide products ran at about half
@@ -47,6 +65,14 @@ SPAN_TOKENS = 64
 #: Dtypes the block path computes in (its softmax runs in the query's dtype): float32 and float64. Lower precisions
 #: keep the gathered view and SDPA, which accumulates them in float32.
 BLOCKS_DTYPES = (torch.float32, torch.float64)
+
+#: Without qkv's compiled CPU kernels (which serve every CPU decode step), the block path (:func:`_blocks`) serves a
+#: CPU decode step when the step's rows fill at most this share of the padded view, and the view holds at least
+#: BLOCKS_MIN_SLOTS slots: on benchmarks/decode.py's ``paged_cpu`` table fuller views go faster padded (one product
+#: over long rows beats many span-sized GEMMs) and small ones too (the block path's fixed cost, a few dozen small
+#: ops), while a request stream's ragged rows (about half full) go faster by blocks.
+BLOCKS_BELOW_FILL = 0.7
+BLOCKS_MIN_SLOTS = 8192
 
 
 def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -82,7 +108,7 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
                         f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
     # a profile names the step (qkv::paged_decode_blocks) and counts its work as attention
-    return kernels.profiled("paged_decode_blocks", _decode_step, q, k_pool, v_pool, block_tables, kv_positions,
+    return ops.profiled("paged_decode_blocks", _decode_step, q, k_pool, v_pool, block_tables, kv_positions,
                             q_positions, scale, window)
 
 
@@ -149,16 +175,15 @@ def paged_prefill_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
                          f"{tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
     scale = D ** -0.5 if scale is None else float(scale)
     # a profile names the step (qkv::paged_prefill_blocks) and counts its work as attention
-    return kernels.profiled("paged_prefill_blocks", _prefill_step, q, k_pool, v_pool, block_tables, kv_positions,
+    return ops.profiled("paged_prefill_blocks", _prefill_step, q, k_pool, v_pool, block_tables, kv_positions,
                             q_positions, scale, window, causal, sinks)
 
 
 def _prefill_step(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window, causal, sinks):
     if blocks_compiled(q, k_pool, v_pool) and q.stride(-1) == 1:
         try:
-            return kernels.load().paged_prefill(q, k_pool, v_pool, _long(block_tables), _long(kv_positions),
-                                                _long(q_positions), scale, 0 if window is None else window,
-                                                bool(causal), sinks)
+            return ops.paged_prefill(q, k_pool, v_pool, _long(block_tables), _long(kv_positions),
+                                     _long(q_positions), scale, 0 if window is None else window, bool(causal), sinks)
         except RuntimeError as e:  # the one data-dependent check the kernel makes
             if "outside the pool" not in str(e):
                 raise
@@ -174,11 +199,15 @@ def _prefill_view(q, k_pool, v_pool, block_tables, kv_positions, q_positions, sc
     B, Hq, N, D = q.shape
     Hkv = k_pool.shape[1]
     G = Hq // Hkv
+    out_dtype = q.dtype
+    if q.dtype not in BLOCKS_DTYPES:  # low precisions accumulate in float32, as SDPA does
+        q = q.float()
     if B * block_tables.shape[1] and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_pool.shape[0]:
         raise ValueError(f"paged_prefill_blocks: block_tables name a block outside the pool of {k_pool.shape[0]} "
                          f"blocks (ids {int(block_tables.min())} .. {int(block_tables.max())}); tables must hold pool "
                          "block ids")
     k, v = gather_head_major(k_pool, block_tables), gather_head_major(v_pool, block_tables)  # (B, Hkv, S, D)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     pos, qpos = kv_positions.view(B, 1, 1, -1), q_positions.view(B, 1, N, 1)
     seen = (pos >= 0) & (qpos >= 0)
     if causal:
@@ -195,17 +224,17 @@ def _prefill_view(q, k_pool, v_pool, block_tables, kv_positions, q_positions, sc
     if sinks is not None:
         p = p[..., :-1]
     out = torch.matmul(p.reshape(B, Hkv, G * N, k.shape[2]), v).view(B, Hq, N, v.shape[-1])
-    return out, lse
+    return out.to(out_dtype), lse
 
 
 def blocks_compiled(*tensors: torch.Tensor) -> bool:
     """Whether :func:`paged_decode_blocks` runs the compiled kernel for these tensors: all on CPU, none needing a
-    gradient, and qkv's CPU kernels built (:func:`qkv.cpu.kernels.unavailable_reason` says why not)."""
+    gradient, and qkv's CPU kernels built (:func:`qkv.cpu.ops.unavailable_reason` says why not)."""
     if any(t.device.type != "cpu" for t in tensors):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return kernels.load() is not None
+    return ops.available()
 
 
 def _visible(pos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -221,8 +250,8 @@ def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale,
     row's visible slots from the pools where they lie."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     try:
-        return kernels.load().paged_decode(q, k_pool, v_pool, _long(block_tables), _long(kv_positions),
-                                           _long(q_positions), scale, 0 if window is None else int(window), True, None)
+        return ops.paged_decode(q, k_pool, v_pool, _long(block_tables), _long(kv_positions), _long(q_positions), scale,
+                                0 if window is None else int(window), True, None)
     except RuntimeError as e:  # the one data-dependent check the kernel makes
         if "outside the pool" not in str(e):
             raise
@@ -304,17 +333,99 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     return out.permute(1, 0, 2, 3).reshape(B, Hq, Dv), lse.transpose(0, 1).reshape(B, Hq)
 
 
-def gather_head_major(pool: torch.Tensor, tab: torch.Tensor) -> torch.Tensor:
-    """Blocks ``tab`` (B, nb) of a pool (P, H, T, D) as the (B, H, nb * T, D) view of one (H, B * nb, T, D) copy:
-    one ``index_select`` of whole (T, D) blocks per head (measured 3-4x faster on CPU than advanced indexing of
-    the head-major pool), and each (row, head) slab contiguous, so the view needs no second copy."""
-    B, nb = tab.shape
-    H, T, D = pool.shape[1], pool.shape[2], pool.shape[3]
-    flat = tab.reshape(-1)
-    if torch.is_grad_enabled() and pool.requires_grad:  # out= does not record gradients
-        out = torch.stack([pool[:, h].index_select(0, flat) for h in range(H)])
-    else:
-        out = pool.new_empty(H, B * nb, T, D)
-        for h in range(H):
-            torch.index_select(pool[:, h], 0, flat, out=out[h])
-    return out.view(H, B, nb * T, D).transpose(0, 1)
+def _ragged(kv_positions: torch.Tensor) -> bool:
+    """The view holds at least BLOCKS_MIN_SLOTS slots, at most BLOCKS_BELOW_FILL of them live."""
+    n = kv_positions.numel()
+    return n >= BLOCKS_MIN_SLOTS and int((kv_positions >= 0).sum()) <= BLOCKS_BELOW_FILL * n
+
+
+class PagedBackend(Backend):
+    """Block-pool operands (``paged=``), served in place: compiled CPU kernels, the Triton decode kernel, or torch
+    ops by blocks or over the gathered view (see the module notes); every valid paged request has a path."""
+
+    name = "paged"
+    paged_operands = True
+
+    def decline(self, req: Request) -> str | None:
+        return None
+
+    def _kind(self, req: Request) -> str:
+        q, kp, vp = req.q, req.k, req.v
+        if q.device.type == "cuda":
+            if req.Nq == 1:
+                from .triton import gpu_decode_ready
+
+                if gpu_decode_ready(q, kp, vp):
+                    return "triton"
+            return "view"
+        if q.dtype not in BLOCKS_DTYPES or req.requires_grad or q.device.type != "cpu":
+            return "view"
+        if ops.unavailable_reason() is None and (req.Nq == 1 or q.stride(-1) == 1):
+            return "compiled"
+        return "blocks" if req.Nq == 1 and _ragged(req.paged.kv_positions) else "view"
+
+    def path(self, req: Request) -> str:
+        kind = self._kind(req)
+        kernel = "paged_decode" if req.Nq == 1 else "paged_prefill"
+        if kind == "compiled":
+            return (f"compiled {kernel.replace('_', '-')} kernel (qkv.cpu.ops.{kernel}): CPU, "
+                    f"{str(req.dtype).replace('torch.', '')}, no gradients; reads each row's visible slots in place")
+        if kind == "triton":
+            return "Triton paged-decode kernel (qkv.backends.triton.decode.paged_decode): one query per row on CUDA"
+        if req.device.type == "cuda":
+            why = ("the Triton kernel takes one query per row" if req.Nq > 1
+                   else "the Triton decode kernel cannot run (no triton, gradients or an unsupported dtype)")
+        elif req.dtype not in BLOCKS_DTYPES:
+            why = f"the compiled kernels take float32/float64, got {str(req.dtype).replace('torch.', '')}"
+        elif req.requires_grad:
+            why = "gradients are asked for and the compiled kernels have no backward"
+        elif req.device.type != "cpu":
+            why = f"the compiled kernels run on CPU, not {req.device.type}"
+        elif ops.unavailable_reason() is not None:
+            why = f"qkv's compiled CPU kernels are unavailable ({ops.unavailable_reason()})"
+        else:
+            why = "the compiled prefill kernel needs q with a unit last stride"
+        if kind == "blocks":
+            return (f"torch ops by blocks (rows ragged: at most {BLOCKS_BELOW_FILL:.0%} of a view of >= "
+                    f"{BLOCKS_MIN_SLOTS} slots live), because {why}")
+        return f"torch ops over the gathered view, because {why}"
+
+    def estimate(self, req: Request) -> Estimate:
+        seconds = dense_flops(req) / NOMINAL_FLOPS.get(req.device.type, NOMINAL_FLOPS["cpu"]) + 5e-6
+        return Estimate(seconds, f"{self._kind(req)} path over the tables' {req.Nk} slots per row")
+
+    def run(self, req: Request) -> AttentionOutput:
+        return ops.profiled("paged_attention", self._run, req)
+
+    def _run(self, req: Request) -> AttentionOutput:
+        kind = self._kind(req)
+        q, kp, vp = req.q, req.k, req.v
+        tables, kv_pos, q_pos, window = req.paged
+        if kind == "compiled" and req.Nq > 1:
+            return AttentionOutput(*_prefill_step(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
+        if kind == "view":
+            return AttentionOutput(*_prefill_view(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
+        if kind == "triton":
+            from .triton.decode import paged_decode
+
+            out, lse = paged_decode(q[:, :, 0], kp, vp, tables, kv_pos, q_pos[:, 0], scale=req.scale, window=window)
+        else:  # one query per row: the compiled kernel, or the torch block path
+            out, lse = (_compiled if kind == "compiled" else _blocks)(q[:, :, 0], kp, vp, tables, kv_pos, q_pos[:, 0],
+                                                                      req.scale, window)
+        return AttentionOutput(out.unsqueeze(2), lse.unsqueeze(2))
+
+    def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              blocks: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor, src: torch.Tensor | None) -> None:
+        """Write a step's real tokens into their slots: token ``i`` of the step (``real`` (B, n) True, in row-major
+        order) goes to slot ``offsets[i]`` of block ``blocks[i]`` of ``k_pool`` (P, H, T, Dk) and ``v_pool``
+        (P, H, T, Dv), from ``k`` (B, H, n, Dk) and ``v`` (B, H, n, Dv). ``src``: the real tokens' flat indices
+        ``b * n + t`` (CPU), for the compiled kernel (:func:`qkv.cpu.ops.paged_store`, one call); without it,
+        or where that kernel cannot run (another device or dtype, gradients), torch's indexed assignment."""
+        if (src is not None and k.device.type == "cpu" and k.dtype == v.dtype == k_pool.dtype == v_pool.dtype
+                and k.stride(-1) == 1 and v.stride(-1) == 1
+                and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)) and ops.available()):
+            ops.paged_store(k_pool, v_pool, k, v, blocks, offsets, src)
+        else:
+            k_pool[blocks, :, offsets] = k.transpose(1, 2)[real]  # (n_real, H, Dk)
+            v_pool[blocks, :, offsets] = v.transpose(1, 2)[real]
+

@@ -33,6 +33,7 @@ from .order import PositionOrder
 from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CachePolicy, CacheView, HasCacheSpecs, LatentView, Quantizer, RopeFn
 from .recurrent import RecurrentStore
+from .rows import DenseRows, RowManager
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SinkSpec, SlidingWindowSpec
 from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
 
@@ -73,7 +74,7 @@ class _SelectedRowsOrder:
     """The position record of every row of a paged cache whose steps feed selected rows (``step_rows``): a step's
     positions are widened to every row (-1 for the others) before the record sees them."""
 
-    def __init__(self, inner: PositionOrder, manager: BlockManager) -> None:
+    def __init__(self, inner: PositionOrder, manager: RowManager) -> None:
         self.inner, self.manager = inner, manager
         self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
@@ -154,7 +155,7 @@ class KVCache:
             specs = [policy.apply_spec(s) for s in specs]
         self.specs: list[LayerSpec] = specs
         self.storage, self.quant, self.policy, self.rollback, self.dtype = storage, quant, policy, rollback, dtype
-        self._manager: BlockManager | None = None
+        self._manager: RowManager = DenseRows(storage.describe())
         self._device: torch.device | None = None
         self._build()
 
@@ -163,6 +164,8 @@ class KVCache:
         if isinstance(self.storage, Paged):
             windows = [_window(s) for s in self.specs if isinstance(s, (FullSpec, SlidingWindowSpec, LatentSpec))]
             self._manager = BlockManager(self.storage, windows, rollback=self.rollback)
+        else:
+            self._manager = DenseRows(self.storage.describe())
         self._layers = [_Layer(s, self._make_store(i, s), f"layer {i} ({type(s).__name__})")
                         for i, s in enumerate(self.specs)]
         self._cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -204,10 +207,9 @@ class KVCache:
             v: (B, Hkv, N, Dv) new values.
             positions: (B, N) int64 absolute positions, ``-1`` for padding tokens.
             rope: ``rope(x, positions) -> x`` (x: (B, H, N, D), positions: (B, N)) or ``None``.
-            defer_view: a caller about to :meth:`decode` in place: paged layers whose kernel will serve the step
-                (:meth:`PagedStore.decodes_in_place`) skip gathering their view (the returned ``k``
-                and ``v`` are None; :meth:`view` gathers it if the decode declines). Other layers return their
-                view as always.
+            defer_view: a caller about to :meth:`decode` in place: layers whose store reads its own tensors there
+                (paged pools) skip gathering their view (the returned ``k`` and ``v`` are None; :meth:`view`
+                gathers it if the decode declines). Other layers return their view as always.
 
         Returns:
             :class:`CacheView` ``(k, v, kv_positions, q_positions)``.
@@ -222,10 +224,8 @@ class KVCache:
         else:
             if rope is not None:
                 k = rope(k, pos.clamp_min(0))
-            if defer_view and isinstance(layer.store, PagedStore) and layer.store.decodes_in_place(k, v):
-                k_all, v_all, kv_pos = layer.store.write(k, v, pos, gather=False)
-            else:
-                k_all, v_all, kv_pos = layer.store.write(k, v, pos)
+            store = layer.store
+            k_all, v_all, kv_pos = store.write_deferred(k, v, pos) if defer_view else store.write(k, v, pos)
             q_pos = pos
         self._order.commit(positions, pos, layer=layer_idx)
         view = CacheView(k_all, v_all, kv_pos, q_pos)
@@ -245,10 +245,10 @@ class KVCache:
 
     def decode(self, layer_idx: int, q: torch.Tensor, *, scale: float, window: int | None = None
                ) -> torch.Tensor | None:
-        """Causal attention of the step just stored for ``layer_idx`` by the storage's own kernel where it has
-        one (:meth:`PagedStore.decode`: paged pools read in place; one query per row through Triton on CUDA or
-        the block path on CPU, a prompt chunk through the compiled CPU kernel). None otherwise: the caller
-        attends over the view ``update`` returned (or :meth:`view`, after a deferred update).
+        """Causal attention of the step just stored for ``layer_idx`` over what its store holds, read in place where
+        the store can (paged pools: :func:`qkv.attention` on block-pool operands, served by the ``paged`` backend,
+        whose choice ``qkv.explain`` names). None otherwise: the caller attends over the view ``update`` returned
+        (or :meth:`view`, after a deferred update).
 
         Args:
             q: (B, Hq, n, D) queries, rotated like the stored keys: those of the step's last ``n <= N`` columns
@@ -256,9 +256,8 @@ class KVCache:
             window: as in ``masks.positions(..., window=W)``.
         """
         layer = self._layer(layer_idx, None, "decode")
-        if (not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or not isinstance(layer.store, PagedStore)
-                or layer.last_view is None):  # other layers (sinks, latent, quantized) attend over their view
-            return None
+        if not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or layer.last_view is None:
+            return None  # latent layers attend over their view
         q_positions = layer.last_view.q_positions  # (B, N)
         n = q.shape[2] if q.dim() == 4 else -1
         if not 1 <= n <= q_positions.shape[1] or q.shape[0] != q_positions.shape[0]:
@@ -359,9 +358,7 @@ class KVCache:
         """Announce the next step's tokens (B, N) before the forward pass. Paged storage allocates the
         step's blocks here (raising :class:`qkv.cache.CacheFull` before anything is written) and learns
         the token ids it needs for prefix caching; other storages ignore it."""
-        if self._manager is not None:
-            pos = batch_positions(positions, input_ids.shape[0], input_ids.shape[1], owner="prepare")
-            self._manager.allocate(pos, input_ids)
+        self._manager.prepare(input_ids, positions)
 
     def match_prefix(self, input_ids: torch.Tensor, positions: torch.Tensor, *, salt=None) -> torch.Tensor:
         """Attach to each row the blocks of its longest reusable prompt prefix (paged storage with
@@ -371,9 +368,8 @@ class KVCache:
         positions from there on, right-aligned (left padding) so a shared block is written no later than the
         step that first reads it (a step that would read an unwritten block is refused). ``salt`` (bytes or
         str, one or one per row) isolates tenants: blocks are shared only between equal salts."""
-        if self._manager is None:
-            raise ValueError(f"match_prefix: needs storage=Paged(..., prefix_caching=True), this cache uses "
-                             f"{self.storage.describe()}")
+        if (why := self._manager.refusal("match_prefix")) is not None:
+            raise ValueError(why)
         recurrent = [lay.name for lay in self._layers if isinstance(lay.spec, RecurrentSpec)]
         if recurrent:
             raise ValueError(f"match_prefix: {', '.join(recurrent)} keep a recurrent state, not tokens, so a cached "
@@ -398,12 +394,11 @@ class KVCache:
             return
         problems = [f"{lay.name}: {why}" for lay in self._layers if lay.store is not None
                     and (why := lay.store.cannot_drop(n)) is not None]
-        if self._manager is not None and (why := self._manager.cannot_drop(n)) is not None:
+        if (why := self._manager.cannot_drop(n)) is not None:
             problems.append(why)
         if problems:
             raise ValueError(f"crop({length}): cannot drop {n} slots; nothing was changed. " + "; ".join(problems))
-        if self._manager is not None:
-            self._manager.drop_last(n)
+        self._manager.drop_last(n)
         self._order.forget()
         for lay in self._layers:
             if lay.store is not None:
@@ -420,8 +415,7 @@ class KVCache:
         if B is not None and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= B):
             raise ValueError(f"reorder(beam_idx): indices must lie in [0, {B}), got {idx.tolist()}")
         idx = idx.to(torch.int64)
-        if self._manager is not None:
-            self._manager.reorder(idx.tolist())
+        self._manager.reorder(idx.tolist())
         self._order.forget()
         dev_idx = idx.to(self._device) if self._device is not None else idx
         for lay in self._layers:
@@ -441,18 +435,13 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every row. Paged storage keeps its pools and its prefix index for the next request."""
-        if self._manager is not None:
-            self._manager.reset()
-            for lay in self._layers:
-                if isinstance(lay.store, PagedStore):
-                    lay.store.seen = 0
-                else:
-                    lay.store = self._make_store(self._layers.index(lay), lay.spec)
-                lay.last_view = None
-            self._cross = {}
-            self._order.forget()
-            return
-        self._build()
+        self._manager.reset()
+        for i, lay in enumerate(self._layers):
+            kept = None if lay.store is None else lay.store.emptied()
+            lay.store = kept if kept is not None else self._make_store(i, lay.spec)
+            lay.last_view = None
+        self._cross = {}
+        self._order = PositionOrder()
 
     # row slots (qkv.cache.RowSlots: continuous batching)
     def open_rows(self, n: int) -> None:
@@ -467,13 +456,23 @@ class KVCache:
         manager.open_rows(n)
         self._order.forget()
 
-    def admit_row(self, b: int, prompt_ids: Sequence[int] | None = None, *, salt=None) -> int:
+    def admit_row(self, b: int, prompt_ids: Sequence[int] | None = None, *, salt=None,
+                  max_new_tokens: int | None = None, chunk: int | None = None) -> int:
         """Start a new sequence in empty row ``b`` at position 0 (paged storage). With prefix caching and
         ``prompt_ids`` (its prompt, a list of ints), the row attaches the cached blocks of its longest indexed
         prefix; returns the prompt tokens reused (0 without), and the caller feeds the prompt from there on, at
-        positions from there on. The other rows keep their state. A refused call changes nothing."""
+        positions from there on. The other rows keep their state. A refused call changes nothing.
+
+        With ``max_new_tokens`` (and ``prompt_ids``), the row is promised the blocks its whole request can hold
+        (prompt chunks of at most ``chunk`` tokens, default the whole prompt) until :meth:`release_row`, so it
+        never runs out of blocks; :class:`qkv.cache.CacheFull` when :meth:`can_admit` says no."""
         manager = self._row_manager("admit_row")
         self._check_row(b, "admit_row")
+        reserve = None
+        if max_new_tokens is not None:
+            if prompt_ids is None:
+                raise ValueError("admit_row(max_new_tokens): a reservation needs the request's prompt_ids too")
+            reserve = (len(prompt_ids), self._check_admission("admit_row", 1, max_new_tokens, chunk)[1], chunk)
         ids = None
         if prompt_ids is not None:
             if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 1 and not prompt_ids.is_floating_point():
@@ -483,9 +482,44 @@ class KVCache:
                 raise ValueError(f"admit_row(prompt_ids): expected a non-empty list of token ids (ints >= 0), got "
                                  f"{str(prompt_ids)[:80]}")
             ids = list(prompt_ids)
-        hits = manager.admit_row(b, ids, salt)
+        hits = manager.admit_row(b, ids, salt, reserve=reserve)
         self._order.forget_rows([b])
         return hits
+
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> bool:
+        """Whether a request of ``prompt_tokens`` and up to ``max_new_tokens`` (prompt chunks of at most ``chunk``
+        tokens, default the whole prompt) fits next to the rows admitted with ``max_new_tokens`` (paged storage):
+        in every group of layers sharing block tables, the blocks promised plus the most blocks the request can hold
+        (its prompt and every new token fed back; a window's worth for sliding-window layers) are at most the pool.
+
+        Example:
+            >>> from qkv.cache import FullSpec, KVCache, Paged
+            >>> cache = KVCache([FullSpec(1, 4)], storage=Paged(block_size=4, num_blocks=2))
+            >>> cache.open_rows(2)
+            >>> cache.can_admit(5, 4), cache.can_admit(5, 5)   # 8 tokens are stored in 2 blocks, 9 are not
+            (True, False)
+        """
+        prompt_tokens, max_new_tokens, chunk = self._check_admission("can_admit", prompt_tokens, max_new_tokens,
+                                                                     chunk)
+        if (why := self._manager.refusal("can_admit")) is not None:
+            raise ValueError(why)
+        return self._manager.can_admit(prompt_tokens, max_new_tokens, chunk=chunk)
+
+    def never_fits(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> str | None:
+        """Why no pool of this cache's size could hold such a request even alone (paged storage), or None."""
+        prompt_tokens, max_new_tokens, chunk = self._check_admission("never_fits", prompt_tokens, max_new_tokens,
+                                                                     chunk)
+        if (why := self._manager.refusal("never_fits")) is not None:
+            raise ValueError(why)
+        return self._manager.never_fits(prompt_tokens, max_new_tokens, chunk=chunk)
+
+    @staticmethod
+    def _check_admission(what: str, prompt_tokens, max_new_tokens, chunk) -> tuple[int, int, int | None]:
+        for name, value in (("prompt_tokens", prompt_tokens), ("max_new_tokens", max_new_tokens),
+                            ("chunk", 1 if chunk is None else chunk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{what}({name}): expected an int >= 1, got {value!r}")
+        return prompt_tokens, max_new_tokens, chunk
 
     def release_row(self, b: int) -> None:
         """Forget row ``b`` (paged storage): its blocks return to the pool at once (indexed prompt blocks stay
@@ -516,10 +550,9 @@ class KVCache:
         for lay in self._layers:
             lay.last_view = None
 
-    def _row_manager(self, what: str) -> BlockManager:
-        if self._manager is None:
-            raise ValueError(f"{what}: recycling single rows needs storage=Paged(...) (block tables per row); this "
-                             f"cache uses {self.storage.describe()} storage. Build KVCache(model, storage=Paged(...))")
+    def _row_manager(self, what: str) -> RowManager:
+        if (why := self._manager.refusal(what)) is not None:
+            raise ValueError(why)
         if self._manager.step_in_progress():
             raise ValueError(f"{what}: a step is in progress (some layers have not written it yet); recycle rows "
                              f"between steps. Nothing was changed")
@@ -559,13 +592,9 @@ class KVCache:
             if lay.store is None:
                 a = sum(t.numel() * t.element_size() for t in self._cross.get(i, ()))
                 u = a
-            elif isinstance(lay.store, PagedStore):
-                a = self._manager.groups[lay.store.gi].blocks_in_use() * lay.store.block_bytes()
-                u = lay.store.used_bytes()
-                pool += lay.store.nbytes()
             else:
-                a, u = lay.store.nbytes(), lay.store.used_bytes()
-                pool += a
+                a, u = lay.store.allocated_bytes(), lay.store.used_bytes()
+                pool += lay.store.nbytes()
             rows.append(LayerMemory(i, lay.spec.kind, self.layer_tokens(i), a, u))
             alloc, used = alloc + a, used + u
         return CacheMemory(alloc, used, pool, tuple(rows))
@@ -590,8 +619,8 @@ class KVCache:
             >>> s.blocks_total, s.blocks_in_use, s.blocks_free
             (8, 2, 6)
         """
-        if self._manager is None:
-            raise ValueError("pool_stats: only paged caches have a block pool")
+        if (why := self._manager.refusal("pool_stats")) is not None:
+            raise ValueError(why)
         return self._manager.stats()
 
     def quant_error(self):
@@ -624,7 +653,7 @@ class KVCache:
         return layer
 
     def _batch(self) -> int | None:
-        if self._manager is not None and self._manager.rows:
+        if self._manager.rows:
             return self._manager.rows
         for lay in self._layers:
             if lay.store is not None and lay.store.batch is not None:
@@ -649,11 +678,11 @@ class KVCache:
             raise ValueError(f"update: k {tuple(k.shape)} and v {tuple(v.shape)} disagree on (B, H, N)")
         B, n = k.shape[0], k.shape[2]
         have = self._batch()
-        if self._manager is not None and self._manager.selected is not None and B != len(self._manager.selected):
+        if self._manager.selected is not None and B != len(self._manager.selected):
             raise ValueError(f"update: {layer.name} got batch {B} but steps feed the {len(self._manager.selected)} "
                              f"rows selected by cache.step_rows({self._manager.selected}); feed those, or "
                              f"step_rows(None) for every row")
-        if have is not None and B != have and (self._manager is None or self._manager.selected is None):
+        if have is not None and B != have and self._manager.selected is None:
             raise ValueError(f"update: {layer.name} got batch {B} but the cache holds {have} rows; use "
                              f"cache.reorder(idx) or cache.fork(n) to change rows, or a new cache")
         return batch_positions(positions, B, n, owner="update", device=k.device)

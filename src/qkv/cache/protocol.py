@@ -279,9 +279,13 @@ class RowSlots(Protocol):
 
     - ``open_rows(n)``: give a fresh cache ``n`` empty rows; every step then feeds ``(n, N)`` tokens, an
       empty or idle row's as padding (position ``-1``, never stored).
-    - ``admit_row(b, prompt_ids=None, *, salt=None) -> int``: start a new sequence in empty row ``b`` at
-      position 0. With prefix caching and ``prompt_ids`` (a list of ints) the row attaches the cached blocks of
-      its longest indexed prefix and the call returns their tokens; the caller feeds the prompt from there on.
+    - ``admit_row(b, prompt_ids=None, *, salt=None, max_new_tokens=None, chunk=None) -> int``: start a new
+      sequence in empty row ``b`` at position 0. With prefix caching and ``prompt_ids`` (a list of ints) the row
+      attaches the cached blocks of its longest indexed prefix and the call returns their tokens; the caller feeds
+      the prompt from there on. With ``max_new_tokens`` the row is promised the blocks the whole request can hold
+      until it is released (refused with :class:`qkv.cache.CacheFull` when ``can_admit`` says no).
+    - ``can_admit(prompt_tokens, max_new_tokens, *, chunk=None) -> bool``: whether such a request fits next to the
+      rows admitted with a promise (a scheduler asks before it admits, as vLLM's asks its KV-cache manager).
     - ``release_row(b)``: forget row ``b``: its blocks return to the pool at once and its position record is
       reset, so the row can start again at position 0.
 
@@ -294,7 +298,9 @@ class RowSlots(Protocol):
 
     def open_rows(self, n: int) -> None: ...
 
-    def admit_row(self, b: int, prompt_ids=None, *, salt=None) -> int: ...
+    def admit_row(self, b: int, prompt_ids=None, *, salt=None, max_new_tokens=None, chunk=None) -> int: ...
+
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> bool: ...
 
     def release_row(self, b: int) -> None: ...
 

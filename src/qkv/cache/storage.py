@@ -107,6 +107,28 @@ class Store:
         """Store k (B, H, n, Dk), v (B, H, n, Dv), pos (B, n); return (k_all, v_all, kv_pos (B, S))."""
         raise NotImplementedError
 
+    def write_deferred(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Like :meth:`write` for a step the caller first offers to :meth:`decode`: a store whose decode reads
+        its own tensors in place returns ``(None, None, kv_pos)`` and builds the view only when asked
+        (:meth:`gather`); default: the view at once."""
+        return self.write(k, v, pos)
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The view a :meth:`write_deferred` left out, ``(k_all, v_all)``; only stores that defer it have one."""
+        raise NotImplementedError
+
+    def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
+               window: int | None = None) -> torch.Tensor | None:
+        """Causal attention of the step just written over what this store holds, read in place; None (the
+        default): the caller attends over the view."""
+        return None
+
+    def emptied(self) -> Store | None:
+        """After the cache forgot every row: this store, emptied, when it keeps its tensors for the next request
+        (paged pools); None (the default): the cache builds a fresh store."""
+        return None
+
     def cannot_drop(self, n: int) -> str | None:
         """Why the last ``n`` slots cannot be dropped exactly, or ``None``."""
         return None
@@ -121,6 +143,11 @@ class Store:
     def nbytes(self) -> int:
         """Bytes allocated by this layer's tensors."""
         return 0
+
+    def allocated_bytes(self) -> int:
+        """Bytes this layer holds for its rows now; default :meth:`nbytes` (a pool's store counts its blocks in
+        use)."""
+        return self.nbytes()
 
     def used_bytes(self) -> int:
         """Bytes holding real (non-padding, non-empty) tokens."""

@@ -22,10 +22,11 @@ releases its blocks at once (``cache.release_row``), and the next waiting reques
 (``cache.admit_row``, which with ``prefix_caching=True`` attaches the cached blocks of its longest indexed
 prompt prefix, so only the rest is computed).
 
-Admission reserves, per group of layers that share block tables, the most blocks the request can hold (its
+Admission asks the cache's block manager (``cache.can_admit``, as vLLM's scheduler asks its KV-cache manager), which
+promises each admitted row, per group of layers that share block tables, the most blocks its request can hold (its
 prompt plus budget, or its window for sliding-window layers), so a running request never runs out of blocks:
 a request waits (first come, first served) until the pool can hold it, and :meth:`Engine.add` refuses one that
-no pool of this size could. Greedy tokens are those of running each request alone through
+no pool of this size could (``cache.never_fits``). Greedy tokens are those of running each request alone through
 :func:`qkv.models.generate` (the same model, ``eos_token_id=stop``).
 
 Example:
@@ -56,7 +57,7 @@ import torch
 
 from ..cache import KVCache, Paged, RowSlots
 from ..cache.protocol import DecoderModel
-from ..cache.specs import FullSpec, LatentSpec, RecurrentSpec, SlidingWindowSpec
+from ..cache.specs import RecurrentSpec
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
 from .generate import _vocab_size, last_tokens
@@ -97,7 +98,6 @@ class _Request:
     budget: int
     stop: frozenset[int]
     salt: bytes | str | None
-    need: list[int]  # blocks reserved per group while the request holds a row
     row: int = -1
     fed: int = 0  # prompt tokens in the cache (prefix hits included)
     hits: int = 0
@@ -218,10 +218,6 @@ class Engine:
         if not isinstance(self.cache, RowSlots):
             raise TypeError(f"Engine: {type(self.cache).__name__} cannot recycle rows (qkv.cache.RowSlots)")
         self.cache.open_rows(max_batch)
-        windows = {s.window if isinstance(s, SlidingWindowSpec) else None for s in self.cache.specs
-                   if isinstance(s, (FullSpec, SlidingWindowSpec, LatentSpec))}
-        self._windows: list[int | None] = sorted(windows, key=lambda w: -1 if w is None else w)
-        self._reserved = [0] * len(self._windows)
         self._rows: list[_Request | None] = [None] * max_batch
         self._waiting: deque[_Request] = deque()
         self._next_id = 0
@@ -246,14 +242,10 @@ class Engine:
         stops = self._check_stop(stop)
         if salt is not None and not isinstance(salt, (bytes, str)):
             raise TypeError(f"Engine.add: salt must be bytes, str or None, got {type(salt).__name__}")
-        need = self._blocks_needed(len(prompt), budget)
-        for w, n in zip(self._windows, need, strict=True):
-            if n > self.num_blocks:
-                what = "full-attention layers" if w is None else f"window-{w} layers"
-                raise ValueError(f"Engine.add: the request needs up to {n} blocks of {self.block_size} tokens in the "
-                                 f"{what} (prompt {len(prompt)} + max_new_tokens {budget}) but the pool has "
-                                 f"{self.num_blocks}; build the Engine with num_blocks >= {n}, or shorten the request")
-        req = _Request(self._next_id, prompt, budget, stops, salt, need)
+        why = self.cache.never_fits(len(prompt), budget, chunk=self.prefill_chunk)
+        if why is not None:
+            raise ValueError(f"Engine.add: {why}; build the Engine with more num_blocks, or shorten the request")
+        req = _Request(self._next_id, prompt, budget, stops, salt)
         self._next_id += 1
         self._waiting.append(req)
         return req.rid
@@ -290,21 +282,6 @@ class Engine:
             raise ValueError(f"Engine.add: stop tokens must lie in the vocabulary 0 .. {self.vocab_size - 1}, got "
                              f"{sorted(ids)}")
         return frozenset(ids)
-
-    def _blocks_needed(self, prompt: int, budget: int) -> list[int]:
-        """The most blocks a request holds at once, per group of layers: its prompt and every token fed back
-        (the last new token is never fed), or for a window-``W`` group what a row of ``W`` tokens and one step
-        spans; one more when a prefix hit may end inside a block, which is copied before it is written."""
-        T, stored = self.block_size, prompt + budget - 1
-        per_step = max(1, min(self.prefill_chunk, prompt))
-        copy = 1 if self.prefix_caching and prompt % T == 0 else 0
-        need = []
-        for w in self._windows:
-            blocks = math.ceil(stored / T)
-            if w is not None:
-                blocks = min(blocks, (w + per_step + 2 * T - 2) // T)
-            need.append(blocks + copy)
-        return need
 
     # stepping
     @property
@@ -347,14 +324,14 @@ class Engine:
         while self._waiting:
             req = self._waiting[0]
             free = next((b for b, r in enumerate(self._rows) if r is None), None)
-            if free is None or any(have + n > self.num_blocks for have, n in zip(self._reserved, req.need)):
+            if free is None or not self.cache.can_admit(len(req.prompt), req.budget, chunk=self.prefill_chunk):
                 return
             self._waiting.popleft()
             req.row = free
-            req.hits = self.cache.admit_row(free, req.prompt if self.prefix_caching else None, salt=req.salt)
+            req.hits = self.cache.admit_row(free, req.prompt, salt=req.salt, max_new_tokens=req.budget,
+                                            chunk=self.prefill_chunk)
             req.fed = req.hits
             self._rows[free] = req
-            self._reserved = [have + n for have, n in zip(self._reserved, req.need)]
 
     def _run(self, rows: list[int]) -> list[EngineUpdate]:
         """One forward pass over ``rows`` (prompt chunks or last tokens, right-aligned); their updates."""
@@ -391,10 +368,8 @@ class Engine:
         return updates
 
     def _finish(self, b: int) -> None:
-        req = self._rows[b]
-        self.cache.release_row(b)
+        self.cache.release_row(b)  # its blocks and its promise return to the pool
         self._rows[b] = None
-        self._reserved = [have - n for have, n in zip(self._reserved, req.need)]
 
     def stream(self) -> Iterator[EngineUpdate]:
         """Step until no request waits or runs, yielding every :class:`EngineUpdate` as it comes. Requests added

@@ -1,165 +1,53 @@
-"""Paged KV storage: a pool of fixed-size blocks per layer, block tables per sequence, reference
-counts, copy-on-write forks and prefix caching (PagedAttention / vLLM, Kwon et al. 2023,
+"""The block manager of paged storage: a pool of fixed-size blocks per group of layers, block tables per row,
+reference counts, copy-on-write forks and the prefix index (PagedAttention / vLLM, Kwon et al. 2023,
 arXiv:2309.06180; automatic prefix caching as in vLLM and SGLang's RadixAttention, Zheng et al. 2023,
-arXiv:2312.07104).
+arXiv:2312.07104). The stores (:mod:`qkv.cache.paged.store`) own the pools' tensors; this file owns which block
+holds which token.
 
-Shape legend: B rows (sequences), H key/value heads, P blocks in the pool, T block size, Dk/Dv widths.
+Shape legend: B rows (sequences), P blocks in the pool, T block size.
 
-- Layers that keep the same tokens share one block table per row: all full-attention (and latent)
-  layers form one group, each sliding window ``W`` another. Each layer owns its pools
-  ``k (P + 1, H, T, Dk)``, ``v (P + 1, H, T, Dv)``; the group owns the positions ``(P + 1, T)``. Block
-  ``P`` is the null block: it is never written and its positions are ``-1``.
-- Padding tokens are not stored: each row holds exactly its real tokens, which is where paging saves
-  memory against a batch padded to its longest row.
-- On CPU with qkv's compiled kernels (:mod:`qkv.cpu.kernels`) a step is written into its slots by one call
-  (``paged_store.cpp``) and attended where the blocks lie, one query per row or a prompt chunk
-  (:meth:`PagedStore.decode`); no padded view is gathered. Elsewhere layers attend over the gathered view.
-- A step's slots are allocated once, for every group, before anything is written: by
-  ``cache.prepare(input_ids, positions)`` or by the first layer's write. When the pool cannot hold the
-  step, :class:`CacheFull` is raised and nothing changes.
-- ``reorder(idx)`` (beam search, ``fork`` for n samples) copies block tables, not blocks: a block
-  referenced by several rows (or indexed by the prefix cache) is copied before it is written.
+- Layers that keep the same tokens share one block table per row: all full-attention (and latent) layers form
+  one group, each sliding window ``W`` another. The group owns the positions ``(P + 1, T)``; block ``P`` is the
+  null block: it is never written and its positions are ``-1``.
+- Padding tokens are not stored: each row holds exactly its real tokens, which is where paging saves memory
+  against a batch padded to its longest row.
+- A step's slots are allocated once, for every group, before anything is written: by ``cache.prepare(input_ids,
+  positions)`` or by the first layer's write. When the pool cannot hold the step, :class:`CacheFull` is raised
+  and nothing changes. :meth:`BlockManager.can_admit` answers beforehand whether a request of a given length
+  would fit next to the rows already admitted (a scheduler's admission test, as vLLM's asks its KV-cache
+  manager).
+- ``reorder(idx)`` (beam search, ``fork`` for n samples) copies block tables, not blocks: a block referenced by
+  several rows (or indexed by the prefix cache) is copied before it is written.
 - Sliding-window groups release the blocks that fall out of the window (plus ``rollback`` tokens).
-- Prefix caching: a full block is keyed by a SHA-256 hash chain over the token ids of its row's
-  prefix, seeded with an optional ``salt`` (so tenants never share blocks). A block whose last
-  reference goes away keeps its contents and hash; it is reused on a hit, or evicted least recently
-  used first when the pool needs room.
-- Sharing within one batch: ``match_prefix`` also lets a row reuse the full blocks of its prompt that
-  a longer row of the same batch (ties: the earlier row) is about to write. The writer's blocks are
-  reserved at once and both tables point at them; the writer fills them during the prefill, and the
-  reader's queries see them in the very step they are written (each layer writes every row before
-  any row attends). Because the writer is at least as long, its tokens come no later than the
-  reader's first token when the rows are right-aligned (left padding), in one pass or in chunks. A
-  step in which a reader would attend to blocks that are still unwritten is refused.
+- Prefix caching: a full block is keyed by its prefix's hash chain (:mod:`qkv.cache.paged.prefix`). A block whose
+  last reference goes away keeps its contents and hash; it is reused on a hit, or evicted least recently used
+  first when the pool needs room.
+- Sharing within one batch: ``match_prefix`` also lets a row reuse the full blocks of its prompt that a longer row
+  of the same batch (ties: the earlier row) is about to write. The writer's blocks are reserved at once and both
+  tables point at them; the writer fills them during the prefill, and the reader's queries see them in the very
+  step they are written (each layer writes every row before any row attends). Because the writer is at least as
+  long, its tokens come no later than the reader's first token when the rows are right-aligned (left padding), in
+  one pass or in chunks. A step in which a reader would attend to blocks that are still unwritten is refused.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from ..backends.paged import gather_head_major
-from ..cpu import kernels
-from .storage import Store
+from ...pos.ids import batch_positions
+from .config import CacheFull, Paged, PoolStats
+from .prefix import extend_chain, prefix_hashes, salt_bytes
 
-__all__ = ["Paged", "PagedStore", "BlockManager", "CacheFull", "PoolStats", "prefix_hashes"]
+__all__ = ["BlockManager", "BlockGroup", "StepSlots"]
 
 
 _FOLD_STEPS = 256  # history entries joined into one once that many steps accumulate
 
 
-class CacheFull(RuntimeError):
-    """The block pool cannot hold the requested tokens. Nothing was written."""
-
-
-@dataclass(frozen=True)
-class Paged:
-    """Block-paged storage.
-
-    Args:
-        block_size: tokens per block (vLLM's default is 16).
-        num_blocks: blocks in each layer's pool; exhausting them raises :class:`CacheFull`.
-        prefix_caching: index full blocks by the hash of their token prefix and reuse them
-            (``cache.match_prefix``), across requests and between rows of one batch.
-    """
-
-    block_size: int = 16
-    num_blocks: int = 1024
-    prefix_caching: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Paged({name}): expected a positive int, got {value!r}")
-
-    def describe(self) -> str:
-        return f"paged(block_size={self.block_size}, num_blocks={self.num_blocks})"
-
-    def layer_blocks(self, lengths: list[int], keep: int | None) -> int:
-        """Blocks a layer's rows reference after holding ``lengths`` tokens each (padding is never stored);
-        ``keep``: the tokens a bounded layer keeps, whose blocks wholly before them are released when the
-        next step is allocated."""
-        T = self.block_size
-        if keep is None:
-            return sum(math.ceil(n / T) for n in lengths)
-        return sum(math.ceil(n / T) - max(0, (n - 1 - keep) // T) for n in lengths)
-
-
-class PoolStats(NamedTuple):
-    """Occupancy of the block pool of one group of layers, and the prefix cache's record.
-
-    ==============================  ==========================================================================
-    field                           meaning
-    ==============================  ==========================================================================
-    ``block_size``                  tokens per block
-    ``blocks_total``                blocks in the pool (``Paged.num_blocks``); each layer of the group has one
-    ``blocks_in_use``               blocks referenced by at least one row now
-    ``blocks_cached_reusable``      blocks no row references that still hold an indexed prompt prefix: a later
-                                    request reuses them, or they are evicted (least recently used first)
-    ``blocks_free``                 blocks holding nothing
-    ``prefix_lookup_tokens``        prompt tokens looked up by ``match_prefix`` since the cache was built
-                                    (whole cache: the same in every group)
-    ``prefix_hit_tokens``           of those, tokens whose keys and values were reused instead of recomputed
-    ``prefix_hit_tokens_in_batch``  of the hits, tokens in blocks another row of the same batch wrote
-    ``hit_rate``                    ``prefix_hit_tokens / prefix_lookup_tokens`` (0.0 before any lookup)
-    ==============================  ==========================================================================
-
-    ``blocks_in_use + blocks_cached_reusable + blocks_free == blocks_total``.
-    """
-
-    block_size: int
-    blocks_total: int
-    blocks_in_use: int
-    blocks_cached_reusable: int
-    blocks_free: int
-    prefix_lookup_tokens: int
-    prefix_hit_tokens: int
-    prefix_hit_tokens_in_batch: int
-    hit_rate: float
-
-
-def _salt_bytes(salt) -> bytes:
-    if salt is None:
-        return b""
-    if isinstance(salt, bytes):
-        return salt
-    if isinstance(salt, str):
-        return salt.encode()
-    raise TypeError(f"salt: expected bytes, str or None, got {type(salt).__name__}")
-
-
-def prefix_hashes(token_ids: list[int], block_size: int, *, salt=None) -> list[bytes]:
-    """SHA-256 hash chain of the full blocks of ``token_ids``: block ``j``'s key covers tokens
-    ``0 .. (j + 1) * block_size - 1`` and the salt, so equal keys mean equal prefixes.
-
-    Example:
-        >>> a = prefix_hashes(list(range(40)), 16)
-        >>> len(a), a == prefix_hashes(list(range(32)) + [7] * 8, 16)
-        (2, True)
-    """
-    return _extend_chain([], token_ids, block_size, _salt_bytes(salt))
-
-
-def _extend_chain(chain: list[bytes], token_ids: list[int], block_size: int, salt: bytes) -> list[bytes]:
-    """``chain`` extended to every full block of ``token_ids`` (its existing keys are kept)."""
-    out = list(chain)
-    parent = out[-1] if out else hashlib.sha256(b"qkv-prefix:" + salt).digest()
-    for j in range(len(out), len(token_ids) // block_size):
-        block = token_ids[j * block_size:(j + 1) * block_size]
-        h = hashlib.sha256(parent)
-        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in block))
-        parent = h.digest()
-        out.append(parent)
-    return out
-
-
-class _Group:
+class BlockGroup:
     """Block pool and per-row tables of the layers that keep the same tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, window: int | None, keep: int | None) -> None:
@@ -227,7 +115,7 @@ class _Group:
         return sum(1 for r in self.ref if r > 0)
 
 
-class _StepSlots(NamedTuple):
+class StepSlots(NamedTuple):
     """Where one step's tokens go: the block and slot of each real token, and each row's block table and the
     positions of its paged view, per group of layers."""
 
@@ -239,19 +127,18 @@ class _StepSlots(NamedTuple):
     view_pos: list[torch.Tensor]  # per group (B, nb * T) positions, -1 past each row's length
     src: torch.Tensor | None  # (n_real,) each real token's flat index b * n + t in the step's (B, n); CPU only
 
-
 class BlockManager:
     """Allocation state shared by every paged layer of one cache: groups, rows, steps, hashes."""
 
     def __init__(self, config: Paged, windows: list[int | None], *, rollback: int = 0) -> None:
         self.config, self.T = config, config.block_size
         self.group_of: dict[int | None, int] = {}
-        self.groups: list[_Group] = []
+        self.groups: list[BlockGroup] = []
         for w in windows:
             if w not in self.group_of:
                 self.group_of[w] = len(self.groups)
                 keep = None if w is None else w + rollback
-                self.groups.append(_Group(config.num_blocks, config.block_size, w, keep))
+                self.groups.append(BlockGroup(config.num_blocks, config.block_size, w, keep))
         self.rows = 0
         self.lens: list[int] = []
         self.base: list[int] = []  # tokens a row started with (prefix hits)
@@ -264,12 +151,13 @@ class BlockManager:
         self.history: list[torch.Tensor] = []  # per step (B, n) bool: which tokens were real
         self.folded = 0  # leading history entries that each join _FOLD_STEPS steps' columns
         self.seen = 0
-        self.step: _StepSlots | None = None
-        self.ragged: tuple[_StepSlots, dict[int, bool]] | None = None  # the step's answers of PagedStore._ragged
-        self.stores: list[PagedStore] = []
-        self.pending: list[tuple[_Group, int, bytes]] = []
+        self.step: StepSlots | None = None
+        self.stores: list = []
+        self.pending: list[tuple[BlockGroup, int, bytes]] = []
         self.lookup_tokens = self.hit_tokens = self.hit_tokens_in_batch = 0
         self.selected: list[int] | None = None  # rows the steps feed (KVCache.step_rows); None: all
+        self.reserved = [0] * len(self.groups)  # blocks per group promised to admitted rows (can_admit)
+        self.row_reserved: dict[int, list[int]] = {}  # row -> its share of ``reserved``
 
     # rows
     def _init_rows(self, B: int, salt=None) -> None:
@@ -280,7 +168,7 @@ class BlockManager:
         self.lens, self.base, self.promised = [0] * B, [0] * B, [0] * B
         self.promised_ids = [[] for _ in range(B)]
         self.tokens = [[] for _ in range(B)]
-        self.salts = [_salt_bytes(s) for s in salts]
+        self.salts = [salt_bytes(s) for s in salts]
         self.hashes = [[] for _ in range(B)]
         self.waits = {}
         for g in self.groups:
@@ -300,6 +188,7 @@ class BlockManager:
         self.folded = 0
         self.promised, self.promised_ids, self.waits = [], [], {}
         self.selected = None
+        self._forget_reservations()
 
     def sharing_in_progress(self) -> str | None:
         """Why rows cannot be reordered or cropped yet: a row still has to write blocks another row of its
@@ -315,6 +204,71 @@ class BlockManager:
         """Give a fresh manager ``n`` empty rows."""
         self.commit()
         self._init_rows(n)
+        self._forget_reservations()
+
+    def refusal(self, what: str) -> str | None:
+        """Paged storage does every row operation: None (:class:`qkv.cache.rows.RowManager`)."""
+        return None
+
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Allocate the step of ``input_ids`` (B, N) at ``positions`` before the forward pass (:meth:`allocate`)."""
+        pos = batch_positions(positions, input_ids.shape[0], input_ids.shape[1], owner="prepare")
+        self.allocate(pos, input_ids)
+
+    # admission (a scheduler asks before it gives a request a row)
+    def blocks_needed(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> list[int]:
+        """The most blocks a request holds at once, per group of layers: its prompt and every new token fed back
+        (the last one never is), or for a window-``W`` group what a row of ``W`` tokens and one step of at most
+        ``chunk`` tokens (default: the whole prompt) spans; one more when a prefix hit may end inside a block,
+        which is copied before it is written."""
+        T, stored = self.T, prompt_tokens + max_new_tokens - 1
+        per_step = max(1, prompt_tokens if chunk is None else min(chunk, prompt_tokens))
+        copy = 1 if self.config.prefix_caching and prompt_tokens % T == 0 else 0
+        need = []
+        for g in self.groups:
+            blocks = -(-stored // T)
+            if g.window is not None:
+                blocks = min(blocks, (g.window + per_step + 2 * T - 2) // T)
+            need.append(blocks + copy)
+        return need
+
+    def can_admit(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> bool:
+        """Whether a request of ``prompt_tokens`` and up to ``max_new_tokens`` fits next to the rows admitted with
+        a reservation: in every group, the blocks reserved plus :meth:`blocks_needed` are at most the pool."""
+        need = self.blocks_needed(prompt_tokens, max_new_tokens, chunk=chunk)
+        return all(have + n <= g.P for have, n, g in zip(self.reserved, need, self.groups, strict=True))
+
+    def never_fits(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> str | None:
+        """Why no pool of this size could hold such a request even alone, or None."""
+        need = self.blocks_needed(prompt_tokens, max_new_tokens, chunk=chunk)
+        for g, n in zip(self.groups, need, strict=True):
+            if n > g.P:
+                what = "full-attention layers" if g.window is None else f"window-{g.window} layers"
+                return (f"the request needs up to {n} blocks of {self.T} tokens in the {what} (prompt {prompt_tokens} "
+                        f"+ max_new_tokens {max_new_tokens}) but the pool has {g.P}")
+        return None
+
+    def reserve(self, b: int, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> None:
+        """Promise row ``b`` the blocks of such a request until it is released; :class:`CacheFull` (changing
+        nothing) when :meth:`can_admit` says no."""
+        if not self.can_admit(prompt_tokens, max_new_tokens, chunk=chunk):
+            raise CacheFull(f"admit_row({b}): the request (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}) "
+                            f"needs {self.blocks_needed(prompt_tokens, max_new_tokens, chunk=chunk)} blocks per group "
+                            f"but {[g.P - r for g, r in zip(self.groups, self.reserved, strict=True)]} are not "
+                            f"reserved by other rows; release a row first. Nothing was changed")
+        self._unreserve(b)
+        need = self.blocks_needed(prompt_tokens, max_new_tokens, chunk=chunk)
+        self.row_reserved[b] = need
+        self.reserved = [have + n for have, n in zip(self.reserved, need, strict=True)]
+
+    def _unreserve(self, b: int) -> None:
+        need = self.row_reserved.pop(b, None)
+        if need is not None:
+            self.reserved = [have - n for have, n in zip(self.reserved, need, strict=True)]
+
+    def _forget_reservations(self) -> None:
+        self.reserved = [0] * len(self.groups)
+        self.row_reserved = {}
 
     def step_in_progress(self) -> bool:
         """True while some paged layer has not yet written the step allocated last."""
@@ -356,13 +310,20 @@ class BlockManager:
         for r in self.history:
             r[b] = False
         self.step = None
+        self._unreserve(b)
 
-    def admit_row(self, b: int, prompt_ids: list[int] | None, salt=None) -> int:
+    def admit_row(self, b: int, prompt_ids: list[int] | None, salt=None, *,
+                  reserve: tuple[int, int, int | None] | None = None) -> int:
         """Start a new sequence in empty row ``b``: with prefix caching and ``prompt_ids``, attach the indexed
-        blocks of its longest cached prefix; the prompt tokens reused (the last one is always left to compute)."""
+        blocks of its longest cached prefix; the prompt tokens reused (the last one is always left to compute).
+        ``reserve``: ``(prompt_tokens, max_new_tokens, chunk)`` of the request, whose blocks the row is promised
+        (:meth:`reserve`) until it is released."""
         if self.lens[b] or any(g.tables[b] for g in self.groups):
             raise ValueError(f"admit_row({b}): row {b} holds {self.lens[b]} tokens; release_row({b}) first")
-        self.salts[b] = _salt_bytes(salt)
+        salt = salt_bytes(salt)
+        if reserve is not None:
+            self.reserve(b, reserve[0], reserve[1], chunk=reserve[2])
+        self.salts[b] = salt
         if prompt_ids is None or not self.config.prefix_caching:
             return 0
         self.commit()
@@ -398,7 +359,7 @@ class BlockManager:
         self.hit_tokens += sum(hits)
         return torch.tensor(hits, dtype=torch.int64)
 
-    def _window_start(self, g: _Group, tokens: int) -> int:
+    def _window_start(self, g: BlockGroup, tokens: int) -> int:
         """First block a group still needs after ``tokens`` tokens (0 for full-attention groups)."""
         return 0 if g.keep is None else max(0, tokens - (g.window - 1)) // self.T
 
@@ -472,12 +433,12 @@ class BlockManager:
         self._set_prefix(b, new_h, prompts[b], chains[b])
         return new_h
 
-    def _group_has(self, g: _Group, chain: list[bytes], j: int) -> bool:
+    def _group_has(self, g: BlockGroup, chain: list[bytes], j: int) -> bool:
         start = self._window_start(g, j * self.T)
         return all(chain[i] in g.by_hash for i in range(start, j))
 
     # steps
-    def step_for(self, store_seen: int, positions: torch.Tensor) -> _StepSlots:
+    def step_for(self, store_seen: int, positions: torch.Tensor) -> StepSlots:
         """The slot map of the step a layer is writing, allocating it on the step's first write."""
         n = positions.shape[1]
         if store_seen == self.seen:
@@ -495,7 +456,7 @@ class BlockManager:
                 g.register(block, key)
         self.pending = []
 
-    def allocate(self, positions: torch.Tensor, input_ids: torch.Tensor | None) -> _StepSlots:
+    def allocate(self, positions: torch.Tensor, input_ids: torch.Tensor | None) -> StepSlots:
         """Give a step's real tokens (``positions >= 0``, (B, n)) their slots in every group, all or nothing:
         check the rows, check that rows reusing blocks of their batch read only written ones, plan each group
         (raising :class:`CacheFull` before any change), then release, copy-on-write and take blocks, record
@@ -519,7 +480,7 @@ class BlockManager:
         self.seen += n
         device = positions.device
         tables, view_pos = self._views(device)
-        self.step = _StepSlots(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
+        self.step = StepSlots(n, real, [torch.tensor(bl, dtype=torch.int64, device=device) for bl in blocks],
                           torch.tensor(offsets, dtype=torch.int64, device=device), tables, view_pos, None)
         if self.selected is not None:  # the layers see the selected rows only
             sel = torch.tensor(self.selected, dtype=torch.int64, device=device)
@@ -570,12 +531,12 @@ class BlockManager:
                                  f"tokens differ from the prompt match_prefix was given; feed each row the prompt it "
                                  f"was matched with, from its reused length on")
 
-    def _must_copy(self, g: _Group, b: int, length: int) -> bool:
+    def _must_copy(self, g: BlockGroup, b: int, length: int) -> bool:
         """Row ``b`` appends into a partial last block that other rows can see: copy it first. A block the row
         fills for other rows of its batch (below ``promised``) is written in place: that is what they wait for."""
         return bool(length % self.T) and length >= self.promised[b] and g.shared(g.tables[b][length // self.T])
 
-    def _plan_group(self, g: _Group, counts: list[int]) -> list[int]:
+    def _plan_group(self, g: BlockGroup, counts: list[int]) -> list[int]:
         """Blocks each row releases from group ``g`` (out of its window); raises :class:`CacheFull`, changing
         nothing, when the group cannot hold the step."""
         release = [g.releasable(b, self.lens[b]) for b in range(self.rows)]
@@ -654,7 +615,7 @@ class BlockManager:
                 full = self.lens[b] // self.T
                 if full > len(self.hashes[b]):
                     done = len(self.hashes[b])
-                    self.hashes[b] = _extend_chain(self.hashes[b], self.tokens[b], self.T, self.salts[b])
+                    self.hashes[b] = extend_chain(self.hashes[b], self.tokens[b], self.T, self.salts[b])
                     for g in self.groups:
                         for j in range(max(done, g.first[b]), full):
                             self.pending.append((g, g.tables[b][j], self.hashes[b][j]))
@@ -759,6 +720,7 @@ class BlockManager:
         self.history = [r.index_select(0, t.to(r.device)) for r in self.history]
         self.rows, self.step = len(idx), None
         self.selected = None
+        self._forget_reservations()  # rows were renumbered
 
     def stats(self) -> dict[str, PoolStats]:
         """:class:`PoolStats` per group of layers: ``"full_attention"`` (full and latent layers) and
@@ -772,171 +734,3 @@ class BlockManager:
                                   self.hit_tokens, self.hit_tokens_in_batch, rate)
         return out
 
-
-#: Without qkv's compiled CPU kernels (which serve every CPU decode step),
-#: the block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves a CPU decode step when the step's rows
-#: fill at most this share of the padded view, and the view holds at least BLOCKS_MIN_SLOTS slots: on
-#: benchmarks/decode.py's ``paged_cpu`` table fuller views go faster padded (one SDPA over long rows beats many
-#: span-sized GEMMs) and small ones too (the block path's fixed cost, a few dozen small ops), while a request
-#: stream's ragged rows (about half full) go faster by blocks.
-BLOCKS_BELOW_FILL = 0.7
-BLOCKS_MIN_SLOTS = 8192
-
-
-class PagedStore(Store):
-    """One layer's pools; slots come from the shared :class:`BlockManager`."""
-
-    def __init__(self, manager: BlockManager, window: int | None, *, layer: str = "layer") -> None:
-        self.manager, self.layer = manager, layer
-        self.gi = manager.group_of[window]
-        self.group = manager.groups[self.gi]
-        self.kp: torch.Tensor | None = None
-        self.vp: torch.Tensor | None = None
-        self.seen = 0
-        manager.stores.append(self)
-
-    @property
-    def batch(self) -> int | None:
-        return self.manager.rows or None
-
-    def write(self, k, v, pos, *, gather: bool = True):
-        """Store the step; return the layer's view ``(k_all, v_all, kv_positions)``, or ``(None, None,
-        kv_positions)`` without ``gather`` (the caller decodes in place, :meth:`decode`, or asks :meth:`gather`)."""
-        step = self.manager.step_for(self.seen, pos)
-        g, T = self.group, self.manager.T
-        B, H, n, Dk = k.shape
-        if self.kp is None:
-            self.kp = k.new_zeros(g.P + 1, H, T, Dk)
-            self.vp = v.new_zeros(g.P + 1, H, T, v.shape[-1])
-            g.pools.append((self.kp, self.vp))
-        if step.offsets.numel():
-            mod = kernels.load() if k.device.type == "cpu" and step.src is not None else None
-            if (mod is not None and k.dtype == v.dtype == self.kp.dtype == self.vp.dtype and k.stride(-1) == 1
-                    and v.stride(-1) == 1 and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
-                mod.paged_store(self.kp, self.vp, k, v, step.blocks[self.gi], step.offsets, step.src)
-            else:
-                self.kp[step.blocks[self.gi], :, step.offsets] = k.transpose(1, 2)[step.real]  # (n_real, H, Dk)
-                self.vp[step.blocks[self.gi], :, step.offsets] = v.transpose(1, 2)[step.real]
-        self.seen += n
-        if not gather:
-            return None, None, step.view_pos[self.gi]
-        return (*self.gather(), step.view_pos[self.gi])
-
-    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's view of this layer, ``(k_all (B, H, nb * T, Dk), v_all (B, H, nb * T, Dv))``."""
-        tab = self.manager.step.tables[self.gi]  # (B, nb)
-        return gather_head_major(self.kp, tab), gather_head_major(self.vp, tab)
-
-    def decodes_in_place(self, *tensors: torch.Tensor) -> bool:
-        """Whether :meth:`decode` will serve a step of these tensors (this step's ``k``, ``v``: (B, H, N, D)):
-        one query per row, the Triton kernel's conditions or the block path's (:meth:`blocks_serve`); several,
-        the compiled CPU kernel's (:func:`qkv.backends.paged.blocks_compiled`)."""
-        from ..backends.paged import BLOCKS_DTYPES, blocks_compiled
-        from ..backends.triton import gpu_decode_ready
-
-        if tensors and tensors[0].dim() == 4 and tensors[0].shape[2] > 1:
-            every = (*tensors, *(t for t in (self.kp, self.vp) if t is not None))
-            return all(t.dtype in BLOCKS_DTYPES for t in every) and blocks_compiled(*every)
-        return gpu_decode_ready(*tensors) or self.blocks_serve(*tensors)
-
-    def blocks_serve(self, *tensors: torch.Tensor) -> bool:
-        """Whether the block path (:func:`qkv.backends.paged.paged_decode_blocks`) serves this step: off CUDA,
-        float32/float64 pools and tensors, no gradients, and either qkv's compiled CPU kernel built (it reads each
-        row's visible slots in place) or the step's rows ragged enough (live slots at most
-        :data:`BLOCKS_BELOW_FILL` of a padded view of at least :data:`BLOCKS_MIN_SLOTS` slots) that the torch-op
-        block path beats gathering and reading the padded view."""
-        from ..backends.paged import BLOCKS_DTYPES, blocks_compiled
-
-        step = self.manager.step
-        if step is None or self.kp is None:
-            return False
-        every = (*tensors, self.kp, self.vp)
-        if any(t.is_cuda or t.dtype not in BLOCKS_DTYPES for t in every):
-            return False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in every):
-            return False
-        if blocks_compiled(*every):  # reads the visible slots in place: decode.py's paged_cpu table measures it
-            return True  # 1.3-4.3x faster than the padded view (median) in every case, full views included
-        return self._ragged(step)
-
-    def _ragged(self, step: _StepSlots) -> bool:
-        """The step's view holds at least BLOCKS_MIN_SLOTS slots, at most BLOCKS_BELOW_FILL of them live; counted
-        once per step and group (the update that defers the view and the decode ask it, every layer of the group
-        shares the view's positions)."""
-        m = self.manager
-        if m.ragged is None or m.ragged[0] is not step:
-            m.ragged = (step, {})
-        answers = m.ragged[1]
-        if self.gi not in answers:
-            pos = step.view_pos[self.gi]
-            answers[self.gi] = (pos.numel() >= BLOCKS_MIN_SLOTS
-                                and int((pos >= 0).sum()) <= BLOCKS_BELOW_FILL * pos.numel())
-        return answers[self.gi]
-
-    def decode(self, q: torch.Tensor, q_positions: torch.Tensor, *, scale: float,
-               window: int | None = None) -> torch.Tensor | None:
-        """Causal attention of the step just written over this layer's blocks, without the padded view. One query
-        per row: the Triton paged-decode kernel (in place), when ``gpu_decode_ready`` holds for the query and the
-        pools (CUDA, no gradients, triton installed); else the torch block path over each row's live blocks,
-        when :meth:`blocks_serve` holds. Several (a prompt chunk): the compiled CPU kernel
-        (:func:`qkv.backends.paged.paged_prefill_blocks`), reading each row's visible slots in place. None
-        otherwise, and the caller attends over the view (:meth:`gather`).
-
-        Args:
-            q: (B, Hq, N, D) rotated queries; q_positions (B, N) int64 (``-1``: padding, zeros out).
-            window: as in ``masks.positions(..., window=W)``.
-
-        Returns:
-            (B, Hq, N, Dv) in q's dtype, or None.
-        """
-        from ..backends.triton import gpu_decode_ready
-
-        step = self.manager.step
-        if step is None or q.dim() != 4 or self.kp is None:
-            return None
-        if q.shape[2] > 1:  # a prompt chunk: the compiled CPU kernel reads the blocks in place, else the view
-            from ..backends.paged import BLOCKS_DTYPES, blocks_compiled, paged_prefill_blocks
-
-            if not (q.dtype in BLOCKS_DTYPES and q.dtype == self.kp.dtype and blocks_compiled(q, self.kp, self.vp)):
-                return None
-            out, _ = paged_prefill_blocks(q, self.kp, self.vp, step.tables[self.gi], step.view_pos[self.gi],
-                                          q_positions, scale=scale, window=window)
-            return out
-        if gpu_decode_ready(q, self.kp, self.vp):
-            from ..backends.triton.decode import paged_decode as kernel
-        elif self.blocks_serve(q):
-            from ..backends.paged import paged_decode_blocks as kernel
-        else:
-            return None
-        out, _ = kernel(q[:, :, 0], self.kp, self.vp, step.tables[self.gi], step.view_pos[self.gi],
-                        q_positions[:, 0], scale=scale, window=window)
-        return out.unsqueeze(2)
-
-    def cannot_drop(self, n):
-        return None  # the manager checks for the whole cache
-
-    def drop_last(self, n):
-        self.seen -= n
-
-    def reorder(self, idx):
-        pass  # tables live in the manager
-
-    def nbytes(self):
-        return sum(t.numel() * t.element_size() for t in (self.kp, self.vp) if t is not None)
-
-    def used_bytes(self):
-        if self.kp is None:
-            return 0
-        per_token = (self.kp[0, :, 0].numel() * self.kp.element_size()
-                     + self.vp[0, :, 0].numel() * self.vp.element_size())
-        keep = self.group.window  # tokens a sliding layer still needs; the rest of its blocks is waste
-        return per_token * sum(n if keep is None else min(n, keep) for n in self.manager.lens)
-
-    def block_bytes(self) -> int:
-        """Bytes of one block in this layer (keys and values)."""
-        if self.kp is None:
-            return 0
-        return (self.kp[0].numel() * self.kp.element_size() + self.vp[0].numel() * self.vp.element_size())
-
-    def held(self):
-        return max(self.manager.lens, default=0)
