@@ -156,6 +156,7 @@ class KVCache:
         self.storage, self.quant, self.policy, self.rollback, self.dtype = storage, quant, policy, rollback, dtype
         self._manager: BlockManager | None = None
         self._device: torch.device | None = None
+        self._row_slots = False  # open_rows: recurrent states kept per row slot
         self._build()
 
     # construction
@@ -302,7 +303,10 @@ class KVCache:
     def recurrent_state(self, layer_idx: int):
         """The state a recurrent layer (:class:`qkv.cache.RecurrentSpec`) left after its last step, as it was
         given to ``update_recurrent`` (e.g. a :class:`qkv.nn.RecurrentState`), or None before the first."""
-        return self._layer(layer_idx, (RecurrentSpec,), "recurrent_state").store.get()
+        store = self._layer(layer_idx, (RecurrentSpec,), "recurrent_state").store
+        if self._row_slots:  # continuous batching: the state of the rows this step feeds
+            return store.get_rows(self._manager.selected, self._manager.rows)
+        return store.get()
 
     def update_recurrent(self, layer_idx: int, state, *, tokens: int) -> None:
         """Keep a recurrent layer's state after a step that consumed ``tokens`` tokens per row.
@@ -315,7 +319,10 @@ class KVCache:
         layer = self._layer(layer_idx, (RecurrentSpec,), "update_recurrent")
         if self._device is None:
             self._device = state[1].device if isinstance(state, tuple) and len(state) == 2 else None
-        layer.store.put(state, tokens)
+        if self._row_slots:
+            layer.store.put_rows(self._manager.selected, self._manager.rows, state, tokens)
+        else:
+            layer.store.put(state, tokens)
 
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,6 +448,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every row. Paged storage keeps its pools and its prefix index for the next request."""
+        self._row_slots = False
         if self._manager is not None:
             self._manager.reset()
             for lay in self._layers:
@@ -466,6 +474,7 @@ class KVCache:
                              f"cache (cache.reset() keeps the prefix index)")
         manager.open_rows(n)
         self._order.forget()
+        self._row_slots = True
 
     def admit_row(self, b: int, prompt_ids: Sequence[int] | None = None, *, salt=None) -> int:
         """Start a new sequence in empty row ``b`` at position 0 (paged storage). With prefix caching and
@@ -485,6 +494,7 @@ class KVCache:
             ids = list(prompt_ids)
         hits = manager.admit_row(b, ids, salt)
         self._order.forget_rows([b])
+        self._clear_recurrent_row(b)
         return hits
 
     def release_row(self, b: int) -> None:
@@ -495,8 +505,14 @@ class KVCache:
         self._check_row(b, "release_row")
         manager.release_row(b)
         self._order.forget_rows([b])
+        self._clear_recurrent_row(b)
         for lay in self._layers:
             lay.last_view = None
+
+    def _clear_recurrent_row(self, b: int) -> None:
+        for lay in self._layers:
+            if isinstance(lay.store, RecurrentStore):
+                lay.store.clear_row(b)
 
     def step_rows(self, rows: Sequence[int] | None) -> None:
         """Until the next call, steps feed only ``rows`` (paged storage; increasing row indices) as
