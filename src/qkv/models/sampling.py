@@ -249,8 +249,11 @@ class RequestSampler:
         if logits.dim() != 1 or logits.shape[0] < self.vocab_size:
             raise ValueError(f"RequestSampler.choose: logits must be (V,) with V >= {self.vocab_size}, got "
                              f"{tuple(logits.shape)}")
-        x = process_logits(logits, self.params, seen=self.seen, counts=self.counts)
-        token = int(x.argmax()) if self.params.greedy else draw(x, self.generator)
+        if self.params.greedy and not self.params.penalized:  # as generate's greedy: the float32 logits' argmax
+            token = int(logits.float().argmax())
+        else:
+            x = process_logits(logits, self.params, seen=self.seen, counts=self.counts)
+            token = int(x.argmax()) if self.params.greedy else draw(x, self.generator)
         lp = None
         if self.params.logprobs is not None:
             raw = torch.log_softmax(logits.detach().to(torch.float64), -1)
