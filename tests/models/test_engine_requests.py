@@ -129,7 +129,6 @@ def test_text_prompts_and_stop_strings_with_a_tokenizer():
     plain = engine.add(ids, 3)
     results = engine.run()
     res = results[rid]
-    n = len(tok.decode(full[:0]))
     for n in range(1, len(full) + 1):  # the first token count whose text holds the stop string
         if stop in tok.decode(full[:n], skip_special_tokens=True):
             break
