@@ -2,8 +2,11 @@
 OSDI; block-paged memory as in vLLM, Kwon et al. 2023, arXiv:2309.06180; chunked prefill as in Sarathi, Agrawal
 et al. 2023, arXiv:2308.16369).
 
-Requests (a prompt, a budget of new tokens, optional stop tokens) are queued by :meth:`Engine.add` and decoded
-greedily. Every :meth:`Engine.step` runs the requests that hold a row of the cache:
+Requests are queued by :meth:`Engine.add`: a prompt (token ids, or text with a ``tokenizer``) and either a budget
+of greedy tokens with optional stop tokens, or a :class:`qkv.models.SamplingParams` (vLLM's names: temperature,
+top-k, top-p, min-p, seed, repetition/presence/frequency penalties, ``max_tokens``, stop token ids and strings,
+logprobs; :mod:`qkv.models.sampling` says in which order the processors run). Every :meth:`Engine.step` runs the
+requests that hold a row of the cache:
 
 - rows still reading their prompt feed the next ``prefill_chunk`` prompt tokens, in forward passes over those
   rows (each as wide as its longest chunk, shorter chunks right-aligned behind padding at position -1), the rows
@@ -28,6 +31,23 @@ a request waits (first come, first served) until the pool can hold it, and :meth
 no pool of this size could. Greedy tokens are those of running each request alone through
 :func:`qkv.models.generate` (the same model, ``eos_token_id=stop``).
 
+Tokens: a pass whose rows are all greedy without penalties or logprobs takes the model's own next tokens
+(``DecoderLM.next_tokens``, which may screen its LM head in int8); a pass with a sampled, penalized or logprobs row
+computes the exact logits of its rows, and each such row picks through its own
+:class:`qkv.models.sampling.RequestSampler`: a generator seeded with the request's seed, one draw per generated
+token, so a seeded request gives the same tokens alone, in any batch, and as ``generate(params=...)``.
+:meth:`Engine.abort` ends a request in any phase and frees its blocks at once; :meth:`Engine.results` keeps every
+finished request (finish reason ``"stop"``, ``"length"`` or ``"abort"``) after the stream has been consumed.
+
+With ``prefix_caching=True``, a request admitted while another with the same prompt prefix is still reading it
+waits (holding its row, computing nothing) until that writer has its common full blocks in the cache, then
+attaches them: requests admitted in the same step share their prompt blocks, copy-on-write as any prefix hit.
+
+Hybrid models (Gated DeltaNet, Kimi Delta Attention, Mamba2 layers beside attention: Qwen3-Next, Qwen3.5,
+Kimi-Linear) keep one recurrent state per row slot next to the paged attention rows: zeroed when a request takes
+the row, read and written only for the rows of each pass. A state cannot skip padding between a row's tokens, so
+their prompt chunks run in passes of equal width (no padding), and prefix caching and ``mixed_steps`` are refused.
+
 Example:
     >>> import torch
     >>> from qkv.nn import DecoderConfig, DecoderLM
@@ -42,6 +62,11 @@ Example:
     >>> results = engine.run()
     >>> [len(results[r].tokens) for r in (a, b)]
     [5, 2]
+    >>> from qkv.models import SamplingParams
+    >>> c = engine.add([1, 2, 3], params=SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=0, logprobs=2))
+    >>> done = engine.run()[c]
+    >>> len(done.tokens), done.finish_reason, len(done.logprobs[0].top)
+    (4, 'length', 2)
 """
 
 from __future__ import annotations
@@ -173,7 +198,7 @@ def _check_count(owner: str, name: str, value, *, low: int = 1) -> int:
 
 
 class Engine:
-    """Continuous batching of greedy generation requests over one paged cache (see the module notes).
+    """Continuous batching of generation requests (greedy or sampled) over one paged cache (see the module notes).
 
     Args:
         model: a :class:`qkv.cache.DecoderModel` (``forward(ids, positions=, cache=)``, ``cache_specs()``).
@@ -192,10 +217,12 @@ class Engine:
         mixed_steps: run each step as one forward pass over every running row, decoding rows padded to the
             prompt chunks' width, instead of one pass per phase (the default, measured cheaper: see the module
             notes).
+        tokenizer: an HF tokenizer (``encode``, ``decode``): text prompts, stop strings, and each result's text.
 
     Methods: :meth:`add` queues a request and returns its id; :meth:`step` runs one step and returns an
     :class:`EngineUpdate` per request that advanced; :meth:`stream` (also ``iter(engine)``) steps until every
-    request finished, yielding the updates; :meth:`run` does the same and returns the results by id.
+    request finished, yielding the updates; :meth:`run` does the same and returns every finished request by id;
+    :meth:`abort` ends a request; :meth:`results` gives every finished request so far.
     """
 
     def __init__(self, model, *, num_blocks: int = 1024, block_size: int = 16, max_batch: int = 32,
