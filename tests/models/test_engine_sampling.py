@@ -278,3 +278,17 @@ def test_logprobs_equal_a_full_recompute():
         if n == 0:
             assert all(lp.top == () for lp in res.logprobs)
             assert res.tokens == generate(model, torch.tensor([prompt]), max_new_tokens=4).new_tokens[0].tolist()
+
+
+def test_request_sampler_refuses_bad_input():
+    with pytest.raises(TypeError, match="params must be a qkv.models.SamplingParams, got dict"):
+        RequestSampler({"temperature": 1.0}, prompt_ids=[1], vocab_size=7)
+    sampler = RequestSampler(SamplingParams(), prompt_ids=[1], vocab_size=7)
+    with pytest.raises(ValueError, match=r"logits must be \(V,\) with V >= 7, got \(1, 7\)"):
+        sampler.choose(torch.zeros(1, 7))
+    with pytest.raises(ValueError, match=r"logits must be \(V,\) with V >= 7, got \(5,\)"):
+        sampler.choose(torch.zeros(5))
+    engine = Engine(_lm(), num_blocks=16, block_size=4, max_batch=2)
+    for bad in (-1, "0", True, 0):
+        with pytest.raises(ValueError, match=r"is not a request id of this Engine \(no request was added yet\)"):
+            engine.abort(bad)

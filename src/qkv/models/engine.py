@@ -348,8 +348,9 @@ class Engine:
         once and :meth:`results` holds it with ``finish_reason="abort"`` and the tokens it had. Returns True, or
         False when it had already finished. An id :meth:`add` never returned is a ``ValueError``."""
         if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < self._next_id:
-            raise ValueError(f"Engine.abort: {request_id!r} is not a request id of this Engine (ids 0 .. "
-                             f"{self._next_id - 1} were given out)")
+            given = f"ids 0 .. {self._next_id - 1} were given out" if self._next_id else "no request was added yet"
+            raise ValueError(f"Engine.abort: {request_id!r} is not a request id of this Engine ({given}); pass an id "
+                             f"Engine.add returned")
         if request_id in self._results:
             return False
         req = next((r for r in self._waiting if r.rid == request_id), None)
