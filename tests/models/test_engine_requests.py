@@ -101,6 +101,11 @@ def test_results_stay_after_streaming_and_finish_reasons():
     assert engine.run() == results  # nothing left to run: the same record
     d = engine.add([1, 2], 2)
     assert sorted(engine.run()) == [a, b, c, d]
+    assert sorted(engine.results(clear=True)) == [a, b, c, d] and engine.results() == {}
+    e = engine.add([3, 4], 2)
+    assert list(engine.run()) == [e] and engine.abort(a) is False
+    with pytest.raises(TypeError, match="clear must be True or False"):
+        engine.results(clear=1)
 
 
 class _CharTokenizer:

@@ -351,20 +351,27 @@ class Engine:
             given = f"ids 0 .. {self._next_id - 1} were given out" if self._next_id else "no request was added yet"
             raise ValueError(f"Engine.abort: {request_id!r} is not a request id of this Engine ({given}); pass an id "
                              f"Engine.add returned")
-        if request_id in self._results:
-            return False
         req = next((r for r in self._waiting if r.rid == request_id), None)
         if req is not None:
             self._waiting.remove(req)
         else:
-            req = next(r for r in self._rows if r is not None and r.rid == request_id)
+            req = next((r for r in self._rows if r is not None and r.rid == request_id), None)
+            if req is None:
+                return False  # finished already
             self._finish(req.row)
         self._record(req, "abort")
         return True
 
-    def results(self) -> dict[int, EngineResult]:
-        """Every request finished so far (stopped, at its length, or aborted), by id, also after :meth:`stream`."""
-        return dict(self._results)
+    def results(self, *, clear: bool = False) -> dict[int, EngineResult]:
+        """Every request finished so far (stopped, at its length, or aborted), by id, also after :meth:`stream`.
+        ``clear=True`` hands them over and forgets them (a long-running engine keeps no record of old requests;
+        :meth:`abort` of a forgotten id is then a no-op returning False)."""
+        if not isinstance(clear, bool):
+            raise TypeError(f"Engine.results: clear must be True or False, got {clear!r}")
+        out = dict(self._results)
+        if clear:
+            self._results.clear()
+        return out
 
     def _record(self, req: _Request, reason: str, text: str | None = None) -> EngineResult:
         if text is None and self.tokenizer is not None:
@@ -495,7 +502,7 @@ class Engine:
         """Attach the rows waiting for a writer's prompt blocks once it has them in the cache (or has ended)."""
         for r in self._rows:
             if r is not None and r.writer is not None and (
-                    r.writer.fed >= r.shared or r.writer.rid in self._results):
+                    r.writer.fed >= r.shared or r.writer.row < 0 or self._rows[r.writer.row] is not r.writer):
                 r.writer = None
                 self._attach(r)
 

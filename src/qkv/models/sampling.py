@@ -20,7 +20,9 @@ min-p), which differs only when ``min_p`` is combined with ``top_k`` or ``top_p`
 
 A seeded request owns a ``torch.Generator`` seeded with its seed and draws exactly one uniform number per generated
 token from it (inverse-CDF sampling), so its tokens depend on its own logits and seed only: the same alone, in any
-batch, and after other requests join or leave. Logprobs (``logprobs=n``) are those of the raw logits (vLLM's
+batch, and after other requests join or leave. (Where a batch changes a row's logits in their last bits, as CPU
+GEMMs of float32 models do, a draw can move only when it falls within that distance of a boundary between two
+tokens' cumulative probabilities.) Logprobs (``logprobs=n``) are those of the raw logits (vLLM's
 default ``raw_logprobs``): the log-softmax of the model's logits before any processor.
 
 Example:
