@@ -43,10 +43,11 @@ With ``prefix_caching=True``, a request admitted while another with the same pro
 waits (holding its row, computing nothing) until that writer has its common full blocks in the cache, then
 attaches them: requests admitted in the same step share their prompt blocks, copy-on-write as any prefix hit.
 
-Hybrid models (Gated DeltaNet, Kimi Delta Attention, Mamba2 layers beside attention: Qwen3-Next, Qwen3.5,
-Kimi-Linear) keep one recurrent state per row slot next to the paged attention rows: zeroed when a request takes
-the row, read and written only for the rows of each pass. A state cannot skip padding between a row's tokens, so
-their prompt chunks run in passes of equal width (no padding), and prefix caching and ``mixed_steps`` are refused.
+Hybrid models (recurrent layers beside attention: Gated DeltaNet in Qwen3-Next and Qwen3.5, Kimi Delta Attention in
+Kimi-Linear; any layer with a :class:`qkv.cache.RecurrentSpec`) keep one recurrent state per row slot next to the
+paged attention rows: zeroed when a request takes the row, read and written only for the rows of each pass. A
+state cannot skip padding between a row's tokens, so their prompt chunks run in passes of equal width (no
+padding), and prefix caching and ``mixed_steps`` are refused.
 
 Example:
     >>> import torch
