@@ -11,11 +11,15 @@ submitted at once. Contenders, each over the same requests, round-robin per repe
 - ``mixed``: the same engine with ``mixed_steps=True``: one pass per step over every running row, decoding rows
   padded to the chunk width (position -1), as in a padded (B, chunk) step;
 - ``static``: ``qkv.models.generate`` on static batches of 8 requests sorted by prompt length, each batch
-  decoding to its longest budget (what ``vs_vllm.py`` ran before the engine).
+  decoding to its longest budget (what ``vs_vllm.py`` ran before the engine);
+- ``sampled``: the ``phases`` engine with every request sampled
+  (``SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i, logprobs=5)``): exact logits for every row
+  (no screened head), the filters and one draw per token, and the top-5 logprobs of each token.
 
 Reported: generated tokens per second (budgets summed over wall time) with its range over the repeats, each
 rate over ``phases``' in the same repeat, time to first token (median over requests, from submission), and
-whether every contender's greedy tokens equal ``phases``'.
+``same_tokens``: whether every greedy contender's tokens equal ``phases``', and for ``sampled`` whether its seeded
+tokens are the same in every repeat.
 
 Published configuration (the defaults): 1 thread, 3 paired repeats, wall clock, 32 requests.
 
@@ -36,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Suite, spread  # noqa: E402
-from qkv.models import Engine, generate  # noqa: E402
+from qkv.models import Engine, SamplingParams, generate  # noqa: E402
 from qkv.nn import DecoderConfig, DecoderLM  # noqa: E402
 
 
@@ -62,13 +66,18 @@ def stream_requests(n: int, vocab: int, quick: bool) -> list[tuple[list[int], in
             for _ in range(n)]
 
 
-def run_engine(model, requests, *, mixed: bool) -> tuple[float, list[list[int]], list[float]]:
+def sampled(i: int, n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.8, top_k=50, top_p=0.95, seed=i, logprobs=5)
+
+
+def run_engine(model, requests, *, mixed: bool, sample: bool = False) -> tuple[float, list[list[int]], list[float]]:
     """Seconds, tokens per request, and each request's time to first token."""
     engine = Engine(model, num_blocks=1024, block_size=16, max_batch=8, prefill_chunk=64, mixed_steps=mixed)
     tokens: list[list[int]] = [[] for _ in requests]
     first = [0.0] * len(requests)
     t0 = time.perf_counter()
-    ids = {engine.add(p, n): i for i, (p, n) in enumerate(requests)}
+    ids = {(engine.add(p, params=sampled(i, n)) if sample else engine.add(p, n)): i
+           for i, (p, n) in enumerate(requests)}
     for u in engine.stream():
         i = ids[u.request_id]
         if not tokens[i]:
@@ -119,10 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     n_tokens = sum(n for _, n in requests)
     contenders = {"phases": lambda: run_engine(model, requests, mixed=False),
                   "mixed": lambda: run_engine(model, requests, mixed=True),
-                  "static": lambda: run_static(model, requests)}
+                  "static": lambda: run_static(model, requests),
+                  "sampled": lambda: run_engine(model, requests, mixed=False, sample=True)}
     seconds: dict[str, list[float]] = {k: [] for k in contenders}
     ttft: dict[str, list[float]] = {k: [] for k in contenders}
     tokens: dict[str, list[list[int]]] = {}
+    repeatable = True  # the sampled contender's seeded tokens, the same in every repeat
     with torch.inference_mode():
         run_engine(model, requests[:2], mixed=False)  # warm-up (and qkv.cpu.optimize on first use)
         run_static(model, requests[:2])
@@ -131,15 +142,17 @@ def main(argv: list[str] | None = None) -> None:
                 t, toks, first = fn()
                 seconds[name].append(t)
                 ttft[name].append(statistics.median(first))
+                repeatable &= name != "sampled" or tokens.get(name, toks) == toks
                 tokens[name] = toks
-    suite = Suite("engine", "request stream: Engine with one pass per phase vs mixed steps vs static batches",
+    suite = Suite("engine", "request stream: Engine with one pass per phase vs mixed steps vs static batches, and "
+                  "sampled with logprobs",
                   quick=quick, threads=args.threads, requests=len(requests), repeat=repeat)
     for name in contenders:
         suite.add({"contender": name, "requests": len(requests), "threads": args.threads}, {
             "tok_s": statistics.median(n_tokens / t for t in seconds[name]),
             "rate/phases": spread([p / t for p, t in zip(seconds["phases"], seconds[name], strict=True)]),
             "ttft_ms": statistics.median(ttft[name]) * 1e3,
-            "same_tokens": tokens[name] == tokens["phases"],
+            "same_tokens": repeatable if name == "sampled" else tokens[name] == tokens["phases"],
         })
     suite.finish()
 

@@ -153,16 +153,6 @@ def test_verify_cache_and_what_recurrent_layers_refuse(case):
     assert torch.equal(out.new_tokens, generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask).new_tokens)
 
 
-def test_engine_refuses_hybrid_models():
-    from qkv.models import Engine
-
-    _, _, model = _models("qwen3_5_text-L4-Hv8")
-    with pytest.raises(ValueError, match=r"Engine: layer 0 \(RecurrentSpec\) keeps a recurrent state; continuous "
-                                         r"batching of hybrid models .* not supported; decode them with "
-                                         r"qkv.models.generate"):
-        Engine(model, num_blocks=16, block_size=4, max_batch=2)
-
-
 def test_switches_reach_the_model():
     _, _, nxt = _models("qwen3_next-full-first-MQA-rot0.5")
     c = nxt.config

@@ -157,6 +157,7 @@ class KVCache:
         self.storage, self.quant, self.policy, self.rollback, self.dtype = storage, quant, policy, rollback, dtype
         self._manager: RowManager = DenseRows(storage.describe())
         self._device: torch.device | None = None
+        self._row_slots = False  # open_rows: recurrent states kept per row slot
         self._build()
 
     # construction
@@ -301,7 +302,10 @@ class KVCache:
     def recurrent_state(self, layer_idx: int):
         """The state a recurrent layer (:class:`qkv.cache.RecurrentSpec`) left after its last step, as it was
         given to ``update_recurrent`` (e.g. a :class:`qkv.nn.RecurrentState`), or None before the first."""
-        return self._layer(layer_idx, (RecurrentSpec,), "recurrent_state").store.get()
+        store = self._layer(layer_idx, (RecurrentSpec,), "recurrent_state").store
+        if self._row_slots:  # continuous batching: the state of the rows this step feeds
+            return store.get_rows(self._manager.selected, self._manager.rows)
+        return store.get()
 
     def update_recurrent(self, layer_idx: int, state, *, tokens: int) -> None:
         """Keep a recurrent layer's state after a step that consumed ``tokens`` tokens per row.
@@ -314,7 +318,10 @@ class KVCache:
         layer = self._layer(layer_idx, (RecurrentSpec,), "update_recurrent")
         if self._device is None:
             self._device = state[1].device if isinstance(state, tuple) and len(state) == 2 else None
-        layer.store.put(state, tokens)
+        if self._row_slots:
+            layer.store.put_rows(self._manager.selected, self._manager.rows, state, tokens)
+        else:
+            layer.store.put(state, tokens)
 
     def cross_kv(self, layer_idx: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,6 +442,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every row. Paged storage keeps its pools and its prefix index for the next request."""
+        self._row_slots = False
         self._manager.reset()
         for i, lay in enumerate(self._layers):
             kept = None if lay.store is None else lay.store.emptied()
@@ -455,6 +463,7 @@ class KVCache:
                              f"cache (cache.reset() keeps the prefix index)")
         manager.open_rows(n)
         self._order.forget()
+        self._row_slots = True
 
     def admit_row(self, b: int, prompt_ids: Sequence[int] | None = None, *, salt=None,
                   max_new_tokens: int | None = None, chunk: int | None = None) -> int:
@@ -484,6 +493,7 @@ class KVCache:
             ids = list(prompt_ids)
         hits = manager.admit_row(b, ids, salt, reserve=reserve)
         self._order.forget_rows([b])
+        self._clear_recurrent_row(b)
         return hits
 
     def can_admit(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> bool:
@@ -513,6 +523,18 @@ class KVCache:
             raise ValueError(why)
         return self._manager.never_fits(prompt_tokens, max_new_tokens, chunk=chunk)
 
+    def reserve_row(self, b: int, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> None:
+        """Promise empty row ``b`` the blocks of a request of ``prompt_tokens`` and up to ``max_new_tokens`` before
+        :meth:`admit_row` attaches its prompt (paged storage): a scheduler that holds a row while the prompt blocks
+        it will share are still being written keeps its place in the pool. :class:`qkv.cache.CacheFull`, changing
+        nothing, when :meth:`can_admit` says no; :meth:`admit_row` with ``max_new_tokens`` or :meth:`release_row`
+        replaces the promise."""
+        manager = self._row_manager("reserve_row")
+        self._check_row(b, "reserve_row")
+        prompt_tokens, max_new_tokens, chunk = self._check_admission("reserve_row", prompt_tokens, max_new_tokens,
+                                                                     chunk)
+        manager.reserve(b, prompt_tokens, max_new_tokens, chunk=chunk)
+
     @staticmethod
     def _check_admission(what: str, prompt_tokens, max_new_tokens, chunk) -> tuple[int, int, int | None]:
         for name, value in (("prompt_tokens", prompt_tokens), ("max_new_tokens", max_new_tokens),
@@ -529,8 +551,14 @@ class KVCache:
         self._check_row(b, "release_row")
         manager.release_row(b)
         self._order.forget_rows([b])
+        self._clear_recurrent_row(b)
         for lay in self._layers:
             lay.last_view = None
+
+    def _clear_recurrent_row(self, b: int) -> None:
+        for lay in self._layers:
+            if isinstance(lay.store, RecurrentStore):
+                lay.store.clear_row(b)
 
     def step_rows(self, rows: Sequence[int] | None) -> None:
         """Until the next call, steps feed only ``rows`` (paged storage; increasing row indices) as

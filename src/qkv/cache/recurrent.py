@@ -30,6 +30,7 @@ class RecurrentStore(Store):
         self.spec, self.layer = spec, layer
         self.state: tuple | None = None
         self.seen = 0
+        self.written: list[bool] = []  # row slots: rows that consumed tokens since they were admitted
 
     def get(self) -> tuple | None:
         return self.state
@@ -55,6 +56,60 @@ class RecurrentStore(Store):
                              f"{tokens!r}")
         self.state = state
         self.seen += tokens
+
+    def get_rows(self, rows: list[int] | None, n: int) -> tuple | None:
+        """Row slots (``KVCache.open_rows(n)``): the state of ``rows`` (None: all ``n``), zeros for rows that have
+        consumed nothing yet; None while none of them has."""
+        if self.state is None or not any(self.written[b] for b in (range(n) if rows is None else rows)):
+            return None
+        if rows is None:
+            return self.state
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.state[1].device)
+        return self._like([t.index_select(0, idx) for t in self.state])
+
+    def put_rows(self, rows: list[int] | None, n: int, state, tokens: int) -> None:
+        """Row slots: keep the state a step over ``rows`` (None: all ``n``) left, the other rows unchanged."""
+        if self.state is None:
+            self.put(state, tokens)  # checks the pair's shapes and counts the tokens
+            want = n if rows is None else len(rows)
+            if state[1].shape[0] != want:
+                self.state, self.seen = None, self.seen - tokens
+                raise ValueError(f"update_recurrent: {self.layer} got batch {state[1].shape[0]} but the step feeds "
+                                 f"{want} rows")
+            if rows is None:
+                self.state = self._like([t.clone() for t in state], state)
+            else:
+                idx = torch.tensor(rows, dtype=torch.int64, device=state[1].device)
+                self.state = self._like([t.new_zeros((n, *t.shape[1:])).index_copy_(0, idx, t) for t in state], state)
+            self.written = [rows is None or b in rows for b in range(n)]
+            return
+        if rows is None:
+            self.put(state, tokens)
+            self.written = [True] * n
+            return
+        conv, rec = state
+        if conv.shape[0] != len(rows) or rec.shape[0] != len(rows) or conv.shape[1:] != self.state[0].shape[1:] \
+                or rec.shape[1:] != self.state[1].shape[1:]:
+            raise ValueError(f"update_recurrent: {self.layer} holds conv {tuple(self.state[0].shape[1:])} and "
+                             f"recurrent {tuple(self.state[1].shape[1:])} per row for the {len(rows)} rows of this "
+                             f"step; got conv {tuple(conv.shape)}, recurrent {tuple(rec.shape)}")
+        idx = torch.tensor(rows, dtype=torch.int64, device=rec.device)
+        for mine, new in zip(self.state, state, strict=True):
+            mine.index_copy_(0, idx, new.to(mine.dtype))
+        for b in rows:
+            self.written[b] = True
+        self.seen += tokens
+
+    def clear_row(self, b: int) -> None:
+        """Row slots: row ``b`` starts a new sequence from the zero state."""
+        if self.state is not None:
+            for t in self.state:
+                t[b].zero_()
+            self.written[b] = False
+
+    def _like(self, parts: list[torch.Tensor], like=None) -> tuple:
+        like = self.state if like is None else like
+        return tuple(parts) if type(like) is tuple else type(like)(*parts)
 
     def cannot_drop(self, n: int) -> str | None:
         return (f"a recurrent layer keeps one state, not its tokens, so it cannot go back {n} tokens; recompute "

@@ -75,6 +75,10 @@ class RowManager(Protocol):
 
     def never_fits(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> str | None: ...
 
+    def reserve(self, b: int, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> None:
+        """Promise row ``b`` the blocks of such a request until it is released (before its prompt is attached)."""
+        ...
+
 
 class DenseRows:
     """The row manager of dense storage: nothing to allocate, crop, reorder or reset beyond the layers' own stores
@@ -147,3 +151,6 @@ class DenseRows:
 
     def never_fits(self, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> str | None:
         self._refuse("never_fits")
+
+    def reserve(self, b: int, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> None:
+        self._refuse("reserve_row")

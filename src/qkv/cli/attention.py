@@ -1,4 +1,5 @@
-"""``qkv attention "text"``: the bundled all-MiniLM-L6-v2's attention on one text, as pictures and a table.
+"""``qkv attention "text"``: the bundled all-MiniLM-L6-v2's attention on one text (or that of any checkpoint
+``qkv.models.from_hf`` loads, ``--model DIR``), as pictures and a table.
 
 Writes into ``--out`` (default ``qkv-out/attention``): ``head_L{l}_H{h}.png`` (one head), ``layer_L{l}.png``
 (every head of the layer), ``rollout.png`` (attention rollout, Abnar & Zuidema 2020) and ``attention.html``
@@ -37,10 +38,17 @@ def bundled_encoder(*, gemm: str = "blas"):
 
 
 def text_attention(encoder, text: str, *, max_tokens: int | None = None) -> TextAttention:
-    """Capture every layer's maps of ``text`` (with ``[CLS]``/``[SEP]``); ``ValueError`` past ``max_tokens``."""
+    """Capture every layer's maps of ``text`` (with ``[CLS]``/``[SEP]``); ``ValueError`` past ``max_tokens``.
+    ``encoder``: the bundled :class:`qkv.models.embed.SentenceEncoder`, or a user's checkpoint
+    (:class:`qkv.cli.checkpoint_text.CheckpointText`, ``--model DIR``)."""
     import torch
 
     from qkv.interpret import attention_rollout, capture
+
+    from .checkpoint_text import CheckpointText
+
+    if isinstance(encoder, CheckpointText):
+        return encoder.attention(text, max_tokens=max_tokens)
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the text is empty; give a sentence, e.g. qkv attention \"The cat sat because it was tired.\"")
@@ -72,26 +80,38 @@ def attention(
     head: Annotated[int, typer.Option("--head", help="Head to draw alone.")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder.")] = Path("qkv-out/attention"),
     top: Annotated[int, typer.Option("--top", min=1, help="Tokens per head in the table.")] = 3,
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="A checkpoint directory qkv.models.from_hf "
+                                               "loads (encoder or decoder), its tokenizer beside it; default: the "
+                                               "bundled all-MiniLM-L6-v2.")] = None,
 ) -> None:
-    """Draw the bundled all-MiniLM-L6-v2's attention on TEXT and list the most attended tokens per head.
+    """Draw a model's attention on TEXT (the bundled all-MiniLM-L6-v2, or --model DIR) and list the most attended
+    tokens per head.
 
     Examples:
 
         qkv attention "The animal didn't cross the street because it was too tired."
 
         qkv attention "Attention is all you need." --layer 2 --head 5 --out pictures
+
+        qkv attention "The cat sat on the mat." --model ./my-qwen3-checkpoint
     """
     from rich.console import Console
     from rich.table import Table
 
     try:
-        encoder = bundled_encoder()
-        L, H = encoder.model.config.n_layers, encoder.model.config.n_heads
-        if not 0 <= layer < L:
-            raise ValueError(f"--layer must be in [0, {L}) for all-MiniLM-L6-v2, got {layer}")
-        if not 0 <= head < H:
-            raise ValueError(f"--head must be in [0, {H}) for all-MiniLM-L6-v2, got {head}")
-        ta = text_attention(encoder, text)
+        if model is None:
+            encoder, name = bundled_encoder(), "all-MiniLM-L6-v2"
+            L, H = encoder.model.config.n_layers, encoder.model.config.n_heads
+            _check_layer_head(layer, head, L, H, name)
+            ta = text_attention(encoder, text)
+        else:
+            from .checkpoint_text import CheckpointText
+
+            source = CheckpointText(model)
+            name = source.name
+            ta = source.attention(text)
+            L = len(ta.maps)
+            _check_layer_head(layer, head, L, ta.maps[layer].shape[0] if 0 <= layer < L else 0, name)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=2) from None
@@ -100,11 +120,11 @@ def attention(
     t = ta.tokens
     paths = [
         plot_attention(ta.maps[layer][head], out / f"head_L{layer}_H{head}.png", tokens_q=t, tokens_k=t,
-                       title=f"all-MiniLM-L6-v2 layer {layer} head {head}"),
+                       title=f"{name} layer {layer} head {head}"),
         plot_layer_grid(ta.maps[layer], out / f"layer_L{layer}.png", tokens=t, title=f"layer {layer}"),
         plot_rollout(ta.rollout, out / "rollout.png", tokens=t),
         attention_html(out / "attention.html", t, ta.maps, rollout=ta.rollout, layer=layer, head=head,
-                       title=f"all-MiniLM-L6-v2: {text[:80]}"),
+                       title=f"{name}: {text[:80]}"),
     ]
     table = Table("head", *[f"#{i + 1} token (attention)" for i in range(top)],
                   title=f"layer {layer}: most attended tokens (mean attention received over {len(t)} queries)")
@@ -114,6 +134,13 @@ def attention(
     console.print(table)
     for p in paths:
         console.print(f"wrote {p}")
+
+
+def _check_layer_head(layer: int, head: int, L: int, H: int, name: str) -> None:
+    if not 0 <= layer < L:
+        raise ValueError(f"--layer must be in [0, {L}) for {name} (its attention layers), got {layer}")
+    if not 0 <= head < H:
+        raise ValueError(f"--head must be in [0, {H}) for {name}, got {head}")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
-"""``qkv explore``: a local page where you type text and see the bundled all-MiniLM-L6-v2's attention.
+"""``qkv explore``: a local page where you type text and see the bundled all-MiniLM-L6-v2's attention (or that of
+any checkpoint ``qkv.models.from_hf`` loads, ``--model DIR``).
 
 A small HTTP server (Python's ``http.server``, bound to 127.0.0.1 unless ``--host`` says otherwise) serves one
 self-contained page (inline script and style, no third-party assets) and one JSON endpoint,
@@ -15,6 +16,7 @@ import json
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -51,19 +53,20 @@ document.addEventListener("DOMContentLoaded", function () {{
 class ExplorerApp:
     """What the server needs: the encoder, the limits and the precomputed head importance; thread-safe."""
 
-    def __init__(self, encoder, *, max_chars: int = 2000, max_tokens: int = 128, importance=None) -> None:
+    def __init__(self, encoder, *, max_chars: int = 2000, max_tokens: int = 128, importance=None,
+                 name: str = "all-MiniLM-L6-v2") -> None:
         if not isinstance(max_tokens, int) or not 2 <= max_tokens <= encoder.max_seq_length:
             raise ValueError(f"explore: max_tokens must be an int in [2, {encoder.max_seq_length}], got {max_tokens!r}")
         if not isinstance(max_chars, int) or max_chars < 1:
             raise ValueError(f"explore: max_chars must be a positive int, got {max_chars!r}")
         self.encoder, self.max_chars, self.max_tokens = encoder, max_chars, max_tokens
-        self.importance = importance
+        self.importance, self.name = importance, name
         self._lock = threading.Lock()  # capture swaps the modules' attention_fn: one request at a time
 
     def page(self) -> str:
         from qkv.interpret.html import render_page
 
-        return render_page(None, title="qkv explore: all-MiniLM-L6-v2 attention",
+        return render_page(None, title=f"qkv explore: {self.name} attention",
                            explorer=_EXPLORER.format(max_chars=self.max_chars, max_tokens=self.max_tokens))
 
     def analyze(self, text) -> tuple[int, dict]:
@@ -153,28 +156,42 @@ def explore(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Longest input in tokens (at most 256).")] = 128,
     max_chars: Annotated[int, typer.Option("--max-chars", help="Longest input in characters.")] = 2000,
     importance: Annotated[bool, typer.Option("--importance/--no-importance",
-                                             help="Compute head importance at start-up.")] = True,
+                                             help="Compute head importance at start-up (bundled model).")] = True,
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="A checkpoint directory qkv.models.from_hf "
+                                               "loads (encoder or decoder), its tokenizer beside it; default: the "
+                                               "bundled all-MiniLM-L6-v2.")] = None,
 ) -> None:
-    """Serve a local page showing all-MiniLM-L6-v2's attention for any text: every layer and head, rollout and
-    head importance.
+    """Serve a local page showing a model's attention for any text (the bundled all-MiniLM-L6-v2, or --model DIR):
+    every layer and head, rollout, and for the bundled model head importance.
 
     Examples:
 
         qkv explore            # then open http://127.0.0.1:8765
 
         qkv explore --port 0 --max-tokens 64
+
+        qkv explore --model ./my-qwen3-checkpoint
     """
     from .attention import bundled_encoder
 
     try:
-        encoder = bundled_encoder()
         imp = None
-        if importance:
+        if model is not None:
+            from .checkpoint_text import CheckpointText
+
+            encoder = CheckpointText(model)
+            if importance:
+                typer.echo(f"note: head importance is computed on the bundled sentence encoder only; {encoder.name} "
+                           "shows maps and rollout (pass --no-importance to silence this)", err=True)
+        else:
+            encoder = bundled_encoder()
+        if importance and model is None:
             from qkv.interpret.sentences import encoder_head_importance
 
             typer.echo("computing head importance (Michel et al. 2019) on the bundled sentences...", err=True)
             imp = encoder_head_importance(encoder)
-        app = ExplorerApp(encoder, max_chars=max_chars, max_tokens=max_tokens, importance=imp)
+        name = "all-MiniLM-L6-v2" if model is None else encoder.name
+        app = ExplorerApp(encoder, max_chars=max_chars, max_tokens=max_tokens, importance=imp, name=name)
         server = make_server(app, host, port)
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)

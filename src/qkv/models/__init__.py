@@ -11,8 +11,9 @@ from .engine import Engine, EngineResult, EngineUpdate
 from .generate import GenerateOutput, generate
 from .gqa import to_gqa
 from .loading import FAMILIES, CheckpointError, from_hf
+from .sampling import SamplingParams, TokenLogprobs
 from .verify import VerifyReport, verify_cache
 
 __all__ = ["from_hf", "FAMILIES", "CheckpointError", "generate", "GenerateOutput", "verify_cache", "VerifyReport",
            "to_gqa",
-           "Engine", "EngineResult", "EngineUpdate"]
+           "Engine", "EngineResult", "EngineUpdate", "SamplingParams", "TokenLogprobs"]

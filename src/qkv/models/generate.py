@@ -43,6 +43,7 @@ from ..cache.protocol import PrefixMatchingCache
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
 from ..pos.ids import positions_from_padding
+from .sampling import RequestSampler, SamplingParams
 
 __all__ = ["generate", "GenerateOutput", "GreedyDecoder", "prompt_positions", "sample_next", "logits_of",
            "forward_step", "last_logits", "last_tokens", "prefill"]
@@ -253,13 +254,13 @@ def _remaining_prompt(ids, positions, hits, pad_token_id):
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None, use_cache: bool = True,
+def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = None, cache=None, use_cache: bool = True,
              attention_mask: torch.Tensor | None = None, do_sample: bool = False, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
              streamer: Streamer | None = None, prefill_chunk_size: int | None = None,
              return_logits: bool = False, salt=None, optimize: bool = True,
-             batch_invariant: bool = False) -> GenerateOutput:
+             batch_invariant: bool = False, params: SamplingParams | None = None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens per row.
 
     The steps: check the arguments (before any work), set up the cache and reuse cached prompt prefixes,
@@ -268,7 +269,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
     Args:
         model: a :class:`qkv.cache.DecoderModel` (``forward(ids, positions=, cache=)`` and ``cache_specs()``).
         input_ids: (B, N) int64 prompts, left-padded.
-        max_new_tokens: tokens to generate per row (fewer when every row stops early).
+        max_new_tokens: tokens to generate per row (fewer when every row stops early); with ``params``, its
+            ``max_tokens``.
         cache: a fresh :class:`qkv.cache.KVCache` (or any cache of the protocol); default: a dynamic cache
             built from ``model.cache_specs()``. A reused paged cache must be ``reset()`` first.
         use_cache: ``False`` recomputes the whole sequence every step (the reference for caches).
@@ -287,10 +289,21 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
             at a time, each without its padding, in a cache of its own: the row-wise path, about ``B`` times the
             cost of a batched decode step. Greedy only (sampling draws would depend on the row order); takes no
             ``cache`` or ``streamer``. A row that stops early has NaN logits for the steps after its stop.
+        params: a :class:`qkv.models.SamplingParams`, as :meth:`qkv.models.Engine.add` takes it, instead of
+            ``max_new_tokens``, ``do_sample``/``temperature``/``top_k``/``top_p``/``generator`` and
+            ``eos_token_id`` (its ``stop_token_ids``): min-p, penalties and a seed too, each row with a generator of
+            its own seeded with ``params.seed``, so a row's tokens equal the Engine's for the same request. Stop
+            strings and logprobs need the Engine (text and per-token records).
 
     Returns:
         :class:`GenerateOutput`.
     """
+    if params is not None:
+        _check_params(params, max_new_tokens, do_sample, temperature, top_k, top_p, generator, eos_token_id,
+                      batch_invariant)
+        max_new_tokens, eos_token_id = params.max_tokens, list(params.stop_token_ids) or None
+    elif max_new_tokens is None:
+        raise TypeError("generate: give max_new_tokens, or params=SamplingParams(max_tokens=...)")
     positions, stops = _check_arguments(model, input_ids, max_new_tokens, attention_mask, prefill_chunk_size,
                                         do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id)
     if not isinstance(optimize, bool):
@@ -305,7 +318,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
                            prefill_chunk_size=prefill_chunk_size, return_logits=return_logits)
     B = input_ids.shape[0]
     # greedy without logits to return: the model's own next tokens where it gives them (a screened head)
-    tokens_only = not do_sample and not return_logits and isinstance(model, GreedyDecoder)
+    tokens_only = (not do_sample and not return_logits and isinstance(model, GreedyDecoder)
+                   and (params is None or not params.needs_logits))
     step = last_tokens if tokens_only else last_logits
     if use_cache:
         cache, hits = _open_cache(model, cache, input_ids, positions, salt)
@@ -317,9 +331,14 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
         raise ValueError(f"generate: pad_token_id {pad_token_id} is outside the model's vocabulary of "
                          f"{logits.shape[-1]} tokens")
 
+    row_pick = None if params is None or tokens_only else _row_samplers(params, input_ids, positions, stops,
+                                                                        pad_token_id, _vocab_size(model))
+
     def pick(step_logits: torch.Tensor) -> torch.Tensor:
         if tokens_only:
             return step_logits  # already the tokens
+        if row_pick is not None:
+            return row_pick(step_logits)
         return sample_next(step_logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                            generator=generator)
 
@@ -328,6 +347,54 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, cache=None,
                                                 pad_token_id=pad_token_id, streamer=streamer,
                                                 keep_logits=return_logits)
     return _assemble(input_ids, new_tokens, kept_logits if return_logits else None, finished, hits, cache)
+
+
+def _check_params(params, max_new_tokens, do_sample, temperature, top_k, top_p, generator, eos_token_id,
+                  batch_invariant) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"generate: params must be a qkv.models.SamplingParams, got {type(params).__name__}")
+    given = [name for name, value, default in (
+        ("max_new_tokens", max_new_tokens, None), ("do_sample", do_sample, False), ("temperature", temperature, 1.0),
+        ("top_k", top_k, None), ("top_p", top_p, None), ("generator", generator, None),
+        ("eos_token_id", eos_token_id, None), ("batch_invariant", batch_invariant, False)) if value != default]
+    if given:
+        raise ValueError(f"generate: params=SamplingParams(...) replaces {', '.join(given)}; pass them inside params "
+                         f"(max_tokens, temperature, top_k, top_p, seed, stop_token_ids)")
+    if params.stop:
+        raise ValueError(f"generate: stop strings {list(params.stop)} need text; generate works on token ids. Use "
+                         f"stop_token_ids, or qkv.models.Engine(model, tokenizer=...) for stop strings")
+    if params.logprobs is not None:
+        raise ValueError("generate: logprobs are per-token records of qkv.models.Engine; here pass "
+                         "return_logits=True and take log_softmax of GenerateOutput.logits")
+
+
+def _row_samplers(params: SamplingParams, input_ids: torch.Tensor, positions: torch.Tensor,
+                  stops: torch.Tensor | None, pad_token_id: int, vocab_size: int | None
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``pick`` for ``generate(params=...)``: each row a :class:`qkv.models.sampling.RequestSampler` of its own (its
+    prompt for the penalties, its own seeded generator); a row that emitted a stop token draws no more."""
+    prompts = [input_ids[b][positions[b] >= 0].tolist() for b in range(input_ids.shape[0])]
+    vocab = [vocab_size]
+    stop_ids = set() if stops is None else set(stops.tolist())
+    samplers: list[RequestSampler] = []
+    done = [False] * len(prompts)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        if not samplers:  # the config's vocabulary (the Engine's), else the logits' width
+            vocab[0] = vocab[0] or logits.shape[-1]
+            samplers.extend(RequestSampler(params, prompt_ids=p, vocab_size=vocab[0], device=logits.device)
+                            for p in prompts)
+        out = []
+        for b, sampler in enumerate(samplers):
+            if done[b]:
+                out.append(pad_token_id)
+                continue
+            token = sampler.choose(logits[b, :vocab[0]])[0]
+            done[b] = token in stop_ids
+            out.append(token)
+        return torch.tensor(out, dtype=torch.int64, device=logits.device)
+
+    return pick
 
 
 def _row_by_row(model, input_ids: torch.Tensor, positions: torch.Tensor, *, batch_invariant, cache, use_cache,

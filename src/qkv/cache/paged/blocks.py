@@ -250,13 +250,18 @@ class BlockManager:
 
     def reserve(self, b: int, prompt_tokens: int, max_new_tokens: int, *, chunk: int | None = None) -> None:
         """Promise row ``b`` the blocks of such a request until it is released; :class:`CacheFull` (changing
-        nothing) when :meth:`can_admit` says no."""
+        nothing) when :meth:`can_admit` says no. A row promised blocks before gives its earlier promise back
+        first (so promising a row again, as the Engine does when a waiting row attaches, is not counted twice)."""
+        earlier = self.row_reserved.get(b)
+        self._unreserve(b)
         if not self.can_admit(prompt_tokens, max_new_tokens, chunk=chunk):
+            if earlier is not None:
+                self.row_reserved[b] = earlier
+                self.reserved = [have + n for have, n in zip(self.reserved, earlier, strict=True)]
             raise CacheFull(f"admit_row({b}): the request (prompt {prompt_tokens} + max_new_tokens {max_new_tokens}) "
                             f"needs {self.blocks_needed(prompt_tokens, max_new_tokens, chunk=chunk)} blocks per group "
                             f"but {[g.P - r for g, r in zip(self.groups, self.reserved, strict=True)]} are not "
                             f"reserved by other rows; release a row first. Nothing was changed")
-        self._unreserve(b)
         need = self.blocks_needed(prompt_tokens, max_new_tokens, chunk=chunk)
         self.row_reserved[b] = need
         self.reserved = [have + n for have, n in zip(self.reserved, need, strict=True)]
