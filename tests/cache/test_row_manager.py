@@ -54,6 +54,7 @@ def test_dense_rows_are_a_no_op(storage):
     (lambda c: c.step_rows([0]), "step_rows"),
     (lambda c: c.can_admit(3, 2), "can_admit"),
     (lambda c: c.never_fits(3, 2), "never_fits"),
+    (lambda c: c.reserve_row(0, 3, 2), "reserve_row"),
     (lambda c: c.match_prefix(torch.zeros(1, 3, dtype=torch.int64), torch.arange(3)[None]), "match_prefix"),
     (lambda c: c.pool_stats(), "pool_stats"),
 ])
@@ -99,6 +100,24 @@ def test_admitted_rows_hold_their_promise_until_released():
     assert cache._manager.reserved == before  # a refused call changes nothing
     cache.release_row(0)
     assert cache.can_admit(5, 4) and not cache.can_admit(5, 5)
+
+
+def test_a_row_promised_before_its_prompt_attaches_is_counted_once():
+    """The Engine promises a row waiting for another request's prompt blocks its blocks at once (reserve_row) and
+    attaches the prompt later (admit_row with max_new_tokens): the pool counts that row once, before and after."""
+    cache = KVCache([FullSpec(2, 8)], storage=Paged(block_size=4, num_blocks=4))
+    cache.open_rows(2)
+    cache.reserve_row(0, 5, 4)  # 8 tokens: 2 blocks promised
+    assert cache.can_admit(5, 4) and not cache.can_admit(5, 5)
+    cache.admit_row(0, [1, 2, 3, 4, 5], max_new_tokens=8)  # the same row, now 12 tokens: 3 blocks, not 2 + 3
+    assert cache.can_admit(1, 4) and not cache.can_admit(1, 5)
+    with pytest.raises(CacheFull, match="admit_row"):
+        cache.admit_row(0, [1, 2, 3, 4, 5], max_new_tokens=13)  # 17 tokens: more than the pool
+    assert cache.can_admit(1, 4) and not cache.can_admit(1, 5)  # the refused call kept the earlier promise
+    with pytest.raises(ValueError, match="reserve_row"):
+        cache.reserve_row(1, 0, 4)
+    cache.release_row(0)
+    assert cache.can_admit(9, 8)
 
 
 def test_a_window_group_needs_only_its_window():
