@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from _hf import hf_causal_lm, two_row_prompt, within_budget
+from _parity import HFRouteParity, LogitParity
 from qkv.cache import KVCache, Static
 from qkv.models import from_hf
-from qkv.models.generate import generate, prompt_positions
 from qkv.testing import assert_within_budget
 
 N_PROMPT, N_PAD, N_NEW = 14, 4, 8
@@ -87,63 +87,20 @@ def _prompt(case: str, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
                           pad=N_PAD if padded else 0)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_prefill_and_decode_step_within_budget(case):
-    hf, ref, model = _models(case)
-    ids, _ = _prompt(case, padded=False)
-    with torch.no_grad():
-        truth, base = ref(ids).logits, hf(ids).logits
-        within_budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
-        cache = KVCache(model.cache_specs())
-        model(ids[:, :-1], cache=cache)
-        step = model(ids[:, -1:], cache=cache).logits[:, -1]
-        within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
-    assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
+class TestHFParity(LogitParity, HFRouteParity):
+    """The shared parity suite (tests/_parity.py); generation on the case's storage."""
 
+    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_left_padded_prefill_within_budget(case):
-    """The reference is each row alone without its padding; the baseline HF float32 on the padded batch."""
-    hf, ref, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    pos = prompt_positions(mask)
-    real = mask.bool()
-    with torch.no_grad():
-        ours = model(ids, positions=pos).logits
-        base = hf(ids, attention_mask=mask, position_ids=pos.clamp_min(0)).logits
-        truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+    def models(self, case):
+        return _models(case)
 
+    def prompt(self, case, *, padded):
+        return _prompt(case, padded=padded)
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cached_greedy_generation_matches_hf(case):
-    hf, _, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    storage = Static(N_PROMPT + N_NEW) if CASES[case][3] == "static" else None
-    cache = KVCache(model.cache_specs(), storage=storage)
-    with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False)[:, N_PROMPT:]
-    out = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, cache=cache)
-    assert torch.equal(out.new_tokens, expected), f"{case}: qkv {out.new_tokens.tolist()}\nhf  {expected.tolist()}"
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_hf_route_gives_eager_logits(case):
-    """The same HF model with ``attn_implementation="qkv"``: within budget of eager float64, eager float32
-    the baseline (left-padded batch)."""
-    _transformers()
-    import qkv.integrations.transformers as qhf
-
-    hf, ref, _ = _models(case)
-    cand = copy.deepcopy(hf)
-    qhf.use(cand)
-    ids, mask = _prompt(case, padded=True)
-    real = mask.bool()
-    with torch.no_grad():
-        ours = cand(ids, attention_mask=mask).logits
-        base = hf(ids, attention_mask=mask).logits
-        truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    within_budget(ours[real], truth, base[real], what=f"{case} attn_implementation='qkv' logits")
+    def generation_cache(self, case, model):
+        storage = Static(N_PROMPT + N_NEW) if CASES[case][3] == "static" else None
+        return KVCache(model.cache_specs(), storage=storage)
 
 
 def test_config_switches_reach_the_model():

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from _hf import hf_causal_lm, two_row_prompt, within_budget
+from _parity import LogitParity
 from qkv import attention
 from qkv.backends.gather import split_selection
 from qkv.cache import KVCache, Paged, Static
 from qkv.models import CheckpointError, from_hf, verify_cache
-from qkv.models.generate import generate, prompt_positions
+from qkv.models.generate import generate
 
 N_PROMPT, N_PAD, N_NEW = 14, 4, 8
 _BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
@@ -122,20 +123,6 @@ def test_indexer_selects_hf_keys_and_selection_matters(case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_and_decode_step_within_budget(case):
-    hf, ref, model = _models(case)
-    ids, _ = _prompt(case, padded=False)
-    with torch.no_grad():
-        truth, base = ref(ids).logits, hf(ids).logits
-        within_budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
-        cache = KVCache(model.cache_specs())
-        model(ids[:, :-1], cache=cache)
-        step = model(ids[:, -1:], cache=cache).logits[:, -1]
-        within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
-    assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
-
-
-@pytest.mark.parametrize("case", list(CASES))
 def test_gradients_within_budget(case):
     """Backward through the sparse attention (the gather backend) and the experts: weight gradients of a random
     linear function of the logits against HF float64; the indexer gets none (a top-k, as in HF and the paper)."""
@@ -151,30 +138,20 @@ def test_gradients_within_budget(case):
     assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_left_padded_prefill_within_budget(case):
-    """The reference is each row alone without its padding; the baseline HF float32 on the padded batch."""
-    hf, ref, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    pos = prompt_positions(mask)
-    real = mask.bool()
-    with torch.no_grad():
-        ours = model(ids, positions=pos).logits
-        base = hf(ids, attention_mask=mask, position_ids=pos.clamp_min(0)).logits
-        truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+class TestHFParity(LogitParity):
+    """The shared parity suite (tests/_parity.py). HF masks padded keys before its top-k (an additive finfo.min), so
+    a row's selection ignores its padding: well-defined, and qkv's tokens equal HF's."""
 
+    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_left_padded_greedy_generation_matches_hf(case):
-    """HF masks padded keys before its top-k (an additive finfo.min), so a row's selection ignores its padding:
-    well-defined, and qkv's tokens equal HF's."""
-    hf, _, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False)[:, N_PROMPT:]
-    out = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, cache=KVCache(model.cache_specs()))
-    assert torch.equal(out.new_tokens, expected), f"{case}: qkv {out.new_tokens.tolist()}\nhf  {expected.tolist()}"
+    def models(self, case):
+        return _models(case)
+
+    def prompt(self, case, *, padded):
+        return _prompt(case, padded=padded)
+
+    def generation_cache(self, case, model):
+        return KVCache(model.cache_specs())
 
 
 @pytest.mark.parametrize("storage", ["dynamic", "static", "paged"])

@@ -22,10 +22,11 @@ import json
 import pytest
 import torch
 
-from _hf import hf_causal_lm, two_row_prompt, within_budget
+from _hf import hf_causal_lm, two_row_prompt
+from _parity import HFRouteParity, LogitParity
 from qkv.cache import KVCache, Paged
 from qkv.models import from_hf
-from qkv.models.generate import generate, prompt_positions
+from qkv.models.generate import generate
 from qkv.models.loading import CheckpointError
 from qkv.models.verify import verify_cache
 
@@ -73,64 +74,22 @@ def _prompt(case: str, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
                           pad=N_PAD if padded else 0)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_prefill_and_decode_step_within_budget(case):
-    hf, ref, model = _models(case)
-    ids, _ = _prompt(case, padded=False)
-    with torch.no_grad():
-        truth, base = ref(ids).logits, hf(ids).logits
-        within_budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
-        cache = KVCache(model.cache_specs())
-        model(ids[:, :-3], cache=cache)
-        model(ids[:, -3:-1], cache=cache)  # a multi-token step continuing the recurrent state
-        step = model(ids[:, -1:], cache=cache).logits[:, -1]
-        within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
-    assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
+class TestHFParity(LogitParity, HFRouteParity):
+    """The shared parity suite (tests/_parity.py); the cached decode continues the recurrent state by a
+    multi-token step before the last token, and a chunked prefill generates HF's tokens too."""
 
+    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
+    DECODE_TAIL = (2, 1)
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_left_padded_prefill_within_budget(case):
-    """The reference is each row alone without its padding; the baseline HF float32 on the padded batch."""
-    hf, ref, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    pos = prompt_positions(mask)
-    real = mask.bool()
-    with torch.no_grad():
-        ours = model(ids, positions=pos).logits
-        base = hf(ids, attention_mask=mask, position_ids=pos.clamp_min(0)).logits
-        truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+    def models(self, case):
+        return _models(case)
 
+    def prompt(self, case, *, padded):
+        return _prompt(case, padded=padded)
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cached_greedy_generation_matches_hf(case):
-    hf, _, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False)[:, N_PROMPT:]
-    out = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask)
-    assert torch.equal(out.new_tokens, expected), f"{case}: qkv {out.new_tokens.tolist()}\nhf  {expected.tolist()}"
-    chunked = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, prefill_chunk_size=5)
-    assert torch.equal(chunked.new_tokens, expected)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_hf_route_gives_eager_logits(case):
-    """The same HF model with ``attn_implementation="qkv"`` (its full-attention layers): within budget of eager
-    float64, eager float32 the baseline (left-padded batch)."""
-    pytest.importorskip("transformers")
-    import qkv.integrations.transformers as qhf
-
-    hf, ref, _ = _models(case)
-    cand = copy.deepcopy(hf)
-    qhf.use(cand)
-    ids, mask = _prompt(case, padded=True)
-    real = mask.bool()
-    with torch.no_grad():
-        ours = cand(ids, attention_mask=mask).logits
-        base = hf(ids, attention_mask=mask).logits
-        truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    within_budget(ours[real], truth, base[real], what=f"{case} attn_implementation='qkv' logits")
+    def check_generation(self, case, model, ids, mask, out, expected):
+        chunked = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, prefill_chunk_size=5)
+        assert torch.equal(chunked.new_tokens, expected)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -24,10 +24,11 @@ import copy
 import pytest
 import torch
 
-from _hf import hf_causal_lm, two_row_prompt, within_budget
+from _hf import hf_causal_lm, two_row_prompt
+from _parity import HFRouteParity, LogitParity
 from qkv.cache import KVCache
 from qkv.models import from_hf
-from qkv.models.generate import generate, prompt_positions
+from qkv.models.generate import generate
 
 N_PROMPT, N_PAD, N_NEW = 14, 4, 8
 _BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
@@ -89,64 +90,30 @@ def test_layers_are_what_the_config_says():
         assert moe == [t == "sparse" for t in hf.config.mlp_layer_types], case
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_prefill_and_decode_step_within_budget(case):
-    hf, ref, model = _models(case)
-    ids, _ = _prompt(case, padded=False)
-    with torch.no_grad():
-        truth, base = ref(ids).logits, hf(ids).logits
-        within_budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
-        cache = KVCache(model.cache_specs())
-        model(ids[:, :-1], cache=cache)
-        step = model(ids[:, -1:], cache=cache).logits[:, -1]
-        within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
-        double = copy.deepcopy(model).double()(ids).logits
-    torch.testing.assert_close(double, truth, rtol=1e-5, atol=1e-5)  # HF's float32 KDA bounds the agreement
-    assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
+class TestHFParity(LogitParity, HFRouteParity):
+    """The shared parity suite (tests/_parity.py); qkv float64 also equals HF float64 closely, and padding leaves the
+    padded row's tokens what the row alone generates."""
 
+    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
+    HF_PADDED_POSITIONS = False
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_left_padded_prefill_within_budget(case):
-    """The reference is each row alone without its padding; the baseline HF float32 on the padded batch."""
-    hf, ref, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    real = mask.bool()
-    with torch.no_grad():
-        ours = model(ids, positions=prompt_positions(mask)).logits
-        base = hf(ids, attention_mask=mask).logits
-        truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+    def models(self, case):
+        return _models(case)
 
+    def prompt(self, case, *, padded):
+        return _prompt(case, padded=padded)
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cached_greedy_generation_matches_hf(case):
-    hf, _, model = _models(case)
-    ids, mask = _prompt(case, padded=True)
-    with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False)[:, N_PROMPT:]
-    out = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, cache=KVCache(model.cache_specs()))
-    assert torch.equal(out.new_tokens, expected), f"{case}: qkv {out.new_tokens.tolist()}\nhf  {expected.tolist()}"
-    alone = generate(model, ids[1:, N_PAD:], max_new_tokens=N_NEW)
-    assert torch.equal(out.new_tokens[1], alone.new_tokens[0]), "padding changed the padded row's tokens"
+    def generation_cache(self, case, model):
+        return KVCache(model.cache_specs())
 
+    def check_prefill(self, case, model, ids, truth):
+        with torch.no_grad():
+            double = copy.deepcopy(model).double()(ids).logits
+        torch.testing.assert_close(double, truth, rtol=1e-5, atol=1e-5)  # HF's float32 KDA bounds the agreement
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_hf_route_gives_eager_logits(case):
-    """The same HF model with ``attn_implementation="qkv"`` (its MLA layers through qkv): within budget of eager
-    float64, eager float32 the baseline (left-padded batch)."""
-    pytest.importorskip("transformers")
-    import qkv.integrations.transformers as qhf
-
-    hf, ref, _ = _models(case)
-    cand = copy.deepcopy(hf)
-    qhf.use(cand)
-    ids, mask = _prompt(case, padded=True)
-    real = mask.bool()
-    with torch.no_grad():
-        ours = cand(ids, attention_mask=mask).logits
-        base = hf(ids, attention_mask=mask).logits
-        truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-    within_budget(ours[real], truth, base[real], what=f"{case} attn_implementation='qkv' logits")
+    def check_generation(self, case, model, ids, mask, out, expected):
+        alone = generate(model, ids[1:, N_PAD:], max_new_tokens=N_NEW)
+        assert torch.equal(out.new_tokens[1], alone.new_tokens[0]), "padding changed the padded row's tokens"
 
 
 @pytest.mark.parametrize("storage", ["dynamic", "static", "paged"])
