@@ -163,7 +163,7 @@ def _prefill_step(q, k_pool, v_pool, block_tables, kv_positions, q_positions, sc
             if "outside the pool" not in str(e):
                 raise
             raise ValueError(f"paged_prefill_blocks: block_tables name a block outside the pool of "
-                             f"{k_pool.shape[0]} blocks for a visible slot ({str(e).splitlines()[0]}); tables "
+                             f"{k_pool.shape[0]} blocks ({str(e).splitlines()[0]}); tables "
                              "must hold pool block ids") from None
     return _prefill_view(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window, causal, sinks)
 
@@ -228,7 +228,7 @@ def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale,
             raise
         first = str(e).splitlines()[0]
         raise ValueError(f"paged_decode_blocks: block_tables name a block outside the pool of {k_pool.shape[0]} "
-                         f"blocks for a visible slot ({first}); tables must hold pool block ids") from None
+                         f"blocks ({first}); tables must hold pool block ids") from None
 
 
 def _long(t: torch.Tensor) -> torch.Tensor:
@@ -247,9 +247,9 @@ def check_paged_args(fn: str, q, k_pool, v_pool, block_tables, kv_positions, q_p
     B, Hq, D = q.shape
     P, Hkv, T, Dk = k_pool.shape
     NB = block_tables.shape[1]
-    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hq % Hkv:
+    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hkv == 0 or Hq % Hkv:
         raise ValueError(f"{fn}: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)} "
-                         "disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), Hq % Hkv == 0)")
+                         "disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), Hkv >= 1, Hq % Hkv == 0)")
     if block_tables.shape[0] != B or tuple(kv_positions.shape) != (B, NB * T) or q_positions.shape[0] != B:
         raise ValueError(f"{fn}: block_tables {tuple(block_tables.shape)}, kv_positions {tuple(kv_positions.shape)}, "
                          f"q_positions {tuple(q_positions.shape)} must be (B, NB), (B, NB * T) = ({B}, {NB * T}) "
