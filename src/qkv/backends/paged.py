@@ -220,6 +220,7 @@ def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale,
     """:func:`paged_decode_blocks` by the compiled kernel (``qkv/cpu/csrc/paged_decode.cpp``), which reads each
     row's visible slots from the pools where they lie."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel reads rows of unit stride
     try:
         return kernels.load().paged_decode(q, k_pool, v_pool, _long(block_tables), _long(kv_positions),
                                            _long(q_positions), scale, 0 if window is None else int(window), True, None)
@@ -290,12 +291,11 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     keep = seen[rows.view(n, 1), slot].view(1, n, 1, S * T)
     kb, vb = (gather_head_major(p, ids.view(n, S)).transpose(0, 1) for p in (k_pool, v_pool))  # (Hkv, n, S*T, D)
     qb = q.view(B, Hkv, G, D).index_select(0, rows).transpose(0, 1)  # (Hkv, n, G, D)
-    s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)  # (Hkv, n, G, S * T)
-    s.masked_fill_(~keep, float("-inf"))
+    s = (torch.matmul(qb, kb.transpose(-1, -2)) * scale).masked_fill(~keep, float("-inf"))  # (Hkv, n, G, S * T)
     at = rows.view(1, n, 1).expand(Hkv, n, G)
     row_max = torch.full((Hkv, B, G), float("-inf"), dtype=s.dtype, device=s.device)
     row_max.scatter_reduce_(1, at, s.amax(-1), "amax")  # finite: a row with spans has a visible key
-    p = s.sub_(row_max.index_select(1, rows).unsqueeze(-1)).exp_()  # masked slots 0
+    p = (s - row_max.index_select(1, rows).unsqueeze(-1)).exp()  # masked slots 0; out of place for autograd
     total = q.new_zeros(Hkv, B, G).index_add_(1, rows, p.sum(-1))
     out.index_add_(1, rows, torch.matmul(p, vb))
     alive = total > 0
