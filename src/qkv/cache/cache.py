@@ -516,6 +516,35 @@ class KVCache:
         for lay in self._layers:
             lay.last_view = None
 
+    def rollback_step(self, start: int) -> str | None:
+        """After a forward pass raised (paged storage): undo its step, which every layer, some or none had written,
+        back to ``start`` written slots (``seq_length`` before the pass). The blocks the step took return to the
+        pool and none of them enters the prefix index. Returns None when undone; otherwise why it cannot be (a
+        sliding-window layer released blocks the earlier slots need): then the step counts as written by every
+        layer (its slots hold stale values where a layer did not write) and the caller releases the step's rows,
+        as nothing may read them."""
+        manager = self._manager
+        if manager is None:
+            raise ValueError(f"rollback_step: only paged storage can undo a step; this cache uses "
+                             f"{self.storage.describe()} storage")
+        n = manager.seen - start
+        if n < 0 or any(s.seen not in (start, manager.seen) for s in manager.stores):
+            raise ValueError(f"rollback_step({start}): the layers hold {sorted({s.seen for s in manager.stores})} "
+                             f"slots, not the {start} before one step and the {manager.seen} after it")
+        manager.pending = []  # a failed step's blocks are never indexed for reuse
+        for store in manager.stores:  # the layers that had not written it count it written, so all drop it alike
+            store.seen = manager.seen
+        self._order.forget()  # which layers stored the failed step's positions no longer matters
+        for lay in self._layers:
+            lay.last_view = None
+        if n == 0:
+            return None
+        why = manager.cannot_drop(n)
+        if why is not None:
+            return why
+        self.crop(-n)
+        return None
+
     def _row_manager(self, what: str) -> BlockManager:
         if self._manager is None:
             raise ValueError(f"{what}: recycling single rows needs storage=Paged(...) (block tables per row); this "

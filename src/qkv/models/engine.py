@@ -69,7 +69,8 @@ class EngineResult(NamedTuple):
 
     request_id: the id :meth:`Engine.add` returned.
     tokens: every generated token, the stop token included when one ended the request.
-    finish_reason: ``"stop"`` (a stop token) or ``"length"`` (the budget).
+    finish_reason: ``"stop"`` (a stop token), ``"length"`` (the budget), or ``"error (...)"`` naming the exception
+        of a step that could not be undone (see :meth:`Engine.step`).
     prompt_tokens: tokens in the prompt.
     prefix_hits: prompt tokens reused from the prefix cache instead of computed.
     """
@@ -322,22 +323,50 @@ class Engine:
         """Ids of the requests holding a row."""
         return [r.rid for r in self._rows if r is not None]
 
+    #: Updates of a step that raised after some of its passes had finished, handed out by the next step.
+    _held: tuple[EngineUpdate, ...] = ()
+
     @torch.no_grad()
     def step(self) -> list[EngineUpdate]:
         """Admit waiting requests into free rows, then run one step: a prompt chunk for every row reading its
         prompt and one token for every decoding row. Returns an :class:`EngineUpdate` per request that got new
-        tokens (none for a row still reading its prompt); empty when nothing runs."""
+        tokens (none for a row still reading its prompt); empty when nothing runs.
+
+        When a pass raises (any exception, ``KeyboardInterrupt`` included), its writes to the cache are undone and
+        the exception propagates: its requests keep their rows and the next step runs them again, with the same
+        tokens. Where a sliding-window layer already released blocks the undo needs, the pass's requests end
+        instead, ``finish_reason="error (...)"`` naming the exception, and their blocks return to the pool. The
+        updates of the passes that finished before come with the next step's."""
         self._admit()
         prefill = [b for b, r in enumerate(self._rows) if r is not None and r.fed < len(r.prompt)]
         decode = [b for b, r in enumerate(self._rows) if r is not None and r.fed == len(r.prompt)]
         if self.mixed_steps:
-            return self._run(sorted(prefill + decode)) if prefill or decode else []
-        updates: list[EngineUpdate] = []
-        for rows in prefill_passes({b: self._feed_width(b) for b in prefill}):
-            updates += self._run(rows)
-        if decode:
-            updates += self._run(decode)
+            passes = [sorted(prefill + decode)] if prefill or decode else []
+        else:
+            passes = prefill_passes({b: self._feed_width(b) for b in prefill}) + ([decode] if decode else [])
+        updates, self._held = list(self._held), ()
+        for rows in passes:
+            start = self.cache.seq_length
+            try:
+                updates += self._run(rows)
+            except BaseException as e:
+                self._held = tuple(updates + self._undo_pass(rows, start, e))
+                raise
         return updates
+
+    def _undo_pass(self, rows: list[int], start: int, error: BaseException) -> list[EngineUpdate]:
+        """Undo a pass over ``rows`` that raised ``error`` (see :meth:`step`); the updates of the requests it ended."""
+        why = self.cache.rollback_step(start)
+        if why is None:
+            return []
+        ended = []
+        for b in rows:
+            r = self._rows[b]
+            result = EngineResult(r.rid, r.tokens, f"error ({type(error).__name__}: {error}; the step could not be "
+                                  f"undone: {why})", len(r.prompt), r.hits)
+            self._finish(b)
+            ended.append(EngineUpdate(r.rid, [], result))
+        return ended
 
     def _feed_width(self, b: int) -> int:
         r = self._rows[b]
