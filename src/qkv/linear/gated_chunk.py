@@ -238,7 +238,7 @@ def _end_terms(b: torch.Tensor, dtype: torch.dtype):
 
 def _finish(p: Prepared, out_M: torch.Tensor, S_M: torch.Tensor) -> LinearAttentionOutput:
     B, H, N, Dv = p.v.shape
-    out = out_M.reshape(B, H, -1, Dv)[:, :, :N]
+    out = out_M.reshape(B, H, *out_M.shape[1:])[:, :, :N]  # (M, padded N, Dv): no -1, Dv may be 0
     return LinearAttentionOutput(out.to(p.out_dtype), S_M.reshape(B, H, *S_M.shape[1:]))
 
 
@@ -344,7 +344,7 @@ def gated_delta_chunked(
     _check_chunk(chunk_size, fn)
     p = prepare_gated(q, k, v, g, beta, initial_state, fn=fn, delta=True)
     S = _initial(p)
-    if p.v.shape[2] == 0 or p.k.shape[-1] == 0:  # no tokens, or no key channel to read the state through: zeros
+    if 0 in (p.v.shape[2], p.k.shape[-1], p.v.shape[-1]):  # no tokens, key or value channel: zeros
         return _finish(p, p.v.new_zeros(S.shape[0], p.v.shape[2], p.v.shape[-1]), S)
     p = _defined_gates(p)
     if p is None:  # NaN or infinite inputs: where they reach is the recurrence's to say
