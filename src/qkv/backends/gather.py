@@ -119,10 +119,10 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     total = e.sum(-1, keepdim=True)
-    nonempty = total > 0
-    p = e / torch.where(nonempty, total, torch.ones_like(total))
-    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, total, torch.ones_like(total))),
-                      torch.full_like(m, float("-inf"))).squeeze(-1)
+    empty = total == 0  # no allowed key; a NaN total (a NaN or +inf score) is not empty and stays NaN
+    safe = torch.where(empty, torch.ones_like(total), total)
+    p = e / safe
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(safe)).squeeze(-1)
     if sinks is not None:
         p = p[..., :K]
     out = p.view(B, Hx, c, G, K) @ v_sel  # (B, Hx, c, G, Dv)

@@ -188,7 +188,7 @@ def _prefill_step(q, k_pool, v_pool, block_tables, kv_positions, q_positions, sc
             if "outside the pool" not in str(e):
                 raise
             raise ValueError(f"paged_prefill_blocks: block_tables name a block outside the pool of "
-                             f"{k_pool.shape[0]} blocks for a visible slot ({str(e).splitlines()[0]}); tables "
+                             f"{k_pool.shape[0]} blocks ({str(e).splitlines()[0]}); tables "
                              "must hold pool block ids") from None
     return _prefill_view(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window, causal, sinks)
 
@@ -249,6 +249,7 @@ def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale,
     """:func:`paged_decode_blocks` by the compiled kernel (``qkv/cpu/csrc/paged_decode.cpp``), which reads each
     row's visible slots from the pools where they lie."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel reads rows of unit stride
     try:
         return ops.paged_decode(q, k_pool, v_pool, _long(block_tables), _long(kv_positions), _long(q_positions), scale,
                                 0 if window is None else int(window), True, None)
@@ -257,7 +258,7 @@ def _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale,
             raise
         first = str(e).splitlines()[0]
         raise ValueError(f"paged_decode_blocks: block_tables name a block outside the pool of {k_pool.shape[0]} "
-                         f"blocks for a visible slot ({first}); tables must hold pool block ids") from None
+                         f"blocks ({first}); tables must hold pool block ids") from None
 
 
 def _long(t: torch.Tensor) -> torch.Tensor:
@@ -276,9 +277,9 @@ def check_paged_args(fn: str, q, k_pool, v_pool, block_tables, kv_positions, q_p
     B, Hq, D = q.shape
     P, Hkv, T, Dk = k_pool.shape
     NB = block_tables.shape[1]
-    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hq % Hkv:
+    if Dk != D or v_pool.shape[:3] != k_pool.shape[:3] or Hkv == 0 or Hq % Hkv:
         raise ValueError(f"{fn}: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)} "
-                         "disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), Hq % Hkv == 0)")
+                         "disagree (need k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv), Hkv >= 1, Hq % Hkv == 0)")
     if block_tables.shape[0] != B or tuple(kv_positions.shape) != (B, NB * T) or q_positions.shape[0] != B:
         raise ValueError(f"{fn}: block_tables {tuple(block_tables.shape)}, kv_positions {tuple(kv_positions.shape)}, "
                          f"q_positions {tuple(q_positions.shape)} must be (B, NB), (B, NB * T) = ({B}, {NB * T}) "
@@ -319,12 +320,11 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     keep = seen[rows.view(n, 1), slot].view(1, n, 1, S * T)
     kb, vb = (gather_head_major(p, ids.view(n, S)).transpose(0, 1) for p in (k_pool, v_pool))  # (Hkv, n, S*T, D)
     qb = q.view(B, Hkv, G, D).index_select(0, rows).transpose(0, 1)  # (Hkv, n, G, D)
-    s = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)  # (Hkv, n, G, S * T)
-    s.masked_fill_(~keep, float("-inf"))
+    s = (torch.matmul(qb, kb.transpose(-1, -2)) * scale).masked_fill(~keep, float("-inf"))  # (Hkv, n, G, S * T)
     at = rows.view(1, n, 1).expand(Hkv, n, G)
     row_max = torch.full((Hkv, B, G), float("-inf"), dtype=s.dtype, device=s.device)
     row_max.scatter_reduce_(1, at, s.amax(-1), "amax")  # finite: a row with spans has a visible key
-    p = s.sub_(row_max.index_select(1, rows).unsqueeze(-1)).exp_()  # masked slots 0
+    p = (s - row_max.index_select(1, rows).unsqueeze(-1)).exp()  # masked slots 0; out of place for autograd
     total = q.new_zeros(Hkv, B, G).index_add_(1, rows, p.sum(-1))
     out.index_add_(1, rows, torch.matmul(p, vb))
     alive = total > 0

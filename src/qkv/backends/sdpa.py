@@ -17,11 +17,14 @@ needs a gradient on the CPU, the sinks are applied after the fact instead: the C
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request
 from ..masks.causal import Causal
+from ..masks.explicit import Dense
 from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size, predicate_seconds, restore_nonfinite
 
 __all__ = ["SDPABackend"]
@@ -111,6 +114,10 @@ class SDPABackend(Backend):
                         f"fused kernel over all pairs, materializes a {format_size(mask_bytes)} mask")
 
     def run(self, req: Request) -> AttentionOutput:
+        out = self._attend(req).out
+        return AttentionOutput(_masked_nonfinite_keys(req, out, lambda r: self._attend(r).out), None)  # type: ignore[arg-type]
+
+    def _attend(self, req: Request) -> AttentionOutput:
         if req.sinks is not None:
             return _run_with_sinks(req)
         # Read each attribute once: this runs on every decode step of every layer.
@@ -138,6 +145,24 @@ class SDPABackend(Backend):
         if nk < _CPU_NAN_ROWS_BELOW and q.is_cpu:
             out = restore_nonfinite(req, out)[0]
         return AttentionOutput(out, None)  # type: ignore[arg-type]
+
+
+def _masked_nonfinite_keys(req: Request, out: torch.Tensor, attend) -> torch.Tensor:
+    """``out`` with the rows that cannot see a non-finite key made finite again, as the reference has them.
+
+    SDPA adds its mask to the scores, so a key holding ``inf`` or NaN gives every row a NaN score there, masked or
+    not (``inf + -inf``). Only where the output holds NaN (one pass over it) are such keys looked for; then they are
+    zeroed and masked for every row, ``attend`` runs again, and the rows whose allowed scores are NaN or ``+inf``
+    are set NaN (:func:`restore_nonfinite`); an allowed score of ``-inf`` leaves its key out, as in the reference.
+    """
+    if req.mask is None or out.numel() == 0 or not bool(out.isnan().any()):
+        return out
+    bad = ~torch.isfinite(req.k.detach()).all(-1)  # (B, Hkv, Nk): keys with a non-finite channel
+    if not bool(bad.any()):
+        return out
+    keep = (~bad).repeat_interleave(req.group, dim=1).unsqueeze(2).expand(req.B, req.Hq, req.Nq, req.Nk)
+    clean = dataclasses.replace(req, k=req.k.masked_fill(bad.unsqueeze(-1), 0.0), mask=req.mask & Dense(keep))
+    return restore_nonfinite(req, attend(clean))[0]
 
 
 def _foldable(attn_mask: torch.Tensor | None, hq: int) -> bool:

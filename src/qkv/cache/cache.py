@@ -578,9 +578,40 @@ class KVCache:
         for lay in self._layers:
             lay.last_view = None
 
-    def _row_manager(self, what: str) -> RowManager:
+    def rollback_step(self, start: int) -> str | None:
+        """After a forward pass raised (paged storage): undo its step, which every layer, some or none had written,
+        back to ``start`` written slots (``seq_length`` before the pass). The blocks the step took return to the
+        pool and none of them enters the prefix index. Returns None when undone; otherwise why it cannot be (a
+        sliding-window layer released blocks the earlier slots need): then the step counts as written by every
+        layer (its slots hold stale values where a layer did not write) and the caller releases the step's rows,
+        as nothing may read them."""
+        manager = self._row_manager("rollback_step", during_step=True)
+        n = manager.seen - start
+        if n < 0 or any(s.seen not in (start, manager.seen) for s in manager.stores):
+            raise ValueError(f"rollback_step({start}): the layers hold {sorted({s.seen for s in manager.stores})} "
+                             f"slots, not the {start} before one step and the {manager.seen} after it")
+        manager.pending = []  # a failed step's blocks are never indexed for reuse
+        for store in manager.stores:  # the layers that had not written it count it written, so all drop it alike
+            store.seen = manager.seen
+        self._order.forget()  # which layers stored the failed step's positions no longer matters
+        for lay in self._layers:
+            lay.last_view = None
+        if any(isinstance(lay.store, RecurrentStore) for lay in self._layers):
+            return ("a recurrent layer's state (RecurrentSpec) may already hold the pass's tokens, and a state "
+                    "keeps no history to undo")
+        if n == 0:
+            return None
+        why = manager.cannot_drop(n)
+        if why is not None:
+            return why
+        self.crop(-n)
+        return None
+
+    def _row_manager(self, what: str, *, during_step: bool = False) -> RowManager:
         if (why := self._manager.refusal(what)) is not None:
             raise ValueError(why)
+        if during_step:
+            return self._manager
         if self._manager.step_in_progress():
             raise ValueError(f"{what}: a step is in progress (some layers have not written it yet); recycle rows "
                              f"between steps. Nothing was changed")

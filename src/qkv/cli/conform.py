@@ -64,6 +64,9 @@ def conform(
         except ImportError as e:
             typer.echo(f"{name}: skipped ({e})")
             continue
+        except ValueError as e:  # a device this torch cannot reach, ...: one line, exit code 2
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(code=2) from None
         reports.append(report)
         typer.echo(report.table())
         typer.echo("")

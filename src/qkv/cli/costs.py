@@ -83,6 +83,12 @@ def _config_name(path: str) -> str:
     a model folder: the folder's)."""
     if not os.path.exists(path):
         raise ValueError(f"{path!r} does not exist; give a preset name or the path of a HF config.json")
+    if os.path.isdir(path):  # a model folder, as the Python API takes it
+        inner = os.path.join(path, "config.json")
+        if not os.path.isfile(inner):
+            raise ValueError(f"{path!r} is a folder without a config.json; give a model folder holding one, the "
+                             "path of a HF config.json or a preset name")
+        path = inner
     cfg = read_json_config(path)
     _check_sizes(path, cfg)
     given = cfg.get("_name_or_path")

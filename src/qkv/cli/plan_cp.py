@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Annotated
 
 import typer
@@ -48,6 +49,11 @@ def plan_cp(
     if scheme not in SCHEMES:
         typer.echo(f"error: --scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}", err=True)
         raise typer.Exit(code=2)
+    for flag, value in (("--memory-gb", memory_gb), ("--hbm-tbps", hbm_tbps), ("--link-gbps", link_gbps),
+                        ("--tflops", tflops)):
+        if not math.isfinite(value):
+            typer.echo(f"error: {flag} must be a finite number, got {value}", err=True)
+            raise typer.Exit(code=2)
     device = dataclasses.replace(H200, name="custom", memory_bytes=memory_gb * 1e9, hbm_bytes_per_s=hbm_tbps * 1e12,
                                  link_bytes_per_s=link_gbps * 1e9, attention_flops_per_s=tflops * 1e12)
     out = {}

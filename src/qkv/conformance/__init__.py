@@ -72,8 +72,29 @@ def check(fn: Callable | str, *, adapter: Callable | None = None, device="cpu",
     if not dtypes or not all(isinstance(d, torch.dtype) for d in dtypes):
         raise TypeError(f"check: dtypes must be a non-empty sequence of torch dtypes, got {dtypes!r}")
     if checks is not None:
-        checks = tuple(checks)
+        checks = (checks,) if isinstance(checks, str) else tuple(checks)  # "values" is one check, not six letters
+        unknown = [c for c in checks if c not in CHECKS]
+        if unknown:
+            raise ValueError(f"check: unknown check(s) {', '.join(map(repr, unknown))} in checks; valid: "
+                             f"{', '.join(CHECKS)}")
+    device = _usable_device(device)
     findings = run_battery(plain, device=device, dtypes=dtypes, seed=seed, checks=checks)
     takes = accepted_options(plain)
-    return Report(title, str(torch.device(device)), [str(d).replace("torch.", "") for d in dtypes],
+    return Report(title, str(device), [str(d).replace("torch.", "") for d in dtypes],
                   [o for o in OPTIONS if o in takes], findings)
+
+
+def _usable_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` where a tensor can be made; ``ValueError`` naming it otherwise, so that no
+    battery runs (and reports every check "raised") on a device this torch cannot reach."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"check: device {device!r} is not a torch device ({str(e).splitlines()[0]}); use "
+                         f"e.g. 'cpu' or 'cuda:0'") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"check: device {str(dev)!r} is not available here ({str(e).splitlines()[0][:120]}); "
+                         f"run on a machine that has it, or pass device='cpu'") from None
+    return dev

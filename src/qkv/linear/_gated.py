@@ -66,6 +66,9 @@ def prepare_gated(q, k, v, g, beta, state, *, fn: str, state_name: str = "initia
     if v.shape[0] != B or v.shape[2] != N:
         raise ValueError(f"{fn}: v must be (B, H, N, Dv) with k's B={B} and N={N}, got v {tuple(v.shape)}")
     H = v.shape[1]
+    if Hk == 0:
+        raise ValueError(f"{fn}: q and k have 0 heads (shape {tuple(k.shape)}); the gated rules need at least one "
+                         f"query/key head, each read by H // Hk value heads")
     if H % Hk:
         raise ValueError(f"{fn}: v has {H} heads, which is not a multiple of the {Hk} heads of q and k; value head h "
                          f"reads key head h // (H // Hk), so H must be Hk * r")

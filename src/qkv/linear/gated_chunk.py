@@ -58,6 +58,7 @@ from torch.nn.functional import pad as _pad
 
 from qkv.linear._common import LinearAttentionOutput
 from qkv.linear._gated import Prepared, expand_heads, prepare_gated
+from qkv.linear.gated_recurrent import gated_delta_recurrent, gated_linear_recurrent
 
 __all__ = ["DEFAULT_GATED_CHUNK_SIZE", "KERNEL_CHUNK_SIZE", "ChunkKernel", "gated_linear_chunked",
            "gated_delta_chunked", "delta_path"]
@@ -90,6 +91,30 @@ _SUB = 16
 
 #: Largest |cumulative log-decay| inside a chunk (nats) for which float32 inputs keep their log-decays in float32.
 FLOAT32_LOG_DECAY = 16.0
+
+
+#: Log-decays below this are taken as this: ``exp(-1024)`` is 0 in float32 and float64 alike, so a gate of ``-inf``
+#: (a full reset of the state) or of ``-1e30`` keeps its meaning, while the cumulative sums stay finite (``-inf``
+#: minus ``-inf`` is NaN) and keep the differences of the tokens after it to about ``1e-13``.
+RESET_LOG_DECAY = 1024.0
+
+
+def _defined_gates(p: Prepared) -> Prepared | None:
+    """``p`` with its log-decays floored at ``-RESET_LOG_DECAY``, or None when the chunked algebra cannot follow
+    the recurrence: a NaN or infinite q, k, v, beta or state, or a NaN or ``+inf`` gate. Inside a chunk the
+    products mix every token with every other (``0 * NaN`` is NaN), so a NaN would reach tokens before it; the
+    recurrence carries it forward only, as the definition does."""
+    rest = [t for t in (p.q, p.k, p.v, p.beta, p.state) if t is not None]
+    if not all(bool(torch.isfinite(t).all()) for t in rest):
+        return None
+    g = p.g
+    if g.numel() and not float(g.detach().amin()) >= -RESET_LOG_DECAY:  # NaN compares False
+        if bool((g.isnan() | (g == float("inf"))).any()):
+            return None
+        g = g.clamp_min(-RESET_LOG_DECAY)
+    elif g.numel() and not bool(torch.isfinite(g).all()):  # +inf (or NaN above the floor)
+        return None
+    return Prepared(p.q, p.k, p.v, g, p.beta, p.state, p.out_dtype)
 
 
 def _log_decays(g: torch.Tensor) -> torch.Tensor:
@@ -230,7 +255,7 @@ def _end_terms(b: torch.Tensor, dtype: torch.dtype):
 
 def _finish(p: Prepared, out_M: torch.Tensor, S_M: torch.Tensor) -> LinearAttentionOutput:
     B, H, N, Dv = p.v.shape
-    out = out_M.reshape(B, H, -1, Dv)[:, :, :N]
+    out = out_M.reshape(B, H, *out_M.shape[1:])[:, :, :N]  # (M, padded N, Dv): no -1, Dv may be 0
     return LinearAttentionOutput(out.to(p.out_dtype), S_M.reshape(B, H, *S_M.shape[1:]))
 
 
@@ -280,6 +305,9 @@ def gated_linear_chunked(
     S = _initial(p)
     if p.v.shape[2] == 0:
         return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
+    p = _defined_gates(p)
+    if p is None:  # NaN or infinite inputs: where they reach is the recurrence's to say
+        return gated_linear_recurrent(q, k, v, g, initial_state=initial_state)
     C = min(chunk_size or DEFAULT_GATED_CHUNK_SIZE, p.v.shape[2])  # a short call pads to itself, not to C
     q, k, v, g, _ = _chunks(p, C)
     b = _log_decays(g)  # (M, nc, C[, Dk])
@@ -335,8 +363,11 @@ def gated_delta_chunked(
     _check_chunk(chunk_size, fn)
     p = prepare_gated(q, k, v, g, beta, initial_state, fn=fn, delta=True)
     S = _initial(p)
-    if p.v.shape[2] == 0:
-        return _finish(p, p.v.new_zeros(S.shape[0], 0, p.v.shape[-1]), S)
+    if 0 in (p.v.shape[2], p.k.shape[-1], p.v.shape[-1]):  # no tokens, key or value channel: zeros
+        return _finish(p, p.v.new_zeros(S.shape[0], p.v.shape[2], p.v.shape[-1]), S)
+    p = _defined_gates(p)
+    if p is None:  # NaN or infinite inputs: where they reach is the recurrence's to say
+        return gated_delta_recurrent(q, k, v, g, beta, initial_state=initial_state)
     if _kernel_declines(p, kernel) is None:
         B, H, _, Dv = p.v.shape
         out, S = kernel(

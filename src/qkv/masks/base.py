@@ -74,7 +74,7 @@ class Mask:
     def reads(self, B: int, H: int) -> tuple[int, int]:
         """(batch rows, heads) of a (B, H) request that the predicate can tell apart; every view and block
         map evaluates exactly these (1 where the mask is the same for all)."""
-        rows = B if self.depends_on_batch else (self.batch or 1)
+        rows = B if self.depends_on_batch else (1 if self.batch is None else self.batch)
         return rows, (H if self.depends_on_head else 1)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:

@@ -46,7 +46,7 @@ class Dense(Mask):
         while m.dim() < 4:
             m = m.unsqueeze(0) if m.dim() != 3 else m.unsqueeze(1)
         self.mask = m.clone()  # a mask is immutable: later in-place edits of the caller's tensor do not reach it
-        self.batch = m.shape[0] if m.shape[0] > 1 else None
+        self.batch = m.shape[0] if m.shape[0] != 1 else None
         self.depends_on_head = m.shape[1] > 1
 
     def check(self, B, H, nq, nk):
@@ -90,7 +90,7 @@ class Graph(Mask):
         if self_loops:
             a = a | torch.eye(a.shape[-1], dtype=torch.bool, device=a.device)
         self.adj = a if self_loops else a.clone()  # never the caller's tensor: a mask is immutable
-        self.batch = a.shape[0] if a.shape[0] > 1 else None
+        self.batch = a.shape[0] if a.shape[0] != 1 else None
 
     def check(self, B, H, nq, nk):
         super().check(B, H, nq, nk)

@@ -36,7 +36,7 @@ def tile_map(mask: Mask, B: int, H: int, Nq: int, Nk: int, block_q: int, block_k
     _check(B, H, Nq, Nk, block_q, block_k)
     mask.check(B, H, Nq, Nk)
     if mask.depends_on_head and H > 1:
-        rows = B if mask.depends_on_batch else (mask.batch or 1)
+        rows = B if mask.depends_on_batch else (1 if mask.batch is None else mask.batch)
         maps = [predicate_block_map(_OneHead(mask, h), rows, 1, Nq, Nk, block_q, block_k, device) for h in range(H)]
         maps = [m.expand(rows, *m.shape[1:]) for m in maps]
         return torch.stack(maps, 1)

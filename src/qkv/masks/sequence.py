@@ -175,7 +175,7 @@ def _tile_range(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 class PrefixLM(Mask):
     def __init__(self, prefix_lengths) -> None:
         self.lengths = _as_lengths(prefix_lengths, "prefix_lm(prefix_lengths)")
-        self.batch = self.lengths.shape[0] if self.lengths.shape[0] > 1 else None
+        self.batch = self.lengths.shape[0] if self.lengths.shape[0] != 1 else None
 
     def tensors(self):
         return (self.lengths,)

@@ -98,8 +98,9 @@ class EngineResult(NamedTuple):
     request_id: the id :meth:`Engine.add` returned.
     tokens: every generated token, the stop token (or the token completing a stop string) included when one ended
         the request.
-    finish_reason: ``"stop"`` (a stop token or stop string), ``"length"`` (``max_tokens``) or ``"abort"``
-        (:meth:`Engine.abort`).
+    finish_reason: ``"stop"`` (a stop token or stop string), ``"length"`` (``max_tokens``), ``"abort"``
+        (:meth:`Engine.abort`), or ``"error (...)"`` naming the exception of a step that could not be undone (see
+        :meth:`Engine.step`).
     prompt_tokens: tokens in the prompt.
     prefix_hits: prompt tokens reused from the prefix cache instead of computed.
     logprobs: one :class:`qkv.models.TokenLogprobs` per token when the request asked for ``logprobs``, else None.
@@ -143,6 +144,19 @@ class _Request:
     logprobs: list[TokenLogprobs] | None = None
     writer: _Request | None = None  # a request admitted with it whose prompt blocks it waits for (same-step sharing)
     shared: int = 0  # prompt tokens it waits for the writer to have in the cache
+
+    def snapshot(self) -> tuple:
+        """What a pass may change: restored by :meth:`restore` when the pass fails and its cache writes are undone."""
+        return (self.rid, self.fed, len(self.tokens), None if self.logprobs is None else len(self.logprobs),
+                None if self.sampler is None else self.sampler.snapshot())
+
+    def restore(self, state: tuple) -> None:
+        _, self.fed, n, n_lp, sampler = state
+        del self.tokens[n:]
+        if n_lp is not None:
+            del self.logprobs[n_lp:]
+        if sampler is not None:
+            self.sampler.restore(sampler)
 
 
 #: What one more forward pass costs, in padded token positions: a pass reads every weight once and pays its
@@ -427,23 +441,55 @@ class Engine:
         """Ids of the requests holding a row."""
         return [r.rid for r in self._rows if r is not None]
 
+    #: Updates of a step that raised after some of its passes had finished, handed out by the next step.
+    _held: tuple[EngineUpdate, ...] = ()
+
     @torch.no_grad()
     def step(self) -> list[EngineUpdate]:
         """Admit waiting requests into free rows, then run one step: a prompt chunk for every row reading its
         prompt and one token for every decoding row. Returns an :class:`EngineUpdate` per request that got new
-        tokens (none for a row still reading its prompt); empty when nothing runs."""
+        tokens (none for a row still reading its prompt); empty when nothing runs.
+
+        When a pass raises (any exception, ``KeyboardInterrupt`` included), its writes to the cache are undone and
+        the exception propagates: its requests keep their rows and the next step runs them again, with the same
+        tokens. Where a sliding-window layer already released blocks the undo needs, the pass's requests end
+        instead, ``finish_reason="error (...)"`` naming the exception, and their blocks return to the pool. The
+        updates of the passes that finished before come with the next step's."""
         self._admit()
         self._attach_ready()
         prefill = [b for b, r in enumerate(self._rows) if r is not None and r.writer is None and r.fed < len(r.prompt)]
         decode = [b for b, r in enumerate(self._rows) if r is not None and r.fed == len(r.prompt)]
         if self.mixed_steps:
-            return self._run(sorted(prefill + decode)) if prefill or decode else []
-        updates: list[EngineUpdate] = []
-        for rows in self._prefill_groups(prefill):
-            updates += self._run(rows)
-        if decode:
-            updates += self._run(decode)
+            passes = [sorted(prefill + decode)] if prefill or decode else []
+        else:
+            passes = self._prefill_groups(prefill) + ([decode] if decode else [])
+        updates, self._held = list(self._held), ()
+        for rows in passes:
+            start, before = self.cache.seq_length, {b: self._rows[b].snapshot() for b in rows}
+            try:
+                updates += self._run(rows)
+            except BaseException as e:
+                self._held = tuple(updates + self._undo_pass(rows, start, before, e))
+                raise
         return updates
+
+    def _undo_pass(self, rows: list[int], start: int, before: dict, error: BaseException) -> list[EngineUpdate]:
+        """Undo a pass over ``rows`` that raised ``error`` (see :meth:`step`): the cache's writes, and each request's
+        prompt progress, tokens, logprobs and sampler as they were before it (``before``: row -> snapshot); the
+        updates of the requests it ended."""
+        why = self.cache.rollback_step(start)
+        if why is None:
+            for b in rows:
+                if self._rows[b] is not None and self._rows[b].rid == before[b][0]:
+                    self._rows[b].restore(before[b])
+            return []
+        ended = []
+        for b in rows:
+            r = self._rows[b]
+            self._finish(b)
+            result = self._record(r, f"error ({type(error).__name__}: {error}; the step could not be undone: {why})")
+            ended.append(EngineUpdate(r.rid, [], result))
+        return ended
 
     def _feed_width(self, b: int) -> int:
         r = self._rows[b]

@@ -265,6 +265,16 @@ class RequestSampler:
         self.record(token)
         return token, lp
 
+    def snapshot(self) -> tuple:
+        """The sampler's state (its generator's and the penalties' counts), for :meth:`restore` after a failed step."""
+        return (self.generator.get_state(), None if self.counts is None else self.counts.clone(),
+                None if self.seen is None else self.seen.clone())
+
+    def restore(self, state: tuple) -> None:
+        """Go back to a :meth:`snapshot`: the next :meth:`choose` draws as it would have then."""
+        self.generator.set_state(state[0])
+        self.counts, self.seen = state[1], state[2]
+
     def record(self, token: int) -> None:
         """Count a token of the output (one the request emitted without :meth:`choose`)."""
         if self.counts is not None:

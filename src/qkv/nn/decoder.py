@@ -397,7 +397,7 @@ class DecoderLM(nn.Module):
         Returns:
             :class:`DecoderOutput` ``(logits (B, N or logits_to_keep, V), cache)``.
         """
-        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
             raise ValueError(f"DecoderLM: logits_to_keep must be an int >= 0 (0: every position), got "
                              f"{logits_to_keep!r}")
         x = self._hidden(input_ids, attention_mask, positions, cache, logits_to_keep)

@@ -17,9 +17,9 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_po
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
                             const at::Tensor& kv_pos, bool causal, int64_t window,
                             const c10::optional<at::Tensor>& sinks, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 && q.size(1) % k.size(1) == 0 &&
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
                   v.size(-1) == q.size(-1) && q_pos.dim() == 2 && kv_pos.dim() == 2,
-              "decode_attention: q (B, Hq, 1, D), k and v (B, Hkv, S, D), positions (B, 1) and (B, S)");
+              "decode_attention: q (B, Hq, 1, D), k and v (B, Hkv, S, D) with Hkv >= 1, positions (B, 1) and (B, S)");
   const int64_t B = q.size(0), S = k.size(2);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && q_pos.scalar_type() == at::kLong &&
                   kv_pos.scalar_type() == at::kLong && q_pos.size(1) == 1 && kv_pos.size(1) == S &&

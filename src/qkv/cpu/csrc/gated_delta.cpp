@@ -225,7 +225,8 @@ std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor
   }
   TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && v.dim() == 4, "gated_delta_chunks: q, k, v shapes");
   const int64_t B = v.size(0), H = v.size(1), N = v.size(2), Dk = k.size(3), Dv = v.size(3);
-  TORCH_CHECK(k.size(0) == B && k.size(2) == N && H % k.size(1) == 0, "gated_delta_chunks: heads");
+  TORCH_CHECK(k.size(0) == B && k.size(2) == N && k.size(1) > 0 && H % k.size(1) == 0,
+              "gated_delta_chunks: heads (Hk >= 1, H % Hk == 0)");
   TORCH_CHECK((g.dim() == 3 || (g.dim() == 4 && g.size(3) == Dk)) && g.size(0) == B && g.size(1) == H &&
                   g.size(2) == N, "gated_delta_chunks: g (B, H, N[, Dk])");
   TORCH_CHECK(beta.dim() == 3 && beta.size(0) == B && beta.size(1) == H && beta.size(2) == N,
@@ -235,6 +236,10 @@ std::vector<at::Tensor> gated_delta_chunks(const at::Tensor& q, const at::Tensor
   TORCH_CHECK(chunk > 0 && safe_log > 0, "gated_delta_chunks: chunk > 0, safe_log > 0");
   auto S = state.clone();
   auto out = at::empty({B, H, N, Dv}, v.options());
+  if (Dk == 0 || Dv == 0 || N == 0) {  // no key channel: nothing is read from or written to the state
+    out.zero_();
+    return {out, S};
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_chunks", [&] {
     run<scalar_t>(q, k, v, g, beta, S, out, std::min(chunk, std::max<int64_t>(N, 1)), safe_log);
   });

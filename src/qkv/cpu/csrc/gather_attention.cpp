@@ -263,14 +263,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           const int64_t h = h0 + g;
           const T mg = m[r * G + g], lg = l[r * G + g];
           T mt = mg, lt = lg, f = T(1);
-          if (sinks != nullptr) {
+          if (sinks != nullptr) {  // a NaN sink must reach lt: std::max would keep the other operand
             const T z = sinks[h];
-            mt = std::max(mg, z);
+            mt = std::isnan(z) ? z : std::max(mg, z);
             f = mg == ninf ? T(0) : std::exp(mg - mt);
             lt = lg * f + std::exp(z - mt);
           }
           T* dst = op + ((b * Hq + h) * Nq + i) * Dv;
-          if (lt > T(0)) {
+          if (std::isnan(lt)) {  // a NaN (or +inf) score: the row is NaN, never the empty-row marker
+            std::fill(dst, dst + Dv, std::numeric_limits<T>::quiet_NaN());
+            lp[(b * Hq + h) * Nq + i] = std::numeric_limits<T>::quiet_NaN();
+          } else if (lt > T(0)) {
             const T c = f / lt;
             if (lanes) {
               for (int64_t d = 0; d < Dv; ++d) dst[d] = orow[d * G + g] * c;
@@ -300,8 +303,8 @@ std::vector<at::Tensor> gather_attention(const at::Tensor& q, const at::Tensor& 
               "gather_attention: q, k, v of one dtype");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "gather_attention: unit last stride");
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous(), "gather_attention: contiguous int64 lists");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0 && (idx.size(1) == 1 || idx.size(1) == q.size(1)),
-              "gather_attention: heads");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && (idx.size(1) == 1 || idx.size(1) == q.size(1)),
+              "gather_attention: heads (Hkv >= 1, Hq % Hkv == 0, lists shared or per query head)");
   TORCH_CHECK(idx.size(0) == 1 || idx.size(0) == q.size(0), "gather_attention: list batch");
   TORCH_CHECK(idx.size(2) == q.size(2), "gather_attention: one list per query row");
   TORCH_CHECK(tile > 0, "gather_attention: tile > 0");

@@ -26,14 +26,21 @@ inline at::Tensor check_args(const char* fn, const at::Tensor& q, const at::Tens
   TORCH_CHECK(q.stride(-1) == 1 && k_pool.stride(3) == 1 && v_pool.stride(3) == 1, fn, ": unit last strides");
   const int64_t B = q.size(0), NB = tables.size(1), Tb = k_pool.size(2);
   TORCH_CHECK(k_pool.size(3) == q.size(-1) && v_pool.size(0) == k_pool.size(0) && v_pool.size(1) == k_pool.size(1) &&
-                  v_pool.size(2) == Tb && q.size(1) % k_pool.size(1) == 0,
-              fn, ": pools (P, Hkv, T, D) and (P, Hkv, T, Dv) agreeing with q (B, Hq, [N,] D), Hq % Hkv == 0");
+                  v_pool.size(2) == Tb && k_pool.size(1) > 0 && q.size(1) % k_pool.size(1) == 0,
+              fn, ": pools (P, Hkv, T, D) and (P, Hkv, T, Dv) agreeing with q (B, Hq, [N,] D), Hkv >= 1, Hq % Hkv == 0");
   TORCH_CHECK(tables.scalar_type() == at::kLong && kv_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong && tables.is_contiguous() && kv_pos.stride(1) == 1,
               fn, ": int64 tables (contiguous) and positions (unit last stride)");
   TORCH_CHECK(tables.size(0) == B && kv_pos.size(0) == B && kv_pos.size(1) == NB * Tb && q_pos.size(0) == B &&
                   (q.dim() == 3 || q_pos.size(1) == q.size(2)),
               fn, ": tables (B, NB), kv_pos (B, NB * T), q_pos (B, [N])");
+  // every entry, read or not, as the torch-op paths check the whole table (-1 is no "empty" marker here)
+  const int64_t P = k_pool.size(0);
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * NB; ++i) {
+    TORCH_CHECK(tab[i] >= 0 && tab[i] < P, fn, ": block id ", tab[i], " at table entry (", i / NB, ", ", i % NB,
+                ") lies outside the pool of ", P, " blocks");
+  }
   at::Tensor z;
   if (sinks.has_value() && sinks->defined()) {
     z = sinks->to(q.scalar_type()).contiguous();

@@ -17,7 +17,6 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -167,7 +166,6 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
   const int64_t ksp = kpool.stride(0), ksh = kpool.stride(1), kst = kpool.stride(2);
   const int64_t vsp = vpool.stride(0), vsh = vpool.stride(1), vst = vpool.stride(2);
   const T ninf = -std::numeric_limits<T>::infinity();
-  std::atomic<int64_t> bad_block{-1};
   // Keys are taken a span at a time (up to kSpan, whole blocks or pieces of a longer one): their scores, then one
   // softmax update per head for the span and the span's values, so the update's fixed cost (maxima,
   // exponentials, rescaling) is paid once per span rather than per block.
@@ -209,10 +207,6 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
         }
         if (last < 0) continue;  // nothing visible: the slots are not read
         const int64_t blk = tab[b * NB + j];
-        if (blk < 0 || blk >= P) {
-          bad_block.store(blk);
-          continue;
-        }
         const int64_t cnt = last - first + 1;
         if (n + cnt > span) flush();
         const T* kb = kp + blk * ksp + h * ksh;
@@ -244,8 +238,6 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
       }
     }
   });
-  TORCH_CHECK(bad_block.load() < 0, "paged_decode: a visible slot's block id ", bad_block.load(),
-              " lies outside the pool of ", P, " blocks");
 }
 
 }  // namespace

@@ -19,7 +19,6 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -73,7 +72,6 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
   const int64_t ksp = kpool.stride(0), ksh = kpool.stride(1), kst = kpool.stride(2);
   const int64_t vsp = vpool.stride(0), vsh = vpool.stride(1), vst = vpool.stride(2);
   const T ninf = -std::numeric_limits<T>::infinity();
-  std::atomic<int64_t> bad_block{-1};
   at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
     qkv_blas::SequentialBlas sequential;  // this worker's products on this thread
     const int64_t Mmax = G * QT;
@@ -165,10 +163,6 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
           }
           if (last < 0) continue;  // no query of the tile sees these slots: they are not read
           const int64_t blk = tab[b * NB + j];
-          if (blk < 0 || blk >= P) {
-            bad_block.store(blk);
-            continue;
-          }
           const int64_t cnt = last - first + 1;
           if (n + cnt > kSpan) flush();
           const T* kblk = kp + blk * ksp + h * ksh;
@@ -207,8 +201,6 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
       }
     }
   });
-  TORCH_CHECK(bad_block.load() < 0, "paged_prefill: a visible slot's block id ", bad_block.load(),
-              " lies outside the pool of ", P, " blocks");
 }
 
 }  // namespace
