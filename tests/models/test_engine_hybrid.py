@@ -90,3 +90,31 @@ def test_hybrid_models_refuse_what_a_state_cannot_do():
         Engine(model, num_blocks=16, block_size=4, max_batch=2, prefix_caching=True)
     with pytest.raises(ValueError, match=r"layer 0 \(RecurrentSpec\) cannot read padding .* mixed_steps=False"):
         Engine(model, num_blocks=16, block_size=4, max_batch=2, mixed_steps=True)
+
+
+def test_a_failed_hybrid_pass_ends_its_rows_with_the_reason():
+    """A recurrent state keeps no history, so a pass that raised after some layers advanced it cannot be undone: its
+    requests end with the exception and the reason, their blocks return to the pool, and later requests run as
+    generate has them."""
+    model = _model("qwen3_5_text")
+    engine = Engine(model, num_blocks=64, block_size=4, max_batch=2, prefill_chunk=8, optimize=False)
+    a, b = engine.add([5, 6, 7, 8], 6), engine.add([9, 10, 11], 5)
+    engine.step()
+    fired = []
+
+    def boom(module, args):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected")
+
+    handle = model.layers[2].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    handle.remove()
+    results = engine.run()
+    for rid in (a, b):
+        assert "a recurrent layer's state" in results[rid].finish_reason, results[rid].finish_reason
+    assert all(s.blocks_in_use == 0 for s in engine.cache.pool_stats().values())
+    late = engine.add([12, 13, 14], 4)
+    want = generate(model, torch.tensor([[12, 13, 14]]), max_new_tokens=4).new_tokens[0].tolist()
+    assert engine.run()[late].tokens == want

@@ -198,3 +198,44 @@ def test_float32_engine_runs_the_int8_screen_and_matches_generate(monkeypatch):
     monkeypatch.undo()
     for rid, (prompt, budget) in zip(ids, reqs, strict=True):
         assert results[rid].tokens == _alone(model, prompt, budget)
+
+
+def test_a_pass_failing_between_two_rows_choices_restores_both(monkeypatch):
+    """Token selection fails for the second row of a pass after the first row drew its token: the undo restores the
+    first row's tokens and sampler too, so every seeded request still gives the tokens of a run without failure."""
+    from qkv.models import SamplingParams
+    from qkv.models.sampling import RequestSampler
+
+    model = _lm(6)
+    reqs = [([3, 4, 5, 6], 11), ([7, 8, 9], 12), ([10, 11, 12, 13, 14], 9)]
+
+    def serve(fail_on_call: int | None):
+        engine = Engine(model, num_blocks=64, block_size=4, max_batch=2, prefill_chunk=4, optimize=False)
+        ids = [engine.add(p, params=SamplingParams(max_tokens=n, temperature=0.9, top_k=20, seed=10 + i,
+                                                   repetition_penalty=1.3, logprobs=2))
+               for i, (p, n) in enumerate(reqs)]
+        real, calls = RequestSampler.choose, [0]
+
+        def choose(self, logits):
+            calls[0] += 1
+            if calls[0] == fail_on_call:
+                raise _Boom("injected between two rows")
+            return real(self, logits)
+
+        monkeypatch.setattr(RequestSampler, "choose", choose)
+        failures = 0
+        while engine.busy:
+            try:
+                engine.step()
+            except _Boom:
+                failures += 1
+        monkeypatch.undo()
+        return [engine.results()[i] for i in ids], failures
+
+    clean, _ = serve(None)
+    for fail_on in (6, 8):  # the second row of a two-row decode pass (both rows decode by then)
+        got, failures = serve(fail_on)
+        assert failures == 1
+        for a, b in zip(got, clean, strict=True):
+            assert a.tokens == b.tokens and a.finish_reason == b.finish_reason == "length"
+            assert [lp.token for lp in a.logprobs] == a.tokens
