@@ -72,14 +72,11 @@ def test_optimize_fills_every_slot_and_compiled_false_empties_them():
     assert any(isinstance(m, GatedRMSNorm) for m in model.modules())
     assert any(isinstance(m, GatedDeltaNet) for m in model.modules())
     assert any(isinstance(m, Experts) for m in model.modules())
-    filled = qkv.cpu.optimized(model).compiled
-    assert filled == sum(1 for m in model.modules() for s in _slots(model) if s in m.__dict__)
     qkv.cpu.optimize(model, onednn=False)  # again: nothing changes
-    assert qkv.cpu.optimized(model).compiled == filled
+    assert _slots(model) == slots
     qkv.cpu.optimize(model, onednn=False, compiled=False)
     slots = _slots(model)
     assert all(slots[s] == {None} for s in slots if s != "decode_backend") and slots["decode_backend"] == {"sdpa"}
-    assert qkv.cpu.optimized(model).compiled == 0
 
 
 def test_a_slot_the_user_filled_is_kept():

@@ -9,10 +9,14 @@ applied to a plain model from outside by one call, :func:`optimize`.
   the product the rule picks. It relies on private ``torch.ops.mkldnn`` operators, so it runs only where
   :func:`~qkv.cpu.gemm.onednn_unavailable_reason` finds them working in this torch; elsewhere the rule falls
   back to the blocks and ``F.linear``.
-- :mod:`qkv.cpu.kernels`: qkv's compiled C++ kernels (``csrc/``), built on first use: attention over listed keys
-  read in place (the gather backend's and the paged decode step's CPU path), the chunked gated delta rule a
-  chunk at a time in cache (``qkv.linear.gated_delta_chunked`` without autograd), and a gated-delta mixer's whole
-  decode step after its projections (``qkv.nn.GatedDeltaNet`` / ``KimiDeltaAttention``).
+- :mod:`qkv.cpu.kernels`: qkv's compiled C++ kernels (``csrc/``) as torch operators ``torch.ops.qkv_cpu.<name>``,
+  prebuilt in the wheel (one library per CPU capability) or built by JIT on first use; :mod:`qkv.cpu.ops` is the
+  one facade the rest of qkv calls (a function per operator and its ``why_not_*`` eligibility test),
+  :mod:`qkv.cpu.fakes` their shapes for FakeTensor tracing and ``torch.compile``, and ``qkv doctor`` shows their
+  state. Attention over listed keys read in place (the gather backend), a cached decode step (the ``cpu_decode``
+  backend), the paged cache's steps, the chunked gated delta rule, a gated-delta mixer's decode step, RMSNorm,
+  SwiGLU's gate, rotary embeddings and routed experts.
+- :mod:`qkv.cpu.fused`: those kernels in the form :func:`optimize` puts into a plain model's kernel slots.
 - :mod:`qkv.cpu.greedy`: greedy tokens of an LM head through an int8 screen with a rigorous bound, the few
   tokens it leaves recomputed in float64 (:class:`~qkv.cpu.greedy.HeadScreen`; ``DecoderLM.next_tokens``).
 - :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,

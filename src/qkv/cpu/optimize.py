@@ -64,13 +64,12 @@ _MARK = "_qkv_cpu_optimized"
 
 class Optimized(NamedTuple):
     """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use), the ``input_major``
-    option it was given (None: layouts kept), ``screen`` (a greedy head was given an int8 screen), and
-    ``compiled`` (how many compiled-kernel slots hold qkv's kernels)."""
+    option it was given (None: layouts kept), and ``screen`` (a greedy head was given an int8 screen). Which
+    kernel slots hold qkv's compiled kernels the modules' slots themselves say."""
 
     onednn: bool
     input_major: bool | None
     screen: bool = False
-    compiled: int = 0
 
 
 @runtime_checkable
@@ -204,7 +203,6 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
                            f"available")
     screened = screen is not False and no_screen is None
     heads = False  # some greedy head got a screen
-    slots = 0  # compiled-kernel slots filled
     why = gemm.onednn_unavailable_reason()
     if onednn is True and why is not None:
         raise RuntimeError(f"optimize: onednn=True cannot run: {why}; pass onednn=None to use it where available")
@@ -230,14 +228,12 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         for host, slot, kernel in _SLOTS:
             if isinstance(parent, host) and getattr(parent, slot) in (None, kernel):
                 setattr(parent, slot, kernel if compiled else None)
-                slots += compiled
         if isinstance(parent, DecodeHost):
             if compiled and parent.decode_backend == "sdpa":
                 parent.__dict__[_DECODE_MARK], parent.decode_backend = parent.decode_backend, "auto"
             elif not compiled and _DECODE_MARK in parent.__dict__:
                 parent.decode_backend = parent.__dict__.pop(_DECODE_MARK)
-            slots += compiled and _DECODE_MARK in parent.__dict__
-    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=heads, compiled=slots)
+    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=heads)
     return model
 
 
