@@ -30,8 +30,9 @@ class LogitParity:
     """Prefill, cached decode, left padding and greedy generation against HF (module notes)."""
 
     CASES: dict = {}
-    N_PROMPT, N_NEW = 14, 8
-    DECODE_TAIL: tuple[int, ...] = (1,)  # new tokens per cached step after the prefill; the last is the checked one
+    N_NEW = 8
+    DECODE_TAIL: tuple[int, ...] = (1,)  # new tokens per cached step after the prefill, the last one checked; ()
+    # checks the prefill only
     HF_PADDED_POSITIONS = True  # HF's padded baseline is given qkv's positions (the padding's clamped to 0)
 
     def pytest_generate_tests(self, metafunc):
@@ -56,19 +57,41 @@ class LogitParity:
     def check_generation(self, case: str, model, ids: torch.Tensor, mask: torch.Tensor, out, expected) -> None:
         """More checks of a family on the generation of the padded prompt ``ids`` (HF's tokens ``expected``)."""
 
+    def check_padded(self, case: str, budget, truth: torch.Tensor) -> None:
+        """More checks of a family on the left-padded prefill's budget (``within_budget``'s result)."""
+
+    def generates_hf_tokens(self, case: str, ids: torch.Tensor, mask: torch.Tensor | None):
+        """Greedy generation of ``ids`` (``mask``: its padding, or None) on the case's cache emits HF ``generate``'s
+        tokens; the assertion names the first differing step and the top-2 logit margins there. Returns
+        ``(qkv's GenerateOutput, HF's new tokens)``."""
+        hf, _, model = self.models(case)
+        with torch.no_grad():
+            expected = hf.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
+                                   max_new_tokens=self.N_NEW, do_sample=False)[:, ids.shape[1]:]
+        out = generate(model, ids, max_new_tokens=self.N_NEW, attention_mask=mask,
+                       cache=self.generation_cache(case, model), return_logits=True)
+        if not torch.equal(out.new_tokens, expected):
+            first = (out.new_tokens != expected).any(0).nonzero()[0].item()
+            top2 = out.logits[:, first].topk(2).values
+            raise AssertionError(f"{case}: greedy tokens differ from step {first} on\nqkv {out.new_tokens.tolist()}\n"
+                                 f"hf  {expected.tolist()}\n(top-2 logit margins there "
+                                 f"{(top2[:, 0] - top2[:, 1]).tolist()})")
+        return out, expected
+
     def test_prefill_and_decode_step_within_budget(self, case):
         hf, ref, model = self.models(case)
         ids, _ = self.prompt(case, padded=False)
         with torch.no_grad():
             truth, base = ref(ids).logits, hf(ids).logits
             within_budget(model(ids).logits, truth, base, what=f"{case} prefill logits")
-            cache = KVCache(model.cache_specs())
-            start = ids.shape[1] - sum(self.DECODE_TAIL)
-            model(ids[:, :start], cache=cache)
-            for n in self.DECODE_TAIL:  # a multi-token step first where the tail says so
-                step = model(ids[:, start:start + n], cache=cache).logits[:, -1]
-                start += n
-            within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
+            if self.DECODE_TAIL:
+                cache = KVCache(model.cache_specs())
+                start = ids.shape[1] - sum(self.DECODE_TAIL)
+                model(ids[:, :start], cache=cache)
+                for n in self.DECODE_TAIL:  # a multi-token step first where the tail says so
+                    step = model(ids[:, start:start + n], cache=cache).logits[:, -1]
+                    start += n
+                within_budget(step, truth[:, -1], base[:, -1], what=f"{case} cached decode step")
         self.check_prefill(case, model, ids, truth)
         assert truth.std() > 0.5, "logits must be O(1) for the budget to mean anything"
 
@@ -83,18 +106,13 @@ class LogitParity:
             extra = {"position_ids": pos.clamp_min(0)} if self.HF_PADDED_POSITIONS else {}
             base = hf(ids, attention_mask=mask, **extra).logits
             truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
-        within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+            budget = within_budget(ours[real], truth, base[real], what=f"{case} left-padded prefill logits")
+        self.check_padded(case, budget, truth)
 
     def test_cached_greedy_generation_matches_hf(self, case):
-        hf, _, model = self.models(case)
         ids, mask = self.prompt(case, padded=True)
-        with torch.no_grad():
-            expected = hf.generate(ids, attention_mask=mask, max_new_tokens=self.N_NEW, do_sample=False)
-        expected = expected[:, self.N_PROMPT:]
-        out = generate(model, ids, max_new_tokens=self.N_NEW, attention_mask=mask,
-                       cache=self.generation_cache(case, model))
-        assert torch.equal(out.new_tokens, expected), f"{case}: qkv {out.new_tokens.tolist()}\nhf  {expected.tolist()}"
-        self.check_generation(case, model, ids, mask, out, expected)
+        out, expected = self.generates_hf_tokens(case, ids, mask)
+        self.check_generation(case, self.models(case)[2], ids, mask, out, expected)
 
 
 class HFRouteParity:

@@ -90,7 +90,7 @@ def _prompt(case: str, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
 class TestHFParity(LogitParity, HFRouteParity):
     """The shared parity suite (tests/_parity.py); generation on the case's storage."""
 
-    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
+    CASES, N_NEW = CASES, N_NEW
 
     def models(self, case):
         return _models(case)

@@ -142,7 +142,7 @@ class TestHFParity(LogitParity):
     """The shared parity suite (tests/_parity.py). HF masks padded keys before its top-k (an additive finfo.min), so
     a row's selection ignores its padding: well-defined, and qkv's tokens equal HF's."""
 
-    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
+    CASES, N_NEW = CASES, N_NEW
 
     def models(self, case):
         return _models(case)

@@ -78,7 +78,7 @@ class TestHFParity(LogitParity, HFRouteParity):
     """The shared parity suite (tests/_parity.py); the cached decode continues the recurrent state by a
     multi-token step before the last token, and a chunked prefill generates HF's tokens too."""
 
-    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
+    CASES, N_NEW = CASES, N_NEW
     DECODE_TAIL = (2, 1)
 
     def models(self, case):

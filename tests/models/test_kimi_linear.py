@@ -94,7 +94,7 @@ class TestHFParity(LogitParity, HFRouteParity):
     """The shared parity suite (tests/_parity.py); qkv float64 also equals HF float64 closely, and padding leaves the
     padded row's tokens what the row alone generates."""
 
-    CASES, N_PROMPT, N_NEW = CASES, N_PROMPT, N_NEW
+    CASES, N_NEW = CASES, N_NEW
     HF_PADDED_POSITIONS = False
 
     def models(self, case):

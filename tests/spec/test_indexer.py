@@ -31,8 +31,8 @@ def test_read_indexer_takes_the_config_and_hf_defaults():
 def test_indexed_attention_layers_read_as_full_attention_with_the_indexer_key():
     layout = read_layout({**_V32, "index_head_dim": 32})
     assert layout.layer_types == ("full_attention",) * 2 and layout.sliding_window is None
-    assert layout.index_head_dim == 32 and layout.kv_lora_rank == 16
-    assert read_layout({**_V32, "model_type": "deepseek_v3", "layer_types": None}).index_head_dim is None
+    assert layout.indexer.index_head_dim == 32 and layout.latent.kv_lora_rank == 16
+    assert read_layout({**_V32, "model_type": "deepseek_v3", "layer_types": None}).indexer is None
 
 
 def test_decoder_config_carries_the_indexer():

@@ -95,3 +95,25 @@ def test_transformers_llama4_config_is_refused():
         read_layout(text)
     with pytest.raises(ValueError, match="chunked"):
         read_layout(transformers.Llama4Config(text_config={"num_hidden_layers": 4}).to_dict())
+
+
+def test_the_reader_returns_the_one_description():
+    """read_layout gives a DecoderConfig (no second layout type); what the config does not state stays None, and a
+    model refuses such an attention-only description, naming the fields to give."""
+    import torch
+
+    from qkv.nn import DecoderLM
+    from qkv.spec import DecoderConfig
+
+    base = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    attention_only = read_layout(base)
+    assert isinstance(attention_only, DecoderConfig) and attention_only.attention_only
+    assert (attention_only.vocab_size, attention_only.intermediate_size, attention_only.name) == (None, None, "llama")
+    with pytest.raises(ValueError, match=r"DecoderLM: llama describes the attention layout only \(vocab_size=None"):
+        DecoderLM(attention_only)
+    whole = read_layout({**base, "vocab_size": 32, "intermediate_size": 96})
+    assert not whole.attention_only
+    assert DecoderLM(whole)(torch.zeros(1, 3, dtype=torch.long)).logits.shape == (1, 3, 32)
+    assert read_layout({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64}).position == "learned"
+    with pytest.raises(ValueError, match=r"vocab_size must be a positive int, got 0"):
+        read_layout({**base, "vocab_size": 0})

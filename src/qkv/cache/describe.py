@@ -1,5 +1,6 @@
-"""Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`,
-a :class:`qkv.spec.ModelPreset` or an HF layout (:class:`qkv.spec.hf_config.LayerLayout`): ``RecurrentSpec`` for the
+"""Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`
+(what :func:`qkv.spec.hf_config.read_layout` reads from an HF config too) or a :class:`qkv.spec.ModelPreset`:
+``RecurrentSpec`` for the
 recurrent (``linear_attention``) layers of hybrid models, ``LatentSpec`` for MLA (``IndexedLatentSpec`` with
 DeepSeek Sparse Attention's indexer key), ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The
 description (in :mod:`qkv.spec`) knows
@@ -14,7 +15,6 @@ Example:
 from __future__ import annotations
 
 from ..spec.config import DecoderConfig
-from ..spec.hf_config import LayerLayout
 from ..spec.layer_types import LINEAR_ATTENTION, SLIDING_ATTENTION
 from ..spec.mixers import CacheShape, mixer_of
 from ..spec.presets import ModelPreset
@@ -39,13 +39,13 @@ def spec_of(shape: CacheShape) -> LayerSpec:
     return _SPECS[shape.kind](*shape.args)
 
 
-def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> list[LayerSpec]:
+def cache_specs_of(description: DecoderConfig | ModelPreset) -> list[LayerSpec]:
     """One layer spec per layer of ``description`` (what :meth:`qkv.nn.DecoderLM.cache_specs` returns for its
     config: each layer's mixer declares its cache, :mod:`qkv.spec.mixers`); ``TypeError`` for anything else."""
     if isinstance(description, DecoderConfig):
         c = description
         return [spec_of(mixer_of(c, i).cache(c, i)) for i in range(c.num_hidden_layers)]
-    if isinstance(description, (ModelPreset, LayerLayout)):
+    if isinstance(description, ModelPreset):
         d = description
         if d.kv_lora_rank and d.index_head_dim:
             return [IndexedLatentSpec(d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim)] * d.num_hidden_layers
@@ -55,10 +55,10 @@ def cache_specs_of(description: DecoderConfig | ModelPreset | LayerLayout) -> li
             attn = [SlidingWindowSpec(d.sliding_window, d.num_key_value_heads, d.head_dim, d.v_head_dim)
                     if t == SLIDING_ATTENTION else FullSpec(d.num_key_value_heads, d.head_dim, d.v_head_dim)
                     for t in d.layer_types]
-        lin = getattr(d, "linear_attention", None)
+        lin = d.linear_attention
         if lin is None:
             return attn
         rec = RecurrentSpec(*lin.recurrent_shape())
         return [rec if t == LINEAR_ATTENTION else spec for t, spec in zip(d.layer_types, attn)]
-    raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig, ModelPreset or hf_config.LayerLayout, got "
+    raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig or ModelPreset, got "
                     f"{type(description).__name__}")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..spec.config import DecoderConfig, RopeParams
-from ..spec.hf_config import LayerLayout, read_layout
+from ..spec.hf_config import read_layout
 from .loading import CheckpointError
 
 __all__ = ["rope_params", "read_checkpoint_layout", "decoder_config", "rename_decoder", "rename_router_bias",
@@ -40,7 +40,7 @@ def rope_params(rope: RopeParams, *, interleaved: bool = False, partial: bool = 
     return dataclasses.replace(rope, scaling=dict(rope.scaling) if rope.scaling else None, interleaved=interleaved)
 
 
-def read_checkpoint_layout(cfg: Mapping[str, Any]) -> LayerLayout:
+def read_checkpoint_layout(cfg: Mapping[str, Any]) -> DecoderConfig:
     """:func:`qkv.spec.hf_config.read_layout`, its errors raised as :class:`CheckpointError`."""
     try:
         return read_layout(cfg)
@@ -62,7 +62,7 @@ def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, pa
     common = dict(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=cfg["num_attention_heads"], intermediate_size=cfg["intermediate_size"],
-        num_key_value_heads=cfg.get("num_key_value_heads"), head_dim=None if layout.is_mla else layout.head_dim,
+        num_key_value_heads=cfg.get("num_key_value_heads"), head_dim=None if layout.latent is not None else layout.head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),

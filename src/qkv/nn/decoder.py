@@ -335,6 +335,10 @@ class DecoderLM(nn.Module):
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"DecoderLM: config must be a qkv.nn.DecoderConfig (e.g. qkv.nn.get_config('tiny-llama')), "
                             f"got {type(config).__name__}")
+        if config.attention_only:
+            raise ValueError(f"DecoderLM: {config.name or 'the config'} describes the attention layout only "
+                             f"(vocab_size={config.vocab_size}, intermediate_size={config.intermediate_size}); a "
+                             "model needs both: give them with config.replace(vocab_size=..., intermediate_size=...)")
         c = self.config = config
         self.ropes: dict[str, RopeTable] = {}
         if c.position == "rope":

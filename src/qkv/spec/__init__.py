@@ -27,7 +27,6 @@ from .config import DECODER_POSITIONS, DecoderConfig, TransformerConfig, get_con
 from .config import PRESETS as CONFIG_PRESETS
 from .dsa import IndexerConfig
 from .hf_config import (
-    LayerLayout,
     declared_dtype,
     description_dtype,
     load_hf_config,
@@ -48,7 +47,7 @@ from .rope import ROPE_TYPES, RopeParams
 __all__ = [
     "AMBIGUOUS", "CONFIG_PRESETS", "DECODER_POSITIONS", "FULL_ATTENTION", "LAYER_TYPES", "LINEAR_ATTENTION",
     "PRESETS", "ROPE_TYPES", "SLIDING_ATTENTION", "DecoderConfig", "IndexerConfig", "LatentConfig",
-    "LinearAttentionConfig", "LayerLayout", "ModelPreset", "MoEConfig", "RopeParams", "TransformerConfig",
+    "LinearAttentionConfig", "ModelPreset", "MoEConfig", "RopeParams", "TransformerConfig",
     "declared_dtype", "description_dtype", "get_config", "get_preset", "load_hf_config", "preset_from_hf_config",
     "read_indexer", "read_latent", "read_layout", "read_moe", "read_rope",
     "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mixer_of", "register_mixer",

@@ -276,6 +276,9 @@ class DecoderConfig:
 
     Args:
         vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size: as in HF.
+            ``vocab_size`` and ``intermediate_size`` may be None in a description of the attention layout only
+            (what :func:`qkv.spec.hf_config.read_layout` reads from a config that states no more): the cache and the
+            attention arithmetic need neither; :class:`qkv.nn.DecoderLM` and the whole-model counts refuse it.
         num_key_value_heads: KV heads (default ``num_attention_heads``; 1 is MQA).
         head_dim: per-head width (default ``hidden_size // num_attention_heads``).
         hidden_act: activation of the feed-forward (its gate when ``gated_mlp``), a key of
@@ -329,11 +332,11 @@ class DecoderConfig:
             per :class:`qkv.nn.latent.LatentAttention`). None: always ``backend``.
     """
 
-    vocab_size: int
+    vocab_size: int | None
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    intermediate_size: int
+    intermediate_size: int | None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     hidden_act: str = "silu"
@@ -387,8 +390,8 @@ class DecoderConfig:
             derived.add(key)
             object.__setattr__(self, key, value)
 
-        _positive_ints("DecoderConfig", self, ("vocab_size", "hidden_size", "num_hidden_layers",
-                                                "num_attention_heads", "intermediate_size"))
+        _positive_ints("DecoderConfig", self, ("hidden_size", "num_hidden_layers", "num_attention_heads")
+                       + tuple(f for f in ("vocab_size", "intermediate_size") if getattr(self, f) is not None))
         if self.num_key_value_heads is None:
             set_("num_key_value_heads", self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
@@ -449,6 +452,11 @@ class DecoderConfig:
                              f"index_head_dim >= its qk_rope_head_dim; got latent={self.latent!r}, "
                              f"indexer={self.indexer!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
+
+    @property
+    def attention_only(self) -> bool:
+        """Whether this describes the attention layout only (no ``vocab_size`` or ``intermediate_size``)."""
+        return self.vocab_size is None or self.intermediate_size is None
 
     def window_for(self, layer_idx: int) -> int | None:
         """Keys per query of layer ``layer_idx`` (None: full causal attention)."""

@@ -1,5 +1,6 @@
 """The one reader of an HF config's attention layout: which layers slide, over how many tokens, with which
-RoPE, and the head and latent widths the KV cache holds. Pure Python (no torch); used alike by
+RoPE, and the head and latent widths the KV cache holds, returned as the one model description,
+:class:`qkv.spec.DecoderConfig`. Pure Python (no torch); used alike by
 :mod:`qkv.costs` (``preset_from_hf_config``, ``qkv memory``), :func:`qkv.cache.plan_memory` and the model
 families of :mod:`qkv.models`, so the bytes planned are the bytes the built model caches.
 
@@ -20,7 +21,7 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
   a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does;
 - hybrid Qwen3-Next / Qwen3.5: ``"linear_attention"`` (Gated DeltaNet) layers, and every
   ``full_attention_interval``-th layer (default 4) ``"full_attention"`` when ``layer_types`` is absent; the
-  recurrent layers' shape is :func:`read_linear_attention`'s (``LayerLayout.linear_attention``);
+  recurrent layers' shape is :func:`read_linear_attention`'s (the description's ``linear_attention``);
 - hybrid Kimi Linear: KDA (``"linear_attention"``) and MLA layers from a checkpoint's ``linear_attn_config``
   (layers counted from 1), else transformers' default, layer ``i`` MLA when ``i > 0`` and ``i % 4 == 0``.
 
@@ -50,9 +51,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+from .config import DecoderConfig
 from .config_file import read_json_config
 from .dsa import IndexerConfig
 from .latent import LatentConfig
@@ -61,7 +62,7 @@ from .linear import LinearAttentionConfig
 from .moe import MoEConfig
 from .rope import RopeParams, rope_type_of
 
-__all__ = ["LayerLayout", "read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention",
+__all__ = ["read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention",
            "read_indexer", "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
@@ -103,6 +104,8 @@ _PERIOD = {"gemma2": 2}  # local:global interleave fixed by the modelling code
 # families that never slide
 _NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "deepseek_v32", "gpt2", "bloom", "kimi_linear"})
 _NOPE_MLA = frozenset({"kimi_linear"})  # families whose MLA layers rotate nothing
+_LEARNED = frozenset({"gpt2", "gpt_bigcode", "opt"})  # families with a learned position table
+_ALIBI = frozenset({"bloom"})  # families with ALiBi instead of positions
 
 
 def _transformers_config(config) -> dict[str, Any] | None:
@@ -213,35 +216,6 @@ def declared_dtype(config) -> str | None:
             if value is not None and str(value) != "auto":
                 return str(value).removeprefix("torch.")
     return None
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerLayout:
-    """The attention layout of a decoder config (HF field names)."""
-
-    model_type: str
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    hidden_size: int | None
-    layer_types: tuple[str, ...]
-    sliding_window: int | None  # tokens a local layer sees, the token itself included; None: no local layer
-    rope: Mapping[str, RopeParams] = field(default_factory=dict)  # full_attention and each layer type present
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    qk_nope_head_dim: int | None = None
-    v_head_dim: int | None = None
-    linear_attention: LinearAttentionConfig | None = None  # the "linear_attention" layers' recurrent mixer
-    index_head_dim: int | None = None  # DeepSeek-V3.2: the indexer key cached beside each latent
-
-    def window_for(self, layer_idx: int) -> int | None:
-        """Tokens layer ``layer_idx`` sees (None: every earlier token)."""
-        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank is not None
 
 
 def _int(cfg: Mapping[str, Any], key: str, source: str) -> int:
@@ -517,9 +491,14 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> LayerLayout:
-    """The attention layout of an HF decoder config: a ``config.json`` dict (``transformers``'
-    ``config.to_dict()`` works too), its path, or a checkpoint directory.
+def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
+    """The attention layout of an HF decoder config as the one model description, a :class:`DecoderConfig`: a
+    ``config.json`` dict (``transformers``' ``config.to_dict()`` works too), its path, or a checkpoint directory.
+
+    What it reads: layer types and window, heads and widths, RoPE per layer type, the MLA latent and DSA indexer,
+    the recurrent layers' mixer, and ``vocab_size`` / ``intermediate_size`` where the config states them (else
+    None: a description of the attention only). A family's other switches (norms, biases, activations, experts)
+    are its family file's to add (:func:`qkv.models.hf.decoder_config`).
 
     Missing ``num_key_value_heads`` means MHA; missing ``head_dim`` means HF's default for the family, else
     ``hidden_size // num_attention_heads`` (``qk_nope_head_dim + qk_rope_head_dim`` for MLA). See the module
@@ -548,20 +527,18 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> LayerLayout:
     else:
         raise ValueError(f"{source}: needs head_dim or hidden_size")
     types, window = _layer_types(cfg, n, source)
-    return LayerLayout(
-        model_type=cfg.get("model_type") or "",
-        num_hidden_layers=n,
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        hidden_size=cfg.get("hidden_size"),
-        layer_types=types,
-        sliding_window=window,
-        rope=_ropes(cfg, types),
-        kv_lora_rank=cfg.get("kv_lora_rank") if mla else None,
-        qk_rope_head_dim=cfg.get("qk_rope_head_dim") if mla else None,
-        qk_nope_head_dim=cfg.get("qk_nope_head_dim") if mla else None,
-        v_head_dim=cfg.get("v_head_dim") if mla else cfg.get("v_head_dim"),
-        linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None,
-        index_head_dim=cfg.get("index_head_dim") if mla and cfg.get("index_head_dim") is not None else None,
-    )
+    model_type = cfg.get("model_type") or ""
+    hidden = cfg.get("hidden_size") or heads * head_dim  # a config stating head_dim only: Hq * head_dim
+    latent = read_latent(cfg) if mla else None
+    position = ("none" if latent is not None and not latent.use_rope else "learned" if model_type in _LEARNED
+                else "alibi" if model_type in _ALIBI else "rope")
+    try:
+        return DecoderConfig(
+            vocab_size=cfg.get("vocab_size"), hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads,
+            intermediate_size=cfg.get("intermediate_size"), num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=None if mla else head_dim, layer_types=types, sliding_window=window, rope=_ropes(cfg, types),
+            position=position, max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048), latent=latent,
+            indexer=read_indexer(cfg) if mla else None,
+            linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None, name=model_type)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from e

@@ -19,7 +19,7 @@ from typing import Any
 
 from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
-from .hf_config import read_indexer, read_latent, read_layout, read_moe
+from .hf_config import read_indexer, read_layout, read_moe
 from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 
@@ -634,23 +634,24 @@ def preset_from_hf_config(
         raise ValueError(f"{source}: {e}") from e
     cfg = dict(config.get("text_config") or config) if "num_hidden_layers" not in config else dict(config)
     cfg = {_HF_ALIASES.get(k, k): v for k, v in cfg.items()}
+    lat = layout.latent
     return ModelPreset(
-        name=name or layout.model_type or "config",
+        name=name or layout.name or "config",
         num_hidden_layers=layout.num_hidden_layers,
         num_attention_heads=layout.num_attention_heads,
         num_key_value_heads=layout.num_key_value_heads,
-        head_dim=layout.head_dim,
-        hidden_size=layout.hidden_size or layout.num_attention_heads * layout.head_dim,
+        head_dim=lat.qk_head_dim if lat is not None else layout.head_dim,
+        hidden_size=layout.hidden_size,
         sliding_window=layout.sliding_window,
         layer_types=layout.layer_types,
-        kv_lora_rank=layout.kv_lora_rank,
-        qk_rope_head_dim=layout.qk_rope_head_dim,
-        qk_nope_head_dim=layout.qk_nope_head_dim,
-        v_head_dim=layout.v_head_dim,
+        kv_lora_rank=None if lat is None else lat.kv_lora_rank,
+        qk_rope_head_dim=None if lat is None else lat.qk_rope_head_dim,
+        qk_nope_head_dim=None if lat is None else lat.qk_nope_head_dim,
+        v_head_dim=cfg.get("v_head_dim") if lat is None else lat.v_head_dim,
         linear_attention=layout.linear_attention,
-        mla_use_nope=layout.is_mla and not read_latent(config).use_rope,
+        mla_use_nope=lat is not None and not lat.use_rope,
         source=source,
-        **_whole_model_fields(cfg, layout.model_type or ""),
+        **_whole_model_fields(cfg, layout.name),
     )
 
 
