@@ -43,8 +43,15 @@ def _rank(path: Path) -> tuple[int, str]:
 
 
 def _missed(row: dict) -> bool:
-    """A row whose target was not met: ``target`` says "missed" (any case, any suffix) or ``met`` is False."""
-    return str(row.get("target", "")).lower().startswith("missed") or row.get("met") is False
+    """A row with a target not met: its ``target`` column or any ``<what>_target`` one (``fwd_target``,
+    ``fwdbwd_target``: a suite with several targets per row) says "missed" (any case, any suffix), or ``met`` or a
+    ``<what>_met`` column is False."""
+    for key, value in row.items():
+        if (key == "target" or key.endswith("_target")) and str(value).lower().startswith("missed"):
+            return True
+        if (key == "met" or key.endswith("_met")) and value is False:
+            return True
+    return False
 
 
 def table(payload: dict) -> list[str]:

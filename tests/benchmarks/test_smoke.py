@@ -372,6 +372,10 @@ def test_renderer_writes_ranges_targets_and_context(tmp_path):
     assert "torch 2.x" in md and "2 CPUs" in md and "2.0 minutes of suites" in md
     assert md.index("## dense") < md.index("## tiled") and "Raw: `benchmarks/results/dense.json`" in md
     assert "## Targets missed" in md and "- dense: N=1024" in md
+    for row, missed in (({"fwd_target": "met", "fwdbwd_target": "missed (0.62)"}, True),  # the GPU suite's columns
+                        ({"fwd_target": "Missed"}, True), ({"decode_met": False}, True), ({"met": False}, True),
+                        ({"fwd_target": "met", "target": "met", "met": True}, False), ({"ratio": 0.5}, False)):
+        assert render._missed(row) == missed, row
     assert "| max\\|a-b\\| |" in render.table({"rows": [{"max|a-b|": 1e-6}]})[0], "a | in a column name splits it"
     with pytest.raises(FileNotFoundError, match="no suite JSON"):
         render.render(tmp_path / "empty")
