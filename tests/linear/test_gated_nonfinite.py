@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv.cpu import kernels
+from qkv.cpu.fused import DELTA
 from qkv.linear import gated_delta_chunked, gated_delta_recurrent, gated_linear_chunked, gated_linear_recurrent
 from qkv.linear.gated_chunk import delta_path
 from qkv.testing import assert_within_budget
@@ -23,11 +24,14 @@ B, HK, H, N, DK, DV = 2, 1, 2, 45, 8, 6
 
 @pytest.fixture(params=["compiled", "torch"])
 def path(request, monkeypatch):
+    """The kernel given to the chunked delta rule: qkv.cpu.fused.DELTA (as qkv.cpu.optimize gives a model's mixers),
+    or None for the torch ops."""
     if request.param == "torch":
         monkeypatch.setenv(kernels.ENV, "0")
-    elif kernels.unavailable_reason() is not None:
+        return None
+    if kernels.unavailable_reason() is not None:
         pytest.fail(f"the compiled kernels must build here: {kernels.unavailable_reason()}")
-    return request.param
+    return DELTA
 
 
 def _inputs(gate: str, seed: int = 0):
@@ -60,7 +64,7 @@ def test_a_reset_gate_gives_the_recurrence(dtype, gate, where, value, path):
     ref = gated_delta_recurrent(q, k, v, g, beta, initial_state=S0)
     lo = [x.to(dtype) for x in (q, k, v, g, beta, S0)]
     base = gated_delta_recurrent(*lo[:5], initial_state=lo[5])
-    got = gated_delta_chunked(*lo[:5], initial_state=lo[5])
+    got = gated_delta_chunked(*lo[:5], initial_state=lo[5], kernel=path)
     assert got.out.isfinite().all(), f"{int((~got.out.isfinite()).sum())} non-finite outputs"
     floor = 1e-11 if dtype == torch.float64 else None
     assert_within_budget(got.out, ref.out, base.out, floor=floor, what="out")
@@ -96,7 +100,7 @@ def test_nan_reaches_what_the_recurrence_says(gate, poison, path):
     else:
         S0[1, 0, 2, 3] = float("nan")
     ref = gated_delta_recurrent(q, k, v, g, beta, initial_state=S0)
-    got = gated_delta_chunked(q, k, v, g, beta, initial_state=S0)
+    got = gated_delta_chunked(q, k, v, g, beta, initial_state=S0, kernel=path)
     assert ref.out.isnan().any() and not ref.out.isnan().all(), "the case must poison some tokens, not all"
     _same_nan(got.out, ref.out, f"delta out, NaN in {poison}")
     _same_nan(got.state, ref.state, f"delta state, NaN in {poison}")
@@ -112,7 +116,7 @@ def test_zero_head_dims_give_zeros(dk, dv, dtype, path):
     v = torch.randn(1, 2, 20, dv, dtype=dtype)
     g, beta = -torch.rand(1, 2, 20, dtype=dtype), torch.rand(1, 2, 20, dtype=dtype)
     for _ in range(3):  # garbage differed call to call
-        got = gated_delta_chunked(q, k, v, g, beta)
+        got = gated_delta_chunked(q, k, v, g, beta, kernel=path)
         assert got.out.shape == (1, 2, 20, dv) and got.state.shape == (1, 2, dk, dv)
         assert torch.equal(got.out, torch.zeros_like(got.out)), f"largest |out| {float(got.out.abs().max())}"
 
@@ -127,10 +131,11 @@ def test_gradients_of_gate_beta_or_state_alone_take_the_torch_ops(gate, wants):
     q, k, v, g, beta, S0 = _inputs(gate, seed=2)
     lo = dict(q=q.float(), k=k.float(), v=v.float(), g=g.float(), beta=beta.float(), state=S0.float())
     lo[wants].requires_grad_()
-    assert delta_path(lo["q"], lo["k"], lo["v"], lo["g"], lo["beta"], initial_state=lo["state"]).startswith(
-        "torch ops (autograd")
+    assert delta_path(lo["q"], lo["k"], lo["v"], lo["g"], lo["beta"], initial_state=lo["state"],
+                      kernel=DELTA).startswith("torch ops (autograd")
     dout = torch.randn(B, H, N, DV, dtype=torch.float64)
-    out = gated_delta_chunked(lo["q"], lo["k"], lo["v"], lo["g"], lo["beta"], initial_state=lo["state"]).out
+    out = gated_delta_chunked(lo["q"], lo["k"], lo["v"], lo["g"], lo["beta"], initial_state=lo["state"],
+                              kernel=DELTA).out
     (out.double() * dout).sum().backward()
     hi = dict(q=q, k=k, v=v, g=g.clone(), beta=beta.clone(), state=S0.clone())
     hi[wants].requires_grad_()
