@@ -155,7 +155,7 @@ def registries():
     from qkv.nn import mixers as nn_mixers
     from qkv.spec import mixers as spec_mixers
 
-    saved = [(d, d.copy()) for d in (spec_mixers._MIXERS, spec_mixers._RECURRENT, nn_mixers._MODULES)]
+    saved = [(d, d.copy()) for d in (spec_mixers._MIXERS, nn_mixers._MODULES)]
     yield
     for live, copy in saved:
         live.clear()
@@ -167,7 +167,7 @@ def test_a_new_kind_is_a_registry_entry_and_a_module(registries):
     base = get_mixer("gated_deltanet")
     register_mixer(MixerKind(name="toy_recurrent", attribute="linear_attn", cache=base.cache, params=base.params,
                              weights=base.weights, pair_flops=base.pair_flops, token_flops=base.token_flops,
-                             window=base.window), recurrent=True)
+                             window=base.window, recurrent=True))
     with pytest.raises(TypeError, match=r"does not follow qkv.nn.mixer.DecoderMixer \(missing for_decoder, mix"):
         register_mixer_module("toy_recurrent", nn.Linear)
 

@@ -284,3 +284,23 @@ def test_kimi_linear_preset_is_its_config_json():
     assert kv_cache_memory(read, context=4096) == kv_cache_memory(preset, context=4096)._replace(preset=read.name)
     cfg = preset.config
     assert cfg.position == "none" and not cfg.latent.use_rope and cfg.linear_attention.mixer == "kda"
+
+
+def test_a_preset_states_one_description():
+    """ModelPreset.description is the DecoderConfig of what the preset states: the whole model (then .config), the
+    attention only, or an encoder-decoder's decoder stack; the cache reads presets through it."""
+    from qkv.cache.describe import cache_specs_of
+    from qkv.spec import PRESETS, preset_from_hf_config
+
+    for name in ("llama-3-8b", "gemma-3-27b", "deepseek-v3.2", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b"):
+        p = PRESETS[name]
+        assert p.description == p.config, name
+        assert cache_specs_of(p) == cache_specs_of(p.description), name
+    attention_only = preset_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256})
+    d = attention_only.description
+    assert d.attention_only and (d.num_hidden_layers, d.num_key_value_heads, d.head_dim) == (2, 4, 64)
+    with pytest.raises(ValueError, match="describes attention only"):
+        _ = attention_only.config  # a whole model still needs the whole-model fields
+    assert PRESETS["transformer-base"].description.num_hidden_layers == 6  # the decoder stack
+    with pytest.raises(ValueError, match=r"value heads of 128 beside key heads of 192 without MLA"):
+        _ = PRESETS["deepseek-v2"].mha_equivalent().description

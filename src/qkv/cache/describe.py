@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 from ..spec.config import DecoderConfig
-from ..spec.layer_types import LINEAR_ATTENTION, SLIDING_ATTENTION
 from ..spec.mixers import CacheShape, mixer_of
 from ..spec.presets import ModelPreset
 from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
@@ -41,24 +40,12 @@ def spec_of(shape: CacheShape) -> LayerSpec:
 
 def cache_specs_of(description: DecoderConfig | ModelPreset) -> list[LayerSpec]:
     """One layer spec per layer of ``description`` (what :meth:`qkv.nn.DecoderLM.cache_specs` returns for its
-    config: each layer's mixer declares its cache, :mod:`qkv.spec.mixers`); ``TypeError`` for anything else."""
+    config: each layer's mixer declares its cache, :mod:`qkv.spec.mixers`); a preset through its
+    :attr:`~qkv.spec.ModelPreset.description`; ``TypeError`` for anything else."""
     if isinstance(description, DecoderConfig):
         c = description
         return [spec_of(mixer_of(c, i).cache(c, i)) for i in range(c.num_hidden_layers)]
     if isinstance(description, ModelPreset):
-        d = description
-        if d.kv_lora_rank and d.index_head_dim:
-            return [IndexedLatentSpec(d.kv_lora_rank, d.qk_rope_head_dim, d.index_head_dim)] * d.num_hidden_layers
-        if d.kv_lora_rank:
-            attn = [LatentSpec(d.kv_lora_rank, d.qk_rope_head_dim)] * d.num_hidden_layers
-        else:
-            attn = [SlidingWindowSpec(d.sliding_window, d.num_key_value_heads, d.head_dim, d.v_head_dim)
-                    if t == SLIDING_ATTENTION else FullSpec(d.num_key_value_heads, d.head_dim, d.v_head_dim)
-                    for t in d.layer_types]
-        lin = d.linear_attention
-        if lin is None:
-            return attn
-        rec = RecurrentSpec(*lin.recurrent_shape())
-        return [rec if t == LINEAR_ATTENTION else spec for t, spec in zip(d.layer_types, attn)]
+        return cache_specs_of(description.description)
     raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig or ModelPreset, got "
                     f"{type(description).__name__}")

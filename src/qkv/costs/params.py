@@ -37,12 +37,11 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ..spec.config import DecoderConfig, decoder_config_from_preset
+from ..spec.config import DecoderConfig
 from ..spec.mixers import get_mixer, mixer_of
 from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
@@ -82,10 +81,9 @@ def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[s
 
 
 def decoder_side(preset: ModelPreset) -> DecoderConfig:
-    """The one description of ``preset``'s decoder stack, whose mixers :mod:`qkv.spec.mixers` counts (a whole-model
-    preset; an encoder-decoder's decoder side)."""
-    return decoder_config_from_preset(dataclasses.replace(preset, encoder_layers=0) if preset.encoder_layers
-                                      else preset)
+    """The one description of ``preset``'s decoder stack, whose mixers :mod:`qkv.spec.mixers` counts
+    (:attr:`ModelPreset.description`)."""
+    return preset.description
 
 
 def _attention_layer(c: DecoderConfig) -> int:

@@ -62,7 +62,8 @@ def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, pa
     common = dict(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=cfg["num_attention_heads"], intermediate_size=cfg["intermediate_size"],
-        num_key_value_heads=cfg.get("num_key_value_heads"), head_dim=None if layout.latent is not None else layout.head_dim,
+        num_key_value_heads=cfg.get("num_key_value_heads"),
+        head_dim=None if layout.latent is not None else layout.head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),

@@ -578,8 +578,13 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def decoder_config_from_preset(preset) -> DecoderConfig:
+def decoder_config_from_preset(preset, *, stated: bool = False) -> DecoderConfig:
     """A :class:`DecoderConfig` shaped like a :class:`qkv.costs.ModelPreset` with the whole-model fields.
+
+    ``stated``: describe what the preset states, whatever it is (:attr:`ModelPreset.description`): a preset of the
+    attention only gives an attention-only description (``vocab_size``, ``intermediate_size`` None, no experts),
+    an encoder-decoder its decoder stack; a ``ValueError`` only where a description cannot say it (value heads
+    narrower than key heads without MLA, an MHA-equivalent of MLA).
 
     What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
     feed-forwards and for presets with pre- and post-norms, the Gemma layout), RoPE unless the preset has a
@@ -595,8 +600,9 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
     from .presets import require_whole_model
 
     p = preset
-    require_whole_model(p, "get_config")
-    if p.encoder_layers:
+    if not stated:
+        require_whole_model(p, "get_config")
+    if p.encoder_layers and not stated:
         raise ValueError(f"get_config: {p.name!r} is an encoder-decoder; qkv.nn.DecoderLM is decoder-only (use "
                          "TransformerConfig with EncoderDecoder)")
     dense = p.mlp == "dense"
@@ -612,6 +618,9 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
         max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
         linear_attention=p.linear_attention, attn_output_gate=p.attn_output_gate,
     )
+    if p.kv_lora_rank is None and p.value_head_dim != p.head_dim:
+        raise ValueError(f"{p.name}: value heads of {p.value_head_dim} beside key heads of {p.head_dim} without MLA "
+                         "have no DecoderConfig; describe the latent (kv_lora_rank) or equal widths")
     if p.head_dim != p.hidden_size // p.num_attention_heads:
         kw["head_dim"] = p.head_dim
     if "local" in p.layer_counts or "recurrent" in p.layer_counts:
@@ -627,7 +636,7 @@ def decoder_config_from_preset(preset) -> DecoderConfig:
     if p.index_topk is not None:
         kw["indexer"] = IndexerConfig(index_n_heads=p.index_n_heads, index_head_dim=p.index_head_dim,
                                       index_topk=p.index_topk)
-    if p.n_routed_experts is not None:
+    if p.n_routed_experts is not None and p.moe_intermediate_size is not None:
         kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
                               moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
                               first_k_dense_replace=p.first_k_dense_replace, router_bias=p.router_bias,

@@ -77,6 +77,8 @@ class MixerKind:
         token_flops: ``config -> int``, mixing FLOPs per new token of one sequence beyond the projections and the
             pairs (a recurrent mixer's state update and read; 0 for attention).
         window: ``(config, layer_idx) -> int | None``, the keys a query attends to (None: every earlier one).
+        recurrent: the kind sits on ``"linear_attention"`` layers and keeps a fixed state instead of a cache that
+            grows with the context.
     """
 
     name: str
@@ -87,31 +89,24 @@ class MixerKind:
     pair_flops: Callable[[DecoderConfig], int]
     token_flops: Callable[[DecoderConfig], int]
     window: Callable[[DecoderConfig, int], int | None]
-
-    @property
-    def recurrent(self) -> bool:
-        """Whether the layer keeps a fixed state instead of a cache that grows with the context."""
-        return self.name in _RECURRENT
+    recurrent: bool = False
 
 
 _MIXERS: dict[str, MixerKind] = {}
-_RECURRENT: set[str] = set()
 
 #: The registered mixer kinds by name, read-only.
 MIXERS: Mapping[str, MixerKind] = MappingProxyType(_MIXERS)
 
 
-def register_mixer(kind: MixerKind, *, recurrent: bool = False) -> MixerKind:
-    """Add ``kind`` to :data:`MIXERS` (``recurrent``: it sits on ``"linear_attention"`` layers and keeps a fixed
-    state). ``ValueError`` when the name is taken; ``TypeError`` for anything but a :class:`MixerKind`."""
+def register_mixer(kind: MixerKind) -> MixerKind:
+    """Add ``kind`` to :data:`MIXERS`. ``ValueError`` when the name is taken; ``TypeError`` for anything but a
+    :class:`MixerKind`."""
     if not isinstance(kind, MixerKind):
         raise TypeError(f"register_mixer: kind must be a qkv.spec.mixers.MixerKind, got {type(kind).__name__}")
     if kind.name in _MIXERS:
         raise ValueError(f"register_mixer: a mixer named {kind.name!r} is already registered; pick another name (the "
                          f"registered ones: {', '.join(_MIXERS)})")
     _MIXERS[kind.name] = kind
-    if recurrent:
-        _RECURRENT.add(kind.name)
     return kind
 
 
@@ -125,7 +120,7 @@ def get_mixer(name: str) -> MixerKind:
 
 def recurrent_mixers() -> tuple[str, ...]:
     """Names of the registered recurrent kinds, the values ``LinearAttentionConfig.mixer`` accepts."""
-    return tuple(n for n in _MIXERS if n in _RECURRENT)
+    return tuple(name for name, kind in _MIXERS.items() if kind.recurrent)
 
 
 def mixer_of(config: DecoderConfig, layer_idx: int) -> MixerKind:
@@ -271,7 +266,7 @@ register_mixer(MixerKind(name="dsa", attribute="self_attn", cache=_dsa_cache, pa
 for _name in ("gated_deltanet", "gated_deltanet_split"):
     register_mixer(MixerKind(name=_name, attribute="linear_attn", cache=_recurrent_cache, params=_gdn_params,
                              weights=_gdn_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,
-                             window=_no_window), recurrent=True)
+                             window=_no_window, recurrent=True))
 register_mixer(MixerKind(name="kda", attribute="linear_attn", cache=_recurrent_cache, params=_kda_params,
                          weights=_kda_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,
-                         window=_no_window), recurrent=True)
+                         window=_no_window, recurrent=True))

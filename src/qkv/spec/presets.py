@@ -229,6 +229,22 @@ class ModelPreset:
 
         return decoder_config_from_preset(self)
 
+    @property
+    def description(self) -> DecoderConfig:
+        """What this preset states, as the one model description (:class:`qkv.spec.DecoderConfig`): the whole model
+        where it has the whole-model fields (then equal to :attr:`config`), else the attention only
+        (``vocab_size``/``intermediate_size`` None); an encoder-decoder's decoder stack. What the cache and the
+        mixer registry (:mod:`qkv.spec.mixers`) read of a preset. ``ValueError`` for the one shape a description
+        cannot hold: value heads narrower than key heads without MLA (an MLA preset's :meth:`mha_equivalent`).
+
+        Example:
+            >>> PRESETS["llama-70b-mha"].description.num_key_value_heads
+            64
+        """
+        from .config import decoder_config_from_preset
+
+        return decoder_config_from_preset(self, stated=True)
+
     @classmethod
     def from_config(cls, config: DecoderConfig, *, source: str = "", notes: str = "") -> ModelPreset:
         """The preset of a :class:`qkv.spec.DecoderConfig`, so :mod:`qkv.costs` counts any description (its
