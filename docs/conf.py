@@ -11,7 +11,8 @@ sys.path.insert(0, str(HERE / "_ext"))
 sys.path.insert(0, str(HERE.parent / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The executed pages' kernels inherit the environment: they import this tree's qkv, like autodoc does.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent / "src"), os.environ.get("PYTHONPATH")) if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent / "src"), str(HERE / "_ext"),
+                                                    os.environ.get("PYTHONPATH")) if p)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 project = "qkv"
@@ -35,6 +36,7 @@ nb_execution_raise_on_error = True
 nb_execution_timeout = 240
 nb_execution_show_tb = True
 nb_merge_streams = True
+nb_render_markdown_format = "myst"  # generated tables (the matrices page) are Markdown outputs
 myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 3
 
