@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -28,10 +29,22 @@ extensions = [
     "qkv_apigen",
 ]
 
-# Executed pages: every code cell runs at build time; a cell that raises fails the build. Results are cached
-# in docs/_build/.jupyter_cache (a page reruns when its code changes); a clean build runs them all.
+
+
+def _source_digest() -> str:
+    """A digest of qkv's sources and the docs' helpers: the execution cache is keyed on the pages' code only, so
+    it lives in a folder named by this digest and any change to the library reruns every page."""
+    digest = hashlib.sha256()
+    for path in sorted([*(HERE.parent / "src" / "qkv").rglob("*.py"), *(HERE / "_ext").glob("*.py")]):
+        digest.update(str(path.relative_to(HERE.parent)).encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+# Executed pages: every code cell runs at build time; a cell that raises fails the build. Results are cached in
+# docs/_build/.jupyter_cache/<digest of the sources> (a page reruns when its code or qkv changes);
+# QKV_DOCS_EXECUTE=force reruns them all (the tests' build does).
 nb_execution_mode = os.environ.get("QKV_DOCS_EXECUTE", "cache")
-nb_execution_cache_path = str(HERE / "_build" / ".jupyter_cache")
+nb_execution_cache_path = str(HERE / "_build" / ".jupyter_cache" / _source_digest())
 nb_execution_raise_on_error = True
 nb_execution_timeout = 240
 nb_execution_show_tb = True
