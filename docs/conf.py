@@ -46,6 +46,7 @@ def _source_digest() -> str:
 nb_execution_mode = os.environ.get("QKV_DOCS_EXECUTE", "cache")
 nb_execution_cache_path = str(HERE / "_build" / ".jupyter_cache" / _source_digest())
 nb_execution_raise_on_error = True
+nb_execution_in_temp = True  # files a page writes (view.html, PNGs) land in a temporary folder
 nb_execution_timeout = 240
 nb_execution_show_tb = True
 nb_merge_streams = True
