@@ -30,7 +30,7 @@ browser:
 
 # Lint first: a lint failure fails `make test` (and CI, which runs it).
 test: install browser
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --expected-skips tests/skips/full.txt
 
 # The suite on a partial install (.venv-partial: torch and `pip install -e .[test]` only, no transformers,
@@ -73,7 +73,7 @@ docs: install
 	HF_HUB_OFFLINE=1 $(PY) -m sphinx -b html -W -n --keep-going -j 2 docs docs/_build/html
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs
 
 clean:
 	rm -rf $(VENV) $(PARTIAL) .venv-vllm build *.egg-info src/*.egg-info .pytest_cache qkv-out docs/_build docs/api/*.rst
