@@ -10,6 +10,7 @@ build time, so a matrix that disagrees with the code fails ``make docs``.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -301,10 +302,14 @@ WRAPS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 def registered_families() -> list[str]:
     """Every HF ``model_type`` ``from_hf`` builds, read from the family registry."""
-    from qkv.models import loading
+    import pkgutil
 
-    loading._import_families()
-    return sorted(loading.FAMILIES)
+    import qkv.models
+
+    for info in pkgutil.iter_modules(qkv.models.__path__):  # each family module registers itself on import
+        if info.name.startswith("family_"):
+            importlib.import_module(f"qkv.models.{info.name}")
+    return sorted(qkv.models.FAMILIES)
 
 
 def tiny_hf_model(model_type: str, seed: int = 0):
