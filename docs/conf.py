@@ -44,7 +44,8 @@ def _source_digest() -> str:
 # docs/_build/.jupyter_cache/<digest of the sources> (a page reruns when its code or qkv changes);
 # QKV_DOCS_EXECUTE=force reruns them all (the tests' build does).
 nb_execution_mode = os.environ.get("QKV_DOCS_EXECUTE", "cache")
-nb_execution_cache_path = str(HERE / "_build" / ".jupyter_cache" / _source_digest())
+qkv_source_digest = _source_digest()  # a change re-reads every page (docs/_ext/qkv_apigen.py declares it)
+nb_execution_cache_path = str(HERE / "_build" / ".jupyter_cache" / qkv_source_digest)
 nb_execution_raise_on_error = True
 nb_execution_in_temp = True  # files a page writes (view.html, PNGs) land in a temporary folder
 nb_execution_timeout = 240

@@ -165,6 +165,9 @@ def _unlinked_reference(app, env, node, contnode):
 
 
 def setup(app):
+    # conf.py sets it to a digest of qkv's sources: when the library changes, every page (docstrings read by
+    # autodoc, executed pages) is read again, not only the pages whose own text changed.
+    app.add_config_value("qkv_source_digest", "", "env")
     app.connect("builder-inited", _on_builder_inited)
     app.connect("autodoc-process-docstring", _drop_type_docstring)
     app.connect("missing-reference", _unlinked_reference)
