@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-partial test-slow demo bench bench-vllm lint clean
+.PHONY: install browser test test-partial test-slow demo bench bench-vllm lint clean docs
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ browser:
 
 # Lint first: a lint failure fails `make test` (and CI, which runs it).
 test: install browser
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --expected-skips tests/skips/full.txt
 
 # The suite on a partial install (.venv-partial: torch and `pip install -e .[test]` only, no transformers,
@@ -67,8 +67,13 @@ bench-vllm: install
 	HF_HUB_OFFLINE=1 QKV_BENCH_OUT=benchmarks/results $(PY) benchmarks/vs_vllm.py
 	$(PY) benchmarks/render.py
 
+# The documentation site, strict: a warning or a broken cross-reference fails it, and so does any executed page's
+# cell that raises (docs/README.md). Output in docs/_build/html; executed pages are cached in docs/_build.
+docs: install
+	HF_HUB_OFFLINE=1 $(PY) -m sphinx -b html -W -n --keep-going -j 2 docs docs/_build/html
+
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs
 
 clean:
-	rm -rf $(VENV) $(PARTIAL) .venv-vllm build *.egg-info src/*.egg-info .pytest_cache qkv-out
+	rm -rf $(VENV) $(PARTIAL) .venv-vllm build *.egg-info src/*.egg-info .pytest_cache qkv-out docs/_build docs/api/*.rst

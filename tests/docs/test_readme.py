@@ -23,7 +23,7 @@ def _blocks() -> list[str]:
 
 
 def test_readme_has_python_blocks():
-    assert len(_blocks()) >= 8
+    assert len(_blocks()) >= 5  # the rest of the tour lives in docs/guide.md, executed by the docs build
 
 
 def _absent_imports(block: str) -> list[str]:

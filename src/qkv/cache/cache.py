@@ -660,7 +660,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache owns (paged: whole pools)."""
+        """Bytes of every tensor the cache owns (whole pools for paged storage)."""
         return self.memory().pool_bytes + sum(t.numel() * t.element_size() for kv in self._cross.values()
                                               for t in kv)
 

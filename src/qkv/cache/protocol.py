@@ -215,6 +215,7 @@ class DecoderModel(Protocol):
         which case the model masks with ``masks.positions(positions, positions, causal=True, window=W)``).
         Returns logits (B, N, vocab) float, or an output with ``.logits`` (:class:`qkv.nn.DecoderOutput`).
         A model whose ``forward`` takes ``logits_to_keep`` gets ``logits_to_keep=1`` for prefills.
+
     ``cache_specs()``: one layer spec per layer (``qkv.cache`` specs), from which caches are built.
     """
 

@@ -59,7 +59,7 @@ class GenerateOutput(NamedTuple):
     logits: (B, T, V) float32 logits each new token was chosen from (``return_logits=True``), else None.
     finished: (B,) bool, rows that emitted a stop token.
     prefix_hits: (B,) int64 prompt tokens reused from the prefix cache, written by an earlier request or by a
-        longer row of this batch (zeros without prefix caching).
+    longer row of this batch (zeros without prefix caching).
     cache: the cache after decoding (None without a cache).
     """
 

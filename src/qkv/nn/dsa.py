@@ -175,8 +175,9 @@ class SparseLatentAttention(LatentAttention):
     Args:
         config: a :class:`LatentConfig` with a ``q_lora_rank`` (the indexer reads MLA's query latent).
         index_n_heads, index_head_dim, index_topk: the indexer's (HF config names).
-        Other arguments as :class:`LatentAttention`. ``path="auto"`` compares the two paths' FLOPs over the
-        selected pairs (:func:`sparse_path_flops`): decode and long prefills go absorbed.
+
+    Other arguments as :class:`LatentAttention`. ``path="auto"`` compares the two paths' FLOPs over the
+    selected pairs (:func:`sparse_path_flops`): decode and long prefills go absorbed.
 
     ``forward(x, *, positions=None, cache=None, mask=None, path=None, need_lse=False)`` as
     :class:`LatentAttention`; the cache is built from :meth:`cache_spec` (latents plus indexer keys).

@@ -211,7 +211,7 @@ class MoE(nn.Module):
 
     Args:
         hidden_size: ``d``. config: a :class:`MoEConfig`. activation: the experts' gate activation (a key of
-        :data:`qkv.nn.activations.ACTIVATIONS`). bias: biases of the shared experts' projections.
+            :data:`qkv.nn.activations.ACTIVATIONS`). bias: biases of the shared experts' projections.
 
     ``forward(x)``: (..., d) -> (..., d).
     """
