@@ -24,28 +24,28 @@ import torch
 from .._dropout import keep_mask
 from ..masks.base import Mask
 from ..mods.base import ScoreMod
-from ._tiled_plan import Chunk, Plan, RowBatch
+from ._tiled_plan import Chunk, RowBatch, TilePlan
 
 __all__ = ["Problem", "forward_slice", "backward_slice", "pad_rows", "pad_keys", "unpad_rows"]
 
 _NEG_INF = float("-inf")
 
 
-def pad_rows(x: torch.Tensor, plan: Plan, dtype, fill: float = 0.0) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, plan: TilePlan, dtype, fill: float = 0.0) -> torch.Tensor:
     """(nb, Hq, Nq, E) -> (nb, Hq, TQ*bq, E) in ``dtype`` (a copy only when padding or casting)."""
     pad = plan.tq * plan.block_q - x.shape[2]
     x = x.to(dtype)
     return torch.nn.functional.pad(x, (0, 0, 0, pad), value=fill) if pad else x.contiguous()
 
 
-def pad_keys(x: torch.Tensor, plan: Plan, dtype) -> torch.Tensor:
+def pad_keys(x: torch.Tensor, plan: TilePlan, dtype) -> torch.Tensor:
     """(nb, Hkv, Nk, D) -> (nb, Hkv, TK*bk, D) (a copy only when padding or casting)."""
     pad = plan.tk * plan.block_k - x.shape[2]
     x = x.to(dtype)
     return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
 
 
-def unpad_rows(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+def unpad_rows(x: torch.Tensor, plan: TilePlan) -> torch.Tensor:
     return x[:, :, : plan.nq].contiguous() if x.shape[2] != plan.nq else x
 
 
@@ -54,7 +54,7 @@ class _Rows:
     [nb, Hkv, R*GB, E]: a single ``index_select`` / ``index_copy_`` along dim 0 of a flat view (one
     parallel copy), or a plain slice when the plan keeps tile order and there is no GQA group."""
 
-    def __init__(self, plan: Plan, rb: RowBatch, nb: int, Hkv: int, G: int, device) -> None:
+    def __init__(self, plan: TilePlan, rb: RowBatch, nb: int, Hkv: int, G: int, device) -> None:
         self.plan, self.rb, self.nb, self.Hkv, self.G = plan, rb, nb, Hkv, G
         self.direct = plan.identity and G == 1
         if not self.direct:
@@ -86,7 +86,7 @@ class _Rows:
             self._flat(x).index_copy_(0, self.ids, rows.reshape(self.ids.numel(), -1))
 
 
-def _nan_like_rows(plan: Plan, nb: int, Hq: int, extra: tuple[int, ...], dtype, device) -> torch.Tensor:
+def _nan_like_rows(plan: TilePlan, nb: int, Hq: int, extra: tuple[int, ...], dtype, device) -> torch.Tensor:
     """A padded per-query result buffer, poisoned with NaN so rows no step wrote would show."""
     return torch.full((nb, Hq, plan.tq * plan.block_q, *extra), float("nan"), dtype=dtype, device=device)
 
@@ -117,7 +117,7 @@ class _ChunkTiles:
     [nb, Hkv, nact, G, bq, W]. Derived tensors are kept in the chunk's cache (the plan is cached
     with its mask, so later calls skip rebuilding them)."""
 
-    def __init__(self, pb: Problem, plan: Plan, rb: RowBatch, ch: Chunk) -> None:
+    def __init__(self, pb: Problem, plan: TilePlan, rb: RowBatch, ch: Chunk) -> None:
         self.pb, self.plan, self.rb, self.ch = pb, plan, rb, ch
 
     def idx(self):
@@ -274,7 +274,7 @@ def _bias(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.full((), _NEG_INF, dtype=dtype, device=allowed.device))
 
 
-def _scores(plan: Plan, pb: Problem, step: _ChunkTiles, q_act: torch.Tensor, kt: torch.Tensor, ws: _Workspace):
+def _scores(plan: TilePlan, pb: Problem, step: _ChunkTiles, q_act: torch.Tensor, kt: torch.Tensor, ws: _Workspace):
     s, _, _ = _raw_scores(step, q_act, kt, pb.scale, ws)
     if pb.mod is not None:
         s = _modify(s, pb, step)
@@ -282,7 +282,7 @@ def _scores(plan: Plan, pb: Problem, step: _ChunkTiles, q_act: torch.Tensor, kt:
     return s
 
 
-def forward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, stats=None):
+def forward_slice(plan: TilePlan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, stats=None):
     """Online-softmax attention over the plan.
 
     Each chunk's softmax is one fused pass; its log-sum-exp comes from the chunk's row max ``m`` and
@@ -389,7 +389,7 @@ def _chunk_rows(x_rb: torch.Tensor, step: _ChunkTiles, a: int, nbatch: int, ws: 
     return buf.view(nbatch, -1, rows.shape[-1])
 
 
-def _drop_(p: torch.Tensor, dp: torch.Tensor, pb: Problem, plan: Plan, step: _ChunkTiles, ws: _Workspace):
+def _drop_(p: torch.Tensor, dp: torch.Tensor, pb: Problem, plan: TilePlan, step: _ChunkTiles, ws: _Workspace):
     """Apply the forward's dropout to ``dp`` in place and return the dropped probabilities that weighted V."""
     if pb.dropout_p == 0:
         return p
@@ -417,7 +417,7 @@ def _modifier_grads(ds: torch.Tensor, leaf, modified, mod_inputs: list[torch.Ten
     return ds
 
 
-def _accumulate_grads(step: _ChunkTiles, plan: Plan, ds3, pd3, q3, k3, do3, dq_rows, dk, dv, scale: float,
+def _accumulate_grads(step: _ChunkTiles, plan: TilePlan, ds3, pd3, q3, k3, do3, dq_rows, dk, dv, scale: float,
                       ws: _Workspace) -> None:
     """Add one chunk's contributions: dQ += scale dS K, dK += scale dSᵀ Q, dV += Pᵀ dO (P dropped as the forward
     dropped it). A chunk of contiguous key columns adds in place; a gathered one scatters into its tiles."""
@@ -444,7 +444,7 @@ def _accumulate_grads(step: _ChunkTiles, plan: Plan, ds3, pd3, q3, k3, do3, dq_r
     dv.view(-1, bk * Dv).index_put_(flat, dv_c.view(-1, bk * Dv), accumulate=True)
 
 
-def backward_slice(plan: Plan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
+def backward_slice(plan: TilePlan, pb: Problem, q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
                    do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, mod_inputs: list[torch.Tensor]):
     """FlashAttention-2 backward over the plan, recomputing each tile's probabilities from ``lse``.
 

@@ -29,7 +29,7 @@ import torch
 
 from ..masks.base import EMPTY, FULL, PARTIAL, Mask
 
-__all__ = ["Chunk", "RowBatch", "Plan", "plan_for", "block_map_for"]
+__all__ = ["Chunk", "RowBatch", "TilePlan", "plan_for", "block_map_for"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ class RowBatch:
 
 
 @dataclass
-class Plan:
+class TilePlan:
     nq: int
     nk: int
     block_q: int
@@ -127,7 +127,7 @@ def _cache_of(mask: Mask | None) -> dict:
 
 
 def plan_for(mask: Mask | None, bm_row: torch.Tensor, index: int, nq: int, nk: int, bq: int, bk: int,
-             step_tiles: int, chunk_tiles: int, *, B: int = 1, H: int = 1) -> Plan:
+             step_tiles: int, chunk_tiles: int, *, B: int = 1, H: int = 1) -> TilePlan:
     """The cached plan for one block-map row ``bm_row`` [TQ, TK] (``index`` names which row; B and H
     matter for masks whose block map depends on them, see :func:`block_map_for`)."""
     key = ("plan", index, nq, nk, bq, bk, step_tiles, chunk_tiles, str(bm_row.device), B, H)
@@ -142,7 +142,7 @@ def plan_for(mask: Mask | None, bm_row: torch.Tensor, index: int, nq: int, nk: i
 _NATURAL_ORDER_WASTE = 0.1
 
 
-def build_plan(bm: torch.Tensor, nq: int, nk: int, bq: int, bk: int, step_tiles: int, chunk_tiles: int) -> Plan:
+def build_plan(bm: torch.Tensor, nq: int, nk: int, bq: int, bk: int, step_tiles: int, chunk_tiles: int) -> TilePlan:
     """Schedule the non-empty tiles of ``bm`` [TQ, TK] into row batches and key chunks.
 
     ``step_tiles`` bounds the (query tile, key tile) products in one step (rows x chunk width);
@@ -157,7 +157,7 @@ def build_plan(bm: torch.Tensor, nq: int, nk: int, bq: int, bk: int, step_tiles:
 
 
 def _build_plan(bm: torch.Tensor, nq: int, nk: int, bq: int, bk: int, step_tiles: int, chunk_tiles: int, *,
-                sort: bool) -> Plan:
+                sort: bool) -> TilePlan:
     device = bm.device
     tq, tk = bm.shape
     bm = bm.to("cpu")
@@ -210,7 +210,7 @@ def _build_plan(bm: torch.Tensor, nq: int, nk: int, bq: int, bk: int, step_tiles
     identity = bool((order == torch.arange(tq)).all())
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(tq)
-    return Plan(nq, nk, bq, bk, tq, tk, order.to(device), inverse.to(device), identity, batches,
+    return TilePlan(nq, nk, bq, bk, tq, tk, order.to(device), inverse.to(device), identity, batches,
                 tiles=int(counts.sum()), partial_tiles=int(pcounts.sum()), steps=steps, computed_tiles=computed)
 
 

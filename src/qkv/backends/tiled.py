@@ -51,7 +51,7 @@ from .._request import AttentionOutput, Request
 from .._sinks import apply_sinks
 from ._invariant import invariant_attention, invariant_decline
 from ._tiled_kernel import Problem, backward_slice, forward_slice, pad_keys, pad_rows, unpad_rows
-from ._tiled_plan import Plan, block_map_cached, block_map_for, plan_for, tile_counts
+from ._tiled_plan import TilePlan, block_map_cached, block_map_for, plan_for, tile_counts
 from .base import NOMINAL_FLOPS, Backend, Estimate, format_seconds, format_work, predicate_seconds
 
 __all__ = ["TiledBackend", "TiledConfig", "TiledStats"]
@@ -80,7 +80,7 @@ class TiledStats:
     computed_tiles: int = 0  # tiles multiplied, padding slots included
     steps: int = 0  # forward steps (chunks)
 
-    def add(self, plan: Plan) -> None:
+    def add(self, plan: TilePlan) -> None:
         self.grid_tiles += plan.tq * plan.tk
         self.tiles += plan.tiles
         self.partial_tiles += plan.partial_tiles
@@ -164,7 +164,7 @@ class _Spec:
             for b in range(self.B):
                 yield slice(b, b + 1), self._plan(bm[b], b, 1)
 
-    def _plan(self, bm_row: torch.Tensor, index: int, nb: int) -> Plan:
+    def _plan(self, bm_row: torch.Tensor, index: int, nb: int) -> TilePlan:
         cfg = self.cfg
         step_tiles = max(1, cfg.score_budget // (nb * self.Hq * cfg.block_q * cfg.block_k))
         chunk = max(1, min(cfg.chunk_tiles, step_tiles))
