@@ -351,18 +351,19 @@ class PagedBackend(Backend):
 
     def _kind(self, req: Request) -> str:
         q, kp, vp = req.q, req.k, req.v
+        one = q.shape[2] == 1
         if q.device.type == "cuda":
-            if req.Nq == 1:
+            if one:
                 from .triton import gpu_decode_ready
 
                 if gpu_decode_ready(q, kp, vp):
                     return "triton"
             return "view"
-        if q.dtype not in BLOCKS_DTYPES or req.requires_grad or q.device.type != "cpu":
+        if q.dtype not in BLOCKS_DTYPES or (torch.is_grad_enabled() and req.requires_grad) or q.device.type != "cpu":
             return "view"
-        if ops.unavailable_reason() is None and (req.Nq == 1 or q.stride(-1) == 1):
+        if ops.available() and (one or q.stride(-1) == 1):
             return "compiled"
-        return "blocks" if req.Nq == 1 and _ragged(req.paged.kv_positions) else "view"
+        return "blocks" if one and _ragged(req.paged.kv_positions) else "view"
 
     def path(self, req: Request) -> str:
         kind = self._kind(req)
@@ -401,7 +402,7 @@ class PagedBackend(Backend):
         kind = self._kind(req)
         q, kp, vp = req.q, req.k, req.v
         tables, kv_pos, q_pos, window = req.paged
-        if kind == "compiled" and req.Nq > 1:
+        if kind == "compiled" and q.shape[2] > 1:
             return AttentionOutput(*_prefill_step(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
         if kind == "view":
             return AttentionOutput(*_prefill_view(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
@@ -412,7 +413,7 @@ class PagedBackend(Backend):
         else:  # one query per row: the compiled kernel, or the torch block path
             out, lse = (_compiled if kind == "compiled" else _blocks)(q[:, :, 0], kp, vp, tables, kv_pos, q_pos[:, 0],
                                                                       req.scale, window)
-        return AttentionOutput(out.unsqueeze(2), lse.unsqueeze(2))
+        return AttentionOutput(out.unsqueeze(2), lse.unsqueeze(2) if req.return_lse or req.sinks is not None else None)
 
     def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               blocks: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor, src: torch.Tensor | None) -> None:
