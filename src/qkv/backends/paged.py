@@ -352,12 +352,12 @@ class PagedBackend(Backend):
     def _kind(self, req: Request) -> str:
         q, kp, vp = req.q, req.k, req.v
         one = q.shape[2] == 1
-        if q.device.type == "cuda":
-            if one:
-                from .triton import gpu_decode_ready
+        if one:
+            from .triton import gpu_decode_ready  # CUDA, no gradients, triton installed
 
-                if gpu_decode_ready(q, kp, vp):
-                    return "triton"
+            if gpu_decode_ready(q, kp, vp):
+                return "triton"
+        if q.device.type == "cuda":
             return "view"
         if q.dtype not in BLOCKS_DTYPES or (torch.is_grad_enabled() and req.requires_grad) or q.device.type != "cpu":
             return "view"
