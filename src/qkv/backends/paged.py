@@ -333,6 +333,21 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     return out.permute(1, 0, 2, 3).reshape(B, Hq, Dv), lse.transpose(0, 1).reshape(B, Hq)
 
 
+def _view_sdpa(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window) -> torch.Tensor:
+    """The rows' gathered view attended by torch's fused SDPA under the causal positions mask (what the cache did
+    before the paged backend existed: on a GPU a prompt chunk takes a flash or memory-efficient kernel, not a
+    materialized score matrix). A query with no visible key (padding) gives zeros, not SDPA's NaN."""
+    B, Hq, N, D = q.shape
+    k, v = gather_head_major(k_pool, block_tables), gather_head_major(v_pool, block_tables)  # (B, Hkv, S, D)
+    pos, qpos = kv_positions.view(B, 1, 1, -1), q_positions.view(B, 1, N, 1)
+    seen = (pos >= 0) & (qpos >= 0) & (pos <= qpos)
+    if window is not None:
+        seen &= qpos - pos < window
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale,
+                                                           enable_gqa=Hq != k.shape[1])
+    return out.masked_fill(~seen.any(-1, keepdim=True), 0.0)  # (B, 1, N, 1): rows with no visible key
+
+
 def _ragged(kv_positions: torch.Tensor) -> bool:
     """The view holds at least BLOCKS_MIN_SLOTS slots, at most BLOCKS_BELOW_FILL of them live."""
     n = kv_positions.numel()
@@ -405,6 +420,8 @@ class PagedBackend(Backend):
         if kind == "compiled" and q.shape[2] > 1:
             return AttentionOutput(*_prefill_step(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
         if kind == "view":
+            if not req.return_lse:  # torch's fused SDPA over the view (its lse is not exposed)
+                return AttentionOutput(_view_sdpa(q, kp, vp, tables, kv_pos, q_pos, req.scale, window), None)
             return AttentionOutput(*_prefill_view(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
         if kind == "triton":
             from .triton.decode import paged_decode
