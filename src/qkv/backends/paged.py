@@ -348,10 +348,21 @@ def _view_sdpa(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale
     return out.masked_fill(~seen.any(-1, keepdim=True), 0.0)  # (B, 1, N, 1): rows with no visible key
 
 
+#: The last answer of :func:`_ragged`: (the positions, their version counter, the thresholds, the answer). Every layer
+#: of a group reads the same positions tensor in a step, so the count and its sync run once per step and group.
+_last_ragged: tuple = (None, -1, None, False)
+
+
 def _ragged(kv_positions: torch.Tensor) -> bool:
     """The view holds at least BLOCKS_MIN_SLOTS slots, at most BLOCKS_BELOW_FILL of them live."""
+    global _last_ragged
+    last, version, limits, answer = _last_ragged
+    if last is kv_positions and version == kv_positions._version and limits == (BLOCKS_MIN_SLOTS, BLOCKS_BELOW_FILL):
+        return answer
     n = kv_positions.numel()
-    return n >= BLOCKS_MIN_SLOTS and int((kv_positions >= 0).sum()) <= BLOCKS_BELOW_FILL * n
+    answer = n >= BLOCKS_MIN_SLOTS and int((kv_positions >= 0).sum()) <= BLOCKS_BELOW_FILL * n
+    _last_ragged = (kv_positions, kv_positions._version, (BLOCKS_MIN_SLOTS, BLOCKS_BELOW_FILL), answer)
+    return answer
 
 
 class PagedBackend(Backend):
