@@ -16,7 +16,7 @@ Five tables:
    only, in spans) and the compiled kernel (:func:`qkv.backends.paged.paged_decode_blocks` where qkv's CPU kernels
    are built: each row's visible slots read in place), over rows of one length and rows of mixed lengths;
    ``fill`` is the live share of the padded view, which decides between the first two where the kernel is not
-   built (``qkv.cache.paged.BLOCKS_BELOW_FILL``).
+   built (``qkv.backends.paged.BLOCKS_BELOW_FILL``).
 
 Timing: cached decode and recomputation (table 1), prefix caching on and off (table 3) run round-robin,
 every repeat a pair; each ratio is its median and range over the paired repeats, and the target is met
@@ -36,8 +36,8 @@ import time
 import torch
 
 from _harness import Suite, median_ms, parse_args, ratio, target, time_interleaved
+from qkv.backends.paged import BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS
 from qkv.cache import KIVI, Dynamic, Int8, KVCache, Paged, Static
-from qkv.cache.paged import BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS
 from qkv.models.generate import forward_step, generate, prefill
 
 
@@ -254,7 +254,7 @@ def main(argv=None) -> None:
     s5.note("Where qkv's compiled CPU kernels are built (qkv.cpu.kernels), every CPU decode step takes the compiled "
             "kernel (compiled: paged_decode_blocks reading each row's visible slots in place). Without them the cache "
             f"takes the torch-op block path (blocks) when fill <= {BLOCKS_BELOW_FILL} and the padded view holds at "
-            f"least {BLOCKS_MIN_SLOTS} slots (qkv.cache.paged.BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS), else the padded "
+            f"least {BLOCKS_MIN_SLOTS} slots (qkv.backends.paged.BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS), else the padded "
             "view. Ratios: the first path's time over the second's, median and range over paired repeats.")
     s5.finish()
 

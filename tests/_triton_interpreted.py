@@ -395,12 +395,20 @@ def test_decoder_decode_step_through_the_paged_kernel(monkeypatch):
             model(ids, cache=cache)
             return model(nxt, cache=cache).logits[:, -1]
 
-    monkeypatch.setenv("QKV_CPU_KERNELS", "0")  # the paged backend's torch-op path (no compiled CPU kernel)
+    import qkv.backends.paged as paged_backend
+
+    gathers = []
+    real_gather = paged_backend.gather_head_major
+    monkeypatch.setattr(paged_backend, "gather_head_major", lambda *a: gathers.append(1) or real_gather(*a))
+    monkeypatch.setenv("QKV_CPU_KERNELS", "0")  # the plain run on views (the compiled CPU kernel reads in place)
     plain = step()
+    assert len(gathers) == 8, "prefill and decode each gather both layers' keys and values (the torch-op path)"
     calls = []
     monkeypatch.setattr(tb, "gpu_decode_ready", lambda *ts: calls.append(1) or True)
+    gathers.clear()
     fast = step()
     assert calls, "the decoder did not reach the paged kernel"
+    assert len(gathers) == 4, "the decode step read the blocks in place: only the prefill gathered views"
     assert torch.allclose(fast, plain, atol=1e-5), (fast - plain).abs().max()
 
 

@@ -363,7 +363,9 @@ class Explanation:
 
 def explain(q, k, v, *, mask=None, score_mod=None, scale=None, return_lse=False, dropout_p=0.0,
             generator=None, sinks=None, layout=None, batch_invariant=False, paged=None) -> Explanation:
-    """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not.
+    """Report the backend ``attention(..., backend="auto")`` would choose and why each other was not. With
+    ``paged=`` (block-pool operands, :class:`qkv.PagedKV`) the note names the ``paged`` backend's path and why
+    (the compiled kernel through :mod:`qkv.cpu.ops`, Triton, or torch ops with the reason the kernels cannot run).
 
     Example:
         >>> import torch, qkv

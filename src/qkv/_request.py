@@ -277,12 +277,9 @@ def _build_paged(q, k_pool, v_pool, paged, *, mask, score_mod, scale, return_lse
     if not isinstance(paged, PagedKV):
         raise TypeError(f"attention: paged must be a qkv.PagedKV(block_tables, kv_positions, q_positions, window), "
                         f"got {type(paged).__name__}")
-    for name, given, default in (("mask", mask, None), ("score_mod", score_mod, None), ("dropout_p", dropout_p, 0.0),
-                                 ("batch_invariant", batch_invariant, False), ("layout", layout, "bhnd")):
-        if isinstance(given, torch.Tensor) or given != default:
-            raise ValueError(f"attention: {name}={given!r} is not taken with paged= operands, whose mask is the "
-                             f"causal positions mask of PagedKV (q_positions, kv_positions, window); gather the "
-                             f"rows' view and call attention on it for anything else")
+    if mask is not None or score_mod is not None or dropout_p or batch_invariant or layout != "bhnd":
+        _refuse_with_paged(mask=mask, score_mod=score_mod, dropout_p=dropout_p, batch_invariant=batch_invariant,
+                           layout=layout)
     tables, kv_pos, q_pos, window = paged
     try:
         qs, ks, vs, ts = q.shape, k_pool.shape, v_pool.shape, tables.shape
@@ -299,19 +296,44 @@ def _build_paged(q, k_pool, v_pool, paged, *, mask, score_mod, scale, return_lse
         ok = False
     if not ok:
         _raise_for_paged(q, k_pool, v_pool, paged)
-    if tables.numel():
-        lo, hi = torch.aminmax(tables)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= ks[0]:
-            raise ValueError(f"attention: block_tables hold block ids {lo} .. {hi} but the pools have {ks[0]} blocks; "
-                             f"every entry must lie in [0, {ks[0]}) (fill a short row's table with any valid id)")
+    _check_block_ids(tables, ks[0])
     if scale is None:
         scale = qs[3] ** -0.5 if qs[3] > 0 else 1.0
-    else:
+    elif type(scale) is not float or not math.isfinite(scale):
         scale = _check_scale(scale)
     if sinks is not None:
         _check_sinks(sinks, q)
     return Request(q, k_pool, v_pool, None, None, scale, bool(return_lse), 0.0, None, sinks, "bhnd", False, paged)
+
+
+#: The last block table found within its pool: (the table, its version counter, the pool's blocks). Every layer of
+#: a group reads the same table tensor in a decode step, so the check's reduction and sync run once per step.
+_checked_tables: tuple[torch.Tensor | None, int, int] = (None, -1, -1)
+
+
+def _check_block_ids(tables: torch.Tensor, blocks: int) -> None:
+    """Every entry of ``tables`` lies in ``[0, blocks)`` (the kernels read only visible slots, the torch paths every
+    entry: both refuse the same tables)."""
+    global _checked_tables
+    last, version, n = _checked_tables
+    if last is tables and version == tables._version and n == blocks:
+        return
+    if tables.numel():
+        lo, hi = torch.aminmax(tables)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= blocks:
+            raise ValueError(f"attention: block_tables hold block ids {lo} .. {hi} but the pools have {blocks} blocks; "
+                             f"every entry must lie in [0, {blocks}) (fill a short row's table with any valid id)")
+    _checked_tables = (tables, tables._version, blocks)
+
+
+def _refuse_with_paged(**given) -> None:
+    for name, value in given.items():
+        if value is not None and value is not False and not (name == "dropout_p" and value == 0) \
+                and not (name == "layout" and value == "bhnd"):
+            raise ValueError(f"attention: {name}={value!r} is not taken with paged= operands, whose mask is the "
+                             f"causal positions mask of PagedKV (q_positions, kv_positions, window); gather the "
+                             f"rows' view and call attention on it for anything else")
 
 
 def _raise_for_paged(q, k_pool, v_pool, paged) -> None:

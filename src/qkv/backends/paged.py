@@ -333,10 +333,36 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     return out.permute(1, 0, 2, 3).reshape(B, Hq, Dv), lse.transpose(0, 1).reshape(B, Hq)
 
 
+def _view_sdpa(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window) -> torch.Tensor:
+    """The rows' gathered view attended by torch's fused SDPA under the causal positions mask (what the cache did
+    before the paged backend existed: on a GPU a prompt chunk takes a flash or memory-efficient kernel, not a
+    materialized score matrix). A query with no visible key (padding) gives zeros, not SDPA's NaN."""
+    B, Hq, N, D = q.shape
+    k, v = gather_head_major(k_pool, block_tables), gather_head_major(v_pool, block_tables)  # (B, Hkv, S, D)
+    pos, qpos = kv_positions.view(B, 1, 1, -1), q_positions.view(B, 1, N, 1)
+    seen = (pos >= 0) & (qpos >= 0) & (pos <= qpos)
+    if window is not None:
+        seen &= qpos - pos < window
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale,
+                                                           enable_gqa=Hq != k.shape[1])
+    return out.masked_fill(~seen.any(-1, keepdim=True), 0.0)  # (B, 1, N, 1): rows with no visible key
+
+
+#: The last answer of :func:`_ragged`: (the positions, their version counter, the thresholds, the answer). Every layer
+#: of a group reads the same positions tensor in a step, so the count and its sync run once per step and group.
+_last_ragged: tuple = (None, -1, None, False)
+
+
 def _ragged(kv_positions: torch.Tensor) -> bool:
     """The view holds at least BLOCKS_MIN_SLOTS slots, at most BLOCKS_BELOW_FILL of them live."""
+    global _last_ragged
+    last, version, limits, answer = _last_ragged
+    if last is kv_positions and version == kv_positions._version and limits == (BLOCKS_MIN_SLOTS, BLOCKS_BELOW_FILL):
+        return answer
     n = kv_positions.numel()
-    return n >= BLOCKS_MIN_SLOTS and int((kv_positions >= 0).sum()) <= BLOCKS_BELOW_FILL * n
+    answer = n >= BLOCKS_MIN_SLOTS and int((kv_positions >= 0).sum()) <= BLOCKS_BELOW_FILL * n
+    _last_ragged = (kv_positions, kv_positions._version, (BLOCKS_MIN_SLOTS, BLOCKS_BELOW_FILL), answer)
+    return answer
 
 
 class PagedBackend(Backend):
@@ -351,18 +377,19 @@ class PagedBackend(Backend):
 
     def _kind(self, req: Request) -> str:
         q, kp, vp = req.q, req.k, req.v
-        if q.device.type == "cuda":
-            if req.Nq == 1:
-                from .triton import gpu_decode_ready
+        one = q.shape[2] == 1
+        if one:
+            from .triton import gpu_decode_ready  # CUDA, no gradients, triton installed
 
-                if gpu_decode_ready(q, kp, vp):
-                    return "triton"
+            if gpu_decode_ready(q, kp, vp):
+                return "triton"
+        if q.device.type == "cuda":
             return "view"
-        if q.dtype not in BLOCKS_DTYPES or req.requires_grad or q.device.type != "cpu":
+        if q.dtype not in BLOCKS_DTYPES or (torch.is_grad_enabled() and req.requires_grad) or q.device.type != "cpu":
             return "view"
-        if ops.unavailable_reason() is None and (req.Nq == 1 or q.stride(-1) == 1):
+        if ops.available() and (one or q.stride(-1) == 1):
             return "compiled"
-        return "blocks" if req.Nq == 1 and _ragged(req.paged.kv_positions) else "view"
+        return "blocks" if one and _ragged(req.paged.kv_positions) else "view"
 
     def path(self, req: Request) -> str:
         kind = self._kind(req)
@@ -401,9 +428,11 @@ class PagedBackend(Backend):
         kind = self._kind(req)
         q, kp, vp = req.q, req.k, req.v
         tables, kv_pos, q_pos, window = req.paged
-        if kind == "compiled" and req.Nq > 1:
+        if kind == "compiled" and q.shape[2] > 1:
             return AttentionOutput(*_prefill_step(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
         if kind == "view":
+            if not req.return_lse:  # torch's fused SDPA over the view (its lse is not exposed)
+                return AttentionOutput(_view_sdpa(q, kp, vp, tables, kv_pos, q_pos, req.scale, window), None)
             return AttentionOutput(*_prefill_view(q, kp, vp, tables, kv_pos, q_pos, req.scale, window, True, None))
         if kind == "triton":
             from .triton.decode import paged_decode
@@ -412,7 +441,7 @@ class PagedBackend(Backend):
         else:  # one query per row: the compiled kernel, or the torch block path
             out, lse = (_compiled if kind == "compiled" else _blocks)(q[:, :, 0], kp, vp, tables, kv_pos, q_pos[:, 0],
                                                                       req.scale, window)
-        return AttentionOutput(out.unsqueeze(2), lse.unsqueeze(2))
+        return AttentionOutput(out.unsqueeze(2), lse.unsqueeze(2) if req.return_lse or req.sinks is not None else None)
 
     def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               blocks: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor, src: torch.Tensor | None) -> None:

@@ -219,7 +219,7 @@ class KVCache:
         spec = layer.spec
         pos = self._check_step(layer, k, v, positions, spec.n_kv_heads, spec.head_dim, spec.dv)
         self._order.check(positions, pos, layer=layer_idx)
-        k, v = self._cast(k), self._cast(v)
+        k, v = self._cast(k, v)
         if isinstance(layer.store, RopeStore):
             k_all, v_all, kv_pos, q_pos = layer.store.write_rope(k, v, pos, rope)
         else:
@@ -292,7 +292,7 @@ class KVCache:
         k, v = c_kv.unsqueeze(1), k_rope.unsqueeze(1)
         pos = self._check_step(layer, k, v, positions, 1, spec.kv_lora_rank, spec.tail_width)
         self._order.check(positions, pos, layer=layer_idx, owner="update_latent")
-        k, v = self._cast(k), self._cast(v)
+        k, v = self._cast(k, v)
         if rope is not None:
             v = rope(v, pos.clamp_min(0))
         c_all, r_all, kv_pos = layer.store.write(k, v, pos)
@@ -721,12 +721,13 @@ class KVCache:
             return k.shape[0]
         return None
 
-    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+    def _cast(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.dtype is None:
-            self.dtype = t.dtype
+            self.dtype = k.dtype
         if self._device is None:
-            self._device = t.device
-        return t if t.dtype == self.dtype else t.to(self.dtype)
+            self._device = k.device
+        dtype = self.dtype
+        return (k if k.dtype == dtype else k.to(dtype)), (v if v.dtype == dtype else v.to(dtype))
 
     def _check_step(self, layer: _Layer, k, v, positions, H: int, Dk: int, Dv: int) -> torch.Tensor:
         for name, t, width in (("k", k, Dk), ("v", v, Dv)):
