@@ -316,7 +316,9 @@ def _check_block_ids(tables: torch.Tensor, blocks: int) -> None:
     entry: both refuse the same tables)."""
     global _checked_tables
     last, version, n = _checked_tables
-    if last is tables and version == tables._version and n == blocks:
+    # an inference tensor keeps no version counter, so a change in place could not be seen: it is checked each time
+    current = None if tables.is_inference() else tables._version
+    if current is not None and last is tables and version == current and n == blocks:
         return
     if tables.numel():
         lo, hi = torch.aminmax(tables)
@@ -324,7 +326,7 @@ def _check_block_ids(tables: torch.Tensor, blocks: int) -> None:
         if lo < 0 or hi >= blocks:
             raise ValueError(f"attention: block_tables hold block ids {lo} .. {hi} but the pools have {blocks} blocks; "
                              f"every entry must lie in [0, {blocks}) (fill a short row's table with any valid id)")
-    _checked_tables = (tables, tables._version, blocks)
+    _checked_tables = (tables, current, blocks) if current is not None else (None, -1, -1)
 
 
 def _refuse_with_paged(**given) -> None:

@@ -203,3 +203,17 @@ def test_the_store_writes_each_real_token_to_its_slot():
             assert torch.equal(kp[blocks[i], :, offsets[i]], k[b, :, t]) and torch.equal(vp[blocks[i], :, offsets[i]],
                                                                                          v[b, :, t])
         assert int(kp.isnan().sum()) == (4 * 2 - 5) * 3 * 8  # nothing else was written
+
+
+def test_block_tables_made_under_inference_mode_are_checked_every_call():
+    """Inference tensors keep no version counter (the Engine and benchmarks run under torch.inference_mode): the
+    table check still runs, and an id changed in place between two calls is refused on the second."""
+    with torch.inference_mode():
+        kp, vp = torch.randn(4, 2, 4, 8), torch.randn(4, 2, 4, 8)  # (P, Hkv, T, D)
+        tables = torch.tensor([[0, 1]])
+        paged = qkv.PagedKV(tables, torch.tensor([[0, 1, 2, 3, 4, 5, -1, -1]]), torch.tensor([[5]]), None)
+        q = torch.randn(1, 2, 1, 8)
+        qkv.attention(q, kp, vp, paged=paged)
+        tables[0, 1] = 9
+        with pytest.raises(ValueError, match="block_tables"):
+            qkv.attention(q, kp, vp, paged=paged)

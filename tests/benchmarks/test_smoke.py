@@ -262,6 +262,13 @@ def _batch_invariant(t):
     _ranged(t, "batch_invariant", "invariant / default")
 
 
+def _engine(t):
+    rows = _rows(t, "engine")
+    assert {r["contender"] for r in rows} == {"phases", "mixed", "static", "sampled"}, rows
+    assert all(r["same_tokens"] is True for r in rows), f"a contender's tokens differ from one pass per phase's " \
+        f"(greedy) or between repeats (sampled, seeded): {rows}"
+
+
 AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "sparse_select": _sparse_select,
              "linear": _linear, "gated_linear": _gated_linear,
              "mla": _mla,
@@ -269,7 +276,7 @@ AGREEMENT = {"dense": _dense, "tiled": _tiled, "sparse": _sparse, "sparse_select
              "context_parallel": _context_parallel, "head_pruning": _head_pruning,
              "interpret": _interpret, "skinny": _skinny,
              "gqa_conversion": _gqa_conversion, "gpu": _gpu, "quality": _quality,
-             "mask_export": _mask_export, "batch_invariant": _batch_invariant}
+             "mask_export": _mask_export, "batch_invariant": _batch_invariant, "engine": _engine}
 # The gpu suite runs on CPU through Triton's interpreter (--dry-run), without its speed section here: that one
 # compiles FlexAttention for the CPU (about a minute); test_gpu_dry_run_with_speed_section runs it under -m slow.
 EXTRA_ARGS = {"generate": ["--threads", "1"],

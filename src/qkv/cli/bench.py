@@ -43,6 +43,7 @@ SUITES: dict[str, str] = {
     "quality": "quality.py",
     "mask_export": "mask_export.py",
     "batch_invariant": "batch_invariant.py",
+    "engine": "engine.py",
 }
 
 

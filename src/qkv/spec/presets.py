@@ -80,7 +80,8 @@ class ModelPreset:
             HF names): each MLA layer also caches an ``index_head_dim`` key per token and attends to
             ``index_topk`` latents per query.
         n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts, first_k_dense_replace:
-            DeepSeekMoE feed-forward (HF names); the first ``first_k_dense_replace`` layers stay dense with ``intermediate_size``.
+            DeepSeekMoE feed-forward (HF names); the first ``first_k_dense_replace`` layers stay dense with
+            ``intermediate_size``.
         shared_expert_intermediate_size, shared_expert_gate: Qwen3-Next's shared expert: its width (default
             ``moe_intermediate_size * n_shared_experts``) and a sigmoid gate ``d -> 1`` scaling its output.
         linear_attention: the recurrent mixer of the ``"linear_attention"`` layers (a
