@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-partial test-slow demo bench bench-vllm lint clean
+.PHONY: install browser test test-partial test-slow demo bench bench-vllm lint clean wheel
 
 install: $(STAMP)
 
@@ -51,6 +51,11 @@ test-partial: $(PARTIAL_STAMP)
 
 test-slow: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m slow
+
+# A wheel that carries the compiled CPU kernels (one library per CPU capability, for the torch installed here):
+# QKV_CPU_CAPABILITIES=AVX512 make wheel builds one capability only. The JIT build stays the fallback.
+wheel: install
+	$(PY) -m pip wheel . --no-build-isolation --no-deps -w dist
 
 demo: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv demo
