@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-partial test-slow demo bench bench-vllm lint clean docs
+.PHONY: install browser test test-partial test-slow test-wheel demo bench bench-vllm lint clean docs wheel
 
 install: $(STAMP)
 
@@ -31,7 +31,7 @@ browser:
 # Lint first: a lint failure fails `make test` (and CI, which runs it).
 test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks examples docs
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --expected-skips tests/skips/full.txt
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not wheel" --expected-skips tests/skips/full.txt
 
 # The suite on a partial install (.venv-partial: torch and `pip install -e .[test]` only, no transformers,
 # tokenizers, bundled model, matplotlib, scipy, triton): what needs them skips, and only with the reasons
@@ -46,11 +46,21 @@ $(PARTIAL_STAMP): pyproject.toml
 	touch $(PARTIAL_STAMP)
 
 test-partial: $(PARTIAL_STAMP)
-	HF_HUB_OFFLINE=1 $(PARTIAL)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" \
+	HF_HUB_OFFLINE=1 $(PARTIAL)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not wheel" \
 		--expected-skips tests/skips/partial.txt
 
 test-slow: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m slow
+
+# The wheel carries the compiled kernels: build it for this CPU, install it into a clean venv with no compiler
+# reachable and run a kernel and a generate there (minutes of C++, so apart from `make test`; CI runs both).
+test-wheel: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n 0 -m wheel tests/cpu/test_wheel.py
+
+# A wheel that carries the compiled CPU kernels (one library per CPU capability, for the torch installed here):
+# QKV_CPU_CAPABILITIES=AVX512 make wheel builds one capability only. The JIT build stays the fallback.
+wheel: install
+	$(PY) -m pip wheel . --no-build-isolation --no-deps -w dist
 
 demo: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/qkv demo

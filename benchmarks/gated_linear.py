@@ -21,7 +21,8 @@ Measures, in one process, B=1, H=8, Dk=Dv=128, float32, no autograd, at N = 4096
 2. memory: the chunked form's peak allocation at N and 4N (it must grow about 4x: O(N), no (N, N) matrix).
 3. targets (issue 27): chunked >= 5x the recurrent form and >= 3x HF's torch chunked reference, per rule.
 
-The delta rules run as they do for a caller without autograd: on CPU that is qkv's compiled kernel
+The delta rules run as they do in an optimized model (``qkv.cpu.optimize``; here ``kernel=qkv.cpu.fused.DELTA``)
+without autograd: on CPU that is qkv's compiled kernel
 (``qkv/cpu/csrc/gated_delta.cpp``, its own chunk size ``KERNEL_CHUNK_SIZE`` = 16) where it builds, the torch ops
 otherwise (chunk 64); the ``path`` and ``C`` columns say which. HF runs its default chunk of 64.
 
@@ -43,14 +44,26 @@ import torch
 import torch.nn.functional as F
 
 from _harness import Suite, gemm_rate, median_ms, parse_args, peak_memory_during, ratio, target, time_interleaved
+from qkv.cpu.fused import DELTA
 from qkv.linear import (
     DEFAULT_GATED_CHUNK_SIZE,
-    gated_delta_chunked,
     gated_delta_recurrent,
     gated_linear_chunked,
     gated_linear_recurrent,
 )
-from qkv.linear.gated_chunk import KERNEL_CHUNK_SIZE, delta_path
+from qkv.linear import gated_delta_chunked as _gated_delta_chunked
+from qkv.linear.gated_chunk import KERNEL_CHUNK_SIZE
+from qkv.linear.gated_chunk import delta_path as _delta_path
+
+
+def delta_path(*args, **kw):
+    """Which path the chunked delta rule takes given qkv's compiled kernel (as ``qkv.cpu.optimize`` gives it)."""
+    return _delta_path(*args, kernel=DELTA, **kw)
+
+
+def gated_delta_chunked(*args, **kw):
+    """``qkv.linear.gated_delta_chunked`` with qkv's compiled kernel, as a model ``qkv.cpu.optimize`` saw runs it."""
+    return _gated_delta_chunked(*args, kernel=DELTA, **kw)
 
 B, H, D = 1, 8, 128
 DTYPE = torch.float32

@@ -225,5 +225,6 @@ def unavailable_reason() -> str | None:
     """Why the compiled kernels cannot run here, or ``None`` when they can (builds them if not yet built)."""
     if _switched_off():
         return f"{ENV}=0 in the environment"
-    load()
+    if _module is None:
+        load()
     return _failure

@@ -56,21 +56,32 @@ def available() -> bool:
 def why_not(name: str, tensors, *, dtypes=_FLOATS, same_dtype: bool = True) -> str | None:
     """The checks every kernel shares, for the operator ``name`` over ``tensors`` (None entries skipped): CPU,
     a dtype of ``dtypes`` (one dtype throughout when ``same_dtype``), no gradient being recorded, the kernels
-    loaded. ``None`` when the kernel runs them, else why not."""
+    loaded. ``None`` when the kernel runs them, else why not. A decode step asks this some thirty times, so the
+    passing case is a few attribute reads per tensor; the reason is worded only when a check fails."""
+    grad = torch.is_grad_enabled()
+    dtype = None
+    for t in tensors:
+        if t is None:
+            continue
+        if not t.is_cpu or t.dtype not in dtypes or (grad and t.requires_grad) or (
+                same_dtype and dtype is not None and t.dtype != dtype):
+            return _reason(name, tensors, dtypes, same_dtype)
+        dtype = t.dtype
+    return kernels.unavailable_reason()
+
+
+def _reason(name: str, tensors, dtypes, same_dtype: bool) -> str:
     present = [t for t in tensors if t is not None]
     for t in present:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             return f"qkv_cpu::{name} is CPU only, got a tensor on {t.device.type}"
-    dtype = present[0].dtype if present else None
     for t in present:
         if t.dtype not in dtypes:
             return (f"qkv_cpu::{name} runs {'/'.join(str(d).removeprefix('torch.') for d in dtypes)}, got "
                     f"{str(t.dtype).removeprefix('torch.')}")
-        if same_dtype and t.dtype != dtype:
-            return f"qkv_cpu::{name} needs one dtype, got {dtype} and {t.dtype}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
-        return f"autograd records this call (qkv_cpu::{name} has no backward)"
-    return kernels.unavailable_reason()
+        if same_dtype and t.dtype != present[0].dtype:
+            return f"qkv_cpu::{name} needs one dtype, got {present[0].dtype} and {t.dtype}"
+    return f"autograd records this call (qkv_cpu::{name} has no backward)"
 
 
 def why_not_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -131,74 +142,75 @@ def why_not_screen(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return why_not("screened_argmax", (x, weight), dtypes=(torch.float32,))
 
 
-def _mod():
+def _op(name: str):
+    """The operator ``qkv_cpu::<name>`` (its one overload), or ``RuntimeError`` saying why the kernels are off."""
     mod = kernels.load()
     if mod is None:
         raise RuntimeError(f"qkv's compiled CPU kernels are unavailable: {kernels.unavailable_reason()}; ask "
                            "qkv.cpu.ops.unavailable_reason() (or the kernel's why_not_*) before choosing a "
                            "compiled path")
-    return mod
+    return getattr(mod, name).default
 
 
 def gather_attention(q, k, v, idx, scale, causal, offset, sinks, tile):
-    return _mod().gather_attention(q, k, v, idx, scale, causal, offset, sinks, tile)
+    return _op("gather_attention")(q, k, v, idx, scale, causal, offset, sinks, tile)
 
 
 def gated_delta_chunks(q, k, v, g, beta, state, chunk, safe_log):
-    return _mod().gated_delta_chunks(q, k, v, g, beta, state, chunk, safe_log)
+    return _op("gated_delta_chunks")(q, k, v, g, beta, state, chunk, safe_log)
 
 
 def delta_decode(mixed, conv_state, conv_weight, g, beta, state, Hk, q_scale, eps):
-    return _mod().delta_decode(mixed, conv_state, conv_weight, g, beta, state, Hk, q_scale, eps)
+    return _op("delta_decode")(mixed, conv_state, conv_weight, g, beta, state, Hk, q_scale, eps)
 
 
 def rows_linear(x, weight, bias, nb):
-    return _mod().rows_linear(x, weight, bias, nb)
+    return _op("rows_linear")(x, weight, bias, nb)
 
 
 def moe_token(x, ids, weights, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit, nb_gate_up, nb_down):
-    return _mod().moe_token(x, ids, weights, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit,
+    return _op("moe_token")(x, ids, weights, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit,
                             nb_gate_up, nb_down)
 
 
 def moe_grouped(x, token, weights, counts, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit,
                 nb_gate_up, nb_down):
-    return _mod().moe_grouped(x, token, weights, counts, gate_up, gate_up_bias, down, down_bias, clamped, alpha,
+    return _op("moe_grouped")(x, token, weights, counts, gate_up, gate_up_bias, down, down_bias, clamped, alpha,
                               limit, nb_gate_up, nb_down)
 
 
 def silu_mul(h):
-    return profiled("silu_mul", _mod().silu_mul, h)
+    return profiled("silu_mul", _op("silu_mul"), h)
 
 
 def rotary(x, cos, sin, interleaved):
-    return profiled("rotary", _mod().rotary, x, cos, sin, interleaved)
+    return profiled("rotary", _op("rotary"), x, cos, sin, interleaved)
 
 
 def rms_norm(x, weight, eps, offset):
-    return profiled("rms_norm", _mod().rms_norm, x, weight, eps, offset)
+    return profiled("rms_norm", _op("rms_norm"), x, weight, eps, offset)
 
 
 def decode_attention(q, k, v, q_pos, kv_pos, causal, window, sinks, scale):
-    return profiled("decode_attention", _mod().decode_attention, q, k, v, q_pos, kv_pos, causal, window, sinks,
+    return profiled("decode_attention", _op("decode_attention"), q, k, v, q_pos, kv_pos, causal, window, sinks,
                     scale)
 
 
 def paged_decode(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal, sinks):
-    return _mod().paged_decode(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal, sinks)
+    return _op("paged_decode")(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal, sinks)
 
 
 def paged_prefill(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal, sinks):
-    return _mod().paged_prefill(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal, sinks)
+    return _op("paged_prefill")(q, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal, sinks)
 
 
 def paged_store(k_pool, v_pool, k, v, blocks, offsets, src):
-    return _mod().paged_store(k_pool, v_pool, k, v, blocks, offsets, src)
+    return _op("paged_store")(k_pool, v_pool, k, v, blocks, offsets, src)
 
 
 def screen_pack(weight):
-    return _mod().screen_pack(weight)
+    return _op("screen_pack")(weight)
 
 
 def screened_argmax(x, weight, packed, A, B, C, S, R, P):
-    return _mod().screened_argmax(x, weight, packed, A, B, C, S, R, P)
+    return _op("screened_argmax")(x, weight, packed, A, B, C, S, R, P)
