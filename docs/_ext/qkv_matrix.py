@@ -37,7 +37,8 @@ class Case:
     name: str
     group: str
     build: Callable[[torch.Generator, str], dict]
-    call: str = "attention"  # or "varlen": qkv.varlen_attention on the packed form of the same request
+    call: str = "attention"  # "varlen": qkv.varlen_attention on the packed form of the same request; "paged": the
+    # keys and values in a block pool read through block tables (qkv.PagedKV), the causal positions mask
     #: devices the request cannot be built on (a top-k mask holds index values: none on meta)
     skip_on: set = field(default_factory=set)
 
@@ -88,6 +89,7 @@ FEATURES: list[Case] = [
     Case("GQA (Hq=4, Hkv=2)", "shapes", _with(hkv=2)),
     Case("Dv != Dqk", "shapes", _with(dv=16)),
     Case("varlen (cu_seqlens)", "shapes", _with(), call="varlen"),
+    Case("paged KV (block tables)", "shapes", _with(), call="paged", skip_on={"meta"}),
     Case("float64", "dtypes", _with(dtype=torch.float64)),
     Case("float32", "dtypes", _with(dtype=torch.float32)),
     Case("bfloat16", "dtypes", _with(dtype=torch.bfloat16)),
@@ -110,11 +112,36 @@ def _request(case: Case, device: str, seed: int = 0) -> dict:
     return kw
 
 
+#: The paged case's pool: blocks of _BLOCK slots, the request's 12 keys in blocks 2, 0, 1 of a 4-block pool.
+_BLOCK, _TABLE = 4, torch.tensor([[2, 0, 1]])
+
+
+def _paged(kw: dict) -> dict:
+    """The request with its keys and values moved into a shuffled block pool, read through ``qkv.PagedKV`` (every
+    query at its own position over the keys at positions 0..11, causal)."""
+    kw = dict(kw)
+    k, v = kw.pop("k"), kw.pop("v")
+    n = k.shape[2]
+    pools = []
+    for t in (k, v):
+        pool = t.new_zeros(4, t.shape[1], _BLOCK, t.shape[3])  # (P, Hkv, T, D)
+        for j in range(n):
+            pool[_TABLE[0, j // _BLOCK], :, j % _BLOCK] = t[0, :, j]
+        pools.append(pool)
+    pos = torch.arange(n)[None]
+    kw["k"], kw["v"] = pools
+    kw["paged"] = qkv.PagedKV(_TABLE, pos, pos[:, -kw["q"].shape[2]:], None)
+    return kw
+
+
 def _explain_kwargs(case: Case, kw: dict) -> dict:
-    """The ``qkv.attention`` keywords of the request (varlen: the dense form of the packed call)."""
+    """The ``qkv.attention`` keywords of the request (varlen: the dense form of the packed call; paged: the block
+    pool and its tables)."""
     kw = dict(kw)
     if case.call == "varlen":
         kw["mask"] = qkv.varlen.varlen_mask(_CU, _CU)
+    if case.call == "paged":
+        kw = _paged(kw)
     return kw
 
 
@@ -155,8 +182,21 @@ def _run(case: Case, kw: dict, backend: str):
         pack = (lambda t: t[0].transpose(0, 1))  # (1, H, N, D) -> (N, H, D): two sequences of 5 and 7
         out = qkv.varlen_attention(pack(q), pack(k), pack(v), _CU, _CU, backend=backend, **kw)
         return out.transpose(0, 1).unsqueeze(0), None
+    if case.call == "paged":
+        kw = _paged({"q": q, "k": k, "v": v, **kw})
+        q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
     res = qkv.attention(q, k, v, backend=backend, **kw)
     return (res.out, res.lse) if kw.get("return_lse") else (res, None)
+
+
+def _oracle(case: Case, kw: dict):
+    """The float64 reference of the request: the reference backend on the same call, or for a paged request on the
+    dense keys and values under the causal positions mask its block tables stand for."""
+    if case.call != "paged":
+        return _run(case, kw, "reference")
+    pos = torch.arange(kw["k"].shape[2])[None]
+    mask = masks.positions(pos[:, -kw["q"].shape[2]:], pos, causal=True)
+    return qkv.attention(kw["q"], kw["k"], kw["v"], mask=mask, backend="reference"), None
 
 
 def _as64(kw: dict) -> dict:
@@ -223,7 +263,7 @@ def _check_cell(case: Case, backend: str, reason: str | None, device: str, count
         counts["accepted and agreeing with the float64 reference"] += 1
         return None
     ref_kw = _as64(_request(case, device))  # fresh: the call above advanced the dropout generator
-    ref, ref_lse = _run(case, ref_kw, "reference")
+    ref, ref_lse = _oracle(case, ref_kw)
     tol = _tolerance(kw["q"].dtype) * max(1.0, float(ref.detach().abs().max()))
     err = float((out.detach().double() - ref.detach()).abs().max()) if out.numel() else 0.0
     bad = [f"out error {err:.3g} > {tol:.3g}"] if not err <= tol else []
