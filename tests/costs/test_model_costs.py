@@ -400,6 +400,20 @@ def test_get_config_carries_a_new_width_and_head_count_into_mla(name):
     assert cfg.replace(hidden_size=128).latent.hidden_size == 128
 
 
+def test_hf_experts_without_their_width_are_not_counted_as_a_dense_model():
+    """A HF config naming routed experts but not their width describes attention only: the whole-model counts
+    refuse it rather than count a dense feed-forward; its cache is still counted."""
+    cfg = {"model_type": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
+           "vocab_size": 100, "intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    p = preset_from_hf_config(cfg)
+    assert p.config.attention_only and p.config.moe is None and not p.whole_model
+    with pytest.raises(ValueError, match="describes attention only"):
+        num_parameters(p)
+    assert kv_cache_memory(p, context=16).total_bytes == 2 * 16 * 2 * 4 * 16 * 2
+    dense = preset_from_hf_config({k: v for k, v in cfg.items() if not k.endswith(("_experts", "_per_tok"))})
+    assert dense.whole_model and num_parameters(dense).total > 0
+
+
 def test_get_config_takes_the_presets_context_length():
     from qkv.costs import get_preset
     from qkv.nn import get_config

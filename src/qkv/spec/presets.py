@@ -77,9 +77,9 @@ class ModelPreset:
                             "one, or read a HF config.json with preset_from_hf_config")
         if not c.name:
             raise ValueError("ModelPreset: config.name must name the preset (a lowercase-hyphen slug), got ''")
-        for field, value in (("encoder_layers", self.encoder_layers),):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{c.name}: {field} must be an int >= 0, got {value!r}")
+        enc = self.encoder_layers
+        if not isinstance(enc, int) or isinstance(enc, bool) or enc < 0:
+            raise ValueError(f"{c.name}: encoder_layers must be an int >= 0, got {enc!r}")
         dv = self.v_head_dim
         if dv is not None and (not isinstance(dv, int) or isinstance(dv, bool) or dv <= 0 or c.latent is not None):
             raise ValueError(f"{c.name}: v_head_dim is the value width of non-MLA heads, a positive int (MLA's is "
@@ -693,7 +693,7 @@ def _hf_decoder_config(*, name: str, hidden_size: int, num_attention_heads: int,
                               swiglu_limit=7.0 if kw["mlp_bias"] else None,
                               shared_expert_intermediate_size=shared_expert_intermediate_size,
                               shared_expert_gate=shared_expert_gate)
-    elif n_routed_experts is not None:  # experts of an unstated width: no whole-model count, no silent dense one
+    elif n_routed_experts is not None:  # experts of an unstated width: attention only, never counted as dense
         kw["intermediate_size"] = None
     return DecoderConfig(**kw)
 
