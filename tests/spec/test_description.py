@@ -307,3 +307,47 @@ def test_a_preset_states_one_description():
     assert PRESETS["transformer-base"].description.num_hidden_layers == 6  # the decoder stack
     with pytest.raises(ValueError, match=r"value heads of 128 beside key heads of 192 without MLA"):
         _ = PRESETS["deepseek-v2"].mha_equivalent().description
+
+
+def test_a_preset_holds_a_config_and_only_what_a_config_cannot():
+    """ModelPreset restates nothing of its DecoderConfig: beside ``config`` only its source, notes and the three
+    facts a DecoderConfig cannot hold; every published preset is written as a DecoderConfig named after it."""
+    import dataclasses
+
+    from qkv.spec import PRESETS, DecoderConfig, ModelPreset
+
+    fields = {f.name for f in dataclasses.fields(ModelPreset)}
+    assert fields == {"config", "source", "notes", "encoder_layers", "context_stated", "v_head_dim"}
+    assert not (fields - {"config"}) & {f.name for f in dataclasses.fields(DecoderConfig)}
+    for name, p in PRESETS.items():
+        assert isinstance(p.config, DecoderConfig) and p.config.name == p.name == name
+        assert p.v_head_dim is None  # published presets state their widths in the config
+    assert [n for n, p in PRESETS.items() if not p.context_stated] == ["transformer-base", "llama-70b-mha"]
+    assert [n for n, p in PRESETS.items() if p.encoder_layers] == ["transformer-base"]
+
+
+def test_mha_equivalent_of_mla_keeps_its_narrower_values():
+    """An MLA model's MHA-equivalent caches a 192-wide key and a 128-wide value per query head: a cache shape no
+    DecoderConfig builds, held by the preset's ``v_head_dim``; describing it as a model is refused."""
+    from qkv.costs import kv_cache_memory
+    from qkv.spec import PRESETS
+
+    mha = PRESETS["deepseek-v2"].mha_equivalent()
+    assert mha.config.latent is None and mha.config.indexer is None and mha.attention_kind == "mha"
+    assert (mha.config.num_key_value_heads, mha.key_head_dim, mha.value_head_dim, mha.v_head_dim) == (128, 192, 128,
+                                                                                                     128)
+    assert kv_cache_memory(mha, context=1).bytes_per_token == 60 * 128 * (192 + 128) * 2
+    with pytest.raises(ValueError, match="value heads of 128 beside key heads of 192 without MLA"):
+        _ = mha.description
+
+
+def test_hf_value_heads_narrower_without_mla_are_counted():
+    from qkv.costs import kv_cache_memory
+    from qkv.spec import preset_from_hf_config
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "v_head_dim": 32}
+    p = preset_from_hf_config(cfg)
+    assert (p.key_head_dim, p.value_head_dim, p.v_head_dim) == (64, 32, 32)
+    assert kv_cache_memory(p, context=1).bytes_per_token == 2 * 4 * (64 + 32) * 2
+    same = preset_from_hf_config({**cfg, "v_head_dim": 64})
+    assert same.v_head_dim is None and same.description is same.config
