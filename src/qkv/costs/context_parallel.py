@@ -321,7 +321,7 @@ def _all_to_all(p: ModelPreset, local_tokens: float, ranks: int, e: float) -> fl
 
 def _parameters(p: ModelPreset) -> tuple[float, float]:
     """(total, active) parameters: the model card's where :data:`PARAMETERS` has them, else counted from the
-    preset's whole-model fields (:func:`qkv.costs.num_parameters`, e.g. a preset read from a config.json)."""
+    preset's whole-model config (:func:`qkv.costs.num_parameters`, e.g. a preset read from a config.json)."""
     if p.name in PARAMETERS:
         return PARAMETERS[p.name]
     from .params import num_parameters

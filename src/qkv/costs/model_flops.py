@@ -74,7 +74,7 @@ class FlopBreakdown(NamedTuple):
 
 
 def _check(preset, what: str) -> ModelPreset:
-    """The preset (a name, HF config path or dict resolved), checked for whole-model fields and decoder-only."""
+    """The preset (a name, HF config path or dict resolved), checked to be a whole model and decoder-only."""
     preset = resolve_preset(preset, what)
     require_whole_model(preset, what)
     if preset.encoder_layers:

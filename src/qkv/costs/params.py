@@ -169,9 +169,9 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
     """Parameter count of the whole model ``preset`` describes (see the module docstring for the layout).
 
     Args:
-        preset: a :class:`qkv.costs.ModelPreset` with the whole-model fields (``vocab_size``,
-            ``intermediate_size``, ...), e.g. ``PRESETS["llama-2-70b"]``; or a preset name
-            (``"llama-2-70b"``), a HF ``config.json`` path or a parsed HF config dict.
+        preset: a :class:`qkv.costs.ModelPreset` of a whole model (its ``config`` states ``vocab_size`` and
+            ``intermediate_size``), e.g. ``PRESETS["llama-2-70b"]``; or a :class:`qkv.spec.DecoderConfig`, a preset
+            name (``"llama-2-70b"``), a HF ``config.json`` path or a parsed HF config dict.
 
     Returns:
         A :class:`ParamCount`.
