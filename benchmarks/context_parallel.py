@@ -234,12 +234,14 @@ def _calibrated_device(cal: dict, link: tuple[float, float]):
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     from qkv.costs.context_parallel import layer_time
+    from qkv.spec import DecoderConfig
     from qkv.spec.presets import ModelPreset
 
     n = N_QUICK if args.quick else N_PUBLISHED
     repeat = args.repeat or (2 if args.quick else 5)
-    shape = ModelPreset(name="bench", num_hidden_layers=1, num_attention_heads=HQ, num_key_value_heads=HKV,
-                        head_dim=D, hidden_size=HQ * D)
+    shape = ModelPreset(config=DecoderConfig(name="bench", num_hidden_layers=1, num_attention_heads=HQ,
+                                             num_key_value_heads=HKV, head_dim=D, hidden_size=HQ * D,
+                                             vocab_size=None, intermediate_size=None))
     suite = Suite("context_parallel", "causal attention over gloo ranks (fwd+bwd, float32): balance, bytes, time",
                   N=n, B=B, Hq=HQ, Hkv=HKV, D=D, dtype="float32", transport="gloo (127.0.0.1)",
                   predicted_over_measured_band=list(BAND), cpu_cores=len(os.sched_getaffinity(0)))

@@ -178,7 +178,7 @@ def test_compare_plot_axis_ends_at_the_longest_context(tmp_path, models, context
     assert f"context {context:,} tokens" in labels and all(p.name in labels for p in presets), labels
     for p in presets:
         (line,) = [ln for ln in ax.get_lines() if ln.get_label() == p.name]
-        last = max(p.max_position_embeddings or end, context)
+        last = max(p.context_limit or end, context)
         assert line.get_xdata()[-1] == min(last, end), f"{p.name}'s curve ends at {line.get_xdata()[-1]}"
 
 
@@ -223,10 +223,12 @@ def test_context_within_max_position_embeddings_does_not_warn(args):
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "8k"], ids=repr)
 def test_preset_refuses_a_bad_max_position_embeddings(bad):
     from qkv.costs import ModelPreset
+    from qkv.spec import DecoderConfig
 
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        ModelPreset(name="t", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    hidden_size=32, max_position_embeddings=bad)
+    with pytest.raises(ValueError, match="max_position_embeddings must be a positive int"):
+        ModelPreset(config=DecoderConfig(name="t", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, hidden_size=32, vocab_size=None, intermediate_size=None,
+                                         max_position_embeddings=bad))
 
 
 def test_hf_config_max_position_embeddings_is_read_from_text_config(tmp_path):
@@ -237,7 +239,7 @@ def test_hf_config_max_position_embeddings_is_read_from_text_config(tmp_path):
     path.write_text(json.dumps({"model_type": "gemma3", "text_config": {
         "model_type": "gemma3_text", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 131072}}))
-    assert get_preset(str(path)).max_position_embeddings == 131072
+    assert get_preset(str(path)).context_limit == 131072
 
 
 def test_docstring_examples_run():

@@ -31,7 +31,9 @@ from qkv.costs import (
 from qkv.costs import flops as flops_mod
 from qkv.costs import memory as memory_mod
 from qkv.costs import units as units_mod
+from qkv.spec import DecoderConfig
 from qkv.spec import presets as presets_mod
+from qkv.spec.latent import LatentConfig
 
 K128 = 131_072
 
@@ -259,8 +261,8 @@ def test_format_flops():
 def test_presets_are_consistent(name):
     p = PRESETS[name]
     assert p.name == name == name.lower() and " " not in name
-    assert p.source and len(p.layer_types) == p.num_hidden_layers
-    assert p.num_attention_heads % p.num_key_value_heads == 0
+    assert p.source and len(p.config.layer_types) == p.config.num_hidden_layers
+    assert p.config.num_attention_heads % p.config.num_key_value_heads == 0
 
 
 @pytest.mark.parametrize(
@@ -273,14 +275,15 @@ def test_presets_are_consistent(name):
 )
 def test_preset_shapes(name, kind, layers, heads, kv_heads, head_dim):
     p = PRESETS[name]
-    got = (p.attention_kind, p.num_hidden_layers, p.num_attention_heads, p.num_key_value_heads, p.head_dim)
+    c = p.config
+    got = (p.attention_kind, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, p.key_head_dim)
     assert got == (kind, layers, heads, kv_heads, head_dim)
 
 
 def test_layer_patterns():
     assert PRESETS["gemma-2-27b"].layer_counts == {"global": 23, "local": 23}
-    assert PRESETS["gemma-2-27b"].layer_types[:2] == ("sliding_attention", "full_attention")
-    g3 = PRESETS["gemma-3-27b"].layer_types
+    assert PRESETS["gemma-2-27b"].config.layer_types[:2] == ("sliding_attention", "full_attention")
+    g3 = PRESETS["gemma-3-27b"].config.layer_types
     assert [i for i, t in enumerate(g3) if t == "full_attention"] == list(range(5, 62, 6))
     assert PRESETS["mistral-7b-v0.1"].layer_counts == {"local": 32}
     assert PRESETS["llama-3-8b"].layer_counts == {"global": 32}
@@ -301,14 +304,36 @@ def test_unknown_preset_lists_names_and_suggests():
 @pytest.mark.parametrize(
     "bad, match",
     [(dict(num_key_value_heads=3), "multiple"), (dict(layer_types=("full_attention",)), "layer_types"),
-     (dict(layer_types=("sliding_attention",) * 2), "sliding_window"), (dict(kv_lora_rank=512), "MLA"),
+     (dict(layer_types=("sliding_attention",) * 2), "sliding_window"),
+     (dict(latent=LatentConfig(hidden_size=32, num_attention_heads=4, kv_lora_rank=16), sliding_window=4,
+           layer_types=("sliding_attention",) * 2), "MLA"),
      (dict(head_dim=0), "head_dim")],
 )
 def test_preset_validation(bad, match):
+    """A preset's shape is its DecoderConfig's: what that refuses, no preset holds."""
     base = dict(name="t", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                hidden_size=32)
+                hidden_size=32, vocab_size=None, intermediate_size=None)
     with pytest.raises(ValueError, match=match):
-        ModelPreset(**(base | bad))
+        ModelPreset(config=DecoderConfig(**(base | bad)))
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [(dict(config={"name": "t"}), TypeError, "config must be a qkv.spec.DecoderConfig, got dict"),
+     (dict(encoder_layers=-1), ValueError, "encoder_layers must be an int >= 0, got -1"),
+     (dict(v_head_dim=0), ValueError, "v_head_dim.*positive int"),
+     (dict(context_stated="yes"), TypeError, "context_stated must be a bool"),
+     (dict(config=DecoderConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=None,
+                                intermediate_size=None)), ValueError, "config.name must name the preset")],
+)
+def test_preset_refuses_what_is_not_a_preset(kw, error, match):
+    config = DecoderConfig(name="t", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=None,
+                           intermediate_size=None)
+    with pytest.raises(error, match=match):
+        ModelPreset(**({"config": config} | kw))
+    mla = config.replace(latent=LatentConfig(hidden_size=32, num_attention_heads=4, kv_lora_rank=16))
+    with pytest.raises(ValueError, match="MLA's is config.latent.v_head_dim"):
+        ModelPreset(config=mla, v_head_dim=8)
 
 
 def _write(tmp_path: Path, cfg: dict, folder: str = "my-model") -> Path:
@@ -322,7 +347,7 @@ def test_hf_config_llama_defaults(tmp_path):
     path = _write(tmp_path, {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8,
                              "hidden_size": 512})
     p = preset_from_hf_config(path)
-    assert (p.name, p.attention_kind, p.num_key_value_heads, p.head_dim) == ("my-model", "mha", 8, 64)
+    assert (p.name, p.attention_kind, p.config.num_key_value_heads, p.key_head_dim) == ("my-model", "mha", 8, 64)
     assert p.layer_counts == {"global": 4}
     assert str(path) in p.source
     assert preset_from_hf_config(path.parent) == p  # a folder holding config.json
@@ -343,7 +368,7 @@ def test_hf_config_gemma3_text_config_default_pattern(tmp_path):
         "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024}}
     p = preset_from_hf_config(_write(tmp_path, cfg), name="gemma-3-27b")
     ref = PRESETS["gemma-3-27b"]
-    assert (p.layer_types, p.sliding_window, p.head_dim) == (ref.layer_types, 1024, 128)
+    assert (p.config.layer_types, p.config.sliding_window, p.key_head_dim) == (ref.config.layer_types, 1024, 128)
     assert kv_cache_memory(p, context=K128).total_bytes == kv_cache_memory(ref, context=K128).total_bytes
 
 
@@ -352,7 +377,7 @@ def test_hf_config_pattern_and_layer_types():
     every_third = preset_from_hf_config(base | {"sliding_window_pattern": 3})
     assert every_third.layer_counts == {"global": 2, "local": 4}
     gemma2 = preset_from_hf_config(base | {"model_type": "gemma2"})
-    assert gemma2.layer_types == ("sliding_attention", "full_attention") * 3
+    assert gemma2.config.layer_types == ("sliding_attention", "full_attention") * 3
     types = ["full_attention"] * 5 + ["sliding_attention"]
     assert preset_from_hf_config(base | {"layer_types": types}).layer_counts == {"global": 5, "local": 1}
     with pytest.raises(ValueError, match="chunked_attention"):
@@ -364,7 +389,7 @@ def test_hf_config_deepseek_mla():
            "num_key_value_heads": 128, "hidden_size": 5120, "kv_lora_rank": 512, "q_lora_rank": 1536,
            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
     p = preset_from_hf_config(cfg)
-    assert (p.attention_kind, p.head_dim, p.value_head_dim) == ("mla", 192, 128)
+    assert (p.attention_kind, p.key_head_dim, p.value_head_dim) == ("mla", 192, 128)
     assert kv_cache_memory(p, context=10).bytes_per_token == 60 * 576 * 2
 
 

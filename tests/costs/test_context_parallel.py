@@ -34,7 +34,7 @@ def test_single_device_has_no_communication():
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ring_bytes_follow_the_formula(world):
     n = 65536
-    chunk = n / world * LLAMA.num_key_value_heads * (128 + 128) * 2  # K and V, bf16
+    chunk = n / world * LLAMA.config.num_key_value_heads * (128 + 128) * 2  # K and V, bf16
     fwd = layer_time(LLAMA, context=n, world=world, scheme="ring", device=H200, training=False)
     assert fwd.bytes_sent == pytest.approx((world - 1) * chunk)
     train = layer_time(LLAMA, context=n, world=world, scheme="zigzag", device=H200)
@@ -117,7 +117,8 @@ def test_block_overhead_and_backward_multiplier_add_up():
     n, W = 8192, 4
     base = layer_time(small, context=n, world=W, scheme="allgather", device=_cpu(backward_multiplier=3.0))
     work = scheme_work("allgather", W, skips_masked_tiles=False)
-    flops = 2.0 * small.num_attention_heads * n ** 2 * (small.head_dim + small.value_head_dim) * work.fraction
+    width = small.key_head_dim + small.value_head_dim
+    flops = 2.0 * small.config.num_attention_heads * n ** 2 * width * work.fraction
     assert base.compute_s == pytest.approx(flops / 1e10 * (1 + 3.0))
     slow = layer_time(small, context=n, world=W, scheme="allgather", device=_cpu(backward_multiplier=3.0,
                                                                                 block_overhead_s=1e-3))

@@ -25,6 +25,7 @@ from qkv.costs import (
     topk_attention_flops,
     topk_pairs,
 )
+from qkv.spec.dsa import IndexerConfig
 
 
 @pytest.mark.parametrize("nq,nk,k", [(1, 1, 1), (7, 7, 3), (5, 13, 4), (13, 5, 2), (16, 16, 64), (1, 100, 10)],
@@ -124,12 +125,10 @@ def test_deepseek_v32_preset_is_transformers_config():
 
     read = preset_from_hf_config(transformers.DeepseekV32Config().to_dict(), name="deepseek-v3.2")
     ours = PRESETS["deepseek-v3.2"]
-    fields = ("num_hidden_layers", "num_attention_heads", "head_dim", "hidden_size", "kv_lora_rank",
-              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "vocab_size", "intermediate_size", "q_lora_rank",
-              "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
-              "first_k_dense_replace", "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk",
-              "layer_types", "tie_word_embeddings")
-    assert {f: getattr(ours, f) for f in fields} == {f: getattr(read, f) for f in fields}
+    fields = ("num_hidden_layers", "num_attention_heads", "hidden_size", "latent", "vocab_size", "intermediate_size",
+              "moe", "max_position_embeddings", "indexer", "layer_types", "tie_word_embeddings")
+    assert {f: getattr(ours.config, f) for f in fields} == {f: getattr(read.config, f) for f in fields}
+    assert ours.config == read.config and ours.key_head_dim == read.key_head_dim == 192
 
 
 def test_cache_bytes_count_the_indexer_key():
@@ -141,10 +140,11 @@ def test_cache_bytes_count_the_indexer_key():
     assert m.bytes_per_token == 61 * (512 + 64 + 128) * 2 and m.total_bytes == 1000 * m.bytes_per_token
     assert resolve_specs("deepseek-v3.2")[0] == [IndexedLatentSpec(512, 64, 128)] * 61
     assert plan_memory("deepseek-v3.2", context=1000).needed_bytes == m.total_bytes
-    with pytest.raises(ValueError, match="lightning indexer needs MLA"):
-        dataclasses.replace(PRESETS["llama-3-8b"], index_n_heads=4, index_head_dim=8, index_topk=2)
-    with pytest.raises(ValueError, match="lightning indexer"):
-        dataclasses.replace(p, index_topk=None)
+    llama = PRESETS["llama-3-8b"].config
+    with pytest.raises(ValueError, match=r"indexer \(DeepSeek Sparse Attention\) needs latent"):
+        llama.replace(indexer=IndexerConfig(index_n_heads=4, index_head_dim=8, index_topk=2))
+    with pytest.raises(ValueError, match="IndexerConfig: index_topk must be a positive int, got None"):
+        dataclasses.replace(p.config.indexer, index_topk=None)
 
 
 def test_deepseek_v32_is_deepseek_v3_plus_its_indexers():

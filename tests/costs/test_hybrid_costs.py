@@ -17,7 +17,7 @@ from qkv.costs import PRESETS, kv_cache_memory, model_attention_flops, num_param
 from qkv.costs.flops import recurrent_flops
 from qkv.costs.memory import recurrent_state_bytes
 from qkv.nn import DecoderLM, get_config
-from qkv.spec import ModelPreset, preset_from_hf_config
+from qkv.spec import DecoderConfig, ModelPreset, preset_from_hf_config
 
 HYBRIDS = ["qwen3-next-80b-a3b", "qwen3.5-9b"]
 runner = CliRunner()
@@ -35,13 +35,13 @@ def test_presets_are_the_transformers_defaults_they_cite(name, cls):
     assert f"transformers 5.25 {cls} defaults" in preset.source
     from_hf = preset_from_hf_config(getattr(transformers, cls)().to_dict(), name=name)
     for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-                  "layer_types", "linear_attention", "vocab_size", "n_routed_experts", "num_experts_per_tok",
-                  "moe_intermediate_size", "n_shared_experts", "shared_expert_intermediate_size",
-                  "max_position_embeddings", "tie_word_embeddings", "attn_output_gate", "qk_norm"):
-        assert getattr(from_hf, field) == getattr(preset, field), field
+                  "layer_types", "linear_attention", "vocab_size", "moe", "max_position_embeddings",
+                  "tie_word_embeddings", "attn_output_gate", "qk_norm"):
+        assert getattr(from_hf.config, field) == getattr(preset.config, field), field
+    assert from_hf.config == preset.config and from_hf.context_limit == preset.context_limit
     assert num_parameters(from_hf).total == num_parameters(preset).total
-    assert preset.layer_counts == {"global": preset.num_hidden_layers // 4,
-                                   "recurrent": preset.num_hidden_layers * 3 // 4}
+    n = preset.config.num_hidden_layers
+    assert preset.layer_counts == {"global": n // 4, "recurrent": n * 3 // 4}
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -67,8 +67,8 @@ def test_recurrent_state_does_not_grow_with_context_and_matches_the_cache(name):
     state = recurrent_state_bytes(p, dtype="bf16")
     assert short.by_layer_type["recurrent"] == long.by_layer_type["recurrent"] == n_rec * 2 * state
     assert long.by_layer_type["global"] == 64 * short.by_layer_type["global"]
-    assert state == RecurrentSpec(*p.linear_attention.recurrent_shape()).fixed_bytes(torch.bfloat16)
-    assert short.bytes_per_token == p.layer_counts["global"] * 2 * p.num_key_value_heads * p.head_dim * 2
+    assert state == RecurrentSpec(*p.config.linear_attention.recurrent_shape()).fixed_bytes(torch.bfloat16)
+    assert short.bytes_per_token == p.layer_counts["global"] * 2 * p.config.num_key_value_heads * p.config.head_dim * 2
     for source in (name, p, p.config):  # the preset's plan, whatever describes it
         plans = [plan_memory(source, batch=2, context=n, dtype="bf16") for n in (4096, 262144)]
         assert plans[0].held_by_kind["recurrent"] == plans[1].held_by_kind["recurrent"] == n_rec * 2 * state
@@ -78,7 +78,7 @@ def test_recurrent_state_does_not_grow_with_context_and_matches_the_cache(name):
 def test_plan_of_a_built_hybrid_equals_its_cache():
     cfg = get_config("qwen3-next-80b-a3b", num_hidden_layers=4, hidden_size=64, intermediate_size=64, vocab_size=100,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     linear_attention=PRESETS["qwen3.5-9b"].linear_attention.__class__(
+                     linear_attention=PRESETS["qwen3.5-9b"].config.linear_attention.__class__(
                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                          linear_value_head_dim=8),
                      moe=None)
@@ -97,8 +97,9 @@ def test_recurrent_layers_count_their_own_flops():
     f4, f8 = (model_attention_flops(p, context=n) for n in (4096, 8192))
     rec = p.layer_counts["recurrent"]
     assert recurrent_flops(p, 1) == 6 * 32 * 128 * 128
-    attn_only = ModelPreset(name="attn", num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2,
-                            head_dim=256, hidden_size=2048)
+    attn_only = ModelPreset(config=DecoderConfig(name="attn", num_hidden_layers=12, num_attention_heads=16,
+                                                 num_key_value_heads=2, head_dim=256, hidden_size=2048,
+                                                 vocab_size=None, intermediate_size=None))
     a4, a8 = (model_attention_flops(attn_only, context=n) for n in (4096, 8192))
     assert f4.decode - a4.decode == f8.decode - a8.decode == rec * recurrent_flops(p, 1)  # flat in the context
     assert f4.prefill - a4.prefill == rec * recurrent_flops(p, 4096)
@@ -109,9 +110,10 @@ def test_recurrent_layers_count_their_own_flops():
 
 
 def test_preset_refuses_linear_layers_without_their_shape():
-    with pytest.raises(ValueError, match=r"'linear_attention' layers need linear_attention .* got 1 layers"):
-        ModelPreset(name="x", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    hidden_size=64, layer_types=("linear_attention", "full_attention"))
+    with pytest.raises(ValueError, match=r"'linear_attention' layers and linear_attention .* got 1 such layers"):
+        ModelPreset(config=DecoderConfig(name="x", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, hidden_size=64, vocab_size=None, intermediate_size=None,
+                                         layer_types=("linear_attention", "full_attention")))
 
 
 def test_cli_memory_and_compare_show_the_fixed_state():
@@ -134,11 +136,11 @@ def test_cli_memory_and_compare_show_the_fixed_state():
 def test_multimodal_qwen3_5_configs_are_read_from_their_text_config():
     transformers = pytest.importorskip("transformers")
     dense = preset_from_hf_config(transformers.Qwen3_5Config().to_dict())
-    assert dense.layer_types == PRESETS["qwen3.5-9b"].layer_types
-    assert dense.linear_attention == PRESETS["qwen3.5-9b"].linear_attention
+    assert dense.config.layer_types == PRESETS["qwen3.5-9b"].config.layer_types
+    assert dense.config.linear_attention == PRESETS["qwen3.5-9b"].config.linear_attention
     assert num_parameters(dense).total == num_parameters(PRESETS["qwen3.5-9b"]).total
     moe = preset_from_hf_config(transformers.Qwen3_5MoeConfig().to_dict())
-    assert moe.layer_counts == {"global": 10, "recurrent": 30} and moe.shared_expert_gate
+    assert moe.layer_counts == {"global": 10, "recurrent": 30} and moe.config.moe.shared_expert_gate
     counts = num_parameters(moe)  # documented as the Qwen3.5-35B-A3B configuration
     assert 34e9 < counts.total < 36e9 and 3e9 < counts.active < 4e9
     plan = plan_memory(transformers.Qwen3_5MoeConfig().to_dict(), context=1000)

@@ -22,8 +22,8 @@ KIMI = PRESETS["kimi-linear-48b-a3b"]
 def test_recurrent_state_is_flat_and_the_latents_grow():
     short, long = (kv_cache_memory(KIMI, context=c, batch=2) for c in (4096, 1 << 20))
     state = 32 * 128 * 128 * 4 + 3 * 4096 * 3 * 2  # fp32 (Dk, Dv) per head, the bf16 convolution's last 3 inputs
-    assert recurrent_state_bytes(KIMI) == state == RecurrentSpec(*KIMI.linear_attention.recurrent_shape()).fixed_bytes(
-        torch.bfloat16)
+    shape = KIMI.config.linear_attention.recurrent_shape()
+    assert recurrent_state_bytes(KIMI) == state == RecurrentSpec(*shape).fixed_bytes(torch.bfloat16)
     assert short.by_layer_type["recurrent"] == long.by_layer_type["recurrent"] == 20 * 2 * state
     assert long.by_layer_type["global"] == 256 * short.by_layer_type["global"]
     assert short.bytes_per_token == 7 * (512 + 64) * 2  # only the 7 MLA layers cache tokens: latent + shared key part
@@ -58,7 +58,7 @@ def test_recurrent_flops_of_a_decode_step_are_flat():
 
 
 def test_bad_presets_are_refused():
-    with pytest.raises(ValueError, match="mla_use_nope describes MLA layers"):
-        dataclasses.replace(KIMI, kv_lora_rank=None, qk_rope_head_dim=None, mla_use_nope=True)
-    with pytest.raises(ValueError, match="'linear_attention' layers need linear_attention"):
-        dataclasses.replace(KIMI, linear_attention=None)
+    with pytest.raises(ValueError, match=r"needs position='none' \(its use_rope is False: NoPE\)"):
+        dataclasses.replace(KIMI, config=KIMI.config.replace(position="rope"))
+    with pytest.raises(ValueError, match="'linear_attention' layers and linear_attention .* go together"):
+        dataclasses.replace(KIMI, config=KIMI.config.replace(linear_attention=None))

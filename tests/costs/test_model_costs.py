@@ -66,16 +66,16 @@ def test_deepseek_v2_active_parameters():
 
 
 def test_transformer_base_attention_shape():
-    p = PRESETS["transformer-base"]
+    p = PRESETS["transformer-base"].config
     assert (p.hidden_size, p.num_attention_heads, p.head_dim) == (512, 8, 64)
     assert p.num_attention_heads * p.head_dim == p.hidden_size  # the heads' widths sum to d_model
 
 
 def test_texts_head_counts():
-    assert PRESETS["gpt-2-medium"].num_attention_heads == 16
-    assert PRESETS["gpt-3-175b"].num_attention_heads == 96
+    assert PRESETS["gpt-2-medium"].config.num_attention_heads == 16
+    assert PRESETS["gpt-3-175b"].config.num_attention_heads == 96
     p = PRESETS["llama-2-70b"]
-    assert p.num_attention_heads // p.num_key_value_heads == 8  # g = 8
+    assert p.config.num_attention_heads // p.config.num_key_value_heads == 8  # g = 8
     gqa = kv_cache_memory(p, context=128_000, dtype="fp16")
     assert kv_cache_memory(p.mha_equivalent(), context=128_000, dtype="fp16").total_bytes == 8 * gqa.total_bytes
 
@@ -92,7 +92,7 @@ def test_mistral_versions_differ_and_the_bare_name_asks():
     v1, v3 = PRESETS["mistral-7b-v0.1"], PRESETS["mistral-7b-v0.3"]
     at32k = [kv_cache_memory(p, context=32_768).total_bytes for p in (v1, v3)]
     assert at32k[1] == 8 * at32k[0]
-    assert v1.sliding_window == 4096 and v3.sliding_window is None
+    assert v1.config.sliding_window == 4096 and v3.config.sliding_window is None
     with pytest.raises(ValueError, match="mistral-7b-v0.1, mistral-7b-v0.2, mistral-7b-v0.3"):
         get_preset("mistral-7b")
     assert all(v in PRESETS for versions in AMBIGUOUS.values() for v in versions)
@@ -225,7 +225,7 @@ def test_crossover_is_where_attention_catches_up():
         n = crossover_context(p)
         before, at = forward_flops(p, n - 1), forward_flops(p, n)
         assert before.attention < before.rest and at.attention >= at.rest, name
-    d = PRESETS["gpt-3-175b"].hidden_size
+    d = PRESETS["gpt-3-175b"].config.hidden_size
     assert abs(crossover_context(PRESETS["gpt-3-175b"]) - 12 * d) < 0.01 * 12 * d  # 2 N^2 d = 24 N d^2
     assert crossover_context(PRESETS["mistral-7b-v0.1"]) is None  # a 4096 window never catches up
 
@@ -314,35 +314,41 @@ def test_linear_and_performer_flops_match_counted_matmuls():
 
 
 def test_presets_are_frozen_and_replaceable():
-    p = dataclasses.replace(PRESETS["llama-3-8b"], num_hidden_layers=2, layer_types=None, name="two")
+    llama = PRESETS["llama-3-8b"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        llama.notes = "changed"
+    p = dataclasses.replace(llama, config=llama.config.replace(num_hidden_layers=2, name="two"))
     assert num_parameters(p).total < num_parameters(PRESETS["llama-3-8b"]).total
 
 
-_SHRINK = dict(hidden_size=64, vocab_size=97, intermediate_size=96, head_dim=16, learned_positions=None)
+_SHRINK = dict(hidden_size=64, vocab_size=97, intermediate_size=96, head_dim=16)
 
 
 def _shrunk(name):
     p = PRESETS[name]
-    kw = dict(_SHRINK, num_hidden_layers=4 if p.sliding_window else 2, layer_types=None,
-              num_attention_heads=8, num_key_value_heads=max(1, 8 * p.num_key_value_heads // p.num_attention_heads),
-              learned_positions=64 if p.learned_positions else None)
+    c = p.config
+    kw = dict(_SHRINK, num_hidden_layers=4 if c.sliding_window else 2, layer_types=None,
+              num_attention_heads=8, num_key_value_heads=max(1, 8 * c.num_key_value_heads // c.num_attention_heads),
+              max_position_embeddings=64 if c.position == "learned" else c.max_position_embeddings)
     if "local" in p.layer_counts and "global" in p.layer_counts:
         kw.update(layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
-    elif p.sliding_window:
-        kw.update(sliding_window=8)
-    if p.kv_lora_rank is not None:
-        kw.update(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, head_dim=16, v_head_dim=12, q_lora_rank=24,
-                  num_key_value_heads=8)
-    if p.n_routed_experts is not None:
-        kw.update(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)
-        if p.shared_expert_intermediate_size:
-            kw.update(shared_expert_intermediate_size=24)
+    elif c.sliding_window:
+        kw.update(sliding_window=8, layer_types=("sliding_attention",) * 4)
+    if c.latent is not None:
+        del kw["head_dim"]
+        kw.update(num_key_value_heads=8, latent=dataclasses.replace(
+            c.latent, hidden_size=64, num_attention_heads=8, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=12, q_lora_rank=24))
+    if c.moe is not None:
+        widths = dict(shared_expert_intermediate_size=24) if c.moe.shared_expert_intermediate_size else {}
+        kw.update(moe=dataclasses.replace(c.moe, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                          **widths))
     if "recurrent" in p.layer_counts:  # hybrid: a recurrent layer and a full-attention one
         kw.update(layer_types=("linear_attention", "full_attention"), linear_attention=dataclasses.replace(
-            p.linear_attention, linear_num_key_heads=2, linear_key_head_dim=8,
-            linear_num_value_heads=2 if p.linear_attention.mixer == "kda" else 4,  # KDA: as many key as value heads
+            c.linear_attention, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_num_value_heads=2 if c.linear_attention.mixer == "kda" else 4,  # KDA: as many key as value heads
             linear_value_head_dim=8))
-    return dataclasses.replace(p, name=f"{name}-small", **kw)
+    return dataclasses.replace(p, config=c.replace(name=f"{name}-small", **kw))
 
 
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.encoder_layers])
@@ -394,11 +400,25 @@ def test_get_config_carries_a_new_width_and_head_count_into_mla(name):
     assert cfg.replace(hidden_size=128).latent.hidden_size == 128
 
 
+def test_hf_experts_without_their_width_are_not_counted_as_a_dense_model():
+    """A HF config naming routed experts but not their width describes attention only: the whole-model counts
+    refuse it rather than count a dense feed-forward; its cache is still counted."""
+    cfg = {"model_type": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
+           "vocab_size": 100, "intermediate_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    p = preset_from_hf_config(cfg)
+    assert p.config.attention_only and p.config.moe is None and not p.whole_model
+    with pytest.raises(ValueError, match="describes attention only"):
+        num_parameters(p)
+    assert kv_cache_memory(p, context=16).total_bytes == 2 * 16 * 2 * 4 * 16 * 2
+    dense = preset_from_hf_config({k: v for k, v in cfg.items() if not k.endswith(("_experts", "_per_tok"))})
+    assert dense.whole_model and num_parameters(dense).total > 0
+
+
 def test_get_config_takes_the_presets_context_length():
     from qkv.costs import get_preset
     from qkv.nn import get_config
 
     for name in ("llama-3-8b", "mistral-7b-v0.3", "gpt-2-small", "gemma-3-27b"):
         p = get_preset(name)
-        want = p.learned_positions or p.max_position_embeddings
+        want = p.context_limit
         assert get_config(name).max_position_embeddings == want, name

@@ -68,9 +68,10 @@ def test_preset_parameter_count_equals_the_hf_model(name):
     assert num_parameters(preset).total == hf_total, (name, num_parameters(preset), hf_total)
     read = preset_from_hf_config({**cfg.to_dict(), "model_type": cfg.model_type})
     assert num_parameters(read).total == hf_total
-    assert read.layer_types == preset.layer_types and read.sliding_window == preset.sliding_window
-    assert (read.num_key_value_heads, read.head_dim, read.kv_lora_rank) == (
-        preset.num_key_value_heads, preset.head_dim, preset.kv_lora_rank)
+    assert read.config.layer_types == preset.config.layer_types
+    assert read.config.sliding_window == preset.config.sliding_window
+    assert (read.config.num_key_value_heads, read.key_head_dim, read.config.latent) == (
+        preset.config.num_key_value_heads, preset.key_head_dim, preset.config.latent)
 
 
 @pytest.mark.parametrize("name, billions", [("gpt-oss-20b", 20.9), ("gpt-oss-120b", 116.8), ("qwen3-8b", 8.2),

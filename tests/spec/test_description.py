@@ -40,7 +40,7 @@ def test_imports_without_torch(module):
         layout = read_layout({{"model_type": "gemma2", "num_hidden_layers": 4, "num_attention_heads": 8,
                                "hidden_size": 64}})
         print(json.dumps({{"types": cfg.layer_types, "gemma": layout.layer_types,
-                          "kv": get_preset("llama-3-70b").num_key_value_heads,
+                          "kv": get_preset("llama-3-70b").config.num_key_value_heads,
                           "loaded": sorted(m for m in sys.modules if m.startswith(("qkv", "torch")))}}))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -175,7 +175,7 @@ def test_preset_is_a_description_and_back(name):
     assert qkv.spec.get_config(name) == cfg
     assert qkv.spec.config.decoder_config_from_preset(preset) == cfg
     back = qkv.spec.ModelPreset.from_config(cfg, source=preset.source)
-    assert back.layer_types == preset.layer_types and back.attention_kind == preset.attention_kind
+    assert back.config.layer_types == preset.config.layer_types and back.attention_kind == preset.attention_kind
     assert num_parameters(back)[1:] == num_parameters(preset)[1:]
     assert num_parameters(cfg)[1:] == num_parameters(preset)[1:]  # costs take the description itself
     assert kv_cache_memory(back, context=4096).total_bytes == kv_cache_memory(preset, context=4096).total_bytes
@@ -206,7 +206,7 @@ def test_from_config_refuses_a_field_it_does_not_count(monkeypatch):
     monkeypatch.setattr(presets, "_COUNTED_FIELDS", presets._COUNTED_FIELDS - {"qk_norm"})
     with pytest.raises(ValueError, match="qk_norm=True"):
         qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-gemma"))
-    assert qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-llama")).qk_norm is False
+    assert qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-llama")).config.qk_norm is False
 
 
 # The published Kimi-Linear-48B-A3B-Instruct config.json (moonshotai), its layout and expert fields.
@@ -278,8 +278,10 @@ def test_kimi_linear_preset_is_its_config_json():
     from qkv.costs import kv_cache_memory, num_parameters
 
     preset, read = qkv.spec.PRESETS["kimi-linear-48b-a3b"], qkv.spec.preset_from_hf_config(KIMI_LINEAR_JSON)
-    assert read.layer_types == preset.layer_types and read.linear_attention == preset.linear_attention
-    assert read.mla_use_nope and preset.mla_use_nope and read.max_position_embeddings == 1048576
+    assert read.config.layer_types == preset.config.layer_types
+    assert read.config.linear_attention == preset.config.linear_attention
+    assert not read.config.latent.use_rope and not preset.config.latent.use_rope
+    assert read.context_limit == 1048576
     assert num_parameters(read)[1:] == num_parameters(preset)[1:]
     assert kv_cache_memory(read, context=4096) == kv_cache_memory(preset, context=4096)._replace(preset=read.name)
     cfg = preset.config
@@ -299,8 +301,53 @@ def test_a_preset_states_one_description():
     attention_only = preset_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256})
     d = attention_only.description
     assert d.attention_only and (d.num_hidden_layers, d.num_key_value_heads, d.head_dim) == (2, 4, 64)
+    assert attention_only.config is d and not attention_only.whole_model
     with pytest.raises(ValueError, match="describes attention only"):
-        _ = attention_only.config  # a whole model still needs the whole-model fields
+        qkv.spec.config.decoder_config_from_preset(attention_only)  # a whole model still needs the whole-model fields
     assert PRESETS["transformer-base"].description.num_hidden_layers == 6  # the decoder stack
     with pytest.raises(ValueError, match=r"value heads of 128 beside key heads of 192 without MLA"):
         _ = PRESETS["deepseek-v2"].mha_equivalent().description
+
+
+def test_a_preset_holds_a_config_and_only_what_a_config_cannot():
+    """ModelPreset restates nothing of its DecoderConfig: beside ``config`` only its source, notes and the three
+    facts a DecoderConfig cannot hold; every published preset is written as a DecoderConfig named after it."""
+    import dataclasses
+
+    from qkv.spec import PRESETS, DecoderConfig, ModelPreset
+
+    fields = {f.name for f in dataclasses.fields(ModelPreset)}
+    assert fields == {"config", "source", "notes", "encoder_layers", "context_stated", "v_head_dim"}
+    assert not (fields - {"config"}) & {f.name for f in dataclasses.fields(DecoderConfig)}
+    for name, p in PRESETS.items():
+        assert isinstance(p.config, DecoderConfig) and p.config.name == p.name == name
+        assert p.v_head_dim is None  # published presets state their widths in the config
+    assert [n for n, p in PRESETS.items() if not p.context_stated] == ["transformer-base", "llama-70b-mha"]
+    assert [n for n, p in PRESETS.items() if p.encoder_layers] == ["transformer-base"]
+
+
+def test_mha_equivalent_of_mla_keeps_its_narrower_values():
+    """An MLA model's MHA-equivalent caches a 192-wide key and a 128-wide value per query head: a cache shape no
+    DecoderConfig builds, held by the preset's ``v_head_dim``; describing it as a model is refused."""
+    from qkv.costs import kv_cache_memory
+    from qkv.spec import PRESETS
+
+    mha = PRESETS["deepseek-v2"].mha_equivalent()
+    assert mha.config.latent is None and mha.config.indexer is None and mha.attention_kind == "mha"
+    assert (mha.config.num_key_value_heads, mha.key_head_dim, mha.value_head_dim, mha.v_head_dim) == (128, 192, 128,
+                                                                                                     128)
+    assert kv_cache_memory(mha, context=1).bytes_per_token == 60 * 128 * (192 + 128) * 2
+    with pytest.raises(ValueError, match="value heads of 128 beside key heads of 192 without MLA"):
+        _ = mha.description
+
+
+def test_hf_value_heads_narrower_without_mla_are_counted():
+    from qkv.costs import kv_cache_memory
+    from qkv.spec import preset_from_hf_config
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "v_head_dim": 32}
+    p = preset_from_hf_config(cfg)
+    assert (p.key_head_dim, p.value_head_dim, p.v_head_dim) == (64, 32, 32)
+    assert kv_cache_memory(p, context=1).bytes_per_token == 2 * 4 * (64 + 32) * 2
+    same = preset_from_hf_config({**cfg, "v_head_dim": 64})
+    assert same.v_head_dim is None and same.description is same.config

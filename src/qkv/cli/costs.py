@@ -126,7 +126,8 @@ def load_preset(name_or_path: str) -> ModelPreset:
     if not os.path.exists(name_or_path):
         return get_preset(name_or_path)
     name = _config_name(name_or_path)
-    return dataclasses.replace(get_preset(name_or_path), name=name)
+    preset = get_preset(name_or_path)
+    return dataclasses.replace(preset, config=preset.config.replace(name=name))
 
 
 def unique_names(models: Sequence[ModelPreset]) -> list[str]:
@@ -140,15 +141,16 @@ def unique_names(models: Sequence[ModelPreset]) -> list[str]:
 
 
 def _describe(p: ModelPreset) -> str:
-    if p.kv_lora_rank is not None:
-        heads = f"{p.num_attention_heads} heads, latent {p.kv_lora_rank} + rope key {p.qk_rope_head_dim}"
-        if p.index_head_dim is not None:
-            heads += f" + indexer key {p.index_head_dim} (DSA: {p.index_topk} of the cached tokens per query)"
+    c, lat, idx = p.config, p.config.latent, p.config.indexer
+    if lat is not None:
+        heads = f"{c.num_attention_heads} heads, latent {lat.kv_lora_rank} + rope key {lat.qk_rope_head_dim}"
+        if idx is not None:
+            heads += f" + indexer key {idx.index_head_dim} (DSA: {idx.index_topk} of the cached tokens per query)"
     else:
-        heads = f"{p.num_attention_heads} query heads, {p.num_key_value_heads} KV heads x {p.head_dim}"
+        heads = f"{c.num_attention_heads} query heads, {c.num_key_value_heads} KV heads x {p.key_head_dim}"
     layers = ", ".join(f"{n} {kind}" for kind, n in p.layer_counts.items())
-    window = f", window {p.sliding_window:,}" if "local" in p.layer_counts else ""
-    return f"{p.name} [{p.attention_kind.upper()}]: {p.num_hidden_layers} layers ({layers}{window}), {heads}"
+    window = f", window {c.sliding_window:,}" if "local" in p.layer_counts else ""
+    return f"{p.name} [{p.attention_kind.upper()}]: {c.num_hidden_layers} layers ({layers}{window}), {heads}"
 
 
 def context_warning(p: ModelPreset, context: int) -> str | None:
@@ -161,7 +163,7 @@ def context_warning(p: ModelPreset, context: int) -> str | None:
         >>> context_warning(PRESETS["llama-3-8b"], 8192) is None
         True
     """
-    limit = p.max_position_embeddings
+    limit = p.context_limit
     if limit is None or context <= limit:
         return None
     return (f"warning: {p.name}: context {context:,} tokens exceeds its max_position_embeddings {limit:,}; "
@@ -272,10 +274,10 @@ def flops(
         n = parse_context(context)
         _warn_context(p, n)
         f = model_attention_flops(p, context=n, batch=batch)
-        whole = p.vocab_size is not None and p.intermediate_size is not None and not p.encoder_layers
+        whole = p.whole_model
         m = model_flops(p, context=n, batch=batch) if whole else None
         cross = crossover_context(p) if whole else None
-        dsa = dsa_model_flops(p, context=n, batch=batch) if p.index_topk is not None else None
+        dsa = dsa_model_flops(p, context=n, batch=batch) if p.config.indexer is not None else None
     scores = score_elements(n)
     if as_json:
         out = {**f._asdict(), "prefill_per_token": f.prefill / f.context, "score_elements_per_head": scores}
@@ -356,7 +358,7 @@ def context_axis_end(models: Sequence[ModelPreset], context: int) -> int:
         >>> context_axis_end([PRESETS["llama-3-8b"], PRESETS["deepseek-v2"]], 4096)
         163840
     """
-    return max([context, *(p.max_position_embeddings for p in models if p.max_position_embeddings)])
+    return max([context, *(p.context_limit for p in models if p.context_limit)])
 
 
 def _context_grid(start: int, end: int) -> list[int]:
@@ -381,7 +383,7 @@ def compare_figure(models: Sequence[ModelPreset], context: int, *, batch: int = 
     grid = _context_grid(start, end)
     curves = {}
     for p in models:
-        last = max(p.max_position_embeddings or end, context)
+        last = max(p.context_limit or end, context)
         points = sorted({c for c in grid if c < last} | {context, last})
         curves[p.name] = [kv_cache_memory(p, context=c, batch=batch, dtype=dtype, group_size=group_size)
                           for c in points]
@@ -455,7 +457,7 @@ def compare(
         models = dict(zip(unique_names(loaded), loaded, strict=True))
         n = parse_context(context)
         ms = {name: kv_cache_memory(p, context=n, **kw) for name, p in models.items()}
-        models = {name: dataclasses.replace(p, name=name) for name, p in models.items()}
+        models = {name: dataclasses.replace(p, config=p.config.replace(name=name)) for name, p in models.items()}
         for p in models.values():
             _warn_context(p, n)
         if plot is not None:

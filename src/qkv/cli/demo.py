@@ -107,7 +107,8 @@ def step_kv_table(context: str = "128k") -> dict:
     for name in ("llama-70b-mha", "llama-3-70b", "gemma-3-27b", "deepseek-v2"):
         p = PRESETS[name]
         m = kv_cache_memory(p, context=n, dtype="bf16")
-        plain = dataclasses.replace(p.mha_equivalent(), sliding_window=None, layer_types=None)
+        mha = p.mha_equivalent()
+        plain = dataclasses.replace(mha, config=mha.config.replace(sliding_window=None, layer_types=None))
         mha = kv_cache_memory(plain, context=n, dtype="bf16")
         layers = p.layer_counts
         kind = p.attention_kind + (f" ({layers.get('local', 0)} local : {layers.get('global', 0)} global)"

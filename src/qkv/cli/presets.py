@@ -41,10 +41,11 @@ def presets(
     if as_json:
         rows = []
         for p in PRESETS.values():
-            rows.append({"name": p.name, "attention_kind": p.attention_kind, "layers": p.num_hidden_layers,
-                         "heads": p.num_attention_heads, "kv_heads": p.num_key_value_heads, "head_dim": p.head_dim,
-                         "hidden_size": p.hidden_size, "sliding_window": p.sliding_window,
-                         "max_position_embeddings": p.max_position_embeddings,
+            c = p.config
+            rows.append({"name": p.name, "attention_kind": p.attention_kind, "layers": c.num_hidden_layers,
+                         "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": p.key_head_dim,
+                         "hidden_size": c.hidden_size, "sliding_window": c.sliding_window,
+                         "max_position_embeddings": p.context_limit,
                          "layer_counts": p.layer_counts, "parameters": _params(p), "source": p.source,
                          "notes": p.notes})
         typer.echo(json.dumps({"presets": rows, "ambiguous": {k: list(v) for k, v in AMBIGUOUS.items()}}, indent=2))
@@ -54,11 +55,11 @@ def presets(
     if sources:
         table.add_column("source")
     for p in PRESETS.values():
-        n = _params(p)
-        row = [p.name, p.attention_kind.upper(), str(p.num_hidden_layers),
-               f"{p.num_attention_heads} ({p.num_key_value_heads})", str(p.head_dim), str(p.hidden_size),
-               f"{p.sliding_window:,}" if p.sliding_window else "-",
-               f"{p.max_position_embeddings:,}" if p.max_position_embeddings else "-", f"{n / 1e9:.2f}B" if n else "-"]
+        n, c = _params(p), p.config
+        row = [p.name, p.attention_kind.upper(), str(c.num_hidden_layers),
+               f"{c.num_attention_heads} ({c.num_key_value_heads})", str(p.key_head_dim), str(c.hidden_size),
+               f"{c.sliding_window:,}" if c.sliding_window else "-",
+               f"{p.context_limit:,}" if p.context_limit else "-", f"{n / 1e9:.2f}B" if n else "-"]
         if sources:
             row.append(p.source)
         table.add_row(*row)

@@ -208,24 +208,31 @@ def _dense_attention_only(p: ModelPreset, owner: str) -> None:
     """The arithmetic here models dense (masked) attention over the whole context: refuse a model that selects
     its keys (DeepSeek Sparse Attention), whose indexer keys also travel and whose attention reads K keys per
     query, rather than give it dense numbers."""
-    if p.index_topk is not None:
-        raise ValueError(f"{owner}: {p.name!r} attends to index_topk={p.index_topk} selected keys per query "
-                         f"(DeepSeek Sparse Attention); this context-parallel arithmetic models dense attention "
+    if p.config.indexer is not None:
+        raise ValueError(f"{owner}: {p.name!r} attends to index_topk={p.config.indexer.index_topk} selected keys per "
+                         f"query (DeepSeek Sparse Attention); this context-parallel arithmetic models dense attention "
                          f"only (its K/V payload, N^2 work), so it would misstate this model; use the dense base "
                          f"model's preset for an upper bound, or qkv.costs.dsa for the sparse layer's work")
 
 
 def _payload_per_token(p: ModelPreset, e: float) -> float:
     """Bytes of K and V (or MLA's latent) per token that travel between ranks."""
-    if p.kv_lora_rank is not None:
-        return (p.kv_lora_rank + (p.qk_rope_head_dim or 0)) * e
-    return p.num_key_value_heads * (p.head_dim + p.value_head_dim) * e
+    lat = p.config.latent
+    if lat is not None:
+        return (lat.kv_lora_rank + lat.qk_rope_head_dim) * e
+    return _kv_heads(p) * (p.key_head_dim + p.value_head_dim) * e
+
+
+def _kv_heads(p: ModelPreset) -> int:
+    """Key/value heads: one per query head for MLA (its latent expands to every head)."""
+    c = p.config
+    return c.num_attention_heads if c.latent is not None else c.num_key_value_heads
 
 
 def ulysses_degree(p: ModelPreset, world: int) -> int:
     """Ulysses ranks of ``usp``: the largest power of two <= min(8, Hkv) that divides ``world``."""
     u = 1
-    while u * 2 <= min(8, p.num_key_value_heads) and world % (u * 2) == 0:
+    while u * 2 <= min(8, _kv_heads(p)) and world % (u * 2) == 0:
         u *= 2
     return u
 
@@ -249,9 +256,10 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
     e, bw, lat, W = bytes_per_element, device.link_bytes_per_s, device.latency_s, world
     U = (ulysses_degree(p, W) if ulysses is None else ulysses) if scheme == "usp" else 1
     work = scheme_work(scheme, W, causal=causal, skips_masked_tiles=device.skips_masked_tiles, ulysses=U)
-    flops_all = 2.0 * batch * p.num_attention_heads * context ** 2 * (p.head_dim + p.value_head_dim)
+    Hq, width = p.config.num_attention_heads, p.key_head_dim + p.value_head_dim
+    flops_all = 2.0 * batch * Hq * context ** 2 * width
     # A block is bound by its FLOPs or by reading its Q, K, V and writing its output from HBM.
-    hbm = batch * (context / W) * (p.num_attention_heads + p.num_key_value_heads) * (p.head_dim + p.value_head_dim) * e
+    hbm = batch * (context / W) * (Hq + _kv_heads(p)) * width * e
     hbm_s = hbm / device.hbm_bytes_per_s
     core = max(flops_all * work.fraction / device.attention_flops_per_s, hbm_s)
     core_mean = max(flops_all * work.mean_fraction / device.attention_flops_per_s, hbm_s)
@@ -264,7 +272,7 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
     local = batch * (context / W)
     if scheme in ("ring", "zigzag", "stripe", "usp"):
         R = W // U
-        if p.kv_lora_rank is not None:
+        if p.config.latent is not None:
             chunk *= U  # MLA's latent is shared by the heads: Ulysses cannot split it
         t_c = chunk / bw + lat  # usp: each rank passes 1/U of the heads of a U-times longer chunk
         steps = R
@@ -307,14 +315,13 @@ def layer_time(p: ModelPreset, *, context: int, world: int, scheme: str, device:
 
 def _all_to_all(p: ModelPreset, local_tokens: float, ranks: int, e: float) -> float:
     """Bytes one rank sends in the four all-to-alls of Ulysses (Q, K, V, out) over ``ranks`` ranks."""
-    per_token = (p.num_attention_heads * (p.head_dim + p.value_head_dim)
-                 + p.num_key_value_heads * (p.head_dim + p.value_head_dim)) * e
+    per_token = (p.config.num_attention_heads + _kv_heads(p)) * (p.key_head_dim + p.value_head_dim) * e
     return local_tokens * per_token * (ranks - 1) / ranks
 
 
 def _parameters(p: ModelPreset) -> tuple[float, float]:
     """(total, active) parameters: the model card's where :data:`PARAMETERS` has them, else counted from the
-    preset's whole-model fields (:func:`qkv.costs.num_parameters`, e.g. a preset read from a config.json)."""
+    preset's whole-model config (:func:`qkv.costs.num_parameters`, e.g. a preset read from a config.json)."""
     if p.name in PARAMETERS:
         return PARAMETERS[p.name]
     from .params import num_parameters
@@ -331,7 +338,8 @@ def _memory_terms(p: ModelPreset, world: int) -> tuple[float, float]:
     """(fixed bytes per device, bytes per local token) for training, see the module docstring."""
     total, _ = _parameters(p)
     fixed = 16.0 * total / world
-    per_token = p.num_hidden_layers * p.hidden_size * 2 + 34 * p.hidden_size + 2 * _payload_per_token(p, 2.0)
+    c = p.config
+    per_token = c.num_hidden_layers * c.hidden_size * 2 + 34 * c.hidden_size + 2 * _payload_per_token(p, 2.0)
     return fixed, per_token
 
 
@@ -367,7 +375,7 @@ def plan(p: ModelPreset, *, device: Device = H200, scheme: str = "zigzag", max_w
         else:
             lt = layer_time(p, context=n, world=w, scheme=scheme, device=device)
             _, active = _parameters(p)
-            step = p.num_hidden_layers * lt.total_s + 6 * active * n / w / device.matmul_flops_per_s
+            step = p.config.num_hidden_layers * lt.total_s + 6 * active * n / w / device.matmul_flops_per_s
             rows.append(PlanRow(w, n, lt, step))
         w *= 2
     return rows

@@ -142,13 +142,15 @@ class DSAModelFlops(NamedTuple):
 
 
 def _layer_shape(preset) -> dict[str, int]:
-    p = preset
-    if p.index_topk is None or p.kv_lora_rank is None or p.q_lora_rank is None:
-        raise ValueError(f"dsa_model_flops: preset {p.name!r} has no lightning indexer (index_n_heads, index_head_dim, "
-                         "index_topk with MLA and a q_lora_rank); DeepSeek Sparse Attention presets: deepseek-v3.2")
-    return dict(hidden_size=p.hidden_size, num_heads=p.num_attention_heads, kv_lora_rank=p.kv_lora_rank,
-                qk_rope_head_dim=p.qk_rope_head_dim, q_lora_rank=p.q_lora_rank, index_n_heads=p.index_n_heads,
-                index_head_dim=p.index_head_dim, index_topk=p.index_topk)
+    c = preset.config
+    lat, idx = c.latent, c.indexer
+    if idx is None or lat is None or lat.q_lora_rank is None:
+        raise ValueError(f"dsa_model_flops: preset {preset.name!r} has no lightning indexer (index_n_heads, "
+                         "index_head_dim, index_topk with MLA and a q_lora_rank); DeepSeek Sparse Attention presets: "
+                         "deepseek-v3.2")
+    return dict(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, kv_lora_rank=lat.kv_lora_rank,
+                qk_rope_head_dim=lat.qk_rope_head_dim, q_lora_rank=lat.q_lora_rank, index_n_heads=idx.index_n_heads,
+                index_head_dim=idx.index_head_dim, index_topk=idx.index_topk)
 
 
 def dsa_crossover_context(*, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int,
@@ -196,11 +198,11 @@ def dsa_model_flops(preset, *, context: int, batch: int = 1) -> DSAModelFlops:
     """
     shape = _layer_shape(preset)
     _int("dsa_model_flops", context=context, batch=batch)
-    n = preset.num_hidden_layers
+    n = preset.config.num_hidden_layers
 
     def total(q_len):
         f = dsa_layer_flops(batch, context, q_len=q_len, **shape)
         return DSALayerFlops(*(n * v for v in f))
 
-    return DSAModelFlops(preset.name, context, batch, preset.index_topk, total(None), total(1),
+    return DSAModelFlops(preset.name, context, batch, shape["index_topk"], total(None), total(1),
                          dsa_crossover_context(**shape), dsa_crossover_context(**shape, decode=True))

@@ -148,7 +148,7 @@ def recurrent_flops(preset: ModelPreset, n_tokens: int, *, batch: int = 1) -> in
         >>> recurrent_flops(PRESETS["qwen3-next-80b-a3b"], 1) == 6 * 32 * 128 * 128
         True
     """
-    lin = preset.linear_attention
+    lin = preset.config.linear_attention
     if lin is None:
         raise ValueError(f"recurrent_flops: {preset.name} has no recurrent (linear_attention) layers")
     return 6 * batch * lin.linear_num_value_heads * n_tokens * lin.linear_key_head_dim * lin.linear_value_head_dim
@@ -164,22 +164,23 @@ def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) 
         >>> f.prefill == 32 * attention_flops(1, 32, 8192, 8192, 128, causal=True)
         True
     """
+    c, lat = preset.config, preset.config.latent
     prefill = decode = 0
-    absorbed = 0 if preset.kv_lora_rank is not None else None
+    absorbed = 0 if lat is not None else None
     for kind, n in preset.layer_counts.items():
         if kind == "recurrent":
             prefill += n * recurrent_flops(preset, context, batch=batch)
             decode += n * recurrent_flops(preset, 1, batch=batch)
             absorbed = None if absorbed is None else absorbed + n * recurrent_flops(preset, 1, batch=batch)
             continue
-        window = preset.sliding_window if kind == "local" else None
-        shape = dict(head_dim=preset.head_dim, v_head_dim=preset.value_head_dim, causal=True, window=window)
-        prefill += n * attention_flops(batch, preset.num_attention_heads, context, context, **shape)
-        decode += n * attention_flops(batch, preset.num_attention_heads, 1, context, **shape)
+        window = c.sliding_window if kind == "local" else None
+        shape = dict(head_dim=preset.key_head_dim, v_head_dim=preset.value_head_dim, causal=True, window=window)
+        prefill += n * attention_flops(batch, c.num_attention_heads, context, context, **shape)
+        decode += n * attention_flops(batch, c.num_attention_heads, 1, context, **shape)
         if absorbed is not None:
             absorbed += n * mla_absorbed_flops(
-                batch, preset.num_attention_heads, 1, context, kv_lora_rank=preset.kv_lora_rank,
-                qk_rope_head_dim=preset.qk_rope_head_dim, causal=True, window=window,
+                batch, c.num_attention_heads, 1, context, kv_lora_rank=lat.kv_lora_rank,
+                qk_rope_head_dim=lat.qk_rope_head_dim, causal=True, window=window,
             )
     num, den = TRAINING_MULTIPLIER.as_integer_ratio()  # exact integers: counts pass 2**53
     training = prefill * num // den

@@ -98,9 +98,10 @@ def recurrent_state_bytes(preset: ModelPreset, *, dtype: str = "bf16", group_siz
         >>> recurrent_state_bytes(PRESETS["qwen3-next-80b-a3b"]) == 8192 * 3 * 2 + 32 * 128 * 128 * 4
         True
     """
-    if preset.linear_attention is None:
+    lin = preset.config.linear_attention
+    if lin is None:
         raise ValueError(f"recurrent_state_bytes: {preset.name} has no recurrent (linear_attention) layers")
-    conv, K, H, Dk, Dv = preset.linear_attention.recurrent_shape()
+    conv, K, H, Dk, Dv = lin.recurrent_shape()
     wide = str(dtype).lower() in ("fp64", "float64", "torch.float64")
     return conv * (K - 1) * element_bytes(dtype, group_size=group_size) + H * Dk * Dv * (8 if wide else 4)
 
@@ -173,14 +174,15 @@ def kv_cache_memory(
     for arg, value in (("context", context), ("batch", batch)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
-    if preset.kv_lora_rank is not None:
+    c = preset.config
+    if c.latent is not None:
         per_token = mla_kv_bytes_per_token(
-            preset.kv_lora_rank, preset.qk_rope_head_dim + (preset.index_head_dim or 0), dtype=dtype,
-            group_size=group_size,
+            c.latent.kv_lora_rank, c.latent.qk_rope_head_dim + (c.indexer.index_head_dim if c.indexer else 0),
+            dtype=dtype, group_size=group_size,
         )  # DeepSeek Sparse Attention caches its indexer key in the same row
     else:
         per_token = gqa_kv_bytes_per_token(
-            preset.num_key_value_heads, preset.head_dim, v_head_dim=preset.value_head_dim, dtype=dtype,
+            c.num_key_value_heads, preset.key_head_dim, v_head_dim=preset.value_head_dim, dtype=dtype,
             group_size=group_size,
         )
     layers = []
@@ -189,7 +191,7 @@ def kv_cache_memory(
             state = batch * recurrent_state_bytes(preset, dtype=dtype, group_size=group_size)
             layers.append(LayerKV(kind, n, 0, 0, math.ceil(state), n * math.ceil(state)))
             continue
-        tokens = min(context, preset.sliding_window) if kind == "local" else context
+        tokens = min(context, c.sliding_window) if kind == "local" else context
         per_layer = math.ceil(batch * tokens * per_token)
         layers.append(LayerKV(kind, n, tokens, per_token, per_layer, n * per_layer))
     total = sum(g.total_bytes for g in layers)
@@ -199,7 +201,7 @@ def kv_cache_memory(
         batch=batch,
         dtype=_dtype_key(dtype),
         bytes_per_element=element_bytes(dtype, group_size=group_size),
-        bytes_per_token=per_token * (preset.num_hidden_layers - preset.layer_counts.get("recurrent", 0)),
+        bytes_per_token=per_token * (c.num_hidden_layers - preset.layer_counts.get("recurrent", 0)),
         total_bytes=total,
         layers=tuple(layers),
         fits={g: total <= g * GB for g in DEVICE_GB},

@@ -74,7 +74,7 @@ class FlopBreakdown(NamedTuple):
 
 
 def _check(preset, what: str) -> ModelPreset:
-    """The preset (a name, HF config path or dict resolved), checked for whole-model fields and decoder-only."""
+    """The preset (a name, HF config path or dict resolved), checked to be a whole model and decoder-only."""
     preset = resolve_preset(preset, what)
     require_whole_model(preset, what)
     if preset.encoder_layers:
@@ -92,7 +92,7 @@ def _positive(what: str, **values: int) -> None:
 def _matmul_weights(preset: ModelPreset) -> tuple[int, int]:
     """Weights a token multiplies by, all layers: (every layer's mixer projections, feed-forward actually used)."""
     p, c = preset, decoder_side(preset)
-    ffn = sum(layer_ffn_params(p, i, bias=False)[1] for i in range(p.num_hidden_layers))
+    ffn = sum(layer_ffn_params(p, i, bias=False)[1] for i in range(c.num_hidden_layers))
     return sum(mixer_of(c, i).weights(c) for i in range(c.num_hidden_layers)), ffn
 
 
@@ -128,7 +128,7 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
     proj, ffn = _matmul_weights(p)
     tokens = batch * q_len
     head_rows = tokens if logits == "all" else batch
-    return FlopBreakdown(attn, 2 * tokens * proj, 2 * tokens * ffn, 2 * head_rows * p.hidden_size * p.vocab_size)
+    return FlopBreakdown(attn, 2 * tokens * proj, 2 * tokens * ffn, 2 * head_rows * c.hidden_size * c.vocab_size)
 
 
 class ModelFlops(NamedTuple):

@@ -82,7 +82,7 @@ def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[s
 
 def decoder_side(preset: ModelPreset) -> DecoderConfig:
     """The one description of ``preset``'s decoder stack, whose mixers :mod:`qkv.spec.mixers` counts
-    (:attr:`ModelPreset.description`)."""
+    (:attr:`ModelPreset.description`: its ``config``, refused where value heads are narrower without MLA)."""
     return preset.description
 
 
@@ -143,9 +143,9 @@ def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
     return mixer_of(c, _attention_layer(c)).params(c)
 
 
-def _mlp(preset: ModelPreset, width: int, *, bias: bool) -> int:
-    d = preset.hidden_size
-    if preset.mlp == "gated":
+def _mlp(c: DecoderConfig, width: int, *, bias: bool) -> int:
+    d = c.hidden_size
+    if c.gated_mlp:
         return 3 * d * width + (2 * width + d if bias else 0)
     return 2 * d * width + (width + d if bias else 0)
 
@@ -153,25 +153,25 @@ def _mlp(preset: ModelPreset, width: int, *, bias: bool) -> int:
 def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) -> tuple[int, int]:
     """``(total, active)`` parameters of decoder layer ``layer_idx``'s feed-forward block (``bias=False``:
     the weight matrices only, what a token multiplies by)."""
-    p = preset
-    b = bias and p.mlp_bias
-    if p.n_routed_experts is None or layer_idx < p.first_k_dense_replace:
-        n = _mlp(p, p.intermediate_size, bias=b)
+    c, m = preset.config, preset.config.moe
+    b = bias and c.mlp_bias
+    if m is None or layer_idx < m.first_k_dense_replace:
+        n = _mlp(c, c.intermediate_size, bias=b)
         return n, n
-    expert = _mlp(p, p.moe_intermediate_size, bias=b)
-    width = p.shared_expert_intermediate_size or p.moe_intermediate_size * p.n_shared_experts
-    shared = _mlp(p, width, bias=b) + (p.hidden_size if p.shared_expert_gate else 0) if p.n_shared_experts else 0
-    router = (p.hidden_size + (1 if p.router_bias else 0)) * p.n_routed_experts
-    return router + p.n_routed_experts * expert + shared, router + p.num_experts_per_tok * expert + shared
+    expert = _mlp(c, m.moe_intermediate_size, bias=b)
+    width = m.shared_expert_intermediate_size or m.moe_intermediate_size * m.n_shared_experts
+    shared = _mlp(c, width, bias=b) + (c.hidden_size if m.shared_expert_gate else 0) if m.n_shared_experts else 0
+    router = (c.hidden_size + (1 if m.router_bias else 0)) * m.n_routed_experts
+    return router + m.n_routed_experts * expert + shared, router + m.num_experts_per_tok * expert + shared
 
 
 def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) -> ParamCount:
     """Parameter count of the whole model ``preset`` describes (see the module docstring for the layout).
 
     Args:
-        preset: a :class:`qkv.costs.ModelPreset` with the whole-model fields (``vocab_size``,
-            ``intermediate_size``, ...), e.g. ``PRESETS["llama-2-70b"]``; or a preset name
-            (``"llama-2-70b"``), a HF ``config.json`` path or a parsed HF config dict.
+        preset: a :class:`qkv.costs.ModelPreset` of a whole model (its ``config`` states ``vocab_size`` and
+            ``intermediate_size``), e.g. ``PRESETS["llama-2-70b"]``; or a :class:`qkv.spec.DecoderConfig`, a preset
+            name (``"llama-2-70b"``), a HF ``config.json`` path or a parsed HF config dict.
 
     Returns:
         A :class:`ParamCount`.
@@ -187,24 +187,26 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
     """
     preset = resolve_preset(preset, "num_parameters")
     require_whole_model(preset, "num_parameters")
-    p, d = preset, preset.hidden_size
-    norm = d if p.norm == "rms" else 2 * d
-    embedding = p.vocab_size * d + (p.learned_positions or 0) * d
-    lm_head = 0 if p.tie_word_embeddings else p.vocab_size * d
+    p, c = preset, preset.config
+    d, n_layers, enc = c.hidden_size, c.num_hidden_layers, preset.encoder_layers
+    norm = d if c.norm == "rms" else 2 * d
+    positions = c.max_position_embeddings if c.position == "learned" else 0  # a learned table's rows
+    embedding = c.vocab_size * d + positions * d
+    lm_head = 0 if c.tie_word_embeddings else c.vocab_size * d
     attention = _mixer_params(p)
     ffn = active_ffn = 0
-    for i in range(p.num_hidden_layers):
+    for i in range(n_layers):
         total_i, active_i = layer_ffn_params(p, i)
         ffn += total_i
         active_ffn += active_i
-    per_layer = (2 if p.pre_norms else 0) + (2 if p.sandwich_norms else 0)  # OLMo 2/3: the two post-norms only
-    norms = p.num_hidden_layers * per_layer * norm + norm
-    if p.encoder_layers:  # bidirectional encoder layers, and a cross-attention block per decoder layer
+    per_layer = (2 if c.pre_norms else 0) + (2 if c.sandwich_norms else 0)  # OLMo 2/3: the two post-norms only
+    norms = n_layers * per_layer * norm + norm
+    if enc:  # bidirectional encoder layers, and a cross-attention block per decoder layer
         plain = layer_attention_params(p, cross=True)
-        attention += (p.encoder_layers + p.num_hidden_layers) * plain
-        ffn += p.encoder_layers * _mlp(p, p.intermediate_size, bias=p.mlp_bias)
-        active_ffn += p.encoder_layers * _mlp(p, p.intermediate_size, bias=p.mlp_bias)
-        norms += p.encoder_layers * 2 * norm + norm + p.num_hidden_layers * norm  # encoder final, cross norms
+        attention += (enc + n_layers) * plain
+        ffn += enc * _mlp(c, c.intermediate_size, bias=c.mlp_bias)
+        active_ffn += enc * _mlp(c, c.intermediate_size, bias=c.mlp_bias)
+        norms += enc * 2 * norm + norm + n_layers * norm  # encoder final, cross norms
     total = embedding + attention + ffn + norms + lm_head
     return ParamCount(p.name, embedding, attention, ffn, norms, lm_head, total, total - ffn + active_ffn)
 

@@ -10,8 +10,8 @@
 - the one reader of an HF config (:mod:`qkv.spec.hf_config`: :func:`read_layout`, :func:`read_rope`,
   :func:`read_latent`, :func:`read_moe`, :func:`load_hf_config`), used by :mod:`qkv.models`,
   :func:`qkv.cache.plan_memory` and :mod:`qkv.costs` alike;
-- :class:`ModelPreset`, the published models' shapes with their sources (:data:`PRESETS`, :func:`get_preset`),
-  on which :mod:`qkv.costs` does its arithmetic.
+- :class:`ModelPreset`, a published model: its :class:`DecoderConfig` with its source and notes (:data:`PRESETS`,
+  :func:`get_preset`), on which :mod:`qkv.costs` does its arithmetic.
 
 Pure Python: importing it imports neither torch nor any module that does (a test checks it).
 

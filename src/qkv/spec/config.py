@@ -399,6 +399,7 @@ class DecoderConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None:
             set_("head_dim", self.hidden_size // self.num_attention_heads)
+        _positive_ints("DecoderConfig", self, ("num_key_value_heads", "head_dim", "max_position_embeddings"))
         if self.hidden_act not in ACTIVATION_NAMES:
             raise ValueError(f"DecoderConfig: hidden_act {self.hidden_act!r} is not supported; supported: "
                              f"{', '.join(ACTIVATION_NAMES)}")
@@ -561,9 +562,9 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
 
         if name in MODEL_PRESETS or name in AMBIGUOUS:
             preset = get_preset(name)
-            n = overrides.get("num_hidden_layers", preset.num_hidden_layers)
+            n = overrides.get("num_hidden_layers", preset.config.num_hidden_layers)
             if "layer_types" not in overrides and isinstance(n, int) and n > 0:  # keep the pattern's first n
-                types = preset.layer_types
+                types = preset.config.layer_types
                 overrides["layer_types"] = tuple(types[i % len(types)] for i in range(n))
                 if "local" not in preset.layer_counts and "recurrent" not in preset.layer_counts:
                     del overrides["layer_types"]
@@ -578,70 +579,17 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def decoder_config_from_preset(preset, *, stated: bool = False) -> DecoderConfig:
-    """A :class:`DecoderConfig` shaped like a :class:`qkv.costs.ModelPreset` with the whole-model fields.
-
-    ``stated``: describe what the preset states, whatever it is (:attr:`ModelPreset.description`): a preset of the
-    attention only gives an attention-only description (``vocab_size``, ``intermediate_size`` None, no experts),
-    an encoder-decoder its decoder stack; a ``ValueError`` only where a description cannot say it (value heads
-    narrower than key heads without MLA, an MHA-equivalent of MLA).
-
-    What a preset does not record takes the family's usual value: SiLU gates (tanh-GELU for dense
-    feed-forwards and for presets with pre- and post-norms, the Gemma layout), RoPE unless the preset has a
-    learned position table or MLA without positions (``mla_use_nope``); experts with biases are GPT-OSS's
-    clamped SwiGLU experts (limit 7). The context length is the learned table's size, else the preset's stated
-    ``max_position_embeddings``, else 4096.
+def decoder_config_from_preset(preset) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a :class:`qkv.spec.ModelPreset` that describes a whole decoder-only model (its
+    ``config``, what :class:`qkv.nn.DecoderLM` builds and ``get_config(name)`` returns).
 
     Raises:
         ValueError: an encoder-decoder preset, or one that describes attention only.
     """
-    from .latent import LatentConfig
-    from .moe import MoEConfig
     from .presets import require_whole_model
 
-    p = preset
-    if not stated:
-        require_whole_model(p, "get_config")
-    if p.encoder_layers and not stated:
-        raise ValueError(f"get_config: {p.name!r} is an encoder-decoder; qkv.nn.DecoderLM is decoder-only (use "
+    require_whole_model(preset, "get_config")
+    if preset.encoder_layers:
+        raise ValueError(f"get_config: {preset.name!r} is an encoder-decoder; qkv.nn.DecoderLM is decoder-only (use "
                          "TransformerConfig with EncoderDecoder)")
-    dense = p.mlp == "dense"
-    kw: dict[str, Any] = dict(
-        vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
-        intermediate_size=p.intermediate_size, gated_mlp=not dense,
-        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if p.sandwich_norms and p.pre_norms else "silu"),
-        norm=p.norm, qkv_bias=p.attention_bias or p.qkv_bias, o_bias=p.attention_bias, mlp_bias=p.mlp_bias,
-        qk_norm=p.qk_norm, sandwich_norms=p.sandwich_norms, tie_word_embeddings=p.tie_word_embeddings,
-        qk_norm_scope=p.qk_norm_scope, pre_norms=p.pre_norms, attention_sinks=p.attention_sinks,
-        position="learned" if p.learned_positions else "rope",
-        max_position_embeddings=p.learned_positions or p.max_position_embeddings or 4096, name=p.name,
-        linear_attention=p.linear_attention, attn_output_gate=p.attn_output_gate,
-    )
-    if p.kv_lora_rank is None and p.value_head_dim != p.head_dim:
-        raise ValueError(f"{p.name}: value heads of {p.value_head_dim} beside key heads of {p.head_dim} without MLA "
-                         "have no DecoderConfig; describe the latent (kv_lora_rank) or equal widths")
-    if p.head_dim != p.hidden_size // p.num_attention_heads:
-        kw["head_dim"] = p.head_dim
-    if "local" in p.layer_counts or "recurrent" in p.layer_counts:
-        kw.update(sliding_window=p.sliding_window, layer_types=p.layer_types)
-    if p.kv_lora_rank is not None:
-        kw["latent"] = LatentConfig(hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
-                                    kv_lora_rank=p.kv_lora_rank, q_lora_rank=p.q_lora_rank,
-                                    qk_nope_head_dim=p.qk_nope_head_dim, qk_rope_head_dim=p.qk_rope_head_dim,
-                                    v_head_dim=p.value_head_dim, use_rope=not p.mla_use_nope)
-        kw.pop("head_dim", None)
-        if p.mla_use_nope:
-            kw["position"] = "none"
-    if p.index_topk is not None:
-        kw["indexer"] = IndexerConfig(index_n_heads=p.index_n_heads, index_head_dim=p.index_head_dim,
-                                      index_topk=p.index_topk)
-    if p.n_routed_experts is not None and p.moe_intermediate_size is not None:
-        kw["moe"] = MoEConfig(n_routed_experts=p.n_routed_experts, num_experts_per_tok=p.num_experts_per_tok,
-                              moe_intermediate_size=p.moe_intermediate_size, n_shared_experts=p.n_shared_experts,
-                              first_k_dense_replace=p.first_k_dense_replace, router_bias=p.router_bias,
-                              # experts with biases: GPT-OSS's clamped SwiGLU (HF's default limit)
-                              swiglu_limit=7.0 if p.mlp_bias else None,
-                              shared_expert_intermediate_size=p.shared_expert_intermediate_size,
-                              shared_expert_gate=p.shared_expert_gate)
-    return DecoderConfig(**kw)
+    return preset.description

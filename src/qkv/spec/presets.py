@@ -1,4 +1,5 @@
-"""Attention shapes of published models: one registry read by the CLI, the benchmarks and the tests.
+"""Published models, each a :class:`qkv.spec.DecoderConfig` with its source: one registry read by the CLI, the
+benchmarks and the tests.
 
 Field names follow HF ``transformers`` configs. ``layer_types`` uses HF's values, ``"full_attention"``
 (global), ``"sliding_attention"`` (local, at most ``sliding_window`` tokens visible and cached,
@@ -19,9 +20,12 @@ from typing import Any
 
 from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
+from .dsa import IndexerConfig
 from .hf_config import read_indexer, read_layout, read_moe
+from .latent import LatentConfig
 from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
+from .moe import MoEConfig
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
@@ -31,219 +35,116 @@ _LAYER_KIND = LAYER_KIND
 
 @dataclass(frozen=True, kw_only=True)
 class ModelPreset:
-    """The attention shape of a model: everything the KV-cache and attention-FLOP arithmetic needs.
+    """A published model: its :class:`qkv.spec.DecoderConfig`, where the numbers come from, and caveats.
+
+    The config is the one model description (what :class:`qkv.nn.DecoderLM` builds, the cache and the mixer
+    registry :mod:`qkv.spec.mixers` read, :mod:`qkv.costs` counts): read a model's facts as
+    ``preset.config.<field>``. A preset of the attention only (a HF config that states no more) has
+    ``config.vocab_size`` and ``config.intermediate_size`` None. The fields beside ``config`` are the facts a
+    DecoderConfig cannot hold, each said below.
 
     Args:
-        name: lowercase-hyphen slug (``"llama-3-70b"``).
-        num_hidden_layers: attention layers.
-        num_attention_heads: query heads ``Hq``.
-        num_key_value_heads: key/value heads ``Hkv`` (``= Hq`` MHA, ``1`` MQA, else GQA). For MLA, the
-            heads the latent expands to (``= Hq`` in DeepSeek-V2).
-        head_dim: query/key head width ``Dqk``; for MLA ``qk_nope_head_dim + qk_rope_head_dim``.
-        hidden_size: model width (informational; not always ``Hq * head_dim``, e.g. Gemma).
-        sliding_window: tokens a local layer sees and caches, the token itself included.
-        layer_types: one HF layer type per layer. ``None`` means every layer is local when
-            ``sliding_window`` is set (Mistral 7B v0.1) and global otherwise; resolved at construction.
-        kv_lora_rank: MLA latent width ``d_c``; setting it makes the preset MLA.
-        qk_rope_head_dim: MLA decoupled RoPE key width ``d_h^R``, cached once per token (shared by heads).
-        qk_nope_head_dim: MLA per-head key width without RoPE.
-        v_head_dim: value head width ``Dv`` when it differs from ``head_dim``.
+        config: the model (its ``name`` is the preset's lowercase-hyphen slug, ``"llama-3-70b"``).
         source: citation for the numbers (paper, model card, config).
         notes: caveats.
-        vocab_size, intermediate_size: token vocabulary and feed-forward width (needed, with the fields
-            below, only by :func:`qkv.costs.num_parameters` and the whole-model FLOPs).
-        mlp: ``"gated"`` (three matrices: SwiGLU/GeGLU) or ``"dense"`` (two: GPT-2, the 2017 Transformer).
-        norm: ``"rms"`` (a scale per channel) or ``"layer"`` (scale and shift).
-        attention_bias: biases on the query, key, value and output projections (GPT-2, BERT);
-            ``qkv_bias``: on query, key and value only (Qwen2). ``mlp_bias``: on the feed-forward.
-        qk_norm: per-head RMSNorm of queries and keys (Gemma 3). ``sandwich_norms``: a norm after
-            each branch too (Gemma 2/3).
-        qk_norm_scope: ``"head"`` (Gemma 3, Qwen3: one ``head_dim`` norm each for queries and keys) or
-            ``"projection"`` (OLMo 2/3: one norm over the whole query projection, one over the key one).
-        pre_norms: each branch's input is normalized (False: OLMo 2/3, post-norm only; set ``sandwich_norms``).
-        attention_sinks: one learnable sink logit per query head and layer (GPT-OSS).
-        router_bias: the mixture-of-experts router has a bias (GPT-OSS).
-        linear_attention: the recurrent mixer of the ``"linear_attention"`` layers of a hybrid model (a
-            :class:`qkv.spec.linear.LinearAttentionConfig`); set exactly when such layers exist. Their state
-            (the short convolution's last inputs, a ``(Dk, Dv)`` matrix per head in float32) is per sequence,
-            flat in the context.
-        mla_use_nope: the MLA layers rotate nothing (NoPE, Kimi Linear; the checkpoints' name).
-        tie_word_embeddings: the LM head is the embedding matrix.
-        learned_positions: rows of a learned absolute position table (GPT-2: 1024), else none.
-        max_position_embeddings: the longest context the released checkpoint is configured for (HF's
-            ``max_position_embeddings``, GPT-2's ``n_positions``); ``None`` when none is stated. The
-            arithmetic runs at any context; the CLI warns past this one.
-        encoder_layers: layers of a bidirectional encoder in front of the ``num_hidden_layers``
-            decoder layers, each of which then also cross-attends (encoder-decoder, Vaswani et al.).
-        q_lora_rank: MLA query compression width (DeepSeek-V2: 1536).
-        index_n_heads, index_head_dim, index_topk: DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2;
-            HF names): each MLA layer also caches an ``index_head_dim`` key per token and attends to
-            ``index_topk`` latents per query.
-        n_routed_experts, num_experts_per_tok, moe_intermediate_size, n_shared_experts, first_k_dense_replace:
-            DeepSeekMoE feed-forward (HF names); the first ``first_k_dense_replace`` layers stay dense with
-            ``intermediate_size``.
-        shared_expert_intermediate_size, shared_expert_gate: Qwen3-Next's shared expert: its width (default
-            ``moe_intermediate_size * n_shared_experts``) and a sigmoid gate ``d -> 1`` scaling its output.
-        linear_attention: the recurrent mixer of the ``"linear_attention"`` layers (a
-            :class:`qkv.spec.linear.LinearAttentionConfig`); their cache is a fixed state per sequence.
-        attn_output_gate: the attention output is gated by ``sigmoid`` of a second query-sized projection
-            (Qwen3-Next, Qwen3.5: ``q_proj`` twice as tall).
+        encoder_layers: layers of a bidirectional encoder in front of the decoder, each decoder layer then also
+            cross-attending (encoder-decoder, Vaswani et al. 2017). A DecoderConfig is decoder-only.
+        context_stated: whether the source states a context length. A DecoderConfig always holds one (the
+            length a built model's positions are sized for, 4096 where nothing is stated); False: the CLI has no
+            limit to warn past (:attr:`context_limit` is None).
+        v_head_dim: value head width ``Dv`` narrower than the key heads without MLA: a cache shape, not a model
+            :class:`qkv.nn.DecoderLM` builds (an MLA model's :meth:`mha_equivalent`, a HF config stating
+            ``v_head_dim`` without a latent), so not a DecoderConfig field a built model would ignore. None:
+            the config's own widths.
 
     Example:
         >>> p = PRESETS["gemma-3-27b"]
-        >>> p.attention_kind, p.layer_counts
-        ('gqa', {'global': 10, 'local': 52})
+        >>> p.attention_kind, p.layer_counts, p.config.sliding_window
+        ('gqa', {'global': 10, 'local': 52}, 1024)
     """
 
-    name: str
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    hidden_size: int
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    qk_nope_head_dim: int | None = None
-    v_head_dim: int | None = None
+    config: DecoderConfig
     source: str = ""
     notes: str = ""
-    # Whole-model shape (for parameter counts and whole-model FLOPs in qkv.costs.params/model_flops).
-    vocab_size: int | None = None
-    intermediate_size: int | None = None
-    mlp: str = "gated"
-    norm: str = "rms"
-    attention_bias: bool = False
-    qkv_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    sandwich_norms: bool = False
-    tie_word_embeddings: bool = False
-    learned_positions: int | None = None
-    max_position_embeddings: int | None = None
     encoder_layers: int = 0
-    q_lora_rank: int | None = None
-    n_routed_experts: int | None = None
-    num_experts_per_tok: int | None = None
-    moe_intermediate_size: int | None = None
-    n_shared_experts: int = 0
-    first_k_dense_replace: int = 0
-    qk_norm_scope: str = "head"
-    pre_norms: bool = True
-    attention_sinks: bool = False
-    router_bias: bool = False
-    shared_expert_intermediate_size: int | None = None
-    shared_expert_gate: bool = False
-    linear_attention: LinearAttentionConfig | None = None
-    attn_output_gate: bool = False
-    mla_use_nope: bool = False
-    index_n_heads: int | None = None
-    index_head_dim: int | None = None
-    index_topk: int | None = None
+    context_stated: bool = True
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        n = self.num_hidden_layers
-        for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"{self.name}: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.layer_types is None:
-            object.__setattr__(self, "layer_types", (SLIDING if self.sliding_window else FULL,) * n)
-        types = tuple(self.layer_types)
-        object.__setattr__(self, "layer_types", types)
-        if len(types) != n or not set(types) <= {FULL, SLIDING, LINEAR_ATTENTION}:
-            raise ValueError(
-                f"{self.name}: layer_types must hold {n} entries from {FULL!r}, {SLIDING!r}, {LINEAR_ATTENTION!r}; "
-                f"got {len(types)} entries {sorted(set(types))}"
-            )
-        if (LINEAR_ATTENTION in types) != (self.linear_attention is not None):
-            raise ValueError(f"{self.name}: {LINEAR_ATTENTION!r} layers need linear_attention (their recurrent "
-                             f"mixer's shape) and linear_attention needs such layers; got "
-                             f"{types.count(LINEAR_ATTENTION)} layers, linear_attention={self.linear_attention!r}")
-        if self.mla_use_nope and self.kv_lora_rank is None:
-            raise ValueError(f"{self.name}: mla_use_nope describes MLA layers; set kv_lora_rank or drop it")
-        if SLIDING in types and not (self.sliding_window and self.sliding_window > 0):
-            raise ValueError(f"{self.name}: sliding layers need a positive sliding_window")
-        if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
-            raise ValueError(f"{self.name}: MLA needs both kv_lora_rank and qk_rope_head_dim")
-        mpe = self.max_position_embeddings
-        if mpe is not None and (not isinstance(mpe, int) or isinstance(mpe, bool) or mpe <= 0):
-            raise ValueError(f"{self.name}: max_position_embeddings must be a positive int or None, got {mpe!r}")
-        if self.mlp not in ("gated", "dense") or self.norm not in ("rms", "layer"):
-            raise ValueError(f"{self.name}: mlp must be 'gated' or 'dense' and norm 'rms' or 'layer', got "
-                             f"mlp={self.mlp!r}, norm={self.norm!r}")
-        if self.qk_norm_scope not in ("head", "projection"):
-            raise ValueError(f"{self.name}: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
-        indexer = (self.index_n_heads, self.index_head_dim, self.index_topk)
-        if any(v is not None for v in indexer) and (
-                self.kv_lora_rank is None or not all(isinstance(v, int) and v > 0 for v in indexer)):
-            raise ValueError(f"{self.name}: a lightning indexer needs MLA (kv_lora_rank) and positive index_n_heads, "
-                             f"index_head_dim, index_topk; got {indexer}")
-        if (self.n_routed_experts is None) != (self.num_experts_per_tok is None):
-            raise ValueError(f"{self.name}: a mixture of experts needs both n_routed_experts and "
-                             "num_experts_per_tok")
+        c = self.config
+        if not isinstance(c, DecoderConfig):
+            raise TypeError(f"ModelPreset: config must be a qkv.spec.DecoderConfig, got {type(c).__name__}; build "
+                            "one, or read a HF config.json with preset_from_hf_config")
+        if not c.name:
+            raise ValueError("ModelPreset: config.name must name the preset (a lowercase-hyphen slug), got ''")
+        enc = self.encoder_layers
+        if not isinstance(enc, int) or isinstance(enc, bool) or enc < 0:
+            raise ValueError(f"{c.name}: encoder_layers must be an int >= 0, got {enc!r}")
+        dv = self.v_head_dim
+        if dv is not None and (not isinstance(dv, int) or isinstance(dv, bool) or dv <= 0 or c.latent is not None):
+            raise ValueError(f"{c.name}: v_head_dim is the value width of non-MLA heads, a positive int (MLA's is "
+                             f"config.latent.v_head_dim); got v_head_dim={dv!r} with latent={c.latent!r}")
+        if not isinstance(self.context_stated, bool):
+            raise TypeError(f"{c.name}: context_stated must be a bool, got {self.context_stated!r}")
+
+    @property
+    def name(self) -> str:
+        """The preset's slug, ``config.name``."""
+        return self.config.name
 
     @property
     def attention_kind(self) -> str:
         """``"mla"``, ``"mha"``, ``"mqa"`` or ``"gqa"``."""
-        if self.kv_lora_rank is not None:
+        c = self.config
+        if c.latent is not None:
             return "mla"
-        if self.num_key_value_heads == self.num_attention_heads:
+        if c.num_key_value_heads == c.num_attention_heads:
             return "mha"
-        return "mqa" if self.num_key_value_heads == 1 else "gqa"
+        return "mqa" if c.num_key_value_heads == 1 else "gqa"
+
+    @property
+    def key_head_dim(self) -> int:
+        """``Dqk``, the width of a query/key head: ``qk_nope_head_dim + qk_rope_head_dim`` for MLA."""
+        lat = self.config.latent
+        return lat.qk_head_dim if lat is not None else self.config.head_dim
 
     @property
     def value_head_dim(self) -> int:
-        """``Dv``: ``v_head_dim`` if set, else ``head_dim``."""
-        return self.v_head_dim or self.head_dim
+        """``Dv``, the width of a value head (:attr:`key_head_dim` unless MLA or ``v_head_dim`` say otherwise)."""
+        lat = self.config.latent
+        return lat.v_head_dim if lat is not None else self.v_head_dim or self.config.head_dim
 
     @property
     def layer_counts(self) -> dict[str, int]:
         """Layers per kind, ``{"global": n, "local": m, "recurrent": r}``, kinds with no layer left out."""
-        counts = {kind: self.layer_types.count(t) for t, kind in _LAYER_KIND.items()}
+        types = self.config.layer_types
+        counts = {kind: types.count(t) for t, kind in _LAYER_KIND.items()}
         return {kind: c for kind, c in counts.items() if c}
 
     @property
-    def config(self) -> DecoderConfig:
-        """This model as a :class:`qkv.spec.DecoderConfig`: the description :class:`qkv.nn.DecoderLM` builds and
-        ``qkv.nn.get_config(name)`` returns (whole-model presets only).
+    def context_limit(self) -> int | None:
+        """The longest context the source states (HF's ``max_position_embeddings``), None where it states none."""
+        return self.config.max_position_embeddings if self.context_stated else None
 
-        What a preset does not record takes the family's usual value
-        (:func:`qkv.spec.config.decoder_config_from_preset`).
-
-        Raises:
-            ValueError: an encoder-decoder preset, or one that describes attention only.
-
-        Example:
-            >>> c = PRESETS["gemma-3-27b"].config
-            >>> c.layer_types.count("full_attention"), c.qk_norm, c.tie_word_embeddings
-            (10, True, True)
-        """
-        from .config import decoder_config_from_preset  # the conversion, beside DecoderConfig
-
-        return decoder_config_from_preset(self)
+    @property
+    def whole_model(self) -> bool:
+        """Whether this is a whole decoder-only model (not attention only, not an encoder-decoder)."""
+        return not self.config.attention_only and not self.encoder_layers
 
     @property
     def description(self) -> DecoderConfig:
-        """What this preset states, as the one model description (:class:`qkv.spec.DecoderConfig`): the whole model
-        where it has the whole-model fields (then equal to :attr:`config`), else the attention only
-        (``vocab_size``/``intermediate_size`` None); an encoder-decoder's decoder stack. What the cache and the
-        mixer registry (:mod:`qkv.spec.mixers`) read of a preset. ``ValueError`` for the one shape a description
-        cannot hold: value heads narrower than key heads without MLA (an MLA preset's :meth:`mha_equivalent`).
+        """:attr:`config`, where it says all of this preset: ``ValueError`` for the one shape it cannot hold, value
+        heads narrower than key heads without MLA (``v_head_dim``, an MLA preset's :meth:`mha_equivalent`).
 
         Example:
             >>> PRESETS["llama-70b-mha"].description.num_key_value_heads
             64
         """
-        from .config import decoder_config_from_preset
-
-        return decoder_config_from_preset(self, stated=True)
+        if self.v_head_dim is not None and self.v_head_dim != self.config.head_dim:
+            raise ValueError(f"{self.name}: value heads of {self.v_head_dim} beside key heads of "
+                             f"{self.config.head_dim} without MLA have no DecoderConfig; describe the latent or "
+                             "equal widths")
+        return self.config
 
     @classmethod
     def from_config(cls, config: DecoderConfig, *, source: str = "", notes: str = "") -> ModelPreset:
@@ -269,66 +170,32 @@ class ModelPreset:
         if uncounted:
             raise ValueError(f"ModelPreset.from_config: {c.name or 'the config'} has {', '.join(uncounted)}, which "
                              "qkv.costs does not count; count such a model from its built parameters")
-        kw: dict[str, Any] = dict(
-            name=c.name or "config", num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
-            sliding_window=c.sliding_window if SLIDING in c.layer_types else None, layer_types=c.layer_types,
-            source=source, notes=notes, vocab_size=c.vocab_size, intermediate_size=c.intermediate_size,
-            mlp="gated" if c.gated_mlp else "dense", norm=c.norm, attention_bias=c.o_bias,
-            qkv_bias=c.qkv_bias and not c.o_bias, mlp_bias=c.mlp_bias, qk_norm=c.qk_norm,
-            qk_norm_scope=c.qk_norm_scope, pre_norms=c.pre_norms, attention_sinks=c.attention_sinks,
-            sandwich_norms=c.sandwich_norms, tie_word_embeddings=c.tie_word_embeddings,
-            learned_positions=c.max_position_embeddings if c.position == "learned" else None,
-            max_position_embeddings=c.max_position_embeddings)
-        if c.latent is not None:
-            lat = c.latent
-            kw.update(num_key_value_heads=c.num_attention_heads, head_dim=lat.qk_head_dim,
-                      kv_lora_rank=lat.kv_lora_rank, qk_rope_head_dim=lat.qk_rope_head_dim,
-                      qk_nope_head_dim=lat.qk_nope_head_dim, v_head_dim=lat.v_head_dim, q_lora_rank=lat.q_lora_rank)
-        if c.indexer is not None:
-            kw.update(index_n_heads=c.indexer.index_n_heads, index_head_dim=c.indexer.index_head_dim,
-                      index_topk=c.indexer.index_topk)
-        if c.moe is not None:
-            m = c.moe
-            kw.update(n_routed_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
-                      moe_intermediate_size=m.moe_intermediate_size, n_shared_experts=m.n_shared_experts,
-                      first_k_dense_replace=m.first_k_dense_replace, router_bias=m.router_bias,
-                      shared_expert_intermediate_size=m.shared_expert_intermediate_size,
-                      shared_expert_gate=m.shared_expert_gate)
-        kw.update(linear_attention=c.linear_attention, attn_output_gate=c.attn_output_gate)
-        if c.latent is not None and not c.latent.use_rope:
-            kw["mla_use_nope"] = True
-        return cls(**kw)
+        return cls(config=c if c.name else c.replace(name="config"), source=source, notes=notes)
 
     def mha_equivalent(self) -> ModelPreset:
         """The same model with one key/value head per query head and no latent compression.
 
-        For MLA this is the expanded cache: per head a ``head_dim`` key and a ``value_head_dim`` value.
+        For MLA this is the expanded cache: per head a :attr:`key_head_dim` key and a :attr:`value_head_dim`
+        value (a cache shape, held by ``v_head_dim``: no model builds it).
 
         Example:
-            >>> PRESETS["llama-3-70b"].mha_equivalent().num_key_value_heads
+            >>> PRESETS["llama-3-70b"].mha_equivalent().config.num_key_value_heads
             64
         """
-        return dataclasses.replace(
-            self,
-            name=f"{self.name} (MHA-equivalent)",
-            num_key_value_heads=self.num_attention_heads,
-            kv_lora_rank=None,
-            qk_rope_head_dim=None,
-            qk_nope_head_dim=None,
-            mla_use_nope=False,
-            index_n_heads=None,
-            index_head_dim=None,
-            index_topk=None,
-            notes=f"{self.name} with one KV head per query head",
-        )
+        c = self.config
+        changes: dict[str, Any] = dict(name=f"{self.name} (MHA-equivalent)", num_key_value_heads=c.num_attention_heads)
+        v_head_dim = self.v_head_dim
+        if c.latent is not None:
+            changes.update(latent=None, indexer=None, head_dim=self.key_head_dim, position="rope")
+            v_head_dim = self.value_head_dim
+        return dataclasses.replace(self, config=c.replace(**changes), v_head_dim=v_head_dim,
+                                   notes=f"{self.name} with one KV head per query head")
 
 
 def require_whole_model(preset: ModelPreset, what: str) -> None:
     """Raise a ValueError when ``preset`` lacks the fields a whole-model count needs."""
-    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(preset, f) is None]
-    if preset.n_routed_experts is not None and preset.moe_intermediate_size is None:
-        missing.append("moe_intermediate_size")
+    c = preset.config
+    missing = [f for f in ("vocab_size", "intermediate_size") if getattr(c, f) is None]
     if missing:
         raise ValueError(
             f"{what}: preset {preset.name!r} describes attention only (missing {', '.join(missing)}); use a "
@@ -354,261 +221,374 @@ def _pattern(num_layers: int, period: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers))
 
 
-# Open models of 2025 (issue 25), preset format 1: every number is the published config.json's, as cited.
-_GPT_OSS = dict(num_attention_heads=64, num_key_value_heads=8, head_dim=64, hidden_size=2880, sliding_window=128,
-                vocab_size=201088, intermediate_size=2880, moe_intermediate_size=2880, num_experts_per_tok=4,
-                attention_bias=True, mlp_bias=True, attention_sinks=True, router_bias=True,
-                max_position_embeddings=131072)
-_QWEN3 = dict(head_dim=128, vocab_size=151936, qk_norm=True, max_position_embeddings=40960)
-_OLMO = dict(qk_norm=True, qk_norm_scope="projection", pre_norms=False, sandwich_norms=True)
-_QWEN_HYBRID = dict(head_dim=256, qk_norm=True, attn_output_gate=True, max_position_embeddings=32768)
-
-
 def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
     """HF Qwen3-Next / Qwen3.5: layer ``i`` is full attention iff ``(i + 1) % interval == 0``, else recurrent."""
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
-_PRESETS_2025 = (
-    ModelPreset(
-        name="gpt-oss-20b", num_hidden_layers=24, layer_types=_pattern(24, 2), n_routed_experts=32, **_GPT_OSS,
-        source="OpenAI 2025, gpt-oss-120b & gpt-oss-20b Model Card, arXiv:2508.10925; openai/gpt-oss-20b "
-        "config.json (preset format 1)",
-        notes="Local (window 128) and global layers alternate, layer 0 local; a learned sink logit per head; "
-        "32 experts with biases, 4 per token, router with a bias; YaRN x32 from 4096 to 131072. The MXFP4 "
-        "checkpoint stores experts in 4.25 bits.",
-    ),
-    ModelPreset(
-        name="gpt-oss-120b", num_hidden_layers=36, layer_types=_pattern(36, 2), n_routed_experts=128, **_GPT_OSS,
-        source="OpenAI 2025, gpt-oss-120b & gpt-oss-20b Model Card, arXiv:2508.10925; openai/gpt-oss-120b "
-        "config.json (preset format 1)",
-        notes="As gpt-oss-20b with 36 layers and 128 experts.",
-    ),
-    ModelPreset(
-        name="qwen3-8b", num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
-        intermediate_size=12288, **_QWEN3,
-        source="Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 1; Qwen/Qwen3-8B config.json "
-        "(preset format 1)",
-        notes="Per-head QK RMSNorm; context 40960 (32K native, 128K with YaRN).",
-    ),
-    ModelPreset(
-        name="qwen3-32b", num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, hidden_size=5120,
-        intermediate_size=25600, **_QWEN3,
-        source="Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 1; Qwen/Qwen3-32B config.json "
-        "(preset format 1)",
-        notes="Per-head QK RMSNorm; context 40960.",
-    ),
-    ModelPreset(
-        name="qwen3-235b-a22b", num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
-        hidden_size=4096, intermediate_size=12288, n_routed_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=1536, **_QWEN3,
-        source="Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 2; Qwen/Qwen3-235B-A22B "
-        "config.json (preset format 1)",
-        notes="128 experts, 8 per token (renormalized), no shared expert, every layer a mixture; 235B "
-        "parameters, 22B active (the report's figures).",
-    ),
-    ModelPreset(
-        name="deepseek-v3", num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-        head_dim=192, hidden_size=7168, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, vocab_size=129280, intermediate_size=18432, q_lora_rank=1536, n_routed_experts=256,
-        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
-        max_position_embeddings=163840,
-        source="DeepSeek-AI 2024, DeepSeek-V3 Technical Report, arXiv:2412.19437, Sec. 4.2; "
-        "deepseek-ai/DeepSeek-V3 config.json (preset format 1)",
-        notes="MLA with q-LoRA; sigmoid routing with a correction bias (a buffer, not a parameter), 8 groups, "
-        "4 kept, 8 of 256 experts plus 1 shared, first 3 layers dense; YaRN x40 from 4096. 671B parameters "
-        "without the multi-token-prediction module (published checkpoint: 685B with it), 37B active.",
-    ),
-    ModelPreset(
-        name="deepseek-v3.2", num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-        head_dim=192, hidden_size=7168, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, vocab_size=129280, intermediate_size=18432, q_lora_rank=1536, n_routed_experts=256,
-        num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
-        max_position_embeddings=163840, index_n_heads=64, index_head_dim=128, index_topk=2048,
-        source="DeepSeek-AI 2025, DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse "
-        "Attention, Sec. 2.1; transformers 5.25 DeepseekV32Config defaults (checkpoint deepseek-ai/DeepSeek-V3.2-Exp)",
-        notes="DeepSeek-V3's shape with DeepSeek Sparse Attention on every layer: a lightning indexer (64 heads of "
-        "128, FP8 in the release) scores every cached token and MLA reads the 2048 best per query; each token "
-        "caches its 128-wide indexer key beside the 576-wide latent. 671.9B parameters without the "
-        "multi-token-prediction module: DeepSeek-V3's 671.0B plus 0.85B of indexers.",
-    ),
-    ModelPreset(
-        name="olmo-2-32b", num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
-        hidden_size=5120, vocab_size=100352, intermediate_size=27648, max_position_embeddings=4096, **_OLMO,
-        source="OLMo Team 2025, 2 OLMo 2 Furious, arXiv:2501.00656; allenai/OLMo-2-0325-32B config.json "
-        "(preset format 1)",
-        notes="Post-norm blocks (a norm after each branch, none before), QK RMSNorm over whole projections.",
-    ),
-    ModelPreset(
-        name="olmo-3-7b", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-        hidden_size=4096, vocab_size=100278, intermediate_size=11008, sliding_window=4096,
-        layer_types=_pattern(32, 4), max_position_embeddings=65536, **_OLMO,
-        source="Ai2 2025, OLMo 3; allenai/Olmo-3-1025-7B config.json (preset format 1)",
-        notes="OLMo 2's blocks with three sliding-window (4096) layers per global layer; MHA.",
-    ),
-    ModelPreset(
-        name="qwen3-next-80b-a3b", num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
-        hidden_size=2048, intermediate_size=5632, n_routed_experts=512, num_experts_per_tok=10,
-        moe_intermediate_size=512, n_shared_experts=1, shared_expert_intermediate_size=512, shared_expert_gate=True,
-        layer_types=_hybrid(48, 4), linear_attention=LinearAttentionConfig(
-            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
-        **_QWEN_HYBRID, vocab_size=151936,
-        source="HF transformers 5.25 Qwen3NextConfig defaults, documented there as the Qwen3-Next-80B-A3B "
-        "configuration (checkpoint Qwen/Qwen3-Next-80B-A3B-Instruct); every number is the class default",
-        notes="Hybrid: 36 Gated DeltaNet layers (fixed state) and 12 gated full-attention layers (every 4th), "
-        "partial RoPE (a quarter of each head); 512 experts, 10 per token, one gated shared expert. The config "
-        "class's defaults give max_position_embeddings 32768 (the released config.json states more).",
-    ),
-    ModelPreset(
-        name="qwen3.5-9b", num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, hidden_size=4096,
-        intermediate_size=12288, layer_types=_hybrid(32, 4), linear_attention=LinearAttentionConfig(
-            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-            mixer="gated_deltanet_split"),
-        **_QWEN_HYBRID, vocab_size=248320,
-        source="HF transformers 5.25 Qwen3_5TextConfig defaults, documented there as the Qwen3.5-9B style "
-        "configuration; every number is the class default",
-        notes="Hybrid: 24 Gated DeltaNet layers (fixed state) and 8 gated full-attention layers (every 4th), "
-        "partial RoPE; dense SwiGLU feed-forward. The language model of the multimodal Qwen3.5.",
-    ),
-    ModelPreset(
-        name="kimi-linear-48b-a3b", num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
-        head_dim=192, hidden_size=2304, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        mla_use_nope=True, vocab_size=163840, intermediate_size=9216, n_routed_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=1024, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1048576,
-        layer_types=tuple(FULL if i + 1 in (4, 8, 12, 16, 20, 24, 27) else LINEAR_ATTENTION for i in range(27)),
-        linear_attention=LinearAttentionConfig(linear_num_key_heads=32, linear_num_value_heads=32,
-                                               linear_key_head_dim=128, linear_value_head_dim=128,
-                                               linear_conv_kernel_dim=4, mixer="kda"),
-        source="Kimi Team 2025, Kimi Linear: An Expressive, Efficient Attention Architecture, arXiv:2510.26692; "
-        "widths, heads, experts and context: transformers 5.25 KimiLinearConfig defaults (its checkpoint "
-        "moonshotai/Kimi-Linear-48B-A3B-Instruct); layer pattern: that checkpoint's config.json linear_attn_config, "
-        "full_attn_layers 4, 8, 12, 16, 20, 24, 27 counted from 1 (preset format 1)",
-        notes="20 Kimi Delta Attention layers (32 heads of 128, per-channel decay, a recurrent state flat in the "
-        "context: 32 x 128 x 128 fp32 plus the convolution's last 3 inputs per layer and sequence) and 7 MLA layers "
-        "without positions (NoPE), no q-LoRA; sigmoid routing with a correction bias, 8 of 256 experts plus 1 "
-        "shared, first layer dense. transformers' default layer_types (MLA at layers 4, 8, ..., 24 counted from 0) "
-        "differ from the checkpoint's.",
-    ),
-)
 
-_GPT2 = dict(vocab_size=50257, mlp="dense", norm="layer", attention_bias=True, mlp_bias=True,
-             tie_word_embeddings=True, learned_positions=1024)
 
+# Every number is the cited source's; what a source does not say takes the family's usual value (SiLU gates,
+# tanh-GELU for the dense feed-forwards and for Gemma's, RoPE with theta 10000).
 _PRESET_LIST = (
     ModelPreset(
-        name="transformer-base", num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
-        head_dim=64, hidden_size=512, encoder_layers=6, vocab_size=37000, intermediate_size=2048, mlp="dense",
-        norm="layer", attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
-        source="Vaswani et al. 2017, Attention Is All You Need, arXiv:1706.03762, Sec. 3.2.2 and 5.1, Table 3",
-        notes="Encoder-decoder, 6 + 6 layers, d_model 512 = 8 heads x 64; shared source-target BPE "
-        "vocabulary of about 37,000 tokens (English-German), one matrix for both embeddings and the "
-        "pre-softmax layer; sinusoidal positions (no parameters). Table 3 reports 65M parameters.",
+        config=DecoderConfig(
+            name='transformer-base',
+            vocab_size=37000, hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048,
+            num_key_value_heads=8, hidden_act='gelu_tanh', gated_mlp=False, norm='layer', qkv_bias=True, o_bias=True,
+            mlp_bias=True, tie_word_embeddings=True, max_position_embeddings=4096,
+        ),
+        encoder_layers=6, context_stated=False,
+        source='Vaswani et al. 2017, Attention Is All You Need, arXiv:1706.03762, Sec. 3.2.2 and 5.1, Table 3',
+        notes='Encoder-decoder, 6 + 6 layers, d_model 512 = 8 heads x 64; shared source-target BPE vocabulary of '
+            'about 37,000 tokens (English-German), one matrix for both embeddings and the pre-softmax layer; '
+            'sinusoidal positions (no parameters). Table 3 reports 65M parameters.',
     ),
     ModelPreset(
-        name="gpt-2-small", num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-        head_dim=64, hidden_size=768, intermediate_size=3072, **_GPT2,
-        max_position_embeddings=1024,
-        source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
-        "openai-community/gpt2 config.json",
+        config=DecoderConfig(
+            name='gpt-2-small',
+            vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+            num_key_value_heads=12, hidden_act='gelu_tanh', gated_mlp=False, norm='layer', position='learned',
+            qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True, max_position_embeddings=1024,
+        ),
+        source='Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; '
+            'openai-community/gpt2 config.json',
         notes="Context 1024. 124,439,808 parameters with the tied LM head (the paper's table says 117M).",
     ),
     ModelPreset(
-        name="gpt-2-medium", num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-        head_dim=64, hidden_size=1024, intermediate_size=4096, **_GPT2,
-        max_position_embeddings=1024,
-        source="Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; "
-        "openai-community/gpt2-medium config.json",
+        config=DecoderConfig(
+            name='gpt-2-medium',
+            vocab_size=50257, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+            num_key_value_heads=16, hidden_act='gelu_tanh', gated_mlp=False, norm='layer', position='learned',
+            qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True, max_position_embeddings=1024,
+        ),
+        source='Radford et al. 2019, Language Models are Unsupervised Multitask Learners, Table 2; '
+            'openai-community/gpt2-medium config.json',
         notes="Context 1024. 354,823,168 parameters (the paper's table says 345M).",
     ),
     ModelPreset(
-        name="gpt-3-175b", num_hidden_layers=96, num_attention_heads=96, num_key_value_heads=96,
-        head_dim=128, hidden_size=12288, intermediate_size=4 * 12288, **{**_GPT2, "learned_positions": 2048},
-        max_position_embeddings=2048,
-        source="Brown et al. 2020, Language Models are Few-Shot Learners, arXiv:2005.14165, Table 2.1",
-        notes="Context 2048. The paper alternates dense and locally banded sparse layers without "
-        "publishing the band; modelled here as dense MHA. GPT-2's vocabulary and layout (Sec. 2.1).",
+        config=DecoderConfig(
+            name='gpt-3-175b',
+            vocab_size=50257, hidden_size=12288, num_hidden_layers=96, num_attention_heads=96,
+            intermediate_size=49152, num_key_value_heads=96, hidden_act='gelu_tanh', gated_mlp=False, norm='layer',
+            position='learned', qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True,
+            max_position_embeddings=2048,
+        ),
+        source='Brown et al. 2020, Language Models are Few-Shot Learners, arXiv:2005.14165, Table 2.1',
+        notes='Context 2048. The paper alternates dense and locally banded sparse layers without publishing the '
+            "band; modelled here as dense MHA. GPT-2's vocabulary and layout (Sec. 2.1).",
     ),
     ModelPreset(
-        name="llama-2-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
-        max_position_embeddings=4096,
-        source="Touvron et al. 2023, Llama 2, arXiv:2307.09288 (GQA for 34B/70B); "
-        "meta-llama/Llama-2-70b-hf config.json",
-        notes="Context 4096.",
+        config=DecoderConfig(
+            name='llama-2-70b',
+            vocab_size=32000, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+            intermediate_size=28672, num_key_value_heads=8, max_position_embeddings=4096,
+        ),
+        source='Touvron et al. 2023, Llama 2, arXiv:2307.09288 (GQA for 34B/70B); meta-llama/Llama-2-70b-hf '
+            'config.json',
+        notes='Context 4096.',
     ),
     ModelPreset(
-        name="llama-3-8b", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, hidden_size=4096, vocab_size=128256, intermediate_size=14336,
-        max_position_embeddings=8192,
-        source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
-        "meta-llama/Meta-Llama-3-8B config.json",
-        notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
+        config=DecoderConfig(
+            name='llama-3-8b',
+            vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=8192,
+        ),
+        source='Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; meta-llama/Meta-Llama-3-8B'
+            ' config.json',
+        notes='Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.',
     ),
     ModelPreset(
-        name="llama-3-70b", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, hidden_size=8192, vocab_size=128256, intermediate_size=28672,
-        max_position_embeddings=8192,
-        source="Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; "
-        "meta-llama/Meta-Llama-3-70B config.json",
-        notes="Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.",
+        config=DecoderConfig(
+            name='llama-3-70b',
+            vocab_size=128256, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+            intermediate_size=28672, num_key_value_heads=8, max_position_embeddings=8192,
+        ),
+        source='Llama Team 2024, The Llama 3 Herd of Models, arXiv:2407.21783, Table 3; '
+            'meta-llama/Meta-Llama-3-70B config.json',
+        notes='Context 8192 (Llama 3); 131072 in Llama 3.1, same attention shape.',
     ),
     ModelPreset(
-        name="mistral-7b-v0.1", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, hidden_size=4096, sliding_window=4096, vocab_size=32000, intermediate_size=14336,
-        max_position_embeddings=32768,
-        source="Jiang et al. 2023, Mistral 7B, arXiv:2310.06825, Table 1; "
-        "mistralai/Mistral-7B-v0.1 config.json (sliding_window 4096)",
-        notes="Every layer slides over 4096 tokens (rolling-buffer cache): the cache stops growing at "
-        "4096 tokens, 8x less than v0.3 at 32K.",
+        config=DecoderConfig(
+            name='mistral-7b-v0.1',
+            vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            intermediate_size=14336, num_key_value_heads=8, sliding_window=4096, layer_types=(SLIDING,) * 32,
+            max_position_embeddings=32768,
+        ),
+        source='Jiang et al. 2023, Mistral 7B, arXiv:2310.06825, Table 1; mistralai/Mistral-7B-v0.1 config.json '
+            '(sliding_window 4096)',
+        notes='Every layer slides over 4096 tokens (rolling-buffer cache): the cache stops growing at 4096 tokens,'
+            ' 8x less than v0.3 at 32K.',
     ),
     ModelPreset(
-        name="mistral-7b-v0.2", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, hidden_size=4096, vocab_size=32000, intermediate_size=14336,
-        max_position_embeddings=32768,
-        source="mistralai/Mistral-7B-Instruct-v0.2 config.json (sliding_window null, rope_theta 1e6); "
-        "Mistral AI release notes",
-        notes="No sliding window: full attention over a 32K context.",
+        config=DecoderConfig(
+            name='mistral-7b-v0.2',
+            vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=32768,
+        ),
+        source='mistralai/Mistral-7B-Instruct-v0.2 config.json (sliding_window null, rope_theta 1e6); Mistral AI '
+            'release notes',
+        notes='No sliding window: full attention over a 32K context.',
     ),
     ModelPreset(
-        name="mistral-7b-v0.3", num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, hidden_size=4096, vocab_size=32768, intermediate_size=14336,
-        max_position_embeddings=32768,
-        source="mistralai/Mistral-7B-v0.3 config.json (sliding_window null, vocab_size 32768)",
-        notes="No sliding window: full attention over a 32K context; vocabulary extended to 32768.",
+        config=DecoderConfig(
+            name='mistral-7b-v0.3',
+            vocab_size=32768, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=32768,
+        ),
+        source='mistralai/Mistral-7B-v0.3 config.json (sliding_window null, vocab_size 32768)',
+        notes='No sliding window: full attention over a 32K context; vocabulary extended to 32768.',
     ),
     ModelPreset(
-        name="gemma-2-27b", num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
-        head_dim=128, hidden_size=4608, sliding_window=4096, layer_types=_pattern(46, 2),
-        vocab_size=256000, intermediate_size=36864, sandwich_norms=True, tie_word_embeddings=True,
-        max_position_embeddings=8192,
-        source="Gemma Team 2024, Gemma 2, arXiv:2408.00118, Table 1; google/gemma-2-27b config.json",
-        notes="Local (window 4096) and global layers alternate, layer 0 local; context 8192.",
+        config=DecoderConfig(
+            name='gemma-2-27b',
+            vocab_size=256000, hidden_size=4608, num_hidden_layers=46, num_attention_heads=32,
+            intermediate_size=36864, num_key_value_heads=16, head_dim=128, hidden_act='gelu_pytorch_tanh',
+            sandwich_norms=True, tie_word_embeddings=True, sliding_window=4096, layer_types=_pattern(46, 2),
+            max_position_embeddings=8192,
+        ),
+        source='Gemma Team 2024, Gemma 2, arXiv:2408.00118, Table 1; google/gemma-2-27b config.json',
+        notes='Local (window 4096) and global layers alternate, layer 0 local; context 8192.',
     ),
     ModelPreset(
-        name="gemma-3-27b", num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
-        head_dim=128, hidden_size=5376, sliding_window=1024, layer_types=_pattern(62, 6),
-        vocab_size=262208, intermediate_size=21504, qk_norm=True, sandwich_norms=True, tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        source="Gemma Team 2025, Gemma 3 Technical Report, arXiv:2503.19786 (5 local : 1 global, "
-        "local span 1024); google/gemma-3-27b-pt config.json text_config",
-        notes="Every 6th layer global (10 of 62); context 128K. The language model only (no vision tower).",
+        config=DecoderConfig(
+            name='gemma-3-27b',
+            vocab_size=262208, hidden_size=5376, num_hidden_layers=62, num_attention_heads=32,
+            intermediate_size=21504, num_key_value_heads=16, head_dim=128, hidden_act='gelu_pytorch_tanh',
+            sandwich_norms=True, qk_norm=True, tie_word_embeddings=True, sliding_window=1024,
+            layer_types=_pattern(62, 6), max_position_embeddings=131072,
+        ),
+        source='Gemma Team 2025, Gemma 3 Technical Report, arXiv:2503.19786 (5 local : 1 global, local span 1024);'
+            ' google/gemma-3-27b-pt config.json text_config',
+        notes='Every 6th layer global (10 of 62); context 128K. The language model only (no vision tower).',
     ),
     ModelPreset(
-        name="deepseek-v2", num_hidden_layers=60, num_attention_heads=128, num_key_value_heads=128,
-        head_dim=192, hidden_size=5120, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, vocab_size=102400, intermediate_size=12288, q_lora_rank=1536, n_routed_experts=160,
-        num_experts_per_tok=6, moe_intermediate_size=1536, n_shared_experts=2, first_k_dense_replace=1,
-        max_position_embeddings=163840,
-        source="DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, Sec. 2.1, 3.1 and App. B; "
-        "deepseek-ai/DeepSeek-V2 config.json",
-        notes="MLA caches kv_lora_rank + qk_rope_head_dim = 576 elements per token per layer. 236B "
-        "parameters, 21B active per token (the paper's figures).",
+        config=DecoderConfig(
+            name='deepseek-v2',
+            vocab_size=102400, hidden_size=5120, num_hidden_layers=60, num_attention_heads=128,
+            intermediate_size=12288, num_key_value_heads=128, max_position_embeddings=163840,
+            latent=LatentConfig(
+                hidden_size=5120, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128
+            ),
+            moe=MoEConfig(
+                n_routed_experts=160, num_experts_per_tok=6, moe_intermediate_size=1536, n_shared_experts=2,
+                first_k_dense_replace=1
+            ),
+        ),
+        source='DeepSeek-AI 2024, DeepSeek-V2, arXiv:2405.04434, Sec. 2.1, 3.1 and App. B; deepseek-ai/DeepSeek-V2'
+            ' config.json',
+        notes='MLA caches kv_lora_rank + qk_rope_head_dim = 576 elements per token per layer. 236B parameters, 21B'
+            " active per token (the paper's figures).",
     ),
-    *_PRESETS_2025,
     ModelPreset(
-        name="llama-70b-mha", num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=64,
-        head_dim=128, hidden_size=8192, vocab_size=32000, intermediate_size=28672,
-        source="Teaching example: the Llama 2 70B shape (arXiv:2307.09288) without GQA",
-        notes="2 x 128,000 x 64 x 128 x 2 B = 4.19 GB per layer, 335 GB for 80 layers at fp16; the "
-        "texts' '128K' is decimal, 128,000 tokens.",
+        config=DecoderConfig(
+            name='gpt-oss-20b',
+            vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+            intermediate_size=2880, num_key_value_heads=8, head_dim=64, qkv_bias=True, o_bias=True, mlp_bias=True,
+            attention_sinks=True, sliding_window=128, layer_types=_pattern(24, 2), max_position_embeddings=131072,
+            moe=MoEConfig(
+                n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880, router_bias=True,
+                swiglu_limit=7.0
+            ),
+        ),
+        source='OpenAI 2025, gpt-oss-120b & gpt-oss-20b Model Card, arXiv:2508.10925; openai/gpt-oss-20b '
+            'config.json (preset format 1)',
+        notes='Local (window 128) and global layers alternate, layer 0 local; a learned sink logit per head; 32 '
+            'experts with biases, 4 per token, router with a bias; YaRN x32 from 4096 to 131072. The MXFP4 '
+            'checkpoint stores experts in 4.25 bits.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='gpt-oss-120b',
+            vocab_size=201088, hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
+            intermediate_size=2880, num_key_value_heads=8, head_dim=64, qkv_bias=True, o_bias=True, mlp_bias=True,
+            attention_sinks=True, sliding_window=128, layer_types=_pattern(36, 2), max_position_embeddings=131072,
+            moe=MoEConfig(
+                n_routed_experts=128, num_experts_per_tok=4, moe_intermediate_size=2880, router_bias=True,
+                swiglu_limit=7.0
+            ),
+        ),
+        source='OpenAI 2025, gpt-oss-120b & gpt-oss-20b Model Card, arXiv:2508.10925; openai/gpt-oss-120b '
+            'config.json (preset format 1)',
+        notes='As gpt-oss-20b with 36 layers and 128 experts.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='qwen3-8b',
+            vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+            intermediate_size=12288, num_key_value_heads=8, qk_norm=True, max_position_embeddings=40960,
+        ),
+        source='Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 1; Qwen/Qwen3-8B config.json '
+            '(preset format 1)',
+        notes='Per-head QK RMSNorm; context 40960 (32K native, 128K with YaRN).',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='qwen3-32b',
+            vocab_size=151936, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+            intermediate_size=25600, num_key_value_heads=8, head_dim=128, qk_norm=True,
+            max_position_embeddings=40960,
+        ),
+        source='Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 1; Qwen/Qwen3-32B config.json '
+            '(preset format 1)',
+        notes='Per-head QK RMSNorm; context 40960.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='qwen3-235b-a22b',
+            vocab_size=151936, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+            intermediate_size=12288, num_key_value_heads=4, head_dim=128, qk_norm=True,
+            max_position_embeddings=40960,
+            moe=MoEConfig(n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536),
+        ),
+        source='Qwen Team 2025, Qwen3 Technical Report, arXiv:2505.09388, Table 2; Qwen/Qwen3-235B-A22B '
+            'config.json (preset format 1)',
+        notes='128 experts, 8 per token (renormalized), no shared expert, every layer a mixture; 235B parameters, '
+            "22B active (the report's figures).",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='deepseek-v3',
+            vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+            intermediate_size=18432, num_key_value_heads=128, max_position_embeddings=163840,
+            latent=LatentConfig(
+                hidden_size=7168, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128
+            ),
+            moe=MoEConfig(
+                n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                first_k_dense_replace=3
+            ),
+        ),
+        source='DeepSeek-AI 2024, DeepSeek-V3 Technical Report, arXiv:2412.19437, Sec. 4.2; '
+            'deepseek-ai/DeepSeek-V3 config.json (preset format 1)',
+        notes='MLA with q-LoRA; sigmoid routing with a correction bias (a buffer, not a parameter), 8 groups, 4 '
+            'kept, 8 of 256 experts plus 1 shared, first 3 layers dense; YaRN x40 from 4096. 671B parameters '
+            'without the multi-token-prediction module (published checkpoint: 685B with it), 37B active.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='deepseek-v3.2',
+            vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+            intermediate_size=18432, num_key_value_heads=128, max_position_embeddings=163840,
+            latent=LatentConfig(
+                hidden_size=7168, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128
+            ),
+            moe=MoEConfig(
+                n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                first_k_dense_replace=3
+            ),
+            indexer=IndexerConfig(index_n_heads=64, index_head_dim=128, index_topk=2048),
+        ),
+        source='DeepSeek-AI 2025, DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse '
+            'Attention, Sec. 2.1; transformers 5.25 DeepseekV32Config defaults (checkpoint '
+            'deepseek-ai/DeepSeek-V3.2-Exp)',
+        notes="DeepSeek-V3's shape with DeepSeek Sparse Attention on every layer: a lightning indexer (64 heads of"
+            ' 128, FP8 in the release) scores every cached token and MLA reads the 2048 best per query; each '
+            'token caches its 128-wide indexer key beside the 576-wide latent. 671.9B parameters without the '
+            "multi-token-prediction module: DeepSeek-V3's 671.0B plus 0.85B of indexers.",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='olmo-2-32b',
+            vocab_size=100352, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+            intermediate_size=27648, num_key_value_heads=8, sandwich_norms=True, qk_norm=True,
+            qk_norm_scope='projection', pre_norms=False, max_position_embeddings=4096,
+        ),
+        source='OLMo Team 2025, 2 OLMo 2 Furious, arXiv:2501.00656; allenai/OLMo-2-0325-32B config.json (preset '
+            'format 1)',
+        notes='Post-norm blocks (a norm after each branch, none before), QK RMSNorm over whole projections.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='olmo-3-7b',
+            vocab_size=100278, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            intermediate_size=11008, num_key_value_heads=32, sandwich_norms=True, qk_norm=True,
+            qk_norm_scope='projection', pre_norms=False, sliding_window=4096, layer_types=_pattern(32, 4),
+            max_position_embeddings=65536,
+        ),
+        source='Ai2 2025, OLMo 3; allenai/Olmo-3-1025-7B config.json (preset format 1)',
+        notes="OLMo 2's blocks with three sliding-window (4096) layers per global layer; MHA.",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='qwen3-next-80b-a3b',
+            vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+            intermediate_size=5632, num_key_value_heads=2, head_dim=256, qk_norm=True, layer_types=_hybrid(48, 4),
+            max_position_embeddings=32768,
+            moe=MoEConfig(
+                n_routed_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, n_shared_experts=1,
+                shared_expert_intermediate_size=512, shared_expert_gate=True
+            ),
+            linear_attention=LinearAttentionConfig(
+                linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                linear_value_head_dim=128
+            ),
+            attn_output_gate=True,
+        ),
+        source='HF transformers 5.25 Qwen3NextConfig defaults, documented there as the Qwen3-Next-80B-A3B '
+            'configuration (checkpoint Qwen/Qwen3-Next-80B-A3B-Instruct); every number is the class default',
+        notes='Hybrid: 36 Gated DeltaNet layers (fixed state) and 12 gated full-attention layers (every 4th), '
+            'partial RoPE (a quarter of each head); 512 experts, 10 per token, one gated shared expert. The '
+            "config class's defaults give max_position_embeddings 32768 (the released config.json states more).",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='qwen3.5-9b',
+            vocab_size=248320, hidden_size=4096, num_hidden_layers=32, num_attention_heads=16,
+            intermediate_size=12288, num_key_value_heads=4, qk_norm=True, layer_types=_hybrid(32, 4),
+            max_position_embeddings=32768,
+            linear_attention=LinearAttentionConfig(
+                linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                linear_value_head_dim=128, mixer='gated_deltanet_split'
+            ),
+            attn_output_gate=True,
+        ),
+        source='HF transformers 5.25 Qwen3_5TextConfig defaults, documented there as the Qwen3.5-9B style '
+            'configuration; every number is the class default',
+        notes='Hybrid: 24 Gated DeltaNet layers (fixed state) and 8 gated full-attention layers (every 4th), '
+            'partial RoPE; dense SwiGLU feed-forward. The language model of the multimodal Qwen3.5.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='kimi-linear-48b-a3b',
+            vocab_size=163840, hidden_size=2304, num_hidden_layers=27, num_attention_heads=32,
+            intermediate_size=9216, num_key_value_heads=32, position='none',
+            layer_types=tuple(FULL if i + 1 in (4, 8, 12, 16, 20, 24, 27) else LINEAR_ATTENTION for i in range(27)),
+            max_position_embeddings=1048576,
+            latent=LatentConfig(
+                hidden_size=2304, num_attention_heads=32, kv_lora_rank=512, use_rope=False, q_lora_rank=None,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            ),
+            moe=MoEConfig(
+                n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024, n_shared_experts=1,
+                first_k_dense_replace=1
+            ),
+            linear_attention=LinearAttentionConfig(
+                linear_num_key_heads=32, linear_num_value_heads=32, linear_key_head_dim=128,
+                linear_value_head_dim=128, mixer='kda'
+            ),
+        ),
+        source='Kimi Team 2025, Kimi Linear: An Expressive, Efficient Attention Architecture, arXiv:2510.26692; '
+            'widths, heads, experts and context: transformers 5.25 KimiLinearConfig defaults (its checkpoint '
+            "moonshotai/Kimi-Linear-48B-A3B-Instruct); layer pattern: that checkpoint's config.json "
+            'linear_attn_config, full_attn_layers 4, 8, 12, 16, 20, 24, 27 counted from 1 (preset format 1)',
+        notes='20 Kimi Delta Attention layers (32 heads of 128, per-channel decay, a recurrent state flat in the '
+            "context: 32 x 128 x 128 fp32 plus the convolution's last 3 inputs per layer and sequence) and 7 MLA"
+            ' layers without positions (NoPE), no q-LoRA; sigmoid routing with a correction bias, 8 of 256 '
+            "experts plus 1 shared, first layer dense. transformers' default layer_types (MLA at layers 4, 8, "
+            "..., 24 counted from 0) differ from the checkpoint's.",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='llama-70b-mha',
+            vocab_size=32000, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+            intermediate_size=28672, num_key_value_heads=64, max_position_embeddings=4096,
+        ),
+        context_stated=False,
+        source='Teaching example: the Llama 2 70B shape (arXiv:2307.09288) without GQA',
+        notes="2 x 128,000 x 64 x 128 x 2 B = 4.19 GB per layer, 335 GB for 80 layers at fp16; the texts' '128K' "
+            'is decimal, 128,000 tokens.',
     ),
 )
 
@@ -651,24 +631,71 @@ def preset_from_hf_config(
     cfg = dict(config.get("text_config") or config) if "num_hidden_layers" not in config else dict(config)
     cfg = {_HF_ALIASES.get(k, k): v for k, v in cfg.items()}
     lat = layout.latent
-    return ModelPreset(
+    whole = _whole_model_fields(cfg, layout.name)
+    v_head_dim = cfg.get("v_head_dim") if lat is None else None
+    head_dim = lat.qk_head_dim if lat is not None else layout.head_dim
+    config = _hf_decoder_config(
         name=name or layout.name or "config",
         num_hidden_layers=layout.num_hidden_layers,
         num_attention_heads=layout.num_attention_heads,
         num_key_value_heads=layout.num_key_value_heads,
-        head_dim=lat.qk_head_dim if lat is not None else layout.head_dim,
+        head_dim=head_dim,
         hidden_size=layout.hidden_size,
         sliding_window=layout.sliding_window,
         layer_types=layout.layer_types,
-        kv_lora_rank=None if lat is None else lat.kv_lora_rank,
-        qk_rope_head_dim=None if lat is None else lat.qk_rope_head_dim,
-        qk_nope_head_dim=None if lat is None else lat.qk_nope_head_dim,
-        v_head_dim=cfg.get("v_head_dim") if lat is None else lat.v_head_dim,
+        latent=lat,
         linear_attention=layout.linear_attention,
-        mla_use_nope=lat is not None and not lat.use_rope,
-        source=source,
-        **_whole_model_fields(cfg, layout.name),
+        **whole,
     )
+    return ModelPreset(config=config, source=source, context_stated=whole["max_position_embeddings"] is not None,
+                       v_head_dim=v_head_dim if v_head_dim not in (None, head_dim) else None)
+
+
+def _hf_decoder_config(*, name: str, hidden_size: int, num_attention_heads: int, head_dim: int, latent,
+                       mlp: str, sandwich_norms: bool, pre_norms: bool, attention_bias: bool, qkv_bias: bool,
+                       learned_positions: int | None, max_position_embeddings: int | None,
+                       q_lora_rank: int | None = None, index_n_heads: int | None = None,
+                       index_head_dim: int | None = None, index_topk: int | None = None,
+                       n_routed_experts: int | None = None, num_experts_per_tok: int | None = None,
+                       moe_intermediate_size: int | None = None, n_shared_experts: int = 0,
+                       first_k_dense_replace: int = 0, router_bias: bool = False,
+                       shared_expert_intermediate_size: int | None = None, shared_expert_gate: bool = False,
+                       **same: Any) -> DecoderConfig:
+    """The DecoderConfig of a HF config's fields (:func:`_whole_model_fields` and the layout's): HF's flat names
+    mapped onto the description, what HF leaves to the family taking its usual value (SiLU gates, tanh-GELU for
+    dense feed-forwards and for Gemma's pre- and post-norm layout, RoPE unless a learned position table or MLA
+    without positions; experts with biases are GPT-OSS's clamped SwiGLU experts, HF's default limit 7)."""
+    dense = mlp == "dense"
+    kw: dict[str, Any] = dict(
+        name=name, hidden_size=hidden_size, num_attention_heads=num_attention_heads, gated_mlp=not dense,
+        hidden_act="gelu_tanh" if dense else ("gelu_pytorch_tanh" if sandwich_norms and pre_norms else "silu"),
+        qkv_bias=attention_bias or qkv_bias, o_bias=attention_bias, sandwich_norms=sandwich_norms,
+        pre_norms=pre_norms, position="learned" if learned_positions else "rope",
+        max_position_embeddings=learned_positions or max_position_embeddings or 4096, **same)
+    if head_dim != hidden_size // num_attention_heads and latent is None:
+        kw["head_dim"] = head_dim
+    if set(kw["layer_types"]) == {FULL}:  # all global: a window no layer uses is not stated
+        kw.update(sliding_window=None, layer_types=None)
+    if latent is not None:
+        kw["latent"] = LatentConfig(hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                                    kv_lora_rank=latent.kv_lora_rank, q_lora_rank=q_lora_rank,
+                                    qk_nope_head_dim=latent.qk_nope_head_dim, qk_rope_head_dim=latent.qk_rope_head_dim,
+                                    v_head_dim=latent.v_head_dim, use_rope=latent.use_rope)
+        if not latent.use_rope:
+            kw["position"] = "none"
+    if index_topk is not None:
+        kw["indexer"] = IndexerConfig(index_n_heads=index_n_heads, index_head_dim=index_head_dim,
+                                      index_topk=index_topk)
+    if n_routed_experts is not None and moe_intermediate_size is not None:
+        kw["moe"] = MoEConfig(n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok,
+                              moe_intermediate_size=moe_intermediate_size, n_shared_experts=n_shared_experts,
+                              first_k_dense_replace=first_k_dense_replace, router_bias=router_bias,
+                              swiglu_limit=7.0 if kw["mlp_bias"] else None,
+                              shared_expert_intermediate_size=shared_expert_intermediate_size,
+                              shared_expert_gate=shared_expert_gate)
+    elif n_routed_experts is not None:  # experts of an unstated width: attention only, never counted as dense
+        kw["intermediate_size"] = None
+    return DecoderConfig(**kw)
 
 
 # HF model types whose feed-forward has two matrices and whose norms are LayerNorms with biases (GPT-2 layout).
@@ -741,7 +768,7 @@ def get_preset(name_or_path: str | os.PathLike) -> ModelPreset:
         ValueError: unknown name, listing the known ones and the closest match.
 
     Example:
-        >>> get_preset("Llama_3_70B").num_key_value_heads
+        >>> get_preset("Llama_3_70B").config.num_key_value_heads
         8
     """
     key = os.fspath(name_or_path).strip().lower().replace("_", "-").replace(" ", "-")
