@@ -233,9 +233,9 @@ def _calibrated_device(cal: dict, link: tuple[float, float]):
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
+    from qkv.config import DecoderConfig
+    from qkv.config.presets import ModelPreset
     from qkv.costs.context_parallel import layer_time
-    from qkv.spec import DecoderConfig
-    from qkv.spec.presets import ModelPreset
 
     n = N_QUICK if args.quick else N_PUBLISHED
     repeat = args.repeat or (2 if args.quick else 5)

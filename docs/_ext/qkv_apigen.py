@@ -134,7 +134,7 @@ def _resolves(target: str, module: str | None) -> bool:
 
 
 def _defined_in_qkv(target: str) -> bool:
-    """A name written where the object it names is not importable (the torch-free ``qkv.spec`` naming a
+    """A name written where the object it names is not importable (the torch-free ``qkv.config`` naming a
     ``qkv.nn`` function): it counts when exactly one loaded qkv module defines it."""
     head = target.partition(".")[0]
     homes = {getattr(getattr(m, head), "__module__", None) for n, m in list(sys.modules.items())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qkv.cache import FullSpec, plan_memory
-from qkv.spec.hf_config import declared_dtype, description_dtype
+from qkv.config.hf_config import declared_dtype, description_dtype
 
 MiB = 2**20
 _LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -222,8 +222,8 @@ def test_context_within_max_position_embeddings_does_not_warn(args):
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "8k"], ids=repr)
 def test_preset_refuses_a_bad_max_position_embeddings(bad):
+    from qkv.config import DecoderConfig
     from qkv.costs import ModelPreset
-    from qkv.spec import DecoderConfig
 
     with pytest.raises(ValueError, match="max_position_embeddings must be a positive int"):
         ModelPreset(config=DecoderConfig(name="t", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

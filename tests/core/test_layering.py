@@ -15,7 +15,8 @@ SRC = Path(qkv.__file__).resolve().parent
 #: functional core, across it: the operator, its shared types and its backends are one layer).
 CORE = 1
 LAYERS: dict[str, float] = {
-    "spec": 0, "costs": 0.5, "cpu": 0.5,  # the model description; arithmetic on it; CPU products (imports no qkv)
+    "config": 0, "costs": 0.5, "cpu": 0.5,  # the model description; arithmetic on it; CPU products (imports no qkv)
+    "spec": 0.1,  # qkv.config's deprecated alias (one release)
     **dict.fromkeys(["_attention", "_request", "_paged", "_merge", "_probs", "_dropout", "_layout", "_sinks", "lse",
                      "masks", "mods", "pos", "varlen", "backends", "linear", "testing", "plain", "sparse"], CORE),
     "cache": 2,

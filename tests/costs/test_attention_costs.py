@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 import qkv.costs as costs
+from qkv.config import DecoderConfig
+from qkv.config import presets as presets_mod
+from qkv.config.latent import LatentConfig
 from qkv.costs import (
     GB,
     PRESETS,
@@ -31,9 +34,6 @@ from qkv.costs import (
 from qkv.costs import flops as flops_mod
 from qkv.costs import memory as memory_mod
 from qkv.costs import units as units_mod
-from qkv.spec import DecoderConfig
-from qkv.spec import presets as presets_mod
-from qkv.spec.latent import LatentConfig
 
 K128 = 131_072
 
@@ -319,7 +319,7 @@ def test_preset_validation(bad, match):
 
 @pytest.mark.parametrize(
     "kw, error, match",
-    [(dict(config={"name": "t"}), TypeError, "config must be a qkv.spec.DecoderConfig, got dict"),
+    [(dict(config={"name": "t"}), TypeError, "config must be a qkv.config.DecoderConfig, got dict"),
      (dict(encoder_layers=-1), ValueError, "encoder_layers must be an int >= 0, got -1"),
      (dict(v_head_dim=0), ValueError, "v_head_dim.*positive int"),
      (dict(context_stated="yes"), TypeError, "context_stated must be a bool"),

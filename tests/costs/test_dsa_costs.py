@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qkv import masks as M
+from qkv.config.dsa import IndexerConfig
 from qkv.costs import (
     PRESETS,
     ModelPreset,
@@ -25,7 +26,6 @@ from qkv.costs import (
     topk_attention_flops,
     topk_pairs,
 )
-from qkv.spec.dsa import IndexerConfig
 
 
 @pytest.mark.parametrize("nq,nk,k", [(1, 1, 1), (7, 7, 3), (5, 13, 4), (13, 5, 2), (16, 16, 64), (1, 100, 10)],
@@ -121,7 +121,7 @@ def test_dsa_model_flops_sum_the_layers_of_the_preset():
 def test_deepseek_v32_preset_is_transformers_config():
     """The preset's numbers are ``DeepseekV32Config()``'s defaults (the DeepSeek-V3.2-Exp checkpoint's)."""
     transformers = pytest.importorskip("transformers")
-    from qkv.spec import preset_from_hf_config
+    from qkv.config import preset_from_hf_config
 
     read = preset_from_hf_config(transformers.DeepseekV32Config().to_dict(), name="deepseek-v3.2")
     ours = PRESETS["deepseek-v3.2"]
@@ -156,8 +156,8 @@ def test_deepseek_v32_is_deepseek_v3_plus_its_indexers():
 
 def test_num_parameters_equals_the_from_hf_model():
     transformers = pytest.importorskip("transformers")
+    from qkv.config import preset_from_hf_config
     from qkv.models import from_hf
-    from qkv.spec import preset_from_hf_config
 
     cfg = transformers.DeepseekV32Config(
         vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

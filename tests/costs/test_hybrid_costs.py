@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from qkv.cache import KVCache, RecurrentSpec, plan_memory
 from qkv.cli import _register, app
+from qkv.config import DecoderConfig, ModelPreset, preset_from_hf_config
 from qkv.costs import PRESETS, kv_cache_memory, model_attention_flops, num_parameters
 from qkv.costs.flops import recurrent_flops
 from qkv.costs.memory import recurrent_state_bytes
 from qkv.nn import DecoderLM, get_config
-from qkv.spec import DecoderConfig, ModelPreset, preset_from_hf_config
 
 HYBRIDS = ["qwen3-next-80b-a3b", "qwen3.5-9b"]
 runner = CliRunner()

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from qkv.cache import RecurrentSpec, plan_memory
+from qkv.config import ModelPreset
 from qkv.costs import PRESETS, kv_cache_memory, model_attention_flops, model_flops, num_parameters
 from qkv.costs.flops import recurrent_flops
 from qkv.costs.memory import recurrent_state_bytes
 from qkv.nn import DecoderLM, get_config
-from qkv.spec import ModelPreset
 
 KIMI = PRESETS["kimi-linear-48b-a3b"]
 

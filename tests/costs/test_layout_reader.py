@@ -1,4 +1,4 @@
-"""qkv.spec.hf_config.read_layout, the one reader of an HF config's attention layout: its layer types equal HF's
+"""qkv.config.hf_config.read_layout, the one reader of an HF config's attention layout: its layer types equal HF's
 own ``config.layer_types`` for raw ``config.json`` dicts with and without them, and the model ``from_hf``
 builds, ``qkv.costs.kv_cache_memory`` and ``qkv.cache.plan_memory`` count the same KV-cache bytes."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from _hf import OptionalModule
+from qkv.config import hf_config as layout_module
+from qkv.config.hf_config import FULL_ATTENTION, SLIDING_ATTENTION, read_layout
 from qkv.costs import kv_cache_memory, preset_from_hf_config
-from qkv.spec import hf_config as layout_module
-from qkv.spec.hf_config import FULL_ATTENTION, SLIDING_ATTENTION, read_layout
 
 transformers = OptionalModule("transformers")
 

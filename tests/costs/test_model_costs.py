@@ -353,8 +353,8 @@ def _shrunk(name):
 
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.encoder_layers])
 def test_preset_shaped_model_has_the_counted_parameters(name):
+    from qkv.config.decoder import decoder_config_from_preset
     from qkv.nn import DecoderLM
-    from qkv.spec.config import decoder_config_from_preset
 
     small = _shrunk(name)
     model = DecoderLM(decoder_config_from_preset(small))
@@ -385,8 +385,8 @@ def test_get_config_builds_a_small_model_shaped_like_a_preset():
 def test_get_config_carries_a_new_width_and_head_count_into_mla(name):
     """An MLA preset shrunk by get_config overrides builds a model of that width (the latent config follows the
     overrides; it used to keep the preset's width and fail at the first forward)."""
+    from qkv.config.latent import LatentConfig
     from qkv.nn import DecoderLM, get_config
-    from qkv.spec.latent import LatentConfig
 
     cfg = get_config(name, num_hidden_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=50,
                      intermediate_size=64)  # one layer: the dense one (the experts come later)

@@ -12,12 +12,12 @@ from torch.profiler import profile
 import qkv
 import qkv.cpu
 from qkv import masks
+from qkv.config.moe import MoEConfig
 from qkv.cpu import fused, ops
 from qkv.models.generate import generate
 from qkv.nn import DecoderConfig, DecoderLM, GatedDeltaNet, LinearAttentionConfig, RMSNorm
 from qkv.nn.gated_deltanet import GatedRMSNorm
 from qkv.nn.moe import Experts
-from qkv.spec.moe import MoEConfig
 
 pytestmark = pytest.mark.xdist_group("cpu_kernels")
 

@@ -1,4 +1,4 @@
-"""The mixer registry (qkv.spec.mixers, qkv.nn.mixers): for every kind of layer, the declared module, cache spec,
+"""The mixer registry (qkv.config.mixers, qkv.nn.mixers): for every kind of layer, the declared module, cache spec,
 parameter count and FLOP count agree with the module and the model built from the same config; bad use of the
 registry raises clear errors."""
 
@@ -12,14 +12,14 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from qkv.cache.describe import cache_specs_of, spec_of
+from qkv.config import IndexerConfig, ModelPreset
+from qkv.config.mixers import MIXERS, MixerKind, get_mixer, mixer_of, register_mixer
 from qkv.costs.flops import attention_flops, recurrent_flops
 from qkv.costs.params import num_parameters
 from qkv.nn import DecoderConfig, DecoderLM, get_config
 from qkv.nn.decoder import DecoderLayer
 from qkv.nn.mixer import DecoderMixer
 from qkv.nn.mixers import MIXER_MODULES, build_mixer, mixer_module, register_mixer_module
-from qkv.spec import IndexerConfig, ModelPreset
-from qkv.spec.mixers import MIXERS, MixerKind, get_mixer, mixer_of, register_mixer
 
 _SMALL = dict(hidden_size=64, num_attention_heads=4, intermediate_size=64, vocab_size=64, moe=None)
 
@@ -134,7 +134,7 @@ def test_unknown_mixer_kind_is_refused_naming_the_known_ones():
         get_mixer("mamba3")
     with pytest.raises(ValueError, match=r"unknown mixer kind 'mamba3': no module registered \(registered: attention"):
         mixer_module("mamba3")
-    with pytest.raises(ValueError, match=r"no mixer kind 'mamba3' in qkv.spec.mixers.MIXERS"):
+    with pytest.raises(ValueError, match=r"no mixer kind 'mamba3' in qkv.config.mixers.MIXERS"):
         register_mixer_module("mamba3", nn.Linear)
 
 
@@ -142,7 +142,7 @@ def test_duplicate_registration_is_refused():
     attention = get_mixer("attention")
     with pytest.raises(ValueError, match=r"a mixer named 'attention' is already registered"):
         register_mixer(attention)
-    with pytest.raises(TypeError, match=r"kind must be a qkv.spec.mixers.MixerKind, got dict"):
+    with pytest.raises(TypeError, match=r"kind must be a qkv.config.mixers.MixerKind, got dict"):
         register_mixer({"name": "x"})
     with pytest.raises(ValueError, match=r"the mixer kind 'mla' already has a module, LatentAttention"):
         register_mixer_module("mla", MIXER_MODULES["attention"])
@@ -152,8 +152,8 @@ def test_duplicate_registration_is_refused():
 @pytest.fixture
 def registries():
     """The registries' contents restored after the test (they are module-level, shared by every test)."""
+    from qkv.config import mixers as spec_mixers
     from qkv.nn import mixers as nn_mixers
-    from qkv.spec import mixers as spec_mixers
 
     saved = [(d, d.copy()) for d in (spec_mixers._MIXERS, nn_mixers._MODULES)]
     yield

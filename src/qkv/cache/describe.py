@@ -1,51 +1,51 @@
-"""Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.spec.DecoderConfig`
-(what :func:`qkv.spec.hf_config.read_layout` reads from an HF config too) or a :class:`qkv.spec.ModelPreset`:
+"""Layer specs of a model description: one :mod:`qkv.cache` spec per layer of a :class:`qkv.config.DecoderConfig`
+(what :func:`qkv.config.hf_config.read_layout` reads from an HF config too) or a :class:`qkv.config.ModelPreset`:
 ``RecurrentSpec`` for the
 recurrent (``linear_attention``) layers of hybrid models, ``LatentSpec`` for MLA (``IndexedLatentSpec`` with
 DeepSeek Sparse Attention's indexer key), ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The
-description (in :mod:`qkv.spec`) knows
+description (in :mod:`qkv.config`) knows
 nothing of the cache; the cache reads it here.
 
 Example:
-    >>> from qkv.spec import get_config
+    >>> from qkv.config import get_config
     >>> [s.kind for s in cache_specs_of(get_config("tiny-gemma"))][:2]
     ['sliding', 'full']
 """
 
 from __future__ import annotations
 
-from ..spec.config import DecoderConfig
-from ..spec.mixers import CacheShape, mixer_of
-from ..spec.presets import ModelPreset
+from ..config.decoder import DecoderConfig
+from ..config.mixers import CacheShape, mixer_of
+from ..config.presets import ModelPreset
 from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
 
 __all__ = ["cache_specs_of", "spec_of"]
 
-#: The layer spec class of each cache kind a mixer declares (:data:`qkv.spec.mixers.CACHE_KINDS`).
+#: The layer spec class of each cache kind a mixer declares (:data:`qkv.config.mixers.CACHE_KINDS`).
 _SPECS: dict[str, type[LayerSpec]] = {"full": FullSpec, "sliding": SlidingWindowSpec, "latent": LatentSpec,
                                       "indexed_latent": IndexedLatentSpec, "recurrent": RecurrentSpec}
 
 
 def spec_of(shape: CacheShape) -> LayerSpec:
-    """The :mod:`qkv.cache` layer spec of a mixer's :class:`qkv.spec.mixers.CacheShape`.
+    """The :mod:`qkv.cache` layer spec of a mixer's :class:`qkv.config.mixers.CacheShape`.
 
     Example:
         >>> spec_of(CacheShape("sliding", (8, 2, 16))).max_tokens
         8
     """
     if not isinstance(shape, CacheShape) or shape.kind not in _SPECS:
-        raise ValueError(f"spec_of: expected a qkv.spec.mixers.CacheShape of kind {', '.join(_SPECS)}, got {shape!r}")
+        raise ValueError(f"spec_of: expected a qkv.config.mixers.CacheShape of kind {', '.join(_SPECS)}, got {shape!r}")
     return _SPECS[shape.kind](*shape.args)
 
 
 def cache_specs_of(description: DecoderConfig | ModelPreset) -> list[LayerSpec]:
     """One layer spec per layer of ``description`` (what :meth:`qkv.nn.DecoderLM.cache_specs` returns for its
-    config: each layer's mixer declares its cache, :mod:`qkv.spec.mixers`); a preset through its
-    :attr:`~qkv.spec.ModelPreset.description`; ``TypeError`` for anything else."""
+    config: each layer's mixer declares its cache, :mod:`qkv.config.mixers`); a preset through its
+    :attr:`~qkv.config.ModelPreset.description`; ``TypeError`` for anything else."""
     if isinstance(description, DecoderConfig):
         c = description
         return [spec_of(mixer_of(c, i).cache(c, i)) for i in range(c.num_hidden_layers)]
     if isinstance(description, ModelPreset):
         return cache_specs_of(description.description)
-    raise TypeError(f"cache_specs_of: expected a qkv.spec.DecoderConfig or ModelPreset, got "
+    raise TypeError(f"cache_specs_of: expected a qkv.config.DecoderConfig or ModelPreset, got "
                     f"{type(description).__name__}")

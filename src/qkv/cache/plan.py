@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..spec.config import DecoderConfig
-from ..spec.hf_config import description_dtype, read_layout
-from ..spec.presets import ModelPreset, get_preset
+from ..config.decoder import DecoderConfig
+from ..config.hf_config import description_dtype, read_layout
+from ..config.presets import ModelPreset, get_preset
 from .describe import cache_specs_of
 from .paged import Paged
 from .protocol import CachePolicy, HasCacheSpecs, Quantizer
@@ -112,9 +112,9 @@ def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | str]:
     The default dtype, one rule: a model (``torch.nn.Module`` with ``cache_specs()``) caches in its
     parameters' dtype; a qkv model config (:class:`qkv.nn.DecoderConfig`, or anything with ``cache_specs()``) in torch's
     default dtype, the dtype ``DecoderLM(config)`` is built in; every other description (an HF config dict,
-    ``transformers`` config or ``config.json`` path, a preset name, a :class:`qkv.spec.ModelPreset`, layer
+    ``transformers`` config or ``config.json`` path, a preset name, a :class:`qkv.config.ModelPreset`, layer
     specs) in the dtype it declares (HF's ``dtype``/``torch_dtype``), else bfloat16, the dtype published
-    checkpoints ship and serve in (:func:`qkv.spec.hf_config.description_dtype`)."""
+    checkpoints ship and serve in (:func:`qkv.config.hf_config.description_dtype`)."""
     if isinstance(config, torch.nn.Module) and isinstance(config, HasCacheSpecs):
         return list(config.cache_specs()), _model_dtype(config)
     if isinstance(config, HasCacheSpecs):
@@ -132,7 +132,7 @@ def resolve_specs(config) -> tuple[list[LayerSpec], torch.dtype | str]:
             isinstance(s, LayerSpec) for s in config):
         return list(config), dtype
     raise TypeError(f"plan_memory: expected layer specs, a model with cache_specs(), a model config (qkv.nn."
-                    f"DecoderConfig), a preset name, a qkv.spec.ModelPreset or an HF config, got "
+                    f"DecoderConfig), a preset name, a qkv.config.ModelPreset or an HF config, got "
                     f"{type(config).__name__}")
 
 

@@ -19,6 +19,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from qkv.config.config_file import read_json_config
+from qkv.config.hf_config import description_dtype
 from qkv.costs import (
     DEVICE_GB,
     GB,
@@ -31,8 +33,6 @@ from qkv.costs import (
     model_attention_flops,
     parse_context,
 )
-from qkv.spec.config_file import read_json_config
-from qkv.spec.hf_config import description_dtype
 
 __all__ = ["register", "plot_figure", "compare_figure", "context_axis_end", "context_warning", "load_preset",
            "unique_names"]
@@ -54,7 +54,7 @@ _Json = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON
 
 
 def _one_dtype(models: Sequence[str]) -> str:
-    """The default cache dtype of several models (:func:`qkv.spec.hf_config.description_dtype`); a
+    """The default cache dtype of several models (:func:`qkv.config.hf_config.description_dtype`); a
     ``ValueError`` asking for ``--dtype`` when their configs declare different ones."""
     dtypes = {m: description_dtype(m) for m in models}
     if len(set(dtypes.values())) > 1:

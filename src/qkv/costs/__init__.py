@@ -13,7 +13,7 @@ Example:
     ('42.95 GB', {24: False, 80: True, 141: True})
 """
 
-from ..spec.presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
+from ..config.presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
 from .dsa import (
     DSALayerFlops,
     DSAModelFlops,

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from ..spec.presets import ModelPreset
+from ..config.presets import ModelPreset
 from .flops import TRAINING_MULTIPLIER
 
 __all__ = ["Device", "H200", "PARAMETERS", "SCHEMES", "LayerTime", "SchemeWork", "layer_time", "longest_context",

@@ -187,11 +187,11 @@ def dsa_crossover_context(*, hidden_size: int, num_heads: int, kv_lora_rank: int
 
 
 def dsa_model_flops(preset, *, context: int, batch: int = 1) -> DSAModelFlops:
-    """DSA and dense MLA FLOPs of every layer of ``preset`` (a :class:`qkv.spec.ModelPreset` with an indexer, e.g.
+    """DSA and dense MLA FLOPs of every layer of ``preset`` (a :class:`qkv.config.ModelPreset` with an indexer, e.g.
     ``PRESETS["deepseek-v3.2"]``) at ``context`` tokens, and the crossovers (:func:`dsa_crossover_context`).
 
     Example:
-        >>> from qkv.spec import PRESETS
+        >>> from qkv.config import PRESETS
         >>> f = dsa_model_flops(PRESETS["deepseek-v3.2"], context=131072)
         >>> f.decode.sparse < f.decode.dense, f.crossover_decode
         (True, 2284)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..spec.presets import ModelPreset
+from ..config.presets import ModelPreset
 
 __all__ = [
     "TRAINING_MULTIPLIER",

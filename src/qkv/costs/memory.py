@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ..spec.presets import ModelPreset
+from ..config.presets import ModelPreset
 from .units import GB, _dtype_key, parse_dtype
 
 __all__ = [

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..spec.mixers import mixer_of
-from ..spec.presets import ModelPreset
+from ..config.mixers import mixer_of
+from ..config.presets import ModelPreset
 from .flops import attended_pairs_x2
 from .params import decoder_side, layer_ffn_params, require_whole_model, resolve_preset
 

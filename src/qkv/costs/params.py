@@ -41,9 +41,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ..spec.config import DecoderConfig
-from ..spec.mixers import get_mixer, mixer_of
-from ..spec.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
+from ..config.decoder import DecoderConfig
+from ..config.mixers import get_mixer, mixer_of
+from ..config.presets import ModelPreset, get_preset, preset_from_hf_config, require_whole_model
 
 __all__ = [
     "ParamCount", "attention_weights", "layer_attention_params", "layer_ffn_params", "num_parameters",
@@ -66,7 +66,7 @@ class ParamCount(NamedTuple):
 
 
 def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[str, Any], what: str) -> ModelPreset:
-    """A :class:`ModelPreset` from itself, a :class:`qkv.spec.DecoderConfig`, a preset name, a HF ``config.json``
+    """A :class:`ModelPreset` from itself, a :class:`qkv.config.DecoderConfig`, a preset name, a HF ``config.json``
     path or a parsed HF config dict."""
     if isinstance(preset_or_config, ModelPreset):
         return preset_or_config
@@ -77,11 +77,11 @@ def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[s
     if isinstance(preset_or_config, Mapping):
         return preset_from_hf_config(preset_or_config)
     raise TypeError(f"{what}: expected a ModelPreset, a preset name, a HF config.json path, a HF config dict or a "
-                    f"qkv.spec.DecoderConfig, got {type(preset_or_config).__name__}")
+                    f"qkv.config.DecoderConfig, got {type(preset_or_config).__name__}")
 
 
 def decoder_side(preset: ModelPreset) -> DecoderConfig:
-    """The one description of ``preset``'s decoder stack, whose mixers :mod:`qkv.spec.mixers` counts
+    """The one description of ``preset``'s decoder stack, whose mixers :mod:`qkv.config.mixers` counts
     (:attr:`ModelPreset.description`: its ``config``, refused where value heads are narrower without MLA)."""
     return preset.description
 
@@ -102,7 +102,7 @@ def _cross(c: DecoderConfig) -> DecoderConfig:
 
 def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
     """Weights of one attention block's projection matrices (no biases, no norms): what a token multiplies
-    by (the mixer registry's count, :mod:`qkv.spec.mixers`). ``cross``: a plain MHA/GQA block (an encoder's or a
+    by (the mixer registry's count, :mod:`qkv.config.mixers`). ``cross``: a plain MHA/GQA block (an encoder's or a
     cross-attention block), never MLA."""
     c = decoder_side(preset)
     if cross:
@@ -170,7 +170,7 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
 
     Args:
         preset: a :class:`qkv.costs.ModelPreset` of a whole model (its ``config`` states ``vocab_size`` and
-            ``intermediate_size``), e.g. ``PRESETS["llama-2-70b"]``; or a :class:`qkv.spec.DecoderConfig`, a preset
+            ``intermediate_size``), e.g. ``PRESETS["llama-2-70b"]``; or a :class:`qkv.config.DecoderConfig`, a preset
             name (``"llama-2-70b"``), a HF ``config.json`` path or a parsed HF config dict.
 
     Returns:

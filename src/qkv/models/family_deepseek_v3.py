@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from ..config.hf_config import read_moe
 from ..nn import DecoderConfig, DecoderLM, LatentConfig, MoEConfig
-from ..spec.hf_config import read_moe
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder, rename_router_bias
 from .loading import FAMILIES, CheckpointError

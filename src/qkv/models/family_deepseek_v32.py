@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from ..config.hf_config import read_indexer, read_moe
 from ..nn import DecoderConfig, DecoderLM, LatentConfig
-from ..spec.hf_config import read_indexer, read_moe
 from . import family_deepseek_v3
 from .hf import decoder_config as decoder_config_from
 from .loading import FAMILIES, CheckpointError

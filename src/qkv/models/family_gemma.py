@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from ..config.hf_config import hf_defaults
 from ..nn import DecoderConfig, DecoderLM
-from ..spec.hf_config import hf_defaults
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError

@@ -9,7 +9,7 @@ RoPE at all and the softmax scale is ``(dn + dr) ** -0.5``), each followed by De
 (sigmoid scores, correction bias, ``n_group`` groups, shared experts; the first ``first_k_dense_replace`` layers
 dense).
 
-Config as transformers' ``KimiLinearConfig`` reads it (:mod:`qkv.spec.hf_config`): a checkpoint's
+Config as transformers' ``KimiLinearConfig`` reads it (:mod:`qkv.config.hf_config`): a checkpoint's
 ``linear_attn_config`` gives the KDA shape and the layer pattern (``full_attn_layers``/``kda_layers``, counted
 from 1); transformers' own names (``layer_types``, ``linear_num_heads``, ``num_local_experts``, ...) work too.
 
@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from ..config.hf_config import hf_defaults, read_latent, read_moe
+from ..config.layer_types import LINEAR_ATTENTION
 from ..nn import DecoderConfig, DecoderLM
-from ..spec.hf_config import hf_defaults, read_latent, read_moe
-from ..spec.layer_types import LINEAR_ATTENTION
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder, rename_router_bias
 from .loading import FAMILIES, CheckpointError

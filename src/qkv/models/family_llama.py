@@ -10,7 +10,7 @@ SwiGLU. They differ in switches:
   windows only with ``use_sliding_window`` and only on layers ``>= max_window_layers`` (or as
   ``layer_types`` says).
 
-Which layers slide, and RoPE, come from the one layout reader, :func:`qkv.spec.hf_config.read_layout`.
+Which layers slide, and RoPE, come from the one layout reader, :func:`qkv.config.hf_config.read_layout`.
 
 Tensor names: HF ``model.layers.{i}.self_attn.{q,k,v}_proj`` are stacked into ``layers.{i}.self_attn.qkv_proj``
 and ``mlp.{gate,up}_proj`` into ``mlp.gate_up_proj``; the norms are renamed by role (``input_layernorm``

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ..config.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 from ..nn import DecoderConfig, DecoderLM
-from ..spec.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError

@@ -5,7 +5,7 @@ Qwen Team 2025, "Qwen3 Technical Report" (arXiv:2505.09388). A Llama-shaped :cla
 
 - per-head RMSNorm of queries and keys before RoPE (``qk_norm``, as Gemma 3, weights used as they are);
 - ``attention_bias`` on all four attention projections (False in every released checkpoint), an explicit
-  ``head_dim``; sliding windows only with ``use_sliding_window`` (read by :func:`qkv.spec.hf_config.read_layout`);
+  ``head_dim``; sliding windows only with ``use_sliding_window`` (read by :func:`qkv.config.hf_config.read_layout`);
 - Qwen3-MoE: every layer a mixture of ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, a
   softmax router keeping ``num_experts_per_tok`` (renormalized when ``norm_topk_prob``), no shared expert
   (:func:`qkv.nn.moe.route_softmax`).
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ..config.hf_config import read_moe
 from ..nn import DecoderConfig, DecoderLM, MoEConfig
-from ..spec.hf_config import read_moe
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError

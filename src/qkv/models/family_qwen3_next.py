@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
+from ..config.hf_config import read_moe, text_config
+from ..config.layer_types import FULL_ATTENTION
 from ..nn import DecoderConfig, DecoderLM, MoEConfig
-from ..spec.hf_config import read_moe, text_config
-from ..spec.layer_types import FULL_ATTENTION
 from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError

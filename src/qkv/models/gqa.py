@@ -33,12 +33,12 @@ import copy
 import torch
 from torch import nn
 
+from ..config.decoder import DecoderConfig, TransformerConfig
 from ..cpu.skinny import SkinnyLinear
 from ..nn.attention import MultiHeadAttention
 from ..nn.decoder import SelfAttention
 from ..nn.latent import LatentAttention
 from ..nn.protocol import attention_modules
-from ..spec.config import DecoderConfig, TransformerConfig
 
 __all__ = ["POOLINGS", "pool_heads", "to_gqa"]
 

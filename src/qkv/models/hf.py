@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..spec.config import DecoderConfig, RopeParams
-from ..spec.hf_config import read_layout
+from ..config.decoder import DecoderConfig, RopeParams
+from ..config.hf_config import read_layout
 from .loading import CheckpointError
 
 __all__ = ["rope_params", "read_checkpoint_layout", "decoder_config", "rename_decoder", "rename_router_bias",
@@ -31,7 +31,7 @@ MLP_STACK = ("gate_proj", "up_proj")
 
 
 def rope_params(rope: RopeParams, *, interleaved: bool = False, partial: bool = False) -> RopeParams:
-    """A layer type's RoPE as :func:`qkv.spec.hf_config.read_layout` reads it, with the family's channel pairing;
+    """A layer type's RoPE as :func:`qkv.config.hf_config.read_layout` reads it, with the family's channel pairing;
     ``CheckpointError`` for a partial rotation unless the family rotates the first channels only (``partial``:
     Qwen3-Next and Qwen3.5 rotate a quarter of each head)."""
     if rope.partial_rotary_factor != 1.0 and not partial:
@@ -41,7 +41,7 @@ def rope_params(rope: RopeParams, *, interleaved: bool = False, partial: bool = 
 
 
 def read_checkpoint_layout(cfg: Mapping[str, Any]) -> DecoderConfig:
-    """:func:`qkv.spec.hf_config.read_layout`, its errors raised as :class:`CheckpointError`."""
+    """:func:`qkv.config.hf_config.read_layout`, its errors raised as :class:`CheckpointError`."""
     try:
         return read_layout(cfg)
     except (TypeError, ValueError) as e:
@@ -51,7 +51,7 @@ def read_checkpoint_layout(cfg: Mapping[str, Any]) -> DecoderConfig:
 def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, partial_rotary: bool = False,
                    **family: Any) -> DecoderConfig:
     """A :class:`qkv.nn.DecoderConfig` from the fields every HF decoder config shares, the layout
-    (:func:`qkv.spec.hf_config.read_layout`: layer types, window, RoPE per layer type, head width, the recurrent
+    (:func:`qkv.config.hf_config.read_layout`: layer types, window, RoPE per layer type, head width, the recurrent
     layers' mixer) and a family's switches (``family`` overrides; ``partial_rotary``: the family rotates
     ``partial_rotary_factor`` of each head); ``CheckpointError`` naming what is missing or wrong."""
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

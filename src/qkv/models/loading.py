@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from ..config.config_file import read_json_config
 from ..cpu import optimize as cpu_optimize
-from ..spec.config_file import read_json_config
 
 __all__ = ["FAMILIES", "from_hf", "load_config", "load_state_dict", "CheckpointError", "Renamer", "check_and_load",
            "check_fits"]

@@ -8,8 +8,8 @@ Example:
     torch.Size([2, 5, 32])
 """
 
-from ..spec.config import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
-from ..spec.linear import LinearAttentionConfig
+from ..config.decoder import PRESETS, DecoderConfig, RopeParams, TransformerConfig, get_config
+from ..config.linear import LinearAttentionConfig
 from ._recurrent import RecurrentState
 from .activations import ACTIVATIONS
 from .attention import AttentionModuleOutput, MultiHeadAttention

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..config.decoder import TransformerConfig
 from ..pos.relative import PositionalBias
-from ..spec.config import TransformerConfig
 from .attention import MultiHeadAttention
 from .ffn import FeedForward
 from .norm import make_norm

@@ -26,7 +26,7 @@ switches. Each layer is two pre-norm residual branches::
 - :class:`qkv.nn.RMSNorm` (Gemma's ``1 + w`` variant included) or LayerNorm; embeddings optionally scaled by
   ``sqrt(d)`` (Gemma); final logits optionally soft-capped (Gemma 2); LM head tied to the embedding or not.
 
-Each layer's mixer is the kind :func:`qkv.spec.mixers.mixer_of` names (attention, MLA, DSA, Gated DeltaNet, KDA),
+Each layer's mixer is the kind :func:`qkv.config.mixers.mixer_of` names (attention, MLA, DSA, Gated DeltaNet, KDA),
 built by :func:`qkv.nn.mixers.build_mixer` and called one way, ``mixer.mix(x, step, keep)``
 (:class:`qkv.nn.mixer.DecoderMixer`); nothing here chooses by kind.
 
@@ -71,12 +71,12 @@ from .. import masks
 from ..cache.describe import cache_specs_of
 from ..cache.protocol import AttentionCache
 from ..cache.specs import LayerSpec
+from ..config.decoder import DecoderConfig
+from ..config.layer_types import LINEAR_ATTENTION
+from ..config.mixers import mixer_of
 from ..pos.ids import batch_positions, positions_from_padding
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.rope import RotaryEmbedding, apply_rotary
-from ..spec.config import DecoderConfig
-from ..spec.layer_types import LINEAR_ATTENTION
-from ..spec.mixers import mixer_of
 from .cached import attention_mask, refuse_scoring_cache
 from .ffn import FeedForward, GatedMLP
 from .mixer import DecoderMixer
@@ -220,7 +220,7 @@ def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
 class DecoderLayer(nn.Module):
     """One layer: a token mixer and a feed-forward branch, each pre-normed (and post-normed with sandwich norms).
 
-    The mixer is the kind :func:`qkv.spec.mixers.mixer_of` names for the layer, built and called one way
+    The mixer is the kind :func:`qkv.config.mixers.mixer_of` names for the layer, built and called one way
     (:class:`qkv.nn.mixer.DecoderMixer`) and held under HF's name for its kind (``self_attn`` for attention,
     ``linear_attn`` for a recurrent mixer); :attr:`mixer` is it, whatever the name."""
 

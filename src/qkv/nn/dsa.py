@@ -52,8 +52,8 @@ from torch import nn
 
 from .. import masks
 from ..cache.protocol import LatentCache
+from ..config.latent import LatentConfig
 from ..pos.rope import RotaryEmbedding
-from ..spec.latent import LatentConfig
 from .latent import (
     PATHS,
     LatentAttention,
@@ -66,7 +66,7 @@ from .latent import (
 )
 
 if TYPE_CHECKING:
-    from ..spec.config import DecoderConfig
+    from ..config.decoder import DecoderConfig
 
 __all__ = ["LightningIndexer", "IndexerOutput", "SparseLatentAttention", "sparse_path_flops"]
 

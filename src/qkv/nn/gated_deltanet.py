@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.cache.specs import RecurrentSpec
+from qkv.config.decoder import DecoderConfig
 from qkv.linear import LinearAttentionOutput
 from qkv.nn._recurrent import DeltaKernel, RecurrentState, check_input, check_state, delta_mix, mask_padding
 from qkv.nn.mixer import MixerStep, mix_recurrent
 from qkv.nn.norm import NormKernel
 from qkv.nn.protocol import apply_head_gate
-from qkv.spec.config import DecoderConfig
 
 __all__ = ["GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "gated_rms_norm"]
 

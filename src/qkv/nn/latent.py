@@ -74,15 +74,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._attention import attention
+from ..config.latent import LatentConfig
 from ..costs.flops import attention_flops, mla_absorbed_flops
 from ..pos.rope import RotaryEmbedding
-from ..spec.latent import LatentConfig
 from .cached import AttentionHeads, attention_mask, cache_capabilities, plain_decode_step
 from .norm import RMSNorm
 from .protocol import apply_head_gate
 
 if TYPE_CHECKING:
-    from ..spec.config import DecoderConfig
+    from ..config.decoder import DecoderConfig
     from .mixer import MixerStep
 
 __all__ = ["LatentConfig", "LatentAttention", "LatentAttentionOutput", "LatentHeads", "PathChoice",

@@ -3,7 +3,7 @@
 A mixer (softmax attention, MLA, DSA, Gated DeltaNet, Kimi Delta Attention, ...) follows :class:`DecoderMixer`:
 
 - ``Cls.for_decoder(config, layer_idx, rope)`` builds it for layer ``layer_idx`` of a
-  :class:`qkv.spec.DecoderConfig` (``rope``: the model's rotary table of that layer's type, or None);
+  :class:`qkv.config.DecoderConfig` (``rope``: the model's rotary table of that layer's type, or None);
 - ``mixer.mix(x, step, keep)`` maps the normed residual stream ``x`` (B, N, d) to (B, N, d), or to the last
   ``keep`` columns (B, keep, d) where it can skip the others (the decoder slices the rest); ``step``
   (:class:`MixerStep`) carries what every layer of one forward shares: positions, the cache, the step's masks
@@ -11,7 +11,7 @@ A mixer (softmax attention, MLA, DSA, Gated DeltaNet, Kimi Delta Attention, ...)
 - ``mixer.score_modifiers()`` names what it adds to attention scores beyond ``q.k`` (ALiBi, a softcap), so
   the decoder refuses caches that rank tokens by ``q.k`` alone; ``()`` for the others.
 
-Which kind each layer is, and the torch-free facts of each kind, are :mod:`qkv.spec.mixers`'; the class of each
+Which kind each layer is, and the torch-free facts of each kind, are :mod:`qkv.config.mixers`'; the class of each
 kind is :mod:`qkv.nn.mixers`'. :func:`mix_recurrent` is the cache round trip every recurrent mixer shares.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..cache.protocol import AttentionCache
-    from ..spec.config import DecoderConfig
+    from ..config.decoder import DecoderConfig
 
 __all__ = ["DecoderMixer", "MixerStep", "mix_recurrent"]
 

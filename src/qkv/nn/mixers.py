@@ -1,11 +1,11 @@
-"""The mixer registry, module half: the class of each kind of :mod:`qkv.spec.mixers`, each a
+"""The mixer registry, module half: the class of each kind of :mod:`qkv.config.mixers`, each a
 :class:`qkv.nn.mixer.DecoderMixer` (built by ``for_decoder``, called by ``mix``).
 
 Adding a kind of layer: its module file (a class with ``for_decoder``, ``mix`` and ``score_modifiers``), one
-:class:`qkv.spec.mixers.MixerKind` registered in :mod:`qkv.spec.mixers` and one line in :data:`_MODULES` here.
+:class:`qkv.config.mixers.MixerKind` registered in :mod:`qkv.config.mixers` and one line in :data:`_MODULES` here.
 
 Example:
-    >>> from qkv.spec import get_config
+    >>> from qkv.config import get_config
     >>> build_mixer(get_config("tiny-llama"), 0, None).__class__.__name__
     'SelfAttention'
 """
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ..spec.mixers import MIXERS, mixer_of
+from ..config.mixers import MIXERS, mixer_of
 from .dsa import SparseLatentAttention
 from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
@@ -25,7 +25,7 @@ from .mixer import DecoderMixer
 from .self_attention import SelfAttention
 
 if TYPE_CHECKING:
-    from ..spec.config import DecoderConfig
+    from ..config.decoder import DecoderConfig
 
 __all__ = ["MIXER_MODULES", "build_mixer", "mixer_module", "register_mixer_module"]
 
@@ -43,12 +43,13 @@ MIXER_MODULES: Mapping[str, type] = MappingProxyType(_MODULES)
 
 
 def register_mixer_module(name: str, cls: type) -> type:
-    """Register ``cls`` as the module of the mixer kind ``name`` (first registered in :mod:`qkv.spec.mixers`).
+    """Register ``cls`` as the module of the mixer kind ``name`` (first registered in :mod:`qkv.config.mixers`).
     ``ValueError`` for a kind that has no torch-free half or already has a module; ``TypeError`` for a class that
     does not follow :class:`qkv.nn.mixer.DecoderMixer`."""
     if name not in MIXERS:
-        raise ValueError(f"register_mixer_module: no mixer kind {name!r} in qkv.spec.mixers.MIXERS "
-                         f"({', '.join(MIXERS)}); register its MixerKind there first (qkv.spec.mixers.register_mixer)")
+        raise ValueError(f"register_mixer_module: no mixer kind {name!r} in qkv.config.mixers.MIXERS "
+                         f"({', '.join(MIXERS)}); register its MixerKind there first "
+                         f"(qkv.config.mixers.register_mixer)")
     if name in _MODULES:
         raise ValueError(f"register_mixer_module: the mixer kind {name!r} already has a module, "
                          f"{_MODULES[name].__name__}")

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..spec.moe import MoEConfig
+from ..config.moe import MoEConfig
 from .activations import ACTIVATIONS, GateKernel, check_activation, gated
 from .ffn import GatedMLP
 

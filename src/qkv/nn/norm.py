@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..spec.config import NORMS
+from ..config.decoder import NORMS
 
 __all__ = ["rms_norm", "RMSNorm", "NormKernel", "make_norm", "NORMS"]
 

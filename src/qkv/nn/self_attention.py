@@ -16,9 +16,9 @@ from torch import nn
 
 from .. import mods
 from .._attention import attention
+from ..config.decoder import DecoderConfig
 from ..pos.alibi import ALiBiBias
 from ..pos.rope import RotaryKernel, apply_rotary
-from ..spec.config import DecoderConfig
 from .cached import cached_attention
 from .norm import RMSNorm
 

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from .. import masks
+from ..config.decoder import TransformerConfig
 from ..pos.alibi import ALiBiBias
 from ..pos.learned import LearnedPositionalEmbedding
 from ..pos.relative import ShawRelativePosition, T5RelativeBias
 from ..pos.rope import RotaryEmbedding
 from ..pos.sinusoidal import sinusoidal_encoding
-from ..spec.config import TransformerConfig
 from .blocks import TransformerBlock
 from .norm import make_norm
 

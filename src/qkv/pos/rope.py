@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from ..spec.hf_config import read_rope
-from ..spec.rope import ROPE_TYPES, RopeParams
+from ..config.hf_config import read_rope
+from ..config.rope import ROPE_TYPES, RopeParams
 
 __all__ = [
     "RotaryEmbedding", "ROPE_TYPES", "apply_rotary", "RotaryKernel", "rope", "default_inv_freq", "linear_inv_freq",
@@ -254,10 +254,10 @@ class RotaryEmbedding:
     @classmethod
     def from_params(cls, params: RopeParams, head_dim: int, max_position_embeddings: int | None = None,
                     ) -> RotaryEmbedding:
-        """Build from :class:`qkv.spec.RopeParams` (the model description's RoPE) for heads of ``head_dim``.
+        """Build from :class:`qkv.config.RopeParams` (the model description's RoPE) for heads of ``head_dim``.
 
         Example:
-            >>> from qkv.spec import RopeParams
+            >>> from qkv.config import RopeParams
             >>> RotaryEmbedding.from_params(RopeParams(theta=500.0), 8).theta
             500.0
         """

@@ -1,4 +1,4 @@
-"""qkv.spec, the torch-free model description: it imports without torch, holds each concept once (layer types,
+"""qkv.config, the torch-free model description: it imports without torch, holds each concept once (layer types,
 RoPE parameters, activation and norm names, the HF reader), and the public names of qkv.nn and qkv.costs are
 its objects."""
 
@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-import qkv.spec
-from qkv.spec import hf_config
+import qkv.config
+from qkv.config import hf_config
 
 _BLOCK_TORCH = textwrap.dedent("""
     import sys
@@ -28,14 +28,14 @@ _BLOCK_TORCH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("module", ["qkv.spec", "qkv.costs"])
+@pytest.mark.parametrize("module", ["qkv.config", "qkv.costs"])
 def test_imports_without_torch(module):
     """A meta-path guard refuses torch (and numpy, transformers): the description and the cost arithmetic still
     import and work, and load no qkv module that needs torch."""
     code = _BLOCK_TORCH + textwrap.dedent(f"""
         import importlib, json
         importlib.import_module({module!r})
-        from qkv.spec import get_config, get_preset, read_layout
+        from qkv.config import get_config, get_preset, read_layout
         cfg = get_config("llama-3-8b", num_hidden_layers=2)
         layout = read_layout({{"model_type": "gemma2", "num_hidden_layers": 4, "num_attention_heads": 8,
                                "hidden_size": 64}})
@@ -49,7 +49,7 @@ def test_imports_without_torch(module):
     assert got["types"] == ["full_attention"] * 2 and got["kv"] == 8
     assert got["gemma"] == ["sliding_attention", "full_attention"] * 2
     assert not [m for m in got["loaded"] if m.startswith("torch")]
-    allowed = ("qkv.spec", "qkv.costs")
+    allowed = ("qkv.config", "qkv.costs")
     assert all(m == "qkv" or m.startswith(allowed) for m in got["loaded"]), got["loaded"]
 
 
@@ -59,13 +59,13 @@ def test_spec_imports_nothing_above_it():
     import pathlib
 
     bad = []
-    for path in pathlib.Path(qkv.spec.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(qkv.config.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.level > 1 or (node.module or "").startswith("qkv")
-                                                     and not node.module.startswith("qkv.spec")):
+                                                     and not node.module.startswith("qkv.config")):
                 bad.append(f"{path.name}:{node.lineno}")
             if isinstance(node, ast.Import) and any(a.name.startswith(("qkv.", "torch")) and
-                                                    not a.name.startswith("qkv.spec") for a in node.names):
+                                                    not a.name.startswith("qkv.config") for a in node.names):
                 bad.append(f"{path.name}:{node.lineno}")
     assert not bad, bad
 
@@ -84,7 +84,8 @@ def test_each_concept_is_defined_once():
     import qkv.nn.latent
     import qkv.nn.moe
     import qkv.nn.norm
-    from qkv.spec import config, layer_types, presets, rope
+    from qkv.config import decoder as config
+    from qkv.config import layer_types, presets, rope
 
     for module in (config, hf_config, presets):
         assert module.FULL_ATTENTION is layer_types.FULL_ATTENTION
@@ -92,8 +93,8 @@ def test_each_concept_is_defined_once():
     assert qkv.nn.DecoderConfig is config.DecoderConfig and qkv.nn.TransformerConfig is config.TransformerConfig
     assert qkv.nn.RopeParams is rope.RopeParams and qkv.nn.get_config is config.get_config
     assert qkv.nn.PRESETS is config.PRESETS
-    assert qkv.nn.LatentConfig is qkv.nn.latent.LatentConfig is qkv.spec.LatentConfig
-    assert qkv.nn.MoEConfig is qkv.nn.moe.MoEConfig is qkv.spec.MoEConfig
+    assert qkv.nn.LatentConfig is qkv.nn.latent.LatentConfig is qkv.config.LatentConfig
+    assert qkv.nn.MoEConfig is qkv.nn.moe.MoEConfig is qkv.config.MoEConfig
     assert importlib.import_module("qkv.pos.rope").ROPE_TYPES is rope.ROPE_TYPES
     assert qkv.nn.norm.NORMS is config.NORMS
     assert tuple(qkv.nn.activations.ACTIVATIONS) == config.ACTIVATION_NAMES  # names here, functions in qkv.nn
@@ -103,7 +104,7 @@ def test_costs_public_names_are_the_spec_objects():
     import qkv.costs
 
     for name in ("PRESETS", "AMBIGUOUS", "ModelPreset", "get_preset", "preset_from_hf_config"):
-        assert getattr(qkv.costs, name) is getattr(qkv.spec, name), name
+        assert getattr(qkv.costs, name) is getattr(qkv.config, name), name
 
 
 def test_latent_and_moe_come_from_the_one_reader():
@@ -115,7 +116,7 @@ def test_latent_and_moe_come_from_the_one_reader():
                 "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                 "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}
     latent = hf_config.read_latent(deepseek)
-    assert qkv.spec.LatentConfig.from_hf(deepseek) == latent  # the public method is the reader
+    assert qkv.config.LatentConfig.from_hf(deepseek) == latent  # the public method is the reader
     assert (latent.rope_theta, latent.rope_type, latent.q_lora_rank) == (500.0, "yarn", 24)
     assert latent.rope_scaling["factor"] == 4.0 and "rope_theta" not in latent.rope_scaling
     moe = hf_config.read_moe(deepseek)
@@ -127,11 +128,11 @@ def test_latent_and_moe_come_from_the_one_reader():
 def test_transformer_config_reads_rope_through_the_reader(key):
     hf = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "rope_theta": 2e4,
           key: {"type": "linear", "factor": 2.0}}
-    cfg = qkv.spec.TransformerConfig.from_dict(hf, strict=False)
+    cfg = qkv.config.TransformerConfig.from_dict(hf, strict=False)
     want = hf_config.read_rope(hf)["full_attention"]
     assert (cfg.rope_theta, cfg.rope_params.rope_type, dict(cfg.rope_scaling)) == (
         want.theta, "linear", dict(want.scaling))
-    default = qkv.spec.TransformerConfig.from_dict(
+    default = qkv.config.TransformerConfig.from_dict(
         {**hf, key: {"rope_type": "default", "rope_theta": 7e3}}, strict=False)
     assert (default.rope_scaling, default.rope_theta) == (None, 2e4)  # the explicit rope_theta wins
 
@@ -141,19 +142,19 @@ def test_rope_params_build_the_same_embedding():
 
     from qkv.pos import RotaryEmbedding
 
-    params = qkv.spec.RopeParams(theta=5e5, scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    params = qkv.config.RopeParams(theta=5e5, scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     built = RotaryEmbedding.from_params(params, 16, 512)
     direct = RotaryEmbedding(16, theta=5e5, scaling=dict(params.scaling), max_position_embeddings=512)
     assert torch.equal(built.inv_freq(), direct.inv_freq())
     with pytest.raises(ValueError, match="needs 'factor'"):
-        qkv.spec.TransformerConfig(position="rope", rope_scaling={"rope_type": "linear"})
+        qkv.config.TransformerConfig(position="rope", rope_scaling={"rope_type": "linear"})
     with pytest.raises(ValueError, match="unsupported rope_type 'bogus'"):
-        qkv.spec.TransformerConfig(position="rope", rope_scaling={"rope_type": "bogus"})
+        qkv.config.TransformerConfig(position="rope", rope_scaling={"rope_type": "bogus"})
 
 
-@pytest.mark.parametrize("name", ["qkv.spec", "qkv.spec.config", "qkv.spec.hf_config", "qkv.spec.layer_types",
-                                  "qkv.spec.rope", "qkv.spec.latent", "qkv.spec.presets",
+@pytest.mark.parametrize("name", ["qkv.config", "qkv.config.decoder", "qkv.config.hf_config", "qkv.config.layer_types",
+                                  "qkv.config.rope", "qkv.config.latent", "qkv.config.presets",
                                   "qkv.cache.describe"])
 def test_docstring_examples_run(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
@@ -161,7 +162,7 @@ def test_docstring_examples_run(name):
 
 
 def _whole_decoder_presets():
-    return [p for p in qkv.spec.PRESETS.values() if not p.encoder_layers]
+    return [p for p in qkv.config.PRESETS.values() if not p.encoder_layers]
 
 
 @pytest.mark.parametrize("name", [p.name for p in _whole_decoder_presets()])
@@ -170,11 +171,11 @@ def test_preset_is_a_description_and_back(name):
     same cost arithmetic (parameters, KV bytes, FLOPs)."""
     from qkv.costs import kv_cache_memory, model_flops, num_parameters
 
-    preset = qkv.spec.PRESETS[name]
+    preset = qkv.config.PRESETS[name]
     cfg = preset.config
-    assert qkv.spec.get_config(name) == cfg
-    assert qkv.spec.config.decoder_config_from_preset(preset) == cfg
-    back = qkv.spec.ModelPreset.from_config(cfg, source=preset.source)
+    assert qkv.config.get_config(name) == cfg
+    assert qkv.config.decoder.decoder_config_from_preset(preset) == cfg
+    back = qkv.config.ModelPreset.from_config(cfg, source=preset.source)
     assert back.config.layer_types == preset.config.layer_types and back.attention_kind == preset.attention_kind
     assert num_parameters(back)[1:] == num_parameters(preset)[1:]
     assert num_parameters(cfg)[1:] == num_parameters(preset)[1:]  # costs take the description itself
@@ -187,26 +188,26 @@ def test_costs_of_a_description_count_the_built_model(name):
     from qkv.costs import num_parameters
     from qkv.nn import DecoderLM
 
-    cfg = qkv.spec.get_config(name)
+    cfg = qkv.config.get_config(name)
     assert num_parameters(cfg).total == sum(p.numel() for p in DecoderLM(cfg).parameters())
 
 
 def test_from_config_refuses_what_costs_do_not_count():
     with pytest.raises(ValueError, match="embed_norm.*does not count"):
-        qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-bloom"))
-    with pytest.raises(TypeError, match="expected a qkv.spec.DecoderConfig"):
-        qkv.spec.ModelPreset.from_config({"hidden_size": 8})
+        qkv.config.ModelPreset.from_config(qkv.config.get_config("tiny-bloom"))
+    with pytest.raises(TypeError, match="expected a qkv.config.DecoderConfig"):
+        qkv.config.ModelPreset.from_config({"hidden_size": 8})
 
 
 def test_from_config_refuses_a_field_it_does_not_count(monkeypatch):
     """A DecoderConfig field the cost arithmetic does not know (one added later) is refused when set away from
     its default, never silently left out of the count."""
-    from qkv.spec import presets
+    from qkv.config import presets
 
     monkeypatch.setattr(presets, "_COUNTED_FIELDS", presets._COUNTED_FIELDS - {"qk_norm"})
     with pytest.raises(ValueError, match="qk_norm=True"):
-        qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-gemma"))
-    assert qkv.spec.ModelPreset.from_config(qkv.spec.get_config("tiny-llama")).config.qk_norm is False
+        qkv.config.ModelPreset.from_config(qkv.config.get_config("tiny-gemma"))
+    assert qkv.config.ModelPreset.from_config(qkv.config.get_config("tiny-llama")).config.qk_norm is False
 
 
 # The published Kimi-Linear-48B-A3B-Instruct config.json (moonshotai), its layout and expert fields.
@@ -262,7 +263,7 @@ def test_kimi_linear_configs_the_reader_refuses(change, match):
 
 
 def test_kda_mixer_has_as_many_key_as_value_heads():
-    from qkv.spec.linear import LinearAttentionConfig
+    from qkv.config.linear import LinearAttentionConfig
 
     kda = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                mixer="kda")
@@ -277,7 +278,7 @@ def test_kimi_linear_preset_is_its_config_json():
     pattern, the KDA mixer, NoPE MLA, and so the same parameters, recurrent state and KV bytes."""
     from qkv.costs import kv_cache_memory, num_parameters
 
-    preset, read = qkv.spec.PRESETS["kimi-linear-48b-a3b"], qkv.spec.preset_from_hf_config(KIMI_LINEAR_JSON)
+    preset, read = qkv.config.PRESETS["kimi-linear-48b-a3b"], qkv.config.preset_from_hf_config(KIMI_LINEAR_JSON)
     assert read.config.layer_types == preset.config.layer_types
     assert read.config.linear_attention == preset.config.linear_attention
     assert not read.config.latent.use_rope and not preset.config.latent.use_rope
@@ -292,7 +293,7 @@ def test_a_preset_states_one_description():
     """ModelPreset.description is the DecoderConfig of what the preset states: the whole model (then .config), the
     attention only, or an encoder-decoder's decoder stack; the cache reads presets through it."""
     from qkv.cache.describe import cache_specs_of
-    from qkv.spec import PRESETS, preset_from_hf_config
+    from qkv.config import PRESETS, preset_from_hf_config
 
     for name in ("llama-3-8b", "gemma-3-27b", "deepseek-v3.2", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b"):
         p = PRESETS[name]
@@ -303,7 +304,8 @@ def test_a_preset_states_one_description():
     assert d.attention_only and (d.num_hidden_layers, d.num_key_value_heads, d.head_dim) == (2, 4, 64)
     assert attention_only.config is d and not attention_only.whole_model
     with pytest.raises(ValueError, match="describes attention only"):
-        qkv.spec.config.decoder_config_from_preset(attention_only)  # a whole model still needs the whole-model fields
+        # a whole model still needs the whole-model fields
+        qkv.config.decoder.decoder_config_from_preset(attention_only)
     assert PRESETS["transformer-base"].description.num_hidden_layers == 6  # the decoder stack
     with pytest.raises(ValueError, match=r"value heads of 128 beside key heads of 192 without MLA"):
         _ = PRESETS["deepseek-v2"].mha_equivalent().description
@@ -314,7 +316,7 @@ def test_a_preset_holds_a_config_and_only_what_a_config_cannot():
     facts a DecoderConfig cannot hold; every published preset is written as a DecoderConfig named after it."""
     import dataclasses
 
-    from qkv.spec import PRESETS, DecoderConfig, ModelPreset
+    from qkv.config import PRESETS, DecoderConfig, ModelPreset
 
     fields = {f.name for f in dataclasses.fields(ModelPreset)}
     assert fields == {"config", "source", "notes", "encoder_layers", "context_stated", "v_head_dim"}
@@ -329,8 +331,8 @@ def test_a_preset_holds_a_config_and_only_what_a_config_cannot():
 def test_mha_equivalent_of_mla_keeps_its_narrower_values():
     """An MLA model's MHA-equivalent caches a 192-wide key and a 128-wide value per query head: a cache shape no
     DecoderConfig builds, held by the preset's ``v_head_dim``; describing it as a model is refused."""
+    from qkv.config import PRESETS
     from qkv.costs import kv_cache_memory
-    from qkv.spec import PRESETS
 
     mha = PRESETS["deepseek-v2"].mha_equivalent()
     assert mha.config.latent is None and mha.config.indexer is None and mha.attention_kind == "mha"
@@ -342,8 +344,8 @@ def test_mha_equivalent_of_mla_keeps_its_narrower_values():
 
 
 def test_hf_value_heads_narrower_without_mla_are_counted():
+    from qkv.config import preset_from_hf_config
     from qkv.costs import kv_cache_memory
-    from qkv.spec import preset_from_hf_config
 
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "v_head_dim": 32}
     p = preset_from_hf_config(cfg)

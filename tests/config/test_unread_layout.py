@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from qkv.spec.hf_config import UNREAD_LAYOUT_FIELDS, read_layout
+from qkv.config.hf_config import UNREAD_LAYOUT_FIELDS, read_layout
 
 _LLAMA4_TEXT = dict(model_type="llama4_text", num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
                     head_dim=128, hidden_size=5120, vocab_size=202048, intermediate_size=8192,
@@ -102,8 +102,8 @@ def test_the_reader_returns_the_one_description():
     model refuses such an attention-only description, naming the fields to give."""
     import torch
 
+    from qkv.config import DecoderConfig
     from qkv.nn import DecoderLM
-    from qkv.spec import DecoderConfig
 
     base = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
     attention_only = read_layout(base)

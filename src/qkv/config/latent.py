@@ -109,7 +109,7 @@ class LatentConfig:
     @classmethod
     def from_hf(cls, config) -> LatentConfig:
         """From an HF ``DeepseekV2Config`` (or V3, a dict with the same keys, or a ``config.json`` path):
-        :func:`qkv.spec.hf_config.read_latent`.
+        :func:`qkv.config.hf_config.read_latent`.
 
         Example:
             >>> LatentConfig.from_hf({"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16,

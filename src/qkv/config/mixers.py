@@ -1,4 +1,4 @@
-"""The mixer registry, torch-free half: every kind of token-mixing layer a :class:`qkv.spec.DecoderConfig` can hold,
+"""The mixer registry, torch-free half: every kind of token-mixing layer a :class:`qkv.config.DecoderConfig` can hold,
 with what the cache, the cost arithmetic and the decoder need to know of it.
 
 A decoder layer is a token mixer followed by a feed-forward. The mixer kinds (:data:`MIXERS`):
@@ -21,10 +21,10 @@ same names.
 
 A new kind of layer is one :class:`MixerKind` registered here (:func:`register_mixer`), its module class with a
 registry line in :mod:`qkv.nn.mixers`, and, for a recurrent kind, nothing else: its name is a value of
-:attr:`qkv.spec.LinearAttentionConfig.mixer`.
+:attr:`qkv.config.LinearAttentionConfig.mixer`.
 
 Example:
-    >>> from qkv.spec import get_config
+    >>> from qkv.config import get_config
     >>> c = get_config("tiny-llama")
     >>> kind = mixer_of(c, 0)
     >>> kind.name, kind.attribute, kind.cache(c, 0)
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .layer_types import LINEAR_ATTENTION
 
 if TYPE_CHECKING:
-    from .config import DecoderConfig
+    from .decoder import DecoderConfig
 
 __all__ = ["CACHE_KINDS", "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mixer_of", "recurrent_mixers",
            "register_mixer"]
@@ -63,7 +63,7 @@ class CacheShape(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class MixerKind:
-    """One kind of token mixer. Every function takes the :class:`qkv.spec.DecoderConfig` of the model.
+    """One kind of token mixer. Every function takes the :class:`qkv.config.DecoderConfig` of the model.
 
     Args:
         name: the registry key (for a recurrent kind, the ``mixer`` value of its ``LinearAttentionConfig``).
@@ -102,7 +102,7 @@ def register_mixer(kind: MixerKind) -> MixerKind:
     """Add ``kind`` to :data:`MIXERS`. ``ValueError`` when the name is taken; ``TypeError`` for anything but a
     :class:`MixerKind`."""
     if not isinstance(kind, MixerKind):
-        raise TypeError(f"register_mixer: kind must be a qkv.spec.mixers.MixerKind, got {type(kind).__name__}")
+        raise TypeError(f"register_mixer: kind must be a qkv.config.mixers.MixerKind, got {type(kind).__name__}")
     if kind.name in _MIXERS:
         raise ValueError(f"register_mixer: a mixer named {kind.name!r} is already registered; pick another name (the "
                          f"registered ones: {', '.join(_MIXERS)})")
@@ -114,7 +114,7 @@ def get_mixer(name: str) -> MixerKind:
     """The registered kind ``name``; ``ValueError`` naming the registered ones otherwise."""
     if not isinstance(name, str) or name not in _MIXERS:
         raise ValueError(f"unknown mixer kind {name!r}; registered: {', '.join(_MIXERS)} (register a new one with "
-                         "qkv.spec.mixers.register_mixer)")
+                         "qkv.config.mixers.register_mixer)")
     return _MIXERS[name]
 
 
@@ -128,7 +128,7 @@ def mixer_of(config: DecoderConfig, layer_idx: int) -> MixerKind:
     otherwise ``"dsa"`` with an indexer, ``"mla"`` with a latent, else ``"attention"``.
 
     Example:
-        >>> from qkv.spec import get_config
+        >>> from qkv.config import get_config
         >>> [mixer_of(get_config("qwen3-next-80b-a3b", num_hidden_layers=4), i).name for i in range(4)]
         ['gated_deltanet', 'gated_deltanet', 'gated_deltanet', 'attention']
     """

@@ -31,7 +31,7 @@ from .mixers import recurrent_mixers
 
 __all__ = ["LinearAttentionConfig", "LINEAR_MIXERS"]
 
-#: The recurrent mixers a ``linear_attention`` layer may hold (those of :mod:`qkv.spec.mixers` at import; a kind
+#: The recurrent mixers a ``linear_attention`` layer may hold (those of :mod:`qkv.config.mixers` at import; a kind
 #: registered later is accepted too).
 LINEAR_MIXERS = recurrent_mixers()
 
@@ -42,7 +42,7 @@ class LinearAttentionConfig:
     ``linear_num_heads`` is both head counts, its ``linear_head_dim`` both widths).
 
     Args:
-        mixer: a recurrent kind of :data:`qkv.spec.mixers.MIXERS` (:data:`LINEAR_MIXERS`).
+        mixer: a recurrent kind of :data:`qkv.config.mixers.MIXERS` (:data:`LINEAR_MIXERS`).
         linear_num_key_heads: query/key heads ``Hk``.
         linear_num_value_heads: value heads ``H``, a multiple of ``Hk`` (each key head serves ``H / Hk``).
         linear_key_head_dim, linear_value_head_dim: ``Dk`` and ``Dv``.
@@ -58,7 +58,7 @@ class LinearAttentionConfig:
 
     def __post_init__(self) -> None:
         if self.mixer not in recurrent_mixers():
-            raise ValueError(f"LinearAttentionConfig: mixer must be one of the recurrent kinds of qkv.spec.mixers, "
+            raise ValueError(f"LinearAttentionConfig: mixer must be one of the recurrent kinds of qkv.config.mixers, "
                              f"{recurrent_mixers()}, got {self.mixer!r}")
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_conv_kernel_dim"):
@@ -83,7 +83,7 @@ class LinearAttentionConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], *, mixer: str = "gated_deltanet") -> LinearAttentionConfig:
         """From an HF Qwen3-Next / Qwen3.5 text config dict (HF's defaults for absent keys); for ``mixer="kda"`` a
-        Kimi Linear one as :func:`qkv.spec.hf_config.hf_defaults` leaves it (``linear_attn_config`` read)."""
+        Kimi Linear one as :func:`qkv.config.hf_config.hf_defaults` leaves it (``linear_attn_config`` read)."""
         if mixer == "kda":
             heads, width = cfg.get("linear_num_heads", 32), cfg.get("linear_head_dim", 128)
             return cls(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=width,

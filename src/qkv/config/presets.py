@@ -1,4 +1,4 @@
-"""Published models, each a :class:`qkv.spec.DecoderConfig` with its source: one registry read by the CLI, the
+"""Published models, each a :class:`qkv.config.DecoderConfig` with its source: one registry read by the CLI, the
 benchmarks and the tests.
 
 Field names follow HF ``transformers`` configs. ``layer_types`` uses HF's values, ``"full_attention"``
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .config import DecoderConfig
 from .config_file import check_layout_fields, read_json_config
+from .decoder import DecoderConfig
 from .dsa import IndexerConfig
 from .hf_config import read_indexer, read_layout, read_moe
 from .latent import LatentConfig
@@ -35,10 +35,10 @@ _LAYER_KIND = LAYER_KIND
 
 @dataclass(frozen=True, kw_only=True)
 class ModelPreset:
-    """A published model: its :class:`qkv.spec.DecoderConfig`, where the numbers come from, and caveats.
+    """A published model: its :class:`qkv.config.DecoderConfig`, where the numbers come from, and caveats.
 
     The config is the one model description (what :class:`qkv.nn.DecoderLM` builds, the cache and the mixer
-    registry :mod:`qkv.spec.mixers` read, :mod:`qkv.costs` counts): read a model's facts as
+    registry :mod:`qkv.config.mixers` read, :mod:`qkv.costs` counts): read a model's facts as
     ``preset.config.<field>``. A preset of the attention only (a HF config that states no more) has
     ``config.vocab_size`` and ``config.intermediate_size`` None. The fields beside ``config`` are the facts a
     DecoderConfig cannot hold, each said below.
@@ -73,7 +73,7 @@ class ModelPreset:
     def __post_init__(self) -> None:
         c = self.config
         if not isinstance(c, DecoderConfig):
-            raise TypeError(f"ModelPreset: config must be a qkv.spec.DecoderConfig, got {type(c).__name__}; build "
+            raise TypeError(f"ModelPreset: config must be a qkv.config.DecoderConfig, got {type(c).__name__}; build "
                             "one, or read a HF config.json with preset_from_hf_config")
         if not c.name:
             raise ValueError("ModelPreset: config.name must name the preset (a lowercase-hyphen slug), got ''")
@@ -148,17 +148,17 @@ class ModelPreset:
 
     @classmethod
     def from_config(cls, config: DecoderConfig, *, source: str = "", notes: str = "") -> ModelPreset:
-        """The preset of a :class:`qkv.spec.DecoderConfig`, so :mod:`qkv.costs` counts any description (its
+        """The preset of a :class:`qkv.config.DecoderConfig`, so :mod:`qkv.costs` counts any description (its
         parameter count equals the built model's). ``ValueError`` for what the cost arithmetic does not count.
 
         Example:
-            >>> from qkv.spec import get_config
+            >>> from qkv.config import get_config
             >>> ModelPreset.from_config(get_config("tiny-gemma")).layer_counts
             {'global': 2, 'local': 2}
         """
         c = config
         if not isinstance(c, DecoderConfig):
-            raise TypeError(f"ModelPreset.from_config: expected a qkv.spec.DecoderConfig, got {type(c).__name__}")
+            raise TypeError(f"ModelPreset.from_config: expected a qkv.config.DecoderConfig, got {type(c).__name__}")
         uncounted = [f for f, bad in (("embed_norm", c.embed_norm), ("o_bias without qkv_bias", c.o_bias and
                                       not c.qkv_bias), ("moe_layer_freq != 1", c.moe and c.moe.moe_layer_freq != 1))
                      if bad]
@@ -607,7 +607,7 @@ def preset_from_hf_config(
 ) -> ModelPreset:
     """Build a preset from a HF ``config.json`` (a path, a folder holding one, or the parsed dict).
 
-    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.spec.hf_config.read_layout`'s, the
+    The layout (layer types, window, head widths, MLA dims) is :func:`qkv.config.hf_config.read_layout`'s, the
     reading the models use too, so it equals what ``transformers`` and :func:`qkv.models.from_hf` build:
     e.g. a Qwen2 ``config.json`` slides only with ``use_sliding_window`` and only from layer
     ``max_window_layers`` on. Multimodal configs are read from ``text_config``.

@@ -277,7 +277,7 @@ class DecoderConfig:
     Args:
         vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size: as in HF.
             ``vocab_size`` and ``intermediate_size`` may be None in a description of the attention layout only
-            (what :func:`qkv.spec.hf_config.read_layout` reads from a config that states no more): the cache and the
+            (what :func:`qkv.config.hf_config.read_layout` reads from a config that states no more): the cache and the
             attention arithmetic need neither; :class:`qkv.nn.DecoderLM` and the whole-model counts refuse it.
         num_key_value_heads: KV heads (default ``num_attention_heads``; 1 is MQA).
         head_dim: per-head width (default ``hidden_size // num_attention_heads``).
@@ -317,11 +317,11 @@ class DecoderConfig:
             ``position`` is ``"rope"``, or ``"none"`` exactly when its ``use_rope`` is False).
         moe: DeepSeekMoE feed-forward on the layers it selects.
         linear_attention: the recurrent mixer of the ``"linear_attention"`` layers (a
-            :class:`qkv.spec.linear.LinearAttentionConfig`: Gated DeltaNet of Qwen3-Next / Qwen3.5).
+            :class:`qkv.config.linear.LinearAttentionConfig`: Gated DeltaNet of Qwen3-Next / Qwen3.5).
         attn_output_gate: the attention output is multiplied by ``sigmoid(gate)``, ``gate`` a per-channel
             projection of the layer input (Qwen3-Next's gated attention; HF folds it into ``q_proj``).
         indexer: DeepSeek Sparse Attention on every MLA layer (DeepSeek-V3.2): a
-            :class:`qkv.spec.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
+            :class:`qkv.config.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
             (:class:`qkv.nn.SparseLatentAttention`) run on the ``gather`` backend when ``backend`` is ``"auto"``
             (each query reads only its ``index_topk`` latents, whatever the context).
         backend: the :func:`qkv.attention` backend of every layer.
@@ -445,7 +445,7 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig: this latent attention (MLA) needs position={want}, got "
                              f"position={self.position!r}")
         if self.indexer is not None and not isinstance(self.indexer, IndexerConfig):
-            raise TypeError(f"DecoderConfig: indexer must be a qkv.spec.dsa.IndexerConfig or None, got "
+            raise TypeError(f"DecoderConfig: indexer must be a qkv.config.dsa.IndexerConfig or None, got "
                             f"{type(self.indexer).__name__}")
         if self.indexer is not None and (self.latent is None or self.latent.q_lora_rank is None
                                          or self.indexer.index_head_dim < self.latent.qk_rope_head_dim):
@@ -580,7 +580,7 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
 
 
 def decoder_config_from_preset(preset) -> DecoderConfig:
-    """The :class:`DecoderConfig` of a :class:`qkv.spec.ModelPreset` that describes a whole decoder-only model (its
+    """The :class:`DecoderConfig` of a :class:`qkv.config.ModelPreset` that describes a whole decoder-only model (its
     ``config``, what :class:`qkv.nn.DecoderLM` builds and ``get_config(name)`` returns).
 
     Raises:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from qkv.spec import DecoderConfig, LatentConfig, read_layout
-from qkv.spec.dsa import IndexerConfig
-from qkv.spec.hf_config import read_indexer
+from qkv.config import DecoderConfig, LatentConfig, read_layout
+from qkv.config.dsa import IndexerConfig
+from qkv.config.hf_config import read_indexer
 
 _V32 = {"model_type": "deepseek_v32", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
         "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
@@ -54,7 +54,7 @@ def test_bad_indexers_are_refused():
     ok = IndexerConfig(index_n_heads=2, index_head_dim=16, index_topk=5)
     with pytest.raises(ValueError, match="missing index_topk"):
         read_indexer({**_V32, "model_type": "other", "index_n_heads": 2, "index_head_dim": 16})
-    with pytest.raises(TypeError, match="indexer must be a qkv.spec.dsa.IndexerConfig"):
+    with pytest.raises(TypeError, match="indexer must be a qkv.config.dsa.IndexerConfig"):
         _decoder(latent=_LATENT, indexer={"index_n_heads": 2, "index_head_dim": 16, "index_topk": 5})
     with pytest.raises(ValueError, match="needs latent with a q_lora_rank"):
         _decoder(indexer=ok)

@@ -6,8 +6,8 @@
   :class:`LatentConfig` (MLA), :class:`IndexerConfig` (DeepSeek Sparse Attention's indexer), :class:`MoEConfig`
   (DeepSeekMoE), :class:`LinearAttentionConfig` (the recurrent layers of hybrid models);
 - the layer types (:data:`FULL_ATTENTION`, :data:`SLIDING_ATTENTION`, :data:`LINEAR_ATTENTION`), and the mixer
-  registry (:mod:`qkv.spec.mixers`: each kind of layer's cache, parameter and FLOP counts; :func:`mixer_of`);
-- the one reader of an HF config (:mod:`qkv.spec.hf_config`: :func:`read_layout`, :func:`read_rope`,
+  registry (:mod:`qkv.config.mixers`: each kind of layer's cache, parameter and FLOP counts; :func:`mixer_of`);
+- the one reader of an HF config (:mod:`qkv.config.hf_config`: :func:`read_layout`, :func:`read_rope`,
   :func:`read_latent`, :func:`read_moe`, :func:`load_hf_config`), used by :mod:`qkv.models`,
   :func:`qkv.cache.plan_memory` and :mod:`qkv.costs` alike;
 - :class:`ModelPreset`, a published model: its :class:`DecoderConfig` with its source and notes (:data:`PRESETS`,
@@ -16,15 +16,15 @@
 Pure Python: importing it imports neither torch nor any module that does (a test checks it).
 
 Example:
-    >>> from qkv.spec import get_config, read_layout
+    >>> from qkv.config import get_config, read_layout
     >>> get_config("tiny-gemma").layer_types[:2]
     ('sliding_attention', 'full_attention')
     >>> read_layout({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}).head_dim
     16
 """
 
-from .config import DECODER_POSITIONS, DecoderConfig, TransformerConfig, get_config
-from .config import PRESETS as CONFIG_PRESETS
+from .decoder import DECODER_POSITIONS, DecoderConfig, TransformerConfig, get_config
+from .decoder import PRESETS as CONFIG_PRESETS
 from .dsa import IndexerConfig
 from .hf_config import (
     declared_dtype,

@@ -1,6 +1,6 @@
 """The one reader of an HF config's attention layout: which layers slide, over how many tokens, with which
 RoPE, and the head and latent widths the KV cache holds, returned as the one model description,
-:class:`qkv.spec.DecoderConfig`. Pure Python (no torch); used alike by
+:class:`qkv.config.DecoderConfig`. Pure Python (no torch); used alike by
 :mod:`qkv.costs` (``preset_from_hf_config``, ``qkv memory``), :func:`qkv.cache.plan_memory` and the model
 families of :mod:`qkv.models`, so the bytes planned are the bytes the built model caches.
 
@@ -53,8 +53,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .config import DecoderConfig
 from .config_file import read_json_config
+from .decoder import DecoderConfig
 from .dsa import IndexerConfig
 from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
@@ -82,7 +82,7 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
                     {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
     "deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
 }
-#: Hybrid families: their recurrent layers' mixer (:data:`qkv.spec.linear.LINEAR_MIXERS`).
+#: Hybrid families: their recurrent layers' mixer (:data:`qkv.config.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
                  "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda"}
 
@@ -194,7 +194,7 @@ def description_dtype(config) -> str:
     """The one default dtype of a model description (``plan_memory`` and the ``qkv memory``/``compare`` CLI
     use it when no dtype is given): the dtype an HF config declares (:func:`declared_dtype`) for a config
     dict, a ``transformers`` config or a ``config.json`` path; otherwise (a preset name, a
-    :class:`qkv.spec.ModelPreset`, a config declaring none) :data:`PUBLISHED_DTYPE`, bfloat16.
+    :class:`qkv.config.ModelPreset`, a config declaring none) :data:`PUBLISHED_DTYPE`, bfloat16.
 
     Example:
         >>> description_dtype({"torch_dtype": "float32"}), description_dtype("llama-3-8b")
