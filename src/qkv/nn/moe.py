@@ -85,6 +85,14 @@ def route_topk_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor
     return top.softmax(dim=-1) * m.routed_scaling_factor, idx
 
 
+def check_expert_ids(idx: torch.Tensor, n: int, owner: str) -> None:
+    """Raise ``ValueError`` unless every chosen expert id lies in ``[0, n)``: a -1 would otherwise pick the last
+    expert on the torch ops (Python indexing) while the compiled kernels refuse it."""
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(f"{owner}: expert ids must lie in [0, {n}), got ids {int(idx.min())} .. {int(idx.max())}; "
+                         f"the router picks among the {n} experts")
+
+
 def one_token(experts: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
               clamped: bool) -> torch.Tensor | None:
     """One token's routed experts (x (1, d), idx and weights (1, k)) in one call of qkv's compiled CPU kernels
@@ -152,6 +160,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
+        check_expert_ids(idx, self.gate_up_proj.shape[0], "Experts")
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
             fused = one_token(self, x, idx, weights, clamped=False) if self.act is F.silu else None
@@ -209,6 +218,7 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
+        check_expert_ids(idx, self.gate_up_proj.shape[0], "ClampedSwiGLUExperts")
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
             fused = one_token(self, x, idx, weights, clamped=True)
