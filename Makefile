@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-partial test-slow demo bench bench-vllm lint clean
+.PHONY: install browser test test-partial test-slow demo bench bench-vllm asan lint clean
 
 install: $(STAMP)
 
@@ -66,6 +66,10 @@ bench-vllm: install
 	test -x .venv-vllm/bin/python || $(PY) benchmarks/vs_vllm.py --install
 	HF_HUB_OFFLINE=1 QKV_BENCH_OUT=benchmarks/results $(PY) benchmarks/vs_vllm.py
 	$(PY) benchmarks/render.py
+
+# The compiled kernels built with AddressSanitizer (build/asan) and driven with hostile calls; not part of `test`.
+asan: install
+	$(PY) benchmarks/asan.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples
