@@ -1,9 +1,10 @@
 """AddressSanitizer run of qkv's compiled CPU kernels: hostile calls through every operator, no memory error allowed.
 
 Builds ``src/qkv/cpu/csrc`` with ``-fsanitize=address`` into its own extensions folder (never the one the tests
-use), then runs itself again with the sanitizer's runtime preloaded (``LD_PRELOAD`` of GCC's ``libasan``: the
-Python interpreter is not instrumented) and calls every operator of the module directly with hostile arguments:
-ids of -1, -7 and past the end, NaN and inf values, zero sizes, strided and expanded views, mismatched shapes. A call
+use), then runs itself again with the sanitizer's runtime preloaded (``LD_PRELOAD`` of GCC's ``libasan`` and
+``libstdc++``: the Python interpreter is not instrumented) and calls every operator of the module directly with
+hostile arguments: ids of -1, -7 and past the end, NaN and inf values, zero sizes, strided and expanded views,
+mismatched shapes. A call
 may raise (a refusal is fine); a read or write outside a buffer aborts the run with AddressSanitizer's report, and
 the script exits non-zero. Not part of ``make test`` (the instrumented build takes minutes): ``make asan``.
 
@@ -27,13 +28,18 @@ SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decod
 _CHILD = "QKV_ASAN_CHILD"
 
 
-def _libasan() -> str:
-    path = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
-    lib = path.stdout.strip()
-    if not os.path.isabs(lib) or not os.path.exists(lib):
-        raise SystemExit(f"asan: GCC's libasan.so not found (gcc -print-file-name gave {lib!r}); install GCC's "
-                         "sanitizer runtime (libasan)")
-    return lib
+def _preload() -> str:
+    """GCC's libasan, then libstdc++: the sanitizer's ``__cxa_throw`` interceptor must find the real one already
+    loaded, or the first C++ exception (a kernel's refusal) aborts the run (the interpreter itself has no C++)."""
+    libs = []
+    for name in ("libasan.so", "libstdc++.so.6"):
+        path = subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True, text=True, check=True)
+        lib = path.stdout.strip()
+        if not os.path.isabs(lib) or not os.path.exists(lib):
+            raise SystemExit(f"asan: {name} not found (g++ -print-file-name gave {lib!r}); install GCC's sanitizer "
+                             "runtime (libasan) and libstdc++")
+        libs.append(lib)
+    return " ".join(libs)
 
 
 def _build(build_dir: Path):
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if os.environ.get(_CHILD) == "1":
         return _child(args.build_dir)
-    env = dict(os.environ, LD_PRELOAD=_libasan(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1",
+    env = dict(os.environ, LD_PRELOAD=_preload(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1",
                **{_CHILD: "1"})
     started = time.time()
     run = subprocess.run([sys.executable, __file__, "--build-dir", str(args.build_dir)], env=env)
