@@ -4,9 +4,8 @@ Builds ``src/qkv/cpu/csrc`` with ``-fsanitize=address`` into its own extensions 
 use), then runs itself again with the sanitizer's runtime preloaded (``LD_PRELOAD`` of GCC's ``libasan`` and
 ``libstdc++``: the Python interpreter is not instrumented) and calls every operator of the module directly with
 hostile arguments: ids of -1, -7 and past the end, NaN and inf values, zero sizes, strided and expanded views,
-mismatched shapes. A call
-may raise (a refusal is fine); a read or write outside a buffer aborts the run with AddressSanitizer's report, and
-the script exits non-zero. Not part of ``make test`` (the instrumented build takes minutes): ``make asan``.
+mismatched shapes. A call may raise (a refusal is fine); a read or write outside a buffer aborts the run with
+AddressSanitizer's report, and the script exits non-zero. Not part of ``make test`` (the instrumented build takes minutes): ``make asan``.
 
     python benchmarks/asan.py [--build-dir DIR]
 """
@@ -166,14 +165,13 @@ def _child(build_dir: Path) -> int:
     calls = _hostile_calls(mod)
     refused: dict[str, int] = {}
     ran = 0
-    for name, thunk in calls:
+    for _, thunk in calls:
         try:
             thunk()
             ran += 1
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             kind = type(e).__name__
             refused[kind] = refused.get(kind, 0) + 1
-            del name
     ops = sorted({n.split()[0] for n, _ in calls})
     print(f"asan: {len(calls)} hostile calls through {len(ops)} operators ({', '.join(ops)}): {ran} ran, "
           f"{sum(refused.values())} refused ({', '.join(f'{n} {k}' for k, n in sorted(refused.items())) or 'none'}); "
