@@ -5,7 +5,8 @@ use), then runs itself again with the sanitizer's runtime preloaded (``LD_PRELOA
 ``libstdc++``: the Python interpreter is not instrumented) and calls every operator of the module directly with
 hostile arguments: ids of -1, -7 and past the end, NaN and inf values, zero sizes, strided and expanded views,
 mismatched shapes. A call may raise (a refusal is fine); a read or write outside a buffer aborts the run with
-AddressSanitizer's report, and the script exits non-zero. Not part of ``make test`` (the instrumented build takes minutes): ``make asan``.
+AddressSanitizer's report, and the script exits non-zero. Not part of ``make test`` (the instrumented build takes
+minutes): ``make asan``.
 
     python benchmarks/asan.py [--build-dir DIR]
 """
