@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-partial test-slow test-wheel demo bench bench-vllm lint clean docs wheel
+.PHONY: install browser test test-partial test-slow test-wheel demo bench bench-vllm asan lint clean docs wheel
 
 install: $(STAMP)
 
@@ -81,6 +81,10 @@ bench-vllm: install
 # cell that raises (docs/README.md). Output in docs/_build/html; executed pages are cached in docs/_build.
 docs: install
 	HF_HUB_OFFLINE=1 $(PY) -m sphinx -b html -W -n --keep-going -j 2 docs docs/_build/html
+
+# The compiled kernels built with AddressSanitizer (build/asan) and driven with hostile calls; not part of `test`.
+asan: install
+	$(PY) benchmarks/asan.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples docs

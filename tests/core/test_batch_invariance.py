@@ -31,8 +31,12 @@ def test_matmul_is_not_row_invariant_here():
     q, k = torch.randn(64, 300, 64, generator=g), torch.randn(64, 1000, 64, generator=g)
     full = q @ k.transpose(-1, -2)
     one = q[:, 1:2] @ k.transpose(-1, -2)
+    exact = q[:, 1:2].double() @ k.double().transpose(-1, -2)
+    for got in (full[:, 1:2], one):  # both are the same product up to float32 rounding of 64-term sums
+        torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
     if torch.equal(full[:, 1:2], one):
         pytest.skip("this machine's GEMM happens to be row invariant")
+    assert (full[:, 1:2] != one).any()
 
 
 def test_matches_the_reference_and_config_does_not_change_bits():

@@ -17,6 +17,11 @@ _lists = torch.randint(-1, NK, (B, H, NQ, 12), generator=torch.Generator().manua
 _lists[0, 1, :20] = torch.arange(12) + 16  # whole rows of one key tile listed: FULL tiles exist
 _CATALOGUE["topk_per_head"] = masks.topk(_lists) & masks.causal()
 _CATALOGUE["topk_shared"] = masks.topk(_lists[:, :1])
+_repeats = torch.full((B, H, NQ, 20), -1)
+_repeats[:, 0, 30:50, :16] = 32  # one key 16 times (each head): a tile's width of entries, one key of it listed
+_repeats[:, 1, 30:50, :16] = 33
+_repeats[1, 1, 60:80] = torch.cat([torch.arange(48, 63), torch.tensor([48] * 5)])  # 15 of 16 keys, one repeated
+_CATALOGUE["topk_repeats_per_head"] = masks.topk(_repeats)
 
 
 def _dense_tiles(m):

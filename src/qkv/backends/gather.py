@@ -96,8 +96,8 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
     # One index_select over the flattened (B * Hkv * Nk) rows: a row copy per listed key, several times faster
     # than advanced indexing with three index tensors (whose backward is the same scatter-add).
     flat = ((b * Hkv + kv_head) * Nk + cols).reshape(-1)  # (B * Hx * c * K,)
-    k_sel = k.reshape(-1, k.shape[-1]).index_select(0, flat).view(B, Hx, c, K, -1).to(acc)  # (B, Hx, c, K, Dqk)
-    v_sel = v.reshape(-1, v.shape[-1]).index_select(0, flat).view(B, Hx, c, K, -1).to(acc)  # (B, Hx, c, K, Dv)
+    k_sel = k.reshape(-1, k.shape[-1]).index_select(0, flat).view(B, Hx, c, K, k.shape[-1]).to(acc)  # (.., Dqk)
+    v_sel = v.reshape(-1, v.shape[-1]).index_select(0, flat).view(B, Hx, c, K, v.shape[-1]).to(acc)  # (.., Dv)
     qg = q.to(acc).view(B, Hx, G, c, -1).transpose(2, 3)  # (B, Hx, c, G, Dqk)
     s = req.scale * (qg @ k_sel.transpose(-1, -2))  # (B, Hx, c, G, K)
     # Index tensors of the (B, Hx, c*G, K) score view, for the other mask terms and the score modifiers.
@@ -115,6 +115,9 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
     if sinks is not None:  # one more softmax column without a value (qkv._sinks)
         sink = sinks.to(acc)[heads.view(Hx, c * G)].view(1, Hx, c * G, 1).expand(B, Hx, c * G, 1)
         s = torch.cat([s, sink], dim=-1)
+    if s.shape[-1] == 0:  # no listed key and no sink: every row is empty
+        return (q.new_zeros(B, Hq, c, v.shape[-1], dtype=acc),
+                q.new_full((B, Hq, c), float("-inf"), dtype=acc))
     m = s.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
@@ -126,6 +129,8 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
     if sinks is not None:
         p = p[..., :K]
     out = p.view(B, Hx, c, G, K) @ v_sel  # (B, Hx, c, G, Dv)
+    if sinks is not None and K == 0:  # no key column left to carry a NaN total (a NaN sink) into the row
+        out = out.masked_fill(total.isnan().view(B, Hx, c, G, 1), float("nan"))
     out = out.transpose(2, 3).reshape(B, Hq, c, -1)
     return out, lse.view(B, Hx, c, G).transpose(2, 3).reshape(B, Hq, c)
 
@@ -179,6 +184,9 @@ class GatherBackend(Backend):
             o, lse = checkpoint(_chunk, *args, use_reentrant=False) if track else _chunk(*args)
             outs.append(o)
             lses.append(lse)
+        if not outs:  # no query rows
+            outs, lses = [req.q.new_zeros(req.B, req.Hq, 0, req.Dv, dtype=acc)], [req.q.new_zeros(req.B, req.Hq, 0,
+                                                                                                  dtype=acc)]
         out = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
         lse = torch.cat(lses, 2) if len(lses) > 1 else lses[0]
         return AttentionOutput(out.to(req.dtype), lse if acc == torch.float64 else lse.to(torch.float32))

@@ -327,9 +327,9 @@ def _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, w
     p = (s - row_max.index_select(1, rows).unsqueeze(-1)).exp()  # masked slots 0; out of place for autograd
     total = q.new_zeros(Hkv, B, G).index_add_(1, rows, p.sum(-1))
     out.index_add_(1, rows, torch.matmul(p, vb))
-    alive = total > 0
+    alive = total != 0  # a NaN total (a NaN or +inf score) keeps its row NaN: never the empty-row marker
     out = torch.where(alive.unsqueeze(-1), out / total.clamp_min(torch.finfo(q.dtype).tiny).unsqueeze(-1), 0.0)
-    lse = torch.where(alive, row_max + total.log(), lse)
+    lse = torch.where(alive, torch.where(row_max == float("inf"), row_max, row_max + total.log()), lse)
     return out.permute(1, 0, 2, 3).reshape(B, Hq, Dv), lse.transpose(0, 1).reshape(B, Hq)
 
 

@@ -17,14 +17,11 @@ needs a gradient on the CPU, the sinks are applied after the fact instead: the C
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
 from .._request import AttentionOutput, Request
 from ..masks.causal import Causal
-from ..masks.explicit import Dense
 from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops, format_size, predicate_seconds, restore_nonfinite
 
 __all__ = ["SDPABackend"]
@@ -114,8 +111,7 @@ class SDPABackend(Backend):
                         f"fused kernel over all pairs, materializes a {format_size(mask_bytes)} mask")
 
     def run(self, req: Request) -> AttentionOutput:
-        out = self._attend(req).out
-        return AttentionOutput(_masked_nonfinite_keys(req, out, lambda r: self._attend(r).out), None)  # type: ignore[arg-type]
+        return AttentionOutput(_nonfinite_rows_again(req, self._attend(req).out), None)  # type: ignore[arg-type]
 
     def _attend(self, req: Request) -> AttentionOutput:
         if req.sinks is not None:
@@ -147,22 +143,36 @@ class SDPABackend(Backend):
         return AttentionOutput(out, None)  # type: ignore[arg-type]
 
 
-def _masked_nonfinite_keys(req: Request, out: torch.Tensor, attend) -> torch.Tensor:
-    """``out`` with the rows that cannot see a non-finite key made finite again, as the reference has them.
+def _nonfinite_rows_again(req: Request, out: torch.Tensor) -> torch.Tensor:
+    """``out`` with its NaN rows computed again by the definition, where SDPA's own arithmetic made them NaN.
 
     SDPA adds its mask to the scores, so a key holding ``inf`` or NaN gives every row a NaN score there, masked or
-    not (``inf + -inf``). Only where the output holds NaN (one pass over it) are such keys looked for; then they are
-    zeroed and masked for every row, ``attend`` runs again, and the rows whose allowed scores are NaN or ``+inf``
-    are set NaN (:func:`restore_nonfinite`); an allowed score of ``-inf`` leaves its key out, as in the reference.
+    not (``inf + -inf``), and a row whose allowed scores are all ``-inf`` (an infinite query or key) gets
+    ``exp(-inf + inf)``; the definition gives the first rows their value and the second zeros. Only where the
+    output holds NaN (one pass over it) are the scores formed, in the accumulation dtype, and the NaN rows replaced
+    by softmax-times-values over the allowed keys (and the sinks); rows that are NaN by the definition stay NaN.
     """
-    if req.mask is None or out.numel() == 0 or not bool(out.isnan().any()):
+    if out.numel() == 0 or not bool(out.isnan().any()):
         return out
-    bad = ~torch.isfinite(req.k.detach()).all(-1)  # (B, Hkv, Nk): keys with a non-finite channel
-    if not bool(bad.any()):
-        return out
-    keep = (~bad).repeat_interleave(req.group, dim=1).unsqueeze(2).expand(req.B, req.Hq, req.Nq, req.Nk)
-    clean = dataclasses.replace(req, k=req.k.masked_fill(bad.unsqueeze(-1), 0.0), mask=req.mask & Dense(keep))
-    return restore_nonfinite(req, attend(clean))[0]
+    acc = torch.float64 if req.dtype == torch.float64 else torch.float32
+    B, Hq, Nq, Nk, dev = req.B, req.Hq, req.Nq, req.Nk, req.device
+    k = req.k.to(acc).repeat_interleave(req.group, dim=1)  # (B, Hq, Nk, D): head h reads kv head h // group
+    v = req.v.to(acc).repeat_interleave(req.group, dim=1)
+    s = req.scale * (req.q.to(acc) @ k.transpose(-1, -2))  # (B, Hq, Nq, Nk)
+    if req.score_mod is not None:  # additive here (SDPA declines the others)
+        s = s + req.score_mod.dense_bias(B, Hq, Nq, Nk, dtype=acc, device=dev)
+    if req.mask is not None:
+        s = s.masked_fill(~req.mask.dense(B, Hq, Nq, Nk, device=dev), float("-inf"))
+    if req.sinks is not None:
+        s = torch.cat([s, req.sinks.to(acc).view(1, Hq, 1, 1).expand(B, Hq, Nq, 1)], dim=-1)
+    if s.shape[-1] == 0:
+        return out.masked_fill(out.isnan(), 0.0)
+    m = s.detach().amax(-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    total = e.sum(-1, keepdim=True)
+    p = (e / torch.where(total == 0, torch.ones_like(total), total))[..., :Nk]  # all -inf: zeros
+    again = (p @ v).to(out.dtype)
+    return torch.where(out.isnan().any(-1, keepdim=True), again, out)
 
 
 def _foldable(attn_mask: torch.Tensor | None, hq: int) -> bool:

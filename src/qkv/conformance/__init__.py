@@ -94,7 +94,7 @@ def _usable_device(device) -> torch.device:
                          f"e.g. 'cpu' or 'cuda:0'") from None
     try:
         torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError) as e:
+    except Exception as e:  # noqa: BLE001 - RuntimeError, AssertionError (no CUDA), ModuleNotFoundError (no hpu), ...
         raise ValueError(f"check: device {str(dev)!r} is not available here ({str(e).splitlines()[0][:120]}); "
                          f"run on a machine that has it, or pass device='cpu'") from None
     return dev

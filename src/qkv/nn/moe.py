@@ -99,6 +99,13 @@ def route_topk_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor
     return top.softmax(dim=-1) * m.routed_scaling_factor, idx
 
 
+def check_expert_ids(idx: torch.Tensor, n: int, owner: str) -> None:
+    """Raise ``ValueError`` unless every chosen expert id lies in ``[0, n)``: a -1 would otherwise pick the last
+    expert on the torch ops (Python indexing) while the compiled kernels refuse it."""
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(f"{owner}: expert ids must lie in [0, {n}), got ids {int(idx.min())} .. {int(idx.max())}; "
+                         f"the router picks among the {n} experts")
+
 
 class Experts(nn.Module):
     """``E`` gated experts stored stacked, as HF transformers 5 keeps them: ``gate_up_proj`` (E, 2f, d),
@@ -118,6 +125,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
+        check_expert_ids(idx, self.gate_up_proj.shape[0], "Experts")
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
             kernel = self.experts_kernel if self.act is F.silu else None
@@ -178,6 +186,7 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, d); idx (T, k) chosen experts; weights (T, k) float32 -> (T, d), the weighted sum."""
+        check_expert_ids(idx, self.gate_up_proj.shape[0], "ClampedSwiGLUExperts")
         T, k = idx.shape
         if T == 1:  # one token (a one-sequence decode step): its k experts in ascending id, as below
             fused = None if self.experts_kernel is None else self.experts_kernel.one_token(self, x, idx, weights,

@@ -68,8 +68,9 @@ void lanes_tile(const T* qt, const int64_t* keys, int64_t n, int64_t G, int64_t 
     const Vec mnew = at::vec::maximum(mold, mx);
     const Vec alpha = Vec::blendv((mold - mnew).exp(), Vec(T(0)), mold == Vec(ninf));
     Vec sum(T(0));
+    const Vec none = mnew == Vec(ninf);  // every score so far -inf: they weigh 0 (not exp(-inf + inf) = NaN)
     for (int64_t t = 0; t < n; ++t) {
-      const Vec e = (Vec::loadu(s + t * G + c) - mnew).exp();
+      const Vec e = Vec::blendv((Vec::loadu(s + t * G + c) - mnew).exp(), Vec(T(0)), none);
       e.store(s + t * G + c);
       sum = sum + e;
     }
@@ -127,9 +128,13 @@ void blas_tile(const T* qg, const int64_t* keys, int64_t n, int64_t G, int64_t D
     for (; t0 + Vec::size() <= n; t0 += Vec::size()) vmx = at::vec::maximum(vmx, Vec::loadu(row + t0));
     vmx.store(lanes);
     T mx = ninf;
-    for (int64_t u = 0; u < Vec::size(); ++u) mx = std::max(mx, lanes[u]);
-    for (; t0 < n; ++t0) mx = std::max(mx, row[t0]);
-    const T mnew = std::max(m[g], mx);
+    for (int64_t u = 0; u < Vec::size(); ++u) mx = std::isnan(lanes[u]) ? lanes[u] : std::max(mx, lanes[u]);
+    for (; t0 < n; ++t0) mx = std::isnan(row[t0]) ? row[t0] : std::max(mx, row[t0]);
+    const T mnew = std::isnan(mx) || std::isnan(m[g]) ? mx + m[g] : std::max(m[g], mx);  // a NaN score stays in m
+    if (mnew == ninf) {  // every score so far -inf: they weigh 0, nothing changes
+      std::fill(row, row + n, T(0));
+      continue;
+    }
     const T alpha = m[g] == ninf ? T(0) : std::exp(m[g] - mnew);
     const Vec vm(mnew);
     Vec acc(T(0));
@@ -267,12 +272,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             const T z = sinks[h];
             mt = std::isnan(z) ? z : std::max(mg, z);
             f = mg == ninf ? T(0) : std::exp(mg - mt);
-            lt = lg * f + std::exp(z - mt);
+            lt = lg * f + (z == ninf ? T(0) : std::exp(z - mt));  // a -inf sink adds nothing
           }
           T* dst = op + ((b * Hq + h) * Nq + i) * Dv;
-          if (std::isnan(lt)) {  // a NaN (or +inf) score: the row is NaN, never the empty-row marker
-            std::fill(dst, dst + Dv, std::numeric_limits<T>::quiet_NaN());
-            lp[(b * Hq + h) * Nq + i] = std::numeric_limits<T>::quiet_NaN();
+          if (std::isnan(mt) || mt == -ninf || std::isnan(lt)) {  // a NaN or +inf score: never the empty marker
+            std::fill(dst, dst + Dv, std::numeric_limits<T>::quiet_NaN());  // lse as the reference: +inf, else NaN
+            lp[(b * Hq + h) * Nq + i] = mt == -ninf ? mt : std::numeric_limits<T>::quiet_NaN();
           } else if (lt > T(0)) {
             const T c = f / lt;
             if (lanes) {

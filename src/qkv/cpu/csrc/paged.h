@@ -96,11 +96,14 @@ inline void finish_row(const T* o, int64_t Dv, T m, T l, const T* sink, T* dst, 
   const T ninf = -std::numeric_limits<T>::infinity();
   T mt = m, lt = l, f = T(1);
   if (sink != nullptr) {
-    mt = std::max(m, *sink);
+    mt = std::isnan(*sink) ? *sink : std::max(m, *sink);
     f = m == ninf ? T(0) : std::exp(m - mt);
-    lt = l * f + std::exp(*sink - mt);
+    lt = l * f + (*sink == ninf ? T(0) : std::exp(*sink - mt));  // a -inf sink adds nothing
   }
-  if (lt != T(0)) {
+  if (std::isnan(mt) || mt == -ninf) {  // a NaN or +inf score: NaN, lse NaN or +inf as the reference has it
+    std::fill(dst, dst + Dv, std::numeric_limits<T>::quiet_NaN());
+    *lse = mt;
+  } else if (lt != T(0)) {
     const T c = f / lt;
     for (int64_t d = 0; d < Dv; ++d) dst[d] = o[d] * c;
     *lse = mt + std::log(lt);

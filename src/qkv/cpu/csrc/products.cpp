@@ -92,7 +92,11 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
                   weights.numel() == static_cast<int64_t>(ids.size()),
               "moe_token: x (1, d), ids and weights (k,), gate_up (E, 2f, d), down (E, d, f)");
   std::vector<std::pair<int64_t, int64_t>> order;  // (expert, slot), ascending expert id
-  for (size_t j = 0; j < ids.size(); ++j) order.emplace_back(ids[j], static_cast<int64_t>(j));
+  for (size_t j = 0; j < ids.size(); ++j) {
+    TORCH_CHECK(ids[j] >= 0 && ids[j] < gate_up.size(0), "moe_token: expert id ", ids[j], " outside [0, ",
+                gate_up.size(0), ")");  // -1 would select the last expert
+    order.emplace_back(ids[j], static_cast<int64_t>(j));
+  }
   std::sort(order.begin(), order.end());
   auto out = at::zeros_like(x);
   for (const auto& [e, j] : order) {
@@ -116,6 +120,13 @@ at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::T
                   static_cast<int64_t>(nb_gate_up.size()) == E && static_cast<int64_t>(nb_down.size()) == E &&
                   token.numel() == weights.numel(),
               "moe_grouped: x (T, d), token and weights (A,), counts and row blocks (E,)");
+  int64_t assigned = 0;
+  for (const int64_t n : counts) {
+    TORCH_CHECK(n >= 0, "moe_grouped: a negative count");
+    assigned += n;
+  }
+  TORCH_CHECK(assigned == token.numel(), "moe_grouped: counts sum to ", assigned, ", not the ", token.numel(),
+              " assignments");
   auto out = at::zeros_like(x);
   int64_t start = 0;
   for (int64_t e = 0; e < E; ++e) {
