@@ -122,3 +122,14 @@ def test_batch_zero_gives_an_empty_result(backend, mask_name):
              "dense": M.dense(torch.ones(0, 1, 5, 7, dtype=torch.bool)), "causal": M.causal()}
     out = qkv.attention(q, kv, kv, mask=masks[mask_name], backend=backend)
     assert out.shape == (0, HQ, 5, D)
+
+
+def test_sdpa_on_meta_tensors_gives_the_shape():
+    """The non-finite row repair reads values; meta tensors have none (shape tracing, the docs' matrix on meta)."""
+    import qkv
+    from qkv import masks
+
+    q = torch.empty(1, 4, 6, 8, device="meta")
+    k = v = torch.empty(1, 2, 9, 8, device="meta")
+    out = qkv.attention(q, k, v, mask=masks.causal(), backend="sdpa")
+    assert out.shape == (1, 4, 6, 8) and out.device.type == "meta"

@@ -152,7 +152,7 @@ def _nonfinite_rows_again(req: Request, out: torch.Tensor) -> torch.Tensor:
     output holds NaN (one pass over it) are the scores formed, in the accumulation dtype, and the NaN rows replaced
     by softmax-times-values over the allowed keys (and the sinks); rows that are NaN by the definition stay NaN.
     """
-    if out.numel() == 0 or not bool(out.isnan().any()):
+    if out.numel() == 0 or out.device.type == "meta" or not bool(out.isnan().any()):  # meta: shapes, no values
         return out
     acc = torch.float64 if req.dtype == torch.float64 else torch.float32
     B, Hq, Nq, Nk, dev = req.B, req.Hq, req.Nq, req.Nk, req.device
