@@ -95,17 +95,18 @@ __all__ = ["Engine", "EngineResult", "EngineUpdate", "prefill_passes"]
 class EngineResult(NamedTuple):
     """A finished request.
 
-    request_id: the id :meth:`Engine.add` returned.
-    tokens: every generated token, the stop token (or the token completing a stop string) included when one ended
-        the request.
-    finish_reason: ``"stop"`` (a stop token or stop string), ``"length"`` (``max_tokens``), ``"abort"``
-        (:meth:`Engine.abort`), or ``"error (...)"`` naming the exception of a step that could not be undone (see
-        :meth:`Engine.step`).
-    prompt_tokens: tokens in the prompt.
-    prefix_hits: prompt tokens reused from the prefix cache instead of computed.
-    logprobs: one :class:`qkv.models.TokenLogprobs` per token when the request asked for ``logprobs``, else None.
-    text: the tokens decoded (special tokens skipped), cut before a stop string that ended the request; None
-        without a tokenizer.
+    - ``request_id``: the id :meth:`Engine.add` returned.
+    - ``tokens``: every generated token, the stop token (or the token completing a stop string) included when one
+      ended the request.
+    - ``finish_reason``: ``"stop"`` (a stop token or stop string), ``"length"`` (``max_tokens``), ``"abort"``
+      (:meth:`Engine.abort`), or ``"error (...)"`` naming the exception of a step that could not be undone (see
+      :meth:`Engine.step`).
+    - ``prompt_tokens``: tokens in the prompt.
+    - ``prefix_hits``: prompt tokens reused from the prefix cache instead of computed.
+    - ``logprobs``: one :class:`qkv.models.TokenLogprobs` per token when the request asked for ``logprobs``, else
+      None.
+    - ``text``: the tokens decoded (special tokens skipped), cut before a stop string that ended the request; None
+      without a tokenizer.
     """
 
     request_id: int
