@@ -264,14 +264,20 @@ def _choose(req: Request, backend: str):
         hit = held.get(key)
         if hit is not None and (req.score_mod is None or hit[1] is req.score_mod):
             return _backends.get(hit[0])
-    best, best_cost = None, float("inf")
+    best, best_cost, declined = None, float("inf"), {}
     for name in _backends.names():
         impl = _backends.get(name)
-        if _decline(impl, req) is None:
+        why = _decline(impl, req)
+        if why is None:
             cost = impl.estimate(_for_backend(impl, req)).seconds
             if cost < best_cost:
                 best, best_cost = impl, cost
-    assert best is not None, "the reference backend accepts every valid request"
+        else:
+            declined[name] = why
+    if best is None:  # e.g. batch_invariant=True on a device no invariant backend runs on (meta)
+        raise ValueError("attention: no backend can run this request: "
+                         + "; ".join(f"{name}: {why}" for name, why in declined.items())
+                         + ". Change the request (device, dtype, options) so one of them can")
     if held is not None:
         if len(held) >= _MAX_DECISIONS:
             held.clear()

@@ -133,3 +133,12 @@ def test_chunk_mask_cache_holds_a_bounded_number():
         assert len(sdpa_mod._BOTTOM_RIGHT) <= sdpa_mod._BOTTOM_RIGHT_HELD
     m = sdpa_mod._bottom_right_causal(5, 9, torch.device("cpu"))
     torch.testing.assert_close(m, torch.ones(5, 9, dtype=torch.bool).tril(4))
+
+
+def test_auto_with_no_capable_backend_names_every_reason():
+    """batch_invariant=True on meta tensors: no backend runs it. auto and explain raise a ValueError naming each
+    backend's reason (it was a bare AssertionError)."""
+    q = k = v = torch.empty(1, 2, 4, 8, device="meta")
+    for call in (qkv.attention, qkv.explain):
+        with pytest.raises(ValueError, match=r"no backend can run this request: .*reference: "):
+            call(q, k, v, batch_invariant=True)

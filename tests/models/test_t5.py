@@ -137,3 +137,19 @@ def test_missing_relative_bias_is_named(tmp_path):
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"decoder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias"):
         from_hf(tmp_path)
+
+
+def test_the_decoder_only_drivers_refuse_an_encoder_decoder_by_name():
+    """qkv.models.generate and Engine drive decoder-only models (forward(ids, positions=, cache=)); T5 decodes with
+    its own generate. Both refuse it with a TypeError that says so, before any work (it was a raw TypeError from
+    inside T5.forward)."""
+    from qkv.models import Engine, generate
+
+    model = from_hf(_t5(CONFIGS["v1.0-relu-tied-H4"]))
+    ids = torch.randint(1, VOCAB, (1, 5))
+    with pytest.raises(TypeError, match=r"generate\(model\): expected a qkv.cache.DecoderModel, got T5: its forward "
+                                        r"takes no positions or cache keyword .*model.generate"):
+        generate(model, ids, max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"Engine\(model\): .* got T5: its forward takes no positions"):
+        Engine(model, num_blocks=8, block_size=4)
+    assert model.generate(ids, max_new_tokens=2).new_tokens.shape == (1, 2)

@@ -225,6 +225,27 @@ class DecoderModel(Protocol):
     def cache_specs(self) -> list: ...
 
 
+def decoder_model_problem(model) -> str | None:
+    """Why ``model`` cannot be driven as a :class:`DecoderModel` (None when it can): no ``forward``/``cache_specs``,
+    or a ``forward`` that takes no ``positions`` or ``cache`` keyword (an encoder-decoder such as T5, which
+    decodes through its own ``generate``). A ``forward(**kwargs)`` is taken at its word."""
+    import inspect
+
+    if not isinstance(model, DecoderModel):
+        return "it has no forward(input_ids, positions=, cache=) and cache_specs()"
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to read
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    missing = [name for name in ("positions", "cache") if name not in params]
+    if missing:
+        return (f"its forward takes no {' or '.join(missing)} keyword (an encoder-decoder decodes with its own "
+                f"model.generate(...))")
+    return None
+
+
 @runtime_checkable
 class HasCacheSpecs(Protocol):
     """Anything that lists its layers' cache specs: a model (:class:`qkv.nn.DecoderLM`; a config's specs are

@@ -82,7 +82,7 @@ from typing import NamedTuple
 import torch
 
 from ..cache import KVCache, Paged, RowSlots
-from ..cache.protocol import DecoderModel
+from ..cache.protocol import decoder_model_problem
 from ..cache.specs import RecurrentSpec
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
@@ -245,9 +245,9 @@ class Engine:
                  prefill_chunk: int = 512, prefix_caching: bool = False, pad_token_id: int = 0,
                  vocab_size: int | None = None, optimize: bool = True, mixed_steps: bool = False,
                  tokenizer=None) -> None:
-        if not isinstance(model, DecoderModel):
+        if (why := decoder_model_problem(model)) is not None:
             raise TypeError(f"Engine(model): expected a qkv.cache.DecoderModel (forward(ids, positions=, cache=) and "
-                            f"cache_specs()), got {type(model).__name__}")
+                            f"cache_specs()), got {type(model).__name__}: {why}")
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_batch", max_batch),
                             ("prefill_chunk", prefill_chunk)):
             _check_count("Engine", name, value)

@@ -39,7 +39,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from ..cache.protocol import PrefixMatchingCache
+from ..cache.protocol import PrefixMatchingCache, decoder_model_problem
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
 from ..pos.ids import positions_from_padding
@@ -439,6 +439,8 @@ def _check_arguments(model, input_ids, max_new_tokens, attention_mask, prefill_c
                      top_k, top_p, eos_token_id, pad_token_id) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Step 1: every argument checked before any work is done. Returns the prompt positions (B, N) and the
     stop tokens (None without any) on ``input_ids``' device."""
+    if (why := decoder_model_problem(model)) is not None:
+        raise TypeError(f"generate(model): expected a qkv.cache.DecoderModel, got {type(model).__name__}: {why}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
         seen = f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} {tuple(getattr(input_ids, 'shape', ()))}"
         raise ValueError(f"generate: input_ids must be an integer tensor (B, N), got {seen}")
