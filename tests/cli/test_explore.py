@@ -8,7 +8,6 @@ page of 1,200 tokens opened from disk draws."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -16,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-CHROMIUM = os.environ.get("QKV_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("QKV_CHROMEDRIVER", "/usr/bin/chromedriver")
+from _browser import CHROMEDRIVER, CHROMIUM, headless_chrome  # noqa: E402
 
 if not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()):
     pytest.skip(f"headless Chromium not found at {CHROMIUM} and {CHROMEDRIVER}: install Debian's packages with "
@@ -27,19 +25,9 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not in
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ["SE_OFFLINE"] = "true"  # never let Selenium Manager download anything
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_script_timeout(60)
-    yield driver
-    driver.quit()
+    for driver in headless_chrome(1400):
+        driver.set_script_timeout(60)
+        yield driver
 
 
 def _wait(driver, condition, timeout=60.0, what=""):

@@ -187,8 +187,7 @@ def test_matrix_check_catches_a_cell_that_disagrees():
         qkv_matrix.verify_backend_matrix(wrong, "cpu")
 
 
-CHROMIUM = os.environ.get("QKV_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("QKV_CHROMEDRIVER", "/usr/bin/chromedriver")
+from _browser import CHROMEDRIVER, CHROMIUM, headless_chrome  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -196,20 +195,10 @@ def browser():
     if not (Path(CHROMIUM).is_file() and Path(CHROMEDRIVER).is_file()):
         pytest.skip(f"headless Chromium not found at {CHROMIUM} and {CHROMEDRIVER}: install Debian's packages with "
                     "`apt-get install chromium chromium-driver` (make test does when run as root)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed: pip install selenium")
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ["SE_OFFLINE"] = "true"  # never let Selenium Manager download anything
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1300,1000", "--no-first-run", "--disable-extensions"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
+    pytest.importorskip("selenium.webdriver", reason="selenium is not installed: pip install selenium")
+    for driver in headless_chrome(1300):
+        driver.set_page_load_timeout(60)
+        yield driver
 
 
 @pytest.fixture(scope="module")
