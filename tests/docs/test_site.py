@@ -27,8 +27,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
-pytest.importorskip("sphinx", reason="the docs extra is not installed: pip install -e '.[docs]'")
-pytest.importorskip("myst_nb", reason="the docs extra is not installed: pip install -e '.[docs]'")
 pytestmark = pytest.mark.xdist_group("docs_site")  # one worker builds the site once for all these tests
 
 sys.path.insert(0, str(DOCS / "_ext"))
@@ -44,7 +42,14 @@ def sphinx_build(src: Path, out: Path, *, execute: str = "force", timeout: float
 
 
 @pytest.fixture(scope="session")
-def site(tmp_path_factory) -> Path:
+def docs_extra() -> None:
+    """Sphinx and MyST-NB, the docs extra: the tests that build skip without it (a partial install)."""
+    pytest.importorskip("sphinx", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("myst_nb", reason="the docs extra is not installed: pip install -e '.[docs]'")
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory, docs_extra) -> Path:
     out = tmp_path_factory.mktemp("docs_site")
     start = time.monotonic()
     proc = sphinx_build(DOCS, out)
@@ -161,7 +166,7 @@ def test_link_check_finds_a_planted_broken_link(site, tmp_path):
     assert any("no-such-anchor" in b for b in found) and any("nowhere.html" in b for b in found), found
 
 
-def test_strict_build_fails_on_a_broken_reference(tmp_path):
+def test_strict_build_fails_on_a_broken_reference(tmp_path, docs_extra):
     """The strict flags bite: a page naming an object that does not exist fails the build."""
     src = tmp_path / "src"
     src.mkdir()
