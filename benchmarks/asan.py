@@ -22,9 +22,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent / "src" / "qkv" / "cpu" / "csrc"
-SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp", "rotary.cpp",
-           "norms.cpp", "decode_attention.cpp", "paged_decode.cpp", "paged_prefill.cpp", "paged_store.cpp",
-           "activations.cpp", "greedy_head.cpp")
 _CHILD = "QKV_ASAN_CHILD"
 
 
@@ -46,15 +43,20 @@ def _build(build_dir: Path):
     import torch
     from torch.utils import cpp_extension
 
+    from qkv.cpu.build import SOURCES
+
     cap = torch.backends.cpu.get_cpu_capability()
     vec = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
             "-DCPU_CAPABILITY_AVX512"] if cap.startswith("AVX512") else
            ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"] if cap == "AVX2" else [])
     build_dir.mkdir(parents=True, exist_ok=True)
     flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address", "-ffp-contract=off", "-fopenmp", *vec]
-    return cpp_extension.load(name="qkv_cpu_kernels_asan", sources=[str(CSRC / s) for s in SOURCES],
-                              extra_cflags=flags, extra_ldflags=["-fsanitize=address", "-fopenmp"],
-                              build_directory=str(build_dir), verbose=False)
+    # the kernels register torch.library operators (qkv_cpu::<name>), not a Python module: load the library into
+    # this process (no other qkv_cpu library is loaded here) and call them as torch.ops.qkv_cpu.<name>
+    cpp_extension.load(name="qkv_cpu_kernels_asan", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=flags,
+                       extra_ldflags=["-fsanitize=address", "-fopenmp"], build_directory=str(build_dir),
+                       verbose=False, is_python_module=False)
+    return torch.ops.qkv_cpu
 
 
 def _hostile_calls(mod):
