@@ -165,3 +165,19 @@ class ToyLM(nn.Module):
         for b in self.blocks:
             x = b(x, positions, cache)
         return self.head(self.norm(x))
+
+
+def peaked_decoder(seed: int, vocab_size: int, *, dtype=torch.float64, num_hidden_layers: int = 2, **fields):
+    """A tiny qkv ``DecoderLM`` (width 32, 4 query / 2 KV heads) with unit-scale weights, so its logits are peaked
+    and greedy choices do not hinge on rounding; ``fields`` override the DecoderConfig's."""
+    from qkv.nn import DecoderConfig, DecoderLM
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=64)
+    model = DecoderLM(DecoderConfig(**{**base, **fields})).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5 if "embed" not in name else 1.0)
+    return model

@@ -10,23 +10,15 @@ import random
 import pytest
 import torch
 
-from _toy_lm import ToyLM, single_thread  # noqa: F401 (single_thread: autouse fixture)
+from _toy_lm import ToyLM, peaked_decoder, single_thread  # noqa: F401 (single_thread: autouse fixture)
 from qkv.models import Engine, EngineResult, generate
-from qkv.nn import DecoderConfig, DecoderLM
+from qkv.nn import DecoderLM
 
 VOCAB = 97
 
 
 def _lm(seed: int, **fields) -> DecoderLM:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=64)
-    model = DecoderLM(DecoderConfig(**{**base, **fields})).double().eval()
-    with torch.no_grad():  # unit-scale weights: peaked logits, so greedy choices do not hinge on rounding
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5 if "embed" not in name else 1.0)
-    return model
+    return peaked_decoder(seed, fields.pop("vocab_size", VOCAB), **fields)
 
 
 MODELS = {

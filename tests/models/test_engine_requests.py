@@ -9,23 +9,15 @@ import random
 import pytest
 import torch
 
-from _toy_lm import single_thread  # noqa: F401 (autouse fixture)
+from _toy_lm import peaked_decoder, single_thread  # noqa: F401 (autouse fixture)
 from qkv.models import Engine, SamplingParams, generate
-from qkv.nn import DecoderConfig, DecoderLM
+from qkv.nn import DecoderLM
 
 VOCAB = 97
 
 
 def _lm(seed: int = 0, **fields) -> DecoderLM:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=64)
-    model = DecoderLM(DecoderConfig(**{**base, **fields})).double().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5 if "embed" not in name else 1.0)
-    return model
+    return peaked_decoder(seed, fields.pop("vocab_size", VOCAB), **fields)
 
 
 def _alone(model, prompt, budget):

@@ -13,23 +13,15 @@ import pytest
 import torch
 
 import qkv.models.engine as engine_module
-from _toy_lm import single_thread  # noqa: F401 (autouse fixture)
+from _toy_lm import peaked_decoder, single_thread  # noqa: F401 (autouse fixture)
 from qkv.models import Engine, generate
-from qkv.nn import DecoderConfig, DecoderLM
+from qkv.nn import DecoderLM
 
 VOCAB = 89
 
 
 def _lm(seed: int, dtype=torch.float64, **fields) -> DecoderLM:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=64)
-    model = DecoderLM(DecoderConfig(**{**base, **fields})).to(dtype).eval()
-    with torch.no_grad():  # unit-scale weights: peaked logits, so greedy choices do not hinge on rounding
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5 if "embed" not in name else 1.0)
-    return model
+    return peaked_decoder(seed, fields.pop("vocab_size", VOCAB), dtype=dtype, num_hidden_layers=3, **fields)
 
 
 def _alone(model, prompt, budget):
