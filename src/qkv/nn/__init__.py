@@ -30,6 +30,7 @@ from .norm import RMSNorm, make_norm, rms_norm
 from .packed import packed_documents
 from .performer import PerformerAttention
 from .protocol import AttentionModule, attention_modules
+from .residual import PLAIN_RESIDUAL, PlainResidual, Residual, residual_for
 from .self_attention import SelfAttention
 from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
@@ -44,4 +45,5 @@ __all__ = [
     "AttentionModule", "attention_modules", "packed_documents", "cached_attention", "AttentionHeads",
     "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
     "DecoderMixer", "MIXER_MODULES", "SelfAttention", "build_mixer", "register_mixer_module",
+    "Residual", "PlainResidual", "PLAIN_RESIDUAL", "residual_for",
 ]

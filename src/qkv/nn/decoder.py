@@ -9,6 +9,10 @@ switches. Each layer is two pre-norm residual branches::
     x = x + attn_out_norm(attn(attn_norm(x)))     # attn_out_norm, ffn_out_norm: Gemma 2/3 only
     x = x + ffn_out_norm(ffn(ffn_norm(x)))
 
+where ``x + ...`` is the plain residual; how a branch reads its input from the residual stream and writes its
+output back is a :class:`qkv.nn.residual.Residual` (:func:`qkv.nn.residual.residual_for` picks it per layer and
+branch), so wider residual streams (hyper-connections) run through the same layers.
+
 - attention (:class:`qkv.nn.SelfAttention`): grouped-query attention (Ainslie et al. 2023) with one fused QKV
   projection, RoPE (Su et al. 2021) per layer type, learned absolute positions (GPT-2) or ALiBi (Press et al.
   2022, BLOOM), optional QKV bias, per-head QK RMSNorm (Gemma 3), a score scale, tanh score soft-capping
@@ -83,6 +87,7 @@ from .mixer import DecoderMixer
 from .mixers import build_mixer
 from .moe import MoE
 from .norm import RMSNorm
+from .residual import Residual, residual_for
 from .self_attention import SelfAttention
 
 
@@ -234,6 +239,8 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
+        self.attn_residual: Residual = residual_for(c, layer_idx, "attn")
+        self.ffn_residual: Residual = residual_for(c, layer_idx, "ffn")
 
     @property
     def mixer(self) -> DecoderMixer:
@@ -241,22 +248,24 @@ class DecoderLayer(nn.Module):
         return getattr(self, self._mixer_name)
 
     def forward(self, x: torch.Tensor, step: _ForwardContext, keep: int = 0) -> torch.Tensor:
-        """(B, N, d) -> (B, N, d); with ``0 < keep < N`` only the last ``keep`` columns go on, (B, keep, d): the
-        mixer still reads every column (the cache stores all keys and values, a recurrent state takes every
-        token), grouped-query attention attends only the kept queries, the feed-forward runs on the kept
-        columns (a decoder's last layer before logits of the last columns)."""
+        """The residual streams (B, N, ...) -> (B, N, ...) (the hidden state (B, N, d) itself with the plain
+        residual, :mod:`qkv.nn.residual`); with ``0 < keep < N`` only the last ``keep`` columns go on: the mixer
+        still reads every column (the cache stores all keys and values, a recurrent state takes every token),
+        grouped-query attention attends only the kept queries, the feed-forward runs on the kept columns (a
+        decoder's last layer before logits of the last columns)."""
         keep = keep if 0 < keep < x.shape[1] else 0
-        a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
-        h = self.mixer.mix(a, step, keep)
+        a, ctx = self.attn_residual.enter(x)
+        h = self.mixer.mix(a if self.attn_norm is None else self.attn_norm(a), step, keep)  # no pre-norm: OLMo 2/3
         if keep:
-            x, h = x[:, -keep:], h[:, -keep:]  # a no-op view for an output already kept
+            h = h[:, -keep:]  # a no-op view for an output already kept
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
-        x = x + h
-        h = self.mlp(x if self.ffn_norm is None else self.ffn_norm(x))
+        x = self.attn_residual.leave(x, h, ctx)
+        a, ctx = self.ffn_residual.enter(x)
+        h = self.mlp(a if self.ffn_norm is None else self.ffn_norm(a))
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
-        return x + h
+        return self.ffn_residual.leave(x, h, ctx)
 
 
 def _refuse_inner_padding(real: torch.Tensor, state, layer_idx: int) -> None:
@@ -351,6 +360,7 @@ class DecoderLM(nn.Module):
                           if c.position == "learned" else None)
         self.embed_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps) if c.embed_norm else None
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t)) for i, t in enumerate(c.layer_types))
+        self.residual: Residual = residual_for(c, None, "model")  # widens the embedding, collapses before the norm
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
@@ -455,12 +465,13 @@ class DecoderLM(nn.Module):
         if self._recurrent and N > 1 and (real := step.real_tokens()) is not None:  # before any layer writes
             i = self._recurrent[0]
             _refuse_inner_padding(real[..., 0] > 0, None if cache is None else cache.recurrent_state(i), i)
+        x = self.residual.widen(x)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):  # the last layer carries on only the kept columns
             x = layer(x, step, keep if i == last else 0)
         if keep and x.shape[1] > keep:  # a model without layers
             x = x[:, -keep:]
-        return self.norm(x)
+        return self.norm(self.residual.collapse(x))
 
     def cache_specs(self) -> list[LayerSpec]:
         """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""
