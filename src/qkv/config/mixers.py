@@ -9,7 +9,10 @@ A decoder layer is a token mixer followed by a feed-forward. The mixer kinds (:d
   DeepSeek-V3.2-Exp);
 - ``"gated_deltanet"`` and ``"gated_deltanet_split"``: Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025,
   arXiv:2412.06464) with Qwen3-Next's and Qwen3.5's projections;
-- ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692).
+- ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692);
+- ``"v4_sliding"``, ``"csa"``, ``"hca"``: DeepSeek-V4's attention (DeepSeek-AI 2026, DeepSeek-V4 report, Section 2.3):
+  a sliding window alone, beside indexer-selected entries of overlapping compressed windows (CSA), or beside every
+  entry of disjoint compressed windows (HCA); one module, :class:`qkv.nn.compressed_attention.CompressedAttention`.
 
 Each :class:`MixerKind` declares, for one layer of a config: the module attribute the layer holds it under (HF's
 ``self_attn`` or ``linear_attn``, so checkpoints map by name), its cache as a :class:`CacheShape` (which
@@ -135,6 +138,9 @@ def mixer_of(config: DecoderConfig, layer_idx: int) -> MixerKind:
     n = config.num_hidden_layers
     if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < n:
         raise ValueError(f"mixer_of: layer_idx must be an int in [0, {n}), got {layer_idx!r}")
+    if config.compressed is not None:
+        kind = config.compressed.attention_types[layer_idx]
+        return get_mixer("v4_sliding" if kind == "sliding" else kind)
     if config.layer_types[layer_idx] == LINEAR_ATTENTION:
         return get_mixer(config.linear_attention.mixer)
     if config.latent is not None:
@@ -252,6 +258,36 @@ def _kda_params(c: DecoderConfig) -> int:
     return _kda_weights(c) + conv * K + H * D + H + D  # conv, dt_bias per channel and A_log per head, the norm
 
 
+def _v4_weights(c: DecoderConfig, kind: str) -> int:
+    cc, d, H, D = c.compressed, c.hidden_size, c.num_attention_heads, c.head_dim
+    n = d * cc.q_lora_rank + cc.q_lora_rank * H * D + d * D + H * D * cc.o_lora_rank + cc.o_groups * cc.o_lora_rank * d
+    if kind != "sliding":
+        n += 2 * d * D * (2 if kind == "csa" else 1)  # the compressor's values and gates
+    if kind == "csa":  # the indexer's values and gates, queries and head weights
+        Hi, Di = cc.index_n_heads, cc.index_head_dim
+        n += 4 * d * Di + cc.q_lora_rank * Hi * Di + d * Hi
+    return n
+
+
+def _v4_params(c: DecoderConfig, kind: str) -> int:
+    cc, H, D = c.compressed, c.num_attention_heads, c.head_dim
+    n = _v4_weights(c, kind) + cc.q_lora_rank + D + H  # q_a_norm, kv_norm, sinks
+    if kind != "sliding":
+        rate = cc.compress_rates[kind]
+        n += rate * D * (2 if kind == "csa" else 1) + D  # position bias, the entries' norm
+    if kind == "csa":
+        n += cc.compress_rates["csa"] * 2 * cc.index_head_dim + cc.index_head_dim
+    return n
+
+
+def _v4_cache(c: DecoderConfig, i: int) -> CacheShape:
+    if c.compressed.attention_types[i] == "sliding":
+        return CacheShape("sliding", (c.sliding_window, 1, c.head_dim))
+    raise ValueError(f"layer {i} is DeepSeek-V4 {c.compressed.attention_types[i].upper()} attention, whose multi-pool "
+                     "cache (window, compressed entries, indexer keys, compressor carry) qkv does not implement yet; "
+                     "run the model without a cache")
+
+
 def _recurrent_token_flops(c: DecoderConfig) -> int:
     lin = c.linear_attention  # the delta rule reads, corrects and writes a (Dk, Dv) state per head: 6 H Dk Dv
     return 6 * lin.linear_num_value_heads * lin.linear_key_head_dim * lin.linear_value_head_dim
@@ -270,3 +306,7 @@ for _name in ("gated_deltanet", "gated_deltanet_split"):
 register_mixer(MixerKind(name="kda", attribute="linear_attn", cache=_recurrent_cache, params=_kda_params,
                          weights=_kda_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,
                          window=_no_window, recurrent=True))
+for _name, _kind in (("v4_sliding", "sliding"), ("csa", "csa"), ("hca", "hca")):
+    register_mixer(MixerKind(name=_name, attribute="self_attn", cache=_v4_cache,
+                             params=lambda c, k=_kind: _v4_params(c, k), weights=lambda c, k=_kind: _v4_weights(c, k),
+                             pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
