@@ -161,9 +161,41 @@ def test_bad_inputs_refused():
     with pytest.raises(CheckpointError, match="is not deepseek_v4"):
         decoder_config({**base, "model_type": "deepseek_v3"})
     ids, _ = _prompt(False)
-    with pytest.raises(ValueError, match="multi-pool"):
-        ours64.cache_specs()
+    with pytest.raises(ValueError, match="CompressedSpec .*planned"):
+        KVCache(ours64.cache_specs())
     with pytest.raises(ValueError, match="no KV cache support"):
         ours64(ids, cache=KVCache([]))
     with pytest.raises(ValueError, match="positions 0, 1, 2"):
         ours64(ids, positions=torch.arange(3, 3 + N_PROMPT))
+
+
+#: DeepSeek-V4-Pro's published shape where it differs from HF's DeepseekV4Config defaults (which are V4-Flash's):
+#: 61 layers of width 7168, 128 heads, q_lora_rank 1536, 384 experts of 3072, 16 output groups, index_topk 1024
+#: (DeepSeek-AI 2026, DeepSeek-V4 report; model card deepseek-ai/DeepSeek-V4-Pro).
+PRO = dict(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, n_routed_experts=384,
+           moe_intermediate_size=3072, o_groups=16, index_topk=1024)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,fields,total,active", [("V4-Flash", {}, 284e9, 13e9), ("V4-Pro", PRO, 1.6e12, 49e9)])
+def test_published_sizes_and_kv_bytes(name, fields, total, active):
+    """Parameters of the model qkv builds (on the meta device) against the published totals (V4-Flash 284B with 13B
+    active, V4-Pro 1.6T with 49B; qkv builds no multi-token-prediction module, about 1.6% of Pro), and the cache
+    bytes per token at 1M tokens against DeepSeek-V3.2's (the report: about 10% for Pro)."""
+    transformers = pytest.importorskip("transformers")
+    from qkv.cache.describe import cache_specs_of
+    from qkv.models.family_deepseek_v4 import decoder_config
+    from qkv.nn import DecoderLM
+
+    c = decoder_config(transformers.DeepseekV4Config(**fields).to_dict())
+    with torch.device("meta"):
+        lm = DecoderLM(c)
+    n = sum(p.numel() for p in lm.parameters())
+    m = c.moe
+    expert = 3 * c.hidden_size * m.moe_intermediate_size
+    act = n - c.num_hidden_layers * (m.n_routed_experts - m.num_experts_per_tok) * expert - c.vocab_size * c.hidden_size
+    assert abs(n / total - 1) < 0.02 and abs(act / active - 1) < 0.03, f"{name}: {n / 1e9:.1f}B ({act / 1e9:.2f}B)"
+    per_token = sum(s.bytes_for(1 << 20, "bfloat16") for s in cache_specs_of(c)) / (1 << 20)
+    v32 = 61 * (512 + 64 + 128) * 2  # DeepSeek-V3.2: a 576-wide latent and a 128-wide indexer key per layer
+    if name == "V4-Pro":
+        assert 0.08 < per_token / v32 < 0.13, f"{name}: {per_token:.0f} bytes/token, {per_token / v32:.3f} of V3.2"

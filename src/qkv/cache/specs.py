@@ -273,4 +273,5 @@ class RecurrentSpec(LayerSpec):
 
 
 _KINDS = {"FullSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink", "LatentSpec": "latent",
-          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent"}
+          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent",
+          "CompressedSpec": "compressed"}

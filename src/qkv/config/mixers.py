@@ -51,14 +51,14 @@ __all__ = ["CACHE_KINDS", "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mix
 
 #: The :mod:`qkv.cache` layer specs a mixer's cache may be, by their ``kind`` (``"indexed_latent"``: a latent with
 #: DeepSeek Sparse Attention's indexer key beside it).
-CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent")
+CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "compressed")
 
 
 class CacheShape(NamedTuple):
     """What one layer caches, as data: a :mod:`qkv.cache` spec kind (one of :data:`CACHE_KINDS`) and that spec's
     constructor arguments (``"full"``: Hkv, D; ``"sliding"``: window, Hkv, D; ``"latent"``: kv_lora_rank,
     qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
-    Dk, Dv)."""
+    Dk, Dv; ``"compressed"``: window, head_dim, rate, index_head_dim (0 without an indexer))."""
 
     kind: str
     args: tuple[int, ...]
@@ -281,11 +281,11 @@ def _v4_params(c: DecoderConfig, kind: str) -> int:
 
 
 def _v4_cache(c: DecoderConfig, i: int) -> CacheShape:
-    if c.compressed.attention_types[i] == "sliding":
+    kind = c.compressed.attention_types[i]
+    if kind == "sliding":
         return CacheShape("sliding", (c.sliding_window, 1, c.head_dim))
-    raise ValueError(f"layer {i} is DeepSeek-V4 {c.compressed.attention_types[i].upper()} attention, whose multi-pool "
-                     "cache (window, compressed entries, indexer keys, compressor carry) qkv does not implement yet; "
-                     "run the model without a cache")
+    index_dim = c.compressed.index_head_dim if kind == "csa" else 0
+    return CacheShape("compressed", (c.sliding_window, c.head_dim, c.compressed.rate_of(i), index_dim))
 
 
 def _recurrent_token_flops(c: DecoderConfig) -> int:

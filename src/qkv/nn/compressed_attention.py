@@ -23,7 +23,8 @@ Submodules and parameters carry HF's names (``q_a_proj``, ``compressor.indexer.k
 ``scorer.weights_proj`` as ``indexer.weights_proj``. Every layer rotates with its own RoPE parameters (the model's
 decoder runs with ``position="none"``). Left-padded rows are computed each alone (their compressed windows start at
 their first real token). A KV cache is refused: the multi-pool cache these layers need (window, compressed entries,
-indexer keys, compressor carry) is not built yet, so decoding recomputes the prefix.
+indexer keys, compressor carry; :class:`qkv.cache.compressed.CompressedSpec` plans it) is not kept yet, so decoding
+recomputes the prefix.
 
 Shape legend: B batch, N tokens, d hidden size, Hq query heads, D head dim, R rotated channels, T compressed
 entries, Hi indexer heads, Di indexer head dim, K entries kept per query, g output groups.
