@@ -227,3 +227,19 @@ def test_published_sizes_and_kv_bytes(name, fields, total, active):
     if name == "V4-Pro":
         assert 0.08 < per_token / v32 < 0.13, f"{name}: {per_token:.0f} bytes/token, {per_token / v32:.3f} of V3.2"
 
+
+
+def test_head_gate_scales_each_head():
+    _, _, ours64, _ = _models()
+    ids, _ = _prompt(False)
+    layer = ours64.layers[2].self_attn
+    with torch.no_grad():
+        base = ours64(ids).logits
+        try:
+            layer.head_gate = torch.ones(4, dtype=torch.float64)
+            same = ours64(ids).logits
+            layer.head_gate = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+            pruned = ours64(ids).logits
+        finally:
+            layer.head_gate = None
+    assert torch.equal(same, base) and (pruned - base).abs().max() > 1e-3

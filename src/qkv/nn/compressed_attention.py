@@ -58,6 +58,7 @@ from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..sparse import compress_kv, compressed_attention
 from .mixer import MixerStep
 from .norm import RMSNorm, rms_norm
+from .protocol import apply_head_gate
 
 if TYPE_CHECKING:
     from ..config.decoder import DecoderConfig
@@ -148,6 +149,8 @@ class CompressedAttention(nn.Module):
         self.layer_idx, self.kind = layer_idx, cc.attention_types[layer_idx]
         d, H, D, eps = c.hidden_size, c.num_attention_heads, c.head_dim, c.rms_norm_eps
         self.n_heads, self.head_dim, self.window, self.eps = H, D, c.sliding_window, eps
+        self.n_kv_heads = 1  # one KV head, K = V (qkv.nn.protocol.AttentionModule)
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
         self.rate, self.topk, self.o_groups = cc.rate_of(layer_idx), cc.index_topk, cc.o_groups
         self.q_a_proj = nn.Linear(d, cc.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cc.q_lora_rank, eps=eps)
@@ -164,6 +167,12 @@ class CompressedAttention(nn.Module):
             if self.kind == "csa":
                 self.compressor.indexer = _Indexer(d, cc.q_lora_rank, cc.index_n_heads, cc.index_head_dim, self.rate,
                                                    eps)
+
+    @property
+    def attention_fn(self) -> None:
+        """None: the layer calls :func:`qkv.sparse.compressed_attention`, not :func:`qkv.attention`, so tools that
+        replace that operator refuse it (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return None
 
     @classmethod
     def for_decoder(cls, config: DecoderConfig, layer_idx: int, rope=None) -> CompressedAttention:
@@ -271,7 +280,7 @@ class CompressedAttention(nn.Module):
         o = compressed_attention(q, keys, keys, entries, entries, rate=rate, window=self.window, selected=selected,
                                  sinks=self.sinks.to(x.dtype), scale=D ** -0.5, q_start=seen,
                                  k_start=seen + N - keys.shape[2])
-        o = rotate_tail(o, cos, -sin)  # values carried their keys' rotation: undo it at the query's position
+        o = apply_head_gate(rotate_tail(o, cos, -sin), self.head_gate)  # undo the values' rotation at the query
         if state is not None:
             state.seen += N
             state.window = keys[:, :, keys.shape[2] - min(keys.shape[2], self.window - 1):]
