@@ -243,3 +243,27 @@ def test_head_gate_scales_each_head():
         finally:
             layer.head_gate = None
     assert torch.equal(same, base) and (pruned - base).abs().max() > 1e-3
+
+
+def test_float64_gradients_equal_hf():
+    """Weight gradients of a random linear function of the logits, qkv float64 against HF's lifted float64, through
+    the window and compressed attention, the compressors, mHC and the experts (rel err < 1e-8)."""
+    _, ref, ours64, _ = _models()
+    ref, ours = copy.deepcopy(ref), copy.deepcopy(ours64)
+    ids, _ = _prompt(False)
+    w = torch.randn(2, N_PROMPT, VOCAB, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for m in (ref, ours):
+        (m(ids).logits * w).sum().backward()
+    theirs, mine = dict(ref.named_parameters()), dict(ours.named_parameters())
+    pairs = {"layers.1.self_attn.q_a_proj.weight": "model.layers.1.self_attn.q_a_proj.weight",
+             "layers.2.self_attn.compressor.kv_proj.weight": "model.layers.2.self_attn.compressor.kv_proj.weight",
+             "layers.3.self_attn.compressor.gate_proj.weight": "model.layers.3.self_attn.compressor.gate_proj.weight",
+             "layers.1.self_attn.sinks": "model.layers.1.self_attn.sinks",
+             "layers.3.attn_residual.fn": "model.layers.3.attn_hc.fn", "residual.fn": "model.hc_head.hc_fn",
+             "layers.0.mlp.experts.gate_up_proj": "model.layers.0.mlp.experts.gate_up_proj",
+             "embed_tokens.weight": "model.embed_tokens.weight"}
+    for ours_name, hf_name in pairs.items():
+        g, want = mine[ours_name].grad, theirs[hf_name].grad
+        assert want is not None and want.abs().max() > 0, hf_name
+        rel = _rel(g, want)
+        assert rel < 1e-8, f"d{ours_name}: relative error {rel:.3g}"
