@@ -324,6 +324,23 @@ class DecoderConfig:
             :class:`qkv.config.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
             (:class:`qkv.nn.SparseLatentAttention`) run on the ``gather`` backend when ``backend`` is ``"auto"``
             (each query reads only its ``index_topk`` latents, whatever the context).
+        head_dim_by_type, kv_heads_by_type: head width and KV heads of the attention layers of a layer type, where
+            they differ from ``head_dim`` / ``num_key_value_heads`` (Gemma 4's global layers: wider heads, fewer
+            KV heads); e.g. ``{"full_attention": 512}``.
+        k_eq_v_types: layer types whose attention has no value projection: the key projection serves as both
+            (K = V, Gemma 4's ``attention_k_eq_v`` on its global layers); keys are then normed and rotated, values
+            taken before either (``value_norm`` still applies).
+        value_norm: an RMSNorm without a scale on each value head (Gemma 4).
+        kv_shared_from: per layer, None or the earlier layer whose keys and values it attends over instead of
+            computing and caching its own (cross-layer KV sharing, Brandon et al. 2024, arXiv:2405.12981; Gemma 4's
+            ``num_kv_shared_layers``): a layer of the same type that shares from no one. Such a layer has a query
+            projection only and a :class:`qkv.cache.SharedSpec` cache that allocates nothing.
+        per_layer_input_size: width of the per-layer input embeddings (Gemma 4's ``hidden_size_per_layer_input``,
+            :class:`qkv.nn.PerLayerInputs`); None: none. ``per_layer_vocab_size``: their table's rows (default
+            ``vocab_size``).
+        layer_scalars: each layer's output is multiplied by a stored scalar (Gemma 4's ``layer_scalar``).
+        intermediate_sizes: per layer, the feed-forward width where it differs from ``intermediate_size``
+            (Gemma 4's double-wide MLP on the KV-shared layers).
         backend: the :func:`qkv.attention` backend of every layer.
         decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
             ``"auto"`` and the layer's request allows it (no soft-capping). ``"sdpa"`` by default: measured
@@ -369,6 +386,15 @@ class DecoderConfig:
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     indexer: IndexerConfig | None = None
+    head_dim_by_type: Mapping[str, int] = field(default_factory=dict)
+    kv_heads_by_type: Mapping[str, int] = field(default_factory=dict)
+    k_eq_v_types: tuple[str, ...] = ()
+    value_norm: bool = False
+    kv_shared_from: tuple[int | None, ...] | None = None
+    per_layer_input_size: int | None = None
+    per_layer_vocab_size: int | None = None
+    layer_scalars: bool = False
+    intermediate_sizes: tuple[int, ...] | None = None
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     name: str = ""
@@ -381,6 +407,7 @@ class DecoderConfig:
         kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.init and f.name not in self._derived}
         kept["rope"] = dict(self.rope)
+        kept["head_dim_by_type"], kept["kv_heads_by_type"] = dict(self.head_dim_by_type), dict(self.kv_heads_by_type)
         return (_decoder_config, (kept,))
 
     def __post_init__(self) -> None:
@@ -452,7 +479,83 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig: indexer (DeepSeek Sparse Attention) needs latent with a q_lora_rank and "
                              f"index_head_dim >= its qk_rope_head_dim; got latent={self.latent!r}, "
                              f"indexer={self.indexer!r}")
+        self._check_layer_shapes()
         object.__setattr__(self, "_derived", frozenset(derived))
+
+    def _check_layer_shapes(self) -> None:
+        """Per-type head shapes, K = V, cross-layer KV sharing, per-layer inputs and widths (Gemma 4's options)."""
+        attn_types = (FULL_ATTENTION, SLIDING_ATTENTION)
+        for name in ("head_dim_by_type", "kv_heads_by_type"):
+            given = getattr(self, name)
+            if not isinstance(given, Mapping):
+                raise TypeError(f"DecoderConfig: {name} must be a dict layer type -> int, got {type(given).__name__}")
+            for kind, v in given.items():
+                if kind not in attn_types or not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise ValueError(f"DecoderConfig: {name} maps {attn_types} to positive ints, got {dict(given)}")
+            object.__setattr__(self, name, MappingProxyType(dict(given)))
+        if (self.head_dim_by_type or self.kv_heads_by_type) and self.latent is not None:
+            raise ValueError("DecoderConfig: head_dim_by_type / kv_heads_by_type shape GQA layers, not latent (MLA) "
+                             "ones")
+        for kind, h in self.kv_heads_by_type.items():
+            if self.num_attention_heads % h:
+                raise ValueError(f"DecoderConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                                 f"of kv_heads_by_type[{kind!r}] ({h})")
+        object.__setattr__(self, "k_eq_v_types", tuple(self.k_eq_v_types))
+        if set(self.k_eq_v_types) - set(attn_types) or (self.k_eq_v_types and self.latent is not None):
+            raise ValueError(f"DecoderConfig: k_eq_v_types lists attention layer types {attn_types} of a GQA model, "
+                             f"got {self.k_eq_v_types}")
+        n = self.num_hidden_layers
+        if self.kv_shared_from is not None:
+            shared = tuple(self.kv_shared_from)
+            object.__setattr__(self, "kv_shared_from", shared)
+            if len(shared) != n:
+                raise ValueError(f"DecoderConfig: kv_shared_from has {len(shared)} entries for {n} layers")
+            if self.latent is not None:
+                raise ValueError("DecoderConfig: kv_shared_from (cross-layer KV sharing) is for GQA layers, not MLA")
+            for i, src in enumerate(shared):
+                if src is None:
+                    continue
+                if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < i:
+                    raise ValueError(f"DecoderConfig: kv_shared_from[{i}] = {src!r} must be an earlier layer (an int "
+                                     f"in [0, {i})): a layer reads the keys and values of a layer before it")
+                if self.layer_types[src] != self.layer_types[i] or self.layer_types[i] not in attn_types:
+                    raise ValueError(f"DecoderConfig: kv_shared_from[{i}] = {src}: layer {i} is "
+                                     f"{self.layer_types[i]!r} and layer {src} {self.layer_types[src]!r}; a layer "
+                                     f"reads the cache of an attention layer of its own type (same window and shape)")
+                if shared[src] is not None:
+                    raise ValueError(f"DecoderConfig: kv_shared_from[{i}] = {src}, itself shared from layer "
+                                     f"{shared[src]}; point at the layer that computes the keys and values")
+        if self.per_layer_input_size is not None:
+            _positive_ints("DecoderConfig", self, ("per_layer_input_size",))
+        if self.per_layer_vocab_size is not None:
+            _positive_ints("DecoderConfig", self, ("per_layer_vocab_size",))
+        if self.intermediate_sizes is not None:
+            sizes = tuple(self.intermediate_sizes)
+            object.__setattr__(self, "intermediate_sizes", sizes)
+            if len(sizes) != n or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in sizes):
+                raise ValueError(f"DecoderConfig: intermediate_sizes must be {n} positive ints (one per layer), "
+                                 f"got {sizes}")
+
+    def head_dim_for(self, layer_idx: int) -> int:
+        """Head width of attention layer ``layer_idx`` (``head_dim_by_type`` of its type, else ``head_dim``)."""
+        return self.head_dim_by_type.get(self.layer_types[layer_idx], self.head_dim)
+
+    def kv_heads_for(self, layer_idx: int) -> int:
+        """KV heads of attention layer ``layer_idx`` (``kv_heads_by_type`` of its type, else
+        ``num_key_value_heads``)."""
+        return self.kv_heads_by_type.get(self.layer_types[layer_idx], self.num_key_value_heads)
+
+    def k_eq_v_for(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s keys serve as its values (one projection)."""
+        return self.layer_types[layer_idx] in self.k_eq_v_types
+
+    def kv_source(self, layer_idx: int) -> int | None:
+        """The earlier layer whose keys and values layer ``layer_idx`` reads, or None (it computes its own)."""
+        return None if self.kv_shared_from is None else self.kv_shared_from[layer_idx]
+
+    def intermediate_size_for(self, layer_idx: int) -> int | None:
+        """Feed-forward width of layer ``layer_idx``."""
+        return self.intermediate_size if self.intermediate_sizes is None else self.intermediate_sizes[layer_idx]
 
     @property
     def attention_only(self) -> bool:

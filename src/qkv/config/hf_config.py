@@ -78,6 +78,11 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
                     "attn_logit_softcapping": None, "final_logit_softcapping": None, "rope_theta": 1_000_000.0,
                     "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6},
     "llama4_text": {"attention_chunk_size": 8192, "no_rope_layer_interval": 4},
+    "gemma4_text": {"head_dim": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                    "num_kv_shared_layers": 0, "attention_k_eq_v": False, "final_logit_softcapping": None,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                           "rope_theta": 1_000_000.0}}},
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
     "deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
@@ -143,7 +148,7 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for long in _ALIASES.values():  # the long name wins where both are present
         if long in cfg:
             out[long] = cfg[long]
-    if out.get("model_type") in ("gemma3", "llama4", "qwen3_5", "qwen3_5_moe"):
+    if out.get("model_type") in ("gemma3", "gemma4", "llama4", "qwen3_5", "qwen3_5_moe"):
         out["model_type"] += "_text"
     return out
 
@@ -470,6 +475,48 @@ def read_indexer(config) -> IndexerConfig | None:
     return IndexerConfig(**{n: cfg[n] for n in names})
 
 
+def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) -> dict[str, Any]:
+    """Gemma 4's per-layer-type attention shapes and cross-layer KV sharing, as :class:`DecoderConfig` fields.
+
+    Global (``full_attention``) layers have heads of ``global_head_dim`` and, with ``attention_k_eq_v``,
+    ``num_global_key_value_heads`` KV heads (a config from ``transformers``' ``to_dict()`` states them per layer in
+    ``per_layer_config`` instead); with ``attention_k_eq_v`` their keys serve as values. The last
+    ``num_kv_shared_layers`` layers each read the keys and values of the last earlier layer of their type that
+    computes its own (``transformers``' ``kv_sharing_modes``)."""
+    n = len(types)
+    k_eq_v = bool(cfg.get("attention_k_eq_v"))
+    if isinstance(cfg.get("per_layer_config"), Mapping):  # to_dict(): the layers that differ, the others as stated
+        per_layer, full_dim, full_kv = cfg["per_layer_config"], cfg.get("head_dim"), cfg.get("num_key_value_heads")
+    else:  # config.json: transformers' defaults for the global layers
+        per_layer, full_dim = {}, cfg.get("global_head_dim") or 512
+        full_kv = (cfg.get("num_global_key_value_heads") if k_eq_v else None) or cfg.get("num_key_value_heads")
+    dims, kvs = set(), set()
+    for i, t in enumerate(types):
+        if t != FULL_ATTENTION:
+            continue
+        over = per_layer.get(str(i), per_layer.get(i)) or {}
+        dims.add(over.get("head_dim", full_dim))
+        kvs.add(over.get("num_key_value_heads", full_kv))
+    if len(dims) > 1 or len(kvs) > 1:
+        raise ValueError(f"{source}: the global layers differ in head_dim {sorted(dims)} or KV heads {sorted(kvs)}; "
+                         "qkv models one shape per layer type")
+    out: dict[str, Any] = {"head_dim_by_type": {}, "kv_heads_by_type": {},
+                           "k_eq_v_types": (FULL_ATTENTION,) if k_eq_v else ()}
+    if dims:
+        out["head_dim_by_type"][FULL_ATTENTION] = int(dims.pop())
+        out["kv_heads_by_type"][FULL_ATTENTION] = int(kvs.pop() or cfg.get("num_attention_heads"))
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    if shared:
+        first = n - shared
+        sources = {t: max((j for j in range(first) if types[j] == t), default=None) for t in set(types)}
+        missing = sorted(t for t, j in sources.items() if j is None)
+        if first <= 0 or missing:
+            raise ValueError(f"{source}: num_kv_shared_layers={shared} of {n} layers leaves no earlier layer of type "
+                             f"{missing or sorted(set(types))} to share keys and values from")
+        out["kv_shared_from"] = tuple(None if i < first else sources[types[i]] for i in range(n))
+    return out
+
+
 def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
     """Raise for a layout field this reader does not model (``UNREAD_LAYOUT_FIELDS``)."""
     cfg = dict(cfg)
@@ -528,6 +575,8 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
         raise ValueError(f"{source}: needs head_dim or hidden_size")
     types, window = _layer_types(cfg, n, source)
     model_type = cfg.get("model_type") or ""
+    if model_type == "gemma4_text" and types and types[-1] != FULL_ATTENTION:  # transformers forces it global
+        types = (*types[:-1], FULL_ATTENTION)
     hidden = cfg.get("hidden_size") or heads * head_dim  # a config stating head_dim only: Hq * head_dim
     latent = read_latent(cfg) if mla else None
     position = ("none" if latent is not None and not latent.use_rope else "learned" if model_type in _LEARNED
@@ -539,6 +588,7 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
             head_dim=None if mla else head_dim, layer_types=types, sliding_window=window, rope=_ropes(cfg, types),
             position=position, max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048), latent=latent,
             indexer=read_indexer(cfg) if mla else None,
-            linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None, name=model_type)
+            linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None, name=model_type,
+            **(_gemma4_layout(cfg, types, source) if model_type == "gemma4_text" else {}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from e

@@ -48,14 +48,14 @@ __all__ = ["CACHE_KINDS", "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mix
 
 #: The :mod:`qkv.cache` layer specs a mixer's cache may be, by their ``kind`` (``"indexed_latent"``: a latent with
 #: DeepSeek Sparse Attention's indexer key beside it).
-CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent")
+CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "shared")
 
 
 class CacheShape(NamedTuple):
     """What one layer caches, as data: a :mod:`qkv.cache` spec kind (one of :data:`CACHE_KINDS`) and that spec's
     constructor arguments (``"full"``: Hkv, D; ``"sliding"``: window, Hkv, D; ``"latent"``: kv_lora_rank,
     qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
-    Dk, Dv)."""
+    Dk, Dv; ``"shared"``: the source layer, window or None, Hkv, D)."""
 
     kind: str
     args: tuple[int, ...]
@@ -155,10 +155,12 @@ def _zero(c: DecoderConfig) -> int:
 
 
 def _gqa_cache(c: DecoderConfig, i: int) -> CacheShape:
-    w = c.window_for(i)
+    w, Hkv, D = c.window_for(i), c.kv_heads_for(i), c.head_dim_for(i)
+    if c.kv_source(i) is not None:  # cross-layer KV sharing: reads an earlier layer's cache
+        return CacheShape("shared", (c.kv_source(i), w, Hkv, D))
     if w:
-        return CacheShape("sliding", (w, c.num_key_value_heads, c.head_dim))
-    return CacheShape("full", (c.num_key_value_heads, c.head_dim))
+        return CacheShape("sliding", (w, Hkv, D))
+    return CacheShape("full", (Hkv, D))
 
 
 def _gqa_weights(c: DecoderConfig) -> int:
