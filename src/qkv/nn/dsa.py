@@ -47,13 +47,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
 from ..cache.protocol import LatentCache
 from ..config.latent import LatentConfig
 from ..pos.rope import RotaryEmbedding
+from ..sparse.select import select_topk, weighted_relu_scores
 from .latent import (
     PATHS,
     LatentAttention,
@@ -137,21 +137,19 @@ class LightningIndexer(nn.Module):
             :class:`IndexerOutput` ``(indices (B, N, min(K, S)), scores (B, N, S))``.
         """
         B, N, _ = x.shape
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             q = self.wq_b(q_resid).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hi, N, Di)
             q = self._rotate(q, q_positions.clamp_min(0))
-            s = F.relu((q.to(acc) @ keys.to(acc).transpose(-1, -2).unsqueeze(1)) * self.head_dim ** -0.5)
-            w = self.weights_proj(x).to(acc) * self.n_heads ** -0.5  # (B, N, Hi)
-            scores = (w.transpose(1, 2).unsqueeze(-1) * s).sum(1)  # (B, N, S)
+            w = self.weights_proj(x)
+            w = w.to(torch.promote_types(w.dtype, torch.float32)) * self.n_heads ** -0.5  # (B, N, Hi)
+            # DSA as a point of qkv.sparse.select: weighted ReLU heads, tokens, shared by all heads, no forced
+            # entries; on equal scores (ReLU zeros) the earlier slot wins, so a cached decode picks what the full
+            # recompute picks.
+            scores = weighted_relu_scores(q, keys.unsqueeze(1), w).squeeze(1)  # (B, N, S)
             seen = ((kv_positions.unsqueeze(1) >= 0) & (kv_positions.unsqueeze(1) <= q_positions.unsqueeze(2))
                     & (q_positions.unsqueeze(2) >= 0))
             scores = scores.masked_fill(~seen, float("-inf"))
-            # A stable sort, not topk: on equal scores (ReLU zeros) the earlier slot wins, so a cached decode
-            # picks what the full recompute picks.
-            vals, idx = scores.sort(dim=-1, descending=True, stable=True)
-            K = min(self.index_topk, scores.shape[-1])
-            idx = torch.where(torch.isneginf(vals[..., :K]), torch.full_like(idx[..., :K], -1), idx[..., :K])
+            idx = select_topk(scores.unsqueeze(1), self.index_topk).squeeze(1)
         return IndexerOutput(idx, scores)
 
     def extra_repr(self) -> str:
