@@ -173,6 +173,7 @@ class SparseLatentAttention(LatentAttention):
     Args:
         config: a :class:`LatentConfig` with a ``q_lora_rank`` (the indexer reads MLA's query latent).
         index_n_heads, index_head_dim, index_topk: the indexer's (HF config names).
+        index_interleaved_rope: the indexer's RoPE pairs interleaved (GLM-5) instead of half-split (DeepSeek-V3.2).
 
     Other arguments as :class:`LatentAttention`. ``path="auto"`` compares the two paths' FLOPs over the
     selected pairs (:func:`sparse_path_flops`): decode and long prefills go absorbed.
@@ -182,7 +183,7 @@ class SparseLatentAttention(LatentAttention):
     """
 
     def __init__(self, config: LatentConfig, *, index_n_heads: int, index_head_dim: int, index_topk: int,
-                 **kw) -> None:
+                 index_interleaved_rope: bool = False, **kw) -> None:
         if not isinstance(config, LatentConfig) or config.q_lora_rank is None:
             raise ValueError(f"SparseLatentAttention: config must be a LatentConfig with q_lora_rank set (the "
                              f"indexer reads MLA's query latent), got {config!r}")
@@ -192,7 +193,8 @@ class SparseLatentAttention(LatentAttention):
             c.hidden_size, c.q_lora_rank, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
             index_topk=index_topk, qk_rope_head_dim=c.qk_rope_head_dim,
             rope=RotaryEmbedding(c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
-                                 max_position_embeddings=c.max_position_embeddings, interleaved=False),
+                                 max_position_embeddings=c.max_position_embeddings,
+                                 interleaved=bool(index_interleaved_rope)),
             device=kw.get("device"), dtype=kw.get("dtype"))
 
     @classmethod
@@ -202,7 +204,8 @@ class SparseLatentAttention(LatentAttention):
         c, ix = config, config.indexer
         backend = "gather" if c.backend == "auto" and not c.latent.attention_dropout else c.backend
         return cls(c.latent, index_n_heads=ix.index_n_heads, index_head_dim=ix.index_head_dim,
-                   index_topk=ix.index_topk, rope=rope, backend=backend, layer_idx=layer_idx)
+                   index_topk=ix.index_topk, index_interleaved_rope=ix.interleaved_rope, rope=rope, backend=backend,
+                   layer_idx=layer_idx)
 
     def cache_spec(self):
         """This layer's :class:`qkv.cache.IndexedLatentSpec`: ``r + dr + index_head_dim`` per token."""
