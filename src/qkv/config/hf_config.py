@@ -14,8 +14,9 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
 - Qwen2 / Qwen3: the window only when ``use_sliding_window``; then layers ``i >= max_window_layers`` slide;
 - Gemma 2: local and global layers alternate, layer 0 local; Gemma 3: ``sliding_window_pattern - 1``
   local layers per global one (layer ``i`` global iff ``(i + 1) % pattern == 0``);
-- DeepSeek-V3.2: HF's ``"indexed_attention"`` layers (DeepSeek Sparse Attention) cache every token, so they read
-  as ``"full_attention"``; the indexer's shape is :func:`read_indexer`'s, its cached key ``index_head_dim``;
+- DeepSeek-V3.2, GLM-5 (``glm_moe_dsa``): HF's ``"indexed_attention"`` layers (DeepSeek Sparse Attention) cache
+  every token, so they read as ``"full_attention"``; the indexer's shape is :func:`read_indexer`'s, its cached
+  key ``index_head_dim``;
 - Llama, DeepSeek, GPT-2, BLOOM: no layer slides;
 - other families (Mistral, Mixtral, ...): every layer slides when ``sliding_window`` is set, else none;
   a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does;
@@ -86,6 +87,7 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
     "deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+    "glm_moe_dsa": {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048},
 }
 #: Hybrid families: their recurrent layers' mixer (:data:`qkv.config.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
@@ -107,7 +109,8 @@ _ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_
             "n_embed": "hidden_size"}
 _PERIOD = {"gemma2": 2}  # local:global interleave fixed by the modelling code
 # families that never slide
-_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "deepseek_v32", "gpt2", "bloom", "kimi_linear"})
+_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "gpt2", "bloom",
+                        "kimi_linear"})
 _NOPE_MLA = frozenset({"kimi_linear"})  # families whose MLA layers rotate nothing
 _LEARNED = frozenset({"gpt2", "gpt_bigcode", "opt"})  # families with a learned position table
 _ALIBI = frozenset({"bloom"})  # families with ALiBi instead of positions
@@ -377,7 +380,7 @@ def read_moe(config) -> MoEConfig | None:
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     if not cfg.get("n_routed_experts"):
         return None
-    v3 = model_type in ("deepseek_v3", "deepseek_v32")
+    v3 = model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if v3 and (method != "noaux_tc" or (cfg.get("scoring_func") or "sigmoid") != "sigmoid"):
         raise ValueError(f"{model_type} routes with topk_method='noaux_tc' and sigmoid scores; this config says "
@@ -472,7 +475,8 @@ def read_indexer(config) -> IndexerConfig | None:
     if missing:
         raise ValueError(f"read_indexer({cfg.get('model_type')}): an indexer needs {', '.join(names)}; missing "
                          f"{', '.join(missing)}")
-    return IndexerConfig(**{n: cfg[n] for n in names})
+    # GLM-5 rotates its indexer's RoPE channels in interleaved pairs, DeepSeek-V3.2 in halves
+    return IndexerConfig(**{n: cfg[n] for n in names}, interleaved_rope=cfg.get("model_type") == "glm_moe_dsa")
 
 
 def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) -> dict[str, Any]:
