@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .compressed import CompressedAttentionConfig
 from .dsa import IndexerConfig
+from .hyper import HyperConfig
 from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
@@ -395,6 +397,8 @@ class DecoderConfig:
     per_layer_vocab_size: int | None = None
     layer_scalars: bool = False
     intermediate_sizes: tuple[int, ...] | None = None
+    compressed: CompressedAttentionConfig | None = None
+    hyper: HyperConfig | None = None
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     name: str = ""
@@ -480,6 +484,7 @@ class DecoderConfig:
                              f"index_head_dim >= its qk_rope_head_dim; got latent={self.latent!r}, "
                              f"indexer={self.indexer!r}")
         self._check_layer_shapes()
+        self._check_deepseek_v4()
         object.__setattr__(self, "_derived", frozenset(derived))
 
     def _check_layer_shapes(self) -> None:
@@ -556,6 +561,37 @@ class DecoderConfig:
     def intermediate_size_for(self, layer_idx: int) -> int | None:
         """Feed-forward width of layer ``layer_idx``."""
         return self.intermediate_size if self.intermediate_sizes is None else self.intermediate_sizes[layer_idx]
+
+    def _check_deepseek_v4(self) -> None:
+        """DeepSeek-V4's attention (``compressed``) and residual streams (``hyper``)."""
+        if self.hyper is not None and not isinstance(self.hyper, HyperConfig):
+            raise TypeError(f"DecoderConfig: hyper must be a qkv.config.hyper.HyperConfig or None, got "
+                            f"{type(self.hyper).__name__}")
+        c = self.compressed
+        if c is None:
+            return
+        if not isinstance(c, CompressedAttentionConfig):
+            raise TypeError(f"DecoderConfig: compressed must be a qkv.config.compressed.CompressedAttentionConfig or "
+                            f"None, got {type(c).__name__}")
+        problems = []
+        if len(c.attention_types) != self.num_hidden_layers:
+            problems.append(f"compressed.attention_types has {len(c.attention_types)} entries for "
+                            f"{self.num_hidden_layers} layers")
+        if self.num_key_value_heads != 1:
+            problems.append(f"one KV head shared by every query head (K = V), got num_key_value_heads="
+                            f"{self.num_key_value_heads}")
+        if set(self.layer_types) != {SLIDING_ATTENTION} or not self.sliding_window:
+            problems.append("every layer 'sliding_attention' with a sliding_window (each has a sliding branch)")
+        if not self.attention_sinks or self.position != "none" or self.latent is not None:
+            problems.append("attention_sinks=True, position='none' (the layers rotate with compressed.main_rope / "
+                            "compress_rope) and no latent")
+        if (self.num_attention_heads * self.head_dim) % c.o_groups:
+            problems.append(f"o_groups ({c.o_groups}) dividing num_attention_heads * head_dim "
+                            f"({self.num_attention_heads * self.head_dim})")
+        if c.qk_rope_head_dim > self.head_dim:
+            problems.append(f"qk_rope_head_dim ({c.qk_rope_head_dim}) <= head_dim ({self.head_dim})")
+        if problems:
+            raise ValueError("DecoderConfig: DeepSeek-V4 attention (compressed) needs " + "; ".join(problems))
 
     @property
     def attention_only(self) -> bool:

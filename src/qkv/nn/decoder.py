@@ -177,13 +177,15 @@ class RopeTable:
 class _ForwardContext:
     """What every layer of one forward pass shares: positions, cache, masks and RoPE tables of the step."""
 
-    __slots__ = ("positions", "cache", "n", "dtype", "_cos_sin", "_masks", "_real", "shared_kv", "per_layer")
+    __slots__ = ("positions", "cache", "n", "dtype", "input_ids", "_cos_sin", "_masks", "_real", "shared_kv",
+                 "per_layer")
 
     def __init__(self, positions: torch.Tensor | None, cache: AttentionCache | None, n: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, input_ids: torch.Tensor | None = None) -> None:
         self.positions, self.cache, self.n, self.dtype = positions, cache, n, dtype
         self.shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # KV sharing without a cache, by layer
         self.per_layer: torch.Tensor | None = None  # (B, N, L, P) per-layer inputs (Gemma 4)
+        self.input_ids = input_ids  # (B, N): what hash-routed experts choose by
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int | None, masks.Mask] = {}
         self._real: tuple[torch.Tensor | None] | None = None
@@ -219,7 +221,8 @@ def _norm(c: DecoderConfig, dim: int) -> nn.Module:
 
 def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
     if c.moe is not None and c.moe.is_moe(layer_idx):
-        return MoE(c.hidden_size, c.moe, activation=c.hidden_act, bias=c.mlp_bias)
+        hashed = c.vocab_size if layer_idx in c.moe.hash_layers else None  # DeepSeek-V4: experts by token id
+        return MoE(c.hidden_size, c.moe, activation=c.hidden_act, bias=c.mlp_bias, hash_vocab=hashed)
     width = c.intermediate_size_for(layer_idx)
     if c.gated_mlp:
         return GatedMLP(c.hidden_size, width, activation=c.hidden_act, bias=c.mlp_bias)
@@ -243,6 +246,7 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
+        self._hashed = isinstance(self.mlp, MoE) and self.mlp.hashed
         self.attn_residual: Residual = residual_for(c, layer_idx, "attn")
         self.ffn_residual: Residual = residual_for(c, layer_idx, "ffn")
         self.layer_idx = layer_idx
@@ -273,7 +277,11 @@ class DecoderLayer(nn.Module):
             h = self.attn_out_norm(h)
         x = self.attn_residual.leave(x, h, ctx)
         a, ctx = self.ffn_residual.enter(x)
-        h = self.mlp(a if self.ffn_norm is None else self.ffn_norm(a))
+        a = a if self.ffn_norm is None else self.ffn_norm(a)
+        if self._hashed:
+            h = self.mlp(a, input_ids=step.input_ids[:, step.input_ids.shape[1] - a.shape[1]:])
+        else:
+            h = self.mlp(a)
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
         x = self.ffn_residual.leave(x, h, ctx)
@@ -480,7 +488,7 @@ class DecoderLM(nn.Module):
             x = x + self.pos_embed(pos).to(x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        step = _ForwardContext(positions, cache, N, x.dtype)
+        step = _ForwardContext(positions, cache, N, x.dtype, input_ids)
         if self.embed_per_layer is not None:
             step.per_layer = self.embed_per_layer(input_ids, x)
         if self._recurrent and N > 1 and (real := step.real_tokens()) is not None:  # before any layer writes

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from .hyper import HyperConnection, HyperHead
+
 if TYPE_CHECKING:
     from ..config.decoder import DecoderConfig
 
@@ -116,7 +118,8 @@ def residual_for(config: DecoderConfig, layer_idx: int | None, site: str) -> Res
         site: ``"attn"`` (the mixer branch), ``"ffn"`` (the feed-forward branch) or ``"model"`` (widen and collapse).
 
     Returns:
-        A :class:`Residual`: :data:`PLAIN_RESIDUAL` for every config this version reads.
+        A :class:`Residual`: with ``config.hyper`` DeepSeek-V4's mHC (a :class:`qkv.nn.hyper.HyperConnection` per
+        branch, a :class:`qkv.nn.hyper.HyperHead` for the model), else :data:`PLAIN_RESIDUAL`.
     """
     if site not in RESIDUAL_SITES:
         raise ValueError(f"residual_for: site must be one of {RESIDUAL_SITES}, got {site!r}")
@@ -128,4 +131,7 @@ def residual_for(config: DecoderConfig, layer_idx: int | None, site: str) -> Res
     elif not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < n:
         raise ValueError(f"residual_for: layer_idx must be an int in [0, {n}) for the {site!r} site, got "
                          f"{layer_idx!r}")
+    if config.hyper is not None:
+        cls = HyperHead if site == "model" else HyperConnection
+        return cls(config.hidden_size, config.hyper, norm_eps=config.rms_norm_eps)
     return PLAIN_RESIDUAL
