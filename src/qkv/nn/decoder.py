@@ -350,7 +350,8 @@ class DecoderLM(nn.Module):
         self.pos_embed = (LearnedPositionalEmbedding(c.max_position_embeddings, c.hidden_size)
                           if c.position == "learned" else None)
         self.embed_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps) if c.embed_norm else None
-        self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t)) for i, t in enumerate(c.layer_types))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t) if c.uses_rope(i) else None)
+                                    for i, t in enumerate(c.layer_types))
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
