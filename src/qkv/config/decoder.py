@@ -313,6 +313,9 @@ class DecoderConfig:
         layer_types: per layer ``"full_attention"``, ``"sliding_attention"`` or ``"linear_attention"`` (a
             recurrent layer, shaped by ``linear_attention``) (default: all full).
         rope: RoPE per layer type (a missing type uses ``"full_attention"``'s).
+        nope_layers: indices of attention layers that rotate nothing (NoPE, Kazemnejad et al. 2023,
+            arXiv:2305.19466; SmolLM3 leaves every fourth layer unrotated); the others keep ``rope``. Needs
+            ``position="rope"`` and grouped-query attention (an MLA layer's NoPE is its ``use_rope``).
         max_position_embeddings: context length (RoPE ``dynamic``/YaRN defaults).
         latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
             :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself;
@@ -382,6 +385,7 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope: Mapping[str, RopeParams] = field(default_factory=lambda: {FULL_ATTENTION: RopeParams()})
+    nope_layers: tuple[int, ...] = ()
     max_position_embeddings: int = 2048
     latent: LatentConfig | None = None
     moe: MoEConfig | None = None
@@ -448,6 +452,7 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig: {LINEAR_ATTENTION!r} layers and linear_attention (their mixer's shape) "
                              f"go together; got {self.layer_types.count(LINEAR_ATTENTION)} such layers and "
                              f"linear_attention={self.linear_attention!r}")
+        self._check_nope_layers()
         if self.latent is not None and SLIDING_ATTENTION in self.layer_types:
             raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
         if self.latent is not None and self.latent.hidden_size != self.hidden_size:
@@ -592,6 +597,31 @@ class DecoderConfig:
             problems.append(f"qk_rope_head_dim ({c.qk_rope_head_dim}) <= head_dim ({self.head_dim})")
         if problems:
             raise ValueError("DecoderConfig: DeepSeek-V4 attention (compressed) needs " + "; ".join(problems))
+    def _check_nope_layers(self) -> None:
+        nope = self.nope_layers
+        if not isinstance(nope, (tuple, list)) or any(not isinstance(i, int) or isinstance(i, bool) for i in nope):
+            raise TypeError(f"DecoderConfig: nope_layers must be a tuple of layer indices (ints), got {nope!r}")
+        object.__setattr__(self, "nope_layers", tuple(nope))
+        n = self.num_hidden_layers
+        if list(nope) != sorted(set(nope)) or (nope and not 0 <= nope[0] <= nope[-1] < n):
+            raise ValueError(f"DecoderConfig: nope_layers must be increasing distinct layer indices in [0, {n}), got "
+                             f"{nope!r}")
+        if not nope:
+            return
+        if self.position != "rope":
+            raise ValueError(f"DecoderConfig: nope_layers (layers without RoPE) need position='rope' for the others, "
+                             f"got position={self.position!r}")
+        if self.latent is not None:
+            raise ValueError("DecoderConfig: nope_layers is for grouped-query attention layers; latent attention "
+                             "(MLA) without RoPE is LatentConfig(use_rope=False) with position='none'")
+        recurrent = [i for i in nope if self.layer_types[i] == LINEAR_ATTENTION]
+        if recurrent:
+            raise ValueError(f"DecoderConfig: nope_layers {recurrent} are {LINEAR_ATTENTION!r} layers, which have no "
+                             "RoPE to drop; list attention layers only")
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """Whether attention layer ``layer_idx`` rotates its queries and keys (RoPE, not a NoPE layer)."""
+        return self.position == "rope" and layer_idx not in self.nope_layers
 
     @property
     def attention_only(self) -> bool:

@@ -23,6 +23,9 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
 - hybrid Qwen3-Next / Qwen3.5: ``"linear_attention"`` (Gated DeltaNet) layers, and every
   ``full_attention_interval``-th layer (default 4) ``"full_attention"`` when ``layer_types`` is absent; the
   recurrent layers' shape is :func:`read_linear_attention`'s (the description's ``linear_attention``);
+- SmolLM3: NoPE layers (``no_rope_layers``, 0 where a layer has no RoPE; default every
+  ``no_rope_layer_interval``-th layer) read as the description's ``nope_layers``; with ``use_sliding_window`` and no
+  ``layer_types``, exactly those layers slide;
 - hybrid Kimi Linear: KDA (``"linear_attention"``) and MLA layers from a checkpoint's ``linear_attn_config``
   (layers counted from 1), else transformers' default, layer ``i`` MLA when ``i > 0`` and ``i % 4 == 0``.
 
@@ -34,8 +37,8 @@ lightning indexer (:func:`read_indexer`) are read here too, so no other module r
 
 A field that changes the attention layout and that this reader does not model is refused, never ignored
 (``UNREAD_LAYOUT_FIELDS``): Llama 4's chunked attention (``attention_chunk_size``, HF's default 8192 when the
-key is absent) and its NoPE layers (``no_rope_layers``), GPT-Neo's ``attention_layers``, Longformer's
-``attention_window``, ModernBERT's ``global_attn_every_n_layers``; so are ``layer_types`` values other than
+key is absent) and its NoPE layers (``no_rope_layers``, read for SmolLM3 only), GPT-Neo's ``attention_layers``,
+Longformer's ``attention_window``, ModernBERT's ``global_attn_every_n_layers``; so are ``layer_types`` values other than
 ``"full_attention"`` and ``"sliding_attention"``.
 
 Example:
@@ -88,6 +91,7 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
                     {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
     "deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
     "glm_moe_dsa": {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048},
+    "smollm3": {"no_rope_layer_interval": 4, "use_sliding_window": False, "rope_theta": 2_000_000.0},
 }
 #: Hybrid families: their recurrent layers' mixer (:data:`qkv.config.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
@@ -112,6 +116,7 @@ _PERIOD = {"gemma2": 2}  # local:global interleave fixed by the modelling code
 _NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "gpt2", "bloom",
                         "kimi_linear"})
 _NOPE_MLA = frozenset({"kimi_linear"})  # families whose MLA layers rotate nothing
+_READS_NOPE = frozenset({"smollm3"})  # families whose no_rope_layers is read (nope_layers), not refused
 _LEARNED = frozenset({"gpt2", "gpt_bigcode", "opt"})  # families with a learned position table
 _ALIBI = frozenset({"bloom"})  # families with ALiBi instead of positions
 
@@ -531,10 +536,33 @@ def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
         value = cfg.get(key)
         if value is None or value is False:
             continue
-        if key == "no_rope_layers" and isinstance(value, list) and all(v == 1 for v in value):
-            continue  # HF's 1 means "this layer uses RoPE": nothing to model
+        if key == "no_rope_layers" and (cfg.get("model_type") in _READS_NOPE
+                                        or isinstance(value, list) and all(v == 1 for v in value)):
+            continue  # read by _nope_layers; or HF's 1 everywhere, "every layer uses RoPE": nothing to model
         raise ValueError(f"{source}: {key}={_short(value)} sets {what}, which qkv does not model; read as plain "
                          "layers the layout (and the cache bytes) would be wrong, so the config is refused")
+
+
+def _nope_layers(cfg: dict[str, Any], n: int, source: str) -> tuple[int, ...]:
+    """The layers without RoPE of a family in ``_READS_NOPE`` (HF ``no_rope_layers``: 1 rotates, 0 does not;
+    absent: every ``no_rope_layer_interval``-th layer unrotated), filling in SmolLM3's ``layer_types`` when absent
+    (HF slides exactly the NoPE layers when ``use_sliding_window``). ``()`` for other families."""
+    if cfg.get("model_type") not in _READS_NOPE:
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval")
+        if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
+            raise ValueError(f"{source}: no_rope_layer_interval must be a positive int, got {every!r}")
+        flags = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(flags, (list, tuple)) or len(flags) < n or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"{source}: no_rope_layers must list 1 (RoPE) or 0 (NoPE) for each of the {n} layers, got "
+                         f"{_short(flags)}")
+    nope = tuple(i for i in range(n) if not flags[i])
+    if cfg.get("layer_types") is None:
+        slides = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+        cfg["layer_types"] = [SLIDING_ATTENTION if slides and i in nope else FULL_ATTENTION for i in range(n)]
+    return nope
 
 
 def _short(value) -> str:
@@ -577,6 +605,7 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
         head_dim = _int(cfg, "hidden_size", source) // heads
     else:
         raise ValueError(f"{source}: needs head_dim or hidden_size")
+    nope = _nope_layers(cfg, n, source)
     types, window = _layer_types(cfg, n, source)
     model_type = cfg.get("model_type") or ""
     if model_type == "gemma4_text" and types and types[-1] != FULL_ATTENTION:  # transformers forces it global
@@ -590,6 +619,7 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
             vocab_size=cfg.get("vocab_size"), hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads,
             intermediate_size=cfg.get("intermediate_size"), num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=None if mla else head_dim, layer_types=types, sliding_window=window, rope=_ropes(cfg, types),
+            nope_layers=nope,
             position=position, max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048), latent=latent,
             indexer=read_indexer(cfg) if mla else None,
             linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None, name=model_type,

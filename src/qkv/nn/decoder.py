@@ -386,7 +386,8 @@ class DecoderLM(nn.Module):
         self.embed_per_layer = (PerLayerInputs(c.per_layer_vocab_size or c.vocab_size, c.hidden_size,
                                                c.num_hidden_layers, c.per_layer_input_size, eps=c.rms_norm_eps)
                                 if c.per_layer_input_size else None)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t)) for i, t in enumerate(c.layer_types))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t) if c.uses_rope(i) else None)
+                                    for i, t in enumerate(c.layer_types))
         self.residual: Residual = residual_for(c, None, "model")  # widens the embedding, collapses before the norm
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
