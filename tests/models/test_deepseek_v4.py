@@ -6,7 +6,8 @@ One tiny config exercises every layer kind (sliding only, CSA with an indexer ke
 hash-routed and score-routed MoE layers, mHC with 3 streams and a YaRN rotary on the compressed layers. The indexer
 has 16 heads so that no two entries tie at the top-k boundary (checked). Checks: float64 logits equal HF's (relative
 error < 1e-8), float32 within the error budget, a left-padded batch equal to each row alone, greedy generation of a
-left-padded batch equal to HF's tokens of each row alone, the selection matters, bad configs refused.
+left-padded batch on qkv's multi-pool cache equal to HF's tokens of each row alone, cached decode equal to full
+recomputation, the selection matters, bad configs refused.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 
 from _hf import randomize_weights, within_budget
 from _hf_float64 import float64_module
-from qkv.cache import KVCache
+from qkv.cache import CompressedCache, KVCache
 from qkv.models import CheckpointError, from_hf
-from qkv.models.generate import prompt_positions
+from qkv.models.generate import generate
 
 V4_CASTS = {".to(torch.float32)": 1, ".float()": 15, "dtype=torch.float32": 23, "dtype=torch.float)": 2}
 N_PROMPT, N_PAD, N_NEW, VOCAB = 14, 4, 6, 96
@@ -108,18 +109,37 @@ def test_left_padded_rows_equal_each_row_alone():
 
 
 def test_greedy_generation_with_left_padding_equals_hf_tokens():
-    """qkv: the padded batch, recomputed each step (no cache); HF: each row alone through its own cache."""
+    """qkv: the padded batch through qkv.models.generate on a CompressedCache; HF: each row alone."""
     _, ref, ours64, _ = _models()
     ids, mask = _prompt(True)
     real = mask.bool()
     with torch.no_grad():
         expected = [ref.generate(ids[b, real[b]][None], max_new_tokens=N_NEW, do_sample=False)[0, -N_NEW:]
                     for b in range(2)]
-        seq, m = ids, mask
-        for _ in range(N_NEW):
-            nxt = ours64(seq, positions=prompt_positions(m)).logits[:, -1].argmax(-1, keepdim=True)
-            seq, m = torch.cat([seq, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1)
-    assert seq[:, -N_NEW:].tolist() == torch.stack(expected).tolist()
+        out = generate(ours64, ids, max_new_tokens=N_NEW, attention_mask=mask,
+                       cache=CompressedCache(ours64.cache_specs()))
+    assert out.new_tokens.tolist() == torch.stack(expected).tolist()
+
+
+@pytest.mark.parametrize("steps", [(1,) * 8, (3, 1, 4)], ids=["one-by-one", "pieces"])
+def test_cached_decode_equals_full_recompute(steps):
+    """A left-padded prefill of 6 columns, then 8 more tokens in the given steps: every step's logits equal the full
+    recomputation's (float64, < 1e-10), across window, CSA entry (rate 2) and HCA entry (rate 4) completions."""
+    _, _, ours64, _ = _models()
+    ids, mask = _prompt(True)
+    with torch.no_grad():
+        full = ours64(ids, attention_mask=mask).logits
+        cache = CompressedCache(ours64.cache_specs())
+        got = [ours64(ids[:, :6], attention_mask=mask[:, :6], cache=cache).logits]
+        start = 6
+        for n in steps:
+            got.append(ours64(ids[:, start:start + n], attention_mask=mask[:, :start + n], cache=cache).logits)
+            start += n
+    got = torch.cat(got, 1)
+    real = mask.bool()
+    rel = _rel(got[real], full[real])
+    assert rel < 1e-10, f"cached decode vs full recompute: relative error {rel:.3g}"
+    assert cache.seq_length == N_PROMPT
 
 
 def test_the_indexer_selection_matters_and_has_no_boundary_tie():
@@ -143,7 +163,8 @@ def test_the_indexer_selection_matters_and_has_no_boundary_tie():
         handle.remove()
     assert gap > 1e-2, f"attending to every entry changes the logits by only {gap:.3g}"
     sel = layer._select(torch.zeros(1, 8, 32, dtype=torch.float64), torch.zeros(1, 8, 12, dtype=torch.float64),
-                        *layer._cos_sin(torch.arange(8), torch.float64))
+                        *layer._cos_sin(torch.arange(8), torch.float64), torch.zeros(1, 4, 8, dtype=torch.float64),
+                        torch.arange(8))
     assert sel.shape == (1, 1, 8, 3) and int(sel[0, 0, 0].max()) == -1  # position 0 sees no complete entry
 
 
@@ -163,9 +184,15 @@ def test_bad_inputs_refused():
     ids, _ = _prompt(False)
     with pytest.raises(ValueError, match="CompressedSpec .*planned"):
         KVCache(ours64.cache_specs())
-    with pytest.raises(ValueError, match="no KV cache support"):
+    with pytest.raises(ValueError, match="keeps its pools in a qkv.cache.CompressedCache"):
         ours64(ids, cache=KVCache([]))
-    with pytest.raises(ValueError, match="positions 0, 1, 2"):
+    with pytest.raises(ValueError, match="continue its positions from 14"):
+        cache = CompressedCache(ours64.cache_specs())
+        ours64(ids, cache=cache)
+        ours64(ids[:, :1], positions=torch.tensor([[20], [20]]), cache=cache)
+    with pytest.raises(ValueError, match="CompressedSpec or a one-head SlidingWindowSpec"):
+        CompressedCache([])
+    with pytest.raises(ValueError, match="continue its positions from 0"):
         ours64(ids, positions=torch.arange(3, 3 + N_PROMPT))
 
 
@@ -199,3 +226,20 @@ def test_published_sizes_and_kv_bytes(name, fields, total, active):
     v32 = 61 * (512 + 64 + 128) * 2  # DeepSeek-V3.2: a 576-wide latent and a 128-wide indexer key per layer
     if name == "V4-Pro":
         assert 0.08 < per_token / v32 < 0.13, f"{name}: {per_token:.0f} bytes/token, {per_token / v32:.3f} of V3.2"
+
+
+
+def test_head_gate_scales_each_head():
+    _, _, ours64, _ = _models()
+    ids, _ = _prompt(False)
+    layer = ours64.layers[2].self_attn
+    with torch.no_grad():
+        base = ours64(ids).logits
+        try:
+            layer.head_gate = torch.ones(4, dtype=torch.float64)
+            same = ours64(ids).logits
+            layer.head_gate = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+            pruned = ours64(ids).logits
+        finally:
+            layer.head_gate = None
+    assert torch.equal(same, base) and (pruned - base).abs().max() > 1e-3

@@ -13,7 +13,12 @@ One :class:`CompressedSpec` per CSA/HCA layer; its pools, per sequence of ``cont
 ``bytes_per_token`` is the long-run growth per token (``(head_dim + index_head_dim) / rate`` elements),
 ``fixed_bytes`` the bounded pools, ``bytes_for(context)`` their exact sum and :meth:`CompressedSpec.pools` each pool
 apart, which :func:`qkv.cache.plan_memory` and ``qkv memory`` count. (Sliding-only V4 layers are a
-:class:`qkv.cache.SlidingWindowSpec` of one KV head.) The model runs without a cache in this version; the spec plans.
+:class:`qkv.cache.SlidingWindowSpec` of one KV head.)
+
+:class:`CompressedCache` keeps those pools while decoding, per layer and per row (left-padded rows each at their
+own positions): an :class:`qkv.cache.AttentionCache` for a model whose every layer is DeepSeek-V4 attention
+(:class:`qkv.nn.compressed_attention.CompressedAttention` reads and writes its rows' :class:`RowState`; a compressed
+entry is added when its window's last token arrives). It is a contiguous per-row store (no paging or prefix sharing).
 
 Example:
     >>> s = CompressedSpec(window=128, head_dim=512, rate=4, index_head_dim=128)
@@ -24,12 +29,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .specs import LayerSpec, _positive, _whole, element_bytes
 
-__all__ = ["CompressedSpec"]
+__all__ = ["CompressedCache", "CompressedSpec", "RowState"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +98,90 @@ class CompressedSpec(LayerSpec):
     def bytes_for(self, context: int, dtype: torch.dtype | str) -> int | float:
         """Every pool's bytes for one sequence of ``context`` tokens."""
         return _whole(sum(self.pools(context, dtype).values()))
+
+
+class RowState:
+    """One row's pools in one layer: ``seen`` tokens so far; ``window`` (1, 1, L < sliding window, D) the last keys
+    (K = V); ``entries`` (1, 1, T, D) the compressed entries; ``index_keys`` (1, T, Di) the indexer's keys; ``carry``
+    and ``index_carry`` the compressors' :class:`qkv.sparse.CompressCarry` (None before the first token)."""
+
+    __slots__ = ("seen", "window", "entries", "index_keys", "carry", "index_carry")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.window: torch.Tensor | None = None
+        self.entries: torch.Tensor | None = None
+        self.index_keys: torch.Tensor | None = None
+        self.carry: Any = None
+        self.index_carry: Any = None
+
+
+class CompressedCache:
+    """The decoding cache of a DeepSeek-V4 model (module notes): ``CompressedCache(model.cache_specs())``.
+
+    Args:
+        specs: one spec per layer, each a :class:`CompressedSpec` or (sliding-only layers) a one-head
+            :class:`qkv.cache.SlidingWindowSpec`.
+
+    Example:
+        >>> from qkv.cache import SlidingWindowSpec
+        >>> cache = CompressedCache([SlidingWindowSpec(8, 1, 16), CompressedSpec(8, 16, 4, 8)])
+        >>> cache.seq_length, len(cache.rows(1, batch=2))
+        (0, 2)
+    """
+
+    def __init__(self, specs) -> None:
+        from .specs import SlidingWindowSpec
+
+        specs = list(specs)
+        bad = [i for i, s in enumerate(specs) if not isinstance(s, CompressedSpec) and not (
+            isinstance(s, SlidingWindowSpec) and s.n_kv_heads == 1)]
+        if not specs or bad:
+            raise ValueError(f"CompressedCache: every layer must be a CompressedSpec or a one-head SlidingWindowSpec "
+                             f"(a DeepSeek-V4 model's cache_specs()); layers {bad} are not (got {len(specs)} specs)")
+        self.specs = specs
+        self._rows: dict[int, list[RowState]] = {}
+        self._columns = 0
+
+    def rows(self, layer_idx: int, *, batch: int) -> list[RowState]:
+        """The ``batch`` rows' states of layer ``layer_idx`` (created empty on first use)."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.specs):
+            raise ValueError(f"CompressedCache: layer_idx must be in [0, {len(self.specs)}), got {layer_idx!r}")
+        rows = self._rows.setdefault(layer_idx, [RowState() for _ in range(batch)])
+        if len(rows) != batch:
+            raise ValueError(f"CompressedCache: layer {layer_idx} holds {len(rows)} rows, this step has {batch}; "
+                             "use one cache per batch of sequences")
+        return rows
+
+    def advance(self, layer_idx: int, columns: int) -> None:
+        """The last layer calls this once a step's ``columns`` have gone through every layer."""
+        if layer_idx == len(self.specs) - 1:
+            self._columns += columns
+
+    @property
+    def seq_length(self) -> int:
+        """Columns (padding included) of the steps so far."""
+        return self._columns
+
+    def update(self, layer_idx: int, k, v, *, positions, rope=None):
+        raise ValueError("CompressedCache keeps DeepSeek-V4 attention layers' pools only; this layer asked for a "
+                         "plain key/value update (build the model's cache with qkv.cache.KVCache instead)")
+
+    def cross_kv(self, layer_idx: int, compute):
+        raise ValueError("CompressedCache has no cross-attention layers")
+
+    def keeps_absolute_positions(self, layer_idx: int) -> bool:
+        return True
+
+    def observe(self, layer_idx: int, q, *, scale=None) -> None:
+        return None
+
+    def scores_attention(self, layer_idx: int) -> bool:
+        return False
+
+    def prepare(self, input_ids, positions) -> None:
+        return None
+
+    @property
+    def prefix_caching(self) -> bool:
+        return False

@@ -22,9 +22,9 @@ Each layer (its kind from :class:`qkv.config.compressed.CompressedAttentionConfi
 Submodules and parameters carry HF's names (``q_a_proj``, ``compressor.indexer.kv_proj``, ...), the indexer's
 ``scorer.weights_proj`` as ``indexer.weights_proj``. Every layer rotates with its own RoPE parameters (the model's
 decoder runs with ``position="none"``). Left-padded rows are computed each alone (their compressed windows start at
-their first real token). A KV cache is refused: the multi-pool cache these layers need (window, compressed entries,
-indexer keys, compressor carry; :class:`qkv.cache.compressed.CompressedSpec` plans it) is not kept yet, so decoding
-recomputes the prefix.
+their first real token). Decoding keeps each row's pools in a :class:`qkv.cache.CompressedCache` (the last
+``sliding_window - 1`` keys, the compressed entries, the indexer's keys, the compressors' carries): a new token
+attends to them and, when it completes a window, adds its entry.
 
 Shape legend: B batch, N tokens, d hidden size, Hq query heads, D head dim, R rotated channels, T compressed
 entries, Hi indexer heads, Di indexer head dim, K entries kept per query, g output groups.
@@ -53,10 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.compressed import CompressedCache, RowState
 from ..pos.rope import RotaryEmbedding, apply_rotary
 from ..sparse import compress_kv, compressed_attention
 from .mixer import MixerStep
 from .norm import RMSNorm, rms_norm
+from .protocol import apply_head_gate
 
 if TYPE_CHECKING:
     from ..config.decoder import DecoderConfig
@@ -147,6 +149,8 @@ class CompressedAttention(nn.Module):
         self.layer_idx, self.kind = layer_idx, cc.attention_types[layer_idx]
         d, H, D, eps = c.hidden_size, c.num_attention_heads, c.head_dim, c.rms_norm_eps
         self.n_heads, self.head_dim, self.window, self.eps = H, D, c.sliding_window, eps
+        self.n_kv_heads = 1  # one KV head, K = V (qkv.nn.protocol.AttentionModule)
+        self.head_gate: torch.Tensor | None = None  # (H,) multiplier of each head's output; None: 1
         self.rate, self.topk, self.o_groups = cc.rate_of(layer_idx), cc.index_topk, cc.o_groups
         self.q_a_proj = nn.Linear(d, cc.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cc.q_lora_rank, eps=eps)
@@ -164,6 +168,12 @@ class CompressedAttention(nn.Module):
                 self.compressor.indexer = _Indexer(d, cc.q_lora_rank, cc.index_n_heads, cc.index_head_dim, self.rate,
                                                    eps)
 
+    @property
+    def attention_fn(self) -> None:
+        """None: the layer calls :func:`qkv.sparse.compressed_attention`, not :func:`qkv.attention`, so tools that
+        replace that operator refuse it (:class:`qkv.nn.protocol.AttentionModule`)."""
+        return None
+
     @classmethod
     def for_decoder(cls, config: DecoderConfig, layer_idx: int, rope=None) -> CompressedAttention:
         """The attention of layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`); it rotates with its own RoPE."""
@@ -174,78 +184,108 @@ class CompressedAttention(nn.Module):
         return ()
 
     def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
-        """The decoder's call: (B, N, d) -> (B, N, d) (every column; the decoder keeps the last ``keep``)."""
-        if step.cache is not None:
-            raise ValueError(f"CompressedAttention: layer {self.layer_idx} (DeepSeek-V4) has no KV cache support yet "
-                             "(its window, compressed-entry and indexer pools); run the model without a cache, "
-                             "recomputing the prefix each step")
-        pos = step.positions
+        """The decoder's call: (B, N, d) -> (B, N, d) (every column; the decoder keeps the last ``keep``). With a
+        :class:`qkv.cache.CompressedCache` each row continues its pools; a row's real tokens (position >= 0) must
+        follow its padding and continue its positions (0, 1, 2, ... from what its cache has seen)."""
+        cache, pos = step.cache, step.positions
+        if cache is not None and not isinstance(cache, CompressedCache):
+            raise ValueError(f"CompressedAttention: layer {self.layer_idx} (DeepSeek-V4) keeps its pools in a "
+                             f"qkv.cache.CompressedCache(model.cache_specs()), got {type(cache).__name__}")
         B, N, _ = x.shape
-        if pos is None:
-            return self.forward(x)
-        pos = pos.expand(B, N) if pos.dim() == 1 else pos
+        if pos is None and cache is None:
+            return self._run(x, None)
+        pos = torch.arange(N, device=x.device).expand(B, N) if pos is None else pos.expand(B, N)
+        rows = cache.rows(self.layer_idx, batch=B) if cache is not None else [None] * B
         out = x.new_zeros(B, N, x.shape[-1])
-        for b in range(B):
+        for b, state in enumerate(rows):
             real = pos[b] >= 0
             n = int(real.sum())
-            if n == 0:
-                continue
-            if not torch.equal(pos[b, real], torch.arange(n, device=pos.device)) or not bool(real[N - n:].all()):
-                raise ValueError(f"CompressedAttention: row {b} has positions {pos[b].tolist()}; without a cache a "
-                                 "row must be left padding (-1) followed by positions 0, 1, 2, ...")
-            out[b, N - n:] = self.forward(x[b:b + 1, N - n:])[0]
+            seen = 0 if state is None else state.seen
+            want = torch.arange(seen, seen + n, device=pos.device)
+            if not torch.equal(pos[b, real], want) or not bool(real[N - n:].all()):
+                raise ValueError(f"CompressedAttention: row {b} has positions {pos[b].tolist()}; its real tokens must "
+                                 f"follow its padding (-1) and continue its positions from {seen} (0, 1, 2, ... "
+                                 "without a cache)")
+            if n:
+                out[b, N - n:] = self._run(x[b:b + 1, N - n:], state)[0]
+        if cache is not None:
+            cache.advance(self.layer_idx, N)
         return out
 
-    def _compress(self, comp: nn.Module, x: torch.Tensor, overlap: bool) -> torch.Tensor:
-        """Compressed, normed and rotated entries (B, 1, T, width) of x (B, N, d), entry t at position t * rate."""
+    def _compress(self, comp: nn.Module, x: torch.Tensor, overlap: bool, carry, first: int):
+        """New compressed, normed and rotated entries (B, 1, T, width) of x (B, N, d) continuing ``carry``, entry t
+        at position (first + t) * rate; and the carry after them."""
         out = compress_kv(comp.kv_proj(x), comp.gate_proj(x), comp.position_bias.to(x.dtype), rate=self.rate,
-                          overlap=overlap)
+                          overlap=overlap, carry=carry)
         e = comp.kv_norm(out.entries).unsqueeze(1)  # (B, 1, T, width)
         T = e.shape[2]
-        if T == 0:
-            return e
-        cos, sin = self._cos_sin(torch.arange(T, device=x.device) * self.rate, x.dtype)
-        return rotate_tail(e, cos, sin)
+        if T:
+            cos, sin = self._cos_sin((first + torch.arange(T, device=x.device)) * self.rate, x.dtype)
+            e = rotate_tail(e, cos, sin)
+        return e, out.carry
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         work = torch.float64 if dtype == torch.float64 else torch.float32
         return self.rope.cos_sin(positions, dtype=work)
 
-    def _select(self, x: torch.Tensor, q_low: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The indexer's choice (B, 1, N, K) of entry ids, -1 where fewer than K entries are visible."""
+    def _select(self, x: torch.Tensor, q_low: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+        """The indexer's choice (B, 1, N, K) among ``keys`` (B, T, Di) for queries at ``pos`` (N,): entry ids, -1
+        where fewer than K entries are complete."""
         ix = self.compressor.indexer
         B, N, _ = x.shape
-        keys = self._compress(ix, x, True)[:, 0]  # (B, T, Di)
         T = keys.shape[1]
         q = rotate_tail(ix.q_b_proj(q_low).view(B, N, ix.heads, ix.dim).transpose(1, 2), cos, sin)  # (B, Hi, N, Di)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         scores = F.relu(torch.einsum("bhnk,btk->bhnt", q.to(work), keys.to(work))) * ix.dim ** -0.5
         w = ix.weights_proj(x).to(work) * ix.heads ** -0.5  # (B, N, Hi)
         scores = torch.einsum("bhnt,bnh->bnt", scores, w)  # (B, N, T)
-        p = torch.arange(N, device=x.device)
-        visible = torch.arange(T, device=x.device) < ((p + 1) // self.rate)[:, None]  # (N, T)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        complete = ((pos + 1) // self.rate)[:, None]  # (N, 1): entries whose every token has arrived
+        scores = scores.masked_fill(torch.arange(T, device=x.device) >= complete, float("-inf"))
         top = scores.topk(min(self.topk, T), dim=-1).indices  # (B, N, K)
-        top = torch.where(top < ((p + 1) // self.rate)[None, :, None], top, -1)
-        return top.unsqueeze(1)
+        return torch.where(top < complete, top, -1).unsqueeze(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One sequence per row at positions 0 .. N-1: (B, N, d) -> (B, N, d)."""
+        """One sequence per row at positions 0 .. N-1, no cache: (B, N, d) -> (B, N, d)."""
+        return self._run(x, None)
+
+    def _run(self, x: torch.Tensor, state: RowState | None) -> torch.Tensor:
+        """(B, N, d) at positions ``seen .. seen + N - 1`` (``seen``: the tokens ``state`` holds, 0 without) ->
+        (B, N, d); ``state`` (one row, B = 1) is advanced past these tokens."""
         B, N, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        cos, sin = self._cos_sin(torch.arange(N, device=x.device), x.dtype)
+        seen = 0 if state is None else state.seen
+        pos = torch.arange(seen, seen + N, device=x.device)
+        cos, sin = self._cos_sin(pos, x.dtype)
         q_low = self.q_a_norm(self.q_a_proj(x))  # (B, N, q_lora_rank)
         q = rms_norm(self.q_b_proj(q_low).view(B, N, H, D), eps=self.eps).transpose(1, 2)  # (B, H, N, D)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(self.kv_proj(x)).unsqueeze(1), cos, sin)  # (B, 1, N, D)
-        selected = None
-        if self.compressor is None:
-            entries, rate = kv[:, :, :0], 1
-        else:
-            entries, rate = self._compress(self.compressor, x, self.kind == "csa"), self.rate
-            if self.kind == "csa":
-                selected = self._select(x, q_low, cos, sin)
-        o = compressed_attention(q, kv, kv, entries, entries, rate=rate, window=self.window, selected=selected,
-                                 sinks=self.sinks.to(x.dtype), scale=D ** -0.5, q_start=0)
-        o = rotate_tail(o, cos, -sin)  # values carried their keys' rotation: undo it at the query's position
+        keys = kv if state is None or state.window is None else torch.cat([state.window, kv], 2)
+        selected, entries, rate = None, keys[:, :, :0], 1
+        if self.compressor is not None:
+            rate, csa = self.rate, self.kind == "csa"
+            old = None if state is None else state.entries
+            new, carry = self._compress(self.compressor, x, csa, None if state is None else state.carry,
+                                        0 if old is None else old.shape[2])
+            entries = new if old is None else torch.cat([old, new], 2)
+            if csa:
+                old_keys = None if state is None else state.index_keys
+                new_keys, index_carry = self._compress(self.compressor.indexer, x, True,
+                                                       None if state is None else state.index_carry,
+                                                       0 if old_keys is None else old_keys.shape[1])
+                index_keys = new_keys[:, 0] if old_keys is None else torch.cat([old_keys, new_keys[:, 0]], 1)
+                if index_keys.shape[1]:
+                    selected = self._select(x, q_low, cos, sin, index_keys, pos)
+        o = compressed_attention(q, keys, keys, entries, entries, rate=rate, window=self.window, selected=selected,
+                                 sinks=self.sinks.to(x.dtype), scale=D ** -0.5, q_start=seen,
+                                 k_start=seen + N - keys.shape[2])
+        o = apply_head_gate(rotate_tail(o, cos, -sin), self.head_gate)  # undo the values' rotation at the query
+        if state is not None:
+            state.seen += N
+            state.window = keys[:, :, keys.shape[2] - min(keys.shape[2], self.window - 1):]
+            if self.compressor is not None:
+                state.entries, state.carry = entries, carry
+                if self.kind == "csa":
+                    state.index_keys, state.index_carry = index_keys, index_carry
         return self.o_b_proj(self.o_a_proj(o.transpose(1, 2).reshape(B, N, H * D)))
