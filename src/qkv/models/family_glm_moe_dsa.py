@@ -9,8 +9,8 @@ the previous layer's top-k instead of running its own indexer (IndexCache, arXiv
 heads).
 
 qkv reads configs whose every layer runs its indexer (``indexer_types`` all ``"full"``: HF's default schedule,
-``index_topk_freq = 1``, and the released GLM-5); a config with ``"shared"`` layers is refused with a
-:class:`CheckpointError` naming them, never run with a silently different selection.
+``index_topk_freq = 1``, which the ``glm-5`` preset's checkpoint config uses); a config with ``"shared"`` layers is
+refused with a :class:`CheckpointError` naming them, never run with a silently different selection.
 
 Tensor names as DeepSeek-V3.2's (``self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`` unchanged).
 
