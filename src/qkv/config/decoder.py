@@ -303,6 +303,9 @@ class DecoderConfig:
             Qwen3) or ``"projection"`` the whole query / key projection, all heads at once (OLMo 2/3).
         pre_norms: normalize each branch's input (False: OLMo 2/3, whose blocks only normalize the branch
             outputs; set ``sandwich_norms`` with it).
+        linear_pre_norms: ``linear_attention`` (recurrent) layers normalize each branch's input and nothing else
+            (Llama's placement), whatever ``pre_norms`` and ``sandwich_norms`` say of the attention layers
+            (OLMo-hybrid: OLMo 3's post-normed attention layers beside pre-normed Gated DeltaNet layers).
         attention_sinks: one learnable sink logit per query head joins every softmax (GPT-OSS,
             :mod:`qkv._sinks`); parameter ``self_attn.sinks`` (Hq,).
         attention_scale: score scale (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
@@ -377,6 +380,7 @@ class DecoderConfig:
     qk_norm: bool = False
     qk_norm_scope: str = "head"
     pre_norms: bool = True
+    linear_pre_norms: bool = False
     attention_sinks: bool = False
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
@@ -618,6 +622,12 @@ class DecoderConfig:
         if recurrent:
             raise ValueError(f"DecoderConfig: nope_layers {recurrent} are {LINEAR_ATTENTION!r} layers, which have no "
                              "RoPE to drop; list attention layers only")
+
+    def layer_norms(self, layer_idx: int) -> tuple[bool, bool]:
+        """``(pre, post)``: whether layer ``layer_idx`` normalizes each branch's input, and each branch's output."""
+        if self.linear_pre_norms and self.layer_types[layer_idx] == LINEAR_ATTENTION:
+            return True, False
+        return self.pre_norms, self.sandwich_norms
 
     def uses_rope(self, layer_idx: int) -> bool:
         """Whether attention layer ``layer_idx`` rotates its queries and keys (RoPE, not a NoPE layer)."""

@@ -26,6 +26,9 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
 - SmolLM3: NoPE layers (``no_rope_layers``, 0 where a layer has no RoPE; default every
   ``no_rope_layer_interval``-th layer) read as the description's ``nope_layers``; with ``use_sliding_window`` and no
   ``layer_types``, exactly those layers slide;
+- hybrid OLMo-hybrid: Gated DeltaNet (``"linear_attention"``) layers with Qwen3.5's split projections, beta in
+  ``[0, 2]`` (``linear_allow_neg_eigval``, default True), and every 4th layer full attention (the last one when
+  there are fewer than 4 layers);
 - hybrid Kimi Linear: KDA (``"linear_attention"``) and MLA layers from a checkpoint's ``linear_attn_config``
   (layers counted from 1), else transformers' default, layer ``i`` MLA when ``i > 0`` and ``i % 4 == 0``.
 
@@ -95,7 +98,8 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
 }
 #: Hybrid families: their recurrent layers' mixer (:data:`qkv.config.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
-                 "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda"}
+                 "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda",
+                 "olmo_hybrid": "gated_deltanet_split"}
 
 #: Layout fields this reader does not model, each with what it means; a config that sets one is refused.
 UNREAD_LAYOUT_FIELDS: Mapping[str, str] = {
@@ -259,6 +263,8 @@ def _layer_types(cfg: Mapping[str, Any], n: int, source: str) -> tuple[tuple[str
     elif model_type in HYBRID_MIXERS:  # HF: every full_attention_interval-th layer is full attention
         every = cfg.get("full_attention_interval") or 4
         types = tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(n))
+        if model_type == "olmo_hybrid" and FULL_ATTENTION not in types:  # HF: at least the last layer attends
+            types = types[:-1] + (FULL_ATTENTION,)
     elif window is None:
         types = (FULL_ATTENTION,) * n
     elif "max_window_layers" in cfg:  # Qwen2/Qwen3: the first max_window_layers layers stay global
@@ -458,7 +464,20 @@ def read_linear_attention(config) -> LinearAttentionConfig | None:
     """
     cfg = hf_defaults(text_config(load_hf_config(config)))
     mixer = HYBRID_MIXERS.get(cfg.get("model_type") or "")
-    return None if mixer is None else LinearAttentionConfig.from_hf(cfg, mixer=mixer)
+    if mixer is None:
+        return None
+    if cfg.get("model_type") != "olmo_hybrid":
+        return LinearAttentionConfig.from_hf(cfg, mixer=mixer)
+    # OLMo-hybrid: HF's defaults derive from the attention shape; beta in [0, 2] unless turned off; norm eps 1e-5
+    heads = cfg.get("linear_num_key_heads") or cfg.get("num_attention_heads")
+    key_dim = cfg.get("linear_key_head_dim") or (int(0.75 * cfg["hidden_size"] / heads)
+                                                 if cfg.get("hidden_size") and heads else None)
+    return LinearAttentionConfig.from_hf(
+        {**cfg, "linear_num_key_heads": heads,
+         "linear_num_value_heads": cfg.get("linear_num_value_heads") or cfg.get("num_attention_heads"),
+         "linear_key_head_dim": key_dim,
+         "linear_value_head_dim": cfg.get("linear_value_head_dim") or (2 * key_dim if key_dim else None)},
+        mixer=mixer, allow_neg_eigval=bool(cfg.get("linear_allow_neg_eigval", True)), norm_eps=1e-5)
 
 
 def read_indexer(config) -> IndexerConfig | None:

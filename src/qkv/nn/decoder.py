@@ -240,12 +240,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         kind = mixer_of(c, layer_idx)
         self.kind, self.recurrent, self._mixer_name = kind.name, kind.recurrent, kind.attribute
-        self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
+        pre, post = c.layer_norms(layer_idx)
+        self.attn_norm = _norm(c, c.hidden_size) if pre else None
         setattr(self, kind.attribute, build_mixer(c, layer_idx, rope))
-        self.attn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
-        self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
+        self.attn_out_norm = _norm(c, c.hidden_size) if post else None
+        self.ffn_norm = _norm(c, c.hidden_size) if pre else None
         self.mlp = _feed_forward(c, layer_idx)
-        self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
+        self.ffn_out_norm = _norm(c, c.hidden_size) if post else None
         self._hashed = isinstance(self.mlp, MoE) and self.mlp.hashed
         self.attn_residual: Residual = residual_for(c, layer_idx, "attn")
         self.ffn_residual: Residual = residual_for(c, layer_idx, "ffn")
