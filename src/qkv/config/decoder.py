@@ -30,10 +30,13 @@ from types import MappingProxyType
 from typing import Any
 
 from .dsa import IndexerConfig
+from .gated_residual import GatedResidualConfig
 from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 from .moe import MoEConfig
+from .ple import PLEConfig
+from .qsa import QSAConfig
 from .rope import RopeParams, check_rope_scaling
 
 __all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "decoder_config_from_preset",
@@ -324,6 +327,16 @@ class DecoderConfig:
             :class:`qkv.config.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
             (:class:`qkv.nn.SparseLatentAttention`) run on the ``gather`` backend when ``backend`` is ``"auto"``
             (each query reads only its ``index_topk`` latents, whatever the context).
+        qsa: QSA indexed attention on every ``full_attention`` layer (Qwen4-Exp): a
+            :class:`qkv.config.qsa.QSAConfig`; those layers (:class:`qkv.nn.IndexedAttention`) read only the
+            tokens their indexer keeps, on the ``gather`` backend when ``backend`` is ``"auto"``.
+        gated_residual: Qwen4-Exp's gated hyper-connection (:class:`qkv.config.gated_residual.GatedResidualConfig`):
+            ``streams`` residual streams, each block reading a gated mix of them (its norm: set ``pre_norms``
+            False) and writing into every one (:class:`qkv.nn.GatedResidual`).
+        ple: Qwen4-Exp's Per-Layer Embedding on the layers it names (:class:`qkv.config.ple.PLEConfig`); needs
+            ``gated_residual``.
+        final_norm: normalize the last hidden state before the LM head (False: Qwen4-Exp, whose residual read-out
+            is normed already).
         backend: the :func:`qkv.attention` backend of every layer.
         decode_backend: the backend of single-query steps (one new token per row) when ``backend`` is
             ``"auto"`` and the layer's request allows it (no soft-capping). ``"sdpa"`` by default: measured
@@ -369,6 +382,10 @@ class DecoderConfig:
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     indexer: IndexerConfig | None = None
+    qsa: QSAConfig | None = None
+    gated_residual: GatedResidualConfig | None = None
+    ple: PLEConfig | None = None
+    final_norm: bool = True
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     name: str = ""
@@ -433,7 +450,7 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig: {kind} must be > 0 or None, got {softcap!r}")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"DecoderConfig: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
-        if not self.pre_norms and not self.sandwich_norms:
+        if not self.pre_norms and not self.sandwich_norms and self.gated_residual is None:
             raise ValueError("DecoderConfig: pre_norms=False needs sandwich_norms=True (a block without any norm "
                              "is not a supported family)")
         if self.latent is not None and self.attn_output_gate:
@@ -452,6 +469,16 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig: indexer (DeepSeek Sparse Attention) needs latent with a q_lora_rank and "
                              f"index_head_dim >= its qk_rope_head_dim; got latent={self.latent!r}, "
                              f"indexer={self.indexer!r}")
+        if self.qsa is not None and (not isinstance(self.qsa, QSAConfig) or self.latent is not None
+                                     or SLIDING_ATTENTION in self.layer_types):
+            raise ValueError(f"DecoderConfig: qsa (Qwen4-Exp's indexed attention) needs a qkv.config.qsa.QSAConfig on "
+                             f"grouped-query full-attention layers (no latent, no sliding layers); got "
+                             f"qsa={self.qsa!r}, latent={self.latent!r}, layer_types={self.layer_types}")
+        if self.ple is not None and (self.gated_residual is None or any(
+                i >= self.num_hidden_layers or self.layer_types[i] != LINEAR_ATTENTION for i in self.ple.layers)):
+            raise ValueError(f"DecoderConfig: ple (Per-Layer Embedding) needs gated_residual (it writes into the "
+                             f"residual streams) and linear_attention layers only; got layers {self.ple.layers} of "
+                             f"{self.layer_types}, gated_residual={self.gated_residual!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
 
     @property

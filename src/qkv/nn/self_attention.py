@@ -87,9 +87,10 @@ class SelfAttention(nn.Module):
         """The softcap and ALiBi this layer adds to its scores, those it has."""
         return tuple(m for m in (self.score_mod, "ALiBi" if self.alibi is not None else None) if m is not None)
 
-    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0, mask=None) -> torch.Tensor:
         """(B, N, d) -> (B, N, d); with ``0 < keep < N`` the outputs of the last ``keep`` columns only, (B, keep, d)
-        (every column's keys and values are still cached)."""
+        (every column's keys and values are still cached). ``mask``: a :mod:`qkv.masks` mask AND-ed with the
+        causal one (a subclass's key selection, :class:`qkv.nn.IndexedAttention`)."""
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D), then the output gate's (B, N, Hq D)
@@ -112,7 +113,7 @@ class SelfAttention(nn.Module):
                 return self._rotate_qk(q, k, qk, cos, sin)
         cache = step.cache
         res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=rope,
-                               rotate=rotate, window=self.window,
+                               rotate=rotate, window=self.window, mask=mask,
                                step_mask=step.self_mask(self.window) if cache is None else None,
                                score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
                                attention_fn=self.attention_fn, backend=self.backend,
