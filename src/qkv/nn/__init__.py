@@ -34,6 +34,7 @@ from .performer import PerformerAttention
 from .ple import PerLayerEmbedding
 from .protocol import AttentionModule, attention_modules
 from .qsa import IndexedAttention, QSAIndexer
+from .residual import PLAIN_RESIDUAL, PlainResidual, Residual, residual_for
 from .self_attention import SelfAttention
 from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
@@ -49,4 +50,5 @@ __all__ = [
     "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
     "DecoderMixer", "MIXER_MODULES", "SelfAttention", "build_mixer", "register_mixer_module",
     "IndexedAttention", "QSAIndexer", "GatedResidual", "NGramEmbedding", "PerLayerEmbedding",
+    "Residual", "PlainResidual", "PLAIN_RESIDUAL", "residual_for",
 ]

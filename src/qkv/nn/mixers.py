@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..config.mixers import MIXERS, mixer_of
+from .compressed_attention import CompressedAttention
 from .dsa import SparseLatentAttention
 from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
@@ -38,6 +39,9 @@ _MODULES: dict[str, type] = {
     "gated_deltanet_split": SplitGatedDeltaNet,
     "kda": KimiDeltaAttention,
     "qsa": IndexedAttention,
+    "v4_sliding": CompressedAttention,
+    "csa": CompressedAttention,
+    "hca": CompressedAttention,
 }
 
 #: The module class of each registered mixer kind, read-only.
