@@ -31,11 +31,14 @@ from typing import Any
 
 from .compressed import CompressedAttentionConfig
 from .dsa import IndexerConfig
+from .gated_residual import GatedResidualConfig
 from .hyper import HyperConfig
 from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 from .moe import MoEConfig
+from .ple import PLEConfig
+from .qsa import QSAConfig
 from .rope import RopeParams, check_rope_scaling
 
 __all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "decoder_config_from_preset",
@@ -332,6 +335,16 @@ class DecoderConfig:
             :class:`qkv.config.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
             (:class:`qkv.nn.SparseLatentAttention`) run on the ``gather`` backend when ``backend`` is ``"auto"``
             (each query reads only its ``index_topk`` latents, whatever the context).
+        qsa: QSA indexed attention on every ``full_attention`` layer (Qwen4-Exp): a
+            :class:`qkv.config.qsa.QSAConfig`; those layers (:class:`qkv.nn.IndexedAttention`) read only the
+            tokens their indexer keeps, on the ``gather`` backend when ``backend`` is ``"auto"``.
+        gated_residual: Qwen4-Exp's gated hyper-connection (:class:`qkv.config.gated_residual.GatedResidualConfig`):
+            ``streams`` residual streams, each block reading a gated mix of them (its norm: set ``pre_norms``
+            False) and writing into every one (:class:`qkv.nn.GatedResidual`).
+        ple: Qwen4-Exp's Per-Layer Embedding on the layers it names (:class:`qkv.config.ple.PLEConfig`); needs
+            ``gated_residual``.
+        final_norm: normalize the last hidden state before the LM head (False: Qwen4-Exp, whose residual read-out
+            is normed already).
         head_dim_by_type, kv_heads_by_type: head width and KV heads of the attention layers of a layer type, where
             they differ from ``head_dim`` / ``num_key_value_heads`` (Gemma 4's global layers: wider heads, fewer
             KV heads); e.g. ``{"full_attention": 512}``.
@@ -396,6 +409,10 @@ class DecoderConfig:
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     indexer: IndexerConfig | None = None
+    qsa: QSAConfig | None = None
+    gated_residual: GatedResidualConfig | None = None
+    ple: PLEConfig | None = None
+    final_norm: bool = True
     head_dim_by_type: Mapping[str, int] = field(default_factory=dict)
     kv_heads_by_type: Mapping[str, int] = field(default_factory=dict)
     k_eq_v_types: tuple[str, ...] = ()
@@ -473,7 +490,7 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig: {kind} must be > 0 or None, got {softcap!r}")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"DecoderConfig: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
-        if not self.pre_norms and not self.sandwich_norms:
+        if not self.pre_norms and not self.sandwich_norms and self.gated_residual is None:
             raise ValueError("DecoderConfig: pre_norms=False needs sandwich_norms=True (a block without any norm "
                              "is not a supported family)")
         if self.latent is not None and self.attn_output_gate:
@@ -494,6 +511,16 @@ class DecoderConfig:
                              f"indexer={self.indexer!r}")
         self._check_layer_shapes()
         self._check_deepseek_v4()
+        if self.qsa is not None and (not isinstance(self.qsa, QSAConfig) or self.latent is not None
+                                     or SLIDING_ATTENTION in self.layer_types):
+            raise ValueError(f"DecoderConfig: qsa (Qwen4-Exp's indexed attention) needs a qkv.config.qsa.QSAConfig on "
+                             f"grouped-query full-attention layers (no latent, no sliding layers); got "
+                             f"qsa={self.qsa!r}, latent={self.latent!r}, layer_types={self.layer_types}")
+        if self.ple is not None and (self.gated_residual is None or any(
+                i >= self.num_hidden_layers or self.layer_types[i] != LINEAR_ATTENTION for i in self.ple.layers)):
+            raise ValueError(f"DecoderConfig: ple (Per-Layer Embedding) needs gated_residual (it writes into the "
+                             f"residual streams) and linear_attention layers only; got layers {self.ple.layers} of "
+                             f"{self.layer_types}, gated_residual={self.gated_residual!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
 
     def _check_layer_shapes(self) -> None:

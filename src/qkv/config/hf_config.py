@@ -67,9 +67,10 @@ from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 from .moe import MoEConfig
+from .qsa import QSAConfig
 from .rope import RopeParams, rope_type_of
 
-__all__ = ["read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention",
+__all__ = ["read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention", "read_qsa",
            "read_indexer", "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
@@ -93,13 +94,14 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
     "deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+    "qwen4_exp_text": {"head_dim": 256, "full_attention_interval": 4},
     "glm_moe_dsa": {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048},
     "smollm3": {"no_rope_layer_interval": 4, "use_sliding_window": False, "rope_theta": 2_000_000.0},
 }
 #: Hybrid families: their recurrent layers' mixer (:data:`qkv.config.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
                  "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda",
-                 "olmo_hybrid": "gated_deltanet_split"}
+                 "olmo_hybrid": "gated_deltanet_split", "qwen4_exp_text": "gated_deltanet_split"}
 
 #: Layout fields this reader does not model, each with what it means; a config that sets one is refused.
 UNREAD_LAYOUT_FIELDS: Mapping[str, str] = {
@@ -160,7 +162,7 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for long in _ALIASES.values():  # the long name wins where both are present
         if long in cfg:
             out[long] = cfg[long]
-    if out.get("model_type") in ("gemma3", "gemma4", "llama4", "qwen3_5", "qwen3_5_moe"):
+    if out.get("model_type") in ("gemma3", "gemma4", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"):
         out["model_type"] += "_text"
     return out
 
@@ -370,15 +372,16 @@ def read_moe(config) -> MoEConfig | None:
                          swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if model_type == "kimi_linear":
         return _kimi_moe(cfg)
-    if model_type in ("qwen3_next", "qwen3_5_moe_text"):  # Qwen2-MoE's block: softmax top-k, one gated shared expert
-        n = cfg.get("num_experts", 512 if model_type == "qwen3_next" else 256)
+    if model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text"):  # Qwen2-MoE's block: softmax top-k, one
+        q35 = model_type == "qwen3_5_moe_text"  # gated shared expert
+        n = cfg.get("num_experts", 256 if q35 else 512)
         if not n:
             return None
         return MoEConfig(n_routed_experts=n,
-                         num_experts_per_tok=cfg.get("num_experts_per_tok", 10 if model_type == "qwen3_next" else 8),
+                         num_experts_per_tok=cfg.get("num_experts_per_tok", 8 if q35 else 10),
                          moe_intermediate_size=cfg.get("moe_intermediate_size", 512),
                          # Qwen3.5-MoE always renormalizes (HF reads no norm_topk_prob for it)
-                         norm_topk_prob=model_type != "qwen3_next" or bool(cfg.get("norm_topk_prob", True)),
+                         norm_topk_prob=q35 or bool(cfg.get("norm_topk_prob", True)),
                          n_shared_experts=1,
                          shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 512),
                          shared_expert_gate=True)
@@ -545,6 +548,30 @@ def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) 
     return out
 
 
+def read_qsa(config) -> QSAConfig | None:
+    """Qwen4-Exp's QSA indexer of an HF config (``indexer_n_heads``, ``indexer_kv_heads`` = 1,
+    ``indexer_head_dim``, ``indexer_budget``, ``indexer_compress_ratio``), or None for a config without one.
+
+    Example:
+        >>> read_qsa({"model_type": "qwen4_exp_text", "indexer_n_heads": 8, "indexer_kv_heads": 1,
+        ...           "indexer_head_dim": 128, "indexer_budget": 2048, "indexer_compress_ratio": 64}).block_topk
+        32
+    """
+    cfg = text_config(load_hf_config(config))
+    names = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+    if not any(cfg.get(n) is not None for n in names):
+        return None
+    missing = [n for n in names if cfg.get(n) is None]
+    if missing:
+        raise ValueError(f"read_qsa({cfg.get('model_type')}): a QSA indexer needs {', '.join(names)}; missing "
+                         f"{', '.join(missing)}")
+    if cfg["indexer_kv_heads"] != 1:
+        raise ValueError(f"read_qsa({cfg.get('model_type')}): QSA's indexer has one key head (indexer_kv_heads=1), "
+                         f"got indexer_kv_heads={cfg['indexer_kv_heads']}")
+    return QSAConfig(index_n_heads=cfg["indexer_n_heads"], index_head_dim=cfg["indexer_head_dim"],
+                     budget=cfg["indexer_budget"], block=cfg["indexer_compress_ratio"])
+
+
 def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
     """Raise for a layout field this reader does not model (``UNREAD_LAYOUT_FIELDS``)."""
     cfg = dict(cfg)
@@ -640,7 +667,7 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
             head_dim=None if mla else head_dim, layer_types=types, sliding_window=window, rope=_ropes(cfg, types),
             nope_layers=nope,
             position=position, max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048), latent=latent,
-            indexer=read_indexer(cfg) if mla else None,
+            indexer=read_indexer(cfg) if mla else None, qsa=None if mla else read_qsa(cfg),
             linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None, name=model_type,
             **(_gemma4_layout(cfg, types, source) if model_type == "gemma4_text" else {}))
     except (TypeError, ValueError) as e:
