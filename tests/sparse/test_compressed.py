@@ -219,6 +219,17 @@ def test_bad_inputs_are_refused(fn, bad, match):
         fn(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("k_cmp"), args.pop("v_cmp"), **args)
 
 
+def test_rows_listing_nothing_visible_read_the_window_only():
+    tensors, kw, same = _inputs(CASES[0])
+    q, k, v, kc, vc, z = tensors
+    kw["selected"] = torch.where(torch.arange(q.shape[2]).view(1, 1, -1, 1) < 20, -1, kw["selected"])
+    out = compressed_attention(q, k, v, kc, vc, sinks=z, **kw)
+    ref = compressed_attention_reference(q, k, v, kc, vc, sinks=z, **kw)
+    none = compressed_attention(q, k, v, kc[:, :, :0], vc[:, :, :0], sinks=z, **dict(kw, selected=None))
+    assert (out - ref).abs().max().item() < 1e-12
+    assert (out[:, :, :20] - none[:, :, :20]).abs().max().item() < 1e-12
+
+
 def test_nan_stays_in_its_row():
     tensors, kw, same = _inputs(CASES[7])
     q, k, v, kc, vc, z = tensors

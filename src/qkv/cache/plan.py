@@ -38,7 +38,7 @@ from .compressed import CompressedSpec
 from .describe import cache_specs_of
 from .paged import Paged
 from .protocol import CachePolicy, HasCacheSpecs, Quantizer
-from .specs import CrossSpec, FullSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec, element_bytes
+from .specs import CrossSpec, FullSpec, LayerSpec, RecurrentSpec, SharedSpec, SlidingWindowSpec, element_bytes
 from .storage import Dynamic, Static
 
 __all__ = ["plan_memory", "MemoryPlan", "LayerPlan", "resolve_specs"]
@@ -209,6 +209,9 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
     B, longest = len(lengths), max(lengths)
     layers, blocks, pool = [], {}, 0
     for i, spec in enumerate(specs):
+        if isinstance(spec, SharedSpec):  # reads an earlier layer's pool, counted there once
+            layers.append(LayerPlan(i, spec.kind, 0, 0, 0))
+            continue
         if isinstance(spec, RecurrentSpec):  # a fixed state per row, whatever the context or storage
             state = B * spec.fixed_bytes(dtype)
             layers.append(LayerPlan(i, spec.kind, 0, int(state), int(state)))

@@ -10,6 +10,7 @@ A decoder layer is a token mixer followed by a feed-forward. The mixer kinds (:d
 - ``"gated_deltanet"`` and ``"gated_deltanet_split"``: Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025,
   arXiv:2412.06464) with Qwen3-Next's and Qwen3.5's projections;
 - ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692);
+- ``"qsa"``: grouped-query attention reading only the tokens QSA's block indexer keeps (Qwen4-Exp).
 - ``"v4_sliding"``, ``"csa"``, ``"hca"``: DeepSeek-V4's attention (DeepSeek-AI 2026, DeepSeek-V4 report, Section 2.3):
   a sliding window alone, beside indexer-selected entries of overlapping compressed windows (CSA), or beside every
   entry of disjoint compressed windows (HCA); one module, :class:`qkv.nn.compressed_attention.CompressedAttention`.
@@ -51,14 +52,15 @@ __all__ = ["CACHE_KINDS", "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mix
 
 #: The :mod:`qkv.cache` layer specs a mixer's cache may be, by their ``kind`` (``"indexed_latent"``: a latent with
 #: DeepSeek Sparse Attention's indexer key beside it).
-CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "compressed")
+CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "shared", "compressed")
 
 
 class CacheShape(NamedTuple):
     """What one layer caches, as data: a :mod:`qkv.cache` spec kind (one of :data:`CACHE_KINDS`) and that spec's
     constructor arguments (``"full"``: Hkv, D; ``"sliding"``: window, Hkv, D; ``"latent"``: kv_lora_rank,
     qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
-    Dk, Dv; ``"compressed"``: window, head_dim, rate, index_head_dim (0 without an indexer))."""
+    Dk, Dv; ``"shared"``: the source layer, window or None, Hkv, D; ``"compressed"``: window, head_dim, rate,
+    index_head_dim (0 without an indexer))."""
 
     kind: str
     args: tuple[int, ...]
@@ -145,7 +147,7 @@ def mixer_of(config: DecoderConfig, layer_idx: int) -> MixerKind:
         return get_mixer(config.linear_attention.mixer)
     if config.latent is not None:
         return get_mixer("dsa" if config.indexer is not None else "mla")
-    return get_mixer("attention")
+    return get_mixer("qsa" if config.qsa is not None else "attention")
 
 
 def _window(c: DecoderConfig, i: int) -> int | None:
@@ -161,10 +163,12 @@ def _zero(c: DecoderConfig) -> int:
 
 
 def _gqa_cache(c: DecoderConfig, i: int) -> CacheShape:
-    w = c.window_for(i)
+    w, Hkv, D = c.window_for(i), c.kv_heads_for(i), c.head_dim_for(i)
+    if c.kv_source(i) is not None:  # cross-layer KV sharing: reads an earlier layer's cache
+        return CacheShape("shared", (c.kv_source(i), w, Hkv, D))
     if w:
-        return CacheShape("sliding", (w, c.num_key_value_heads, c.head_dim))
-    return CacheShape("full", (c.num_key_value_heads, c.head_dim))
+        return CacheShape("sliding", (w, Hkv, D))
+    return CacheShape("full", (Hkv, D))
 
 
 def _gqa_weights(c: DecoderConfig) -> int:
@@ -229,6 +233,15 @@ def _dsa_weights(c: DecoderConfig) -> int:
 
 def _dsa_params(c: DecoderConfig) -> int:
     return _mla_params(c) + _dsa_weights(c) - _mla_weights(c) + 2 * c.indexer.index_head_dim  # its key's LayerNorm
+
+
+def _qsa_weights(c: DecoderConfig) -> int:
+    ix = c.qsa  # the indexer's queries and its one key head
+    return _gqa_weights(c) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim
+
+
+def _qsa_params(c: DecoderConfig) -> int:
+    return _gqa_params(c) + _qsa_weights(c) - _gqa_weights(c) + 2 * c.qsa.index_head_dim  # its two RMSNorms
 
 
 def _recurrent_cache(c: DecoderConfig, i: int) -> CacheShape:
@@ -299,6 +312,8 @@ register_mixer(MixerKind(name="mla", attribute="self_attn", cache=_mla_cache, pa
                          weights=_mla_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
 register_mixer(MixerKind(name="dsa", attribute="self_attn", cache=_dsa_cache, params=_dsa_params,
                          weights=_dsa_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
+register_mixer(MixerKind(name="qsa", attribute="self_attn", cache=_gqa_cache, params=_qsa_params,
+                         weights=_qsa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
 for _name in ("gated_deltanet", "gated_deltanet_split"):
     register_mixer(MixerKind(name=_name, attribute="linear_attn", cache=_recurrent_cache, params=_gdn_params,
                              weights=_gdn_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,

@@ -213,6 +213,7 @@ _COUNTED_FIELDS = frozenset({
     "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "indexer", "backend",
     "decode_backend", "name", "linear_attention", "attn_output_gate",
+    "nope_layers", "linear_pre_norms",  # no count changes; norms per layer: DecoderConfig.layer_norms
 })
 
 
@@ -487,6 +488,30 @@ _PRESET_LIST = (
             ' 128, FP8 in the release) scores every cached token and MLA reads the 2048 best per query; each '
             'token caches its 128-wide indexer key beside the 576-wide latent. 671.9B parameters without the '
             "multi-token-prediction module: DeepSeek-V3's 671.0B plus 0.85B of indexers.",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='glm-5',
+            vocab_size=154880, hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
+            intermediate_size=12288, num_key_value_heads=64, max_position_embeddings=202752,
+            latent=LatentConfig(
+                hidden_size=6144, num_attention_heads=64, kv_lora_rank=512, q_lora_rank=2048, qk_nope_head_dim=192,
+                qk_rope_head_dim=64, v_head_dim=256
+            ),
+            moe=MoEConfig(
+                n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                first_k_dense_replace=3
+            ),
+            indexer=IndexerConfig(index_n_heads=32, index_head_dim=128, index_topk=2048),
+        ),
+        source='Z.ai 2026, GLM-5 (zai-org/GLM-5 model card); transformers 5.25 GlmMoeDsaConfig defaults '
+            '(checkpoint zai-org/GLM-5)',
+        notes="DeepSeek-V3.2's design at GLM-5's shape: MLA (q-LoRA 2048, 192 + 64 query/key dims, 256 value dims) "
+            'with DeepSeek Sparse Attention on all 78 layers (indexer 32 heads of 128, interleaved RoPE, top 2048), '
+            '8 of 256 experts plus 1 shared, first 3 layers dense. 743.9B parameters without the multi-token-'
+            "prediction layer (the published 744B), 41.8B active with the embeddings (published: 40B active); each "
+            'token caches 512 + 64 latent values and a 128-wide indexer key per layer, 109,824 bytes in BF16. '
+            'Shape only, as the other presets: from_hf reads the routing and the indexer RoPE layout.',
     ),
     ModelPreset(
         config=DecoderConfig(

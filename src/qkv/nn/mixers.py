@@ -23,6 +23,7 @@ from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
 from .latent import LatentAttention
 from .mixer import DecoderMixer
+from .qsa import IndexedAttention
 from .self_attention import SelfAttention
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ _MODULES: dict[str, type] = {
     "gated_deltanet": GatedDeltaNet,
     "gated_deltanet_split": SplitGatedDeltaNet,
     "kda": KimiDeltaAttention,
+    "qsa": IndexedAttention,
     "v4_sliding": CompressedAttention,
     "csa": CompressedAttention,
     "hca": CompressedAttention,

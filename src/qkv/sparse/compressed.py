@@ -52,10 +52,10 @@ from .._request import AttentionOutput
 
 __all__ = ["compressed_attention", "compressed_attention_reference"]
 
-#: Bytes of gathered entries per chunk of query rows: small enough to be read from cache right after the gather.
-_CHUNK_BYTES = 2 << 20
-#: Query rows per chunk at most (the window band is c + window keys wide, so it stays near c = window).
-_MAX_ROWS = 128
+#: Bytes of gathered entries per chunk of query rows (per-chunk torch overheads against cache reuse).
+_CHUNK_BYTES = 16 << 20
+#: Query rows per chunk, at least and at most (the window band is c + window - 1 keys wide).
+_MIN_ROWS, _MAX_ROWS = 8, 128
 
 
 def _check(fn, q, k, v, k_cmp, v_cmp, rate, window, selected, sinks, scale, q_start, k_start):
@@ -188,20 +188,23 @@ class _Chunk:
         ids = ctx.selected[:, :, r0:r1]  # (B, Hs, c, K)
         Hx = Hkv * G if self.per_head else Hkv
         ids = ids.expand(B, Hx, c, ids.shape[-1])  # Hs is 1 or Hx here (Hs = Hq = Hkv when G = 1)
-        srt = ids.sort(dim=-1).values
-        ok = (srt >= 0) & (srt < limit.view(1, 1, c, 1))
-        ok[..., 1:] &= srt[..., 1:] != srt[..., :-1]
-        width = int(ok.sum(-1).max()) if ok.numel() else 0  # keep only the columns some row fills
-        order = torch.argsort(ok.to(torch.int8), dim=-1, descending=True, stable=True)[..., :width]
-        self.ok = ok.gather(-1, order)  # (B, Hx, c, K')
-        cols = srt.gather(-1, order).clamp_min(0)
+        K = ids.shape[-1]
+        safe = torch.where(ids < 0, ctx.T, ids).reshape(-1, K)  # -1 -> a spare column T
+        # first occurrences: every row writes each slot number at its entry, then keeps the slots that won
+        slot = torch.arange(K, device=dev, dtype=torch.int32).expand(safe.shape)
+        stamp = ctx.stamp(safe.shape[0]).scatter_(1, safe, slot)
+        first = stamp.gather(1, safe) == slot
+        self.ok = first.view(B, Hx, c, K) & (ids >= 0) & (ids < limit.view(1, 1, c, 1))  # (B, Hx, c, K)
+        cols = ids.clamp_min(0)
+        width = K
         kv_head = torch.arange(Hx, device=dev) // (G if self.per_head else 1)
         base = (torch.arange(B, device=dev).view(B, 1) * Hkv + kv_head.view(1, Hx)) * ctx.T  # (B, Hx)
         self.flat = (base.view(B, Hx, 1, 1) + cols).reshape(-1)  # rows of k_cmp.view(-1, D)
         self.shape5 = (B, Hx, c, width)
-        self.kc = ctx.k_cmp.reshape(-1, ctx.D).index_select(0, self.flat).view(*self.shape5, -1).to(acc)
+        self.gx = 1 if self.per_head else G  # score rows per list
+        self.kc = ctx.k_cmp.reshape(-1, ctx.D).index_select(0, self.flat).view(*self.shape5, ctx.D).to(acc)
         self.vc = self.kc if ctx.cmp_same else \
-            ctx.v_cmp.reshape(-1, ctx.Dv).index_select(0, self.flat).view(*self.shape5, -1).to(acc)
+            ctx.v_cmp.reshape(-1, ctx.Dv).index_select(0, self.flat).view(*self.shape5, ctx.Dv).to(acc)
 
     def scores(self, ctx):
         """Scaled scores (B, Hkv, R, L + K') with -inf where masked."""
@@ -228,11 +231,10 @@ class _Chunk:
         (B, Hx, c, K', Y) per list. ``transpose``: against mats^T (scores) else against mats (P @ V)."""
         if self.shape5 is None:
             return rows @ (mats.transpose(-1, -2) if transpose else mats)
-        B, Hx, c, K = self.shape5
-        per = rows.reshape(B, Hx, -1, c, rows.shape[-1]).transpose(2, 3) if self.per_head else \
-            rows.reshape(B, Hx, c, -1, rows.shape[-1])  # (B, Hx, c, rows per list, X)
+        B, Hx, c, _ = self.shape5
+        per = rows.reshape(B, Hx, c, self.gx, rows.shape[-1])  # (B, Hx, c, rows per list, X)
         out = per @ (mats.transpose(-1, -2) if transpose else mats)  # (B, Hx, c, rows per list, .)
-        return (out.transpose(2, 3) if self.per_head else out).reshape(B, self.qr.shape[1], self.qr.shape[2], -1)
+        return out.reshape(B, self.qr.shape[1], self.qr.shape[2], out.shape[-1])
 
     shape5 = None
 
@@ -251,8 +253,16 @@ class _Ctx:
         self.per_head = selected is not None and selected.shape[1] == self.Hq and self.G > 1
         self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         K = selected.shape[-1] if selected is not None else min(self.T, 4096)
-        per_row = max(1, (self.Hkv if not self.per_head else self.Hq) * self.B * K * (self.D + self.Dv) * 4)
-        self.rows = max(1, min(_MAX_ROWS, _CHUNK_BYTES // per_row))
+        width = self.D + (0 if cmp_same else self.Dv)  # gathered floats per listed entry
+        per_row = max(1, (self.Hkv if not self.per_head else self.Hq) * self.B * K * width * 4)
+        self.rows = max(_MIN_ROWS, min(_MAX_ROWS, _CHUNK_BYTES // per_row))
+        self._stamp = None
+
+    def stamp(self, rows: int) -> torch.Tensor:
+        """A scratch (rows, T + 1) int32 table for finding repeated ids; only slots written before are read."""
+        if self._stamp is None or self._stamp.shape[0] < rows:
+            self._stamp = torch.empty(rows, self.T + 1, dtype=torch.int32, device=self.q.device)
+        return self._stamp[:rows]
 
     def chunks(self):
         for r0 in range(0, self.Nq, self.rows):
@@ -373,9 +383,8 @@ class _CompressedAttention(torch.autograd.Function):
 def _per_entry(ch, w, rows):
     """sum over a list's score rows of w (B, Hkv, R, K') times rows (B, Hkv, R, X): (B, Hx, c, K', X)."""
     B, Hx, c, K = ch.shape5
-    w5 = w.reshape(B, Hx, -1, c, K).transpose(2, 3) if ch.per_head else w.reshape(B, Hx, c, -1, K)
-    r5 = rows.reshape(B, Hx, -1, c, rows.shape[-1]).transpose(2, 3) if ch.per_head else \
-        rows.reshape(B, Hx, c, -1, rows.shape[-1])
+    w5 = w.reshape(B, Hx, c, ch.gx, K)
+    r5 = rows.reshape(B, Hx, c, ch.gx, rows.shape[-1])
     return w5.transpose(-1, -2) @ r5
 
 
