@@ -176,7 +176,8 @@ class ModelPreset:
         return cls(config=c if c.name else c.replace(name="config"), source=source, notes=notes)
 
     def mha_equivalent(self) -> ModelPreset:
-        """The same model with one key/value head per query head and no latent compression.
+        """The same model with one key/value head per query head and no latent compression (nor DeepSeek-V4's
+        compressed entries and sliding window: full attention on every layer).
 
         For MLA this is the expanded cache: per head a :attr:`key_head_dim` key and a :attr:`value_head_dim`
         value (a cache shape, held by ``v_head_dim``: no model builds it).
@@ -191,6 +192,9 @@ class ModelPreset:
         if c.latent is not None:
             changes.update(latent=None, indexer=None, head_dim=self.key_head_dim, position="rope")
             v_head_dim = self.value_head_dim
+        if c.compressed is not None:  # DeepSeek-V4: every token's key and value in every head, no compression
+            changes.update(compressed=None, hyper=None, layer_types=(FULL,) * c.num_hidden_layers,
+                           sliding_window=None, position="rope")
         return dataclasses.replace(self, config=c.replace(**changes), v_head_dim=v_head_dim,
                                    notes=f"{self.name} with one KV head per query head")
 

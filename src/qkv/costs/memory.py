@@ -175,6 +175,8 @@ def kv_cache_memory(
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
     c = preset.config
+    if c.compressed is not None:
+        return _compressed_memory(preset, context=context, batch=batch, dtype=dtype, group_size=group_size)
     if c.latent is not None:
         per_token = mla_kv_bytes_per_token(
             c.latent.kv_lora_rank, c.latent.qk_rope_head_dim + (c.indexer.index_head_dim if c.indexer else 0),
@@ -206,3 +208,37 @@ def kv_cache_memory(
         layers=tuple(layers),
         fits={g: total <= g * GB for g in DEVICE_GB},
     )
+
+
+def _compressed_memory(preset: ModelPreset, *, context: int, batch: int, dtype: str,
+                       group_size: int | None) -> KVMemory:
+    """DeepSeek-V4's pools (as :class:`qkv.cache.CompressedSpec` counts them): every layer's window of K = V keys
+    (``"local"``), ``context // rate`` compressed entries per CSA layer (each with its indexer key) and HCA layer,
+    and the compressors' carries (``"carry"``: the pending tokens of an incomplete window, CSA's previous window;
+    fixed per sequence). ``bytes_per_token`` is the long-run growth: one entry per ``rate`` tokens."""
+    c = preset.config
+    cc, D, eb = c.compressed, c.head_dim, element_bytes(dtype, group_size=group_size)
+    kinds = cc.attention_types
+    window = min(context, c.sliding_window)
+    layers = [LayerKV("local", len(kinds), window, D * eb, math.ceil(batch * window * D * eb),
+                      len(kinds) * math.ceil(batch * window * D * eb))]
+    carry = 0.0
+    growth = 0.0
+    for kind in ("csa", "hca"):
+        n = kinds.count(kind)
+        if not n:
+            continue
+        rate, index = cc.compress_rates[kind], cc.index_head_dim if kind == "csa" else 0
+        row = (D + index) * eb
+        per_layer = math.ceil(batch * (context // rate) * row)
+        layers.append(LayerKV(kind, n, context // rate, row, per_layer, n * per_layer))
+        widths = (D, index) if index else (D,)
+        per = 2 if index else 1
+        carry += n * eb * sum(2 * per * w * (rate - 1) + (2 * w * rate if index else 0) for w in widths)
+        growth += n * row / rate
+    if carry:
+        layers.append(LayerKV("carry", len(kinds) - kinds.count("sliding"), 0, 0, 0, math.ceil(batch * carry)))
+    total = sum(g.total_bytes for g in layers)
+    return KVMemory(preset=preset.name, context=context, batch=batch, dtype=_dtype_key(dtype), bytes_per_element=eb,
+                    bytes_per_token=growth, total_bytes=total, layers=tuple(layers),
+                    fits={g: total <= g * GB for g in DEVICE_GB})
