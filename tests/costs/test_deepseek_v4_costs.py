@@ -47,3 +47,36 @@ def test_mha_equivalent_is_full_attention_without_compression():
     c = mha.config
     assert c.compressed is None and c.hyper is None and c.num_key_value_heads == 128
     assert kv_cache_memory(mha, context=1000).total_bytes == 61 * 1000 * 128 * 2 * 512 * 2
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 3), (1, 4099), (300, 300), (37, 5000)])
+def test_attention_flops_count_window_entries_and_indexer(q_len, kv_len):
+    """Attention FLOPs of forward_flops against a per-query enumeration: the window (up to 128 keys), the visible
+    compressed entries (CSA: at most index_topk of them) at 4 H D each, and the indexer's 2 Hi Di per visible CSA
+    entry."""
+    from qkv.costs.model_flops import forward_flops
+
+    p = PRESETS["deepseek-v4-flash"]
+    c = p.config
+    cc, H, D = c.compressed, c.num_attention_heads, c.head_dim
+    want = 0
+    for kind in cc.attention_types:
+        for v in range(kv_len - q_len + 1, kv_len + 1):  # v = p + 1 of each query
+            want += min(v, c.sliding_window) * 4 * H * D
+            if kind == "sliding":
+                continue
+            seen = v // cc.compress_rates[kind]
+            want += min(seen, cc.index_topk if kind == "csa" else seen) * 4 * H * D
+            if kind == "csa":
+                want += seen * 2 * cc.index_n_heads * cc.index_head_dim
+    assert forward_flops(p, q_len, kv_len).attention == want
+
+
+def test_decode_attention_at_1m_tokens_is_a_small_part_of_v32s_dense_count():
+    """At 1M tokens one V4-Pro decode step reads 128 window keys, 512 + 8192 entries and the indexer's 262,144
+    scores per layer: a few percent of DeepSeek-V3.2 counted dense (qkv.costs.dsa_model_flops counts its top-k)."""
+    from qkv.costs import model_flops
+
+    v4 = model_flops(PRESETS["deepseek-v4-pro"], context=1 << 20).decode
+    v32 = model_flops(PRESETS["deepseek-v3.2"], context=1 << 20).decode
+    assert v4.attention < 0.05 * v32.attention and v4.total < 0.1 * v32.total

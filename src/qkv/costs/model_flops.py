@@ -125,10 +125,36 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
         kind = mixer_of(c, i)
         pairs_x2 = attended_pairs_x2(q_len, kv_len, True, kind.window(c, i))
         attn += batch * (pairs_x2 * kind.pair_flops(c) // 2 + q_len * kind.token_flops(c))
+        if c.compressed is not None and c.compressed.attention_types[i] != "sliding":
+            attn += batch * _compressed_entry_flops(c, i, q_len, kv_len)
     proj, ffn = _matmul_weights(p)
     tokens = batch * q_len
     head_rows = tokens if logits == "all" else batch
     return FlopBreakdown(attn, 2 * tokens * proj, 2 * tokens * ffn, 2 * head_rows * c.hidden_size * c.vocab_size)
+
+
+def _entries_seen(n: int, rate: int, cap: int | None) -> int:
+    """sum over v = 1 .. n of min(v // rate, cap): the compressed entries visible to queries at p + 1 = v."""
+    full = n if cap is None else min(n, cap * rate - 1)  # below cap * rate the cap does not bind
+    q, m = divmod(full, rate)
+    return rate * q * (q - 1) // 2 + q * (m + 1) + (0 if cap is None else cap * (n - full))
+
+
+def _compressed_entry_flops(c, i: int, q_len: int, kv_len: int) -> int:
+    """DeepSeek-V4's compressed entries beside the window (DeepSeek-AI 2026, DeepSeek-V4 report, Section 2.3): an
+    entry of ``rate`` tokens is visible once all its tokens are; HCA attends every visible entry, CSA the indexer's
+    ``index_topk`` of them, after the indexer scored every visible entry (``2 Hi Di`` per pair). Per attended entry
+    the scores and values of every query head, as a window key."""
+    cc = c.compressed
+    kind = cc.attention_types[i]
+    rate, first = cc.compress_rates[kind], kv_len - q_len
+    cap = cc.index_topk if kind == "csa" else None
+    attended = _entries_seen(kv_len, rate, cap) - _entries_seen(first, rate, cap)
+    flops = attended * 4 * c.num_attention_heads * c.head_dim
+    if kind == "csa":
+        scored = _entries_seen(kv_len, rate, None) - _entries_seen(first, rate, None)
+        flops += scored * 2 * cc.index_n_heads * cc.index_head_dim
+    return flops
 
 
 class ModelFlops(NamedTuple):
