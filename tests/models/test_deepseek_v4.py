@@ -148,6 +148,19 @@ def test_hf_route_equals_eager(monkeypatch):
     assert _rel(wrong, truth) > 1e-3, "the poisoned route must differ: the test would not catch it"
 
 
+def test_engine_and_paged_cache_refuse_naming_compressed_cache():
+    """Engine (paged rows, prefix sharing) and KVCache do not keep V4's pools: a clear refusal naming the cache that
+    does, never a silent wrong decode."""
+    from qkv.cache import Paged
+    from qkv.models.engine import Engine
+
+    _, _, ours64, _ = _models()
+    with pytest.raises(ValueError, match=r"CompressedSpec.*Engine cannot serve.*CompressedCache"):
+        Engine(ours64, optimize=False)
+    with pytest.raises(ValueError, match="CompressedCache"):
+        KVCache(ours64, storage=Paged(block_size=4, num_blocks=16))
+
+
 @pytest.mark.parametrize("steps", [(1,) * 8, (3, 1, 4)], ids=["one-by-one", "pieces"])
 def test_cached_decode_equals_full_recompute(steps):
     """A left-padded prefill of 6 columns, then 8 more tokens in the given steps: every step's logits equal the full

@@ -200,8 +200,11 @@ class KVCache:
         if isinstance(spec, RecurrentSpec):
             return RecurrentStore(spec, layer=f"layer {i} (RecurrentSpec)")
         if spec.kind == "compressed":
-            raise ValueError(f"KVCache: {name} is a CompressedSpec (DeepSeek-V4 CSA/HCA): its pools are planned "
-                             "(qkv.cache.plan_memory) but not kept yet; run the model without a cache")
+            raise ValueError(f"KVCache: {name} is a CompressedSpec (DeepSeek-V4 CSA/HCA), whose window, entry, "
+                             "indexer-key and carry pools KVCache does not keep (nor page, nor share between "
+                             "prompts, so qkv.models.Engine cannot serve the model); decode with "
+                             "qkv.cache.CompressedCache(model.cache_specs()), e.g. qkv.models.generate(model, ids, "
+                             "cache=CompressedCache(model.cache_specs()))")
         if self.policy is not None:
             store = self.policy.store_for(spec, layer=name)
             if store is not None:
