@@ -4,7 +4,9 @@ Models: a Llama-like, a DeepSeek-V2-like, a GPT-OSS-like, a DeepSeek-V3-like and
 (4 layers, width 512, vocabulary 32000; MLA and MoE for DeepSeek; GPT-OSS: sinks, alternating window-32 and
 global layers, a biased router over clamped-SwiGLU experts; DeepSeek-V3: q-LoRA, sigmoid group-limited routing;
 Qwen3-Next: three Gated DeltaNet layers, whose recurrent state the cache keeps, then a gated full-attention
-layer, experts with a gated shared expert), random weights, built by HF and converted with
+layer, experts with a gated shared expert), and a SmolLM3-like one at the published small model's shape scaled
+to this machine (12 layers of width 1024, GQA 16:4, its 128,256-token vocabulary, every 4th layer NoPE, a tied
+head; judged at batch 1 and 8), random weights, built by HF and converted with
 ``qkv.models.from_hf``. For batch 1,
 4 and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
 
@@ -58,6 +60,7 @@ TARGET = 1.5  # qkv decode tokens/s over HF's
 TARGETS = {"gpt-oss-like": 1.8, "deepseek-v3-like": 1.8,  # the 2025 dense families
            "qwen3-next-like": 2.0}  # the hybrid (HF runs its recurrent layers through slow fallbacks)
 TARGET_BATCHES = {name: (1, 4) for name in TARGETS}  # their issues judge batch 1 and 4; the rest: every batch
+TARGET_BATCHES["smollm3-like"] = (1, 8)  # issue 48 judges batch 1 and 8
 
 
 def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
@@ -87,7 +90,20 @@ def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
             linear_num_value_heads=heads, linear_key_head_dim=w // heads, linear_value_head_dim=w // heads,
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=w // 2, shared_expert_intermediate_size=w // 2,
             layer_types=["linear_attention"] * (base["num_hidden_layers"] - 1) + ["full_attention"])),
+        "smollm3-like": ("SmolLM3Config", "SmolLM3ForCausalLM", _smollm3(quick)),
     }
+
+
+def _smollm3(quick: bool) -> dict:
+    """SmolLM3-3B's shape scaled to this machine: its vocabulary (128,256) and GQA 16:4 of width-64 heads, 12 layers
+    of width 1024, every 4th a NoPE layer, tied embeddings (``--quick``: the tiny shape)."""
+    cfg = dict(vocab_size=128256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+               num_attention_heads=16, num_key_value_heads=4, no_rope_layer_interval=4, tie_word_embeddings=True,
+               max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if quick:
+        cfg.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=1)
+    return cfg
 
 
 def _models(name: str, spec: tuple[str, str, dict]):
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = configs[name]
         _run_case(suite, name, spec, (1, 4, 8), n_prompt, n_new, repeat, thread_counts)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}, "
-               "at batch 1 and 4, as their issues set it) "
+               "at batch 1 and 4, as their issues set it; smollm3-like at batch 1 and 8) "
                "in every repeat (ratios: the median over the "
                "paired repeats, then the lowest and highest). step_*_ms: where qkv's decode step goes (products, "
                "attention, other torch ops, Python; one profiled run of each length, indicative). "
