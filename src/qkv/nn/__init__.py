@@ -26,6 +26,7 @@ from .mamba2 import Mamba2Mixer
 from .mixer import DecoderMixer
 from .mixers import MIXER_MODULES, build_mixer, register_mixer_module
 from .moe import MoE, MoEConfig
+from .msa import MSAIndexer, MSAOutput
 from .norm import RMSNorm, make_norm, rms_norm
 from .packed import packed_documents
 from .performer import PerformerAttention
@@ -44,4 +45,5 @@ __all__ = [
     "AttentionModule", "attention_modules", "packed_documents", "cached_attention", "AttentionHeads",
     "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
     "DecoderMixer", "MIXER_MODULES", "SelfAttention", "build_mixer", "register_mixer_module",
+    "MSAIndexer", "MSAOutput",
 ]
