@@ -108,8 +108,10 @@ def _tensor(fn: str, name: str, t, dims: int, what: str) -> torch.Tensor:
     return t
 
 
-def _positions(fn: str, name: str, pos, B: int, N: int) -> torch.Tensor:
-    _tensor(fn, name, pos, 2, f"(B={B}, N={N}) int64 positions")
+def _positions(fn: str, name: str, pos, B: int, N: int | None = None) -> torch.Tensor:
+    """``pos`` checked as (B, N) integer positions (N = its own length when None)."""
+    _tensor(fn, name, pos, 2, f"(B={B}, N) int64 positions")
+    N = pos.shape[1] if N is None else N
     if pos.dtype.is_floating_point or pos.dtype == torch.bool or tuple(pos.shape) != (B, N):
         raise ValueError(f"{fn}: {name} must be (B={B}, N={N}) integer positions (-1 for padding), got "
                          f"{pos.dtype} {tuple(pos.shape)}")
@@ -415,7 +417,7 @@ def select_topk(scores: torch.Tensor, budget: int, *, visible: torch.Tensor | No
         vals, idx = s.sort(dim=-1, descending=True, stable=True)
         K = min(budget, s.shape[-1])
         vals, idx = vals[..., :K], idx[..., :K]
-        return torch.where(torch.isneginf(vals) | torch.isnan(vals), torch.full_like(idx, -1), idx)
+        return torch.where(torch.isneginf(vals), torch.full_like(idx, -1), idx)  # NaN scores stay picked: NaN out
 
 
 def _slot_offset(fn: str, kv_positions: torch.Tensor) -> torch.Tensor:
@@ -468,7 +470,7 @@ def blocks_to_tokens(ids: torch.Tensor, block: int, kv_positions: torch.Tensor, 
     _tensor(fn, "ids", ids, 4, "(B, Hs, Nq, K) block ids")
     block = _int(fn, "block", block)
     B, Hs, Nq, K = ids.shape
-    kvp = _positions(fn, "kv_positions", kv_positions, B, kv_positions.shape[-1] if kv_positions.dim() == 2 else 0)
+    kvp = _positions(fn, "kv_positions", kv_positions, B)
     off = _slot_offset(fn, kvp)
     pos = ids.unsqueeze(-1) * block + torch.arange(block, device=ids.device)  # (B, Hs, Nq, K, block)
     ok = ids.unsqueeze(-1) >= 0
@@ -499,7 +501,7 @@ def tail_tokens(q_positions: torch.Tensor, block: int, kv_positions: torch.Tenso
     _tensor(fn, "q_positions", q_positions, 2, "(B, Nq) positions")
     B, Nq = q_positions.shape
     qp = q_positions.long()
-    kvp = _positions(fn, "kv_positions", kv_positions, B, kv_positions.shape[-1] if kv_positions.dim() == 2 else 0)
+    kvp = _positions(fn, "kv_positions", kv_positions, B)
     off = _slot_offset(fn, kvp)
     start = ((qp + 1) // block) * block  # (B, Nq)
     pos = start.unsqueeze(-1) + torch.arange(block - 1, device=qp.device)  # (B, Nq, block - 1)
@@ -545,6 +547,8 @@ def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, budge
     Returns:
         (B, 1, Nq, min(budget, Nk)) int64 key slots, ``-1`` for none.
     """
+    _tensor("dsa_select", "q", q, 4, "(B, Hi, Nq, D)")
+    _tensor("dsa_select", "k", k, 4, "(B, 1, Nk, D)")
     qp, kvp = _check_positions("dsa_select", q.shape[0], q.shape[2], k.shape[2], q_positions, kv_positions)
     scores = weighted_relu_scores(q, k, weights, scale=scale)
     seen = (kvp.unsqueeze(1) >= 0) & (kvp.unsqueeze(1) <= qp.unsqueeze(2)) & (qp.unsqueeze(2) >= 0)
@@ -572,9 +576,10 @@ def qsa_select(q: torch.Tensor, block_keys: torch.Tensor, *, budget: int, block:
     budget = _int(fn, "budget", budget)
     if budget % block:
         raise ValueError(f"{fn}: budget={budget} tokens must be a multiple of block={block} (whole micro-blocks)")
+    _tensor(fn, "q", q, 4, "(B, Hi, Nq, D)")
     _tensor(fn, "block_keys", block_keys, 4, "(B, 1, T, D)")
     B, T = q.shape[0], block_keys.shape[2]
-    qp, kvp = _check_positions(fn, B, q.shape[2], kv_positions.shape[-1], q_positions, kv_positions)
+    qp, kvp = _positions(fn, "q_positions", q_positions, B, q.shape[2]), _positions(fn, "kv_positions", kv_positions, B)
     scores = weighted_relu_scores(q, block_keys, None, scale=scale)  # (B, 1, Nq, T)
     ids = select_topk(scores, budget // block, visible=entry_visible(qp, T, block, complete=True))
     toks = blocks_to_tokens(ids, block, kvp)
@@ -605,8 +610,9 @@ def msa_select(q: torch.Tensor, k: torch.Tensor, *, block: int, topk_blocks: int
     local_blocks = _int(fn, "local_blocks", local_blocks, 0)
     if local_blocks > topk_blocks:
         raise ValueError(f"{fn}: local_blocks={local_blocks} forced blocks do not fit topk_blocks={topk_blocks}")
-    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2] if k.dim() == 4 else 0
-    qp, kvp = _check_positions(fn, B, Nq, Nk, q_positions, kv_positions)
+    _tensor(fn, "q", q, 4, "(B, Hi, Nq, D)")
+    _tensor(fn, "k", k, 4, "(B, 1, Nk, D)")
+    qp, kvp = _check_positions(fn, q.shape[0], q.shape[2], k.shape[2], q_positions, kv_positions)
     tok = dot_scores(q, k, scale=scale)  # (B, Hi, Nq, Nk)
     seen = (kvp.unsqueeze(1) >= 0) & (kvp.unsqueeze(1) <= qp.unsqueeze(2))
     blocks = pool_scores(tok.masked_fill(~seen.unsqueeze(1), float("-inf")), block, positions=kvp)
