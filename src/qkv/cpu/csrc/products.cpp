@@ -10,7 +10,8 @@
 // qkv/nn/moe.py. moe_grouped runs each expert's rows the same way.
 //
 // Threads: the experts of one call run side by side in one parallel region of torch's pool (at::parallel_for over
-// the experts; the ATen calls inside it run on their worker thread alone, as nested regions do), then their
+// the experts, on the calling thread alone when they are small: expert_grain; the ATen calls inside run on their
+// worker thread alone, as nested regions do), then their
 // results are added in ascending expert id on the calling thread. One region a call instead of a few per expert:
 // on a busy CPU every region waits for a descheduled worker, and an expert's few rows are too small to split.
 // Each expert's products and activation are the same calls as on one thread, so the values are unchanged.
@@ -74,6 +75,13 @@ at::Tensor expert(const at::Tensor& x, int64_t e, const at::Tensor& gate_up, con
   return product(h, down.select(0, e), select(down_bias, e), nb_down);
 }
 
+// Experts a thread's share holds, at least: an expert of width d, hidden f and n rows is 3 n f d multiply-adds, and
+// shares below 2^20 stay on the calling thread (small experts are not worth a parallel region).
+int64_t expert_grain(int64_t d, int64_t f, int64_t n) {
+  const int64_t work = std::max<int64_t>(1, 3 * std::max<int64_t>(n, 1) * f * d);
+  return std::max<int64_t>(1, ((int64_t(1) << 20) + work - 1) / work);
+}
+
 }  // namespace
 
 // x (..., K) @ weight (N, K)^T (+ bias) -> (..., N), as qkv.cpu.skinny.by_rows then the bias.
@@ -108,7 +116,8 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
   std::sort(order.begin(), order.end());
   std::vector<at::Tensor> ys(order.size());
   const at::ThreadLocalState caller;  // the workers dispatch as the caller does (below autograd, inference mode)
-  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t i0, int64_t i1) {
+  const int64_t grain = expert_grain(x.size(1), gate_up.size(1) / 2, 1);
+  at::parallel_for(0, static_cast<int64_t>(order.size()), grain, [&](int64_t i0, int64_t i1) {
     at::ThreadLocalStateGuard as_caller(caller);
     for (int64_t i = i0; i < i1; ++i) {
       ys[i] = expert(x, order[i].first, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit, nb_gate_up,
@@ -154,7 +163,8 @@ at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::T
   }
   std::vector<at::Tensor> ys(active.size());
   const at::ThreadLocalState caller;  // the workers dispatch as the caller does (below autograd, inference mode)
-  at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t i0, int64_t i1) {
+  const int64_t grain = expert_grain(x.size(1), gate_up.size(1) / 2, active.empty() ? 1 : assigned / active.size());
+  at::parallel_for(0, static_cast<int64_t>(active.size()), grain, [&](int64_t i0, int64_t i1) {
     at::ThreadLocalStateGuard as_caller(caller);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = active[i];
