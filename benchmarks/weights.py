@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Suite, parse_args, ratio, read_rate  # noqa: E402
+from _harness import Suite, cold_times, parse_args, ratio, read_rate  # noqa: E402
 from qkv.cpu import ops, optimize  # noqa: E402
 from qkv.cpu.gemm import PrepackedWeight, linear  # noqa: E402
 from qkv.cpu.weights import quantize_int8, weight_linear  # noqa: E402
@@ -44,19 +44,6 @@ SHAPES = [(1152, 896), (9728, 896), (896, 4864), (2048, 2048), (16384, 2048)]  #
 QUICK_SHAPES = [(512, 256), (2048, 256)]
 ROWS = [1, 4, 16]
 PAIRS = [("bf16", "f32"), ("int8", "f32"), ("bf16", "bf16_torch"), ("int8", "bf16")]
-
-
-def _cold(fns: dict, repeat: int, evict: torch.Tensor) -> dict[str, list[float]]:
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            evict.add_(1.0)
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return times
 
 
 def products(shapes, repeat: int, quick: bool) -> None:
@@ -77,7 +64,7 @@ def products(shapes, repeat: int, quick: bool) -> None:
             fns = {"f32": lambda: linear(x, w, None, packed), "bf16_torch": lambda: F.linear(xb, wb),
                    "bf16": lambda: weight_linear(xb, wb), "int8": lambda: weight_linear(x, q, s)}
             with torch.inference_mode():
-                t = _cold(fns, repeat, evict)
+                t = cold_times(fns, repeat, evict)
             med = {c: statistics.median(v) for c, v in t.items()}
             floors = {"f32": 4, "bf16": 2, "int8": 1}
             results = {f"{c}_us": med[c] * 1e6 for c in t}
