@@ -81,6 +81,22 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, min_time
     return statistics.median(times)
 
 
+def cold_times(fns: dict[str, Callable[[], Any]], repeat: int, evict: torch.Tensor) -> dict[str, list[float]]:
+    """Seconds per call of each named callable, every repeat (paired across names by index): round-robin after one
+    warm-up call each, ``evict`` (a buffer larger than the caches) written before every call, so each call reads
+    its operands from memory, as a decode step reads its weights."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            evict.add_(1.0)
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7,
                      cpu: bool = False, number: int | dict[str, int] = 1, samples: bool = False) -> dict[str, Any]:
     """Median seconds per call of each named callable, running them round-robin so drift hits all alike.
