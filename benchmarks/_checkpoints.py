@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SHAPES", "build_checkpoint", "shape_names"]
+__all__ = ["SHAPES", "DEFAULT_SHAPES", "add_shapes_flag", "build_checkpoint", "shape_names"]
 
 #: name -> (HF config class, HF model class, config fields)
 SHAPES: dict[str, tuple[str, str, dict]] = {
@@ -41,10 +41,20 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
 }
 
 _SHARD_BYTES = 1 << 30
+#: the peer suites' default shapes (``tiny`` is their ``--quick`` one)
+DEFAULT_SHAPES = "qwen2.5-0.5b,llama-3.2-1b,qwen2.5-3b"
 
 
-def shape_names(text: str) -> list[str]:
-    """Comma-separated shape names, checked against :data:`SHAPES` (``SystemExit`` naming the choices)."""
+def add_shapes_flag(parser) -> None:
+    """The ``--shapes`` option of a peer suite (read it with :func:`shape_names`)."""
+    parser.add_argument("--shapes", default=None, help=f"comma-separated shapes of benchmarks/_checkpoints.py "
+                        f"(default: {DEFAULT_SHAPES}; tiny with --quick); choices: {', '.join(SHAPES)}")
+
+
+def shape_names(text: str | None, quick: bool = False) -> list[str]:
+    """Comma-separated shape names (None: ``tiny`` when ``quick``, else :data:`DEFAULT_SHAPES`), checked against
+    :data:`SHAPES` (``SystemExit`` naming the choices)."""
+    text = text or ("tiny" if quick else DEFAULT_SHAPES)
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in SHAPES]
     if unknown or not names:

@@ -328,6 +328,9 @@ def _run_shapes(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     thread_counts = [int(t) for t in (args.threads or "1,2").split(",")]
     repeat = args.repeat or 3
+    if repeat < 1 or min(batches) < 1 or min(thread_counts) < 1:
+        raise SystemExit(f"--repeat, --batches and --threads take positive integers, got {repeat}, {batches}, "
+                         f"{thread_counts}")
     suite = Suite("generate_shapes", "greedy decode tokens/s at real shapes, qkv vs HF transformers generate (same "
                   "random checkpoint)", transformers=transformers.__version__, cache="qkv Static / HF DynamicCache",
                   hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)

@@ -177,7 +177,7 @@ def run(args) -> None:
     from _harness import Suite, spread, target
 
     quick = args.quick
-    shapes = shape_names(args.shapes or ("tiny" if quick else "qwen2.5-0.5b,llama-3.2-1b,qwen2.5-3b"))
+    shapes = shape_names(args.shapes, quick)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     if not types or set(types) - set(PAIRS):
         raise SystemExit(f"--types takes comma-separated values from {', '.join(PAIRS)}, got {args.types!r}")
@@ -186,6 +186,8 @@ def run(args) -> None:
     except ValueError:
         raise SystemExit(f"--threads takes comma-separated integers, got {args.threads!r}") from None
     repeat = args.repeat or (2 if quick else 5)
+    if repeat < 1:
+        raise SystemExit(f"--repeat takes a positive integer, got {repeat}")
     _bench_binary()
     suite = Suite("vs_llamacpp", "batch-1 token generation tokens/s, qkv vs llama.cpp (llama-bench) on the same "
                   "checkpoint", quick=quick, repeat=repeat, llama_cpp=SPEC, new=N_NEW)
@@ -232,11 +234,13 @@ def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _checkpoints import add_shapes_flag
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--install", action="store_true", help=f"build llama.cpp ({SPEC}) into {HOME.name} and exit")
     p.add_argument("--quick", action="store_true", help="the tiny shape, 2 repeats (a smoke run)")
-    p.add_argument("--shapes", default=None, help="comma-separated shapes of benchmarks/_checkpoints.py (default: "
-                   "qwen2.5-0.5b,llama-3.2-1b,qwen2.5-3b; tiny with --quick)")
+    add_shapes_flag(p)
     p.add_argument("--types", default="f32,bf16,q8_0", help="comma-separated GGUF types (default f32,bf16,q8_0)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     p.add_argument("--repeat", type=int, default=None, help="paired repeats (default 5; 2 with --quick)")
