@@ -101,6 +101,9 @@ def test_visibility_forcing_and_topk_follow_their_definitions():
     assert select.select_topk(s, 4, visible=hidden, forced=torch.tensor([0, 1, 0, 0, 0]).bool()).tolist() == \
         [[[[2, 0, 3, -1]]]], "a forced entry that is not visible stays out; -1 past the visible ones"
     assert select.select_topk(s, 9).shape[-1] == 5
+    nan = s.clone()
+    nan[..., 3] = float("nan")
+    assert 3 in select.select_topk(nan, 2).flatten().tolist(), "a NaN score stays picked, so NaN reaches the output"
 
 
 def test_blocks_and_tails_map_positions_to_slots_under_left_padding():
@@ -292,3 +295,7 @@ def test_bad_inputs_are_refused_with_the_fix():
         select.expand_heads(torch.zeros(1, 3, 2, 2, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="block must be an int"):
         select.pool_keys(k, 0)
+    with pytest.raises(ValueError, match="k must be a"):
+        select.msa_select(q, "k", block=2, topk_blocks=1, local_blocks=1, q_positions=pos, kv_positions=pos)
+    with pytest.raises(ValueError, match="kv_positions must be"):
+        select.blocks_to_tokens(torch.zeros(1, 1, 1, 1, dtype=torch.long), 2, [0, 1])

@@ -663,6 +663,63 @@ _PRESET_LIST = (
     ),
     ModelPreset(
         config=DecoderConfig(
+            name='smollm3-3b',
+            vocab_size=128256, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+            intermediate_size=11008, num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=65536,
+            rope={FULL: RopeParams(theta=5_000_000.0)}, nope_layers=tuple(range(3, 36, 4)),
+        ),
+        source='Hugging Face 2025, SmolLM3: smol, multilingual, long-context reasoner (blog and model card, '
+            'HuggingFaceTB/SmolLM3-3B: 3.08B parameters); that config.json: widths, GQA 16:4, tied embeddings, '
+            'rope_theta 5e6, no_rope_layer_interval 4, 65536 positions',
+        notes='Llama-shaped GQA decoder whose every 4th layer is NoPE (no RoPE: layers 3, 7, ..., 35); all 36 '
+            'layers full attention, 72 KiB of bf16 K/V per token.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='olmo-hybrid-7b',
+            vocab_size=100352, hidden_size=3840, num_hidden_layers=32, num_attention_heads=30,
+            intermediate_size=11008, num_key_value_heads=30, sandwich_norms=True, qk_norm=True,
+            qk_norm_scope='projection', pre_norms=False, linear_pre_norms=True, layer_types=_hybrid(32, 4),
+            max_position_embeddings=65536,
+            linear_attention=LinearAttentionConfig(
+                linear_num_key_heads=30, linear_num_value_heads=30, linear_key_head_dim=96,
+                linear_value_head_dim=192, mixer='gated_deltanet_split', allow_neg_eigval=True, norm_eps=1e-5
+            ),
+        ),
+        source='Ai2 2026, Olmo Hybrid (model card, allenai/Olmo-Hybrid-7B); transformers 5.25 OlmoHybridConfig '
+            'defaults, documented there as that checkpoint (linear heads and widths derived as the class does: '
+            '30 heads, keys 0.75 * 3840 / 30 = 96 wide, values twice that)',
+        notes='24 Gated DeltaNet layers with beta in [0, 2] (negative eigenvalues; a 30 x 96 x 192 fp32 state per '
+            'layer and sequence) and 8 OLMo 3 attention layers (every 4th, MHA 30 x 128, post-norms); 7.43B '
+            'parameters, 120 KiB of bf16 K/V per token.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='mistral-small-4-119b',
+            vocab_size=131072, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+            intermediate_size=12288, num_key_value_heads=32, max_position_embeddings=1048576,
+            rope={FULL: RopeParams(theta=10000.0, interleaved=True, scaling={
+                "rope_type": "yarn", "factor": 128.0, "original_max_position_embeddings": 8192, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})},
+            latent=LatentConfig(
+                hidden_size=4096, num_attention_heads=32, kv_lora_rank=256, q_lora_rank=1024, qk_nope_head_dim=64,
+                qk_rope_head_dim=64, v_head_dim=128, rope_scaling={
+                    "rope_type": "yarn", "factor": 128.0, "original_max_position_embeddings": 8192,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                max_position_embeddings=1048576, query_scale_beta=0.1, query_scale_period=8192
+            ),
+            moe=MoEConfig(
+                n_routed_experts=128, num_experts_per_tok=4, moe_intermediate_size=2048, n_shared_experts=1,
+                topk_method='group_limited_top2', n_group=1, topk_group=1, norm_topk_prob=True
+            ),
+        ),
+        source='Mistral AI 2026, Mistral Small 4 (model card, mistralai/Mistral-Small-4-119B-2603: 119B parameters, '
+            '6.5B active); transformers 5.25 Mistral4Config defaults, documented there as that checkpoint',
+        notes='MLA (latent 256 + 64 rotated channels, 320 per token and layer: 22.5 KiB bf16 for 36 layers) with '
+            'interleaved YaRN RoPE and Llama 4 query scaling; 128 experts of 2048, 4 per token, plus 1 shared.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
             name='llama-70b-mha',
             vocab_size=32000, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
             intermediate_size=28672, num_key_value_heads=64, max_position_embeddings=4096,

@@ -57,9 +57,9 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from ..config.select import GRANULARITIES, SCORERS, SHARINGS, SelectSpec
 
 __all__ = [
     "SelectSpec",
@@ -82,15 +82,6 @@ __all__ = [
     "SHARINGS",
 ]
 
-#: The scorers: DSA's weighted ReLU heads, QSA's unweighted ReLU heads over pooled keys, MSA's max-pooled dot
-#: products, MoBA's mean key.
-SCORERS = ("weighted_relu", "relu", "max_dot", "mean_key")
-#: What one selected entry is: a token, a micro-block (QSA), a block (MSA, MoBA), a compressed entry (V4's CSA).
-GRANULARITIES = ("token", "micro_block", "block", "compressed")
-#: Who shares one selection: every query head, each KV group, each head.
-SHARINGS = ("all_heads", "kv_group", "head")
-
-
 def _int(fn: str, name: str, value, low: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{fn}: {name} must be an int >= {low}, got {value!r}")
@@ -108,87 +99,14 @@ def _tensor(fn: str, name: str, t, dims: int, what: str) -> torch.Tensor:
     return t
 
 
-def _positions(fn: str, name: str, pos, B: int, N: int) -> torch.Tensor:
-    _tensor(fn, name, pos, 2, f"(B={B}, N={N}) int64 positions")
+def _positions(fn: str, name: str, pos, B: int, N: int | None = None) -> torch.Tensor:
+    """``pos`` checked as (B, N) integer positions (N = its own length when None)."""
+    _tensor(fn, name, pos, 2, f"(B={B}, N) int64 positions")
+    N = pos.shape[1] if N is None else N
     if pos.dtype.is_floating_point or pos.dtype == torch.bool or tuple(pos.shape) != (B, N):
         raise ValueError(f"{fn}: {name} must be (B={B}, N={N}) integer positions (-1 for padding), got "
                          f"{pos.dtype} {tuple(pos.shape)}")
     return pos.long()
-
-
-@dataclass(frozen=True, kw_only=True)
-class SelectSpec:
-    """One point of the selection space (see the module), as data: what the cost arithmetic and the model
-    descriptions read. The math is in the functions.
-
-    Args:
-        scorer: one of :data:`SCORERS`. granularity: one of :data:`GRANULARITIES`. sharing: one of
-            :data:`SHARINGS`.
-        block: tokens per entry (1 for ``token``).
-        budget: entries kept per query (forced ones included), except QSA's tail block, which comes on top.
-        local: forced most recent blocks (the query's own block and the ``local - 1`` before it).
-        tail: the incomplete block at the end is attended whole (QSA).
-        heads: scorer query heads. head_dim: scorer head width.
-
-    Example:
-        >>> SelectSpec.msa(block=128, topk_blocks=16, local_blocks=1, heads=4, head_dim=128).keys_per_query(10**6)
-        2048
-    """
-
-    scorer: str
-    granularity: str
-    sharing: str
-    block: int
-    budget: int
-    local: int = 0
-    tail: bool = False
-    heads: int = 1
-    head_dim: int = 0
-
-    def __post_init__(self) -> None:
-        for name, allowed in (("scorer", SCORERS), ("granularity", GRANULARITIES), ("sharing", SHARINGS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"SelectSpec: {name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("block", "budget", "heads"):
-            _int("SelectSpec", name, getattr(self, name))
-        _int("SelectSpec", "local", self.local, 0)
-        _int("SelectSpec", "head_dim", self.head_dim, 0)
-        if self.granularity == "token" and self.block != 1:
-            raise ValueError(f"SelectSpec: token granularity has block=1, got block={self.block}")
-        if self.local > self.budget:
-            raise ValueError(f"SelectSpec: {self.local} forced local blocks do not fit a budget of {self.budget} "
-                             f"entries; raise the budget or lower local")
-
-    @classmethod
-    def dsa(cls, *, topk: int, heads: int = 1, head_dim: int = 0) -> SelectSpec:
-        """DeepSeek-V3.2 / GLM-5: the ``topk`` best tokens by weighted ReLU heads, shared by all heads."""
-        return cls(scorer="weighted_relu", granularity="token", sharing="all_heads", block=1, budget=topk,
-                   heads=heads, head_dim=head_dim)
-
-    @classmethod
-    def qsa(cls, *, budget: int, ratio: int, heads: int = 1, head_dim: int = 0) -> SelectSpec:
-        """Qwen4-exp: ``budget // ratio`` micro-blocks of ``ratio`` tokens plus the tail block, all heads."""
-        if not isinstance(budget, int) or not isinstance(ratio, int) or ratio < 1 or budget % ratio:
-            raise ValueError(f"SelectSpec.qsa: budget={budget!r} tokens must be a multiple of ratio={ratio!r}")
-        return cls(scorer="relu", granularity="micro_block", sharing="all_heads", block=ratio,
-                   budget=budget // ratio, tail=True, heads=heads, head_dim=head_dim)
-
-    @classmethod
-    def msa(cls, *, block: int, topk_blocks: int, local_blocks: int, heads: int = 1, head_dim: int = 0
-            ) -> SelectSpec:
-        """MiniMax-M3: ``topk_blocks`` blocks (the ``local_blocks`` latest forced) per KV group."""
-        return cls(scorer="max_dot", granularity="block", sharing="kv_group", block=block, budget=topk_blocks,
-                   local=local_blocks, heads=heads, head_dim=head_dim)
-
-    @classmethod
-    def moba(cls, *, block: int, topk: int) -> SelectSpec:
-        """MoBA: ``topk`` blocks (the own block forced) per head by mean-key affinity."""
-        return cls(scorer="mean_key", granularity="block", sharing="head", block=block, budget=topk, local=1)
-
-    def keys_per_query(self, n: int) -> int:
-        """Most keys one query attends at context ``n`` (tokens; compressed entries for ``compressed``)."""
-        keys = self.budget * self.block + (self.block - 1 if self.tail else 0)
-        return min(keys, n)
 
 
 def weighted_relu_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor | None = None, *,
@@ -415,7 +333,7 @@ def select_topk(scores: torch.Tensor, budget: int, *, visible: torch.Tensor | No
         vals, idx = s.sort(dim=-1, descending=True, stable=True)
         K = min(budget, s.shape[-1])
         vals, idx = vals[..., :K], idx[..., :K]
-        return torch.where(torch.isneginf(vals) | torch.isnan(vals), torch.full_like(idx, -1), idx)
+        return torch.where(torch.isneginf(vals), torch.full_like(idx, -1), idx)  # NaN scores stay picked: NaN out
 
 
 def _slot_offset(fn: str, kv_positions: torch.Tensor) -> torch.Tensor:
@@ -468,7 +386,7 @@ def blocks_to_tokens(ids: torch.Tensor, block: int, kv_positions: torch.Tensor, 
     _tensor(fn, "ids", ids, 4, "(B, Hs, Nq, K) block ids")
     block = _int(fn, "block", block)
     B, Hs, Nq, K = ids.shape
-    kvp = _positions(fn, "kv_positions", kv_positions, B, kv_positions.shape[-1] if kv_positions.dim() == 2 else 0)
+    kvp = _positions(fn, "kv_positions", kv_positions, B)
     off = _slot_offset(fn, kvp)
     pos = ids.unsqueeze(-1) * block + torch.arange(block, device=ids.device)  # (B, Hs, Nq, K, block)
     ok = ids.unsqueeze(-1) >= 0
@@ -499,7 +417,7 @@ def tail_tokens(q_positions: torch.Tensor, block: int, kv_positions: torch.Tenso
     _tensor(fn, "q_positions", q_positions, 2, "(B, Nq) positions")
     B, Nq = q_positions.shape
     qp = q_positions.long()
-    kvp = _positions(fn, "kv_positions", kv_positions, B, kv_positions.shape[-1] if kv_positions.dim() == 2 else 0)
+    kvp = _positions(fn, "kv_positions", kv_positions, B)
     off = _slot_offset(fn, kvp)
     start = ((qp + 1) // block) * block  # (B, Nq)
     pos = start.unsqueeze(-1) + torch.arange(block - 1, device=qp.device)  # (B, Nq, block - 1)
@@ -545,6 +463,8 @@ def dsa_select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, budge
     Returns:
         (B, 1, Nq, min(budget, Nk)) int64 key slots, ``-1`` for none.
     """
+    _tensor("dsa_select", "q", q, 4, "(B, Hi, Nq, D)")
+    _tensor("dsa_select", "k", k, 4, "(B, 1, Nk, D)")
     qp, kvp = _check_positions("dsa_select", q.shape[0], q.shape[2], k.shape[2], q_positions, kv_positions)
     scores = weighted_relu_scores(q, k, weights, scale=scale)
     seen = (kvp.unsqueeze(1) >= 0) & (kvp.unsqueeze(1) <= qp.unsqueeze(2)) & (qp.unsqueeze(2) >= 0)
@@ -572,9 +492,10 @@ def qsa_select(q: torch.Tensor, block_keys: torch.Tensor, *, budget: int, block:
     budget = _int(fn, "budget", budget)
     if budget % block:
         raise ValueError(f"{fn}: budget={budget} tokens must be a multiple of block={block} (whole micro-blocks)")
+    _tensor(fn, "q", q, 4, "(B, Hi, Nq, D)")
     _tensor(fn, "block_keys", block_keys, 4, "(B, 1, T, D)")
     B, T = q.shape[0], block_keys.shape[2]
-    qp, kvp = _check_positions(fn, B, q.shape[2], kv_positions.shape[-1], q_positions, kv_positions)
+    qp, kvp = _positions(fn, "q_positions", q_positions, B, q.shape[2]), _positions(fn, "kv_positions", kv_positions, B)
     scores = weighted_relu_scores(q, block_keys, None, scale=scale)  # (B, 1, Nq, T)
     ids = select_topk(scores, budget // block, visible=entry_visible(qp, T, block, complete=True))
     toks = blocks_to_tokens(ids, block, kvp)
@@ -605,8 +526,9 @@ def msa_select(q: torch.Tensor, k: torch.Tensor, *, block: int, topk_blocks: int
     local_blocks = _int(fn, "local_blocks", local_blocks, 0)
     if local_blocks > topk_blocks:
         raise ValueError(f"{fn}: local_blocks={local_blocks} forced blocks do not fit topk_blocks={topk_blocks}")
-    B, Nq, Nk = q.shape[0], q.shape[2], k.shape[2] if k.dim() == 4 else 0
-    qp, kvp = _check_positions(fn, B, Nq, Nk, q_positions, kv_positions)
+    _tensor(fn, "q", q, 4, "(B, Hi, Nq, D)")
+    _tensor(fn, "k", k, 4, "(B, 1, Nk, D)")
+    qp, kvp = _check_positions(fn, q.shape[0], q.shape[2], k.shape[2], q_positions, kv_positions)
     tok = dot_scores(q, k, scale=scale)  # (B, Hi, Nq, Nk)
     seen = (kvp.unsqueeze(1) >= 0) & (kvp.unsqueeze(1) <= qp.unsqueeze(2))
     blocks = pool_scores(tok.masked_fill(~seen.unsqueeze(1), float("-inf")), block, positions=kvp)
