@@ -67,14 +67,16 @@ def _pair(case: str, seed: int = 0):
     sd["qkv_proj.weight"] = torch.cat((q.reshape(-1, D_MODEL), sd.pop("k_proj.weight"), sd.pop("v_proj.weight"),
                                        g.reshape(-1, D_MODEL)))
     ours.load_state_dict(sd)
-    rotary = transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextRotaryEmbedding(hf_cfg)
-    return hf, ours, table, rotary
+    return hf, ours, table, int(D * rot)
 
 
-def _hf_forward(hf, rotary, x, pad: int = 0):
+def _hf_forward(hf, rotary_dim, x, pad: int = 0):
+    """HF's layer given float64 RoPE angles (HF's rotary module computes them in float32) and an eager mask."""
     B, N, _ = x.shape
     pos = (torch.arange(N) - pad).clamp_min(0)[None].expand(B, N)
-    cos, sin = rotary(x, pos[None].expand(3, B, N))
+    inv_freq = 1.0 / 1000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    freqs = pos[..., None].double() * inv_freq
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     allowed = torch.ones(N, N).tril().bool()
     allowed[:, :pad] = False
     mask = torch.zeros(B, 1, N, N, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
