@@ -28,6 +28,7 @@ from .mixers import MIXER_MODULES, build_mixer, register_mixer_module
 from .moe import MoE, MoEConfig
 from .norm import RMSNorm, make_norm, rms_norm
 from .packed import packed_documents
+from .per_layer_embed import PerLayerBranch, PerLayerInputs
 from .performer import PerformerAttention
 from .protocol import AttentionModule, attention_modules
 from .self_attention import SelfAttention
@@ -35,6 +36,7 @@ from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder,
 
 __all__ = [
     "MultiHeadAttention", "AttentionModuleOutput",
+    "PerLayerInputs", "PerLayerBranch",
     "RMSNorm", "rms_norm", "make_norm", "FeedForward", "GatedMLP", "MoE", "MoEConfig", "ACTIVATIONS",
     "TransformerBlock", "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights",
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams", "LinearAttentionConfig",
