@@ -51,3 +51,22 @@ def test_schemes_at_long_context():
 def test_bad_inputs_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_v4_pro_against_v32_at_1m_tokens_near_the_report():
+    """DeepSeek-V4's report: at 1M tokens V4-Pro needs about 27% of V3.2's single-token FLOPs and 10% of its KV.
+    Assumed shapes (explicit here; the presets own them): both 61 layers, 128 heads; V4-Pro D = 512 shared KV,
+    window 128, layers 2 x HCA then CSA / HCA alternating, CSA rate 4 top-1024 with a 64 x 128 indexer, HCA rate
+    128, KV entries 1 byte per element (FP8) and indexer keys 0.5 (FP4); V3.2 MLA r = 512, dr = 64, DSA top-2048,
+    64 x 128 indexer, FP8 latents and indexer keys; the rest of the model 2 FLOPs per active parameter (49B, 37B)."""
+    n, layers = 1 << 20, 61
+    kinds = ["hca", "hca"] + ["csa" if i % 2 == 0 else "hca" for i in range(layers - 2)]
+    shape = dict(num_heads=128, head_dim=512, window=128, dtype_bytes=1)
+    v4 = [csa_cost(n, rate=4, topk=1024, index_n_heads=64, index_head_dim=128, index_dtype_bytes=0.5, **shape)
+          if k == "csa" else hca_cost(n, rate=128, **shape) for k in kinds]
+    v32 = dsa_cost(n, num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, topk=2048, index_n_heads=64,
+                   index_head_dim=128, dtype_bytes=1, index_dtype_bytes=1)
+    flops = (sum(c.decode_flops for c in v4) + 2 * 49e9) / (layers * v32.decode_flops + 2 * 37e9)
+    kv = sum(c.kv_bytes for c in v4) / (layers * v32.kv_bytes)
+    assert 0.24 < flops < 0.29, f"FLOPs ratio {flops:.3f}"
+    assert 0.09 < kv < 0.12, f"KV ratio {kv:.3f}"
