@@ -1,12 +1,14 @@
 """Greedy decoding speed: qkv against HF transformers ``generate`` with the same weights, in one run.
 
-Models: a Llama-like, a DeepSeek-V2-like, a GPT-OSS-like, a DeepSeek-V3-like and a Qwen3-Next-like decoder
+Models: a Llama-like, a DeepSeek-V2-like, a GPT-OSS-like, a DeepSeek-V3-like, a Qwen3-Next-like and a Gemma-4-like
+decoder
 (4 layers, width 512, vocabulary 32000; MLA and MoE for DeepSeek; GPT-OSS: sinks, alternating window-32 and
 global layers, a biased router over clamped-SwiGLU experts; DeepSeek-V3: q-LoRA, sigmoid group-limited routing;
 Qwen3-Next: three Gated DeltaNet layers, whose recurrent state the cache keeps, then a gated full-attention
-layer, experts with a gated shared expert), and a SmolLM3-like one at the published small model's shape scaled
-to this machine (12 layers of width 1024, GQA 16:4, its 128,256-token vocabulary, every 4th layer NoPE, a tied
-head; judged at batch 1 and 8), random weights, built by HF and converted with
+layer, experts with a gated shared expert), and SmolLM3-like and Gemma-4-like ones at the published small models'
+shapes scaled to this machine (12 layers of width 1024 with their real vocabularies; SmolLM3: GQA 16:4, 128,256
+tokens, every 4th layer NoPE, a tied head; Gemma 4: see ``_gemma4_like``, 262,144 tokens; both judged at batch 1
+and 8), random weights, built by HF and converted with
 ``qkv.models.from_hf``. For batch 1,
 4 and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
 
@@ -75,6 +77,7 @@ TARGETS = {"gpt-oss-like": 1.8, "deepseek-v3-like": 1.8,  # the 2025 dense famil
            "qwen3-next-like": 2.0}  # the hybrid (HF runs its recurrent layers through slow fallbacks)
 TARGET_BATCHES = {name: (1, 4) for name in TARGETS}  # their issues judge batch 1 and 4; the rest: every batch
 TARGET_BATCHES["smollm3-like"] = (1, 8)  # issue 48 judges batch 1 and 8
+TARGET_BATCHES["gemma4-like"] = (1, 8)  # issue 48 judges batch 1 and 8
 
 
 def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
@@ -105,6 +108,7 @@ def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=w // 2, shared_expert_intermediate_size=w // 2,
             layer_types=["linear_attention"] * (base["num_hidden_layers"] - 1) + ["full_attention"])),
         "smollm3-like": ("SmolLM3Config", "SmolLM3ForCausalLM", _smollm3(quick)),
+        "gemma4-like": ("Gemma4TextConfig", "Gemma4ForCausalLM", _gemma4_like(quick)),
     }
 
 
@@ -118,6 +122,21 @@ def _smollm3(quick: bool) -> dict:
         cfg.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=1)
     return cfg
+
+
+def _gemma4_like(quick: bool) -> dict:
+    """Gemma 4 E2B/E4B's shape scaled to this machine: 12 layers of width 1024 with its real vocabulary (262,144),
+    5 local (window 512) : 1 global layers, global heads twice as wide with proportional RoPE, the last 4 layers
+    reading earlier layers' keys and values (double-wide MLP there), per-layer input embeddings (16 per layer)."""
+    if quick:
+        return dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, num_kv_shared_layers=2,
+                    use_double_wide_mlp=True, hidden_size_per_layer_input=4, vocab_size_per_layer_input=512,
+                    final_logit_softcapping=30.0, max_position_embeddings=1024)
+    return dict(vocab_size=262144, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                num_attention_heads=8, num_key_value_heads=1, head_dim=128, global_head_dim=256, sliding_window=512,
+                num_kv_shared_layers=4, use_double_wide_mlp=True, hidden_size_per_layer_input=16,
+                vocab_size_per_layer_input=262144, final_logit_softcapping=30.0, max_position_embeddings=4096)
 
 
 def _models(name: str, spec: tuple[str, str, dict]):

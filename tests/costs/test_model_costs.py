@@ -330,6 +330,7 @@ def _shrunk(name):
     kw = dict(_SHRINK, num_hidden_layers=4 if c.sliding_window else 2, layer_types=None,
               num_attention_heads=8, num_key_value_heads=max(1, 8 * c.num_key_value_heads // c.num_attention_heads),
               max_position_embeddings=64 if c.position == "learned" else c.max_position_embeddings)
+    kw.update(nope_layers=tuple(i for i in c.nope_layers if i < kw["num_hidden_layers"]))  # SmolLM3: the first ones
     if "local" in p.layer_counts and "global" in p.layer_counts:
         kw.update(layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
     elif c.sliding_window:

@@ -308,3 +308,22 @@ def test_unsupported_gemma4_configs_fail_clearly(change, match):
     cfg = {**_models("31b-keqv-Hkv1-untied")[0].config.to_dict(), **change}
     with pytest.raises(CheckpointError, match=match):
         decoder_config(cfg)
+
+
+def test_engine_serves_shared_layers():
+    """Five requests through two paged rows (prompts read in chunks of 5 beside decoding rows): each request's
+    tokens are ``generate``'s on it alone, and every block comes back."""
+    from qkv.models import Engine, generate
+
+    model = _models("all-keqv-shared2-ple")[2]
+    engine = Engine(model, num_blocks=96, block_size=4, max_batch=2, prefill_chunk=5)
+    free = {k: s.blocks_free for k, s in engine.cache.pool_stats().items()}
+    gen = torch.Generator().manual_seed(5)
+    common = torch.randint(1, 160, (8,), generator=gen).tolist()
+    reqs = [(common + torch.randint(1, 160, (n,), generator=gen).tolist(), b) for n, b in ((3, 6), (5, 4), (1, 7),
+                                                                                          (6, 5), (2, 6))]
+    ids = [engine.add(p, b) for p, b in reqs]
+    results = engine.run()
+    for rid, (p, b) in zip(ids, reqs):
+        assert results[rid].tokens == generate(model, torch.tensor([p]), max_new_tokens=b).new_tokens[0].tolist()
+    assert {k: s.blocks_free for k, s in engine.cache.pool_stats().items()} == free

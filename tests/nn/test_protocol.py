@@ -52,7 +52,18 @@ BUILDERS = {
     "GatedDeltaNet": lambda: GatedDeltaNet(32, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, layer_idx=2),
     "Mamba2Mixer": lambda: Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=4, n_groups=2, layer_idx=3),
     "CompressedAttention": lambda: _deepseek_v4_layer(),
+    "IndexedAttention": lambda: _qsa_layer(),
 }
+
+
+def _qsa_layer():
+    from qkv.config.qsa import QSAConfig
+    from qkv.nn.qsa import IndexedAttention
+
+    c = DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48, qsa=QSAConfig(index_n_heads=2, index_head_dim=8, budget=4,
+                                                                      block=2))
+    return IndexedAttention.for_decoder(c, 1, None)
 
 
 def _deepseek_v4_layer():

@@ -1,5 +1,6 @@
 """QSA, Qwen4-Exp's indexed attention (:mod:`qkv.nn.qsa`), against HF transformers' ``Qwen4ExpTextAttention`` in
-float64 (HF's float32 norm cast lifted, so HF's layer is a float64 oracle: relative error < 1e-10), against a
+float64 (HF's float32 islands, norms and softmax, lifted by ``tests/_hf.float64_throughout`` and its RoPE angles
+given in float64, so HF's layer is a float64 oracle: relative error < 1e-10), against a
 per-query loop of the selection rule, with left padding equal to each row alone, and bad inputs refused.
 """
 
@@ -10,6 +11,7 @@ import math
 import pytest
 import torch
 
+from _hf import float64_throughout
 from qkv.config import RopeParams
 from qkv.config.qsa import QSAConfig
 from qkv.nn import DecoderConfig, IndexedAttention
@@ -67,14 +69,16 @@ def _pair(case: str, seed: int = 0):
     sd["qkv_proj.weight"] = torch.cat((q.reshape(-1, D_MODEL), sd.pop("k_proj.weight"), sd.pop("v_proj.weight"),
                                        g.reshape(-1, D_MODEL)))
     ours.load_state_dict(sd)
-    rotary = transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextRotaryEmbedding(hf_cfg)
-    return hf, ours, table, rotary
+    return hf, ours, table, int(D * rot)
 
 
-def _hf_forward(hf, rotary, x, pad: int = 0):
+def _hf_forward(hf, rotary_dim, x, pad: int = 0):
+    """HF's layer given float64 RoPE angles (HF's rotary module computes them in float32) and an eager mask."""
     B, N, _ = x.shape
     pos = (torch.arange(N) - pad).clamp_min(0)[None].expand(B, N)
-    cos, sin = rotary(x, pos[None].expand(3, B, N))
+    inv_freq = 1.0 / 1000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    freqs = pos[..., None].double() * inv_freq
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     allowed = torch.ones(N, N).tril().bool()
     allowed[:, :pad] = False
     mask = torch.zeros(B, 1, N, N, dtype=x.dtype).masked_fill(~allowed, torch.finfo(x.dtype).min)
@@ -91,10 +95,12 @@ def test_qsa_layer_matches_hf_in_float64(case, exact_norms):
     N = CASES[case][-1]
     x = torch.randn(2, N, D_MODEL, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     with torch.no_grad():
-        truth = _hf_forward(hf, rotary, x)
+        with float64_throughout():
+            truth = _hf_forward(hf, rotary, x)
         got = ours(x, _ForwardContext(None, None, N, x.dtype))
         err = _rel(got, truth)
         assert err < 1e-10, f"{case}: relative error {err:.2e}"
+        ours.backend = ours.decode_backend = "auto"  # the parent's dense attention: no key list for 'gather'
         dense = ours.__class__.__mro__[1].forward(ours, x, _ForwardContext(None, None, N, x.dtype))
     assert _rel(dense, truth) > 1e-3, "the selection must matter at this length (else the test cannot fail)"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkv.sparse import compressed_attention, compressed_attention_reference
+from qkv.sparse import compressed_attention, compressed_attention_merged, compressed_attention_reference
 
 # B, Hq, Hkv, Nq, Nk, T, D, Dv, rate, window, Hs (None: every entry), K, sinks, K=V, q_start, k_start
 CASES = [
@@ -238,3 +238,18 @@ def test_nan_stays_in_its_row():
     q_nan[0, 1, 17] = float("nan")
     out = compressed_attention(q_nan, k, v, kc, vc, sinks=z, **kw)
     assert torch.isnan(out[0, 1, 17]).all() and torch.isfinite(out[0, 0]).all(), "NaN in gives NaN out, in its row"
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[6], CASES[9]],
+                         ids=[_id(c) for c in (CASES[0], CASES[2], CASES[4], CASES[6], CASES[9])])
+def test_merge_of_two_branches_by_lse_is_the_same_attention(case):
+    """compressed_attention_merged (qkv.attention twice + qkv.merge_states) equals the definition, gradients too."""
+    tensors, kw, same = _inputs(case)
+    out, lse, grads = _run(compressed_attention_merged, _leaves(tensors, same), kw, torch.Generator().manual_seed(3))
+    ref, ref_lse, ref_grads = _run(compressed_attention_reference, _leaves(tensors, same), kw,
+                                   torch.Generator().manual_seed(3))
+    assert (out - ref).abs().max().item() < 1e-12
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-12
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert (a - b).abs().max().item() < 1e-11, f"gradient {i} off by {(a - b).abs().max().item():.3g}"

@@ -774,6 +774,8 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
                 overrides["layer_types"] = tuple(types[i % len(types)] for i in range(n))
                 if "local" not in preset.layer_counts and "recurrent" not in preset.layer_counts:
                     del overrides["layer_types"]
+            if "nope_layers" not in overrides and isinstance(n, int) and preset.config.nope_layers:
+                overrides["nope_layers"] = tuple(i for i in preset.config.nope_layers if i < n)  # the first n too
             cfg = decoder_config_from_preset(preset)
             return cfg.replace(**overrides) if overrides else cfg
         known = list(PRESETS) + list(MODEL_PRESETS)

@@ -2,7 +2,8 @@
 
 Whole models too: parameter counts (:mod:`.params`), prefill/decode/training and generation FLOPs with
 attention beside the rest (:mod:`.model_flops`), sparse-pattern and linear-attention FLOPs
-(:mod:`.sparse_flops`). Pure Python: importing it does not import torch. Conventions (each documented in its module):
+(:mod:`.sparse_flops`), compressed attention (DeepSeek-V4's sliding / CSA / HCA beside DSA and dense,
+:mod:`.compressed`). Pure Python: importing it does not import torch. Conventions (each documented in its module):
 ``128k`` = 131,072 tokens; GB = 1e9 bytes and GiB = 2**30; attention FLOPs ``4 * B * Hq * Nq * Nk * D``,
 half when causal with ``Nq == Nk``; training = 3.5 x forward (FlashAttention-2's count).
 
@@ -14,6 +15,16 @@ Example:
 """
 
 from ..config.presets import AMBIGUOUS, PRESETS, ModelPreset, get_preset, preset_from_hf_config
+from .compressed import (
+    SchemeCost,
+    compressed_pairs,
+    csa_cost,
+    dense_cost,
+    dsa_cost,
+    hca_cost,
+    sliding_cost,
+    sliding_pairs,
+)
 from .dsa import (
     DSALayerFlops,
     DSAModelFlops,
@@ -66,6 +77,14 @@ from .sparse_flops import (
 from .units import DTYPE_BYTES, GB, GiB, format_bytes, format_flops, parse_context, parse_dtype
 
 __all__ = [
+    "SchemeCost",
+    "compressed_pairs",
+    "csa_cost",
+    "dense_cost",
+    "dsa_cost",
+    "hca_cost",
+    "sliding_cost",
+    "sliding_pairs",
     "DSALayerFlops",
     "dsa_indexer_bytes",
     "dsa_indexer_flops",

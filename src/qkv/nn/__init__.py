@@ -31,6 +31,7 @@ from .msa import MSAIndexer, MSAOutput
 from .ngram_embedding import NGramEmbedding
 from .norm import RMSNorm, make_norm, rms_norm
 from .packed import packed_documents
+from .per_layer_embed import PerLayerBranch, PerLayerInputs
 from .performer import PerformerAttention
 from .ple import PerLayerEmbedding
 from .protocol import AttentionModule, attention_modules
@@ -41,6 +42,7 @@ from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder,
 
 __all__ = [
     "MultiHeadAttention", "AttentionModuleOutput",
+    "PerLayerInputs", "PerLayerBranch",
     "RMSNorm", "rms_norm", "make_norm", "FeedForward", "GatedMLP", "MoE", "MoEConfig", "ACTIVATIONS",
     "TransformerBlock", "TransformerEncoder", "TransformerDecoder", "EncoderDecoder", "init_weights",
     "DecoderLM", "DecoderConfig", "DecoderOutput", "RopeParams", "LinearAttentionConfig",

@@ -11,8 +11,9 @@ reads only the tokens a cheap indexer keeps. The indexer has ``Hi`` query heads 
     keep     = the budget / r best complete blocks (a block is complete for p when t r + r - 1 <= p),
                plus the tail: the p + 1 - r floor((p + 1) / r) tokens of p's incomplete block (forced)
 
-One token list per query, shared by every attention head (one indexer key head), ``budget + r - 1`` entries at
-most (``-1`` past a shorter list). The list becomes a :func:`qkv.masks.topk` mask over the layer's keys, so
+One token list per query, shared by every attention head (one indexer key head), ``budget + r - 1`` entries
+(``-1`` for the entries a shorter list leaves empty; in the example, query 3's own block is complete and loses to
+block 0, so query 3 does not read itself). The list becomes a :func:`qkv.masks.topk` mask over the layer's keys, so
 :func:`qkv.attention` reads only the kept tokens (the gather backend). When a query's own block is complete and
 not among the best, the query does not read itself: that is the model's rule, kept. On equal scores (ReLU
 zeros) the earlier block wins.
@@ -29,7 +30,7 @@ Example:
     >>> scores = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 0.0], [5.0, 0.0], [1.0, 9.0]]])  # (B, N=5, T=2)
     >>> pos = torch.arange(5)[None]
     >>> qsa_token_lists(scores, pos, pos, block=2, block_topk=1)[0, 0].tolist()
-    [[0, -1, -1], [0, 1, -1], [0, 1, 2], [0, 1, 2], [2, 3, 4]]
+    [[-1, -1, 0], [0, 1, -1], [0, 1, 2], [0, 1, -1], [2, 3, 4]]
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def qsa_token_lists(scores: torch.Tensor, q_positions: torch.Tensor, kv_position
         block: ``r``. block_topk: blocks kept per query.
 
     Returns:
-        (B, 1, N, K) int64 key slots, ``K = block_topk * r + r - 1``, the kept blocks' tokens (best first) then the
-        tail, ``-1`` after the last.
+        (B, 1, N, K) int64 key slots, ``K = block_topk * r + r - 1``: the kept blocks' tokens (best first), then the
+        tail, then padding; ``-1`` marks an empty entry (a block not kept, a tail shorter than ``r - 1``).
     """
     B, N, T = scores.shape
     p = q_positions.unsqueeze(-1)  # (B, N, 1)

@@ -73,7 +73,7 @@ def proportional_inv_freq(head_dim: int, *, theta: float, fraction: float, facto
     ``int(fraction * D / 2)`` pairs, 0 for the rest: (D/2,) float64.
 
     Example:
-        >>> proportional_inv_freq(8, theta=100.0, fraction=0.5).tolist()
+        >>> [round(f, 6) for f in proportional_inv_freq(8, theta=10000.0, fraction=0.5).tolist()]
         [1.0, 0.1, 0.0, 0.0]
     """
     turning = int(fraction * head_dim // 2)

@@ -14,7 +14,8 @@ Compression (DeepSeek-V4's CSA and HCA):
   windows for CSA), incremental through a :class:`CompressCarry`.
 - :func:`compressed_attention`: one softmax over a sliding window of keys and the visible (selected) compressed
   entries, with sinks, O(Nq·(window + K)) forward and backward; :func:`compressed_attention_reference` is its
-  dense float64 definition.
+  dense float64 definition; :func:`compressed_attention_merged` assembles it from two :func:`qkv.attention` calls
+  and :func:`qkv.merge_states`.
 
 Example:
     >>> import torch
@@ -26,8 +27,8 @@ Example:
 
 from qkv.sparse import select
 from qkv.sparse.compress import CompressCarry, CompressOut, compress_kv
-from qkv.sparse.compressed import compressed_attention, compressed_attention_reference
+from qkv.sparse.compressed import compressed_attention, compressed_attention_merged, compressed_attention_reference
 from qkv.sparse.moba import moba, moba_blocks, moba_reference
 
 __all__ = ["moba", "moba_blocks", "moba_reference", "select", "compress_kv", "CompressOut", "CompressCarry",
-           "compressed_attention", "compressed_attention_reference"]
+           "compressed_attention", "compressed_attention_reference", "compressed_attention_merged"]

@@ -25,7 +25,9 @@ as one band product, its listed entries gathered (only those), the two merged in
 recomputes each chunk (FlashAttention's recomputation) and scatters the entries' gradients, so nothing of size
 Nq x Nk or Nq x T is ever held. Without ``selected`` (HCA) the entries are attended densely under the
 compressed-causal staircase, O(Nq·T·D). :func:`compressed_attention_reference` is the dense float64 definition
-(materializes the mask), the test oracle.
+(materializes the mask), the test oracle. :func:`compressed_attention_merged` is the same result assembled from qkv's
+general operator: the window branch and the entry branch as two :func:`qkv.attention` calls (a positions mask; a
+``masks.topk`` list on the gather backend) merged exactly by their log-sum-exps with :func:`qkv.merge_states`.
 
 Shape legend: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, Nq queries, Nk window keys, T compressed
 entries, K listed entries per row, D key width, Dv value width, c query rows of a chunk, R = c·G rows of a chunk
@@ -48,12 +50,15 @@ from __future__ import annotations
 
 import torch
 
+from .. import masks
+from .._attention import attention
+from .._merge import merge_states
 from .._request import AttentionOutput
 
-__all__ = ["compressed_attention", "compressed_attention_reference"]
+__all__ = ["compressed_attention", "compressed_attention_reference", "compressed_attention_merged"]
 
 #: Bytes of listed entries gathered at a time: small enough to be read back from cache by the two products.
-_GATHER_BYTES = 2 << 20
+_GATHER_BYTES = 1 << 20
 
 
 def _check(fn, q, k, v, k_cmp, v_cmp, rate, window, selected, sinks, scale, q_start, k_start):
@@ -463,3 +468,44 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cm
     if not return_lse:
         return out
     return AttentionOutput(out, lse if lse.dtype == torch.float64 else lse.to(torch.float32))
+
+
+def compressed_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor,
+                                v_cmp: torch.Tensor, *, rate: int, window: int, selected: torch.Tensor | None = None,
+                                sinks: torch.Tensor | None = None, scale: float | None = None,
+                                q_start: int | None = None, k_start: int = 0, return_lse: bool = False
+                                ) -> torch.Tensor | AttentionOutput:
+    """:func:`compressed_attention` (same arguments and result) as two branches merged by their log-sum-exps.
+
+    The window branch is :func:`qkv.attention` under ``masks.positions`` (absolute positions, HF's window) with the
+    sinks; the entry branch is :func:`qkv.attention` under a ``masks.topk`` list of the visible listed entries (every
+    complete entry without ``selected``), which the gather backend (or its compiled CPU kernel, without gradients)
+    reads; :func:`qkv.merge_states` joins them. Differentiable through the backends and the merge.
+
+    Example:
+        >>> import torch
+        >>> from qkv.sparse import compressed_attention, compressed_attention_merged
+        >>> q, kv, cmp = torch.randn(1, 2, 12, 8), torch.randn(1, 1, 12, 8), torch.randn(1, 1, 3, 8)
+        >>> a = compressed_attention_merged(q, kv, kv, cmp, cmp, rate=4, window=4)
+        >>> bool(torch.allclose(a, compressed_attention(q, kv, kv, cmp, cmp, rate=4, window=4), atol=1e-5))
+        True
+    """
+    B, Hq, Hkv, Nq, Nk, T, q_start = _check("compressed_attention_merged", q, k, v, k_cmp, v_cmp, rate, window,
+                                            selected, sinks, scale, q_start, k_start)
+    dev = q.device
+    pos = q_start + torch.arange(Nq, device=dev)
+    near = masks.positions(pos, k_start + torch.arange(Nk, device=dev), causal=True, window=max(window, 1))
+    if window == 0:
+        near = near & masks.topk(torch.full((1, 1, Nq, 1), -1, dtype=torch.int64, device=dev))
+    a = attention(q, k, v, mask=near, scale=scale, sinks=sinks, return_lse=True)
+    limit = ((pos + 1) // rate).view(1, 1, Nq, 1)  # entries below are complete
+    ids = torch.arange(T, device=dev).view(1, 1, 1, T).expand(1, 1, Nq, T) if selected is None else selected.long()
+    ids = torch.where(ids < limit, ids, -1)
+    if ids.shape[1] not in (1, Hq):  # one list per KV head: each of its query heads reads it
+        ids = ids.repeat_interleave(Hq // ids.shape[1], 1)
+    if ids.shape[-1] == 0 or T == 0:
+        merged = AttentionOutput(a.out, a.lse)
+    else:
+        b = attention(q, k_cmp, v_cmp, mask=masks.topk(ids), scale=scale, return_lse=True)
+        merged = merge_states([a.out, b.out], [a.lse, b.lse])
+    return merged if return_lse else merged.out
