@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 from ..config.mixers import mixer_of
 from ..config.presets import ModelPreset
+from .compressed import compressed_pairs
 from .flops import attended_pairs_x2
 from .params import decoder_side, layer_ffn_params, require_whole_model, resolve_preset
 
@@ -133,13 +134,6 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
     return FlopBreakdown(attn, 2 * tokens * proj, 2 * tokens * ffn, 2 * head_rows * c.hidden_size * c.vocab_size)
 
 
-def _entries_seen(n: int, rate: int, cap: int | None) -> int:
-    """sum over v = 1 .. n of min(v // rate, cap): the compressed entries visible to queries at p + 1 = v."""
-    full = n if cap is None else min(n, cap * rate - 1)  # below cap * rate the cap does not bind
-    q, m = divmod(full, rate)
-    return rate * q * (q - 1) // 2 + q * (m + 1) + (0 if cap is None else cap * (n - full))
-
-
 def _compressed_entry_flops(c, i: int, q_len: int, kv_len: int) -> int:
     """DeepSeek-V4's compressed entries beside the window (DeepSeek-AI 2026, DeepSeek-V4 report, Section 2.3): an
     entry of ``rate`` tokens is visible once all its tokens are; HCA attends every visible entry, CSA the indexer's
@@ -147,13 +141,11 @@ def _compressed_entry_flops(c, i: int, q_len: int, kv_len: int) -> int:
     the scores and values of every query head, as a window key."""
     cc = c.compressed
     kind = cc.attention_types[i]
-    rate, first = cc.compress_rates[kind], kv_len - q_len
-    cap = cc.index_topk if kind == "csa" else None
-    attended = _entries_seen(kv_len, rate, cap) - _entries_seen(first, rate, cap)
+    rate = cc.compress_rates[kind]
+    attended = compressed_pairs(kv_len, rate=rate, topk=cc.index_topk if kind == "csa" else None, q_len=q_len)
     flops = attended * 4 * c.num_attention_heads * c.head_dim
     if kind == "csa":
-        scored = _entries_seen(kv_len, rate, None) - _entries_seen(first, rate, None)
-        flops += scored * 2 * cc.index_n_heads * cc.index_head_dim
+        flops += compressed_pairs(kv_len, rate=rate, q_len=q_len) * 2 * cc.index_n_heads * cc.index_head_dim
     return flops
 
 
