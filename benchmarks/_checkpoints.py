@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SHAPES", "DEFAULT_SHAPES", "add_shapes_flag", "build_checkpoint", "shape_names"]
+__all__ = ["SHAPES", "DEFAULT_SHAPES", "add_shapes_flag", "build_checkpoint", "shape_names", "suite_name"]
 
 #: name -> (HF config class, HF model class, config fields)
 SHAPES: dict[str, tuple[str, str, dict]] = {
@@ -49,6 +49,18 @@ def add_shapes_flag(parser) -> None:
     """The ``--shapes`` option of a peer suite (read it with :func:`shape_names`)."""
     parser.add_argument("--shapes", default=None, help=f"comma-separated shapes of benchmarks/_checkpoints.py "
                         f"(default: {DEFAULT_SHAPES}; tiny with --quick); choices: {', '.join(SHAPES)}")
+    parser.add_argument("--tag", default=None, help="name this part of the matrix: the suite writes "
+                        "<suite>_<tag>.json, so parts run one by one keep each other's results")
+
+
+def suite_name(base: str, tag: str | None) -> str:
+    """``base``, or ``base_tag`` for one part of a matrix run in several invocations (``--tag``: each part writes its
+    own JSON, which ``render.py`` lists beside the others)."""
+    if tag is None:
+        return base
+    if not tag or not all(c.isalnum() or c in "-." for c in tag):
+        raise SystemExit(f"--tag takes letters, digits, '-' and '.', got {tag!r}")
+    return f"{base}_{tag}"
 
 
 def shape_names(text: str | None, quick: bool = False) -> list[str]:

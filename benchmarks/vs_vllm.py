@@ -61,7 +61,9 @@ Usage::
     python benchmarks/vs_vllm.py [--quick] [--shapes S1,S2] [--dtypes bfloat16,float32] [--batches 1,8,32]
                                  [--threads 1,2] [--repeat R] [--workloads fixed,stream] [--requests N]
                                  [--vllm-modes eager,compiled] [--hf-max-batch B | --no-hf] [--no-preload]
-                                 [--no-profile] [--checkpoints DIR] [--vllm-python PATH]
+                                 [--no-profile] [--checkpoints DIR] [--vllm-python PATH] [--tag NAME]
+
+``--tag NAME`` writes ``vs_vllm_NAME.json``, so the parts of the matrix run one by one keep each other's rows.
 """
 
 from __future__ import annotations
@@ -401,7 +403,7 @@ def run(args) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _checkpoints import build_checkpoint, shape_names
+    from _checkpoints import build_checkpoint, shape_names, suite_name
     from _harness import Suite
     from qkv.models import from_hf
 
@@ -421,7 +423,8 @@ def run(args) -> None:
         raise SystemExit(f"--repeat takes a positive integer, got {repeat}")
     preload = [] if args.no_preload else preloads(python)
     hf_max = 0 if args.no_hf else args.hf_max_batch
-    suite = Suite("vs_vllm", "greedy decode tokens/s and request-stream throughput, qkv vs vLLM's CPU engine "
+    suite = Suite(suite_name("vs_vllm", args.tag),
+                  "greedy decode tokens/s and request-stream throughput, qkv vs vLLM's CPU engine "
                   "(and HF generate) on the same checkpoint", quick=quick, repeat=repeat,
                   vllm=VLLM_SPEC, vllm_preload=":".join(Path(p).name for p in preload) or "none")
     keep = Path(args.checkpoints) if args.checkpoints else None
