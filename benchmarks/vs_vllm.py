@@ -138,9 +138,9 @@ class VLLMWorker:
     """vLLM's offline engine in a child process of its own environment, answering one JSON request per line."""
 
     def __init__(self, python: str, checkpoint: Path, threads: int, max_len: int, *, dtype: str, mode: str,
-                 preload: list[str]) -> None:
+                 preload: list[str], kv_gib: int = 4) -> None:
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
-                   VLLM_CPU_KVCACHE_SPACE="4", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
+                   VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)
         if preload:
@@ -175,12 +175,16 @@ def worker_main(checkpoint: str, max_len: int, dtype: str, mode: str) -> None:
     """The child: runs in vLLM's environment, never imports qkv."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len, seed=0,
-              enforce_eager=mode == "eager")
-
     def answer(obj) -> None:
         sys.stdout.write(RESULT + json.dumps(obj) + "\n")
         sys.stdout.flush()
+
+    try:
+        llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len, seed=0,
+                  enforce_eager=mode == "eager")
+    except Exception as e:  # told to the parent at once: a helper process of vLLM's may hold the pipe open
+        answer({"error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
 
     for line in sys.stdin:
         req = json.loads(line)
@@ -450,7 +454,7 @@ def run(args) -> None:
                         ctx = {"shape": shape, "dtype": dtype_name, "threads": threads, "vllm_mode": mode}
                         try:
                             worker = VLLMWorker(python, ckpt, threads, max_len=1024, dtype=dtype_name, mode=mode,
-                                                preload=preload)
+                                                preload=preload, kv_gib=args.vllm_kv_gib)
                         except RuntimeError as e:
                             suite.note(f"{shape} {dtype_name} {threads} thread(s): vLLM's {mode} mode did not start "
                                        f"({e}); no rows for it")
@@ -492,6 +496,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated vLLM modes: eager (enforce_eager=True), compiled (its default)")
     p.add_argument("--hf-max-batch", type=int, default=8, help="largest batch HF generate runs in (default 8)")
     p.add_argument("--no-hf", action="store_true", help="no HF generate contender (one copy of the weights fewer)")
+    p.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV cache space in GiB (VLLM_CPU_KVCACHE_SPACE, "
+                   "default 4: the stream's 64 requests in float32 at 1B need about 2.6)")
     p.add_argument("--no-preload", action="store_true", help="run vLLM without TCMalloc and Intel OpenMP preloaded")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled breakdown of qkv's time")
     p.add_argument("--checkpoints", default=None, help="keep the random checkpoints in this folder (reused when "
