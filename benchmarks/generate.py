@@ -46,8 +46,9 @@ weights), loaded by HF (``from_pretrained(dtype=...)``) and by ``qkv.models.from
 the ablations ``qkv_plain`` and ``qkv_input_major`` are left out there (two more copies of the weights).
 ``same_tokens`` there compares qkv's greedy tokens with HF's, ``agree`` the mean fraction of a row's tokens before
 they first differ (bfloat16 rounds differently in the two), ``distinct`` the distinct tokens qkv emitted. Runtime on
-a quiet 2-core machine, 3 repeats: about 6 minutes per dtype and thread count at 0.5B (batches 1, 8, 32), twice that
-at 1B, six times at 3B; Qwen2.5-3B in float32 needs two 12 GB copies: run it in bfloat16.
+a quiet 2-core machine, 3 repeats (estimated, not yet timed): about 12 minutes per dtype and thread count at 0.5B
+(batches 1, 8, 32; batch 32's prefills most of it), twice that at 1B, six times at 3B; Qwen2.5-3B in float32 needs
+two 12 GB copies: run it in bfloat16.
 
 Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2] [--models M1,M2]``, or at real shapes
 ``python benchmarks/generate.py --shapes qwen2.5-0.5b[,llama-3.2-1b,qwen2.5-3b] [--dtypes bfloat16,float32]

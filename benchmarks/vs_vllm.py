@@ -48,11 +48,13 @@ where qkv's decode step goes (``step_*_ms``: products, attention, other torch op
 length under torch's profiler, indicative; ``--no-profile`` skips it) against the step's memory floor
 (``floor_ms``: every weight read once at the measured read rate, an untied embedding table but one row).
 
-Runtime on a quiet 2-core machine (rough: a repeat costs 2 x (prefill + 32 steps) per contender, and the 1-token
-run again): Qwen2.5-0.5B, one dtype, one thread count, one vLLM mode, batches 1, 8, 32, 3 repeats, with HF: about
-15 minutes, the stream about 25 more; Llama-3.2-1B about twice that, Qwen2.5-3B about six times. The whole default
-matrix (3 shapes x 2 dtypes x 2 thread counts x 2 vLLM modes) is a day; run it in parts with the flags below
-(``--shapes qwen2.5-0.5b --dtypes bfloat16 --threads 2 --vllm-modes eager --workloads fixed`` is one part).
+Runtime on a quiet 2-core machine (estimated from the issue's step times, not yet timed: a repeat costs each
+contender twice a 128-token prefill per row plus 32 steps, and the 1-token run): Qwen2.5-0.5B, one dtype, 2 threads,
+one vLLM mode, 3 repeats: batch 1 about 2 minutes, batch 8 about 7, batch 32 about 17, the stream about 35 (1 thread:
+about 1.7x); Llama-3.2-1B about twice that, Qwen2.5-3B about six times. The whole default matrix (3 shapes x 2
+dtypes x 2 thread counts x 2 vLLM modes, both workloads) is two days of machine time: run it in parts with ``--tag``
+(``--shapes qwen2.5-0.5b --dtypes bfloat16 --threads 2 --vllm-modes eager --workloads fixed --tag 05b-bf16-t2-eager``
+is one part, about 26 minutes). vLLM's compiled mode adds its ``torch.compile`` (minutes) at every start.
 Qwen2.5-3B in float32 needs three 12 GB copies and does not fit 24 GiB: run it with ``--no-hf`` or in bfloat16.
 
 Usage::
