@@ -42,7 +42,7 @@ Real shapes (``--shapes``, a suite of its own, ``generate_shapes``): the random-
 weights), loaded by HF (``from_pretrained(dtype=...)``) and by ``qkv.models.from_hf`` (its default
 ``dtype="auto"``: the checkpoint's) in each of ``--dtypes`` (bfloat16, float32), 128-token prompts, 32 new tokens,
 ``--batches`` (default 1, 8, 32), ``--threads`` (default 1, 2). Contenders: ``hf``, ``qkv`` and the control
-``qkv_noscreen`` (the same model with the int8 greedy head screen off, ``qkv.cpu.optimize(model, screen=False)``);
+``qkv_noscreen`` (the same model, its int8 greedy head screen set aside for the call: ``_harness.head_screen_off``);
 the ablations ``qkv_plain`` and ``qkv_input_major`` are left out there (two more copies of the weights).
 ``same_tokens`` there compares qkv's greedy tokens with HF's, ``agree`` the mean fraction of a row's tokens before
 they first differ (bfloat16 rounds differently in the two), ``distinct`` the distinct tokens qkv emitted. Runtime on

@@ -20,8 +20,8 @@ this process. Each vLLM mode (``--vllm-modes``: ``eager`` is ``enforce_eager=Tru
 weights in memory at a time.
 
 Contenders in a fixed-batch row: ``vllm``; ``qkv`` (``qkv.models.generate`` with its defaults); ``qkv_noscreen``, the
-control row, the same model with the int8 greedy head screen switched off (``qkv.cpu.optimize(model,
-screen=False)``: the whole head multiplied in the model's dtype, as vLLM does); ``hf``
+control row, the same model with its int8 greedy head screen set aside for the call (``_harness.head_screen_off``:
+the whole head multiplied in the model's dtype, as vLLM does); ``hf``
 (``generate(do_sample=False)``, batches up to ``--hf-max-batch``).
 
 Workloads:
