@@ -6,8 +6,12 @@ Shapes (:data:`SHAPES`) copy the published configs' sizes (layers, width, heads,
 tied head, Qwen2's query/key/value biases); positions and RoPE are plain (no RoPE scaling: it changes no cost).
 Weights are redrawn at unit scale (embeddings N(0, 1), products N(0, 1/fan_in), biases N(0, 0.1^2), norms
 1 + N(0, 0.2^2)): HF's 0.02 init makes the logits nearly flat, so greedy choices would hinge on rounding and the
-engines' tokens could not be compared; at unit scale the greedy tokens vary from step to step (each suite
-reports how many distinct tokens a row emitted). The tensors are drawn in float32 from one seed and stored in
+engines' tokens could not be compared. Known limit: with a tied head (all three real shapes) the fed-back token's own
+embedding dominates the last hidden state, so greedy decoding repeats one token (a Qwen2.5-0.5B row emitted 1
+distinct token in 32; each suite's ``distinct`` column shows it). Scaling the output projections (``o_proj``,
+``down_proj``) up 8x gave 9-12 distinct tokens of 32 on a 12-layer tied model; not adopted yet (unvalidated at the
+real shapes). Speed does not depend on the tokens, but token equality across engines is a weaker check while they
+repeat. The tensors are drawn in float32 from one seed and stored in
 the requested dtype, so a bfloat16 checkpoint holds the float32 one's values rounded.
 
 The tensors are written shard by shard (at most ~1 GB in memory at once) from a meta-device model's names and
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SHAPES", "DEFAULT_SHAPES", "add_shapes_flag", "build_checkpoint", "shape_names"]
+__all__ = ["SHAPES", "DEFAULT_SHAPES", "add_shapes_flag", "build_checkpoint", "shape_names", "suite_name"]
 
 #: name -> (HF config class, HF model class, config fields)
 SHAPES: dict[str, tuple[str, str, dict]] = {
@@ -49,6 +53,18 @@ def add_shapes_flag(parser) -> None:
     """The ``--shapes`` option of a peer suite (read it with :func:`shape_names`)."""
     parser.add_argument("--shapes", default=None, help=f"comma-separated shapes of benchmarks/_checkpoints.py "
                         f"(default: {DEFAULT_SHAPES}; tiny with --quick); choices: {', '.join(SHAPES)}")
+    parser.add_argument("--tag", default=None, help="name this part of the matrix: the suite writes "
+                        "<suite>_<tag>.json, so parts run one by one keep each other's results")
+
+
+def suite_name(base: str, tag: str | None) -> str:
+    """``base``, or ``base_tag`` for one part of a matrix run in several invocations (``--tag``: each part writes its
+    own JSON, which ``render.py`` lists beside the others)."""
+    if tag is None:
+        return base
+    if not tag or not all(c.isalnum() or c in "-." for c in tag):
+        raise SystemExit(f"--tag takes letters, digits, '-' and '.', got {tag!r}")
+    return f"{base}_{tag}"
 
 
 def shape_names(text: str | None, quick: bool = False) -> list[str]:

@@ -46,16 +46,17 @@ Real shapes (``--shapes``, a suite of its own, ``generate_shapes``): the random-
 weights), loaded by HF (``from_pretrained(dtype=...)``) and by ``qkv.models.from_hf`` (its default
 ``dtype="auto"``: the checkpoint's) in each of ``--dtypes`` (bfloat16, float32), 128-token prompts, 32 new tokens,
 ``--batches`` (default 1, 8, 32), ``--threads`` (default 1, 2). Contenders: ``hf``, ``qkv`` and the control
-``qkv_noscreen`` (the same model with the int8 greedy head screen off, ``qkv.cpu.optimize(model, screen=False)``);
+``qkv_noscreen`` (the same model, its int8 greedy head screen set aside for the call: ``_harness.head_screen_off``);
 the ablations ``qkv_plain`` and ``qkv_input_major`` are left out there (two more copies of the weights).
 ``same_tokens`` there compares qkv's greedy tokens with HF's, ``agree`` the mean fraction of a row's tokens before
 they first differ (bfloat16 rounds differently in the two), ``distinct`` the distinct tokens qkv emitted. Runtime on
-a quiet 2-core machine, 3 repeats: about 6 minutes per dtype and thread count at 0.5B (batches 1, 8, 32), twice that
-at 1B, six times at 3B; Qwen2.5-3B in float32 needs two 12 GB copies: run it in bfloat16.
+a quiet 2-core machine, 3 repeats (estimated, not yet timed): about 12 minutes per dtype and thread count at 0.5B
+(batches 1, 8, 32; batch 32's prefills most of it), twice that at 1B, six times at 3B; Qwen2.5-3B in float32 needs
+two 12 GB copies: run it in bfloat16.
 
 Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2] [--models M1,M2]``, or at real shapes
 ``python benchmarks/generate.py --shapes qwen2.5-0.5b[,llama-3.2-1b,qwen2.5-3b] [--dtypes bfloat16,float32]
-[--batches 1,8,32] [--threads 1,2] [--repeat R]``
+[--batches 1,8,32] [--threads 1,2] [--repeat R] [--tag NAME]`` (``--tag``: writes ``generate_shapes_NAME.json``)
 """
 
 from __future__ import annotations
@@ -310,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default=None, help="comma-separated model names to run (default: all)")
     p.add_argument("--shapes", default=None, help="run the real-shape suite (generate_shapes) instead: "
                    "comma-separated shapes of benchmarks/_checkpoints.py, e.g. qwen2.5-0.5b,llama-3.2-1b,qwen2.5-3b")
+    p.add_argument("--tag", default=None, help="with --shapes: the suite writes generate_shapes_<tag>.json (one "
+                   "part of the matrix)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="with --shapes: comma-separated dtypes")
     p.add_argument("--batches", default="1,8,32", help="with --shapes: comma-separated batch sizes")
     args = p.parse_args(argv)
@@ -354,7 +357,7 @@ def _run_shapes(args) -> None:
 
     import transformers
 
-    from _checkpoints import SHAPES, shape_names
+    from _checkpoints import SHAPES, shape_names, suite_name
 
     shapes = shape_names(args.shapes)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -366,7 +369,8 @@ def _run_shapes(args) -> None:
     if repeat < 1 or min(batches) < 1 or min(thread_counts) < 1:
         raise SystemExit(f"--repeat, --batches and --threads take positive integers, got {repeat}, {batches}, "
                          f"{thread_counts}")
-    suite = Suite("generate_shapes", "greedy decode tokens/s at real shapes, qkv vs HF transformers generate (same "
+    suite = Suite(suite_name("generate_shapes", args.tag),
+                  "greedy decode tokens/s at real shapes, qkv vs HF transformers generate (same "
                   "random checkpoint)", transformers=transformers.__version__, cache="qkv Static / HF DynamicCache",
                   hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,7 @@ Usage::
 
     python benchmarks/vs_llamacpp.py --install
     python benchmarks/vs_llamacpp.py [--quick] [--shapes S1,S2] [--types f32,bf16,q8_0] [--threads 1,2]
-                                     [--repeat R] [--checkpoints DIR]
+                                     [--repeat R] [--checkpoints DIR] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def run(args) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _checkpoints import build_checkpoint, shape_names
+    from _checkpoints import build_checkpoint, shape_names, suite_name
     from _harness import Suite, spread, target
 
     quick = args.quick
@@ -189,7 +189,8 @@ def run(args) -> None:
     if repeat < 1:
         raise SystemExit(f"--repeat takes a positive integer, got {repeat}")
     _bench_binary()
-    suite = Suite("vs_llamacpp", "batch-1 token generation tokens/s, qkv vs llama.cpp (llama-bench) on the same "
+    suite = Suite(suite_name("vs_llamacpp", args.tag),
+                  "batch-1 token generation tokens/s, qkv vs llama.cpp (llama-bench) on the same "
                   "checkpoint", quick=quick, repeat=repeat, llama_cpp=SPEC, new=N_NEW)
     keep = Path(args.checkpoints) if args.checkpoints else None
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,8 +20,8 @@ this process. Each vLLM mode (``--vllm-modes``: ``eager`` is ``enforce_eager=Tru
 weights in memory at a time.
 
 Contenders in a fixed-batch row: ``vllm``; ``qkv`` (``qkv.models.generate`` with its defaults); ``qkv_noscreen``, the
-control row, the same model with the int8 greedy head screen switched off (``qkv.cpu.optimize(model,
-screen=False)``: the whole head multiplied in the model's dtype, as vLLM does); ``hf``
+control row, the same model with its int8 greedy head screen set aside for the call (``_harness.head_screen_off``:
+the whole head multiplied in the model's dtype, as vLLM does); ``hf``
 (``generate(do_sample=False)``, batches up to ``--hf-max-batch``).
 
 Workloads:
@@ -48,11 +48,13 @@ where qkv's decode step goes (``step_*_ms``: products, attention, other torch op
 length under torch's profiler, indicative; ``--no-profile`` skips it) against the step's memory floor
 (``floor_ms``: every weight read once at the measured read rate, an untied embedding table but one row).
 
-Runtime on a quiet 2-core machine (rough: a repeat costs 2 x (prefill + 32 steps) per contender, and the 1-token
-run again): Qwen2.5-0.5B, one dtype, one thread count, one vLLM mode, batches 1, 8, 32, 3 repeats, with HF: about
-15 minutes, the stream about 25 more; Llama-3.2-1B about twice that, Qwen2.5-3B about six times. The whole default
-matrix (3 shapes x 2 dtypes x 2 thread counts x 2 vLLM modes) is a day; run it in parts with the flags below
-(``--shapes qwen2.5-0.5b --dtypes bfloat16 --threads 2 --vllm-modes eager --workloads fixed`` is one part).
+Runtime on a quiet 2-core machine (estimated from the issue's step times, not yet timed: a repeat costs each
+contender twice a 128-token prefill per row plus 32 steps, and the 1-token run): Qwen2.5-0.5B, one dtype, 2 threads,
+one vLLM mode, 3 repeats: batch 1 about 2 minutes, batch 8 about 7, batch 32 about 17, the stream about 35 (1 thread:
+about 1.7x); Llama-3.2-1B about twice that, Qwen2.5-3B about six times. The whole default matrix (3 shapes x 2
+dtypes x 2 thread counts x 2 vLLM modes, both workloads) is two days of machine time: run it in parts with ``--tag``
+(``--shapes qwen2.5-0.5b --dtypes bfloat16 --threads 2 --vllm-modes eager --workloads fixed --tag 05b-bf16-t2-eager``
+is one part, about 26 minutes). vLLM's compiled mode adds its ``torch.compile`` (minutes) at every start.
 Qwen2.5-3B in float32 needs three 12 GB copies and does not fit 24 GiB: run it with ``--no-hf`` or in bfloat16.
 
 Usage::
@@ -61,7 +63,9 @@ Usage::
     python benchmarks/vs_vllm.py [--quick] [--shapes S1,S2] [--dtypes bfloat16,float32] [--batches 1,8,32]
                                  [--threads 1,2] [--repeat R] [--workloads fixed,stream] [--requests N]
                                  [--vllm-modes eager,compiled] [--hf-max-batch B | --no-hf] [--no-preload]
-                                 [--no-profile] [--checkpoints DIR] [--vllm-python PATH]
+                                 [--no-profile] [--checkpoints DIR] [--vllm-python PATH] [--tag NAME]
+
+``--tag NAME`` writes ``vs_vllm_NAME.json``, so the parts of the matrix run one by one keep each other's rows.
 """
 
 from __future__ import annotations
@@ -136,9 +140,9 @@ class VLLMWorker:
     """vLLM's offline engine in a child process of its own environment, answering one JSON request per line."""
 
     def __init__(self, python: str, checkpoint: Path, threads: int, max_len: int, *, dtype: str, mode: str,
-                 preload: list[str]) -> None:
+                 preload: list[str], kv_gib: int = 4) -> None:
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
-                   VLLM_CPU_KVCACHE_SPACE="4", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
+                   VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)
         if preload:
@@ -173,12 +177,16 @@ def worker_main(checkpoint: str, max_len: int, dtype: str, mode: str) -> None:
     """The child: runs in vLLM's environment, never imports qkv."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len, seed=0,
-              enforce_eager=mode == "eager")
-
     def answer(obj) -> None:
         sys.stdout.write(RESULT + json.dumps(obj) + "\n")
         sys.stdout.flush()
+
+    try:
+        llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_len, seed=0,
+                  enforce_eager=mode == "eager")
+    except Exception as e:  # told to the parent at once: a helper process of vLLM's may hold the pipe open
+        answer({"error": f"{type(e).__name__}: {e}"})
+        os._exit(1)
 
     for line in sys.stdin:
         req = json.loads(line)
@@ -401,7 +409,7 @@ def run(args) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _checkpoints import build_checkpoint, shape_names
+    from _checkpoints import build_checkpoint, shape_names, suite_name
     from _harness import Suite
     from qkv.models import from_hf
 
@@ -421,7 +429,8 @@ def run(args) -> None:
         raise SystemExit(f"--repeat takes a positive integer, got {repeat}")
     preload = [] if args.no_preload else preloads(python)
     hf_max = 0 if args.no_hf else args.hf_max_batch
-    suite = Suite("vs_vllm", "greedy decode tokens/s and request-stream throughput, qkv vs vLLM's CPU engine "
+    suite = Suite(suite_name("vs_vllm", args.tag),
+                  "greedy decode tokens/s and request-stream throughput, qkv vs vLLM's CPU engine "
                   "(and HF generate) on the same checkpoint", quick=quick, repeat=repeat,
                   vllm=VLLM_SPEC, vllm_preload=":".join(Path(p).name for p in preload) or "none")
     keep = Path(args.checkpoints) if args.checkpoints else None
@@ -447,7 +456,7 @@ def run(args) -> None:
                         ctx = {"shape": shape, "dtype": dtype_name, "threads": threads, "vllm_mode": mode}
                         try:
                             worker = VLLMWorker(python, ckpt, threads, max_len=1024, dtype=dtype_name, mode=mode,
-                                                preload=preload)
+                                                preload=preload, kv_gib=args.vllm_kv_gib)
                         except RuntimeError as e:
                             suite.note(f"{shape} {dtype_name} {threads} thread(s): vLLM's {mode} mode did not start "
                                        f"({e}); no rows for it")
@@ -489,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated vLLM modes: eager (enforce_eager=True), compiled (its default)")
     p.add_argument("--hf-max-batch", type=int, default=8, help="largest batch HF generate runs in (default 8)")
     p.add_argument("--no-hf", action="store_true", help="no HF generate contender (one copy of the weights fewer)")
+    p.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV cache space in GiB (VLLM_CPU_KVCACHE_SPACE, "
+                   "default 4: the stream's 64 requests in float32 at 1B need about 2.6)")
     p.add_argument("--no-preload", action="store_true", help="run vLLM without TCMalloc and Intel OpenMP preloaded")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled breakdown of qkv's time")
     p.add_argument("--checkpoints", default=None, help="keep the random checkpoints in this folder (reused when "
