@@ -44,6 +44,9 @@ SUITES: dict[str, str] = {
     "mask_export": "mask_export.py",
     "batch_invariant": "batch_invariant.py",
     "engine": "engine.py",
+    "compressed": "compressed.py",
+    "weights": "weights.py",
+    "busy": "busy.py",
 }
 
 
