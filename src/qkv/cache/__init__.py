@@ -1,7 +1,8 @@
 """KV caches: layer specs say what is kept, a storage says where, a policy says what is dropped.
 
 - specs: :class:`FullSpec`, :class:`SlidingWindowSpec`, :class:`SinkSpec`, :class:`LatentSpec`,
-  :class:`CrossSpec`, :class:`RecurrentSpec` (each reports ``bytes_per_token`` and ``fixed_bytes``);
+  :class:`CrossSpec`, :class:`RecurrentSpec`, :class:`SharedSpec` (a layer reading an earlier one's cache) (each
+  reports ``bytes_per_token`` and ``fixed_bytes``);
 - storages: :class:`Dynamic` (grows), :class:`Static` (preallocated, rings for sliding layers),
   :class:`Paged` (blocks, copy-on-write forks, prefix caching);
 - quantizers (:class:`Quantizer`): :class:`KIVI` (int4/int2, keys per channel, values per token), :class:`Int8`;
@@ -21,6 +22,7 @@ Example:
 """
 
 from .cache import CacheMemory, KVCache, LayerMemory
+from .compressed import CompressedCache, CompressedSpec
 from .paged import CacheFull, Paged, PoolStats, prefix_hashes
 from .plan import LayerPlan, MemoryPlan, plan_memory
 from .policies import H2O, SnapKV, StreamingLLM
@@ -50,6 +52,7 @@ from .specs import (
     LatentSpec,
     LayerSpec,
     RecurrentSpec,
+    SharedSpec,
     SinkSpec,
     SlidingWindowSpec,
     element_bytes,
@@ -59,7 +62,7 @@ from .storage import Dynamic, Static
 __all__ = [
     "KVCache", "CacheMemory", "LayerMemory",
     "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
-    "RecurrentSpec",
+    "RecurrentSpec", "SharedSpec", "CompressedSpec", "CompressedCache",
     "element_bytes",
     "Dynamic", "Static", "Paged", "CacheFull", "PoolStats", "prefix_hashes",
     "KIVI", "Int8", "QuantError",

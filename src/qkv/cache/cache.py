@@ -34,7 +34,7 @@ from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CachePolicy, CacheView, HasCacheSpecs, LatentView, Quantizer, RopeFn
 from .recurrent import RecurrentStore
 from .rows import DenseRows, RowManager
-from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SinkSpec, SlidingWindowSpec
+from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SharedSpec, SinkSpec, SlidingWindowSpec
 from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
 
 __all__ = ["KVCache", "CacheMemory", "LayerMemory"]
@@ -111,8 +111,25 @@ def _as_specs(specs) -> list[LayerSpec]:
     for i, s in enumerate(specs):
         if not isinstance(s, LayerSpec):
             raise TypeError(f"KVCache(specs): entry {i} is {type(s).__name__}, not a qkv.cache layer spec "
-                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec, RecurrentSpec)")
+                            f"(FullSpec, SlidingWindowSpec, SinkSpec, LatentSpec, CrossSpec, RecurrentSpec, "
+                            f"SharedSpec)")
+    for i, s in enumerate(specs):
+        if isinstance(s, SharedSpec):
+            _check_shared(specs, i, s)
     return specs
+
+
+def _check_shared(specs: list[LayerSpec], i: int, spec: SharedSpec) -> None:
+    """A shared layer reads an earlier layer that stores keys and values of the shape it reads."""
+    src = spec.source
+    if src >= i:
+        raise ValueError(f"KVCache(specs): layer {i} is a SharedSpec reading layer {src}, which is not an earlier "
+                         f"layer; a shared layer reads the cache of a layer before it (source < {i})")
+    if not spec.matches(specs[src]):
+        raise ValueError(f"KVCache(specs): layer {i} (SharedSpec: window={spec.window}, n_kv_heads="
+                         f"{spec.n_kv_heads}, head_dim={spec.head_dim}) reads layer {src}, a {specs[src]!r}; the "
+                         f"source must be a full or sliding layer with the same window, KV heads and head width "
+                         f"(a layer of the same type)")
 
 
 class KVCache:
@@ -151,6 +168,10 @@ class KVCache:
         if (quant is not None or policy is not None) and not isinstance(storage, Dynamic):
             raise ValueError(f"KVCache: quant={quant!r} / policy={policy!r} need storage=Dynamic(), got "
                              f"{storage.describe()}; quantized and evicting layers manage their own buffers")
+        if policy is not None and any(isinstance(s, SharedSpec) for s in specs):
+            raise ValueError(f"KVCache: policy={policy!r} with cross-layer KV sharing (SharedSpec layers) is not "
+                             f"supported: an eviction policy would rank the source's tokens by its own queries "
+                             f"only. Build the cache without a policy")
         if policy is not None:
             specs = [policy.apply_spec(s) for s in specs]
         self.specs: list[LayerSpec] = specs
@@ -174,10 +195,13 @@ class KVCache:
 
     def _make_store(self, i: int, spec: LayerSpec) -> Store | None:
         name = f"layer {i}"
-        if isinstance(spec, CrossSpec):
+        if isinstance(spec, (CrossSpec, SharedSpec)):  # cross: computed once; shared: reads its source's store
             return None
         if isinstance(spec, RecurrentSpec):
             return RecurrentStore(spec, layer=f"layer {i} (RecurrentSpec)")
+        if spec.kind == "compressed":
+            raise ValueError(f"KVCache: {name} is a CompressedSpec (DeepSeek-V4 CSA/HCA): its pools are planned "
+                             "(qkv.cache.plan_memory) but not kept yet; run the model without a cache")
         if self.policy is not None:
             store = self.policy.store_for(spec, layer=name)
             if store is not None:
@@ -234,7 +258,9 @@ class KVCache:
         return view
 
     def view(self, layer_idx: int) -> CacheView:
-        """The view of layer ``layer_idx``'s last :meth:`update`, gathered now if that update deferred it."""
+        """The view of layer ``layer_idx``'s last :meth:`update`, gathered now if that update deferred it (a
+        :class:`~qkv.cache.SharedSpec` layer: its source's view)."""
+        layer_idx = self._source(layer_idx, "view")
         layer = self._layer(layer_idx, None, "view")
         view = layer.last_view
         if view is None:
@@ -256,7 +282,7 @@ class KVCache:
                 (a decoder's last layer keeps only the queries whose outputs it needs).
             window: as in ``masks.positions(..., window=W)``.
         """
-        layer = self._layer(layer_idx, None, "decode")
+        layer = self._layer(self._source(layer_idx, "decode"), None, "decode")
         if not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or layer.last_view is None:
             return None  # latent layers attend over their view
         q_positions = layer.last_view.q_positions  # (B, N)
@@ -339,20 +365,21 @@ class KVCache:
 
         Modules call it right after attention when the cache has it; without a policy it does nothing.
         """
-        layer = self._layer(layer_idx, None, "observe")
+        layer = self._layer(self._source(layer_idx, "observe"), None, "observe")
         if layer.store is not None and layer.last_view is not None:
             layer.store.observe(q, layer.last_view, scale=scale)
 
     def scores_attention(self, layer_idx: int) -> bool:
         """True when layer ``layer_idx``'s store ranks tokens by observed attention (its ``observe`` is not the
         no-op of :class:`qkv.cache.storage.Store`: H2O, SnapKV or a policy of the same kind)."""
-        store = self._layer(layer_idx, None, "scores_attention").store
+        store = self._layer(self._source(layer_idx, "scores_attention"), None, "scores_attention").store
         return store is not None and type(store).observe is not Store.observe
 
     def keeps_absolute_positions(self, layer_idx: int) -> bool:
         """True when layer ``layer_idx`` keeps keys at their absolute positions (full, sliding-window, latent
         and cross layers), so modules may hand it keys already rotated; False when it re-positions them
         (StreamingLLM's sinks), so it needs un-rotated keys and ``rope``."""
+        layer_idx = self._source(layer_idx, "keeps_absolute_positions")
         return not isinstance(self._layer(layer_idx, None, "keeps_absolute_positions").store, RopeStore)
 
     @property
@@ -641,7 +668,7 @@ class KVCache:
 
     def layer_tokens(self, layer_idx: int) -> int:
         """Slots layer ``layer_idx`` holds per row now."""
-        store = self._layer(layer_idx, None, "layer_tokens").store
+        store = self._layer(self._source(layer_idx, "layer_tokens"), None, "layer_tokens").store
         return 0 if store is None else store.held()
 
     def memory(self) -> CacheMemory:
@@ -697,6 +724,11 @@ class KVCache:
                 f"length={self.seq_length}, batch={self._batch()})")
 
     # helpers
+    def _source(self, i: int, what: str) -> int:
+        """The layer whose store layer ``i`` reads: its own, or a :class:`~qkv.cache.SharedSpec`'s source."""
+        spec = self._layer(i, None, what).spec
+        return spec.source if isinstance(spec, SharedSpec) else i
+
     def _layer(self, i: int, kinds, what: str) -> _Layer:
         if not isinstance(i, int) or not 0 <= i < len(self._layers):
             raise ValueError(f"{what}: layer_idx {i!r} out of range for a cache of {len(self._layers)} layers; a "
@@ -704,7 +736,8 @@ class KVCache:
                              f"KVCache(model) or KVCache(model.cache_specs())")
         layer = self._layers[i]
         if kinds is not None and not isinstance(layer.spec, kinds):
-            hint = {"update": "MLA layers call update_latent, recurrent layers update_recurrent",
+            hint = {"update": "MLA layers call update_latent, recurrent layers update_recurrent, a SharedSpec layer "
+                              "stores nothing (it reads its source's view(source))",
                     "update_latent": "use update() for this layer",
                     "recurrent_state": "only RecurrentSpec layers keep a recurrent state",
                     "update_recurrent": "only RecurrentSpec layers keep a recurrent state"}

@@ -2,7 +2,8 @@
 (what :func:`qkv.config.hf_config.read_layout` reads from an HF config too) or a :class:`qkv.config.ModelPreset`:
 ``RecurrentSpec`` for the
 recurrent (``linear_attention``) layers of hybrid models, ``LatentSpec`` for MLA (``IndexedLatentSpec`` with
-DeepSeek Sparse Attention's indexer key), ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The
+DeepSeek Sparse Attention's indexer key), ``SharedSpec`` for layers that read an earlier layer's keys and values
+(cross-layer KV sharing), ``SlidingWindowSpec`` for local layers, ``FullSpec`` otherwise. The
 description (in :mod:`qkv.config`) knows
 nothing of the cache; the cache reads it here.
 
@@ -17,13 +18,15 @@ from __future__ import annotations
 from ..config.decoder import DecoderConfig
 from ..config.mixers import CacheShape, mixer_of
 from ..config.presets import ModelPreset
-from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SlidingWindowSpec
+from .compressed import CompressedSpec
+from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SharedSpec, SlidingWindowSpec
 
 __all__ = ["cache_specs_of", "spec_of"]
 
 #: The layer spec class of each cache kind a mixer declares (:data:`qkv.config.mixers.CACHE_KINDS`).
 _SPECS: dict[str, type[LayerSpec]] = {"full": FullSpec, "sliding": SlidingWindowSpec, "latent": LatentSpec,
-                                      "indexed_latent": IndexedLatentSpec, "recurrent": RecurrentSpec}
+                                      "indexed_latent": IndexedLatentSpec, "recurrent": RecurrentSpec,
+                                      "shared": SharedSpec, "compressed": CompressedSpec}
 
 
 def spec_of(shape: CacheShape) -> LayerSpec:

@@ -16,6 +16,10 @@ sliding-window layers per global layer) gets its savings without a per-model cac
   decoupled RoPE key ``k_rope`` per token, shared by all heads (DeepSeek-V2, arXiv:2405.04434, 2.1.2).
 - :class:`IndexedLatentSpec`: MLA's row plus DeepSeek Sparse Attention's indexer key (DeepSeek-V3.2).
 - :class:`CrossSpec`: encoder keys/values, computed once from ``source_len`` encoder tokens.
+- :class:`SharedSpec`: a layer that reads another layer's keys and values instead of writing its own (cross-layer
+  KV sharing: Brandon et al. 2024, "Reducing Transformer Key-Value Cache Size with Cross-Layer Attention",
+  arXiv:2405.12981; Gemma 4's ``num_kv_shared_layers``). It allocates nothing and costs no bytes; its ``source``
+  is an earlier layer with the same window and head shape, whose pool is counted once.
 - :class:`RecurrentSpec`: a recurrent layer (Gated DeltaNet, Kimi Delta Attention, Mamba2; see
   :mod:`qkv.linear`): the short convolution's last ``conv_kernel - 1`` inputs and a ``(Dk, Dv)`` state per
   head, the same bytes at any context length; written with ``cache.update_recurrent``.
@@ -45,7 +49,7 @@ from ..costs.memory import element_bytes  # the one count (a torch dtype or a na
 
 __all__ = ["LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
            "RecurrentSpec",
-           "element_bytes"]
+           "SharedSpec", "element_bytes"]
 
 
 
@@ -272,5 +276,49 @@ class RecurrentSpec(LayerSpec):
         return self.fixed_bytes(dtype)
 
 
+@dataclass(frozen=True)
+class SharedSpec(LayerSpec):
+    """A layer that attends over layer ``source``'s cache (an earlier layer) and stores nothing itself.
+
+    ``window`` (None: full attention), ``n_kv_heads`` and ``head_dim`` are what the layer reads; the cache checks
+    them against the source's spec, so a shared layer cannot point at a layer of another type or shape.
+
+    Example:
+        >>> import torch
+        >>> s = SharedSpec(0, None, 2, 16)
+        >>> s.kind, s.bytes_per_token(torch.bfloat16), s.fixed_bytes(torch.bfloat16)
+        ('shared', 0, 0)
+    """
+
+    source: int
+    window: int | None
+    n_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        _positive("SharedSpec(source)", self.source, allow_zero=True)
+        if self.window is not None:
+            _positive("SharedSpec(window)", self.window)
+        _positive("SharedSpec(n_kv_heads)", self.n_kv_heads)
+        _positive("SharedSpec(head_dim)", self.head_dim)
+
+    @property
+    def max_tokens(self) -> int:  # type: ignore[override]
+        return 0
+
+    def row_elements(self) -> int:
+        return 0
+
+    def tokens_for(self, context: int) -> int:
+        return 0
+
+    def matches(self, spec: LayerSpec) -> bool:
+        """Whether ``spec`` (the source's) holds what this layer reads: same window, KV heads and head width."""
+        return (isinstance(spec, (FullSpec, SlidingWindowSpec)) and getattr(spec, "window", None) == self.window
+                and spec.n_kv_heads == self.n_kv_heads and spec.head_dim == self.head_dim
+                and spec.dv == self.head_dim)
+
+
 _KINDS = {"FullSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink", "LatentSpec": "latent",
-          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent"}
+          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent", "SharedSpec": "shared",
+          "CompressedSpec": "compressed"}

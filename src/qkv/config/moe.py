@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 __all__ = ["MoEConfig"]
 
-_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax")
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax", "sqrtsoftplus")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,6 +22,12 @@ class MoEConfig:
     :func:`route_softmax`), ``"noaux_tc"`` (sigmoid scores with a correction bias, :func:`route_noaux_tc`)
     or ``"topk_softmax"`` (softmax over the selected logits, :func:`route_topk_softmax`); weights
     renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+
+    DeepSeek-V4: ``topk_method="sqrtsoftplus"`` (scores ``sqrt(softplus(logits))``, experts chosen by score plus
+    ``e_score_correction_bias``, weighted by their unbiased scores, :func:`route_sqrt_softplus`); the layers in
+    ``hash_layers`` choose their experts by a fixed table of the token id instead (``tid2eid``, :func:`route_hash`);
+    ``silu_limit``: routed and shared experts clamp ``gate <= limit`` and ``|up| <= limit`` before
+    ``silu(gate) * up``.
 
     GPT-OSS: ``router_bias`` (the router has a bias) and ``swiglu_limit`` (experts are
     :class:`ClampedSwiGLUExperts` with ``swiglu_alpha``, biases included; None: :class:`Experts`).
@@ -47,6 +53,8 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    hash_layers: tuple[int, ...] = ()
+    silu_limit: float | None = None
 
     def __post_init__(self) -> None:
         if self.topk_method not in _TOPK_METHODS:
@@ -57,6 +65,15 @@ class MoEConfig:
                              f"{self.n_routed_experts // 2})")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"MoEConfig: swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
+        object.__setattr__(self, "hash_layers", tuple(self.hash_layers))
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.hash_layers):
+            raise ValueError(f"MoEConfig: hash_layers must be layer indices (ints >= 0), got {self.hash_layers!r}")
+        if self.hash_layers and self.topk_method != "sqrtsoftplus":
+            raise ValueError(f"MoEConfig: hash_layers (DeepSeek-V4's hash routing) weigh their experts by "
+                             f"sqrt-softplus scores; set topk_method='sqrtsoftplus', got {self.topk_method!r}")
+        if self.silu_limit is not None and (self.swiglu_limit is not None or not self.silu_limit > 0):
+            raise ValueError(f"MoEConfig: silu_limit must be > 0 or None, and not set with swiglu_limit (GPT-OSS's "
+                             f"experts); got silu_limit={self.silu_limit!r}, swiglu_limit={self.swiglu_limit!r}")
         if self.shared_expert_gate and not self.n_shared_experts:
             raise ValueError("MoEConfig: shared_expert_gate needs a shared expert (n_shared_experts >= 1)")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:

@@ -213,6 +213,7 @@ _COUNTED_FIELDS = frozenset({
     "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "indexer", "backend",
     "decode_backend", "name", "linear_attention", "attn_output_gate",
+    "nope_layers", "linear_pre_norms",  # no count changes; norms per layer: DecoderConfig.layer_norms
 })
 
 

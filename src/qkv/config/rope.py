@@ -16,11 +16,12 @@ from typing import Any
 
 __all__ = ["RopeParams", "ROPE_TYPES", "ROPE_REQUIRED", "rope_type_of", "check_rope_scaling"]
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "proportional")
 #: Keys of HF's scaling dict each type needs (``max_position_embeddings`` may come from the model instead).
 ROPE_REQUIRED: Mapping[str, tuple[str, ...]] = {
     "default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": (),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "proportional": (),
 }
 
 

@@ -199,8 +199,8 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
         total_i, active_i = layer_ffn_params(p, i)
         ffn += total_i
         active_ffn += active_i
-    per_layer = (2 if c.pre_norms else 0) + (2 if c.sandwich_norms else 0)  # OLMo 2/3: the two post-norms only
-    norms = n_layers * per_layer * norm + norm
+    per_layer = [2 * sum(c.layer_norms(i)) for i in range(n_layers)]  # OLMo 2/3: the two post-norms only
+    norms = sum(per_layer) * norm + norm
     if enc:  # bidirectional encoder layers, and a cross-attention block per decoder layer
         plain = layer_attention_params(p, cross=True)
         attention += (enc + n_layers) * plain

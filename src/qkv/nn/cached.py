@@ -190,7 +190,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                      sinks: torch.Tensor | None = None, attention_fn: AttentionFn = attention,
                      backend: str = "auto", decode_backend: str | None = None, dropout_p: float = 0.0,
                      return_lse: bool = False, head_gate: torch.Tensor | None = None,
-                     queries_to_keep: int = 0, owner: str = "cached_attention") -> AttentionHeads:
+                     queries_to_keep: int = 0, read_only: bool = False,
+                     owner: str = "cached_attention") -> AttentionHeads:
     """One attention call of a module, over a KV cache or not (the sequence in the module notes).
 
     Args:
@@ -226,6 +227,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
             (a decoder's last layer over a prompt, whose other columns' outputs nothing reads). A cache that ranks
             tokens by observed attention (H2O, SnapKV) still sees every query: there all attend, and the last
             are returned. 0 (default): every query.
+        read_only: with a cache, attend over ``cache.view(layer_idx)`` without writing ``k`` and ``v`` (unused,
+            may be None): a layer that shares an earlier layer's keys and values (:class:`qkv.cache.SharedSpec`,
+            whose view is its source's, written earlier in the step); only ``q`` is rotated.
         owner: the caller's name in error messages.
 
     Returns:
@@ -245,12 +249,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         >>> res.out.shape, bool(res.out[:, 2].eq(0).all())
         (torch.Size([2, 4, 6, 8]), True)
     """
+    reading = read_only and cache is not None
     try:  # a decode step calls this once per layer: check cheaply, explain only on failure
-        bad = q.dim() != 4 or k.dim() != 4 or v.dim() != 4
+        bad = q.dim() != 4 or (not reading and (k.dim() != 4 or v.dim() != 4))
     except AttributeError:
         bad = True
     if bad:
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        for name, t in (("q", q),) + ((("k", k), ("v", v)) if not reading else ()):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 seen = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{owner}: {name} must be a (B, H, N, D) tensor, got {seen}")
@@ -298,7 +303,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                                 score_mod=score_mod, sinks=sinks, dropout_p=dropout_p))
     if cache is not None:
         defer = {"defer_view": True} if in_place and caps.deferred_view else {}
-        if rope is None or cache.keeps_absolute_positions(layer_idx):
+        if reading:  # a shared layer: its source wrote this step's keys and values; the queries alone turn
+            view = cache.view(layer_idx)
+            if rope is not None:
+                q = rope(q, positions if cache.keeps_absolute_positions(layer_idx) else view.q_positions)
+        elif rope is None or cache.keeps_absolute_positions(layer_idx):
             if rope is not None:
                 q, k = rotate(q, k) if rotate is not None else (rope(q, positions), rope(k, positions))
             view = cache.update(layer_idx, k, v, positions=positions, rope=None, **defer)

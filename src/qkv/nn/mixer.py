@@ -33,6 +33,7 @@ class MixerStep(Protocol):
 
     positions: torch.Tensor | None  # (B, N) absolute positions, -1 on padding; None: 0 .. N-1
     cache: AttentionCache | None
+    shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # without a cache: keys and values later layers share
 
     def real_tokens(self) -> torch.Tensor | None:
         """(B, N, 1): 1 on real tokens, 0 on padding; None without padding."""

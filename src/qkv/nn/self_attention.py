@@ -2,7 +2,10 @@
 grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245) with one fused QKV projection, RoPE (Su et al.
 2021, arXiv:2104.09864) per layer type, ALiBi (Press et al. 2022, arXiv:2108.12409) or no positions, optional QKV
 bias, QK RMSNorm per head (Gemma 3) or over the projections (OLMo 2/3), a score scale, tanh score soft-capping
-(Gemma 2), attention sinks (GPT-OSS), an output gate (Qwen3-Next) and a sliding window on local layers.
+(Gemma 2), attention sinks (GPT-OSS), an output gate (Qwen3-Next) and a sliding window on local layers; and Gemma 4's
+options (Gemma Team 2026, Gemma 4 model card): head width and KV heads per layer type, K = V (the key projection serves
+as values: no value projection), an unscaled RMSNorm of values, and cross-layer KV sharing (Brandon et al. 2024,
+arXiv:2405.12981): a layer with only a query projection that attends over an earlier layer's keys and values.
 
 Shape legend: B batch, N new tokens, d hidden size, Hq query heads, Hkv key/value heads, D head dim.
 """
@@ -20,7 +23,7 @@ from ..config.decoder import DecoderConfig
 from ..pos.alibi import ALiBiBias
 from ..pos.rope import RotaryKernel, apply_rotary
 from .cached import cached_attention
-from .norm import RMSNorm
+from .norm import RMSNorm, rms_norm
 
 if TYPE_CHECKING:
     from .decoder import RopeTable
@@ -40,20 +43,36 @@ class SelfAttention(nn.Module):
     per layer after construction (GPT-2's ``scale_attn_by_inverse_layer_idx``). The cache update, rotation,
     mask, head gate and observation around it are :func:`qkv.nn.cached_attention`'s, given this layer's fused
     rotation and the step's shared mask.
+
+    With K = V (``config.k_eq_v_for(layer_idx)``) ``qkv_proj`` gives queries and keys only, and the values are the
+    keys before their norm and rotation. A layer that shares another's keys and values
+    (``config.kv_source(layer_idx)``) has queries only: without a cache it reads the source's keys and values of
+    the step (``step.shared_kv``, which the source fills), with one the source's cache view.
     """
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: RopeTable | None) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.kv_heads_for(layer_idx), \
+            c.head_dim_for(layer_idx)
         self.layer_idx, self.window, self.rope = layer_idx, c.window_for(layer_idx), rope
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        self.kv_source = c.kv_source(layer_idx)  # cross-layer KV sharing: the layer whose keys and values it reads
+        self.k_eq_v = c.k_eq_v_for(layer_idx)
+        self.shares_kv = c.kv_shared_from is not None and layer_idx in c.kv_shared_from  # later layers read its kv
+        self.kv_sets = 0 if self.kv_source is not None else 1 if self.k_eq_v else 2  # K, V projections it has
+        self.value_norm_eps = c.rms_norm_eps if c.value_norm and self.kv_source is None else None
         self.output_gate = c.attn_output_gate  # then qkv_proj also gives the gate's Hq * D channels, last
-        self.qkv_proj = nn.Linear(c.hidden_size, (Hq * c.attn_output_gate + Hq + 2 * Hkv) * D, bias=c.qkv_bias)
+        self.qkv_proj = nn.Linear(c.hidden_size, (Hq * c.attn_output_gate + Hq + self.kv_sets * Hkv) * D,
+                                  bias=c.qkv_bias)
         self.o_proj = nn.Linear(Hq * D, c.hidden_size, bias=c.o_bias)
         self.qk_norm_projection = c.qk_norm and c.qk_norm_scope == "projection"  # OLMo 2/3: over all heads
+        if self.qk_norm_projection and (self.kv_sets < 2 or self.value_norm_eps is not None):
+            raise ValueError("DecoderLM: qk_norm_scope='projection' (OLMo 2/3) with K = V, value_norm or KV sharing "
+                             "is not supported; use qk_norm_scope='head'")
         q_dim, k_dim = (Hq * D, Hkv * D) if self.qk_norm_projection else (D, D)
         self.q_norm = RMSNorm(q_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, eps=c.rms_norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.k_norm = (RMSNorm(k_dim, eps=c.rms_norm_eps, offset=c.norm_offset)
+                       if c.qk_norm and self.kv_source is None else None)
         self.sinks = nn.Parameter(torch.zeros(Hq)) if c.attention_sinks else None  # (Hq,) GPT-OSS sink logits
         self.alibi = ALiBiBias(Hq) if c.position == "alibi" else None
         self.scale = c.attention_scale
@@ -87,15 +106,18 @@ class SelfAttention(nn.Module):
         """The softcap and ALiBi this layer adds to its scores, those it has."""
         return tuple(m for m in (self.score_mod, "ALiBi" if self.alibi is not None else None) if m is not None)
 
-    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0, mask=None) -> torch.Tensor:
         """(B, N, d) -> (B, N, d); with ``0 < keep < N`` the outputs of the last ``keep`` columns only, (B, keep, d)
-        (every column's keys and values are still cached)."""
+        (every column's keys and values are still cached). ``mask``: a :mod:`qkv.masks` mask AND-ed with the
+        causal one (a subclass's key selection, :class:`qkv.nn.IndexedAttention`)."""
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D), then the output gate's (B, N, Hq D)
         gate = None
         if self.output_gate:
-            qkv, gate = qkv.split(((Hq + 2 * Hkv) * D, Hq * D), dim=-1)
+            qkv, gate = qkv.split(((Hq + self.kv_sets * Hkv) * D, Hq * D), dim=-1)
+        if self.kv_sets < 2 or self.value_norm_eps is not None:
+            return self._forward_unfused(x, qkv, gate, step, keep, mask)
         if self.qk_norm_projection:
             q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
@@ -110,16 +132,58 @@ class SelfAttention(nn.Module):
 
             def rotate(q, k):
                 return self._rotate_qk(q, k, qk, cos, sin)
+        if self.shares_kv and step.cache is None:  # later layers read these keys (normed, not rotated) and values
+            step.shared_kv[self.layer_idx] = (k, v)
+        return self._attend(q, k, v, gate, step, keep, rotate, mask=mask)
+
+    def _forward_unfused(self, x: torch.Tensor, qkv: torch.Tensor, gate: torch.Tensor | None, step: MixerStep,
+                        keep: int, mask=None) -> torch.Tensor:
+        """:meth:`forward` of a layer with K = V, normed values or one that reads a source layer's keys and values;
+        ``qkv`` (B, N, (Hq + kv_sets Hkv) D) its projection without the output gate."""
+        B, N, _ = x.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        heads = qkv.view(B, N, Hq + self.kv_sets * Hkv, D).transpose(1, 2)  # (B, Hq [+ Hkv], N, D)
+        q, k = heads.split((Hq, self.kv_sets * Hkv), dim=1)
+        if self.q_norm is not None and not self.qk_norm_projection:
+            q = self.q_norm(q)
+        cache, read_only = step.cache, self.kv_source is not None
+        if read_only:
+            v = None
+            if cache is None:  # the source's keys (normed, not rotated) and values of this step
+                k, v = step.shared_kv[self.kv_source]
+        else:
+            if self.kv_sets == 2:
+                k, v = k.split((Hkv, Hkv), dim=1)
+            else:  # K = V: the values are the keys before their norm and rotation
+                v = k
+            v = v if self.value_norm_eps is None else rms_norm(v, None, eps=self.value_norm_eps)
+            if self.k_norm is not None and not self.qk_norm_projection:
+                k = self.k_norm(k)
+            if self.shares_kv and cache is None:
+                step.shared_kv[self.layer_idx] = (k, v)
+        rope, rotate = self.rope, None
+        if rope is not None and not (read_only and cache is not None):
+            cos, sin = step.cos_sin(rope, x.device)
+
+            def rotate(q, k):
+                return self._rotate_qk(q, k, None, cos, sin)
+        return self._attend(q, k, v, gate, step, keep, rotate, read_only=read_only and cache is not None, mask=mask)
+
+    def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, *, read_only: bool = False,
+                mask=None) -> torch.Tensor:
+        """:func:`qkv.nn.cached_attention` of the rotated (or, by ``rotate``, to-be-rotated) heads, then the output
+        gate and projection: (B, N or keep, d)."""
+        B, N = q.shape[0], q.shape[2]
         cache = step.cache
-        res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=rope,
-                               rotate=rotate, window=self.window,
+        res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=self.rope,
+                               rotate=rotate, window=self.window, mask=mask,
                                step_mask=step.self_mask(self.window) if cache is None else None,
                                score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
                                attention_fn=self.attention_fn, backend=self.backend,
                                decode_backend=self.decode_backend, head_gate=self.head_gate,
-                               queries_to_keep=keep, owner="DecoderLM")
+                               queries_to_keep=keep, read_only=read_only, owner="DecoderLM")
         n = res.out.shape[2]
-        out = res.out.transpose(1, 2).reshape(B, n, Hq * D)
+        out = res.out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate[:, N - n:])
         return self.o_proj(out)  # (B, N or keep, d)
@@ -127,6 +191,8 @@ class SelfAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = f", window={self.window}" if self.window else ""
         extra += ", output_gate" if self.output_gate else ""
+        extra += f", kv_source={self.kv_source}" if self.kv_source is not None else ""
+        extra += ", k_eq_v" if self.k_eq_v else ""
         extra += ", alibi" if self.alibi is not None else ""
         extra += ", sinks" if self.sinks is not None else ""
         extra += f", score_mod={self.score_mod!r}" if self.score_mod is not None else ""

@@ -27,6 +27,11 @@ Frequency scalings, under HF transformers' ``rope_type`` names and config fields
 - ``llama3`` (``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``):
   Llama 3.1 (Grattafiori et al. 2024, "The Llama 3 Herd of Models"): long wavelengths are divided by
   ``factor``, short ones kept, the band between blended smoothly.
+- ``proportional`` (``partial_rotary_factor``, optional ``factor``): Gemma 4's global layers (Gemma Team 2026,
+  Gemma 4 model card): every channel pair ``(f, f + D/2)`` of the whole head keeps the pairing and exponent of
+  full RoPE over ``D``, ``theta ** (-2f / D)``, but only the first ``int(partial_rotary_factor * D / 2)`` pairs
+  turn; the others get frequency 0 (pass through). Unlike partial rotary above, the rotated channels are spread
+  over both halves of the head and their frequencies are those of the whole head.
 
 Shape legend: B batch, H heads, N tokens, D head dim, R rotary dim (even, <= D), F = R / 2 frequencies.
 
@@ -49,11 +54,11 @@ from typing import Any
 import torch
 
 from ..config.hf_config import read_rope
-from ..config.rope import ROPE_TYPES, RopeParams
+from ..config.rope import ROPE_TYPES, RopeParams, rope_type_of
 
 __all__ = [
     "RotaryEmbedding", "ROPE_TYPES", "apply_rotary", "RotaryKernel", "rope", "default_inv_freq", "linear_inv_freq",
-    "dynamic_ntk_inv_freq", "yarn_inv_freq", "yarn_attention_factor", "llama3_inv_freq",
+    "dynamic_ntk_inv_freq", "yarn_inv_freq", "yarn_attention_factor", "llama3_inv_freq", "proportional_inv_freq",
 ]
 
 
@@ -61,6 +66,20 @@ __all__ = [
 def default_inv_freq(rotary_dim: int, *, theta: float = 10000.0) -> torch.Tensor:
     """``theta ** (-2f / R)`` for ``f = 0 .. R/2 - 1``: (F,) float64."""
     return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
+def proportional_inv_freq(head_dim: int, *, theta: float, fraction: float, factor: float = 1.0) -> torch.Tensor:
+    """Proportional RoPE over a whole head of ``head_dim`` channels: ``theta ** (-2f / D) / factor`` for the first
+    ``int(fraction * D / 2)`` pairs, 0 for the rest: (D/2,) float64.
+
+    Example:
+        >>> proportional_inv_freq(8, theta=100.0, fraction=0.5).tolist()
+        [1.0, 0.1, 0.0, 0.0]
+    """
+    turning = int(fraction * head_dim // 2)
+    inv = default_inv_freq(head_dim, theta=theta) / factor
+    inv[turning:] = 0.0
+    return inv
 
 
 def linear_inv_freq(rotary_dim: int, *, theta: float, factor: float) -> torch.Tensor:
@@ -208,6 +227,10 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, *, theta: float = 10000.0, rotary_dim: int | None = None,
                  partial_rotary_factor: float = 1.0, scaling: Mapping[str, Any] | None = None,
                  max_position_embeddings: int | None = None, interleaved: bool = False) -> None:
+        proportional = rope_type_of(scaling) == "proportional"
+        self.proportion = partial_rotary_factor if proportional else 1.0
+        if proportional:  # every pair of the head takes part (those that do not turn have frequency 0)
+            partial_rotary_factor, rotary_dim = 1.0, None
         R = int(head_dim * partial_rotary_factor) if rotary_dim is None else rotary_dim
         if not 0 < R <= head_dim or R % 2:
             raise ValueError(f"RotaryEmbedding: the rotary dim must be even and in (0, head_dim={head_dim}], got {R} "
@@ -301,6 +324,9 @@ class RotaryEmbedding:
                 high_freq_factor=float(self._need("high_freq_factor")),
                 original_max_position_embeddings=int(self._need("original_max_position_embeddings",
                                                                 self.max_position_embeddings)))
+        if t == "proportional":
+            return proportional_inv_freq(R, theta=theta, fraction=self.proportion,
+                                         factor=float(self.scaling.get("factor") or 1.0))
         raise ValueError(f"RotaryEmbedding: unsupported rope_type {t!r}; supported: {', '.join(ROPE_TYPES)}")
 
     # the math
