@@ -108,20 +108,26 @@ def within_budget(ours, truth, base, what):
 
 def float64_rope(model: nn.Module) -> nn.Module:
     """Make an HF model's RoPE a float64 reference in place and return the model: HF computes ``inv_freq`` and the
-    cos/sin tables in float32 even in a float64 model (relative logit errors near 1e-7); this recomputes both in
-    float64 from the config's ``rope_theta`` (default RoPE only: a scaled rope type is refused), so the float64
-    model is a reference to the 1e-8 that float64 parity asks."""
-    rope = model.config.rope_parameters or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"float64_rope: only the default rope type is recomputed, got {rope!r}")
+    cos/sin tables in float32 even in a float64 model (relative logit errors near 1e-7). This reruns HF's own RoPE
+    initialisation (default, YaRN, ...) with ``torch.float`` / ``torch.float32`` meaning float64 for that call
+    only, and computes the tables from those frequencies in float64, so the float64 model is a reference to the
+    1e-8 that float64 parity asks."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     emb = model.model.rotary_emb
-    dim = 2 * emb.inv_freq.numel()
-    inv_freq = 1.0 / float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    init = emb.compute_default_rope_parameters if emb.rope_type == "default" else ROPE_INIT_FUNCTIONS[emb.rope_type]
+    f, f32 = torch.float, torch.float32
+    torch.float = torch.float32 = torch.float64
+    try:
+        inv_freq, scaling = init(emb.config)
+    finally:
+        torch.float, torch.float32 = f, f32
+    assert inv_freq.dtype == torch.float64, inv_freq.dtype
 
     def forward(x, position_ids):
-        freqs = position_ids[..., None].double() * inv_freq  # (B, N, dim / 2)
+        freqs = position_ids[..., None].double() * inv_freq  # (B, N, R / 2)
         full = torch.cat((freqs, freqs), dim=-1)
-        return full.cos().to(x.dtype), full.sin().to(x.dtype)
+        return (full.cos() * scaling).to(x.dtype), (full.sin() * scaling).to(x.dtype)
 
     emb.forward = forward
     return model

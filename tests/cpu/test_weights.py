@@ -10,6 +10,9 @@ weights' own error (each weight within scale / 2 of the float32 one) is a second
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -292,3 +295,34 @@ def test_int8_minilm_keeps_its_hidden_states_and_head_tokens():
           f"{max(kernel):.2e} of the hidden states' std")
     assert max(kernel) <= 1e-4, kernel  # the kernel itself: float32 rounding only
     assert max(errors) <= 0.5 and min(agree) >= 0.85 and min(cos) >= 0.999, (errors, agree, cos)
+
+
+_THREADS_SCRIPT = """
+import os, torch
+torch.set_num_threads(1)
+from qkv.cpu import ops
+from qkv.cpu.weights import quantize_int8
+assert ops.available()
+x = torch.randn(4, 1024)
+q, s = quantize_int8(torch.randn(4096, 1024))
+with torch.no_grad():
+    ops.weight_linear(x[:1], q[:8], s[:8], None)  # a first call: whatever a call starts once
+    before = len(os.listdir("/proc/self/task"))
+    for _ in range(3):
+        ops.weight_linear(x, q, s, None)
+        ops.weight_linear(x.bfloat16(), q.bfloat16(), None, None)
+        ops.moe_token(x[:1], [0, 2], torch.rand(2), torch.randn(4, 512, 1024), None, torch.randn(4, 1024, 256),
+                      None, False, 0.0, 0.0, 1, 1)
+    print(before, len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_kernels_start_no_threads_under_one_torch_thread():
+    """Under ``torch.set_num_threads(1)`` the kernels run on the calling thread: no thread team of their own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split()[-2:])
+    assert after == before, f"{after - before} threads started by the kernels under one torch thread"

@@ -121,6 +121,33 @@ def test_greedy_generation_with_left_padding_equals_hf_tokens():
     assert out.new_tokens.tolist() == torch.stack(expected).tolist()
 
 
+def test_hf_route_equals_eager(monkeypatch):
+    """HF's own V4 (the float64 lifted source) with ``attn_implementation="qkv"``: the "qkv" mask function hands V4
+    eager's additive mask, which each compressed layer extends with its block bias (compressed-causal visibility and
+    the indexer's selection), so the logits equal eager's (< 1e-8 on the unpadded batch and on each left-padded
+    row's real tokens) and greedy tokens of a padded row equal eager's. Poisoned: handing V4 qkv's mask object, every
+    compressed entry becomes visible and the logits move."""
+    qhf = pytest.importorskip("qkv.integrations.transformers")
+    _, ref, _, _ = _models()
+    cand = qhf.use(copy.deepcopy(ref))
+    ids, mask = _prompt(True)
+    real = mask.bool()
+    with torch.no_grad():
+        truth = ref(ids[:1]).logits
+        assert _rel(cand(ids[:1]).logits, truth) < 1e-8
+        got = cand(ids, attention_mask=mask).logits
+        rel = _rel(got[real], ref(ids, attention_mask=mask).logits[real])
+        assert rel < 1e-8, f"attn_implementation='qkv' padded logits: relative error {rel:.3g}"
+        row = ids[1, real[1]][None]
+        want = ref.generate(row, max_new_tokens=N_NEW, do_sample=False)
+        assert torch.equal(cand.generate(row, max_new_tokens=N_NEW, do_sample=False), want)
+        reports = qhf.explain(cand, ids, attention_mask=mask)
+        assert len(reports) == FIELDS["num_hidden_layers"]
+        monkeypatch.setattr(qhf, "TENSOR_MASK_MODELS", frozenset())
+        wrong = cand(ids[:1]).logits
+    assert _rel(wrong, truth) > 1e-3, "the poisoned route must differ: the test would not catch it"
+
+
 @pytest.mark.parametrize("steps", [(1,) * 8, (3, 1, 4)], ids=["one-by-one", "pieces"])
 def test_cached_decode_equals_full_recompute(steps):
     """A left-padded prefill of 6 columns, then 8 more tokens in the given steps: every step's logits equal the full
@@ -243,3 +270,27 @@ def test_head_gate_scales_each_head():
         finally:
             layer.head_gate = None
     assert torch.equal(same, base) and (pruned - base).abs().max() > 1e-3
+
+
+def test_float64_gradients_equal_hf():
+    """Weight gradients of a random linear function of the logits, qkv float64 against HF's lifted float64, through
+    the window and compressed attention, the compressors, mHC and the experts (rel err < 1e-8)."""
+    _, ref, ours64, _ = _models()
+    ref, ours = copy.deepcopy(ref), copy.deepcopy(ours64)
+    ids, _ = _prompt(False)
+    w = torch.randn(2, N_PROMPT, VOCAB, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for m in (ref, ours):
+        (m(ids).logits * w).sum().backward()
+    theirs, mine = dict(ref.named_parameters()), dict(ours.named_parameters())
+    pairs = {"layers.1.self_attn.q_a_proj.weight": "model.layers.1.self_attn.q_a_proj.weight",
+             "layers.2.self_attn.compressor.kv_proj.weight": "model.layers.2.self_attn.compressor.kv_proj.weight",
+             "layers.3.self_attn.compressor.gate_proj.weight": "model.layers.3.self_attn.compressor.gate_proj.weight",
+             "layers.1.self_attn.sinks": "model.layers.1.self_attn.sinks",
+             "layers.3.attn_residual.fn": "model.layers.3.attn_hc.fn", "residual.fn": "model.hc_head.hc_fn",
+             "layers.0.mlp.experts.gate_up_proj": "model.layers.0.mlp.experts.gate_up_proj",
+             "embed_tokens.weight": "model.embed_tokens.weight"}
+    for ours_name, hf_name in pairs.items():
+        g, want = mine[ours_name].grad, theirs[hf_name].grad
+        assert want is not None and want.abs().max() > 0, hf_name
+        rel = _rel(g, want)
+        assert rel < 1e-8, f"d{ours_name}: relative error {rel:.3g}"

@@ -392,6 +392,14 @@ def read_moe(config) -> MoEConfig | None:
         return MoEConfig(n_routed_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
                          moe_intermediate_size=cfg["moe_intermediate_size"],
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if model_type == "mistral4":  # softmax scores, groups by their two best, renormalized (HF's Mistral4TopkRouter)
+        return MoEConfig(
+            n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok") or 4,
+            moe_intermediate_size=cfg["moe_intermediate_size"], n_shared_experts=cfg.get("n_shared_experts") or 0,
+            first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), topk_method="group_limited_top2",
+            n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
     if not cfg.get("n_routed_experts"):
         return None
     v3 = model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")

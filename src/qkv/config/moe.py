@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 __all__ = ["MoEConfig"]
 
-_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax", "sqrtsoftplus")
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "group_limited_top2", "noaux_tc", "topk_softmax",
+                 "sqrtsoftplus")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,7 +19,8 @@ class MoEConfig:
 
     Layer ``i`` is a mixture of experts when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
     (DeepSeek's rule; HF transformers ignores ``moe_layer_freq``, which is 1 in every released checkpoint).
-    Routing (module notes): ``topk_method`` ``"greedy"`` or ``"group_limited_greedy"`` (softmax scores,
+    Routing (module notes): ``topk_method`` ``"greedy"``, ``"group_limited_greedy"`` (groups ranked by their best
+    score) or ``"group_limited_top2"`` (by the sum of their two best scores, Mistral 4) (softmax scores,
     :func:`route_softmax`), ``"noaux_tc"`` (sigmoid scores with a correction bias, :func:`route_noaux_tc`)
     or ``"topk_softmax"`` (softmax over the selected logits, :func:`route_topk_softmax`); weights
     renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
@@ -79,7 +81,11 @@ class MoEConfig:
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(f"MoEConfig: num_experts_per_tok ({self.num_experts_per_tok}) must lie in "
                              f"[1, n_routed_experts={self.n_routed_experts}]")
-        if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
+        if self.topk_method == "group_limited_top2" and self.n_group and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(f"MoEConfig: group_limited_top2 scores each group by its two best experts; n_group="
+                             f"{self.n_group} leaves {self.n_routed_experts // self.n_group} per group (use n_group <= "
+                             f"{self.n_routed_experts // 2})")
+        if self.topk_method in ("group_limited_greedy", "group_limited_top2", "noaux_tc") and (
                 not self.n_group or not self.topk_group or self.n_routed_experts % self.n_group):
             raise ValueError(f"MoEConfig: {self.topk_method} needs n_group dividing n_routed_experts "
                              f"({self.n_routed_experts}) and topk_group; got n_group={self.n_group}, "

@@ -51,5 +51,6 @@ __all__ = [
     "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
     "DecoderMixer", "MIXER_MODULES", "SelfAttention", "build_mixer", "register_mixer_module",
     "IndexedAttention", "QSAIndexer", "GatedResidual", "NGramEmbedding", "PerLayerEmbedding",
-    "Residual", "PlainResidual", "PLAIN_RESIDUAL", "residual_for", "MSAIndexer", "MSAOutput",
+    "Residual", "PlainResidual", "PLAIN_RESIDUAL", "residual_for",
+    "MSAIndexer", "MSAOutput",
 ]

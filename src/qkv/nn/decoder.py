@@ -88,6 +88,7 @@ from .mixers import build_mixer
 from .moe import MoE
 from .norm import RMSNorm
 from .per_layer_embed import PerLayerBranch, PerLayerInputs
+from .ple import PerLayerEmbedding
 from .residual import Residual, residual_for
 from .self_attention import SelfAttention
 
@@ -251,6 +252,7 @@ class DecoderLayer(nn.Module):
         self.attn_residual: Residual = residual_for(c, layer_idx, "attn")
         self.ffn_residual: Residual = residual_for(c, layer_idx, "ffn")
         self.layer_idx = layer_idx
+        self.ple = PerLayerEmbedding.for_decoder(c, layer_idx)  # Qwen4-Exp's n-gram embedding, on some layers
         self.per_layer_input = (PerLayerBranch(c.hidden_size, c.per_layer_input_size, activation=c.hidden_act,
                                                eps=c.rms_norm_eps) if c.per_layer_input_size else None)
         if c.layer_scalars:  # Gemma 4: the layer's output times a stored scalar
@@ -270,6 +272,8 @@ class DecoderLayer(nn.Module):
         grouped-query attention attends only the kept queries, the feed-forward runs on the kept columns (a
         decoder's last layer before logits of the last columns)."""
         keep = keep if 0 < keep < x.shape[1] else 0
+        if self.ple is not None:
+            x = x + self.ple.mix(x, step)
         a, ctx = self.attn_residual.enter(x)
         h = self.mixer.mix(a if self.attn_norm is None else self.attn_norm(a), step, keep)  # no pre-norm: OLMo 2/3
         if keep:
@@ -390,7 +394,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t) if c.uses_rope(i) else None)
                                     for i, t in enumerate(c.layer_types))
         self.residual: Residual = residual_for(c, None, "model")  # widens the embedding, collapses before the norm
-        self.norm = _norm(c, c.hidden_size)
+        self.norm = _norm(c, c.hidden_size) if c.final_norm else None
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
         self.head_screen: TokenScreen | None = None  # greedy tokens' int8 screen (qkv.cpu.optimize sets one)
@@ -502,7 +506,8 @@ class DecoderLM(nn.Module):
             x = layer(x, step, keep if i == last else 0)
         if keep and x.shape[1] > keep:  # a model without layers
             x = x[:, -keep:]
-        return self.norm(self.residual.collapse(x))
+        x = self.residual.collapse(x)
+        return x if self.norm is None else self.norm(x)
 
     def cache_specs(self) -> list[LayerSpec]:
         """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""

@@ -8,8 +8,8 @@ are summed with the router weights (times ``routed_scaling_factor``), and ``n_sh
 every token goes through are added. The routing rules, one function each:
 
 - :func:`route_softmax`: softmax over all experts, top-k (``greedy``), or top-k inside the ``topk_group``
-  best of ``n_group`` groups (``group_limited_greedy``, DeepSeek-V2); renormalized when ``norm_topk_prob``
-  (Qwen3-MoE).
+  best of ``n_group`` groups (``group_limited_greedy``, DeepSeek-V2; ``group_limited_top2``, Mistral 4);
+  renormalized when ``norm_topk_prob`` (Qwen3-MoE).
 - :func:`route_noaux_tc`: DeepSeek-V3's auxiliary-loss-free balancing: sigmoid scores; experts are *chosen*
   by ``score + e_score_correction_bias`` inside the ``topk_group`` groups whose two best biased scores sum
   highest, and *weighted* by their unbiased scores (renormalized, times ``routed_scaling_factor``).
@@ -68,11 +68,15 @@ class ExpertsKernel(Protocol):
 
 
 def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2 / Qwen3-MoE routing: logits (T, E) float32 -> (weights (T, k), expert ids (T, k))."""
+    """DeepSeek-V2 / Qwen3-MoE / Mistral 4 routing: logits (T, E) float32 -> (weights (T, k), expert ids (T, k)).
+    Group-limited methods keep the ``topk_group`` groups whose best score (``group_limited_greedy``) or two best
+    scores summed (``group_limited_top2``) are highest."""
     scores = logits.softmax(dim=-1)  # (T, E)
-    if m.topk_method == "group_limited_greedy":
+    if m.topk_method in ("group_limited_greedy", "group_limited_top2"):
         T, E = scores.shape
-        best = scores.view(T, m.n_group, E // m.n_group).amax(dim=-1)  # (T, groups)
+        grouped = scores.view(T, m.n_group, E // m.n_group)
+        best = (grouped.amax(dim=-1) if m.topk_method == "group_limited_greedy"
+                else grouped.topk(2, dim=-1).values.sum(dim=-1))  # (T, groups)
         keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1, sorted=False).indices, 1.0)
         scores = scores.masked_fill(~keep.bool().repeat_interleave(E // m.n_group, dim=1), 0.0)
     weights, idx = scores.topk(m.num_experts_per_tok, dim=-1, sorted=False)
@@ -87,7 +91,7 @@ def route_noaux_tc(logits: torch.Tensor, correction: torch.Tensor, m: MoEConfig)
     the weights are the unbiased sigmoid scores."""
     scores = logits.sigmoid()  # (T, E)
     T, E = scores.shape
-    biased = (scores + correction.float()).view(T, m.n_group, E // m.n_group)  # (T, groups, E / groups)
+    biased = (scores + correction.to(scores.dtype)).view(T, m.n_group, E // m.n_group)  # (T, groups, E / groups)
     group_score = biased.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups): the two best biased scores
     groups = group_score.topk(m.topk_group, dim=-1, sorted=False).indices
     keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
@@ -348,19 +352,17 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if m.shared_expert_gate else None
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, d) -> (weights (T, k) float32, expert ids (T, k)); the router runs in float32, as HF's
-        (sqrt-softplus routing: in float64 for float64 ``x``). ``input_ids`` (T,): the tokens of a hash-routed
-        layer."""
+        """x (T, d) -> (weights (T, k) float32, float64 for a float64 model, expert ids (T, k)); the router runs in
+        float32 for lower precisions, as HF's, and a float64 model stays a float64 reference throughout.
+        ``input_ids`` (T,): the tokens of a hash-routed layer."""
         m = self.config
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        bias = None if self.router.bias is None else self.router.bias.to(work)
+        logits = F.linear(x.to(work), self.router.weight.to(work), bias)  # (T, E)
         if m.topk_method == "sqrtsoftplus":
-            work = torch.float64 if x.dtype == torch.float64 else torch.float32
-            bias = None if self.router.bias is None else self.router.bias.to(work)
-            logits = F.linear(x.to(work), self.router.weight.to(work), bias)  # (T, E)
             if self.hashed:
                 return route_hash(logits, self.tid2eid[input_ids], m)
             return route_sqrt_softplus(logits, self.e_score_correction_bias, m)
-        bias = None if self.router.bias is None else self.router.bias.float()
-        logits = F.linear(x.float(), self.router.weight.float(), bias)  # (T, E)
         if m.topk_method == "noaux_tc":
             return route_noaux_tc(logits, self.e_score_correction_bias, m)
         if m.topk_method == "topk_softmax":

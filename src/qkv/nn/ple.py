@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,10 @@ from torch import nn
 
 from .gated_residual import StreamRMSNorm
 from .ngram_embedding import NGramEmbedding
+
+if TYPE_CHECKING:
+    from ..config.decoder import DecoderConfig
+    from .mixer import MixerStep
 
 __all__ = ["PerLayerEmbedding", "PLEOutput", "PLEState"]
 
@@ -98,6 +102,26 @@ class PerLayerEmbedding(nn.Module):
         self.norm_conv = StreamRMSNorm(streams, hidden_size, eps=eps, **kw)
         self.conv1d = nn.Conv1d(wide, wide, conv_kernel_size, groups=wide, dilation=ngram_size, bias=False, **kw)
         self.conv_state_len = (conv_kernel_size - 1) * ngram_size
+
+    @classmethod
+    def for_decoder(cls, config: DecoderConfig, layer_idx: int) -> PerLayerEmbedding | None:
+        """Layer ``layer_idx``'s PLE under ``config.ple`` (None when the layer has none)."""
+        p = config.ple
+        j = None if p is None else p.index_of(layer_idx)
+        if j is None:
+            return None
+        return cls(hidden_size=config.hidden_size, streams=config.gated_residual.streams, embed_dim=p.embed_dim,
+                   vocab_size=config.vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
+                   ngram_vocab_size_base=p.ngram_vocab_size_base, eos_token_id=p.eos_token_id, ple_layer_index=j,
+                   seed=p.seed, pad_to=p.pad_to, conv_kernel_size=p.conv_kernel_size, eps=config.rms_norm_eps)
+
+    def mix(self, streams: torch.Tensor, step: MixerStep) -> torch.Tensor:
+        """The decoder's call: what the layer adds to its streams (B, N, S * d) from the step's token ids. No cache
+        yet: a step with one is refused (decode by full recomputation)."""
+        if step.cache is not None:
+            raise ValueError("PerLayerEmbedding: Qwen4-Exp's PLE keeps no state in a KV cache yet; run the model "
+                             "without a cache (each step a full recomputation)")
+        return self(streams, step.input_ids, real=step.real_tokens()).out
 
     def initial_state(self, batch: int, *, device=None, dtype=None) -> PLEState:
         """The state of ``batch`` fresh rows: EOS context, zero convolution inputs."""

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from .gated_residual import GatedResidual
 from .hyper import HyperConnection, HyperHead
 
 if TYPE_CHECKING:
@@ -119,7 +120,8 @@ def residual_for(config: DecoderConfig, layer_idx: int | None, site: str) -> Res
 
     Returns:
         A :class:`Residual`: with ``config.hyper`` DeepSeek-V4's mHC (a :class:`qkv.nn.hyper.HyperConnection` per
-        branch, a :class:`qkv.nn.hyper.HyperHead` for the model), else :data:`PLAIN_RESIDUAL`.
+        branch, a :class:`qkv.nn.hyper.HyperHead` for the model); with ``config.gated_residual`` Qwen4-Exp's gated
+        hyper-connection (:class:`qkv.nn.GatedResidual`); else :data:`PLAIN_RESIDUAL`.
     """
     if site not in RESIDUAL_SITES:
         raise ValueError(f"residual_for: site must be one of {RESIDUAL_SITES}, got {site!r}")
@@ -134,4 +136,7 @@ def residual_for(config: DecoderConfig, layer_idx: int | None, site: str) -> Res
     if config.hyper is not None:
         cls = HyperHead if site == "model" else HyperConnection
         return cls(config.hidden_size, config.hyper, norm_eps=config.rms_norm_eps)
+    if config.gated_residual is not None:  # Qwen4-Exp: the model's connection widens and reads out, no inject
+        g = config.gated_residual
+        return GatedResidual(config.hidden_size, g.streams, g.rank, eps=config.rms_norm_eps, inject=site != "model")
     return PLAIN_RESIDUAL

@@ -52,10 +52,8 @@ from .._request import AttentionOutput
 
 __all__ = ["compressed_attention", "compressed_attention_reference"]
 
-#: Bytes of gathered entries per chunk of query rows (per-chunk torch overheads against cache reuse).
-_CHUNK_BYTES = 16 << 20
-#: Query rows per chunk, at least and at most (the window band is c + window - 1 keys wide).
-_MIN_ROWS, _MAX_ROWS = 8, 128
+#: Bytes of listed entries gathered at a time: small enough to be read back from cache by the two products.
+_GATHER_BYTES = 2 << 20
 
 
 def _check(fn, q, k, v, k_cmp, v_cmp, rate, window, selected, sinks, scale, q_start, k_start):
@@ -153,179 +151,241 @@ def compressed_attention_reference(q, k, v, k_cmp, v_cmp, *, rate, window, selec
     return AttentionOutput(out, lse) if return_lse else out
 
 
-class _Chunk:
-    """One chunk of query rows ``r0 .. r0 + c`` laid out per KV head as R = c·G score rows.
+class _Call:
+    """The operands and settings of one call, shared by the forward and the backward."""
 
-    Rows are ordered (c, G) when the entry lists are shared by a KV head's query heads (so a row's G heads read
-    one gathered list), (G, c) when each query head has its own list. Holds the window band, the entry ids and
-    what the forward and the backward both need."""
-
-    def __init__(self, ctx, r0: int, r1: int):
-        B, Hkv, G, acc = ctx.B, ctx.Hkv, ctx.G, ctx.acc
-        dev = ctx.q.device
-        c = r1 - r0
-        self.r0, self.r1, self.c = r0, r1, c
-        self.per_head = ctx.per_head
-        q = ctx.q[:, :, r0:r1].to(acc).view(B, Hkv, G, c, -1)
-        self.qr = (q if self.per_head else q.transpose(2, 3)).reshape(B, Hkv, c * G, -1)  # (B, Hkv, R, D)
-        pos = ctx.q_start + r0 + torch.arange(c, device=dev)  # (c,)
-        row_pos = (pos.repeat(G) if self.per_head else pos.repeat_interleave(G)).view(c * G, 1)  # (R, 1)
-        # window band: key indices j0 .. j1 cover positions (first - window, last]
-        self.j0 = min(max(ctx.q_start + r0 - ctx.window + 1 - ctx.k_start, 0), ctx.Nk)
-        self.j1 = max(min(ctx.q_start + r1 - ctx.k_start, ctx.Nk), self.j0) if ctx.window else self.j0
-        kpos = ctx.k_start + torch.arange(self.j0, self.j1, device=dev).view(1, -1)
-        self.band_ok = (kpos <= row_pos) & (kpos > row_pos - ctx.window)  # (R, L)
-        self.kb = ctx.k[:, :, self.j0:self.j1].to(acc)  # (B, Hkv, L, D)
-        self.vb = self.kb if ctx.kv_same else ctx.v[:, :, self.j0:self.j1].to(acc)  # (B, Hkv, L, Dv)
-        limit = (pos + 1) // ctx.rate  # (c,) entries below this are complete
-        if ctx.selected is None:  # every complete entry (HCA): a dense staircase over entries 0 .. t1
-            self.t1 = min(int(limit[-1]) if c else 0, ctx.T)
-            self.cmp_ok = torch.arange(self.t1, device=dev).view(1, -1) < (row_pos + 1) // ctx.rate  # (R, t1)
-            self.kc = ctx.k_cmp[:, :, :self.t1].to(acc)
-            self.vc = self.kc if ctx.cmp_same else ctx.v_cmp[:, :, :self.t1].to(acc)
-            return
-        # listed entries: drop repeats, -1 and entries not yet complete; gather only the rest
-        ids = ctx.selected[:, :, r0:r1]  # (B, Hs, c, K)
-        Hx = Hkv * G if self.per_head else Hkv
-        ids = ids.expand(B, Hx, c, ids.shape[-1])  # Hs is 1 or Hx here (Hs = Hq = Hkv when G = 1)
-        K = ids.shape[-1]
-        safe = torch.where(ids < 0, ctx.T, ids).reshape(-1, K)  # -1 -> a spare column T
-        # first occurrences: every row writes each slot number at its entry, then keeps the slots that won
-        slot = torch.arange(K, device=dev, dtype=torch.int32).expand(safe.shape)
-        stamp = ctx.stamp(safe.shape[0]).scatter_(1, safe, slot)
-        first = stamp.gather(1, safe) == slot
-        self.ok = first.view(B, Hx, c, K) & (ids >= 0) & (ids < limit.view(1, 1, c, 1))  # (B, Hx, c, K)
-        cols = ids.clamp_min(0)
-        width = K
-        kv_head = torch.arange(Hx, device=dev) // (G if self.per_head else 1)
-        base = (torch.arange(B, device=dev).view(B, 1) * Hkv + kv_head.view(1, Hx)) * ctx.T  # (B, Hx)
-        self.flat = (base.view(B, Hx, 1, 1) + cols).reshape(-1)  # rows of k_cmp.view(-1, D)
-        self.shape5 = (B, Hx, c, width)
-        self.gx = 1 if self.per_head else G  # score rows per list
-        self.kc = ctx.k_cmp.reshape(-1, ctx.D).index_select(0, self.flat).view(*self.shape5, ctx.D).to(acc)
-        self.vc = self.kc if ctx.cmp_same else \
-            ctx.v_cmp.reshape(-1, ctx.Dv).index_select(0, self.flat).view(*self.shape5, ctx.Dv).to(acc)
-
-    def scores(self, ctx):
-        """Scaled scores (B, Hkv, R, L + K') with -inf where masked."""
-        B, Hkv, R = self.qr.shape[:3]
-        s_w = ctx.scale * (self.qr @ self.kb.transpose(-1, -2))  # (B, Hkv, R, L)
-        s_w = s_w.masked_fill(~self.band_ok, float("-inf"))
-        s_c = ctx.scale * self._cmp_product(self.qr, self.kc)  # (B, Hkv, R, K')
-        if ctx.selected is None:
-            s_c = s_c.masked_fill(~self.cmp_ok, float("-inf"))
-        else:
-            s_c = s_c.masked_fill(~self._rows(self.ok), float("-inf"))
-        return torch.cat([s_w, s_c], -1)
-
-    def _rows(self, x):
-        """A per-(list head, row, entry) tensor (B, Hx, c, K') as (B, Hkv, R, K') score rows."""
-        B, Hx, c, K = x.shape
-        Hkv, R = self.qr.shape[1], self.qr.shape[2]
-        if self.per_head:  # (B, Hkv * G, c, K') is already (B, Hkv, G * c, K')
-            return x.reshape(B, Hkv, R, K)
-        return x.unsqueeze(3).expand(B, Hx, c, R // c, K).reshape(B, Hkv, R, K)
-
-    def _cmp_product(self, rows, mats, transpose=True):
-        """rows (B, Hkv, R, X) times each row's entries: the dense entries (B, Hkv, t1, Y), or the gathered ones
-        (B, Hx, c, K', Y) per list. ``transpose``: against mats^T (scores) else against mats (P @ V)."""
-        if self.shape5 is None:
-            return rows @ (mats.transpose(-1, -2) if transpose else mats)
-        B, Hx, c, _ = self.shape5
-        per = rows.reshape(B, Hx, c, self.gx, rows.shape[-1])  # (B, Hx, c, rows per list, X)
-        out = per @ (mats.transpose(-1, -2) if transpose else mats)  # (B, Hx, c, rows per list, .)
-        return out.reshape(B, self.qr.shape[1], self.qr.shape[2], out.shape[-1])
-
-    shape5 = None
-
-
-class _Ctx:
-    """The call's operands and settings, shared by the chunks."""
-
-    def __init__(self, q, k, v, k_cmp, v_cmp, selected, rate, window, scale, q_start, k_start, kv_same, cmp_same):
-        self.q, self.k, self.v, self.k_cmp, self.v_cmp = q, k, v, k_cmp, v_cmp
+    def __init__(self, q, k, v, k_cmp, v_cmp, sinks, selected, rate, window, scale, q_start, k_start, kv_same,
+                 cmp_same):
+        self.q, self.k, self.v, self.k_cmp, self.v_cmp, self.sinks = q, k, v, k_cmp, v_cmp, sinks
+        self.selected, self.rate, self.window, self.scale = selected, rate, window, scale
+        self.q_start, self.k_start, self.kv_same, self.cmp_same = q_start, k_start, kv_same, cmp_same
         self.B, self.Hq, self.Nq, self.D = q.shape
         self.Hkv, self.Nk, self.T, self.Dv = k.shape[1], k.shape[2], k_cmp.shape[2], v.shape[3]
         self.G = self.Hq // self.Hkv
-        self.selected, self.rate, self.window, self.scale = selected, rate, window, scale
-        self.q_start, self.k_start = q_start, k_start
-        self.kv_same, self.cmp_same = kv_same, cmp_same
-        self.per_head = selected is not None and selected.shape[1] == self.Hq and self.G > 1
         self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        K = selected.shape[-1] if selected is not None else min(self.T, 4096)
-        width = self.D + (0 if cmp_same else self.Dv)  # gathered floats per listed entry
-        per_row = max(1, (self.Hkv if not self.per_head else self.Hq) * self.B * K * width * 4)
-        self.rows = max(_MIN_ROWS, min(_MAX_ROWS, _CHUNK_BYTES // per_row))
-        self._stamp = None
+        # gathered lists: one per KV head (shared by its G query heads, or by all heads), or one per query head
+        self.Hx = self.Hq if selected is not None and selected.shape[1] == self.Hq else self.Hkv
+        self.gx = self.Hq // self.Hx  # query heads reading one list
 
-    def stamp(self, rows: int) -> torch.Tensor:
-        """A scratch (rows, T + 1) int32 table for finding repeated ids; only slots written before are read."""
-        if self._stamp is None or self._stamp.shape[0] < rows:
-            self._stamp = torch.empty(rows, self.T + 1, dtype=torch.int32, device=self.q.device)
-        return self._stamp[:rows]
-
-    def chunks(self):
-        for r0 in range(0, self.Nq, self.rows):
-            yield _Chunk(self, r0, min(self.Nq, r0 + self.rows))
-
-    def head_rows(self, x, ch):
-        """(B, Hq, c, ...) -> (B, Hkv, R, ...) in the chunk's row order."""
-        B, Hkv, G, c = self.B, self.Hkv, self.G, ch.c
-        x = x.reshape(B, Hkv, G, c, *x.shape[3:])
-        return (x if ch.per_head else x.transpose(2, 3)).reshape(B, Hkv, c * G, *x.shape[4:])
-
-    def unrows(self, x, ch):
-        """(B, Hkv, R, ...) in the chunk's row order -> (B, Hq, c, ...)."""
-        B, Hkv, G, c = self.B, self.Hkv, self.G, ch.c
-        if ch.per_head:
-            return x.reshape(B, self.Hq, c, *x.shape[3:])
-        return x.reshape(B, Hkv, c, G, *x.shape[3:]).transpose(2, 3).reshape(B, self.Hq, c, *x.shape[3:])
+    def sink_rows(self, c: int) -> torch.Tensor | None:
+        """The sink logit of each (B, Hkv, G·c) band row, rows ordered (G, c): (1, Hkv, G·c)."""
+        if self.sinks is None:
+            return None
+        return self.sinks.to(self.acc).view(1, self.Hkv, self.G, 1).expand(1, self.Hkv, self.G, c).reshape(1, self.Hkv,
+                                                                                                         -1)
 
 
-def _softmax(s, sink_rows):
-    """Probabilities over the columns of ``s`` (B, Hkv, R, X) with an optional sink logit per row (Hkv, R) in the
-    denominator; lse (B, Hkv, R), -inf for an empty row (whose probabilities are 0)."""
-    m = s.amax(-1) if s.shape[-1] else s.new_full(s.shape[:-1], float("-inf"))
-    if sink_rows is not None:
-        m = torch.maximum(m, sink_rows)
-    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m_safe.unsqueeze(-1))
-    total = e.sum(-1)
-    if sink_rows is not None:
-        total = total + torch.exp(sink_rows - m_safe)
-    empty = total == 0
-    safe = torch.where(empty, torch.ones_like(total), total)
-    lse = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(safe))
-    return e / safe.unsqueeze(-1), lse
+class _Band:
+    """Part A of rows r0 .. r1: the window band and, without lists, the complete entries (HCA), per KV head with
+    the chunk's rows ordered (G, c): scores (B, Hkv, G·c, L + t1)."""
+
+    def __init__(self, call: _Call, r0: int, r1: int):
+        B, Hkv, G, acc, dev = call.B, call.Hkv, call.G, call.acc, call.q.device
+        c = r1 - r0
+        self.r0, self.r1, self.c = r0, r1, c
+        self.qr = call.q[:, :, r0:r1].to(acc).reshape(B, Hkv, G * c, call.D)  # (B, Hkv, R, D)
+        pos = (call.q_start + r0 + torch.arange(c, device=dev)).view(c, 1)
+        first = call.q_start + r0 - call.window + 1 - call.k_start
+        self.j0 = min(max(first, 0), call.Nk)
+        self.j1 = max(min(call.q_start + r1 - call.k_start, call.Nk), self.j0) if call.window else self.j0
+        kpos = call.k_start + torch.arange(self.j0, self.j1, device=dev).view(1, -1)
+        ok = [(kpos <= pos) & (kpos > pos - call.window)]  # (c, L)
+        keys = [call.k[:, :, self.j0:self.j1]]
+        vals = [call.v[:, :, self.j0:self.j1]]
+        self.t1 = 0
+        if call.selected is None:  # every complete entry: a staircase over entries 0 .. t1
+            self.t1 = min((call.q_start + r1) // call.rate, call.T) if c else 0
+            ok.append(torch.arange(self.t1, device=dev).view(1, -1) < (pos + 1) // call.rate)  # (c, t1)
+            keys.append(call.k_cmp[:, :, :self.t1])
+            vals.append(call.v_cmp[:, :, :self.t1])
+        self.L = self.j1 - self.j0
+        self.ok = torch.cat(ok, 1) if len(ok) > 1 else ok[0]  # (c, L + t1)
+        self.keys = (torch.cat(keys, 2) if len(keys) > 1 else keys[0]).to(acc)  # (B, Hkv, L + t1, D)
+        same = call.kv_same and (call.selected is not None or call.cmp_same)
+        self.vals = self.keys if same else (torch.cat(vals, 2) if len(vals) > 1 else vals[0]).to(acc)
+
+    def scores(self, call: _Call) -> torch.Tensor:
+        B, Hkv, R, _ = self.qr.shape
+        s = call.scale * (self.qr @ self.keys.transpose(-1, -2))  # (B, Hkv, R, X)
+        return s.view(B, Hkv, call.G, self.c, -1).masked_fill_(~self.ok, float("-inf")).view(B, Hkv, R, -1)
 
 
-def _sink_rows(ctx, ch, sinks):
-    if sinks is None:
-        return None
-    z = sinks.to(ctx.acc).view(1, ctx.Hq, 1).expand(ctx.B, ctx.Hq, ch.c)
-    return ctx.head_rows(z, ch)  # (B, Hkv, R)
+def _band_forward(call: _Call, out: torch.Tensor, lse: torch.Tensor, rows: int) -> None:
+    """Part A of every row into ``out`` (B, Hq, Nq, Dv) and ``lse`` (B, Hq, Nq), the sinks included."""
+    B, Hq = call.B, call.Hq
+    for r0 in range(0, call.Nq, rows):
+        band = _Band(call, r0, min(call.Nq, r0 + rows))
+        s = band.scores(call)
+        m = s.amax(-1) if s.shape[-1] else s.new_full(s.shape[:-1], float("-inf"))
+        z = call.sink_rows(band.c)
+        if z is not None:
+            m = torch.maximum(m, z)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # an empty row: keep exp(-inf) = 0
+        p = torch.exp(s - m.unsqueeze(-1))
+        total = p.sum(-1)
+        if z is not None:
+            total = total + torch.exp(z - m)
+        o = p @ band.vals  # (B, Hkv, R, Dv), unnormalized
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        out[:, :, band.r0:band.r1] = (o / safe.unsqueeze(-1)).view(B, Hq, band.c, -1)
+        lse[:, :, band.r0:band.r1] = torch.where(total == 0, float("-inf"), m + torch.log(safe)).view(B, Hq, band.c)
 
 
-def _forward(ctx, sinks):
-    out = ctx.q.new_empty(ctx.B, ctx.Hq, ctx.Nq, ctx.Dv, dtype=ctx.acc)
-    lse = ctx.q.new_empty(ctx.B, ctx.Hq, ctx.Nq, dtype=ctx.acc)
-    for ch in ctx.chunks():
-        p, l = _softmax(ch.scores(ctx), _sink_rows(ctx, ch, sinks))
-        L = ch.kb.shape[2]
-        o = p[..., :L] @ ch.vb + ch._cmp_product(p[..., L:], ch.vc, transpose=False)  # (B, Hkv, R, Dv)
-        out[:, :, ch.r0:ch.r1] = ctx.unrows(o, ch)
-        lse[:, :, ch.r0:ch.r1] = ctx.unrows(l, ch)
-    return out, lse
+def _band_backward(call, lse, delta, dout, grads, rows: int) -> None:
+    """Part A's gradients, recomputing its probabilities from the final ``lse``; ``delta`` = rowsum(dO·O) - dlse."""
+    B, Hkv, G = call.B, call.Hkv, call.G
+    dq, dk, dv, dkc, dvc, dsinks = grads
+    for r0 in range(0, call.Nq, rows):
+        band = _Band(call, r0, min(call.Nq, r0 + rows))
+        c, R, L = band.c, G * band.c, band.L
+        lr = lse[:, :, r0:band.r1].reshape(B, Hkv, R, 1)
+        lr = torch.where(torch.isneginf(lr), torch.zeros_like(lr), lr)
+        p = torch.exp(band.scores(call) - lr)  # (B, Hkv, R, X)
+        do = dout[:, :, r0:band.r1].reshape(B, Hkv, R, -1)
+        dl = delta[:, :, r0:band.r1].reshape(B, Hkv, R, 1)
+        ds = p * (do @ band.vals.transpose(-1, -2) - dl)
+        dq[:, :, r0:band.r1] = (call.scale * (ds @ band.keys)).view(B, call.Hq, c, -1)
+        dkeys = call.scale * (ds.transpose(-1, -2) @ band.qr)  # (B, Hkv, X, D)
+        dvals = p.transpose(-1, -2) @ do  # (B, Hkv, X, Dv)
+        dk[:, :, band.j0:band.j1] += dkeys[:, :, :L]
+        dv[:, :, band.j0:band.j1] += dvals[:, :, :L]
+        if band.t1:
+            dkc[:, :, :band.t1] += dkeys[:, :, L:]
+            dvc[:, :, :band.t1] += dvals[:, :, L:]
+        if dsinks is not None:
+            p_sink = torch.exp(call.sink_rows(c) - lr.squeeze(-1))  # (B, Hkv, R)
+            dsinks -= (p_sink * dl.squeeze(-1)).view(B, call.Hq, c).sum((0, 2))
+
+
+class _Lists:
+    """Rows r0 .. r1 of part B laid out list-major: n = c·B·Hx lists ordered (row, batch, list), each read by gx
+    query heads, so the rows of a gather are one contiguous slice. ``flat`` (n, K) row ids into
+    ``k_cmp.view(-1, D)``; ``bias`` (n, 1, K) 0 to read, -inf for -1, repeats and entries not complete yet."""
+
+    def __init__(self, call: _Call, r0: int, r1: int):
+        B, Hx, dev = call.B, call.Hx, call.q.device
+        c = r1 - r0
+        self.r0, self.r1, self.c = r0, r1, c
+        ids = call.selected[:, :, r0:r1].expand(B, Hx, c, call.selected.shape[-1]).permute(2, 0, 1, 3)  # (c,B,Hx,K)
+        K = ids.shape[-1]
+        safe = torch.where(ids < 0, call.T, ids).reshape(-1, K)  # -1 -> a spare column T
+        # first occurrences: each list writes each slot number at its entry, then keeps the slots that won
+        slot = torch.arange(K, device=dev, dtype=torch.int32).expand(safe.shape)
+        stamp = torch.empty(safe.shape[0], call.T + 1, dtype=torch.int32, device=dev).scatter_(1, safe, slot)
+        limit = ((call.q_start + r0 + torch.arange(c, device=dev)) + 1) // call.rate  # entries below are complete
+        ok = (stamp.gather(1, safe) == slot).view(c, B, Hx, K) & (ids >= 0) & (ids < limit.view(c, 1, 1, 1))
+        self.bias = torch.zeros(ok.shape, dtype=call.acc, device=dev).masked_fill_(~ok, float("-inf"))
+        self.bias = self.bias.view(-1, 1, K)
+        self.bias_t = self.bias.transpose(1, 2)  # (n, K, 1)
+        kv_head = torch.arange(Hx, device=dev) // (call.Hq // call.Hkv if Hx == call.Hq else 1)
+        base = (torch.arange(B, device=dev).view(B, 1) * call.Hkv + kv_head.view(1, Hx)) * call.T  # (B, Hx)
+        self.flat = (base.view(1, B, Hx, 1) + ids.clamp_min(0)).reshape(-1, K)  # (n, K)
+
+    def rows(self, x: torch.Tensor, call: _Call) -> torch.Tensor:
+        """(B, Hq, Nq, ...) rows r0 .. r1 as (n, gx, ...), list-major (a copy)."""
+        B, Hx, gx, c = call.B, call.Hx, call.gx, self.c
+        part = x[:, :, self.r0:self.r1].reshape(B, Hx, gx, c, *x.shape[3:])
+        return part.movedim(3, 0).reshape(c * B * Hx, gx, *x.shape[3:])
+
+    def put(self, x: torch.Tensor, call: _Call, val: torch.Tensor) -> None:
+        """Inverse of :meth:`rows`: write ``val`` (n, gx, ...) into rows r0 .. r1 of ``x``."""
+        B, Hx, gx, c = call.B, call.Hx, call.gx, self.c
+        x[:, :, self.r0:self.r1] = val.reshape(c, B, Hx, gx, *x.shape[3:]).movedim(0, 3).reshape(
+            B, call.Hq, c, *x.shape[3:])
+
+    def gather(self, call: _Call, a: int, b: int):
+        """Entries of lists a .. b: keys (b - a, K, D), values (b - a, K, Dv) and the flat ids (b - a) * K."""
+        flat = self.flat[a:b].reshape(-1)
+        kc = call.k_cmp.reshape(-1, call.D).index_select(0, flat).view(b - a, -1, call.D).to(call.acc)
+        vc = kc if call.cmp_same else \
+            call.v_cmp.reshape(-1, call.Dv).index_select(0, flat).view(b - a, -1, call.Dv).to(call.acc)
+        return flat, kc, vc
+
+
+def _lists_forward(call: _Call, out: torch.Tensor, lse: torch.Tensor, rows: int, sub: int) -> None:
+    """Part B (the gathered entries) merged into part A's ``out``/``lse`` in place; ``sub`` rows per gather."""
+    per_row = call.B * call.Hx
+    for r0 in range(0, call.Nq, rows):
+        lists = _Lists(call, r0, min(call.Nq, r0 + rows))
+        qs = lists.rows(call.q, call).to(call.acc) * call.scale  # (n, gx, D)
+        n = qs.shape[0]
+        ob = qs.new_empty(n, call.gx, call.Dv)
+        mb = qs.new_empty(n, call.gx)
+        lb = qs.new_empty(n, call.gx)
+        for a in range(0, n, sub * per_row):
+            b = min(n, a + sub * per_row)
+            _, kc, vc = lists.gather(call, a, b)
+            st = torch.bmm(kc, qs[a:b].transpose(1, 2)).add_(lists.bias_t[a:b])  # (m, K, gx): K-major is faster
+            m = torch.amax(st, 1, keepdim=True).clamp_min_(-1e30)  # a list with nothing visible: exp(-inf) = 0
+            pt = st.sub_(m).exp_()
+            torch.sum(pt, 1, out=lb[a:b])
+            torch.bmm(pt.transpose(1, 2), vc, out=ob[a:b])  # unnormalized
+            mb[a:b] = m.squeeze(1)
+        # merge with part A (out, lse of the window band and the sinks), exactly, by the two log-sum-exps
+        la = lists.rows(lse, call)  # (n, gx)
+        m = torch.maximum(mb, la)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        wa, wb = torch.exp(la - m), lb * torch.exp(mb - m)
+        total = wa + wb
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        merged = (lists.rows(out, call) * wa.unsqueeze(-1) + ob * torch.exp(mb - m).unsqueeze(-1)) / safe.unsqueeze(-1)
+        lists.put(out, call, merged)
+        lists.put(lse, call, torch.where(total == 0, float("-inf"), m + torch.log(safe)))
+
+
+def _lists_backward(call, lse, delta, dout, grads, rows: int, sub: int) -> None:
+    """Part B's gradients: probabilities recomputed from the final lse; entries' gradients scattered by id."""
+    dq, _, _, dkc, dvc, _ = grads
+    dkc_flat, dvc_flat = dkc.view(-1, call.D), dvc.view(-1, call.Dv)
+    per_row = call.B * call.Hx
+    for r0 in range(0, call.Nq, rows):
+        lists = _Lists(call, r0, min(call.Nq, r0 + rows))
+        qs = lists.rows(call.q, call).to(call.acc) * call.scale  # (n, gx, D)
+        lr = lists.rows(lse, call)
+        lr = torch.where(torch.isneginf(lr), torch.zeros_like(lr), lr).unsqueeze(-1)  # (n, gx, 1)
+        do = lists.rows(dout, call)  # (n, gx, Dv)
+        dl = lists.rows(delta, call).unsqueeze(-1)  # (n, gx, 1)
+        dqb = torch.empty_like(qs)
+        for a in range(0, qs.shape[0], sub * per_row):
+            b = min(qs.shape[0], a + sub * per_row)
+            flat, kc, vc = lists.gather(call, a, b)
+            p = torch.bmm(qs[a:b], kc.transpose(1, 2)).add_(lists.bias[a:b]).sub_(lr[a:b]).exp_()  # (m, gx, K)
+            ds = torch.bmm(do[a:b], vc.transpose(1, 2)).sub_(dl[a:b]).mul_(p)  # dS = P (dP - delta)
+            torch.bmm(ds, kc, out=dqb[a:b])
+            if call.cmp_same:  # one product for both uses: [dS; P]^T [scale q; dO]
+                both = torch.bmm(torch.cat([ds, p], 1).transpose(1, 2), torch.cat([qs[a:b], do[a:b]], 1))
+                dkc_flat.index_add_(0, flat, both.view(-1, call.D))
+            else:
+                dkc_flat.index_add_(0, flat, torch.bmm(ds.transpose(1, 2), qs[a:b]).view(-1, call.D))
+                dvc_flat.index_add_(0, flat, torch.bmm(p.transpose(1, 2), do[a:b]).view(-1, call.Dv))
+        lists.put(dq, call, lists.rows(dq, call) + dqb * call.scale)
+
+
+def _sizes(call: _Call) -> tuple[int, int, int]:
+    """Rows per band chunk, per list chunk, per gather."""
+    band = max(16, min(256, call.window // 4 or 64))
+    if call.selected is None:
+        return band, 0, 0
+    per_row = call.B * call.Hx * call.selected.shape[-1] * (call.D + (0 if call.cmp_same else call.Dv)) * 4
+    sub = max(1, min(64, _GATHER_BYTES // max(per_row, 1)))
+    return band, max(sub, 256), sub
 
 
 class _CompressedAttention(torch.autograd.Function):
-    """Forward by chunks; backward recomputes each chunk's probabilities from the saved lse."""
+    """Forward: part A (window band, and the entries without lists) by chunks, then part B (gathered lists) merged
+    into it row by row. Backward: both parts recompute their probabilities from the saved final lse."""
 
     @staticmethod
     def forward(fctx, q, k, v, k_cmp, v_cmp, sinks, selected, rate, window, scale, q_start, k_start, kv_same,
                 cmp_same):
-        ctx = _Ctx(q, k, v, k_cmp, v_cmp, selected, rate, window, scale, q_start, k_start, kv_same, cmp_same)
-        out, lse = _forward(ctx, sinks)
+        call = _Call(q, k, v, k_cmp, v_cmp, sinks, selected, rate, window, scale, q_start, k_start, kv_same,
+                     cmp_same)
+        band, rows, sub = _sizes(call)
+        out = q.new_empty(call.B, call.Hq, call.Nq, call.Dv, dtype=call.acc)
+        lse = q.new_empty(call.B, call.Hq, call.Nq, dtype=call.acc)
+        _band_forward(call, out, lse, band)
+        if selected is not None:
+            _lists_forward(call, out, lse, rows, sub)
         fctx.save_for_backward(q, k, v, k_cmp, v_cmp, sinks, selected, out, lse)
         fctx.settings = (rate, window, scale, q_start, k_start, kv_same, cmp_same)
         return out.to(q.dtype), lse
@@ -333,9 +393,8 @@ class _CompressedAttention(torch.autograd.Function):
     @staticmethod
     def backward(fctx, dout, dlse):
         q, k, v, k_cmp, v_cmp, sinks, selected, out, lse = fctx.saved_tensors
-        rate, window, scale, q_start, k_start, kv_same, cmp_same = fctx.settings
-        ctx = _Ctx(q, k, v, k_cmp, v_cmp, selected, rate, window, scale, q_start, k_start, kv_same, cmp_same)
-        acc = ctx.acc
+        call = _Call(q, k, v, k_cmp, v_cmp, sinks, selected, *fctx.settings)
+        acc = call.acc
         dout = dout.to(acc)
         # d lse / d s = p, so the lse's gradient enters as a shift of delta = rowsum(dout * out)
         delta = (dout * out).sum(-1)  # (B, Hq, Nq)
@@ -343,49 +402,22 @@ class _CompressedAttention(torch.autograd.Function):
             delta = delta - dlse.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
         dk = torch.zeros_like(k, dtype=acc)
-        dv = dk if kv_same else torch.zeros_like(v, dtype=acc)
+        dv = dk if call.kv_same else torch.zeros_like(v, dtype=acc)
         dkc = torch.zeros_like(k_cmp, dtype=acc)
-        dvc = dkc if cmp_same else torch.zeros_like(v_cmp, dtype=acc)
-        dsinks = torch.zeros(ctx.Hq, dtype=acc, device=q.device) if sinks is not None else None
-        for ch in ctx.chunks():
-            s = ch.scores(ctx)
-            lr = ctx.head_rows(lse[:, :, ch.r0:ch.r1], ch)  # (B, Hkv, R)
-            p = torch.exp(s - torch.where(torch.isneginf(lr), 0.0, lr).unsqueeze(-1))  # (B, Hkv, R, X)
-            do = ctx.head_rows(dout[:, :, ch.r0:ch.r1], ch)  # (B, Hkv, R, Dv)
-            dl = ctx.head_rows(delta[:, :, ch.r0:ch.r1], ch)  # (B, Hkv, R)
-            L = ch.kb.shape[2]
-            pw, pc = p[..., :L], p[..., L:]
-            ds_w = pw * (do @ ch.vb.transpose(-1, -2) - dl.unsqueeze(-1))  # (B, Hkv, R, L)
-            ds_c = pc * (ch._cmp_product(do, ch.vc) - dl.unsqueeze(-1))  # (B, Hkv, R, K')
-            dqr = scale * (ds_w @ ch.kb + ch._cmp_product(ds_c, ch.kc, transpose=False))
-            dq[:, :, ch.r0:ch.r1] = ctx.unrows(dqr, ch)
-            dk[:, :, ch.j0:ch.j1] += scale * (ds_w.transpose(-1, -2) @ ch.qr)
-            dv[:, :, ch.j0:ch.j1] += pw.transpose(-1, -2) @ do
-            if ch.shape5 is None:
-                dkc[:, :, :ch.t1] += scale * (ds_c.transpose(-1, -2) @ ch.qr)
-                dvc[:, :, :ch.t1] += pc.transpose(-1, -2) @ do
-            else:
-                dk_sel = scale * _per_entry(ch, ds_c, ch.qr)  # (B, Hx, c, K', D)
-                dkc.view(-1, ctx.D).index_add_(0, ch.flat, dk_sel.reshape(-1, ctx.D))
-                dvc.view(-1, ctx.Dv).index_add_(0, ch.flat, _per_entry(ch, pc, do).reshape(-1, ctx.Dv))
-            if sinks is not None:
-                p_sink = torch.exp(_sink_rows(ctx, ch, sinks) - torch.where(torch.isneginf(lr), 0.0, lr))
-                dsinks -= ctx.unrows(p_sink * dl, ch).sum((0, 2))
-        grads = [dq.to(q.dtype), dk.to(k.dtype), None if kv_same else dv.to(v.dtype), dkc.to(k_cmp.dtype),
-                 None if cmp_same else dvc.to(v_cmp.dtype), None if sinks is None else dsinks.to(sinks.dtype)]
-        if kv_same:
-            grads[2] = torch.zeros_like(v)  # the key gradient holds both uses of the one tensor
-        if cmp_same:
-            grads[4] = torch.zeros_like(v_cmp)
-        return (*grads, None, None, None, None, None, None, None, None)
-
-
-def _per_entry(ch, w, rows):
-    """sum over a list's score rows of w (B, Hkv, R, K') times rows (B, Hkv, R, X): (B, Hx, c, K', X)."""
-    B, Hx, c, K = ch.shape5
-    w5 = w.reshape(B, Hx, c, ch.gx, K)
-    r5 = rows.reshape(B, Hx, c, ch.gx, rows.shape[-1])
-    return w5.transpose(-1, -2) @ r5
+        dvc = dkc if call.cmp_same else torch.zeros_like(v_cmp, dtype=acc)
+        dsinks = torch.zeros(call.Hq, dtype=acc, device=q.device) if sinks is not None else None
+        grads = (dq, dk, dv, dkc, dvc, dsinks)
+        band, rows, sub = _sizes(call)
+        _band_backward(call, lse, delta, dout, grads, band)
+        if selected is not None:
+            _lists_backward(call, lse, delta, dout, grads, rows, sub)
+        res = [dq.to(q.dtype), dk.to(k.dtype), None if call.kv_same else dv.to(v.dtype), dkc.to(k_cmp.dtype),
+               None if call.cmp_same else dvc.to(v_cmp.dtype), None if sinks is None else dsinks.to(sinks.dtype)]
+        if call.kv_same:
+            res[2] = torch.zeros_like(v)  # the key gradient holds both uses of the one tensor
+        if call.cmp_same:
+            res[4] = torch.zeros_like(v_cmp)
+        return (*res, None, None, None, None, None, None, None, None)
 
 
 def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor,

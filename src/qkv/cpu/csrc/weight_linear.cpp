@@ -8,9 +8,10 @@
 // multiplied by the float32 rows with fused multiply-adds, the sums in float32. Row n of the output is
 //   y[m, n] = s_n * sum_k x[m, k] w[n, k] + b_n   (s_n = 1 for bfloat16),
 // the K-term sum in Vec-wide partial sums (Vec: at::vec::Vectorized<float>, 8 lanes on AVX2, 16 on AVX-512) added
-// lane by lane at the end, then the tail. Blocks of output rows run on torch's intra-op threads (at::parallel_for);
-// below kGrainWeights weights a call runs on the calling thread alone (a small product is not worth waking the
-// pool). x may be float32 or bfloat16 (widened once); the output has x's dtype.
+// lane by lane at the end, then the tail. Blocks of output rows run on torch's intra-op threads (at::parallel_for,
+// which runs inline inside another parallel region and on one thread under torch.set_num_threads(1)); a share below
+// kGrainWeights weights stays on the calling thread (a small product is not worth waking the pool). x may be float32
+// or bfloat16 (widened once); the output has x's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -26,7 +27,10 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kV = Vec::size();
-constexpr int64_t kGrainWeights = 1 << 16;  // weights per thread's share, at least: 64K int8 are 64 KB of stream
+// Weights per thread's share, at least: a product of fewer runs on the calling thread alone. On a busy CPU every
+// parallel region waits for a descheduled worker (milliseconds), so small products are not worth the pool: 256K
+// weights are 256 KB of int8 (512 KB of bfloat16), tens of microseconds on one core.
+constexpr int64_t kGrainWeights = 1 << 18;
 
 // Vec::size() weights from p, widened to float32.
 inline Vec widen(const at::BFloat16* p) {  // a bfloat16 is the high half of its float32
@@ -91,45 +95,54 @@ inline void tile(const float* x, const W* w, int64_t K, float dot[MR][NR]) {
   }
 }
 
-template <int NR, typename W>
+// Outputs [n, n + NR) of rows [m, m + MR), scaled and biased, into out (row stride N).
+template <int MR, int NR, typename W>
+inline void emit(const float* x, const W* w, int64_t K, int64_t N, int64_t m, int64_t n, const float* scale,
+                 const float* bias, float* out) {
+  float dot[MR][NR];
+  tile<MR, NR>(x + m * K, w + n * K, K, dot);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const float s = scale ? scale[n + j] * dot[i][j] : dot[i][j];
+      out[(m + i) * N + n + j] = bias ? s + bias[n + j] : s;
+    }
+}
+
+// Outputs [n, n + NR) of every row: MR rows at a time (each widened weight vector feeds MR x NR accumulators:
+// MR = 4 with NR = 2 for four rows or more, MR = 2 with NR = 4 below), the last rows one by one.
+template <int MR, int NR, typename W>
 inline void rows_tile(const float* x, int64_t M, const W* w, int64_t K, int64_t N, int64_t n, const float* scale,
                       const float* bias, float* out) {
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) {
-    float dot[2][NR];
-    tile<2, NR>(x + m * K, w + n * K, K, dot);
-    for (int i = 0; i < 2; ++i)
-      for (int j = 0; j < NR; ++j) {
-        const float s = scale ? scale[n + j] * dot[i][j] : dot[i][j];
-        out[(m + i) * N + n + j] = bias ? s + bias[n + j] : s;
+  for (; m + MR <= M; m += MR) emit<MR, NR>(x, w, K, N, m, n, scale, bias, out);
+  for (; m < M; ++m) emit<1, NR>(x, w, K, N, m, n, scale, bias, out);
+}
+
+template <int MR, int NR, typename W>
+void products_tiled(const float* x, int64_t M, const W* w, int64_t K, int64_t N, const float* scale,
+                    const float* bias, float* out) {
+  const int64_t blocks = (N + NR - 1) / NR;
+  const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(NR * K, 1));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * NR;
+      if (n + NR <= N) {
+        rows_tile<MR, NR>(x, M, w, K, N, n, scale, bias, out);
+      } else {
+        for (int64_t r = n; r < N; ++r) rows_tile<MR, 1>(x, M, w, K, N, r, scale, bias, out);
       }
-  }
-  if (m < M) {
-    float dot[1][NR];
-    tile<1, NR>(x + m * K, w + n * K, K, dot);
-    for (int j = 0; j < NR; ++j) {
-      const float s = scale ? scale[n + j] * dot[0][j] : dot[0][j];
-      out[m * N + n + j] = bias ? s + bias[n + j] : s;
     }
-  }
+  });
 }
 
 template <typename W>
 void products(const float* x, int64_t M, const W* w, int64_t K, int64_t N, const float* scale, const float* bias,
               float* out) {
-  constexpr int64_t kNR = 4;
-  const int64_t blocks = (N + kNR - 1) / kNR;
-  const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(kNR * K * std::max<int64_t>(M, 1), 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * kNR;
-      if (n + kNR <= N) {
-        rows_tile<kNR>(x, M, w, K, N, n, scale, bias, out);
-      } else {
-        for (int64_t r = n; r < N; ++r) rows_tile<1>(x, M, w, K, N, r, scale, bias, out);
-      }
-    }
-  });
+  if (M >= 4) {
+    products_tiled<4, 2>(x, M, w, K, N, scale, bias, out);
+  } else {
+    products_tiled<2, 4>(x, M, w, K, N, scale, bias, out);
+  }
 }
 
 }  // namespace
