@@ -18,7 +18,8 @@ from pathlib import Path
 __all__ = ["float64_module"]
 
 _LIFTS = ((".to(torch.float32)", ".to(torch.float64)"), (".float()", ".double()"),
-          ("dtype=torch.float32", "dtype=torch.float64"), ("dtype=torch.float)", "dtype=torch.float64)"))
+          ("dtype=torch.float32", "dtype=torch.float64"), ("dtype=torch.float)", "dtype=torch.float64)"),
+          (".type(torch.float32)", ".type(torch.float64)"))
 
 
 def float64_module(family: str, expected: dict[str, int]) -> types.ModuleType:
