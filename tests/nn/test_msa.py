@@ -1,6 +1,8 @@
 """qkv.nn.MSAIndexer (MiniMax-M3's sparse-attention indexer) against HF transformers' ``MiniMaxM3VLIndexer`` in
-float64 with the same random weights: the same blocks per KV group for a prefill, a chunk and a decode step over a
-history; a left-padded row picks what it picks alone (blocks anchored to positions); bad arguments refused."""
+float64 with the same random weights (HF's source with its float32 casts lifted, tests/_hf_float64.py, so its norms
+and rotary table are float64 too): the same indexer keys to float64 rounding and the same blocks per KV group for a
+prefill, a chunk and a decode step over a history; a left-padded row picks what it picks alone (blocks anchored to
+positions); bad arguments refused."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import math
 import pytest
 import torch
 
+from _hf_float64 import float64_module
 from qkv.nn.msa import MSAIndexer
 
 F64 = torch.float64
+M3_CASTS = {".float()": 9, "dtype=torch.float32": 5, "dtype=torch.float)": 4}
 
 
 def _rows(idx):
@@ -20,7 +24,7 @@ def _rows(idx):
 
 def _pair(Di, R, seed):
     transformers = pytest.importorskip("transformers")
-    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf
+    hf = float64_module("minimax_m3_vl", M3_CASTS)
 
     cfg = transformers.MiniMaxM3VLTextConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -57,9 +61,8 @@ def test_blocks_equal_hfs(Di, R, N, Nq):
         want = theirs(x[:, N - Nq:], (cos[:, N - Nq:], sin[:, N - Nq:]), _Cache(), pos[:, N - Nq:])
         keys = ours.keys(x, pos)
         got = ours(x[:, N - Nq:], keys, q_positions=pos[:, N - Nq:], kv_positions=pos)
-    # HF's float64 indexer normalizes and builds its rotary table in float32: its keys are float32-accurate
     err = (keys - layer.idx_keys.squeeze(1)).abs().max().item()
-    assert err < 1e-5, f"the cached indexer keys differ by {err:.3g}"
+    assert err < 1e-12, f"the cached indexer keys differ by {err:.3g}"
     assert got.blocks.shape == want.shape
     assert _rows(got.blocks) == _rows(want)
     mask = theirs.build_block_mask(want, None, N, F64, x.device, pos[:, N - Nq:]) == 0  # (B, 4, Nq, N)
