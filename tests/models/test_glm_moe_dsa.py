@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _hf import float64_rope, hf_causal_lm, two_row_prompt
-from _hf_float64 import float64_module
+from _hf_float64 import float64_twin
 from _parity import LogitParity
 from qkv.cache import KVCache
 from qkv.models import CheckpointError, from_hf, verify_cache
@@ -48,12 +48,8 @@ def _models(case: str):
         hf = hf_causal_lm("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**_BASE, **CASES[case]},
                           seed=10 + sorted(CASES).index(case), attn_implementation="eager",
                           experts_implementation="eager")
-        lifted = float64_module("glm_moe_dsa", GLM5_CASTS)
-        ref = lifted.GlmMoeDsaForCausalLM._from_config(copy.deepcopy(hf.config), attn_implementation="eager",
-                                                       experts_implementation="eager").eval()
-        ref.load_state_dict(hf.state_dict())
-        ref.generation_config = copy.deepcopy(hf.generation_config)
-        _MODELS[case] = (hf, float64_rope(ref.double()), from_hf(hf))
+        ref = float64_twin(hf, "glm_moe_dsa", GLM5_CASTS)
+        _MODELS[case] = (hf, float64_rope(ref), from_hf(hf))
     return _MODELS[case]
 
 

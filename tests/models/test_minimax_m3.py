@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _hf import hf_causal_lm, two_row_prompt
-from _hf_float64 import float64_module
+from _hf_float64 import float64_twin
 from _parity import LogitParity
 from qkv.cache import KVCache
 from qkv.models import CheckpointError, from_hf
@@ -52,12 +52,8 @@ def _models(case: str):
         hf = hf_causal_lm("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", {**_BASE, **CASES[case]},
                           seed=30 + sorted(CASES).index(case), attn_implementation="eager",
                           experts_implementation="eager")
-        lifted = float64_module("minimax_m3_vl", M3_CASTS)
-        ref = lifted.MiniMaxM3VLForCausalLM._from_config(copy.deepcopy(hf.config), attn_implementation="eager",
-                                                         experts_implementation="eager").eval()
-        ref.load_state_dict(hf.state_dict())
-        ref.generation_config = copy.deepcopy(hf.generation_config)
-        _MODELS[case] = (hf, ref.double(), from_hf(hf))
+        ref = float64_twin(hf, "minimax_m3_vl", M3_CASTS)
+        _MODELS[case] = (hf, ref, from_hf(hf))
     return _MODELS[case]
 
 
