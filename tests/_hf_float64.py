@@ -15,10 +15,11 @@ import sys
 import types
 from pathlib import Path
 
-__all__ = ["float64_module"]
+__all__ = ["float64_module", "float64_twin"]
 
 _LIFTS = ((".to(torch.float32)", ".to(torch.float64)"), (".float()", ".double()"),
-          ("dtype=torch.float32", "dtype=torch.float64"), ("dtype=torch.float)", "dtype=torch.float64)"))
+          ("dtype=torch.float32", "dtype=torch.float64"), ("dtype=torch.float)", "dtype=torch.float64)"),
+          (".type(torch.float32)", ".type(torch.float64)"))
 
 
 def float64_module(family: str, expected: dict[str, int]) -> types.ModuleType:
@@ -46,3 +47,16 @@ def float64_module(family: str, expected: dict[str, int]) -> types.ModuleType:
     sys.modules[name] = module
     exec(compile(src, str(path), "exec"), module.__dict__)
     return module
+
+
+def float64_twin(hf, family: str, expected: dict[str, int]):
+    """A float64 copy of the HF model ``hf`` (eager attention and experts) built from :func:`float64_module`'s
+    source: the same config, weights and generation config, in eval mode."""
+    import copy
+
+    lifted = float64_module(family, expected)
+    twin = getattr(lifted, type(hf).__name__)._from_config(copy.deepcopy(hf.config), attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
+    twin.load_state_dict(hf.state_dict())
+    twin.generation_config = copy.deepcopy(hf.generation_config)
+    return twin.double()

@@ -3,10 +3,10 @@ transformers' ``GlmMoeDsaForCausalLM``.
 
 Tiny HF configs with weights redrawn at unit scale, ``index_topk`` smaller than the prompt (each query attends a
 strict subset of its keys), 16 indexer heads so that no exact-zero ReLU tie reaches the top-k boundary (HF's
-``torch.topk`` orders ties its own way; checked). Float64 logits against HF eager float64 (relative error
-< 1e-6: HF's float64 model keeps float32 islands, see the test), the shared parity suite (prefill, cached
-decode, left-padded prefill and greedy generation), HF's own model through ``attn_implementation="qkv"``, the
-indexer's picks, and configs qkv refuses.
+``torch.topk`` orders ties its own way; checked). Float64 logits against HF eager in float64 throughout (relative
+error < 1e-8; HF's own source with its float32 casts lifted, tests/_hf_float64.py, and its RoPE tables rebuilt in
+float64, tests/_hf.float64_rope), the shared parity suite (prefill, cached decode, left-padded prefill and greedy
+generation), HF's own model through ``attn_implementation="qkv"``, the indexer's picks, and configs qkv refuses.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ import copy
 import pytest
 import torch
 
-from _hf import hf_causal_lm, two_row_prompt
+from _hf import float64_rope, hf_causal_lm, two_row_prompt
+from _hf_float64 import float64_twin
 from _parity import LogitParity
 from qkv.cache import KVCache
 from qkv.models import CheckpointError, from_hf, verify_cache
 
 N_PROMPT, N_PAD, N_NEW = 14, 4, 8
+GLM5_CASTS = {".to(torch.float32)": 1, ".float()": 4, "dtype=torch.float32": 3, "dtype=torch.float)": 2,
+              ".type(torch.float32)": 2}
 _BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=64,
              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
              qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=3,
@@ -39,13 +42,14 @@ _MODELS: dict[str, tuple] = {}
 
 
 def _models(case: str):
-    """(hf float32, hf float64, qkv float32) for a case, built once per session."""
+    """(hf float32, hf float64 with its float32 islands lifted, qkv float32) for a case, built once per session."""
     pytest.importorskip("transformers", reason="HF transformers is the reference of these tests")
     if case not in _MODELS:
         hf = hf_causal_lm("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**_BASE, **CASES[case]},
                           seed=10 + sorted(CASES).index(case), attn_implementation="eager",
                           experts_implementation="eager")
-        _MODELS[case] = (hf, copy.deepcopy(hf).double().eval(), from_hf(hf))
+        ref = float64_twin(hf, "glm_moe_dsa", GLM5_CASTS)
+        _MODELS[case] = (hf, float64_rope(ref), from_hf(hf))
     return _MODELS[case]
 
 
@@ -57,10 +61,9 @@ def _prompt(case: str, *, padded: bool):
 @pytest.mark.parametrize("case", list(CASES))
 def test_float64_logits_equal_hf_eager(case):
     """qkv in float64 against HF eager in float64, prefill and one cached decode step; the selection matters
-    (attending every key moves the logits). HF 5.25's ``glm_moe_dsa`` is not float64 throughout even after
-    ``.double()``: its RMSNorm, rotary table, eager softmax, router and indexer scores compute in float32, which
-    puts the reference itself about 3e-7 (relative) off float64; the bound is set above that, 1e-6, and the
-    float32 budget check of the parity suite below holds qkv's own error to a multiple of HF float32's."""
+    (attending every key moves the logits). HF 5.25's ``glm_moe_dsa`` after ``.double()`` still computes its
+    RMSNorm, rotary table, eager softmax, router and indexer scores in float32 (about 3e-7 relative off float64);
+    the reference here is HF's source with those casts lifted to float64, so the bound is float64's, 1e-8."""
     _, ref, model = _models(case)
     ours = copy.deepcopy(model).double()
     ids, _ = _prompt(case, padded=False)
@@ -76,7 +79,7 @@ def test_float64_logits_equal_hf_eager(case):
         unselected = dense(ids).logits
     rel = ((got - truth).abs().max() / truth.abs().max()).item()
     rel_step = ((step - truth[:, -1]).abs().max() / truth.abs().max()).item()
-    assert rel < 1e-6 and rel_step < 1e-6, f"{case}: relative error {rel:.3g} (prefill), {rel_step:.3g} (decode)"
+    assert rel < 1e-8 and rel_step < 1e-8, f"{case}: relative error {rel:.3g} (prefill), {rel_step:.3g} (decode)"
     assert (unselected - truth).abs().max() > 0.1, "index_topk must change the logits for the test to mean anything"
 
 

@@ -37,6 +37,7 @@ from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 from .moe import MoEConfig
+from .msa import MSAConfig
 from .ple import PLEConfig
 from .qsa import QSAConfig
 from .rope import RopeParams, check_rope_scaling
@@ -338,6 +339,9 @@ class DecoderConfig:
         qsa: QSA indexed attention on every ``full_attention`` layer (Qwen4-Exp): a
             :class:`qkv.config.qsa.QSAConfig`; those layers (:class:`qkv.nn.IndexedAttention`) read only the
             tokens their indexer keeps, on the ``gather`` backend when ``backend`` is ``"auto"``.
+        msa: MiniMax-M3's block-sparse attention on the layers it names (:class:`qkv.config.msa.MSAConfig`); those
+            layers (:class:`qkv.nn.msa.BlockSparseAttention`) read only the key blocks their indexer keeps per KV
+            group, on the ``gather`` backend when ``backend`` is ``"auto"``.
         gated_residual: Qwen4-Exp's gated hyper-connection (:class:`qkv.config.gated_residual.GatedResidualConfig`):
             ``streams`` residual streams, each block reading a gated mix of them (its norm: set ``pre_norms``
             False) and writing into every one (:class:`qkv.nn.GatedResidual`).
@@ -410,6 +414,7 @@ class DecoderConfig:
     attn_output_gate: bool = False
     indexer: IndexerConfig | None = None
     qsa: QSAConfig | None = None
+    msa: MSAConfig | None = None
     gated_residual: GatedResidualConfig | None = None
     ple: PLEConfig | None = None
     final_norm: bool = True
@@ -516,6 +521,15 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig: qsa (Qwen4-Exp's indexed attention) needs a qkv.config.qsa.QSAConfig on "
                              f"grouped-query full-attention layers (no latent, no sliding layers); got "
                              f"qsa={self.qsa!r}, latent={self.latent!r}, layer_types={self.layer_types}")
+        if self.msa is not None and (
+                not isinstance(self.msa, MSAConfig) or self.latent is not None or self.qsa is not None
+                or self.msa.index_n_heads != self.num_key_value_heads
+                or any(i >= self.num_hidden_layers or self.layer_types[i] != FULL_ATTENTION for i in self.msa.layers)):
+            raise ValueError(f"DecoderConfig: msa (MiniMax-M3's block-sparse attention) needs a "
+                             f"qkv.config.msa.MSAConfig with one indexer head per KV head "
+                             f"(num_key_value_heads={self.num_key_value_heads}) on grouped-query full-attention layers "
+                             f"(no latent, no qsa); got msa={self.msa!r}, latent={self.latent!r}, "
+                             f"layer_types={self.layer_types}")
         if self.ple is not None and (self.gated_residual is None or any(
                 i >= self.num_hidden_layers or self.layer_types[i] != LINEAR_ATTENTION for i in self.ple.layers)):
             raise ValueError(f"DecoderConfig: ple (Per-Layer Embedding) needs gated_residual (it writes into the "

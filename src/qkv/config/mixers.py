@@ -11,6 +11,7 @@ A decoder layer is a token mixer followed by a feed-forward. The mixer kinds (:d
   arXiv:2412.06464) with Qwen3-Next's and Qwen3.5's projections;
 - ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692);
 - ``"qsa"``: grouped-query attention reading only the tokens QSA's block indexer keeps (Qwen4-Exp).
+- ``"msa"``: grouped-query attention reading only the key blocks MSA's indexer keeps per KV group (MiniMax-M3).
 - ``"v4_sliding"``, ``"csa"``, ``"hca"``: DeepSeek-V4's attention (DeepSeek-AI 2026, DeepSeek-V4 report, Section 2.3):
   a sliding window alone, beside indexer-selected entries of overlapping compressed windows (CSA), or beside every
   entry of disjoint compressed windows (HCA); one module, :class:`qkv.nn.compressed_attention.CompressedAttention`.
@@ -147,6 +148,8 @@ def mixer_of(config: DecoderConfig, layer_idx: int) -> MixerKind:
         return get_mixer(config.linear_attention.mixer)
     if config.latent is not None:
         return get_mixer("dsa" if config.indexer is not None else "mla")
+    if config.msa is not None and layer_idx in config.msa.layers:
+        return get_mixer("msa")
     return get_mixer("qsa" if config.qsa is not None else "attention")
 
 
@@ -235,13 +238,29 @@ def _dsa_params(c: DecoderConfig) -> int:
     return _mla_params(c) + _dsa_weights(c) - _mla_weights(c) + 2 * c.indexer.index_head_dim  # its key's LayerNorm
 
 
-def _qsa_weights(c: DecoderConfig) -> int:
-    ix = c.qsa  # the indexer's queries and its one key head
+def _indexed_gqa_weights(c: DecoderConfig, ix) -> int:
+    """GQA beside a one-key-head indexer (QSA, MSA): its queries and its key, ``d (Hi + 1) Di``."""
     return _gqa_weights(c) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim
 
 
+def _indexed_gqa_params(c: DecoderConfig, ix) -> int:
+    return _gqa_params(c) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim + 2 * ix.index_head_dim
+
+
+def _qsa_weights(c: DecoderConfig) -> int:
+    return _indexed_gqa_weights(c, c.qsa)
+
+
 def _qsa_params(c: DecoderConfig) -> int:
-    return _gqa_params(c) + _qsa_weights(c) - _gqa_weights(c) + 2 * c.qsa.index_head_dim  # its two RMSNorms
+    return _indexed_gqa_params(c, c.qsa)  # the indexer's two RMSNorms included
+
+
+def _msa_weights(c: DecoderConfig) -> int:
+    return _indexed_gqa_weights(c, c.msa)
+
+
+def _msa_params(c: DecoderConfig) -> int:
+    return _indexed_gqa_params(c, c.msa)
 
 
 def _recurrent_cache(c: DecoderConfig, i: int) -> CacheShape:
@@ -314,6 +333,8 @@ register_mixer(MixerKind(name="dsa", attribute="self_attn", cache=_dsa_cache, pa
                          weights=_dsa_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
 register_mixer(MixerKind(name="qsa", attribute="self_attn", cache=_gqa_cache, params=_qsa_params,
                          weights=_qsa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
+register_mixer(MixerKind(name="msa", attribute="self_attn", cache=_gqa_cache, params=_msa_params,
+                         weights=_msa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
 for _name in ("gated_deltanet", "gated_deltanet_split"):
     register_mixer(MixerKind(name=_name, attribute="linear_attn", cache=_recurrent_cache, params=_gdn_params,
                              weights=_gdn_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,

@@ -18,7 +18,8 @@ class MoEConfig:
     """Mixture-of-experts feed-forward (HF DeepSeek field names).
 
     Layer ``i`` is a mixture of experts when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
-    (DeepSeek's rule; HF transformers ignores ``moe_layer_freq``, which is 1 in every released checkpoint).
+    (DeepSeek's rule; HF transformers ignores ``moe_layer_freq``, which is 1 in every released checkpoint), or,
+    when ``moe_layers`` is given, when ``i`` is in it (HF's ``mlp_layer_types`` ``"sparse"`` entries, MiniMax-M3).
     Routing (module notes): ``topk_method`` ``"greedy"``, ``"group_limited_greedy"`` (groups ranked by their best
     score) or ``"group_limited_top2"`` (by the sum of their two best scores, Mistral 4) (softmax scores,
     :func:`route_softmax`), ``"noaux_tc"`` (sigmoid scores with a correction bias, :func:`route_noaux_tc`)
@@ -37,6 +38,9 @@ class MoEConfig:
     Qwen3-Next (Qwen2-MoE's block): one shared expert of ``shared_expert_intermediate_size`` (default
     ``moe_intermediate_size * n_shared_experts``) whose output is scaled by ``sigmoid(shared_expert_gate(x))``, a
     learned scalar per token (``shared_expert_gate``).
+
+    MiniMax-M3: ``swiglu_limit`` with a shared expert makes the shared expert GPT-OSS's clamped SwiGLU too
+    (:class:`qkv.nn.moe.ClampedSwiGLUMLP`, no biases).
     """
 
     n_routed_experts: int
@@ -57,8 +61,14 @@ class MoEConfig:
     shared_expert_gate: bool = False
     hash_layers: tuple[int, ...] = ()
     silu_limit: float | None = None
+    moe_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.moe_layers is not None:
+            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.moe_layers):
+                raise ValueError(f"MoEConfig: moe_layers must be layer indices (ints >= 0) or None, got "
+                                 f"{self.moe_layers!r}")
         if self.topk_method not in _TOPK_METHODS:
             raise ValueError(f"MoEConfig: topk_method must be one of {_TOPK_METHODS}, got {self.topk_method!r}")
         if self.topk_method == "noaux_tc" and self.n_group and self.n_routed_experts // self.n_group < 2:
@@ -99,5 +109,7 @@ class MoEConfig:
         return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
 
     def is_moe(self, layer_idx: int) -> bool:
+        if self.moe_layers is not None:
+            return layer_idx in self.moe_layers
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 

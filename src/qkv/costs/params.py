@@ -159,7 +159,7 @@ def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) 
     the weight matrices only, what a token multiplies by)."""
     c, m = preset.config, preset.config.moe
     b = bias and c.mlp_bias
-    if m is None or layer_idx < m.first_k_dense_replace:
+    if m is None or not m.is_moe(layer_idx):
         n = _mlp(c, c.intermediate_size, bias=b)
         return n, n
     expert = _mlp(c, m.moe_intermediate_size, bias=b)

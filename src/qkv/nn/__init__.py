@@ -27,7 +27,7 @@ from .mamba2 import Mamba2Mixer
 from .mixer import DecoderMixer
 from .mixers import MIXER_MODULES, build_mixer, register_mixer_module
 from .moe import MoE, MoEConfig
-from .msa import MSAIndexer, MSAOutput
+from .msa import BlockSparseAttention, MSAIndexer, MSAOutput
 from .ngram_embedding import NGramEmbedding
 from .norm import RMSNorm, make_norm, rms_norm
 from .packed import packed_documents
@@ -54,5 +54,5 @@ __all__ = [
     "DecoderMixer", "MIXER_MODULES", "SelfAttention", "build_mixer", "register_mixer_module",
     "IndexedAttention", "QSAIndexer", "GatedResidual", "NGramEmbedding", "PerLayerEmbedding",
     "Residual", "PlainResidual", "PLAIN_RESIDUAL", "residual_for",
-    "MSAIndexer", "MSAOutput",
+    "MSAIndexer", "MSAOutput", "BlockSparseAttention",
 ]

@@ -85,7 +85,7 @@ from .cached import attention_mask, refuse_scoring_cache
 from .ffn import FeedForward, GatedMLP
 from .mixer import DecoderMixer
 from .mixers import build_mixer
-from .moe import MoE
+from .moe import ClampedSwiGLUMLP, MoE
 from .norm import RMSNorm
 from .per_layer_embed import PerLayerBranch, PerLayerInputs
 from .ple import PerLayerEmbedding
@@ -225,6 +225,9 @@ def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
         hashed = c.vocab_size if layer_idx in c.moe.hash_layers else None  # DeepSeek-V4: experts by token id
         return MoE(c.hidden_size, c.moe, activation=c.hidden_act, bias=c.mlp_bias, hash_vocab=hashed)
     width = c.intermediate_size_for(layer_idx)
+    if c.moe is not None and c.moe.swiglu_limit is not None and c.moe.moe_layers is not None:
+        # MiniMax-M3: its dense layers use the experts' clamped SwiGLU
+        return ClampedSwiGLUMLP(c.hidden_size, width, alpha=c.moe.swiglu_alpha, limit=c.moe.swiglu_limit)
     if c.gated_mlp:
         return GatedMLP(c.hidden_size, width, activation=c.hidden_act, bias=c.mlp_bias)
     return FeedForward(c.hidden_size, width, activation=c.hidden_act, bias=c.mlp_bias)

@@ -23,6 +23,7 @@ from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
 from .latent import LatentAttention
 from .mixer import DecoderMixer
+from .msa import BlockSparseAttention
 from .qsa import IndexedAttention
 from .self_attention import SelfAttention
 
@@ -39,6 +40,7 @@ _MODULES: dict[str, type] = {
     "gated_deltanet_split": SplitGatedDeltaNet,
     "kda": KimiDeltaAttention,
     "qsa": IndexedAttention,
+    "msa": BlockSparseAttention,
     "v4_sliding": CompressedAttention,
     "csa": CompressedAttention,
     "hca": CompressedAttention,

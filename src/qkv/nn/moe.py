@@ -47,7 +47,8 @@ from ..config.moe import MoEConfig
 from .activations import ACTIVATIONS, GateKernel, check_activation, gated
 from .ffn import GatedMLP
 
-__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "ClampedSiLUExperts", "ClampedGatedMLP", "ExpertsKernel",
+__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "ClampedSiLUExperts", "ClampedGatedMLP", "ClampedSwiGLUMLP",
+           "ExpertsKernel",
            "MoE", "clamped_swiglu", "route_softmax", "route_noaux_tc", "route_topk_softmax", "route_sqrt_softplus",
            "route_hash"]
 
@@ -307,6 +308,29 @@ class ClampedGatedMLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_up_proj(x), self.limit))
 
 
+class ClampedSwiGLUMLP(nn.Module):
+    """MiniMax-M3's shared expert and dense MLP: one GPT-OSS clamped SwiGLU expert (:class:`ClampedSwiGLUExperts`'
+    rule, ``h = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``) without
+    biases; ``gate_up_proj`` d -> 2f (gate rows first), ``down_proj`` f -> d. ``forward(x)``: (..., d) -> (..., d).
+
+    Example:
+        >>> import torch
+        >>> ClampedSwiGLUMLP(8, 4, alpha=1.702, limit=7.0)(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        return self.down_proj((up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha))
+
+
 class MoE(nn.Module):
     """DeepSeekMoE: ``shared_experts(x) + sum_k w_k expert_k(x)`` over the top-k routed experts.
 
@@ -346,6 +370,12 @@ class MoE(nn.Module):
             self.shared_experts = None
         elif m.silu_limit is not None:
             self.shared_experts = ClampedGatedMLP(hidden_size, m.shared_width, limit=m.silu_limit, bias=bias)
+        elif m.swiglu_limit is not None:
+            if bias:
+                raise ValueError("MoE: a clamped-SwiGLU shared expert (swiglu_limit, MiniMax-M3) has no biases; "
+                                 "build it with bias=False (the config's mlp_bias)")
+            self.shared_experts = ClampedSwiGLUMLP(hidden_size, m.shared_width, alpha=m.swiglu_alpha,
+                                                   limit=m.swiglu_limit)
         else:
             self.shared_experts = GatedMLP(hidden_size, m.shared_width, activation=activation, bias=bias)
         # Qwen3-Next: the shared expert's output times sigmoid of a learned scalar per token

@@ -33,16 +33,23 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
+from .. import masks
+from ..config.decoder import DecoderConfig
 from ..pos.rope import RotaryEmbedding
-from ..sparse.select import msa_select
+from ..sparse.select import expand_heads, msa_select
 from .norm import RMSNorm
+from .self_attention import SelfAttention
 
-__all__ = ["MSAIndexer", "MSAOutput"]
+if TYPE_CHECKING:
+    from .decoder import RopeTable
+    from .mixer import MixerStep
+
+__all__ = ["BlockSparseAttention", "MSAIndexer", "MSAOutput"]
 
 
 class MSAOutput(NamedTuple):
@@ -131,3 +138,49 @@ class MSAIndexer(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.n_heads}, head_dim={self.head_dim}, block={self.block_size}, "
                 f"topk_blocks={self.topk_blocks}, local_blocks={self.local_blocks}, rotary_dim={self.rotary_dim}")
+
+
+class BlockSparseAttention(SelfAttention):
+    """MiniMax-M3's MSA layer: :class:`qkv.nn.SelfAttention` (Gemma-style per-head QK norm, partial RoPE, GQA) in
+    which each query head reads only the key blocks its KV group's :class:`MSAIndexer` keeps (the ``"msa"`` mixer
+    kind, :class:`qkv.config.msa.MSAConfig`), on the ``gather`` backend when the config's is ``"auto"``. The
+    indexer rotates with the attention's RoPE table. The layer keeps no cache yet: a step with a cache is refused
+    (decode by full recomputation).
+    """
+
+    def __init__(self, c: DecoderConfig, layer_idx: int, rope: RopeTable | None) -> None:
+        super().__init__(c, layer_idx, rope)
+        msa = c.msa
+        if rope is None:
+            raise ValueError(f"BlockSparseAttention: layer {layer_idx} has no RoPE; MSA's indexer rotates its "
+                             "queries and keys with the attention's (set position='rope')")
+        rotary = int(self.head_dim * c.rope_for("full_attention").partial_rotary_factor)
+        if rotary > msa.index_head_dim:
+            raise ValueError(f"BlockSparseAttention: the attention's rotary dim {rotary} must fit the indexer head "
+                             f"(index_head_dim={msa.index_head_dim}); the indexer rotates its first channels")
+        self.indexer = MSAIndexer(c.hidden_size, index_n_heads=msa.index_n_heads, index_head_dim=msa.index_head_dim,
+                                  index_block_size=msa.block, index_topk_blocks=msa.topk_blocks,
+                                  index_local_blocks=msa.local_blocks, rotary_dim=rotary, rope=rope,
+                                  eps=c.rms_norm_eps)
+        if c.backend == "auto":
+            self.backend = self.decode_backend = "gather"
+
+    @classmethod
+    def for_decoder(cls, config: DecoderConfig, layer_idx: int,
+                    rope: RopeTable | None = None) -> BlockSparseAttention:
+        """The MSA mixer of layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`)."""
+        return cls(config, layer_idx, rope)
+
+    def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+        """The decoder's call: every column (the selection covers every query; the decoder keeps the last)."""
+        return self(x, step)
+
+    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0, mask=None) -> torch.Tensor:
+        if step.cache is not None:
+            raise ValueError(f"BlockSparseAttention: layer {self.layer_idx} (MSA) keeps no cache yet; run the model "
+                             "without a cache (each step a full recomputation)")
+        B, N, _ = x.shape
+        pos = step.positions if step.positions is not None else torch.arange(N, device=x.device).expand(B, N)
+        picked = self.indexer(x, self.indexer.keys(x, pos), q_positions=pos, kv_positions=pos)
+        lists = masks.topk(expand_heads(picked.slots, self.n_heads))
+        return super().forward(x, step, 0, mask=lists if mask is None else lists & mask)
