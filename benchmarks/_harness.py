@@ -81,6 +81,22 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, min_time
     return statistics.median(times)
 
 
+def cold_times(fns: dict[str, Callable[[], Any]], repeat: int, evict: torch.Tensor) -> dict[str, list[float]]:
+    """Seconds per call of each named callable, every repeat (paired across names by index): round-robin after one
+    warm-up call each, ``evict`` (a buffer larger than the caches) written before every call, so each call reads
+    its operands from memory, as a decode step reads its weights."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            evict.add_(1.0)
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 7,
                      cpu: bool = False, number: int | dict[str, int] = 1, samples: bool = False) -> dict[str, Any]:
     """Median seconds per call of each named callable, running them round-robin so drift hits all alike.
@@ -440,3 +456,40 @@ def step_breakdown(generate_seconds, n_new: int) -> dict[str, float]:
     per = {k: (runs[0][k] - runs[1][k]) / (n_new - 1) * 1e3 for k in runs[0]}
     per["python"] = per.pop("wall") - per["products"] - per["attention"] - per["other_ops"]
     return {f"step_{k}_ms": v for k, v in per.items()}
+
+
+def token_agreement(a, b) -> float:
+    """Mean over rows of the fraction of a row's greedy tokens before two engines' rows first differ (1.0: equal);
+    ``a`` and ``b`` are lists of token lists (or 2-D tensors) of the same rows."""
+    rows_a = a.tolist() if isinstance(a, torch.Tensor) else a
+    rows_b = b.tolist() if isinstance(b, torch.Tensor) else b
+    if len(rows_a) != len(rows_b) or not rows_a:
+        raise ValueError(f"token_agreement: need the same non-zero number of rows, got {len(rows_a)} and {len(rows_b)}")
+
+    def prefix(x, y) -> float:
+        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        return n / max(len(x), 1)
+
+    return statistics.mean(prefix(x, y) for x, y in zip(rows_a, rows_b))
+
+
+class head_screen_off:
+    """Context manager: ``model``'s int8 greedy head screens (``qkv.cpu.greedy.HeadScreen`` in ``head_screen``) set
+    aside for the block, so its greedy tokens come from the whole head multiplied in the model's dtype (the
+    control row of a suite whose qkv side screens its head); the same screens, already built, go back after."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.held: list[tuple[torch.nn.Module, Any]] = []
+
+    def __enter__(self) -> torch.nn.Module:
+        for m in self.model.modules():
+            if getattr(m, "head_screen", None) is not None:
+                self.held.append((m, m.head_screen))
+                m.head_screen = None
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        for m, screen in self.held:
+            m.head_screen = screen
+        self.held.clear()

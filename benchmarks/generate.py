@@ -1,11 +1,12 @@
 """Greedy decoding speed: qkv against HF transformers ``generate`` with the same weights, in one run.
 
-Models: a Llama-like, a DeepSeek-V2-like, a GPT-OSS-like, a DeepSeek-V3-like, a Qwen3-Next-like and a Gemma-4-like
-decoder
+Models: a Llama-like, a DeepSeek-V2-like, a GPT-OSS-like, a DeepSeek-V3-like, a Qwen3-Next-like decoder
 (4 layers, width 512, vocabulary 32000; MLA and MoE for DeepSeek; GPT-OSS: sinks, alternating window-32 and
 global layers, a biased router over clamped-SwiGLU experts; DeepSeek-V3: q-LoRA, sigmoid group-limited routing;
 Qwen3-Next: three Gated DeltaNet layers, whose recurrent state the cache keeps, then a gated full-attention
-layer, experts with a gated shared expert; Gemma 4: see ``_gemma4_like``, 12 layers of width 1024 and its
+layer, experts with a gated shared expert), a SmolLM3-like one at the published small model's shape scaled
+to this machine (12 layers of width 1024, GQA 16:4, its 128,256-token vocabulary, every 4th layer NoPE, a tied
+head; judged at batch 1 and 8) and a Gemma-4-like one (see ``_gemma4_like``, 12 layers of width 1024 and its
 262,144-token vocabulary), random weights, built by HF and converted with
 ``qkv.models.from_hf``. For batch 1,
 4 and 8, a 64-token prompt and 64 new tokens (``--quick``: a tiny model, 16 + 16):
@@ -39,7 +40,21 @@ repeats of 63 timed steps each. The wall clock because a step's timestamp is tak
 point: CPU time would count idle threads' spinning rather than the time a user waits. Expected time on a
 quiet 2-core machine: about 11 minutes for the first four models (``--models`` picks some).
 
-Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2]``
+Real shapes (``--shapes``, a suite of its own, ``generate_shapes``): the random-weight checkpoints of
+``benchmarks/_checkpoints.py`` (Qwen2.5-0.5B, Llama-3.2-1B and Qwen2.5-3B sizes with their vocabularies, unit-scale
+weights), loaded by HF (``from_pretrained(dtype=...)``) and by ``qkv.models.from_hf`` (its default
+``dtype="auto"``: the checkpoint's) in each of ``--dtypes`` (bfloat16, float32), 128-token prompts, 32 new tokens,
+``--batches`` (default 1, 8, 32), ``--threads`` (default 1, 2). Contenders: ``hf``, ``qkv`` and the control
+``qkv_noscreen`` (the same model with the int8 greedy head screen off, ``qkv.cpu.optimize(model, screen=False)``);
+the ablations ``qkv_plain`` and ``qkv_input_major`` are left out there (two more copies of the weights).
+``same_tokens`` there compares qkv's greedy tokens with HF's, ``agree`` the mean fraction of a row's tokens before
+they first differ (bfloat16 rounds differently in the two), ``distinct`` the distinct tokens qkv emitted. Runtime on
+a quiet 2-core machine, 3 repeats: about 6 minutes per dtype and thread count at 0.5B (batches 1, 8, 32), twice that
+at 1B, six times at 3B; Qwen2.5-3B in float32 needs two 12 GB copies: run it in bfloat16.
+
+Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2] [--models M1,M2]``, or at real shapes
+``python benchmarks/generate.py --shapes qwen2.5-0.5b[,llama-3.2-1b,qwen2.5-3b] [--dtypes bfloat16,float32]
+[--batches 1,8,32] [--threads 1,2] [--repeat R]``
 """
 
 from __future__ import annotations
@@ -53,7 +68,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Suite, ratio, read_rate, step_breakdown, target  # noqa: E402
+from _harness import Suite, head_screen_off, ratio, read_rate, step_breakdown, target, token_agreement  # noqa: E402
 from qkv.cpu import optimize  # noqa: E402
 
 TARGET = 1.5  # qkv decode tokens/s over HF's
@@ -61,6 +76,7 @@ TARGETS = {"gpt-oss-like": 1.8, "deepseek-v3-like": 1.8,  # the 2025 dense famil
            "qwen3-next-like": 2.0}  # the hybrid (HF runs its recurrent layers through slow fallbacks)
 TARGET_BATCHES = {name: (1, 4) for name in TARGETS}  # their issues judge batch 1 and 4; the rest: every batch
 TARGET_BATCHES["gemma4-like"] = (1, 8)  # issue 48 judges batch 1 and 8
+TARGET_BATCHES["smollm3-like"] = (1, 8)  # issue 48 judges batch 1 and 8
 
 
 def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
@@ -91,6 +107,7 @@ def _configs(quick: bool) -> dict[str, tuple[str, str, dict]]:
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=w // 2, shared_expert_intermediate_size=w // 2,
             layer_types=["linear_attention"] * (base["num_hidden_layers"] - 1) + ["full_attention"])),
         "gemma4-like": ("Gemma4TextConfig", "Gemma4ForCausalLM", _gemma4_like(quick)),
+        "smollm3-like": ("SmolLM3Config", "SmolLM3ForCausalLM", _smollm3(quick)),
     }
 
 
@@ -107,6 +124,18 @@ def _gemma4_like(quick: bool) -> dict:
                 num_attention_heads=8, num_key_value_heads=1, head_dim=128, global_head_dim=256, sliding_window=512,
                 num_kv_shared_layers=4, use_double_wide_mlp=True, hidden_size_per_layer_input=16,
                 vocab_size_per_layer_input=262144, final_logit_softcapping=30.0, max_position_embeddings=4096)
+
+
+def _smollm3(quick: bool) -> dict:
+    """SmolLM3-3B's shape scaled to this machine: its vocabulary (128,256) and GQA 16:4 of width-64 heads, 12 layers
+    of width 1024, every 4th a NoPE layer, tied embeddings (``--quick``: the tiny shape)."""
+    cfg = dict(vocab_size=128256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+               num_attention_heads=16, num_key_value_heads=4, no_rope_layer_interval=4, tie_word_embeddings=True,
+               max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if quick:
+        cfg.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=1)
+    return cfg
 
 
 def _models(name: str, spec: tuple[str, str, dict]):
@@ -131,6 +160,27 @@ def _models(name: str, spec: tuple[str, str, dict]):
         unread = sum(p.numel() * p.element_size() for n, p in qkv_model.named_parameters() if ".experts." in n)
         weight_bytes -= unread * (1 - m.num_experts_per_tok / m.n_routed_experts)
     return hf, qkv_model, plain, input_major, weight_bytes
+
+
+def _shape_models(shape: str, dtype: torch.dtype, folder: Path):
+    """HF and qkv on the random checkpoint of ``shape`` in ``dtype`` (``benchmarks/_checkpoints.py``), no ablation
+    copies; the weight bytes a decode step reads."""
+    import transformers
+
+    from _checkpoints import build_checkpoint
+    from qkv.models import from_hf
+
+    ckpt = folder / f"{shape}-{str(dtype).removeprefix('torch.')}"
+    build_checkpoint(ckpt, shape, dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    qkv_model = from_hf(str(ckpt))  # dtype="auto": the checkpoint's
+    weight_bytes = sum(p.numel() * p.element_size() for p in qkv_model.parameters())
+    if qkv_model.lm_head is not None:  # a step reads one row of an untied embedding table
+        emb = qkv_model.embed_tokens.weight
+        weight_bytes -= emb.numel() * emb.element_size()
+    return hf, qkv_model, None, None, weight_bytes
 
 
 class _Clock:
@@ -161,12 +211,13 @@ def _timed(run, n_new: int) -> float:
 
 
 def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int, repeat: int,
-              thread_counts: list[int]) -> None:
+              thread_counts: list[int], models=None) -> None:
     from qkv.cache import KVCache, Static
     from qkv.models.generate import generate
 
-    hf, qkv_model, plain, input_major, weight_bytes = _models(name, spec)
+    hf, qkv_model, plain, input_major, weight_bytes = models or _models(name, spec)
     vocab = spec[2]["vocab_size"]
+    dtype = next(qkv_model.parameters()).dtype
     for threads, B in ((t, b) for t in thread_counts for b in batches):
         torch.set_num_threads(threads)
         ids = torch.randint(1, vocab, (B, n_prompt), generator=torch.Generator().manual_seed(B))
@@ -183,8 +234,15 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
                                 optimize=optimized).new_tokens
             return run
 
-        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_plain": qkv_gen(plain, optimized=False),
-                      "qkv_input_major": qkv_gen(input_major)}
+        def screen_off(clock, new: int = n_new):  # the control: the same model, its head screen off for the call
+            with head_screen_off(qkv_model):
+                return qkv_gen(qkv_model)(clock, new)
+
+        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model)}
+        if plain is not None:
+            contenders.update(qkv_plain=qkv_gen(plain, optimized=False), qkv_input_major=qkv_gen(input_major))
+        else:
+            contenders["qkv_noscreen"] = screen_off
         steps: dict[str, list[float]] = {k: [] for k in contenders}
         step_med: dict[str, list[float]] = {k: [] for k in contenders}  # per repeat, paired across contenders
         step_p10: dict[str, list[float]] = {k: [] for k in contenders}
@@ -210,11 +268,23 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
         weight_rate = weight_bytes / statistics.median(steps["qkv"])
         floor_s = weight_bytes / read_rate(threads)  # every weight streamed once per step from memory
         r = ratio(step_med["hf"], step_med["qkv"])  # qkv decode tok/s over HF's, per repeat
-        r_plain = ratio(step_med["qkv_plain"], step_med["qkv"])  # what qkv.cpu.optimize buys, per repeat
-        suite.add({"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}, {
-            "hf_decode_tok_s": decode["hf"], "qkv_decode_tok_s": decode["qkv"],
-            "qkv_plain_decode_tok_s": decode["qkv_plain"], "optimize_ratio": r_plain,
-            "qkv_input_major_decode_tok_s": decode["qkv_input_major"], "decode_ratio": r,
+        if plain is not None:
+            extra = {"qkv_plain_decode_tok_s": decode["qkv_plain"],  # what qkv.cpu.optimize buys, per repeat
+                     "optimize_ratio": ratio(step_med["qkv_plain"], step_med["qkv"]),
+                     "qkv_input_major_decode_tok_s": decode["qkv_input_major"]}
+            same = bool(torch.equal(tokens["hf"], tokens["qkv"]) and torch.equal(tokens["hf"], tokens["qkv_plain"]))
+        else:
+            extra = {"qkv_noscreen_decode_tok_s": decode["qkv_noscreen"],
+                     "noscreen_ratio": ratio(step_med["hf"], step_med["qkv_noscreen"]),
+                     "agree": token_agreement(tokens["qkv"], tokens["hf"]),
+                     "noscreen_same": bool(torch.equal(tokens["qkv"], tokens["qkv_noscreen"])),
+                     "distinct": len(set(tokens["qkv"].flatten().tolist()))}
+            same = bool(torch.equal(tokens["hf"], tokens["qkv"]))
+        case = {"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}
+        if plain is None:
+            case = {"model": name, "dtype": str(dtype).removeprefix("torch."), **case}
+        suite.add(case, {
+            "hf_decode_tok_s": decode["hf"], "qkv_decode_tok_s": decode["qkv"], **extra, "decode_ratio": r,
             "decode_ratio_p10": ratio(step_p10["hf"], step_p10["qkv"]),
             "hf_e2e_tok_s": e2e["hf"], "qkv_e2e_tok_s": e2e["qkv"], "e2e_ratio": ratio(total["hf"], total["qkv"]),
             "hf_prefill_ms": statistics.median(prefill["hf"]) * 1e3,
@@ -223,10 +293,10 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             "floor_ms": floor_s * 1e3, "qkv_step/floor": statistics.median(steps["qkv"]) / floor_s,
             "hf_step/floor": statistics.median(steps["hf"]) / floor_s,
             **where,
-            "target": (f"{target(r, '>=', TARGETS.get(name, TARGET))} ({TARGETS.get(name, TARGET)}x)"
+            "target": ("none here (the real shapes' targets are vs_vllm.py's)" if plain is None
+                       else f"{target(r, '>=', TARGETS.get(name, TARGET))} ({TARGETS.get(name, TARGET)}x)"
                        if B in TARGET_BATCHES.get(name, (B,)) else "none at this batch"),
-            "same_tokens": bool(torch.equal(tokens["hf"], tokens["qkv"])
-                                and torch.equal(tokens["hf"], tokens["qkv_plain"])),
+            "same_tokens": same,
         })
 
 
@@ -237,7 +307,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", default=None,
                    help="comma-separated torch CPU thread counts to run (default: torch's, then 1)")
     p.add_argument("--models", default=None, help="comma-separated model names to run (default: all)")
+    p.add_argument("--shapes", default=None, help="run the real-shape suite (generate_shapes) instead: "
+                   "comma-separated shapes of benchmarks/_checkpoints.py, e.g. qwen2.5-0.5b,llama-3.2-1b,qwen2.5-3b")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="with --shapes: comma-separated dtypes")
+    p.add_argument("--batches", default="1,8,32", help="with --shapes: comma-separated batch sizes")
     args = p.parse_args(argv)
+    if args.shapes:
+        _run_shapes(args)
+        return
     default = torch.get_num_threads()
     thread_counts = ([int(t) for t in args.threads.split(",")] if args.threads
                      else list(dict.fromkeys([default, 1])))
@@ -257,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = configs[name]
         _run_case(suite, name, spec, (1, 4, 8), n_prompt, n_new, repeat, thread_counts)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}, "
-               "at batch 1 and 4, as their issues set it) "
+               "at batch 1 and 4, as their issues set it; gemma4-like and smollm3-like at batch 1 and 8) "
                "in every repeat (ratios: the median over the "
                "paired repeats, then the lowest and highest). step_*_ms: where qkv's decode step goes (products, "
                "attention, other torch ops, Python; one profiled run of each length, indicative). "
@@ -267,6 +344,40 @@ def main(argv: list[str] | None = None) -> None:
                "floor_ms: the weights a step reads (weights_MB; an untied embedding table counts one row) over "
                "the best of 7 reads (a sum) of a 256 MB matrix at the row's thread count; step/floor near 1 "
                "means a step is bound by memory bandwidth, and the ratio to HF cannot exceed hf_step/floor.")
+    suite.finish()
+
+
+def _run_shapes(args) -> None:
+    """The ``generate_shapes`` suite: HF vs qkv at the real shapes (module notes)."""
+    import tempfile
+
+    import transformers
+
+    from _checkpoints import SHAPES, shape_names
+
+    shapes = shape_names(args.shapes)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - {"bfloat16", "float32"}:
+        raise SystemExit(f"--dtypes takes comma-separated bfloat16 and/or float32, got {args.dtypes!r}")
+    batches = [int(b) for b in args.batches.split(",")]
+    thread_counts = [int(t) for t in (args.threads or "1,2").split(",")]
+    repeat = args.repeat or 3
+    if repeat < 1 or min(batches) < 1 or min(thread_counts) < 1:
+        raise SystemExit(f"--repeat, --batches and --threads take positive integers, got {repeat}, {batches}, "
+                         f"{thread_counts}")
+    suite = Suite("generate_shapes", "greedy decode tokens/s at real shapes, qkv vs HF transformers generate (same "
+                  "random checkpoint)", transformers=transformers.__version__, cache="qkv Static / HF DynamicCache",
+                  hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            for dtype_name in dtypes:
+                models = _shape_models(shape, getattr(torch, dtype_name), Path(tmp))
+                _run_case(suite, shape, SHAPES[shape], batches, 128, 32, repeat, thread_counts, models=models)
+                del models
+    suite.note("decode_ratio: qkv decode tokens/s over HF's (median [slowest, fastest] repeat); noscreen_ratio: the "
+               "control, qkv with its int8 head screen off. agree: mean fraction of a row's greedy tokens before qkv "
+               "and HF first differ; distinct: distinct greedy tokens qkv emitted. floor_ms: the weights a step "
+               "reads over the measured read rate.")
     suite.finish()
 
 

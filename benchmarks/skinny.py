@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Suite, ratio, read_rate  # noqa: E402
+from _harness import Suite, cold_times, ratio, read_rate  # noqa: E402
 from qkv.cpu import rule  # noqa: E402
 from qkv.cpu.gemm import PrepackedWeight, onednn_available, prepacked_linear  # noqa: E402
 from qkv.cpu.skinny import BLOCK_ONE_ROW, BLOCK_ROWS, ROW_BLOCKS, by_columns, by_rows, input_major  # noqa: E402
@@ -60,20 +60,6 @@ ROWS = [1, 2, 4, 6, 8, 12, 16, 24, 32]
 QUICK_ROWS = [1, 2, 8, 32]
 PAIRS = [("linear", "row_blocks"), ("linear", "onednn"), ("row_blocks", "onednn"), ("linear", "columns"),
          ("columns", "onednn")]
-
-
-def _cold_times(fns: dict, repeat: int, evict: torch.Tensor) -> dict[str, list[float]]:
-    """Seconds per call of each contender, round-robin, the caches flushed before every call."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            evict.add_(1.0)
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return times
 
 
 def _paths(x: torch.Tensor, w: torch.Tensor, w_im: torch.Tensor, packed: PrepackedWeight | None, threads: int):
@@ -107,7 +93,7 @@ def _product_table(shapes, rows_list: list[int], threads_list: list[int], repeat
                     fns = _paths(x, w, w_im, packed, threads)
                     truth = F.linear(x.double(), w64)
                     diff = max(float((fn() - truth).abs().max()) for fn in fns.values())
-                    t = _cold_times(fns, repeat, evict)
+                    t = cold_times(fns, repeat, evict)
                 med = {c: statistics.median(v) for c, v in t.items()}
                 floor = w.numel() * w.element_size() / rate
                 fastest = min(med, key=med.get)

@@ -7,6 +7,7 @@ of a config class by name, redrawn and ready for greedy generation (no EOS, pad 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -103,3 +104,61 @@ def within_budget(ours, truth, base, what):
 
     assert torch.isfinite(truth).all() and torch.isfinite(base).all(), f"{what}: non-finite reference or baseline"
     return assert_within_budget(ours, truth, base, what=what)
+
+
+def float64_rope(model: nn.Module) -> nn.Module:
+    """Make an HF model's RoPE a float64 reference in place and return the model: HF computes ``inv_freq`` and the
+    cos/sin tables in float32 even in a float64 model (relative logit errors near 1e-7). This reruns HF's own RoPE
+    initialisation (default, YaRN, ...) with ``torch.float`` / ``torch.float32`` meaning float64 for that call
+    only, and computes the tables from those frequencies in float64, so the float64 model is a reference to the
+    1e-8 that float64 parity asks."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    emb = model.model.rotary_emb
+    init = emb.compute_default_rope_parameters if emb.rope_type == "default" else ROPE_INIT_FUNCTIONS[emb.rope_type]
+    f, f32 = torch.float, torch.float32
+    torch.float = torch.float32 = torch.float64
+    try:
+        inv_freq, scaling = init(emb.config)
+    finally:
+        torch.float, torch.float32 = f, f32
+    assert inv_freq.dtype == torch.float64, inv_freq.dtype
+
+    def forward(x, position_ids):
+        freqs = position_ids[..., None].double() * inv_freq  # (B, N, R / 2)
+        full = torch.cat((freqs, freqs), dim=-1)
+        return (full.cos() * scaling).to(x.dtype), (full.sin() * scaling).to(x.dtype)
+
+    emb.forward = forward
+    return model
+
+
+@contextlib.contextmanager
+def float64_throughout():
+    """Within the block, an HF float64 model stays float64 where its code casts to float32 (``.float()``,
+    ``.to(torch.float32)``, ``softmax(..., dtype=torch.float32)``: RMSNorm, eager attention's softmax, RoPE), so
+    its logits are a float64 reference (HF's float32 islands alone leave relative errors near 1e-7). Casts of other
+    dtypes are untouched."""
+    import torch.nn.functional as F
+
+    to, flt, softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
+
+    def keep_to(self, *args, **kwargs):
+        wants32 = kwargs.get("dtype") is torch.float32 or any(a is torch.float32 for a in args)
+        if self.dtype == torch.float64 and wants32:
+            rest = [a for a in args if a is not torch.float32]
+            kwargs.pop("dtype", None)
+            return to(self, *rest, **kwargs) if rest or kwargs else self
+        return to(self, *args, **kwargs)
+
+    def keep_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else flt(self, *args, **kwargs)
+
+    def keep_softmax(x, *args, dtype=None, **kwargs):
+        return softmax(x, *args, dtype=None if x.dtype == torch.float64 else dtype, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float, F.softmax = keep_to, keep_float, keep_softmax
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, F.softmax = to, flt, softmax

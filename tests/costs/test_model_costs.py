@@ -330,6 +330,7 @@ def _shrunk(name):
     kw = dict(_SHRINK, num_hidden_layers=4 if c.sliding_window else 2, layer_types=None,
               num_attention_heads=8, num_key_value_heads=max(1, 8 * c.num_key_value_heads // c.num_attention_heads),
               max_position_embeddings=64 if c.position == "learned" else c.max_position_embeddings)
+    kw.update(nope_layers=tuple(i for i in c.nope_layers if i < kw["num_hidden_layers"]))  # SmolLM3: the first ones
     if "local" in p.layer_counts and "global" in p.layer_counts:
         kw.update(layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
     elif c.sliding_window:
@@ -343,6 +344,10 @@ def _shrunk(name):
         widths = dict(shared_expert_intermediate_size=24) if c.moe.shared_expert_intermediate_size else {}
         kw.update(moe=dataclasses.replace(c.moe, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
                                           **widths))
+    if c.compressed is not None:  # DeepSeek-V4: a sliding-only, an HCA and two CSA layers, each its sliding branch
+        kw.update(num_key_value_heads=1, compressed=dataclasses.replace(
+            c.compressed, attention_types=("sliding", "hca", "csa", "csa"), q_lora_rank=24, o_groups=2, o_lora_rank=8,
+            qk_rope_head_dim=8, index_n_heads=4, index_head_dim=8, index_topk=2, compress_rates={"csa": 2, "hca": 4}))
     if "recurrent" in p.layer_counts:  # hybrid: a recurrent layer and a full-attention one
         kw.update(layer_types=("linear_attention", "full_attention"), linear_attention=dataclasses.replace(
             c.linear_attention, linear_num_key_heads=2, linear_key_head_dim=8,

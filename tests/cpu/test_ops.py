@@ -31,6 +31,8 @@ def _inputs(name: str) -> tuple:
         return r(2, 3, 5, 8), r(2, 5, 6), r(2, 5, 6), False
     if name == "rows_linear":
         return r(2, 3, 16), r(9, 16), r(9), 2
+    if name == "weight_linear":
+        return r(2, 3, 16), torch.randint(-127, 128, (9, 16), dtype=torch.int8), torch.rand(9), r(9)
     if name == "moe_token":
         return r(1, 16), [2, 0], torch.rand(2), r(4, 10, 16), None, r(4, 16, 5), None, False, 0.0, 0.0, 1, 1
     if name == "moe_grouped":

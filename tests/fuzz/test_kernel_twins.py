@@ -6,6 +6,8 @@ places, the rest within the float32 budget) or the same exception type. The inpu
 seeded per case (``seed`` in every message): NaN and inf values, -1 and out-of-range ids, zero sizes, strided
 and expanded views, both float dtypes. ``paged_store`` has no Python twin of its own (the cache's indexed write
 is it) and is compared with that write; the int8 screen runs only where this CPU has an int8 GEMM.
+``weight_linear`` (bf16 and int8 weights) runs its kernel up to 16 rows and its twin beyond, so its cases stay
+at up to 16 rows.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from qkv import masks as M
 from qkv.backends.paged import paged_decode_blocks, paged_prefill_blocks
 from qkv.cpu import kernels, ops
 from qkv.cpu.skinny import skinny_linear
+from qkv.cpu.weights import quantize_int8, weight_linear
 from qkv.linear import gated_delta_chunked
 from qkv.nn._recurrent import delta_mix
 from qkv.nn.activations import gated
@@ -206,6 +209,22 @@ def test_rows_linear(seed):
     b = torch.randn(N, generator=g, dtype=dt) if _pick(g, [0, 1]) else None
     agree(f"rows_linear seed={seed} dtype={dt} x={tuple(x.shape)} w={tuple(w.shape)}",
           lambda: skinny_linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_weight_linear(seed):
+    g = _gen(seed)
+    xdt = _pick(g, [torch.float32, torch.bfloat16])
+    rows, K, N = _pick(g, [0, 1, 2, 5, 16]), _pick(g, [0, 1, 9, 64, 300]), _pick(g, [0, 1, 7, 128, 1000])
+    x = _poison(g, torch.randn(rows, K, generator=g), _pick(g, POISONS)).to(xdt)
+    w = torch.randn(N, K, generator=g)
+    q, s = quantize_int8(w) if _pick(g, [0, 1]) else (w.to(torch.bfloat16), None)
+    if s is not None and _pick(g, [0, 0, 1]):  # a wrong count of scales: refused the same way on both paths
+        s = s[: max(N - 1, 0)]
+    b = torch.randn(N, generator=g) if _pick(g, [0, 1]) else None
+    agree(f"weight_linear seed={seed} x={xdt} {tuple(x.shape)} w={q.dtype} {tuple(q.shape)}",
+          lambda: weight_linear(x, q, s, b), atol=1e-5 if xdt == torch.float32 else 1e-2,
+          rtol=1e-5 if xdt == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("seed", range(CASES))

@@ -51,7 +51,32 @@ BUILDERS = {
     "KimiDeltaAttention": lambda: KimiDeltaAttention(32, num_heads=2, head_dim=8, layer_idx=1),
     "GatedDeltaNet": lambda: GatedDeltaNet(32, num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, layer_idx=2),
     "Mamba2Mixer": lambda: Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=4, n_groups=2, layer_idx=3),
+    "CompressedAttention": lambda: _deepseek_v4_layer(),
+    "IndexedAttention": lambda: _qsa_layer(),
 }
+
+
+def _qsa_layer():
+    from qkv.config.qsa import QSAConfig
+    from qkv.nn.qsa import IndexedAttention
+
+    c = DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48, qsa=QSAConfig(index_n_heads=2, index_head_dim=8, budget=4,
+                                                                      block=2))
+    return IndexedAttention.for_decoder(c, 1, None)
+
+
+def _deepseek_v4_layer():
+    from qkv.config.compressed import CompressedAttentionConfig
+    from qkv.nn.compressed_attention import CompressedAttention
+
+    cc = CompressedAttentionConfig(attention_types=("sliding", "csa"), q_lora_rank=8, o_groups=2, o_lora_rank=8,
+                                   qk_rope_head_dim=4, index_n_heads=2, index_head_dim=8, index_topk=2,
+                                   compress_rates={"csa": 2})
+    c = DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=8, intermediate_size=48, sliding_window=4, layer_types=("sliding_attention",) * 2,
+                      attention_sinks=True, position="none", compressed=cc)
+    return CompressedAttention(c, 1)
 
 
 def _attention_classes() -> dict[str, type]:

@@ -22,6 +22,7 @@ Example:
 """
 
 from .cache import CacheMemory, KVCache, LayerMemory
+from .compressed import CompressedCache, CompressedSpec
 from .paged import CacheFull, Paged, PoolStats, prefix_hashes
 from .plan import LayerPlan, MemoryPlan, plan_memory
 from .policies import H2O, SnapKV, StreamingLLM
@@ -61,8 +62,7 @@ from .storage import Dynamic, Static
 __all__ = [
     "KVCache", "CacheMemory", "LayerMemory",
     "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
-    "RecurrentSpec",
-    "SharedSpec",
+    "RecurrentSpec", "SharedSpec", "CompressedSpec", "CompressedCache",
     "element_bytes",
     "Dynamic", "Static", "Paged", "CacheFull", "PoolStats", "prefix_hashes",
     "KIVI", "Int8", "QuantError",

@@ -199,6 +199,9 @@ class KVCache:
             return None
         if isinstance(spec, RecurrentSpec):
             return RecurrentStore(spec, layer=f"layer {i} (RecurrentSpec)")
+        if spec.kind == "compressed":
+            raise ValueError(f"KVCache: {name} is a CompressedSpec (DeepSeek-V4 CSA/HCA): its pools are planned "
+                             "(qkv.cache.plan_memory) but not kept yet; run the model without a cache")
         if self.policy is not None:
             store = self.policy.store_for(spec, layer=name)
             if store is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..config.decoder import DecoderConfig
 from ..config.mixers import CacheShape, mixer_of
 from ..config.presets import ModelPreset
+from .compressed import CompressedSpec
 from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SharedSpec, SlidingWindowSpec
 
 __all__ = ["cache_specs_of", "spec_of"]
@@ -25,7 +26,7 @@ __all__ = ["cache_specs_of", "spec_of"]
 #: The layer spec class of each cache kind a mixer declares (:data:`qkv.config.mixers.CACHE_KINDS`).
 _SPECS: dict[str, type[LayerSpec]] = {"full": FullSpec, "sliding": SlidingWindowSpec, "latent": LatentSpec,
                                       "indexed_latent": IndexedLatentSpec, "recurrent": RecurrentSpec,
-                                      "shared": SharedSpec}
+                                      "shared": SharedSpec, "compressed": CompressedSpec}
 
 
 def spec_of(shape: CacheShape) -> LayerSpec:

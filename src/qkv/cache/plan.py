@@ -34,6 +34,7 @@ import torch
 from ..config.decoder import DecoderConfig
 from ..config.hf_config import description_dtype, read_layout
 from ..config.presets import ModelPreset, get_preset
+from .compressed import CompressedSpec
 from .describe import cache_specs_of
 from .paged import Paged
 from .protocol import CachePolicy, HasCacheSpecs, Quantizer
@@ -214,6 +215,10 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
         if isinstance(spec, RecurrentSpec):  # a fixed state per row, whatever the context or storage
             state = B * spec.fixed_bytes(dtype)
             layers.append(LayerPlan(i, spec.kind, 0, int(state), int(state)))
+            continue
+        if isinstance(spec, CompressedSpec):  # DeepSeek-V4: every pool (window, entries, indexer keys, carries)
+            needed = sum(spec.bytes_for(n, dtype) for n in lengths)
+            layers.append(LayerPlan(i, spec.kind, max(spec.tokens_for(n) for n in lengths), int(needed), int(needed)))
             continue
         row = spec.row_elements() * eb
         kept = _kept(spec, lengths, policy, new_tokens, rollback)

@@ -320,4 +320,5 @@ class SharedSpec(LayerSpec):
 
 
 _KINDS = {"FullSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink", "LatentSpec": "latent",
-          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent", "SharedSpec": "shared"}
+          "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent", "SharedSpec": "shared",
+          "CompressedSpec": "compressed"}

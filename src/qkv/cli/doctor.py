@@ -14,7 +14,8 @@ __all__ = ["register", "doctor", "report"]
 def report() -> dict:
     """What ``qkv doctor`` shows, as a dict: the compiled kernels (state prebuilt / jit / off, the capability
     built for, the library, why off, why a prebuilt library was passed over), this CPU's capability, torch's
-    version, threads, oneDNN and the int8 head screen (each with the reason it is off, or None)."""
+    version, threads, oneDNN and the int8 head screen (each with the reason it is off, or None), and how int8
+    weights are asked for (never a default) and whether their kernel runs."""
     from qkv.cpu import kernels
     from qkv.cpu.gemm import onednn_unavailable_reason
     from qkv.cpu.greedy import screen_unavailable_reason
@@ -28,6 +29,8 @@ def report() -> dict:
         "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
         "onednn": {"on": onednn_unavailable_reason() is None, "off_because": onednn_unavailable_reason()},
         "int8_head_screen": {"on": screen_unavailable_reason() is None, "off_because": screen_unavailable_reason()},
+        "int8_weights": {"default": False, "how": 'qkv.cpu.optimize(model, weights="int8")',
+                         "kernel_on": st.reason is None, "kernel_off_because": st.reason},
     }
 
 
@@ -65,6 +68,9 @@ def doctor(
         part = info[key]
         lines.append(f"{name}: {'on' if part['on'] else 'off'}" + ("" if part["on"] else
                                                                    f" ({part['off_because']})"))
+    w = info["int8_weights"]
+    lines.append("int8 weights (lossy): never by default, " + w["how"] + " quantizes a model's linear layers"
+                 + ("" if w["kernel_on"] else f" (cannot run here: {w['kernel_off_because']})"))
     typer.echo("\n".join(lines))
 
 

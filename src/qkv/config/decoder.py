@@ -29,11 +29,16 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .compressed import CompressedAttentionConfig
 from .dsa import IndexerConfig
+from .gated_residual import GatedResidualConfig
+from .hyper import HyperConfig
 from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 from .moe import MoEConfig
+from .ple import PLEConfig
+from .qsa import QSAConfig
 from .rope import RopeParams, check_rope_scaling
 
 __all__ = ["DecoderConfig", "RopeParams", "TransformerConfig", "PRESETS", "get_config", "decoder_config_from_preset",
@@ -301,6 +306,9 @@ class DecoderConfig:
             Qwen3) or ``"projection"`` the whole query / key projection, all heads at once (OLMo 2/3).
         pre_norms: normalize each branch's input (False: OLMo 2/3, whose blocks only normalize the branch
             outputs; set ``sandwich_norms`` with it).
+        linear_pre_norms: ``linear_attention`` (recurrent) layers normalize each branch's input and nothing else
+            (Llama's placement), whatever ``pre_norms`` and ``sandwich_norms`` say of the attention layers
+            (OLMo-hybrid: OLMo 3's post-normed attention layers beside pre-normed Gated DeltaNet layers).
         attention_sinks: one learnable sink logit per query head joins every softmax (GPT-OSS,
             :mod:`qkv._sinks`); parameter ``self_attn.sinks`` (Hq,).
         attention_scale: score scale (default ``head_dim ** -0.5``; Gemma: ``query_pre_attn_scalar ** -0.5``).
@@ -311,6 +319,9 @@ class DecoderConfig:
         layer_types: per layer ``"full_attention"``, ``"sliding_attention"`` or ``"linear_attention"`` (a
             recurrent layer, shaped by ``linear_attention``) (default: all full).
         rope: RoPE per layer type (a missing type uses ``"full_attention"``'s).
+        nope_layers: indices of attention layers that rotate nothing (NoPE, Kazemnejad et al. 2023,
+            arXiv:2305.19466; SmolLM3 leaves every fourth layer unrotated); the others keep ``rope``. Needs
+            ``position="rope"`` and grouped-query attention (an MLA layer's NoPE is its ``use_rope``).
         max_position_embeddings: context length (RoPE ``dynamic``/YaRN defaults).
         latent: Multi-head Latent Attention on every layer (DeepSeek-V2) instead of GQA: a
             :class:`qkv.nn.latent.LatentConfig` (its RoPE comes from ``rope``, its scale from itself;
@@ -324,6 +335,16 @@ class DecoderConfig:
             :class:`qkv.config.dsa.IndexerConfig`; needs ``latent`` with a ``q_lora_rank``. Those layers
             (:class:`qkv.nn.SparseLatentAttention`) run on the ``gather`` backend when ``backend`` is ``"auto"``
             (each query reads only its ``index_topk`` latents, whatever the context).
+        qsa: QSA indexed attention on every ``full_attention`` layer (Qwen4-Exp): a
+            :class:`qkv.config.qsa.QSAConfig`; those layers (:class:`qkv.nn.IndexedAttention`) read only the
+            tokens their indexer keeps, on the ``gather`` backend when ``backend`` is ``"auto"``.
+        gated_residual: Qwen4-Exp's gated hyper-connection (:class:`qkv.config.gated_residual.GatedResidualConfig`):
+            ``streams`` residual streams, each block reading a gated mix of them (its norm: set ``pre_norms``
+            False) and writing into every one (:class:`qkv.nn.GatedResidual`).
+        ple: Qwen4-Exp's Per-Layer Embedding on the layers it names (:class:`qkv.config.ple.PLEConfig`); needs
+            ``gated_residual``.
+        final_norm: normalize the last hidden state before the LM head (False: Qwen4-Exp, whose residual read-out
+            is normed already).
         head_dim_by_type, kv_heads_by_type: head width and KV heads of the attention layers of a layer type, where
             they differ from ``head_dim`` / ``num_key_value_heads`` (Gemma 4's global layers: wider heads, fewer
             KV heads); e.g. ``{"full_attention": 512}``.
@@ -372,6 +393,7 @@ class DecoderConfig:
     qk_norm: bool = False
     qk_norm_scope: str = "head"
     pre_norms: bool = True
+    linear_pre_norms: bool = False
     attention_sinks: bool = False
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
@@ -380,12 +402,17 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope: Mapping[str, RopeParams] = field(default_factory=lambda: {FULL_ATTENTION: RopeParams()})
+    nope_layers: tuple[int, ...] = ()
     max_position_embeddings: int = 2048
     latent: LatentConfig | None = None
     moe: MoEConfig | None = None
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     indexer: IndexerConfig | None = None
+    qsa: QSAConfig | None = None
+    gated_residual: GatedResidualConfig | None = None
+    ple: PLEConfig | None = None
+    final_norm: bool = True
     head_dim_by_type: Mapping[str, int] = field(default_factory=dict)
     kv_heads_by_type: Mapping[str, int] = field(default_factory=dict)
     k_eq_v_types: tuple[str, ...] = ()
@@ -395,6 +422,8 @@ class DecoderConfig:
     per_layer_vocab_size: int | None = None
     layer_scalars: bool = False
     intermediate_sizes: tuple[int, ...] | None = None
+    compressed: CompressedAttentionConfig | None = None
+    hyper: HyperConfig | None = None
     backend: str = "auto"
     decode_backend: str | None = "sdpa"
     name: str = ""
@@ -444,6 +473,7 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig: {LINEAR_ATTENTION!r} layers and linear_attention (their mixer's shape) "
                              f"go together; got {self.layer_types.count(LINEAR_ATTENTION)} such layers and "
                              f"linear_attention={self.linear_attention!r}")
+        self._check_nope_layers()
         if self.latent is not None and SLIDING_ATTENTION in self.layer_types:
             raise ValueError("DecoderConfig: latent attention (MLA) layers have no sliding window")
         if self.latent is not None and self.latent.hidden_size != self.hidden_size:
@@ -460,7 +490,7 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig: {kind} must be > 0 or None, got {softcap!r}")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"DecoderConfig: qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}")
-        if not self.pre_norms and not self.sandwich_norms:
+        if not self.pre_norms and not self.sandwich_norms and self.gated_residual is None:
             raise ValueError("DecoderConfig: pre_norms=False needs sandwich_norms=True (a block without any norm "
                              "is not a supported family)")
         if self.latent is not None and self.attn_output_gate:
@@ -480,6 +510,17 @@ class DecoderConfig:
                              f"index_head_dim >= its qk_rope_head_dim; got latent={self.latent!r}, "
                              f"indexer={self.indexer!r}")
         self._check_layer_shapes()
+        self._check_deepseek_v4()
+        if self.qsa is not None and (not isinstance(self.qsa, QSAConfig) or self.latent is not None
+                                     or SLIDING_ATTENTION in self.layer_types):
+            raise ValueError(f"DecoderConfig: qsa (Qwen4-Exp's indexed attention) needs a qkv.config.qsa.QSAConfig on "
+                             f"grouped-query full-attention layers (no latent, no sliding layers); got "
+                             f"qsa={self.qsa!r}, latent={self.latent!r}, layer_types={self.layer_types}")
+        if self.ple is not None and (self.gated_residual is None or any(
+                i >= self.num_hidden_layers or self.layer_types[i] != LINEAR_ATTENTION for i in self.ple.layers)):
+            raise ValueError(f"DecoderConfig: ple (Per-Layer Embedding) needs gated_residual (it writes into the "
+                             f"residual streams) and linear_attention layers only; got layers {self.ple.layers} of "
+                             f"{self.layer_types}, gated_residual={self.gated_residual!r}")
         object.__setattr__(self, "_derived", frozenset(derived))
 
     def _check_layer_shapes(self) -> None:
@@ -556,6 +597,68 @@ class DecoderConfig:
     def intermediate_size_for(self, layer_idx: int) -> int | None:
         """Feed-forward width of layer ``layer_idx``."""
         return self.intermediate_size if self.intermediate_sizes is None else self.intermediate_sizes[layer_idx]
+
+    def _check_deepseek_v4(self) -> None:
+        """DeepSeek-V4's attention (``compressed``) and residual streams (``hyper``)."""
+        if self.hyper is not None and not isinstance(self.hyper, HyperConfig):
+            raise TypeError(f"DecoderConfig: hyper must be a qkv.config.hyper.HyperConfig or None, got "
+                            f"{type(self.hyper).__name__}")
+        c = self.compressed
+        if c is None:
+            return
+        if not isinstance(c, CompressedAttentionConfig):
+            raise TypeError(f"DecoderConfig: compressed must be a qkv.config.compressed.CompressedAttentionConfig or "
+                            f"None, got {type(c).__name__}")
+        problems = []
+        if len(c.attention_types) != self.num_hidden_layers:
+            problems.append(f"compressed.attention_types has {len(c.attention_types)} entries for "
+                            f"{self.num_hidden_layers} layers")
+        if self.num_key_value_heads != 1:
+            problems.append(f"one KV head shared by every query head (K = V), got num_key_value_heads="
+                            f"{self.num_key_value_heads}")
+        if set(self.layer_types) != {SLIDING_ATTENTION} or not self.sliding_window:
+            problems.append("every layer 'sliding_attention' with a sliding_window (each has a sliding branch)")
+        if not self.attention_sinks or self.position != "none" or self.latent is not None:
+            problems.append("attention_sinks=True, position='none' (the layers rotate with compressed.main_rope / "
+                            "compress_rope) and no latent")
+        if (self.num_attention_heads * self.head_dim) % c.o_groups:
+            problems.append(f"o_groups ({c.o_groups}) dividing num_attention_heads * head_dim "
+                            f"({self.num_attention_heads * self.head_dim})")
+        if c.qk_rope_head_dim > self.head_dim:
+            problems.append(f"qk_rope_head_dim ({c.qk_rope_head_dim}) <= head_dim ({self.head_dim})")
+        if problems:
+            raise ValueError("DecoderConfig: DeepSeek-V4 attention (compressed) needs " + "; ".join(problems))
+    def _check_nope_layers(self) -> None:
+        nope = self.nope_layers
+        if not isinstance(nope, (tuple, list)) or any(not isinstance(i, int) or isinstance(i, bool) for i in nope):
+            raise TypeError(f"DecoderConfig: nope_layers must be a tuple of layer indices (ints), got {nope!r}")
+        object.__setattr__(self, "nope_layers", tuple(nope))
+        n = self.num_hidden_layers
+        if list(nope) != sorted(set(nope)) or (nope and not 0 <= nope[0] <= nope[-1] < n):
+            raise ValueError(f"DecoderConfig: nope_layers must be increasing distinct layer indices in [0, {n}), got "
+                             f"{nope!r}")
+        if not nope:
+            return
+        if self.position != "rope":
+            raise ValueError(f"DecoderConfig: nope_layers (layers without RoPE) need position='rope' for the others, "
+                             f"got position={self.position!r}")
+        if self.latent is not None:
+            raise ValueError("DecoderConfig: nope_layers is for grouped-query attention layers; latent attention "
+                             "(MLA) without RoPE is LatentConfig(use_rope=False) with position='none'")
+        recurrent = [i for i in nope if self.layer_types[i] == LINEAR_ATTENTION]
+        if recurrent:
+            raise ValueError(f"DecoderConfig: nope_layers {recurrent} are {LINEAR_ATTENTION!r} layers, which have no "
+                             "RoPE to drop; list attention layers only")
+
+    def layer_norms(self, layer_idx: int) -> tuple[bool, bool]:
+        """``(pre, post)``: whether layer ``layer_idx`` normalizes each branch's input, and each branch's output."""
+        if self.linear_pre_norms and self.layer_types[layer_idx] == LINEAR_ATTENTION:
+            return True, False
+        return self.pre_norms, self.sandwich_norms
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """Whether attention layer ``layer_idx`` rotates its queries and keys (RoPE, not a NoPE layer)."""
+        return self.position == "rope" and layer_idx not in self.nope_layers
 
     @property
     def attention_only(self) -> bool:
@@ -671,6 +774,8 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
                 overrides["layer_types"] = tuple(types[i % len(types)] for i in range(n))
                 if "local" not in preset.layer_counts and "recurrent" not in preset.layer_counts:
                     del overrides["layer_types"]
+            if "nope_layers" not in overrides and isinstance(n, int) and preset.config.nope_layers:
+                overrides["nope_layers"] = tuple(i for i in preset.config.nope_layers if i < n)  # the first n too
             cfg = decoder_config_from_preset(preset)
             return cfg.replace(**overrides) if overrides else cfg
         known = list(PRESETS) + list(MODEL_PRESETS)

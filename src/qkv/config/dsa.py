@@ -23,11 +23,14 @@ class IndexerConfig:
         index_head_dim: indexer query/key width ``Di`` (128); its first ``qk_rope_head_dim`` channels carry
             RoPE. The cache keeps one such key per token beside MLA's latent.
         index_topk: latent entries each query attends to, ``K`` (2048).
+        interleaved_rope: the indexer's RoPE pairs are interleaved ``(x0, x1), (x2, x3), ...`` (GLM-5's
+            ``glm_moe_dsa``) rather than half-split (DeepSeek-V3.2's).
     """
 
     index_n_heads: int
     index_head_dim: int
     index_topk: int
+    interleaved_rope: bool = False
 
     def __post_init__(self) -> None:
         for name in ("index_n_heads", "index_head_dim", "index_topk"):

@@ -14,14 +14,21 @@ applies the same defaults and rules per ``model_type`` (``HF_DEFAULTS``), so its
 - Qwen2 / Qwen3: the window only when ``use_sliding_window``; then layers ``i >= max_window_layers`` slide;
 - Gemma 2: local and global layers alternate, layer 0 local; Gemma 3: ``sliding_window_pattern - 1``
   local layers per global one (layer ``i`` global iff ``(i + 1) % pattern == 0``);
-- DeepSeek-V3.2: HF's ``"indexed_attention"`` layers (DeepSeek Sparse Attention) cache every token, so they read
-  as ``"full_attention"``; the indexer's shape is :func:`read_indexer`'s, its cached key ``index_head_dim``;
+- DeepSeek-V3.2, GLM-5 (``glm_moe_dsa``): HF's ``"indexed_attention"`` layers (DeepSeek Sparse Attention) cache
+  every token, so they read as ``"full_attention"``; the indexer's shape is :func:`read_indexer`'s, its cached
+  key ``index_head_dim``;
 - Llama, DeepSeek, GPT-2, BLOOM: no layer slides;
 - other families (Mistral, Mixtral, ...): every layer slides when ``sliding_window`` is set, else none;
   a ``sliding_window_pattern`` key, where present, interleaves as Gemma 3 does;
 - hybrid Qwen3-Next / Qwen3.5: ``"linear_attention"`` (Gated DeltaNet) layers, and every
   ``full_attention_interval``-th layer (default 4) ``"full_attention"`` when ``layer_types`` is absent; the
   recurrent layers' shape is :func:`read_linear_attention`'s (the description's ``linear_attention``);
+- SmolLM3: NoPE layers (``no_rope_layers``, 0 where a layer has no RoPE; default every
+  ``no_rope_layer_interval``-th layer) read as the description's ``nope_layers``; with ``use_sliding_window`` and no
+  ``layer_types``, exactly those layers slide;
+- hybrid OLMo-hybrid: Gated DeltaNet (``"linear_attention"``) layers with Qwen3.5's split projections, beta in
+  ``[0, 2]`` (``linear_allow_neg_eigval``, default True), and every 4th layer full attention (the last one when
+  there are fewer than 4 layers);
 - hybrid Kimi Linear: KDA (``"linear_attention"``) and MLA layers from a checkpoint's ``linear_attn_config``
   (layers counted from 1), else transformers' default, layer ``i`` MLA when ``i > 0`` and ``i % 4 == 0``.
 
@@ -33,8 +40,8 @@ lightning indexer (:func:`read_indexer`) are read here too, so no other module r
 
 A field that changes the attention layout and that this reader does not model is refused, never ignored
 (``UNREAD_LAYOUT_FIELDS``): Llama 4's chunked attention (``attention_chunk_size``, HF's default 8192 when the
-key is absent) and its NoPE layers (``no_rope_layers``), GPT-Neo's ``attention_layers``, Longformer's
-``attention_window``, ModernBERT's ``global_attn_every_n_layers``; so are ``layer_types`` values other than
+key is absent) and its NoPE layers (``no_rope_layers``, read for SmolLM3 only), GPT-Neo's ``attention_layers``,
+Longformer's ``attention_window``, ModernBERT's ``global_attn_every_n_layers``; so are ``layer_types`` values other than
 ``"full_attention"`` and ``"sliding_attention"``.
 
 Example:
@@ -60,9 +67,10 @@ from .latent import LatentConfig
 from .layer_types import DECODER_LAYER_TYPES, FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 from .moe import MoEConfig
+from .qsa import QSAConfig
 from .rope import RopeParams, rope_type_of
 
-__all__ = ["read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention",
+__all__ = ["read_layout", "read_rope", "read_latent", "read_moe", "read_linear_attention", "read_qsa",
            "read_indexer", "load_hf_config", "text_config",
            "hf_defaults", "declared_dtype", "description_dtype", "PUBLISHED_DTYPE", "HF_DEFAULTS",
            "UNREAD_LAYOUT_FIELDS", "FULL_ATTENTION", "SLIDING_ATTENTION"]
@@ -86,10 +94,14 @@ HF_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
                     {"head_dim": 256, "partial_rotary_factor": 0.25, "full_attention_interval": 4}),
     "deepseek_v32": {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048},
+    "qwen4_exp_text": {"head_dim": 256, "full_attention_interval": 4},
+    "glm_moe_dsa": {"index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048},
+    "smollm3": {"no_rope_layer_interval": 4, "use_sliding_window": False, "rope_theta": 2_000_000.0},
 }
 #: Hybrid families: their recurrent layers' mixer (:data:`qkv.config.linear.LINEAR_MIXERS`).
 HYBRID_MIXERS = {"qwen3_next": "gated_deltanet", "qwen3_5_text": "gated_deltanet_split",
-                 "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda"}
+                 "qwen3_5_moe_text": "gated_deltanet_split", "kimi_linear": "kda",
+                 "olmo_hybrid": "gated_deltanet_split", "qwen4_exp_text": "gated_deltanet_split"}
 
 #: Layout fields this reader does not model, each with what it means; a config that sets one is refused.
 UNREAD_LAYOUT_FIELDS: Mapping[str, str] = {
@@ -107,8 +119,10 @@ _ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_
             "n_embed": "hidden_size"}
 _PERIOD = {"gemma2": 2}  # local:global interleave fixed by the modelling code
 # families that never slide
-_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "deepseek_v32", "gpt2", "bloom", "kimi_linear"})
+_NO_WINDOW = frozenset({"llama", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "gpt2", "bloom",
+                        "kimi_linear"})
 _NOPE_MLA = frozenset({"kimi_linear"})  # families whose MLA layers rotate nothing
+_READS_NOPE = frozenset({"smollm3"})  # families whose no_rope_layers is read (nope_layers), not refused
 _LEARNED = frozenset({"gpt2", "gpt_bigcode", "opt"})  # families with a learned position table
 _ALIBI = frozenset({"bloom"})  # families with ALiBi instead of positions
 
@@ -148,7 +162,7 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for long in _ALIASES.values():  # the long name wins where both are present
         if long in cfg:
             out[long] = cfg[long]
-    if out.get("model_type") in ("gemma3", "gemma4", "llama4", "qwen3_5", "qwen3_5_moe"):
+    if out.get("model_type") in ("gemma3", "gemma4", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"):
         out["model_type"] += "_text"
     return out
 
@@ -251,6 +265,8 @@ def _layer_types(cfg: Mapping[str, Any], n: int, source: str) -> tuple[tuple[str
     elif model_type in HYBRID_MIXERS:  # HF: every full_attention_interval-th layer is full attention
         every = cfg.get("full_attention_interval") or 4
         types = tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(n))
+        if model_type == "olmo_hybrid" and FULL_ATTENTION not in types:  # HF: at least the last layer attends
+            types = types[:-1] + (FULL_ATTENTION,)
     elif window is None:
         types = (FULL_ATTENTION,) * n
     elif "max_window_layers" in cfg:  # Qwen2/Qwen3: the first max_window_layers layers stay global
@@ -356,15 +372,16 @@ def read_moe(config) -> MoEConfig | None:
                          swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if model_type == "kimi_linear":
         return _kimi_moe(cfg)
-    if model_type in ("qwen3_next", "qwen3_5_moe_text"):  # Qwen2-MoE's block: softmax top-k, one gated shared expert
-        n = cfg.get("num_experts", 512 if model_type == "qwen3_next" else 256)
+    if model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text"):  # Qwen2-MoE's block: softmax top-k, one
+        q35 = model_type == "qwen3_5_moe_text"  # gated shared expert
+        n = cfg.get("num_experts", 256 if q35 else 512)
         if not n:
             return None
         return MoEConfig(n_routed_experts=n,
-                         num_experts_per_tok=cfg.get("num_experts_per_tok", 10 if model_type == "qwen3_next" else 8),
+                         num_experts_per_tok=cfg.get("num_experts_per_tok", 8 if q35 else 10),
                          moe_intermediate_size=cfg.get("moe_intermediate_size", 512),
                          # Qwen3.5-MoE always renormalizes (HF reads no norm_topk_prob for it)
-                         norm_topk_prob=model_type != "qwen3_next" or bool(cfg.get("norm_topk_prob", True)),
+                         norm_topk_prob=q35 or bool(cfg.get("norm_topk_prob", True)),
                          n_shared_experts=1,
                          shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 512),
                          shared_expert_gate=True)
@@ -375,9 +392,17 @@ def read_moe(config) -> MoEConfig | None:
         return MoEConfig(n_routed_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
                          moe_intermediate_size=cfg["moe_intermediate_size"],
                          norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    if model_type == "mistral4":  # softmax scores, groups by their two best, renormalized (HF's Mistral4TopkRouter)
+        return MoEConfig(
+            n_routed_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg.get("num_experts_per_tok") or 4,
+            moe_intermediate_size=cfg["moe_intermediate_size"], n_shared_experts=cfg.get("n_shared_experts") or 0,
+            first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), topk_method="group_limited_top2",
+            n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
     if not cfg.get("n_routed_experts"):
         return None
-    v3 = model_type in ("deepseek_v3", "deepseek_v32")
+    v3 = model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if v3 and (method != "noaux_tc" or (cfg.get("scoring_func") or "sigmoid") != "sigmoid"):
         raise ValueError(f"{model_type} routes with topk_method='noaux_tc' and sigmoid scores; this config says "
@@ -450,7 +475,20 @@ def read_linear_attention(config) -> LinearAttentionConfig | None:
     """
     cfg = hf_defaults(text_config(load_hf_config(config)))
     mixer = HYBRID_MIXERS.get(cfg.get("model_type") or "")
-    return None if mixer is None else LinearAttentionConfig.from_hf(cfg, mixer=mixer)
+    if mixer is None:
+        return None
+    if cfg.get("model_type") != "olmo_hybrid":
+        return LinearAttentionConfig.from_hf(cfg, mixer=mixer)
+    # OLMo-hybrid: HF's defaults derive from the attention shape; beta in [0, 2] unless turned off; norm eps 1e-5
+    heads = cfg.get("linear_num_key_heads") or cfg.get("num_attention_heads")
+    key_dim = cfg.get("linear_key_head_dim") or (int(0.75 * cfg["hidden_size"] / heads)
+                                                 if cfg.get("hidden_size") and heads else None)
+    return LinearAttentionConfig.from_hf(
+        {**cfg, "linear_num_key_heads": heads,
+         "linear_num_value_heads": cfg.get("linear_num_value_heads") or cfg.get("num_attention_heads"),
+         "linear_key_head_dim": key_dim,
+         "linear_value_head_dim": cfg.get("linear_value_head_dim") or (2 * key_dim if key_dim else None)},
+        mixer=mixer, allow_neg_eigval=bool(cfg.get("linear_allow_neg_eigval", True)), norm_eps=1e-5)
 
 
 def read_indexer(config) -> IndexerConfig | None:
@@ -472,7 +510,8 @@ def read_indexer(config) -> IndexerConfig | None:
     if missing:
         raise ValueError(f"read_indexer({cfg.get('model_type')}): an indexer needs {', '.join(names)}; missing "
                          f"{', '.join(missing)}")
-    return IndexerConfig(**{n: cfg[n] for n in names})
+    # GLM-5 rotates its indexer's RoPE channels in interleaved pairs, DeepSeek-V3.2 in halves
+    return IndexerConfig(**{n: cfg[n] for n in names}, interleaved_rope=cfg.get("model_type") == "glm_moe_dsa")
 
 
 def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) -> dict[str, Any]:
@@ -517,6 +556,30 @@ def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) 
     return out
 
 
+def read_qsa(config) -> QSAConfig | None:
+    """Qwen4-Exp's QSA indexer of an HF config (``indexer_n_heads``, ``indexer_kv_heads`` = 1,
+    ``indexer_head_dim``, ``indexer_budget``, ``indexer_compress_ratio``), or None for a config without one.
+
+    Example:
+        >>> read_qsa({"model_type": "qwen4_exp_text", "indexer_n_heads": 8, "indexer_kv_heads": 1,
+        ...           "indexer_head_dim": 128, "indexer_budget": 2048, "indexer_compress_ratio": 64}).block_topk
+        32
+    """
+    cfg = text_config(load_hf_config(config))
+    names = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+    if not any(cfg.get(n) is not None for n in names):
+        return None
+    missing = [n for n in names if cfg.get(n) is None]
+    if missing:
+        raise ValueError(f"read_qsa({cfg.get('model_type')}): a QSA indexer needs {', '.join(names)}; missing "
+                         f"{', '.join(missing)}")
+    if cfg["indexer_kv_heads"] != 1:
+        raise ValueError(f"read_qsa({cfg.get('model_type')}): QSA's indexer has one key head (indexer_kv_heads=1), "
+                         f"got indexer_kv_heads={cfg['indexer_kv_heads']}")
+    return QSAConfig(index_n_heads=cfg["indexer_n_heads"], index_head_dim=cfg["indexer_head_dim"],
+                     budget=cfg["indexer_budget"], block=cfg["indexer_compress_ratio"])
+
+
 def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
     """Raise for a layout field this reader does not model (``UNREAD_LAYOUT_FIELDS``)."""
     cfg = dict(cfg)
@@ -527,10 +590,33 @@ def _refuse_unread(cfg: Mapping[str, Any], source: str) -> None:
         value = cfg.get(key)
         if value is None or value is False:
             continue
-        if key == "no_rope_layers" and isinstance(value, list) and all(v == 1 for v in value):
-            continue  # HF's 1 means "this layer uses RoPE": nothing to model
+        if key == "no_rope_layers" and (cfg.get("model_type") in _READS_NOPE
+                                        or isinstance(value, list) and all(v == 1 for v in value)):
+            continue  # read by _nope_layers; or HF's 1 everywhere, "every layer uses RoPE": nothing to model
         raise ValueError(f"{source}: {key}={_short(value)} sets {what}, which qkv does not model; read as plain "
                          "layers the layout (and the cache bytes) would be wrong, so the config is refused")
+
+
+def _nope_layers(cfg: dict[str, Any], n: int, source: str) -> tuple[int, ...]:
+    """The layers without RoPE of a family in ``_READS_NOPE`` (HF ``no_rope_layers``: 1 rotates, 0 does not;
+    absent: every ``no_rope_layer_interval``-th layer unrotated), filling in SmolLM3's ``layer_types`` when absent
+    (HF slides exactly the NoPE layers when ``use_sliding_window``). ``()`` for other families."""
+    if cfg.get("model_type") not in _READS_NOPE:
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval")
+        if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
+            raise ValueError(f"{source}: no_rope_layer_interval must be a positive int, got {every!r}")
+        flags = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(flags, (list, tuple)) or len(flags) < n or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"{source}: no_rope_layers must list 1 (RoPE) or 0 (NoPE) for each of the {n} layers, got "
+                         f"{_short(flags)}")
+    nope = tuple(i for i in range(n) if not flags[i])
+    if cfg.get("layer_types") is None:
+        slides = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+        cfg["layer_types"] = [SLIDING_ATTENTION if slides and i in nope else FULL_ATTENTION for i in range(n)]
+    return nope
 
 
 def _short(value) -> str:
@@ -573,6 +659,7 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
         head_dim = _int(cfg, "hidden_size", source) // heads
     else:
         raise ValueError(f"{source}: needs head_dim or hidden_size")
+    nope = _nope_layers(cfg, n, source)
     types, window = _layer_types(cfg, n, source)
     model_type = cfg.get("model_type") or ""
     if model_type == "gemma4_text" and types and types[-1] != FULL_ATTENTION:  # transformers forces it global
@@ -586,8 +673,9 @@ def read_layout(config: str | os.PathLike | Mapping[str, Any]) -> DecoderConfig:
             vocab_size=cfg.get("vocab_size"), hidden_size=hidden, num_hidden_layers=n, num_attention_heads=heads,
             intermediate_size=cfg.get("intermediate_size"), num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=None if mla else head_dim, layer_types=types, sliding_window=window, rope=_ropes(cfg, types),
+            nope_layers=nope,
             position=position, max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048), latent=latent,
-            indexer=read_indexer(cfg) if mla else None,
+            indexer=read_indexer(cfg) if mla else None, qsa=None if mla else read_qsa(cfg),
             linear_attention=read_linear_attention(cfg) if LINEAR_ATTENTION in types else None, name=model_type,
             **(_gemma4_layout(cfg, types, source) if model_type == "gemma4_text" else {}))
     except (TypeError, ValueError) as e:

@@ -38,6 +38,9 @@ class LatentConfig:
         use_rope: False for MLA without positions (NoPE, Kimi Linear; its checkpoints say ``mla_use_nope``):
             the ``qk_rope_head_dim`` channels stay, as a key part shared by all heads, but are never rotated;
             ``rope_theta`` and ``rope_scaling`` are then unused, and ``rope_scaling`` must be None.
+        query_scale_beta, query_scale_period: Llama 4's attention temperature as Mistral 4 uses it: the query at
+            position ``p`` is multiplied by ``1 + beta * log(1 + floor(p / period))`` (1 below ``period``; HF's
+            ``llama_4_scaling_beta`` and ``original_max_position_embeddings``). None: no such scale; both or neither.
 
     Example:
         >>> cfg = LatentConfig(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512)
@@ -59,6 +62,8 @@ class LatentConfig:
     max_position_embeddings: int = 2048
     norm_eps: float = 1e-6
     use_rope: bool = True
+    query_scale_beta: float | None = None
+    query_scale_period: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -77,6 +82,14 @@ class LatentConfig:
         if not self.use_rope and self.rope_scaling:
             raise ValueError(f"LatentConfig: use_rope=False (NoPE) rotates nothing, so rope_scaling must be None, got "
                              f"{dict(self.rope_scaling)!r}")
+        beta, period = self.query_scale_beta, self.query_scale_period
+        if (beta is None) != (period is None):
+            raise ValueError(f"LatentConfig: query_scale_beta and query_scale_period go together (Llama 4's "
+                             f"attention temperature); got query_scale_beta={beta!r}, query_scale_period={period!r}")
+        if beta is not None and (not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0
+                                 or not isinstance(period, int) or isinstance(period, bool) or period < 1):
+            raise ValueError(f"LatentConfig: query_scale_beta must be a float >= 0 and query_scale_period a positive "
+                             f"int, got {beta!r} and {period!r}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"LatentConfig: attention_dropout must be in [0, 1), got {self.attention_dropout}")
 
@@ -84,6 +97,14 @@ class LatentConfig:
     def qk_head_dim(self) -> int:
         """``dn + dr``: the per-head query/key width of the expanded path."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def query_scale(self, positions):
+        """The query multiplier ``1 + beta * log(1 + floor(p / period))`` at ``positions`` (a tensor of absolute
+        positions; negative, padding, counts as 0), in float64; None without a query scale."""
+        if self.query_scale_beta is None:
+            return None
+        blocks = (positions.clamp_min(0) // self.query_scale_period).double()
+        return 1.0 + self.query_scale_beta * blocks.log1p()
 
     @property
     def rope_type(self) -> str:

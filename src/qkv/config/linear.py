@@ -47,6 +47,10 @@ class LinearAttentionConfig:
         linear_num_value_heads: value heads ``H``, a multiple of ``Hk`` (each key head serves ``H / Hk``).
         linear_key_head_dim, linear_value_head_dim: ``Dk`` and ``Dv``.
         linear_conv_kernel_dim: taps ``K`` of the short causal convolution over q, k and v.
+        allow_neg_eigval: the write strength is ``2 * sigmoid(b)``, in ``[0, 2]``, so the transition
+            ``I - beta k k^T`` may have the eigenvalue ``1 - beta < 0`` (Grazzi et al. 2025, "Unlocking State-Tracking
+            in Linear RNNs Through Negative Eigenvalues", arXiv:2411.12537; OLMo-hybrid); False: ``sigmoid(b)``.
+        norm_eps: epsilon of the gated output norm (None: the model's ``rms_norm_eps``; OLMo-hybrid fixes 1e-5).
     """
 
     linear_num_key_heads: int
@@ -55,6 +59,8 @@ class LinearAttentionConfig:
     linear_value_head_dim: int
     linear_conv_kernel_dim: int = 4
     mixer: str = "gated_deltanet"
+    allow_neg_eigval: bool = False
+    norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         if self.mixer not in recurrent_mixers():
@@ -65,6 +71,14 @@ class LinearAttentionConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"LinearAttentionConfig: {name} must be a positive int, got {v!r}")
+        if not isinstance(self.allow_neg_eigval, bool):
+            raise TypeError(f"LinearAttentionConfig: allow_neg_eigval must be True or False, got "
+                            f"{self.allow_neg_eigval!r}")
+        if self.allow_neg_eigval and self.mixer == "kda":
+            raise ValueError("LinearAttentionConfig: allow_neg_eigval is an option of the gated_deltanet mixers; kda "
+                             "keeps beta = sigmoid(b)")
+        if self.norm_eps is not None and not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
+            raise ValueError(f"LinearAttentionConfig: norm_eps must be a positive float or None, got {self.norm_eps!r}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"LinearAttentionConfig: linear_num_value_heads={self.linear_num_value_heads} must be a "
                              f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
@@ -81,9 +95,11 @@ class LinearAttentionConfig:
         return 2 * Hk * Dk + H * Dv, self.linear_conv_kernel_dim, H, Dk, Dv
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], *, mixer: str = "gated_deltanet") -> LinearAttentionConfig:
+    def from_hf(cls, cfg: dict[str, Any], *, mixer: str = "gated_deltanet", allow_neg_eigval: bool = False,
+                norm_eps: float | None = None) -> LinearAttentionConfig:
         """From an HF Qwen3-Next / Qwen3.5 text config dict (HF's defaults for absent keys); for ``mixer="kda"`` a
-        Kimi Linear one as :func:`qkv.config.hf_config.hf_defaults` leaves it (``linear_attn_config`` read)."""
+        Kimi Linear one as :func:`qkv.config.hf_config.hf_defaults` leaves it (``linear_attn_config`` read).
+        ``allow_neg_eigval`` and ``norm_eps`` as the fields (the HF reader gives OLMo-hybrid's)."""
         if mixer == "kda":
             heads, width = cfg.get("linear_num_heads", 32), cfg.get("linear_head_dim", 128)
             return cls(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=width,
@@ -93,4 +109,5 @@ class LinearAttentionConfig:
                    linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
                    linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
                    linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
-                   linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4), mixer=mixer)
+                   linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4), mixer=mixer,
+                   allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps)

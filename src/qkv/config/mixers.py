@@ -9,7 +9,11 @@ A decoder layer is a token mixer followed by a feed-forward. The mixer kinds (:d
   DeepSeek-V3.2-Exp);
 - ``"gated_deltanet"`` and ``"gated_deltanet_split"``: Gated DeltaNet (Yang, Kautz, Hatamizadeh 2025,
   arXiv:2412.06464) with Qwen3-Next's and Qwen3.5's projections;
-- ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692).
+- ``"kda"``: Kimi Delta Attention (Kimi Team 2025, arXiv:2510.26692);
+- ``"qsa"``: grouped-query attention reading only the tokens QSA's block indexer keeps (Qwen4-Exp).
+- ``"v4_sliding"``, ``"csa"``, ``"hca"``: DeepSeek-V4's attention (DeepSeek-AI 2026, DeepSeek-V4 report, Section 2.3):
+  a sliding window alone, beside indexer-selected entries of overlapping compressed windows (CSA), or beside every
+  entry of disjoint compressed windows (HCA); one module, :class:`qkv.nn.compressed_attention.CompressedAttention`.
 
 Each :class:`MixerKind` declares, for one layer of a config: the module attribute the layer holds it under (HF's
 ``self_attn`` or ``linear_attn``, so checkpoints map by name), its cache as a :class:`CacheShape` (which
@@ -48,14 +52,15 @@ __all__ = ["CACHE_KINDS", "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mix
 
 #: The :mod:`qkv.cache` layer specs a mixer's cache may be, by their ``kind`` (``"indexed_latent"``: a latent with
 #: DeepSeek Sparse Attention's indexer key beside it).
-CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "shared")
+CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "shared", "compressed")
 
 
 class CacheShape(NamedTuple):
     """What one layer caches, as data: a :mod:`qkv.cache` spec kind (one of :data:`CACHE_KINDS`) and that spec's
     constructor arguments (``"full"``: Hkv, D; ``"sliding"``: window, Hkv, D; ``"latent"``: kv_lora_rank,
     qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
-    Dk, Dv; ``"shared"``: the source layer, window or None, Hkv, D)."""
+    Dk, Dv; ``"shared"``: the source layer, window or None, Hkv, D; ``"compressed"``: window, head_dim, rate,
+    index_head_dim (0 without an indexer))."""
 
     kind: str
     args: tuple[int, ...]
@@ -135,11 +140,14 @@ def mixer_of(config: DecoderConfig, layer_idx: int) -> MixerKind:
     n = config.num_hidden_layers
     if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < n:
         raise ValueError(f"mixer_of: layer_idx must be an int in [0, {n}), got {layer_idx!r}")
+    if config.compressed is not None:
+        kind = config.compressed.attention_types[layer_idx]
+        return get_mixer("v4_sliding" if kind == "sliding" else kind)
     if config.layer_types[layer_idx] == LINEAR_ATTENTION:
         return get_mixer(config.linear_attention.mixer)
     if config.latent is not None:
         return get_mixer("dsa" if config.indexer is not None else "mla")
-    return get_mixer("attention")
+    return get_mixer("qsa" if config.qsa is not None else "attention")
 
 
 def _window(c: DecoderConfig, i: int) -> int | None:
@@ -227,6 +235,15 @@ def _dsa_params(c: DecoderConfig) -> int:
     return _mla_params(c) + _dsa_weights(c) - _mla_weights(c) + 2 * c.indexer.index_head_dim  # its key's LayerNorm
 
 
+def _qsa_weights(c: DecoderConfig) -> int:
+    ix = c.qsa  # the indexer's queries and its one key head
+    return _gqa_weights(c) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim
+
+
+def _qsa_params(c: DecoderConfig) -> int:
+    return _gqa_params(c) + _qsa_weights(c) - _gqa_weights(c) + 2 * c.qsa.index_head_dim  # its two RMSNorms
+
+
 def _recurrent_cache(c: DecoderConfig, i: int) -> CacheShape:
     return CacheShape("recurrent", c.linear_attention.recurrent_shape())
 
@@ -254,6 +271,36 @@ def _kda_params(c: DecoderConfig) -> int:
     return _kda_weights(c) + conv * K + H * D + H + D  # conv, dt_bias per channel and A_log per head, the norm
 
 
+def _v4_weights(c: DecoderConfig, kind: str) -> int:
+    cc, d, H, D = c.compressed, c.hidden_size, c.num_attention_heads, c.head_dim
+    n = d * cc.q_lora_rank + cc.q_lora_rank * H * D + d * D + H * D * cc.o_lora_rank + cc.o_groups * cc.o_lora_rank * d
+    if kind != "sliding":
+        n += 2 * d * D * (2 if kind == "csa" else 1)  # the compressor's values and gates
+    if kind == "csa":  # the indexer's values and gates, queries and head weights
+        Hi, Di = cc.index_n_heads, cc.index_head_dim
+        n += 4 * d * Di + cc.q_lora_rank * Hi * Di + d * Hi
+    return n
+
+
+def _v4_params(c: DecoderConfig, kind: str) -> int:
+    cc, H, D = c.compressed, c.num_attention_heads, c.head_dim
+    n = _v4_weights(c, kind) + cc.q_lora_rank + D + H  # q_a_norm, kv_norm, sinks
+    if kind != "sliding":
+        rate = cc.compress_rates[kind]
+        n += rate * D * (2 if kind == "csa" else 1) + D  # position bias, the entries' norm
+    if kind == "csa":
+        n += cc.compress_rates["csa"] * 2 * cc.index_head_dim + cc.index_head_dim
+    return n
+
+
+def _v4_cache(c: DecoderConfig, i: int) -> CacheShape:
+    kind = c.compressed.attention_types[i]
+    if kind == "sliding":
+        return CacheShape("sliding", (c.sliding_window, 1, c.head_dim))
+    index_dim = c.compressed.index_head_dim if kind == "csa" else 0
+    return CacheShape("compressed", (c.sliding_window, c.head_dim, c.compressed.rate_of(i), index_dim))
+
+
 def _recurrent_token_flops(c: DecoderConfig) -> int:
     lin = c.linear_attention  # the delta rule reads, corrects and writes a (Dk, Dv) state per head: 6 H Dk Dv
     return 6 * lin.linear_num_value_heads * lin.linear_key_head_dim * lin.linear_value_head_dim
@@ -265,6 +312,8 @@ register_mixer(MixerKind(name="mla", attribute="self_attn", cache=_mla_cache, pa
                          weights=_mla_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
 register_mixer(MixerKind(name="dsa", attribute="self_attn", cache=_dsa_cache, params=_dsa_params,
                          weights=_dsa_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
+register_mixer(MixerKind(name="qsa", attribute="self_attn", cache=_gqa_cache, params=_qsa_params,
+                         weights=_qsa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
 for _name in ("gated_deltanet", "gated_deltanet_split"):
     register_mixer(MixerKind(name=_name, attribute="linear_attn", cache=_recurrent_cache, params=_gdn_params,
                              weights=_gdn_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,
@@ -272,3 +321,7 @@ for _name in ("gated_deltanet", "gated_deltanet_split"):
 register_mixer(MixerKind(name="kda", attribute="linear_attn", cache=_recurrent_cache, params=_kda_params,
                          weights=_kda_weights, pair_flops=_zero, token_flops=_recurrent_token_flops,
                          window=_no_window, recurrent=True))
+for _name, _kind in (("v4_sliding", "sliding"), ("csa", "csa"), ("hca", "hca")):
+    register_mixer(MixerKind(name=_name, attribute="self_attn", cache=_v4_cache,
+                             params=lambda c, k=_kind: _v4_params(c, k), weights=lambda c, k=_kind: _v4_weights(c, k),
+                             pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))

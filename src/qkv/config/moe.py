@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 __all__ = ["MoEConfig"]
 
-_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "topk_softmax")
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "group_limited_top2", "noaux_tc", "topk_softmax",
+                 "sqrtsoftplus")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,10 +19,17 @@ class MoEConfig:
 
     Layer ``i`` is a mixture of experts when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``
     (DeepSeek's rule; HF transformers ignores ``moe_layer_freq``, which is 1 in every released checkpoint).
-    Routing (module notes): ``topk_method`` ``"greedy"`` or ``"group_limited_greedy"`` (softmax scores,
+    Routing (module notes): ``topk_method`` ``"greedy"``, ``"group_limited_greedy"`` (groups ranked by their best
+    score) or ``"group_limited_top2"`` (by the sum of their two best scores, Mistral 4) (softmax scores,
     :func:`route_softmax`), ``"noaux_tc"`` (sigmoid scores with a correction bias, :func:`route_noaux_tc`)
     or ``"topk_softmax"`` (softmax over the selected logits, :func:`route_topk_softmax`); weights
     renormalized when ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+
+    DeepSeek-V4: ``topk_method="sqrtsoftplus"`` (scores ``sqrt(softplus(logits))``, experts chosen by score plus
+    ``e_score_correction_bias``, weighted by their unbiased scores, :func:`route_sqrt_softplus`); the layers in
+    ``hash_layers`` choose their experts by a fixed table of the token id instead (``tid2eid``, :func:`route_hash`);
+    ``silu_limit``: routed and shared experts clamp ``gate <= limit`` and ``|up| <= limit`` before
+    ``silu(gate) * up``.
 
     GPT-OSS: ``router_bias`` (the router has a bias) and ``swiglu_limit`` (experts are
     :class:`ClampedSwiGLUExperts` with ``swiglu_alpha``, biases included; None: :class:`Experts`).
@@ -47,6 +55,8 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    hash_layers: tuple[int, ...] = ()
+    silu_limit: float | None = None
 
     def __post_init__(self) -> None:
         if self.topk_method not in _TOPK_METHODS:
@@ -57,12 +67,25 @@ class MoEConfig:
                              f"{self.n_routed_experts // 2})")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"MoEConfig: swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
+        object.__setattr__(self, "hash_layers", tuple(self.hash_layers))
+        if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.hash_layers):
+            raise ValueError(f"MoEConfig: hash_layers must be layer indices (ints >= 0), got {self.hash_layers!r}")
+        if self.hash_layers and self.topk_method != "sqrtsoftplus":
+            raise ValueError(f"MoEConfig: hash_layers (DeepSeek-V4's hash routing) weigh their experts by "
+                             f"sqrt-softplus scores; set topk_method='sqrtsoftplus', got {self.topk_method!r}")
+        if self.silu_limit is not None and (self.swiglu_limit is not None or not self.silu_limit > 0):
+            raise ValueError(f"MoEConfig: silu_limit must be > 0 or None, and not set with swiglu_limit (GPT-OSS's "
+                             f"experts); got silu_limit={self.silu_limit!r}, swiglu_limit={self.swiglu_limit!r}")
         if self.shared_expert_gate and not self.n_shared_experts:
             raise ValueError("MoEConfig: shared_expert_gate needs a shared expert (n_shared_experts >= 1)")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(f"MoEConfig: num_experts_per_tok ({self.num_experts_per_tok}) must lie in "
                              f"[1, n_routed_experts={self.n_routed_experts}]")
-        if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
+        if self.topk_method == "group_limited_top2" and self.n_group and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(f"MoEConfig: group_limited_top2 scores each group by its two best experts; n_group="
+                             f"{self.n_group} leaves {self.n_routed_experts // self.n_group} per group (use n_group <= "
+                             f"{self.n_routed_experts // 2})")
+        if self.topk_method in ("group_limited_greedy", "group_limited_top2", "noaux_tc") and (
                 not self.n_group or not self.topk_group or self.n_routed_experts % self.n_group):
             raise ValueError(f"MoEConfig: {self.topk_method} needs n_group dividing n_routed_experts "
                              f"({self.n_routed_experts}) and topk_group; got n_group={self.n_group}, "

@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from .compressed import CompressedAttentionConfig
 from .config_file import check_layout_fields, read_json_config
 from .decoder import DecoderConfig
 from .dsa import IndexerConfig
 from .hf_config import read_indexer, read_layout, read_moe
+from .hyper import HyperConfig
 from .latent import LatentConfig
 from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
 from .linear import LinearAttentionConfig
 from .moe import MoEConfig
+from .rope import RopeParams
 
 __all__ = ["AMBIGUOUS", "PRESETS", "ModelPreset", "get_preset", "preset_from_hf_config", "require_whole_model"]
 
@@ -213,12 +216,38 @@ _COUNTED_FIELDS = frozenset({
     "final_logit_softcapping", "tie_word_embeddings",
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "indexer", "backend",
     "decode_backend", "name", "linear_attention", "attn_output_gate",
+    "nope_layers", "linear_pre_norms",  # no count changes; norms per layer: DecoderConfig.layer_norms
 })
 
 
 def _pattern(num_layers: int, period: int) -> tuple[str, ...]:
     """HF's interleave: layer ``i`` is global iff ``(i + 1) % period == 0`` (Gemma 2: period 2)."""
     return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers))
+
+
+def _deepseek_v4(name: str, *, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+                 q_lora_rank: int, n_routed_experts: int, moe_intermediate_size: int, o_groups: int,
+                 index_topk: int) -> DecoderConfig:
+    """A DeepSeek-V4 shape: what transformers 5.25's ``DeepseekV4Config`` defaults (V4-Flash) hold beside the
+    fields that differ between the released sizes. Layers 0 and 1 are HCA (128 : 1), then HCA and CSA (4 : 1,
+    overlapping windows, an indexer of 64 heads of 128) alternate; every layer has its 128-token sliding branch,
+    one K = V head of 512 (64 rotary), sinks, 4 mHC streams; the first 3 MoE layers are hash-routed."""
+    n = num_hidden_layers
+    kinds = ("hca", "hca") + tuple("csa" if i % 2 else "hca" for i in range(2, n))
+    return DecoderConfig(
+        name=name, vocab_size=129280, hidden_size=hidden_size, num_hidden_layers=n,
+        num_attention_heads=num_attention_heads, num_key_value_heads=1, head_dim=512,
+        intermediate_size=moe_intermediate_size, rms_norm_eps=1e-6, position="none", attention_sinks=True,
+        sliding_window=128, layer_types=(SLIDING,) * n, tie_word_embeddings=False, max_position_embeddings=1048576,
+        moe=MoEConfig(n_routed_experts=n_routed_experts, num_experts_per_tok=6,
+                      moe_intermediate_size=moe_intermediate_size, n_shared_experts=1, routed_scaling_factor=1.5,
+                      topk_method="sqrtsoftplus", norm_topk_prob=True, hash_layers=(0, 1, 2), silu_limit=10.0),
+        compressed=CompressedAttentionConfig(
+            attention_types=kinds, q_lora_rank=q_lora_rank, o_groups=o_groups, o_lora_rank=1024,
+            qk_rope_head_dim=64, index_n_heads=64, index_head_dim=128, index_topk=index_topk,
+            compress_rates={"csa": 4, "hca": 128}, main_rope=RopeParams(theta=10000.0, interleaved=True),
+            compress_rope=RopeParams(theta=160000.0, interleaved=True)),
+        hyper=HyperConfig(hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6))
 
 
 def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
@@ -489,6 +518,54 @@ _PRESET_LIST = (
             "multi-token-prediction module: DeepSeek-V3's 671.0B plus 0.85B of indexers.",
     ),
     ModelPreset(
+        config=_deepseek_v4('deepseek-v4-flash', hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+                            q_lora_rank=1024, n_routed_experts=256, moe_intermediate_size=2048, o_groups=8,
+                            index_topk=512),
+        source='DeepSeek-AI 2026, DeepSeek-V4 technical report; transformers 5.25 DeepseekV4Config defaults '
+            '(checkpoint deepseek-ai/DeepSeek-V4-Flash)',
+        notes='43 layers of width 4096: a 128-token sliding branch on every layer beside HCA (128 : 1, dense) or '
+            'CSA (4 : 1 overlapping windows, the indexer keeps 512 entries); one K = V head of 512 (64 rotary), 64 '
+            'query heads, grouped low-rank output (8 groups of rank 1024), 4 mHC streams, 6 of 256 experts plus 1 '
+            'shared (sqrt-softplus routing, hash-routed first 3 layers). 284B parameters without the multi-token-'
+            'prediction module (published 284B), 13B active. Shape only: from_hf reads the RoPE scaling and routing.',
+    ),
+    ModelPreset(
+        config=_deepseek_v4('deepseek-v4-pro', hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                            q_lora_rank=1536, n_routed_experts=384, moe_intermediate_size=3072, o_groups=16,
+                            index_topk=1024),
+        source='DeepSeek-AI 2026, DeepSeek-V4 technical report; model card deepseek-ai/DeepSeek-V4-Pro (the fields '
+            'that differ from DeepseekV4Config defaults)',
+        notes="V4-Flash's design at 61 layers of width 7168, 128 query heads, q-LoRA 1536, 16 output groups, 6 of "
+            '384 experts of 3072, the indexer keeping 1024 entries. 1.6T parameters without the multi-token-'
+            'prediction module (published 1.6T), 49B active. Per token and layer the cache holds 1/4 (CSA) or '
+            '1/128 (HCA) of a 512-wide entry, CSA layers also 1/4 of a 128-wide indexer key, plus 128 window tokens '
+            "per layer: about 10% of DeepSeek-V3.2's bytes at 1M tokens (the report's figure).",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='glm-5',
+            vocab_size=154880, hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
+            intermediate_size=12288, num_key_value_heads=64, max_position_embeddings=202752,
+            latent=LatentConfig(
+                hidden_size=6144, num_attention_heads=64, kv_lora_rank=512, q_lora_rank=2048, qk_nope_head_dim=192,
+                qk_rope_head_dim=64, v_head_dim=256
+            ),
+            moe=MoEConfig(
+                n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                first_k_dense_replace=3
+            ),
+            indexer=IndexerConfig(index_n_heads=32, index_head_dim=128, index_topk=2048),
+        ),
+        source='Z.ai 2026, GLM-5 (zai-org/GLM-5 model card); transformers 5.25 GlmMoeDsaConfig defaults '
+            '(checkpoint zai-org/GLM-5)',
+        notes="DeepSeek-V3.2's design at GLM-5's shape: MLA (q-LoRA 2048, 192 + 64 query/key dims, 256 value dims) "
+            'with DeepSeek Sparse Attention on all 78 layers (indexer 32 heads of 128, interleaved RoPE, top 2048), '
+            '8 of 256 experts plus 1 shared, first 3 layers dense. 743.9B parameters without the multi-token-'
+            "prediction layer (the published 744B), 41.8B active with the embeddings (published: 40B active); each "
+            'token caches 512 + 64 latent values and a 128-wide indexer key per layer, 109,824 bytes in BF16. '
+            'Shape only, as the other presets: from_hf reads the routing and the indexer RoPE layout.',
+    ),
+    ModelPreset(
         config=DecoderConfig(
             name='olmo-2-32b',
             vocab_size=100352, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
@@ -578,6 +655,63 @@ _PRESET_LIST = (
             ' layers without positions (NoPE), no q-LoRA; sigmoid routing with a correction bias, 8 of 256 '
             "experts plus 1 shared, first layer dense. transformers' default layer_types (MLA at layers 4, 8, "
             "..., 24 counted from 0) differ from the checkpoint's.",
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='smollm3-3b',
+            vocab_size=128256, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+            intermediate_size=11008, num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=65536,
+            rope={FULL: RopeParams(theta=5_000_000.0)}, nope_layers=tuple(range(3, 36, 4)),
+        ),
+        source='Hugging Face 2025, SmolLM3: smol, multilingual, long-context reasoner (blog and model card, '
+            'HuggingFaceTB/SmolLM3-3B: 3.08B parameters); that config.json: widths, GQA 16:4, tied embeddings, '
+            'rope_theta 5e6, no_rope_layer_interval 4, 65536 positions',
+        notes='Llama-shaped GQA decoder whose every 4th layer is NoPE (no RoPE: layers 3, 7, ..., 35); all 36 '
+            'layers full attention, 72 KiB of bf16 K/V per token.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='olmo-hybrid-7b',
+            vocab_size=100352, hidden_size=3840, num_hidden_layers=32, num_attention_heads=30,
+            intermediate_size=11008, num_key_value_heads=30, sandwich_norms=True, qk_norm=True,
+            qk_norm_scope='projection', pre_norms=False, linear_pre_norms=True, layer_types=_hybrid(32, 4),
+            max_position_embeddings=65536,
+            linear_attention=LinearAttentionConfig(
+                linear_num_key_heads=30, linear_num_value_heads=30, linear_key_head_dim=96,
+                linear_value_head_dim=192, mixer='gated_deltanet_split', allow_neg_eigval=True, norm_eps=1e-5
+            ),
+        ),
+        source='Ai2 2026, Olmo Hybrid (model card, allenai/Olmo-Hybrid-7B); transformers 5.25 OlmoHybridConfig '
+            'defaults, documented there as that checkpoint (linear heads and widths derived as the class does: '
+            '30 heads, keys 0.75 * 3840 / 30 = 96 wide, values twice that)',
+        notes='24 Gated DeltaNet layers with beta in [0, 2] (negative eigenvalues; a 30 x 96 x 192 fp32 state per '
+            'layer and sequence) and 8 OLMo 3 attention layers (every 4th, MHA 30 x 128, post-norms); 7.43B '
+            'parameters, 120 KiB of bf16 K/V per token.',
+    ),
+    ModelPreset(
+        config=DecoderConfig(
+            name='mistral-small-4-119b',
+            vocab_size=131072, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+            intermediate_size=12288, num_key_value_heads=32, max_position_embeddings=1048576,
+            rope={FULL: RopeParams(theta=10000.0, interleaved=True, scaling={
+                "rope_type": "yarn", "factor": 128.0, "original_max_position_embeddings": 8192, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})},
+            latent=LatentConfig(
+                hidden_size=4096, num_attention_heads=32, kv_lora_rank=256, q_lora_rank=1024, qk_nope_head_dim=64,
+                qk_rope_head_dim=64, v_head_dim=128, rope_scaling={
+                    "rope_type": "yarn", "factor": 128.0, "original_max_position_embeddings": 8192,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                max_position_embeddings=1048576, query_scale_beta=0.1, query_scale_period=8192
+            ),
+            moe=MoEConfig(
+                n_routed_experts=128, num_experts_per_tok=4, moe_intermediate_size=2048, n_shared_experts=1,
+                topk_method='group_limited_top2', n_group=1, topk_group=1, norm_topk_prob=True
+            ),
+        ),
+        source='Mistral AI 2026, Mistral Small 4 (model card, mistralai/Mistral-Small-4-119B-2603: 119B parameters, '
+            '6.5B active); transformers 5.25 Mistral4Config defaults, documented there as that checkpoint',
+        notes='MLA (latent 256 + 64 rotated channels, 320 per token and layer: 22.5 KiB bf16 for 36 layers) with '
+            'interleaved YaRN RoPE and Llama 4 query scaling; 128 experts of 2048, 4 per token, plus 1 shared.',
     ),
     ModelPreset(
         config=DecoderConfig(

@@ -25,6 +25,9 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
   expert is ``shared_expert_intermediate_size`` wide with a ``d -> 1`` sigmoid gate.
 - norms: ``d`` per RMSNorm, ``2 d`` per LayerNorm; two per layer (four with sandwich norms, two again
   for OLMo 2/3's post-norm-only blocks) and a final one.
+- manifold-constrained hyper-connections (DeepSeek-V4's mHC, ``n = hc_mult`` streams of width ``d``): each
+  block's entry and exit ``n d (n^2 + 2 n)`` (the pre, post and mixing weights read from the flattened streams)
+  plus ``n^2 + 2 n`` biases and 3 scales, two per layer; the head collapsing the streams ``n d n + n + 1``.
 - embeddings ``V * d`` (plus a learned position table), the LM head ``V * d`` unless tied.
 - an encoder-decoder (the 2017 Transformer) adds ``encoder_layers`` bidirectional layers and, in every
   decoder layer, a cross-attention block with its norm.
@@ -63,6 +66,7 @@ class ParamCount(NamedTuple):
     lm_head: int  # 0 when tied to the embedding
     total: int
     active: int
+    residual: int = 0  # hyper-connections' mixing weights (DeepSeek-V4's mHC), 0 for the plain residual
 
 
 def resolve_preset(preset_or_config: ModelPreset | str | os.PathLike | Mapping[str, Any], what: str) -> ModelPreset:
@@ -199,14 +203,24 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
         total_i, active_i = layer_ffn_params(p, i)
         ffn += total_i
         active_ffn += active_i
-    per_layer = (2 if c.pre_norms else 0) + (2 if c.sandwich_norms else 0)  # OLMo 2/3: the two post-norms only
-    norms = n_layers * per_layer * norm + norm
+    per_layer = [2 * sum(c.layer_norms(i)) for i in range(n_layers)]  # OLMo 2/3: the two post-norms only
+    norms = sum(per_layer) * norm + norm
     if enc:  # bidirectional encoder layers, and a cross-attention block per decoder layer
         plain = layer_attention_params(p, cross=True)
         attention += (enc + n_layers) * plain
         ffn += enc * _mlp(c, c.intermediate_size, bias=c.mlp_bias)
         active_ffn += enc * _mlp(c, c.intermediate_size, bias=c.mlp_bias)
         norms += enc * 2 * norm + norm + n_layers * norm  # encoder final, cross norms
-    total = embedding + attention + ffn + norms + lm_head
-    return ParamCount(p.name, embedding, attention, ffn, norms, lm_head, total, total - ffn + active_ffn)
+    residual = _hyper_params(c)
+    total = embedding + attention + ffn + norms + lm_head + residual
+    return ParamCount(p.name, embedding, attention, ffn, norms, lm_head, total, total - ffn + active_ffn, residual)
+
+
+def _hyper_params(c: DecoderConfig) -> int:
+    """mHC's weights (module docstring); 0 without hyper-connections."""
+    if c.hyper is None:
+        return 0
+    n, d = c.hyper.hc_mult, c.hidden_size
+    mix = n * n + 2 * n
+    return c.num_hidden_layers * 2 * (n * d * mix + mix + 3) + n * d * n + n + 1
 

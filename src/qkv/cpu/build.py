@@ -14,7 +14,8 @@ __all__ = ["SOURCES", "FLAGS", "BASE_FLAGS", "CAPABILITIES", "CAPABILITIES_ENV",
 #: The C++ files of the library, ``csrc/`` relative.
 SOURCES = ("module.cpp", "gather_attention.cpp", "gated_delta.cpp", "delta_decode.cpp", "products.cpp",
            "rotary.cpp", "norms.cpp", "decode_attention.cpp", "paged_decode.cpp",
-           "paged_prefill.cpp", "paged_store.cpp", "activations.cpp", "greedy_head.cpp")
+           "paged_prefill.cpp", "paged_store.cpp", "activations.cpp", "greedy_head.cpp",
+           "weight_linear.cpp")
 
 #: torch's own CPU capability names, lowest first -> the flags that give ATen's vector types that width.
 FLAGS = {

@@ -52,6 +52,10 @@ def _rows_linear(x, weight, bias, nb):
     return _rows(x, weight.shape[0])
 
 
+def _weight_linear(x, weight, scale, bias):
+    return _rows(x, weight.shape[0])
+
+
 def _moe(x, *args):
     return torch.empty_like(x)
 
@@ -107,7 +111,8 @@ def _screened_argmax(x, weight, packed, A, B, C, S, R, P):
 
 
 _FAKES = {"gather_attention": _gather_attention, "gated_delta_chunks": _gated_delta_chunks,
-          "delta_decode": _delta_decode, "rows_linear": _rows_linear, "moe_token": _moe, "moe_grouped": _moe,
+          "delta_decode": _delta_decode, "rows_linear": _rows_linear,
+          "weight_linear": _weight_linear, "moe_token": _moe, "moe_grouped": _moe,
           "silu_mul": _silu_mul, "rotary": _rotary, "rms_norm": _rms_norm, "decode_attention": _decode_attention,
           "paged_decode": _paged_decode, "paged_prefill": _paged_prefill, "paged_store": _paged_store,
           "screen_pack": _screen_pack, "screened_argmax": _screened_argmax}

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import ops
 from .rule import MEASURED_ROWS, choose
 from .skinny import (
     SkinnyLinear,
@@ -55,6 +56,7 @@ from .skinny import (
     skinny_linear,
     standard_layout_state_dict,
 )
+from .weights import WEIGHT_ROWS
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "planned_row_blocks",
            "PrepackedWeight", "PrepackedWeights", "WeightPacks", "PrepackedLinear", "LinearProducts", "can_fuse",
@@ -214,11 +216,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` (then ``activation``, if given) the way the product rule says for this
     shape and thread count (:func:`qkv.cpu.rule.choose`): oneDNN through ``packed`` (the activation fused)
     where the rule takes it and this product can run it, else row or column blocks
-    (:func:`qkv.cpu.skinny.skinny_linear`), else ``F.linear``. x (..., K), weight (N, K) -> (..., N)."""
+    (:func:`qkv.cpu.skinny.skinny_linear`), else ``F.linear``. A bfloat16 product of up to
+    :data:`qkv.cpu.weights.WEIGHT_ROWS` rows runs the bf16-weight kernel (:mod:`qkv.cpu.weights`: float32 sums)
+    where it runs. x (..., K), weight (N, K) -> (..., N)."""
     if x.device.type != "cpu":  # the CPU paths only: elsewhere nothing to decide
         y = F.linear(x, weight, bias)
         return y if activation is None else activation(y)
     K = x.shape[-1]
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and K and x.numel() // K <= WEIGHT_ROWS
+            and weight.dim() == 2 and ops.why_not_weight_linear(x, weight, None, bias) is None):
+        y = ops.weight_linear(x, weight, None, bias)
+        return y if activation is None else activation(y)
     path = choose(x.numel() // K, weight.shape[0], K) if K else "linear"
     if path == "onednn" and packed is not None and _eligible(x, weight):
         if activation is not None and epilogue(activation) is None:

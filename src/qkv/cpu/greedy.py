@@ -11,7 +11,8 @@ float32 logit (both quantizations by Cauchy-Schwarz, the float32 GEMM's accumula
 lower bound are recomputed in float64: a handful per row. The token is the first largest of those float64 logits, so
 it is the argmax of the float32 logits wherever that is determined at all (two logits closer than a float32
 product's rounding, about 1e-6 relative, can come out in either order from any two float32 GEMMs). Rows the screen
-cannot settle (a non-finite input or logit) take ``F.linear`` and ``argmax``.
+cannot settle (a non-finite input or logit) take ``F.linear`` and ``argmax``; a bfloat16 head is not screened (its
+few-row logits come from the bf16-weight kernel of :mod:`qkv.cpu.weights`).
 
 The screen's bytes matter twice: a step reads a quarter of the float32 head, and the decoder's own weights are more
 likely to stay in the CPU's last-level cache between steps when the head beside them is small.
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .weights import WEIGHT_ROWS
 
 __all__ = ["HeadScreen", "PackedScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS"]
 
@@ -104,6 +106,16 @@ def screen_unavailable_reason() -> str | None:
     return _probe()
 
 
+def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The head's logits where the screen does not run: ``F.linear``, or for a bfloat16 head of few rows the
+    bf16-weight kernel (:mod:`qkv.cpu.weights`, float32 sums) where it runs."""
+    K = x.shape[-1]
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and K and x.numel() // K <= WEIGHT_ROWS
+            and ops.why_not_weight_linear(x, weight, None, None) is None):
+        return ops.weight_linear(x, weight, None, None)
+    return F.linear(x, weight)
+
+
 class HeadScreen:
     """The int8 screen of one LM head weight, built on first use and rebuilt when the weight changes (another
     tensor, new storage, or an in-place write seen by its version counter; as :class:`qkv.cpu.gemm.PrepackedWeight`,
@@ -152,7 +164,7 @@ class HeadScreen:
                              f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
         lead, K = x.shape[:-1], x.shape[-1]
         if not self.usable(x, weight):
-            return F.linear(x, weight).argmax(-1)
+            return _logits(x, weight).argmax(-1)
         rows = x.reshape(-1, K).contiguous()
         with torch.no_grad():
             tokens, ok, *_ = ops.profiled("head_screen", ops.screened_argmax, rows, weight.detach().contiguous(),

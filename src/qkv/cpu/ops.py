@@ -25,17 +25,17 @@ import torch
 from . import kernels
 
 __all__ = ["available", "unavailable_reason", "profiled", "tile_keys", "OPERATORS", "gather_attention",
-           "gated_delta_chunks", "delta_decode", "rows_linear", "moe_token", "moe_grouped", "silu_mul", "rotary",
-           "rms_norm", "decode_attention", "paged_decode", "paged_prefill", "paged_store", "screen_pack",
-           "screened_argmax",
+           "gated_delta_chunks", "delta_decode", "rows_linear", "weight_linear", "moe_token", "moe_grouped",
+           "silu_mul", "rotary", "rms_norm", "decode_attention", "paged_decode", "paged_prefill", "paged_store",
+           "screen_pack", "screened_argmax",
            "why_not", "why_not_rms_norm", "why_not_silu_mul", "why_not_rotary", "why_not_experts",
            "why_not_delta_decode", "why_not_gated_delta_chunks", "why_not_decode_attention",
-           "why_not_gather_attention", "why_not_paged", "why_not_screen"]
+           "why_not_gather_attention", "why_not_paged", "why_not_screen", "why_not_weight_linear"]
 
 #: Every operator of the ``qkv_cpu`` library, as ``csrc/module.cpp`` declares them.
-OPERATORS = ("gather_attention", "gated_delta_chunks", "delta_decode", "rows_linear", "moe_token", "moe_grouped",
-             "silu_mul", "rotary", "rms_norm", "decode_attention", "paged_decode", "paged_prefill", "paged_store",
-             "screen_pack", "screened_argmax")
+OPERATORS = ("gather_attention", "gated_delta_chunks", "delta_decode", "rows_linear", "weight_linear", "moe_token",
+             "moe_grouped", "silu_mul", "rotary", "rms_norm", "decode_attention", "paged_decode", "paged_prefill",
+             "paged_store", "screen_pack", "screened_argmax")
 
 _FLOATS = (torch.float32, torch.float64)
 
@@ -142,6 +142,20 @@ def why_not_screen(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return why_not("screened_argmax", (x, weight), dtypes=(torch.float32,))
 
 
+def why_not_weight_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                          bias: torch.Tensor | None) -> str | None:
+    """Whether :func:`weight_linear` runs ``x (..., K)`` (float32/bfloat16) by a contiguous ``weight (N, K)``,
+    bfloat16 without ``scale`` or int8 with a float32 ``scale (N,)``, and ``bias (N,)`` or None, on the CPU."""
+    if weight.dtype not in (torch.bfloat16, torch.int8) or not weight.is_contiguous():
+        return (f"qkv_cpu::weight_linear needs a contiguous bfloat16 or int8 weight, got "
+                f"{str(weight.dtype).removeprefix('torch.')}{'' if weight.is_contiguous() else ' (not contiguous)'}")
+    if (weight.dtype == torch.int8) != (scale is not None) or (scale is not None and scale.dtype != torch.float32):
+        return "qkv_cpu::weight_linear needs a float32 scale with an int8 weight and none with a bfloat16 one"
+    why = why_not("weight_linear", (x,), dtypes=(torch.float32, torch.bfloat16))
+    return why or why_not("weight_linear", (weight, scale, bias), dtypes=(torch.int8, torch.bfloat16, torch.float32,
+                                                                         torch.float16), same_dtype=False)
+
+
 def _op(name: str):
     """The operator ``qkv_cpu::<name>`` (its one overload), or ``RuntimeError`` saying why the kernels are off."""
     mod = kernels.load()
@@ -166,6 +180,10 @@ def delta_decode(mixed, conv_state, conv_weight, g, beta, state, Hk, q_scale, ep
 
 def rows_linear(x, weight, bias, nb):
     return _op("rows_linear")(x, weight, bias, nb)
+
+
+def weight_linear(x, weight, scale, bias):
+    return profiled("weight_linear", _op("weight_linear"), x, weight, scale, bias)
 
 
 def moe_token(x, ids, weights, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit, nb_gate_up, nb_down):

@@ -51,10 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused, gemm
+from . import fused, gemm, ops
 from .gemm import LinearProducts, PrepackedLinear, can_fuse
 from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .skinny import SkinnyLinear
+from .weights import WEIGHT_FORMATS, Int8Linear
 
 __all__ = ["optimize", "optimized", "use_onednn", "Optimized", "LinearHost", "ActivatedUpProjection", "NormHost",
            "GateHost", "RotaryHost", "ExpertsHost", "DeltaHost", "DecodeHost"]
@@ -64,12 +65,14 @@ _MARK = "_qkv_cpu_optimized"
 
 class Optimized(NamedTuple):
     """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use), the ``input_major``
-    option it was given (None: layouts kept), and ``screen`` (a greedy head was given an int8 screen). Which
-    kernel slots hold qkv's compiled kernels the modules' slots themselves say."""
+    option it was given (None: layouts kept), ``screen`` (a greedy head was given an int8 screen) and
+    ``weights`` (``"int8"``: some linear layers hold int8 weights, :class:`qkv.cpu.weights.Int8Linear`; None:
+    every weight in its own dtype). Which kernel slots hold qkv's compiled kernels the modules' slots say."""
 
     onednn: bool
     input_major: bool | None
     screen: bool = False
+    weights: str | None = None
 
 
 @runtime_checkable
@@ -162,8 +165,19 @@ def _product_layer(child: nn.Linear, pack: bool, input_major: bool | None) -> nn
     return PrepackedLinear.from_linear(child, pack=pack, activation=activation, input_major_weight=want)
 
 
+def _head_layers(model: nn.Module) -> set[int]:
+    """The ids of the LM head layers of ``model``'s greedy heads (:class:`GreedyHead` modules' ``lm_head``)."""
+    return {id(m.lm_head) for m in model.modules()
+            if isinstance(m, GreedyHead) and isinstance(getattr(m, "lm_head", None), nn.Linear)}
+
+
+def _int8_layer(child: nn.Linear) -> Int8Linear:
+    """``child`` with its weight quantized, a fused activation carried over."""
+    return Int8Linear.from_linear(child, activation=getattr(child, "activation", None))
+
+
 def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None,
-             screen: bool | None = None, compiled: bool = True) -> nn.Module:
+             screen: bool | None = None, compiled: bool = True, weights: str | None = None) -> nn.Module:
     """Swap the CPU products of :mod:`qkv.cpu` into ``model`` (in place) and return it.
 
     Args:
@@ -197,21 +211,30 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
     if not isinstance(compiled, bool):
         raise TypeError(f"optimize: compiled must be True (qkv's compiled kernels) or False (torch's ops), got "
                         f"{compiled!r}")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"optimize: weights must be None (keep each weight's dtype) or one of {WEIGHT_FORMATS}, got "
+                         f"{weights!r}")
+    if weights is not None and ops.unavailable_reason() is not None:
+        raise RuntimeError(f"optimize: weights={weights!r} needs qkv's compiled kernels, which cannot run here: "
+                           f"{ops.unavailable_reason()}")
+    heads = _head_layers(model) if weights is not None else set()
     no_screen = screen_unavailable_reason() if screen is not False else None
     if screen is True and no_screen is not None:
         raise RuntimeError(f"optimize: screen=True cannot run: {no_screen}; pass screen=None to use it where "
                            f"available")
     screened = screen is not False and no_screen is None
-    heads = False  # some greedy head got a screen
+    screened_any = False  # some greedy head got a screen
     why = gemm.onednn_unavailable_reason()
     if onednn is True and why is not None:
         raise RuntimeError(f"optimize: onednn=True cannot run: {why}; pass onednn=None to use it where available")
     pack = onednn is not False and why is None
     if type(model) is nn.Linear or isinstance(model, SkinnyLinear):
-        model = _product_layer(model, pack, input_major)
+        model = _int8_layer(model) if weights is not None else _product_layer(model, pack, input_major)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear or isinstance(child, SkinnyLinear):
+            if weights is not None and isinstance(child, nn.Linear) and id(child) not in heads:
+                setattr(parent, name, _int8_layer(child))
+            elif type(child) is nn.Linear or isinstance(child, SkinnyLinear):
                 setattr(parent, name, _product_layer(child, pack, input_major))
         if isinstance(parent, LinearHost) and (parent.linear_fn is F.linear
                                                or isinstance(parent.linear_fn, LinearProducts)):
@@ -224,7 +247,7 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         if isinstance(parent, GreedyHead):
             if (parent.head_screen is None) == screened:
                 parent.head_screen = HeadScreen() if screened else None
-            heads = heads or screened
+            screened_any = screened_any or screened
         for host, slot, kernel in _SLOTS:
             if isinstance(parent, host) and getattr(parent, slot) in (None, kernel):
                 setattr(parent, slot, kernel if compiled else None)
@@ -233,7 +256,9 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
                 parent.__dict__[_DECODE_MARK], parent.decode_backend = parent.decode_backend, "auto"
             elif not compiled and _DECODE_MARK in parent.__dict__:
                 parent.decode_backend = parent.__dict__.pop(_DECODE_MARK)
-    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=heads)
+    int8 = any(isinstance(m, Int8Linear) for m in model.modules())
+    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=screened_any,
+                                      weights="int8" if int8 else None)
     return model
 
 

@@ -33,6 +33,12 @@ What HF hands over, and what qkv makes of it:
   so the ``"qkv"`` mask indexes as the dense boolean HF would build; HF then passes each attention call the
   selected keys (``indices``, (B, Nq, K)), which become a ``masks.topk`` list shared by the heads, AND-ed with
   the mask, and (``backend="auto"``, no dropout) run on the ``gather`` backend, which reads only those keys.
+- DeepSeek-V4: a compressed layer appends its compressed entries to the keys and their visibility (an entry only
+  once all its tokens arrived; on CSA layers, only the indexer's selection) to the mask, but only when the mask is a
+  tensor. So for ``config.model_type == "deepseek_v4"`` the ``"qkv"`` mask function returns eager's additive float
+  mask (dense, (B, 1, Nq, Nk)); the layer extends it, and each call reads the extended mask's ``-inf`` entries as
+  a dense mask and the per-head ``s_aux`` as sinks. Memory is eager's O(Nq (Nk + T)); ``qkv.models.from_hf``
+  runs the model on :func:`qkv.sparse.compressed_attention` without a dense mask.
 - ``output_attentions=True``: the probabilities are recomputed from the log-sum-exp with
   :func:`qkv.attention_probs` (exact, whatever backend ran), which HF's own fused paths cannot do. They are
   the probabilities before dropout, float in the query dtype.
@@ -42,7 +48,8 @@ token) returns zeros where eager averages every value; its attention row is zero
 
 Families checked against eager (random weights, tiny configs, ``tests/integrations/test_transformers.py``):
 Llama, Mistral, Qwen2, Gemma 2, Gemma 3 (text), GPT-2, GPT-OSS, BERT and T5 (encoder, decoder and
-cross-attention); DeepSeek-V3.2 in ``tests/integrations/test_transformers_dsa.py``. Any family whose attention
+cross-attention); DeepSeek-V3.2 in ``tests/integrations/test_transformers_dsa.py``; DeepSeek-V4 in
+``tests/models/test_deepseek_v4.py``. Any family whose attention
 layers call ``ALL_ATTENTION_FUNCTIONS.get_interface`` works the same way. A family whose layers do not (BLOOM
 and a few others, which would silently run their own attention) is refused when it is built with
 ``attn_implementation="qkv"`` (``ValueError`` naming the class and model type), and :func:`use` raises for it.
@@ -68,7 +75,8 @@ from .._attention import explain as _explain
 from .._probs import attention_probs
 from ..masks.base import Mask
 
-__all__ = ["register", "use", "explain", "hf_mask", "attention_forward", "HFMask", "LayerReport", "NAME"]
+__all__ = ["register", "use", "explain", "hf_mask", "attention_forward", "HFMask", "LayerReport", "NAME",
+           "TENSOR_MASK_MODELS"]
 
 #: The name registered on import.
 NAME = "qkv"
@@ -279,14 +287,28 @@ def _padding(attention_mask: torch.Tensor | None, g: _Geometry) -> Mask | None:
     return M.padding(valid)
 
 
+#: Model types whose attention layers extend the mask HF built only when it is a tensor: DeepSeek-V4 appends its
+#: compressor's block bias (compressed-causal visibility and the indexer's selection) to the key axis of a tensor
+#: mask, and would let every query see every compressed entry through any other object. For these the ``"qkv"``
+#: mask function hands HF eager's additive float mask, which the attention call then reads as a dense mask.
+TENSOR_MASK_MODELS = frozenset({"deepseek_v4"})
+
+
 def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
             mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
-            use_vmap: bool = False, device="cpu", **kwargs) -> HFMask:
+            use_vmap: bool = False, device="cpu", **kwargs) -> HFMask | torch.Tensor:
     """The mask function registered as ``"qkv"`` in ``AttentionMaskInterface``: HF's mask request as a qkv
-    mask, analytic where HF's composition is known, else the dense boolean HF would build."""
+    mask, analytic where HF's composition is known, else the dense boolean HF would build; for a model type in
+    :data:`TENSOR_MASK_MODELS` (``config.model_type``), eager's additive float mask of ``dtype``."""
     import transformers.masking_utils as mu
 
     mask_function = mu.causal_mask_function if mask_function is None else mask_function
+    config = kwargs.get("config")
+    if getattr(config, "model_type", None) in TENSOR_MASK_MODELS:
+        dtype = kwargs.get("dtype") or torch.float32
+        return mu.eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                             dtype=dtype, use_vmap=use_vmap, device=device)
     g = _Geometry(int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset), torch.device(device))
     try:
         mask = _and(_translate(mask_function, g), _padding(attention_mask, g))

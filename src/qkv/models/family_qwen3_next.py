@@ -51,7 +51,7 @@ from .hf import decoder_config as decoder_config_from
 from .hf import rename_decoder
 from .loading import FAMILIES, CheckpointError
 
-__all__ = ["build", "convert", "decoder_config"]
+__all__ = ["build", "convert", "decoder_config", "language_model_state", "split_query_gates"]
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 _MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
@@ -113,7 +113,7 @@ def build(config: dict[str, Any]) -> DecoderLM:
     return DecoderLM(decoder_config(config))
 
 
-def _language_model(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def language_model_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Qwen3.5 multimodal checkpoint's language model under ``model.`` (vision and MTP weights dropped)."""
     out = {}
     for name, t in state.items():
@@ -125,9 +125,10 @@ def _language_model(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    c = decoder_config(config)
-    src = _language_model(state)
+def split_query_gates(src: dict[str, torch.Tensor], c: DecoderConfig) -> dict[str, torch.Tensor]:
+    """Gated attention's ``q_proj`` (each head's query rows, then its gate rows) split in place into the query rows
+    (left under ``q_proj``) and the gate rows, returned under the ``qkv_proj`` name they join last (Qwen3-Next,
+    Qwen3.5, Qwen4-Exp)."""
     H, D = c.num_attention_heads, c.head_dim
     gates: dict[str, torch.Tensor] = {}
     for i, kind in enumerate(c.layer_types):
@@ -144,6 +145,13 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str,
             q, g = t.reshape(H, 2, D, *t.shape[1:]).unbind(1)  # per head: D query rows, then D gate rows
             src[name] = q.reshape(H * D, *t.shape[1:])
             gates[f"layers.{i}.self_attn.qkv_proj{suffix}"] = g.reshape(H * D, *t.shape[1:])
+    return gates
+
+
+def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    c = decoder_config(config)
+    src = language_model_state(state)
+    gates = split_query_gates(src, c)
     for name in [n for n in src if ".mlp.shared_expert." in n]:
         src[name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")] = src.pop(name)
     out = rename_decoder(src, c, norms={"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"})

@@ -69,7 +69,8 @@ def decoder_config(cfg: Mapping[str, Any], *, interleaved_rope: bool = False, pa
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
         layer_types=layout.layer_types, sliding_window=layout.sliding_window,
         rope={kind: rope_params(r, interleaved=interleaved_rope, partial=partial_rotary)
-              for kind, r in layout.rope.items()}, linear_attention=layout.linear_attention,
+              for kind, r in layout.rope.items()}, nope_layers=layout.nope_layers,
+        linear_attention=layout.linear_attention,
         name=str(cfg.get("model_type") or ""))
     common.update(family)
     try:

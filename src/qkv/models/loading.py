@@ -63,12 +63,12 @@ def as_float_dtype(dtype, owner: str = "from_hf") -> torch.dtype:
     if isinstance(dtype, str):
         name = dtype.lower().removeprefix("torch.")
         if name not in DTYPE_NAMES:
-            raise ValueError(f"{owner}: dtype {dtype!r} is not known; use a torch.dtype or one of "
-                             f"{', '.join(sorted(DTYPE_NAMES))}")
+            raise ValueError(f"{owner}: dtype {dtype!r} is not known; use 'auto' (the checkpoint's dtype), a "
+                             f"torch.dtype or one of {', '.join(sorted(DTYPE_NAMES))}")
         return DTYPE_NAMES[name]
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{owner}: dtype must be a floating torch.dtype (e.g. torch.bfloat16) or a name such as "
-                         f"'bf16', got {dtype!r}")
+        raise ValueError(f"{owner}: dtype must be 'auto' (the checkpoint's dtype), a floating torch.dtype (e.g. "
+                         f"torch.bfloat16) or a name such as 'bf16', got {dtype!r}")
     return dtype
 
 
@@ -159,14 +159,18 @@ def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], *, source
         raise CheckpointError(f"from_hf: {source} does not fit {type(model).__name__}: " + " | ".join(problems))
 
 
-def from_hf(src, *, dtype: torch.dtype | None = None, optimize: bool = True) -> torch.nn.Module:
+def from_hf(src, *, dtype: torch.dtype | str | None = "auto", optimize: bool = True) -> torch.nn.Module:
     """Build a qkv-native model from an HF checkpoint directory or an in-memory ``PreTrainedModel``.
 
     Args:
         src: path to a directory with ``config.json`` and ``*.safetensors``, or a ``transformers``
             ``PreTrainedModel`` instance (its config and weights are used directly).
-        dtype: cast the model to this dtype after loading (default: float32): a ``torch.dtype`` or a name
-            such as ``"bf16"``, ``"float16"``.
+        dtype: ``"auto"`` (default; ``None`` is the same) keeps the checkpoint's dtype, as HF's and vLLM's
+            loaders do: a directory's ``config.json`` ``dtype`` (or the older ``torch_dtype``), else the dtype
+            of most of its safetensors weights; an in-memory model's is the dtype of most of its floating
+            parameters. Anything else casts the model to that dtype after loading: a ``torch.dtype`` or a name
+            such as ``"float32"``, ``"bf16"``, ``"float16"`` (``dtype=torch.float32`` runs a bfloat16
+            checkpoint in float32).
         optimize: give the model qkv's CPU products (:func:`qkv.cpu.optimize`: the same parameters and
             ``state_dict``, faster CPU inference; a float32 weight multiplied by many rows, as in a prefill,
             gets a packed oneDNN copy, twice its memory); False returns the plain model
@@ -189,7 +193,11 @@ def from_hf(src, *, dtype: torch.dtype | None = None, optimize: bool = True) -> 
     else:
         raise TypeError(f"from_hf: expected a checkpoint directory or a transformers PreTrainedModel, got "
                         f"{type(src).__name__}")
-    dtype = torch.float32 if dtype is None else as_float_dtype(dtype)
+    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
+        dtype = _checkpoint_dtype(config, state) if isinstance(src, (str, Path)) else _majority_dtype(
+            src.parameters())
+    else:
+        dtype = as_float_dtype(dtype)
     family = _family(config)
     converted = family.convert(state, config)
     _check_on_meta(family, config, converted, source)
@@ -198,6 +206,29 @@ def from_hf(src, *, dtype: torch.dtype | None = None, optimize: bool = True) -> 
     model.eval()
     model = model.to(dtype)
     return cpu_optimize(model) if optimize else model
+
+
+def _majority_dtype(tensors) -> torch.dtype:
+    """The floating dtype holding most elements of ``tensors`` (float32 when none is floating)."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors:
+        if t.dtype.is_floating_point:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+
+def _checkpoint_dtype(config: dict[str, Any], state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype a checkpoint directory was saved in: ``config.json``'s ``dtype`` (transformers 5) or
+    ``torch_dtype`` (earlier), else the dtype most of its floating tensors have."""
+    for key in ("dtype", "torch_dtype"):
+        name = config.get(key)
+        if name is None:
+            continue
+        if not isinstance(name, str) or name.lower().removeprefix("torch.") not in DTYPE_NAMES:
+            raise CheckpointError(f"from_hf: config.json {key}={name!r} is not a floating dtype qkv can load; pass "
+                                  f"dtype= (e.g. dtype=torch.float32) to choose one")
+        return DTYPE_NAMES[name.lower().removeprefix("torch.")]
+    return _majority_dtype(state.values())
 
 
 def _check_on_meta(family, config: dict[str, Any], state: dict[str, torch.Tensor], source: str) -> None:

@@ -19,6 +19,7 @@ from .decoder import DecoderLM, DecoderOutput
 from .dsa import IndexerOutput, LightningIndexer, SparseLatentAttention
 from .ffn import FeedForward, GatedMLP
 from .gated_deltanet import GatedDeltaNet, GatedRMSNorm, SplitGatedDeltaNet
+from .gated_residual import GatedResidual
 from .kda import KimiDeltaAttention
 from .latent import LatentAttention, LatentAttentionOutput, LatentConfig
 from .linear import LinearAttention
@@ -26,11 +27,16 @@ from .mamba2 import Mamba2Mixer
 from .mixer import DecoderMixer
 from .mixers import MIXER_MODULES, build_mixer, register_mixer_module
 from .moe import MoE, MoEConfig
+from .msa import MSAIndexer, MSAOutput
+from .ngram_embedding import NGramEmbedding
 from .norm import RMSNorm, make_norm, rms_norm
 from .packed import packed_documents
 from .per_layer_embed import PerLayerBranch, PerLayerInputs
 from .performer import PerformerAttention
+from .ple import PerLayerEmbedding
 from .protocol import AttentionModule, attention_modules
+from .qsa import IndexedAttention, QSAIndexer
+from .residual import PLAIN_RESIDUAL, PlainResidual, Residual, residual_for
 from .self_attention import SelfAttention
 from .transformer import EncoderDecoder, TransformerDecoder, TransformerEncoder, init_weights
 
@@ -46,4 +52,7 @@ __all__ = [
     "AttentionModule", "attention_modules", "packed_documents", "cached_attention", "AttentionHeads",
     "GatedDeltaNet", "SplitGatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "Mamba2Mixer", "RecurrentState",
     "DecoderMixer", "MIXER_MODULES", "SelfAttention", "build_mixer", "register_mixer_module",
+    "IndexedAttention", "QSAIndexer", "GatedResidual", "NGramEmbedding", "PerLayerEmbedding",
+    "Residual", "PlainResidual", "PLAIN_RESIDUAL", "residual_for",
+    "MSAIndexer", "MSAOutput",
 ]

@@ -9,6 +9,10 @@ switches. Each layer is two pre-norm residual branches::
     x = x + attn_out_norm(attn(attn_norm(x)))     # attn_out_norm, ffn_out_norm: Gemma 2/3 only
     x = x + ffn_out_norm(ffn(ffn_norm(x)))
 
+where ``x + ...`` is the plain residual; how a branch reads its input from the residual stream and writes its
+output back is a :class:`qkv.nn.residual.Residual` (:func:`qkv.nn.residual.residual_for` picks it per layer and
+branch), so wider residual streams (hyper-connections) run through the same layers.
+
 - attention (:class:`qkv.nn.SelfAttention`): grouped-query attention (Ainslie et al. 2023) with one fused QKV
   projection, RoPE (Su et al. 2021) per layer type, learned absolute positions (GPT-2) or ALiBi (Press et al.
   2022, BLOOM), optional QKV bias, per-head QK RMSNorm (Gemma 3), a score scale, tanh score soft-capping
@@ -84,6 +88,8 @@ from .mixers import build_mixer
 from .moe import MoE
 from .norm import RMSNorm
 from .per_layer_embed import PerLayerBranch, PerLayerInputs
+from .ple import PerLayerEmbedding
+from .residual import Residual, residual_for
 from .self_attention import SelfAttention
 
 
@@ -172,13 +178,15 @@ class RopeTable:
 class _ForwardContext:
     """What every layer of one forward pass shares: positions, cache, masks and RoPE tables of the step."""
 
-    __slots__ = ("positions", "cache", "n", "dtype", "_cos_sin", "_masks", "_real", "shared_kv", "per_layer")
+    __slots__ = ("positions", "cache", "n", "dtype", "input_ids", "_cos_sin", "_masks", "_real", "shared_kv",
+                 "per_layer")
 
     def __init__(self, positions: torch.Tensor | None, cache: AttentionCache | None, n: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, input_ids: torch.Tensor | None = None) -> None:
         self.positions, self.cache, self.n, self.dtype = positions, cache, n, dtype
         self.shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # KV sharing without a cache, by layer
         self.per_layer: torch.Tensor | None = None  # (B, N, L, P) per-layer inputs (Gemma 4)
+        self.input_ids = input_ids  # (B, N): what hash-routed experts choose by
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int | None, masks.Mask] = {}
         self._real: tuple[torch.Tensor | None] | None = None
@@ -214,7 +222,8 @@ def _norm(c: DecoderConfig, dim: int) -> nn.Module:
 
 def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
     if c.moe is not None and c.moe.is_moe(layer_idx):
-        return MoE(c.hidden_size, c.moe, activation=c.hidden_act, bias=c.mlp_bias)
+        hashed = c.vocab_size if layer_idx in c.moe.hash_layers else None  # DeepSeek-V4: experts by token id
+        return MoE(c.hidden_size, c.moe, activation=c.hidden_act, bias=c.mlp_bias, hash_vocab=hashed)
     width = c.intermediate_size_for(layer_idx)
     if c.gated_mlp:
         return GatedMLP(c.hidden_size, width, activation=c.hidden_act, bias=c.mlp_bias)
@@ -232,13 +241,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         kind = mixer_of(c, layer_idx)
         self.kind, self.recurrent, self._mixer_name = kind.name, kind.recurrent, kind.attribute
-        self.attn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
+        pre, post = c.layer_norms(layer_idx)
+        self.attn_norm = _norm(c, c.hidden_size) if pre else None
         setattr(self, kind.attribute, build_mixer(c, layer_idx, rope))
-        self.attn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
-        self.ffn_norm = _norm(c, c.hidden_size) if c.pre_norms else None
+        self.attn_out_norm = _norm(c, c.hidden_size) if post else None
+        self.ffn_norm = _norm(c, c.hidden_size) if pre else None
         self.mlp = _feed_forward(c, layer_idx)
-        self.ffn_out_norm = _norm(c, c.hidden_size) if c.sandwich_norms else None
+        self.ffn_out_norm = _norm(c, c.hidden_size) if post else None
+        self._hashed = isinstance(self.mlp, MoE) and self.mlp.hashed
+        self.attn_residual: Residual = residual_for(c, layer_idx, "attn")
+        self.ffn_residual: Residual = residual_for(c, layer_idx, "ffn")
         self.layer_idx = layer_idx
+        self.ple = PerLayerEmbedding.for_decoder(c, layer_idx)  # Qwen4-Exp's n-gram embedding, on some layers
         self.per_layer_input = (PerLayerBranch(c.hidden_size, c.per_layer_input_size, activation=c.hidden_act,
                                                eps=c.rms_norm_eps) if c.per_layer_input_size else None)
         if c.layer_scalars:  # Gemma 4: the layer's output times a stored scalar
@@ -252,22 +266,30 @@ class DecoderLayer(nn.Module):
         return getattr(self, self._mixer_name)
 
     def forward(self, x: torch.Tensor, step: _ForwardContext, keep: int = 0) -> torch.Tensor:
-        """(B, N, d) -> (B, N, d); with ``0 < keep < N`` only the last ``keep`` columns go on, (B, keep, d): the
-        mixer still reads every column (the cache stores all keys and values, a recurrent state takes every
-        token), grouped-query attention attends only the kept queries, the feed-forward runs on the kept
-        columns (a decoder's last layer before logits of the last columns)."""
+        """The residual streams (B, N, ...) -> (B, N, ...) (the hidden state (B, N, d) itself with the plain
+        residual, :mod:`qkv.nn.residual`); with ``0 < keep < N`` only the last ``keep`` columns go on: the mixer
+        still reads every column (the cache stores all keys and values, a recurrent state takes every token),
+        grouped-query attention attends only the kept queries, the feed-forward runs on the kept columns (a
+        decoder's last layer before logits of the last columns)."""
         keep = keep if 0 < keep < x.shape[1] else 0
-        a = x if self.attn_norm is None else self.attn_norm(x)  # no pre-norm: OLMo 2/3
-        h = self.mixer.mix(a, step, keep)
+        if self.ple is not None:
+            x = x + self.ple.mix(x, step)
+        a, ctx = self.attn_residual.enter(x)
+        h = self.mixer.mix(a if self.attn_norm is None else self.attn_norm(a), step, keep)  # no pre-norm: OLMo 2/3
         if keep:
-            x, h = x[:, -keep:], h[:, -keep:]  # a no-op view for an output already kept
+            h = h[:, -keep:]  # a no-op view for an output already kept
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
-        x = x + h
-        h = self.mlp(x if self.ffn_norm is None else self.ffn_norm(x))
+        x = self.attn_residual.leave(x, h, ctx)
+        a, ctx = self.ffn_residual.enter(x)
+        a = a if self.ffn_norm is None else self.ffn_norm(a)
+        if self._hashed:
+            h = self.mlp(a, input_ids=step.input_ids[:, step.input_ids.shape[1] - a.shape[1]:])
+        else:
+            h = self.mlp(a)
         if self.ffn_out_norm is not None:
             h = self.ffn_out_norm(h)
-        x = x + h
+        x = self.ffn_residual.leave(x, h, ctx)
         if self.per_layer_input is not None:
             e = step.per_layer[:, :, self.layer_idx]
             x = self.per_layer_input(x, e[:, -x.shape[1]:])
@@ -369,8 +391,10 @@ class DecoderLM(nn.Module):
         self.embed_per_layer = (PerLayerInputs(c.per_layer_vocab_size or c.vocab_size, c.hidden_size,
                                                c.num_hidden_layers, c.per_layer_input_size, eps=c.rms_norm_eps)
                                 if c.per_layer_input_size else None)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t)) for i, t in enumerate(c.layer_types))
-        self.norm = _norm(c, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, self.ropes.get(t) if c.uses_rope(i) else None)
+                                    for i, t in enumerate(c.layer_types))
+        self.residual: Residual = residual_for(c, None, "model")  # widens the embedding, collapses before the norm
+        self.norm = _norm(c, c.hidden_size) if c.final_norm else None
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.linear_fn = F.linear  # the tied head's product (qkv.cpu.optimize swaps in its own)
         self.head_screen: TokenScreen | None = None  # greedy tokens' int8 screen (qkv.cpu.optimize sets one)
@@ -470,18 +494,20 @@ class DecoderLM(nn.Module):
             x = x + self.pos_embed(pos).to(x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        step = _ForwardContext(positions, cache, N, x.dtype)
+        step = _ForwardContext(positions, cache, N, x.dtype, input_ids)
         if self.embed_per_layer is not None:
             step.per_layer = self.embed_per_layer(input_ids, x)
         if self._recurrent and N > 1 and (real := step.real_tokens()) is not None:  # before any layer writes
             i = self._recurrent[0]
             _refuse_inner_padding(real[..., 0] > 0, None if cache is None else cache.recurrent_state(i), i)
+        x = self.residual.widen(x)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):  # the last layer carries on only the kept columns
             x = layer(x, step, keep if i == last else 0)
         if keep and x.shape[1] > keep:  # a model without layers
             x = x[:, -keep:]
-        return self.norm(x)
+        x = self.residual.collapse(x)
+        return x if self.norm is None else self.norm(x)
 
     def cache_specs(self) -> list[LayerSpec]:
         """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""

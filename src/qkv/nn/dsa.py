@@ -47,13 +47,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
 from ..cache.protocol import LatentCache
 from ..config.latent import LatentConfig
 from ..pos.rope import RotaryEmbedding
+from ..sparse.select import select_topk, weighted_relu_scores
 from .latent import (
     PATHS,
     LatentAttention,
@@ -137,21 +137,19 @@ class LightningIndexer(nn.Module):
             :class:`IndexerOutput` ``(indices (B, N, min(K, S)), scores (B, N, S))``.
         """
         B, N, _ = x.shape
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             q = self.wq_b(q_resid).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, Hi, N, Di)
             q = self._rotate(q, q_positions.clamp_min(0))
-            s = F.relu((q.to(acc) @ keys.to(acc).transpose(-1, -2).unsqueeze(1)) * self.head_dim ** -0.5)
-            w = self.weights_proj(x).to(acc) * self.n_heads ** -0.5  # (B, N, Hi)
-            scores = (w.transpose(1, 2).unsqueeze(-1) * s).sum(1)  # (B, N, S)
+            w = self.weights_proj(x)
+            w = w.to(torch.promote_types(w.dtype, torch.float32)) * self.n_heads ** -0.5  # (B, N, Hi)
+            # DSA as a point of qkv.sparse.select: weighted ReLU heads, tokens, shared by all heads, no forced
+            # entries; on equal scores (ReLU zeros) the earlier slot wins, so a cached decode picks what the full
+            # recompute picks.
+            scores = weighted_relu_scores(q, keys.unsqueeze(1), w).squeeze(1)  # (B, N, S)
             seen = ((kv_positions.unsqueeze(1) >= 0) & (kv_positions.unsqueeze(1) <= q_positions.unsqueeze(2))
                     & (q_positions.unsqueeze(2) >= 0))
             scores = scores.masked_fill(~seen, float("-inf"))
-            # A stable sort, not topk: on equal scores (ReLU zeros) the earlier slot wins, so a cached decode
-            # picks what the full recompute picks.
-            vals, idx = scores.sort(dim=-1, descending=True, stable=True)
-            K = min(self.index_topk, scores.shape[-1])
-            idx = torch.where(torch.isneginf(vals[..., :K]), torch.full_like(idx[..., :K], -1), idx[..., :K])
+            idx = select_topk(scores.unsqueeze(1), self.index_topk).squeeze(1)
         return IndexerOutput(idx, scores)
 
     def extra_repr(self) -> str:
@@ -175,6 +173,7 @@ class SparseLatentAttention(LatentAttention):
     Args:
         config: a :class:`LatentConfig` with a ``q_lora_rank`` (the indexer reads MLA's query latent).
         index_n_heads, index_head_dim, index_topk: the indexer's (HF config names).
+        index_interleaved_rope: the indexer's RoPE pairs interleaved (GLM-5) instead of half-split (DeepSeek-V3.2).
 
     Other arguments as :class:`LatentAttention`. ``path="auto"`` compares the two paths' FLOPs over the
     selected pairs (:func:`sparse_path_flops`): decode and long prefills go absorbed.
@@ -184,7 +183,7 @@ class SparseLatentAttention(LatentAttention):
     """
 
     def __init__(self, config: LatentConfig, *, index_n_heads: int, index_head_dim: int, index_topk: int,
-                 **kw) -> None:
+                 index_interleaved_rope: bool = False, **kw) -> None:
         if not isinstance(config, LatentConfig) or config.q_lora_rank is None:
             raise ValueError(f"SparseLatentAttention: config must be a LatentConfig with q_lora_rank set (the "
                              f"indexer reads MLA's query latent), got {config!r}")
@@ -194,7 +193,8 @@ class SparseLatentAttention(LatentAttention):
             c.hidden_size, c.q_lora_rank, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
             index_topk=index_topk, qk_rope_head_dim=c.qk_rope_head_dim,
             rope=RotaryEmbedding(c.qk_rope_head_dim, theta=c.rope_theta, scaling=c.rope_scaling,
-                                 max_position_embeddings=c.max_position_embeddings, interleaved=False),
+                                 max_position_embeddings=c.max_position_embeddings,
+                                 interleaved=bool(index_interleaved_rope)),
             device=kw.get("device"), dtype=kw.get("dtype"))
 
     @classmethod
@@ -204,7 +204,8 @@ class SparseLatentAttention(LatentAttention):
         c, ix = config, config.indexer
         backend = "gather" if c.backend == "auto" and not c.latent.attention_dropout else c.backend
         return cls(c.latent, index_n_heads=ix.index_n_heads, index_head_dim=ix.index_head_dim,
-                   index_topk=ix.index_topk, rope=rope, backend=backend, layer_idx=layer_idx)
+                   index_topk=ix.index_topk, index_interleaved_rope=ix.interleaved_rope, rope=rope, backend=backend,
+                   layer_idx=layer_idx)
 
     def cache_spec(self):
         """This layer's :class:`qkv.cache.IndexedLatentSpec`: ``r + dr + index_head_dim`` per token."""

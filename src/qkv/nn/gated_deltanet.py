@@ -8,7 +8,8 @@ Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rul
     b, a       = in_proj_ba(x)        grouped per key head: [b (r), a (r)]
     q, k, v    = silu(causal depthwise conv_K([q, k, v]))          the short convolution
     q, k       = l2norm(q) * Dk^-0.5, l2norm(k)
-    beta       = sigmoid(b)                                        the write strength
+    beta       = sigmoid(b)                                        the write strength (2 sigmoid(b) with
+                                                                   allow_neg_eigval: OLMo-hybrid)
     g          = -exp(A_log) * softplus(a + dt_bias)               one log-decay per value head
     o          = gated_delta(q, k, v, g, beta)                     qkv.linear.gated_delta_chunked / _step
     y          = out_proj(rms_norm(o) * norm.weight * silu(z))     per value head
@@ -85,6 +86,8 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: Dv (``linear_value_head_dim``).
         conv_kernel_size: K (``linear_conv_kernel_dim``).
         norm_eps: epsilon of the gated output norm (``rms_norm_eps``).
+        allow_neg_eigval: ``beta = 2 sigmoid(b)`` in ``[0, 2]``: the transition ``I - beta k k^T`` may have a
+            negative eigenvalue (Grazzi et al. 2025, arXiv:2411.12537; OLMo-hybrid's ``linear_allow_neg_eigval``).
         chunk_size: tokens per chunk of the prefill; ``None`` lets the chunked form choose for its path.
         layer_idx: this layer's index among the model's layers (and in a KV cache).
         device, dtype: for the parameters.
@@ -101,7 +104,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel_size: int = 4, norm_eps: float = 1e-6, chunk_size: int | None = None,
-                 layer_idx: int = 0, device=None, dtype=None) -> None:
+                 layer_idx: int = 0, allow_neg_eigval: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         for name, val in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                           ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
@@ -111,6 +114,9 @@ class GatedDeltaNet(nn.Module):
         if num_v_heads % num_k_heads:
             raise ValueError(f"GatedDeltaNet: num_v_heads={num_v_heads} must be a multiple of num_k_heads="
                              f"{num_k_heads} (each key head serves num_v_heads // num_k_heads value heads)")
+        if not isinstance(allow_neg_eigval, bool):
+            raise TypeError(f"GatedDeltaNet: allow_neg_eigval must be True or False, got {allow_neg_eigval!r}")
+        self.allow_neg_eigval = allow_neg_eigval
         kw = {"device": device, "dtype": dtype}
         self.hidden_size, self.num_k_heads, self.num_v_heads = hidden_size, num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim, self.conv_kernel_size = head_k_dim, head_v_dim, conv_kernel_size
@@ -159,7 +165,9 @@ class GatedDeltaNet(nn.Module):
         x = mask_padding(x, attention_mask, fn=fn)
         mixed, z, b, a = self._project(x)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        beta = b.to(work).sigmoid().transpose(1, 2)  # (B, H, N)
+        beta = b.to(work).sigmoid().transpose(1, 2)  # (B, H, N) in [0, 1]
+        if self.allow_neg_eigval:
+            beta = 2 * beta  # in [0, 2]: I - beta k k^T may flip the sign along k
         g = -self.A_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias.to(work))
         g = g.transpose(1, 2)  # (B, H, N)
         o, new_state = delta_mix(mixed, self.conv1d.weight, g, beta, state, Hk=Hk, Dk=Dk, Dv=Dv,
@@ -206,7 +214,9 @@ class GatedDeltaNet(nn.Module):
         lin = config.linear_attention
         return cls(config.hidden_size, num_k_heads=lin.linear_num_key_heads, num_v_heads=lin.linear_num_value_heads,
                    head_k_dim=lin.linear_key_head_dim, head_v_dim=lin.linear_value_head_dim,
-                   conv_kernel_size=lin.linear_conv_kernel_dim, norm_eps=config.rms_norm_eps, layer_idx=layer_idx)
+                   conv_kernel_size=lin.linear_conv_kernel_dim,
+                   norm_eps=config.rms_norm_eps if lin.norm_eps is None else lin.norm_eps, layer_idx=layer_idx,
+                   allow_neg_eigval=lin.allow_neg_eigval)
 
     def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
         """The decoder's call (:class:`qkv.nn.mixer.DecoderMixer`): every column goes through the cached state."""
@@ -217,7 +227,8 @@ class GatedDeltaNet(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_k_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "
-                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_kernel_size={self.conv_kernel_size}")
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_kernel_size={self.conv_kernel_size}"
+                + (", allow_neg_eigval" if self.allow_neg_eigval else ""))
 
 
 class SplitGatedDeltaNet(GatedDeltaNet):

@@ -466,6 +466,10 @@ class LatentAttention(nn.Module):
                 rot_pos = torch.arange(N, device=x.device) if pos is None else pos.clamp_min(0)
                 q_rope_BHNr = self.rope(q_rope_BHNr, rot_pos)
                 k_rope_BSr = self.rope(k_rope_BNr.unsqueeze(1), rot_pos).squeeze(1)
+        scale_BN = c.query_scale(torch.arange(N, device=x.device) if q_pos is None else q_pos)  # (B, N) or (N,)
+        if scale_BN is not None:  # Llama 4's attention temperature (Mistral 4); 1 below the period
+            scale_B1N1 = scale_BN.to(q_nope_BHNn.dtype).view(-1, 1, N, 1)
+            q_nope_BHNn, q_rope_BHNr = q_nope_BHNn * scale_B1N1, q_rope_BHNr * scale_B1N1
         choice = self.explain_path(N, c_kv_BSr.shape[1], path=path)
         fn = mla_absorbed if choice.path == "absorbed" else mla_expanded
         heads = fn(q_nope_BHNn, q_rope_BHNr, c_kv_BSr, k_rope_BSr, self.kv_b_proj.weight, q_positions=q_pos,

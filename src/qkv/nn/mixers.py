@@ -17,11 +17,13 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from ..config.mixers import MIXERS, mixer_of
+from .compressed_attention import CompressedAttention
 from .dsa import SparseLatentAttention
 from .gated_deltanet import GatedDeltaNet, SplitGatedDeltaNet
 from .kda import KimiDeltaAttention
 from .latent import LatentAttention
 from .mixer import DecoderMixer
+from .qsa import IndexedAttention
 from .self_attention import SelfAttention
 
 if TYPE_CHECKING:
@@ -36,6 +38,10 @@ _MODULES: dict[str, type] = {
     "gated_deltanet": GatedDeltaNet,
     "gated_deltanet_split": SplitGatedDeltaNet,
     "kda": KimiDeltaAttention,
+    "qsa": IndexedAttention,
+    "v4_sliding": CompressedAttention,
+    "csa": CompressedAttention,
+    "hca": CompressedAttention,
 }
 
 #: The module class of each registered mixer kind, read-only.

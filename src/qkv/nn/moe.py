@@ -8,16 +8,21 @@ are summed with the router weights (times ``routed_scaling_factor``), and ``n_sh
 every token goes through are added. The routing rules, one function each:
 
 - :func:`route_softmax`: softmax over all experts, top-k (``greedy``), or top-k inside the ``topk_group``
-  best of ``n_group`` groups (``group_limited_greedy``, DeepSeek-V2); renormalized when ``norm_topk_prob``
-  (Qwen3-MoE).
+  best of ``n_group`` groups (``group_limited_greedy``, DeepSeek-V2; ``group_limited_top2``, Mistral 4);
+  renormalized when ``norm_topk_prob`` (Qwen3-MoE).
 - :func:`route_noaux_tc`: DeepSeek-V3's auxiliary-loss-free balancing: sigmoid scores; experts are *chosen*
   by ``score + e_score_correction_bias`` inside the ``topk_group`` groups whose two best biased scores sum
   highest, and *weighted* by their unbiased scores (renormalized, times ``routed_scaling_factor``).
 - :func:`route_topk_softmax`: GPT-OSS: top-k of the (biased) router logits, softmax over those k only.
+- :func:`route_sqrt_softplus`: DeepSeek-V4 (DeepSeek-AI 2026, DeepSeek-V4 report, Section 2.1): scores
+  ``sqrt(softplus(logits))``, experts chosen by ``score + e_score_correction_bias`` (no groups), weighted by
+  their unbiased scores; :func:`route_hash`: its first layers' hash routing, the experts a fixed table of the
+  token id (``tid2eid``), weighted the same way.
 
 Experts are stored stacked, as HF transformers 5 keeps them: :class:`Experts` (gated, SwiGLU and
-relatives) and :class:`ClampedSwiGLUExperts` (GPT-OSS: biases, clamped inputs, ``(up + 1) * gate *
-sigmoid(alpha * gate)``).
+relatives), :class:`ClampedSwiGLUExperts` (GPT-OSS: biases, clamped inputs, ``(up + 1) * gate *
+sigmoid(alpha * gate)``) and :class:`ClampedSiLUExperts` (DeepSeek-V4: ``silu(min(gate, l)) * clamp(up, -l, l)``,
+its shared expert :class:`ClampedGatedMLP`).
 
 Shape legend: T tokens (B * N), d hidden size, E routed experts, k experts per token, f expert hidden size.
 
@@ -42,8 +47,9 @@ from ..config.moe import MoEConfig
 from .activations import ACTIVATIONS, GateKernel, check_activation, gated
 from .ffn import GatedMLP
 
-__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "ExpertsKernel", "MoE", "route_softmax", "route_noaux_tc",
-           "route_topk_softmax"]
+__all__ = ["MoEConfig", "Experts", "ClampedSwiGLUExperts", "ClampedSiLUExperts", "ClampedGatedMLP", "ExpertsKernel",
+           "MoE", "clamped_swiglu", "route_softmax", "route_noaux_tc", "route_topk_softmax", "route_sqrt_softplus",
+           "route_hash"]
 
 
 class ExpertsKernel(Protocol):
@@ -62,11 +68,15 @@ class ExpertsKernel(Protocol):
 
 
 def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2 / Qwen3-MoE routing: logits (T, E) float32 -> (weights (T, k), expert ids (T, k))."""
+    """DeepSeek-V2 / Qwen3-MoE / Mistral 4 routing: logits (T, E) float32 -> (weights (T, k), expert ids (T, k)).
+    Group-limited methods keep the ``topk_group`` groups whose best score (``group_limited_greedy``) or two best
+    scores summed (``group_limited_top2``) are highest."""
     scores = logits.softmax(dim=-1)  # (T, E)
-    if m.topk_method == "group_limited_greedy":
+    if m.topk_method in ("group_limited_greedy", "group_limited_top2"):
         T, E = scores.shape
-        best = scores.view(T, m.n_group, E // m.n_group).amax(dim=-1)  # (T, groups)
+        grouped = scores.view(T, m.n_group, E // m.n_group)
+        best = (grouped.amax(dim=-1) if m.topk_method == "group_limited_greedy"
+                else grouped.topk(2, dim=-1).values.sum(dim=-1))  # (T, groups)
         keep = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1, sorted=False).indices, 1.0)
         scores = scores.masked_fill(~keep.bool().repeat_interleave(E // m.n_group, dim=1), 0.0)
     weights, idx = scores.topk(m.num_experts_per_tok, dim=-1, sorted=False)
@@ -81,7 +91,7 @@ def route_noaux_tc(logits: torch.Tensor, correction: torch.Tensor, m: MoEConfig)
     the weights are the unbiased sigmoid scores."""
     scores = logits.sigmoid()  # (T, E)
     T, E = scores.shape
-    biased = (scores + correction.float()).view(T, m.n_group, E // m.n_group)  # (T, groups, E / groups)
+    biased = (scores + correction.to(scores.dtype)).view(T, m.n_group, E // m.n_group)  # (T, groups, E / groups)
     group_score = biased.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups): the two best biased scores
     groups = group_score.topk(m.topk_group, dim=-1, sorted=False).indices
     keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
@@ -97,6 +107,45 @@ def route_topk_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor
     """GPT-OSS routing: the top-k logits (T, E) -> softmax over those k (weights (T, k), expert ids (T, k))."""
     top, idx = logits.topk(m.num_experts_per_tok, dim=-1)
     return top.softmax(dim=-1) * m.routed_scaling_factor, idx
+
+
+def _weigh(scores: torch.Tensor, idx: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = scores.gather(1, idx)
+    if m.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * m.routed_scaling_factor, idx
+
+
+def route_sqrt_softplus(logits: torch.Tensor, correction: torch.Tensor,
+                        m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 routing: logits (T, E), correction (E,) the ``e_score_correction_bias`` -> (weights (T, k),
+    expert ids (T, k)). Scores ``sqrt(softplus(logits))``; the top-k of ``score + correction`` are chosen and
+    weighted by their unbiased scores (renormalized when ``norm_topk_prob``, times ``routed_scaling_factor``).
+
+    Example:
+        >>> import torch
+        >>> m = MoEConfig(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        ...               topk_method="sqrtsoftplus", norm_topk_prob=True)
+        >>> w, idx = route_sqrt_softplus(torch.tensor([[0.0, 3.0, -1.0, 2.0]]), torch.zeros(4), m)
+        >>> sorted(idx[0].tolist()), round(float(w.sum()), 6)
+        ([1, 3], 1.0)
+    """
+    scores = F.softplus(logits).sqrt()  # (T, E)
+    idx = (scores + correction.to(scores.dtype)).topk(m.num_experts_per_tok, dim=-1, sorted=False).indices
+    return _weigh(scores, idx, m)
+
+
+def route_hash(logits: torch.Tensor, idx: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's hash routing: logits (T, E) and the experts ``idx`` (T, k) a fixed table gives each token's id
+    -> (weights (T, k), ``idx``), the weights their sqrt-softplus scores as :func:`route_sqrt_softplus`'s."""
+    return _weigh(F.softplus(logits).sqrt(), idx, m)
+
+
+def clamped_swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's gate: a fused gate-up projection ``h`` (..., 2f), gate first -> ``silu(min(gate, limit)) *
+    clamp(up, -limit, limit)`` (..., f)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 def check_expert_ids(idx: torch.Tensor, n: int, owner: str) -> None:
@@ -215,48 +264,125 @@ class ClampedSwiGLUExperts(nn.Module):
         return out
 
 
+class ClampedSiLUExperts(nn.Module):
+    """DeepSeek-V4's routed experts, stored stacked like :class:`Experts` (``gate_up_proj`` (E, 2f, d) gate rows
+    first, ``down_proj`` (E, d, f)); each expert ``down(clamped_swiglu(gate_up(x), limit))``."""
+
+    def __init__(self, n: int, d: int, f: int, *, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * f, d).normal_(std=0.02))
+        self.down_proj = nn.Parameter(torch.empty(n, d, f).normal_(std=0.02))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (T, d); idx (T, k) chosen experts; weights (T, k) -> (T, d), the weighted sum."""
+        check_expert_ids(idx, self.gate_up_proj.shape[0], "ClampedSiLUExperts")
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token, w = order // k, weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                t = token[start:start + n]
+                h = clamped_swiglu(F.linear(x[t], self.gate_up_proj[e]), self.limit)  # (n, f)
+                out.index_add_(0, t, (F.linear(h, self.down_proj[e]) * w[start:start + n, None]).to(out.dtype))
+                start += n
+        return out
+
+
+class ClampedGatedMLP(nn.Module):
+    """DeepSeek-V4's shared expert: ``down(clamped_swiglu(gate_up(x), limit))`` (``gate_up_proj`` d -> 2f, gate rows
+    first). ``forward(x)``: (..., d) -> (..., d)."""
+
+    def __init__(self, d_model: int, d_ff: int, *, limit: float, bias: bool = False) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_up_proj(x), self.limit))
+
+
 class MoE(nn.Module):
     """DeepSeekMoE: ``shared_experts(x) + sum_k w_k expert_k(x)`` over the top-k routed experts.
 
     Args:
         hidden_size: ``d``. config: a :class:`MoEConfig`. activation: the experts' gate activation (a key of
             :data:`qkv.nn.activations.ACTIVATIONS`). bias: biases of the shared experts' projections.
+        hash_vocab: the vocabulary size on a hash-routed layer (DeepSeek-V4): the experts of token id ``t`` are
+            the buffer ``tid2eid[t]`` (V, k); None: routed by the scores.
 
-    ``forward(x)``: (..., d) -> (..., d).
+    ``forward(x, input_ids=None)``: (..., d) -> (..., d); a hash-routed layer needs ``input_ids`` (...,).
     """
 
-    def __init__(self, hidden_size: int, config: MoEConfig, *, activation: str = "silu", bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, config: MoEConfig, *, activation: str = "silu", bias: bool = False,
+                 hash_vocab: int | None = None) -> None:
         super().__init__()
         check_activation("MoE", activation)
         m = self.config = config
+        self.hashed = hash_vocab is not None
+        if self.hashed and m.topk_method != "sqrtsoftplus":
+            raise ValueError(f"MoE: hash routing (hash_vocab) weighs experts by sqrt-softplus scores; the config's "
+                             f"topk_method is {m.topk_method!r}, set 'sqrtsoftplus'")
         self.router = nn.Linear(hidden_size, m.n_routed_experts, bias=m.router_bias)
-        if m.swiglu_limit is not None:
+        if self.hashed:
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab, m.num_experts_per_tok, dtype=torch.long))
+        if m.silu_limit is not None:
+            self.experts = ClampedSiLUExperts(m.n_routed_experts, hidden_size, m.moe_intermediate_size,
+                                              limit=m.silu_limit)
+        elif m.swiglu_limit is not None:
             self.experts = ClampedSwiGLUExperts(m.n_routed_experts, hidden_size, m.moe_intermediate_size,
                                                 alpha=m.swiglu_alpha, limit=m.swiglu_limit)
         else:
             self.experts = Experts(m.n_routed_experts, hidden_size, m.moe_intermediate_size, activation)
-        if m.topk_method == "noaux_tc":  # DeepSeek-V3's balancing bias: steers the choice, not trained by SGD
+        if m.topk_method == "noaux_tc" or (m.topk_method == "sqrtsoftplus" and not self.hashed):
+            # DeepSeek-V3's balancing bias: steers the choice, not trained by SGD
             self.register_buffer("e_score_correction_bias", torch.zeros(m.n_routed_experts))
-        self.shared_experts = (GatedMLP(hidden_size, m.shared_width, activation=activation, bias=bias)
-                               if m.n_shared_experts else None)
+        if not m.n_shared_experts:
+            self.shared_experts = None
+        elif m.silu_limit is not None:
+            self.shared_experts = ClampedGatedMLP(hidden_size, m.shared_width, limit=m.silu_limit, bias=bias)
+        else:
+            self.shared_experts = GatedMLP(hidden_size, m.shared_width, activation=activation, bias=bias)
         # Qwen3-Next: the shared expert's output times sigmoid of a learned scalar per token
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if m.shared_expert_gate else None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, d) -> (weights (T, k) float32, expert ids (T, k)); the router runs in float32, as HF's."""
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, d) -> (weights (T, k) float32, float64 for a float64 model, expert ids (T, k)); the router runs in
+        float32 for lower precisions, as HF's, and a float64 model stays a float64 reference throughout.
+        ``input_ids`` (T,): the tokens of a hash-routed layer."""
         m = self.config
-        bias = None if self.router.bias is None else self.router.bias.float()
-        logits = F.linear(x.float(), self.router.weight.float(), bias)  # (T, E)
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        bias = None if self.router.bias is None else self.router.bias.to(work)
+        logits = F.linear(x.to(work), self.router.weight.to(work), bias)  # (T, E)
+        if m.topk_method == "sqrtsoftplus":
+            if self.hashed:
+                return route_hash(logits, self.tid2eid[input_ids], m)
+            return route_sqrt_softplus(logits, self.e_score_correction_bias, m)
         if m.topk_method == "noaux_tc":
             return route_noaux_tc(logits, self.e_score_correction_bias, m)
         if m.topk_method == "topk_softmax":
             return route_topk_softmax(logits, m)
         return route_softmax(logits, m)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (T, d)
-        weights, idx = self.route(flat)
+        if self.hashed:
+            if not isinstance(input_ids, torch.Tensor) or input_ids.numel() != flat.shape[0]:
+                seen = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
+                raise ValueError(f"MoE: a hash-routed layer needs input_ids, one token id per row of x "
+                                 f"{tuple(shape[:-1])}, got {seen!r}")
+            input_ids = input_ids.reshape(-1)
+            vocab = self.tid2eid.shape[0]
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+                raise ValueError(f"MoE: input_ids must lie in [0, {vocab}) for the hash table tid2eid, got ids "
+                                 f"{int(input_ids.min())} .. {int(input_ids.max())}")
+        weights, idx = self.route(flat, input_ids)
         out = self.experts(flat, idx, weights)
         if self.shared_experts is not None:
             shared = self.shared_experts(flat)

@@ -106,9 +106,10 @@ class SelfAttention(nn.Module):
         """The softcap and ALiBi this layer adds to its scores, those it has."""
         return tuple(m for m in (self.score_mod, "ALiBi" if self.alibi is not None else None) if m is not None)
 
-    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0, mask=None) -> torch.Tensor:
         """(B, N, d) -> (B, N, d); with ``0 < keep < N`` the outputs of the last ``keep`` columns only, (B, keep, d)
-        (every column's keys and values are still cached)."""
+        (every column's keys and values are still cached). ``mask``: a :mod:`qkv.masks` mask AND-ed with the
+        causal one (a subclass's key selection, :class:`qkv.nn.IndexedAttention`)."""
         B, N, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (B, N, (Hq + 2 Hkv) D), then the output gate's (B, N, Hq D)
@@ -116,7 +117,7 @@ class SelfAttention(nn.Module):
         if self.output_gate:
             qkv, gate = qkv.split(((Hq + self.kv_sets * Hkv) * D, Hq * D), dim=-1)
         if self.kv_sets < 2 or self.value_norm_eps is not None:
-            return self._forward_unfused(x, qkv, gate, step, keep)
+            return self._forward_unfused(x, qkv, gate, step, keep, mask)
         if self.qk_norm_projection:
             q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
@@ -133,10 +134,10 @@ class SelfAttention(nn.Module):
                 return self._rotate_qk(q, k, qk, cos, sin)
         if self.shares_kv and step.cache is None:  # later layers read these keys (normed, not rotated) and values
             step.shared_kv[self.layer_idx] = (k, v)
-        return self._attend(q, k, v, gate, step, keep, rotate)
+        return self._attend(q, k, v, gate, step, keep, rotate, mask=mask)
 
     def _forward_unfused(self, x: torch.Tensor, qkv: torch.Tensor, gate: torch.Tensor | None, step: MixerStep,
-                        keep: int) -> torch.Tensor:
+                        keep: int, mask=None) -> torch.Tensor:
         """:meth:`forward` of a layer with K = V, normed values or one that reads a source layer's keys and values;
         ``qkv`` (B, N, (Hq + kv_sets Hkv) D) its projection without the output gate."""
         B, N, _ = x.shape
@@ -166,15 +167,16 @@ class SelfAttention(nn.Module):
 
             def rotate(q, k):
                 return self._rotate_qk(q, k, None, cos, sin)
-        return self._attend(q, k, v, gate, step, keep, rotate, read_only=read_only and cache is not None)
+        return self._attend(q, k, v, gate, step, keep, rotate, read_only=read_only and cache is not None, mask=mask)
 
-    def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, *, read_only: bool = False) -> torch.Tensor:
+    def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, *, read_only: bool = False,
+                mask=None) -> torch.Tensor:
         """:func:`qkv.nn.cached_attention` of the rotated (or, by ``rotate``, to-be-rotated) heads, then the output
         gate and projection: (B, N or keep, d)."""
         B, N = q.shape[0], q.shape[2]
         cache = step.cache
         res = cached_attention(q, k, v, layer_idx=self.layer_idx, cache=cache, positions=step.positions, rope=self.rope,
-                               rotate=rotate, window=self.window,
+                               rotate=rotate, window=self.window, mask=mask,
                                step_mask=step.self_mask(self.window) if cache is None else None,
                                score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
                                attention_fn=self.attention_fn, backend=self.backend,

@@ -35,6 +35,7 @@ import torch
 from .. import masks
 from .._attention import attention
 from .._request import AttentionOutput
+from .select import moba_select
 
 __all__ = ["moba", "moba_reference", "moba_blocks"]
 
@@ -58,40 +59,18 @@ def _check(fn: str, q, k, v, block_size, topk) -> tuple[int, int, int, int, int]
     return B, Hq, Hkv, Nq, Nk
 
 
-def _block_means(k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mean key of each block (the last one may be short): (B, Hkv, nb, D)."""
-    B, Hkv, Nk, D = k.shape
-    nb = math.ceil(Nk / block_size)
-    padded = torch.nn.functional.pad(k, (0, 0, 0, nb * block_size - Nk))
-    sums = padded.view(B, Hkv, nb, block_size, D).sum(3)
-    counts = torch.clamp(Nk - torch.arange(nb, device=k.device) * block_size, max=block_size)
-    return sums / counts.to(k.dtype).view(1, 1, nb, 1)
-
-
 def moba_blocks(q: torch.Tensor, k: torch.Tensor, *, block_size: int, topk: int, causal: bool = True
                 ) -> torch.Tensor:
     """The blocks each query picks: (B, Hq, Nq, min(topk, nb)) int64 block ids, ``-1`` where fewer blocks may
-    be picked (early queries under causality). Computed without gradients.
+    be picked (early queries under causality). Computed without gradients, by :func:`qkv.sparse.select.moba_select`
+    (MoBA as a point of the selection space: mean-key scorer, block granularity, per head, own block forced).
 
     Args:
         q: (B, Hq, Nq, D) queries. k: (B, Hkv, Nk, D) keys.
         block_size, topk, causal: as in :func:`moba`.
     """
-    B, Hq, Hkv, Nq, Nk = _check("moba_blocks", q, k, k, block_size, topk)
-    G = Hq // Hkv
-    with torch.no_grad():
-        means = _block_means(k, block_size)  # (B, Hkv, nb, D)
-        nb = means.shape[2]
-        aff = q.reshape(B, Hkv, G * Nq, -1) @ means.transpose(-1, -2)  # (B, Hkv, G*Nq, nb)
-        aff = aff.view(B, Hq, Nq, nb).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        pos = torch.arange(Nq, device=q.device) + (Nk - Nq)
-        own = (pos // block_size).view(Nq, 1)
-        blocks = torch.arange(nb, device=q.device).view(1, nb)
-        aff = aff.masked_fill(blocks == own, float("inf"))  # the own block always wins
-        if causal:
-            aff = aff.masked_fill(blocks > own, float("-inf"))  # blocks starting after p
-        vals, ids = aff.topk(min(topk, nb), dim=-1)
-        return torch.where(torch.isneginf(vals), torch.full_like(ids, -1), ids)
+    _check("moba_blocks", q, k, k, block_size, topk)
+    return moba_select(q, k, block=block_size, topk=topk, causal=causal)
 
 
 def moba(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int, topk: int, causal: bool = True,

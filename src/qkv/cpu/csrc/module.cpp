@@ -20,6 +20,8 @@ std::vector<at::Tensor> delta_decode(const at::Tensor& mixed, const at::Tensor& 
                                      const at::Tensor& state, int64_t Hk, double q_scale, double eps);
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                        int64_t nb);
+at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                         const c10::optional<at::Tensor>& bias);
 at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const at::Tensor& weights,
                      const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                      const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
@@ -107,6 +109,7 @@ TORCH_LIBRARY(qkv_cpu, m) {
   m.def("delta_decode(Tensor mixed, Tensor conv_state, Tensor conv_weight, Tensor g, Tensor beta, Tensor state, "
         "int Hk, float q_scale, float eps) -> Tensor[]");
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias, int nb) -> Tensor");
+  m.def("weight_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("moe_token(Tensor x, int[] ids, Tensor weights, Tensor gate_up, Tensor? gate_up_bias, Tensor down, "
         "Tensor? down_bias, bool clamped, float alpha, float limit, int nb_gate_up, int nb_down) -> Tensor");
   m.def("moe_grouped(Tensor x, Tensor token, Tensor weights, int[] counts, Tensor gate_up, Tensor? gate_up_bias, "
@@ -133,6 +136,7 @@ TORCH_LIBRARY_IMPL(qkv_cpu, CPU, m) {
   m.impl("gated_delta_chunks", &gated_delta_chunks);
   m.impl("delta_decode", &delta_decode);
   m.impl("rows_linear", &rows_linear);
+  m.impl("weight_linear", &weight_linear);
   m.impl("moe_token", &moe_token_op);
   m.impl("moe_grouped", &moe_grouped_op);
   m.impl("silu_mul", &silu_mul);
@@ -147,8 +151,8 @@ TORCH_LIBRARY_IMPL(qkv_cpu, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(qkv_cpu, Autograd, m) {
-  for (const char* name : {"gather_attention", "gated_delta_chunks", "delta_decode", "rows_linear", "moe_token",
-                           "moe_grouped", "silu_mul", "rotary", "rms_norm", "decode_attention", "paged_decode",
+  for (const char* name : {"gather_attention", "gated_delta_chunks", "delta_decode", "rows_linear", "weight_linear",
+                           "moe_token", "moe_grouped", "silu_mul", "rotary", "rms_norm", "decode_attention", "paged_decode",
                            "paged_prefill", "paged_store", "screen_pack", "screened_argmax"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&refuse_gradients>());
   }

@@ -31,6 +31,7 @@
 namespace {
 
 constexpr int64_t kSpan = 128;  // keys per softmax update (whole blocks, or kSpan-key pieces of a longer block)
+constexpr int64_t kMinWork = int64_t(1) << 16;  // multiply-adds a thread's share, at least
 
 // sum_d a[d] b[d], two vector accumulators, then the lanes and the tail.
 template <typename T>
@@ -170,7 +171,11 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
   // softmax update per head for the span and the span's values, so the update's fixed cost (maxima,
   // exponentials, rescaling) is paid once per span rather than per block.
   const int64_t span = kSpan;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // A KV head's work is its G queries against up to NB * Tb keys; shares of less than kMinWork multiply-adds stay
+  // on the calling thread (a short cache's step is not worth a parallel region, which on a busy CPU waits for a
+  // descheduled worker).
+  const int64_t work = std::max<int64_t>(1, G * NB * Tb * (D + Dv));
+  at::parallel_for(0, B * Hkv, std::max<int64_t>(1, kMinWork / work), [&](int64_t begin, int64_t end) {
     std::vector<T> qs(G * D), o(G * Dv), s(G * span), m(G), l(G), alpha(G);
     std::vector<const T*> vrows(span);
     for (int64_t w = begin; w < end; ++w) {

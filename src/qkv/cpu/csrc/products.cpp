@@ -7,8 +7,17 @@
 // moe_token runs a single token's k routed experts (ascending expert id, qkv/nn/moe.py's order) through the same
 // products and the experts' activation: SwiGLU (act(gate) * up, act SiLU) or GPT-OSS's clamped form
 // ((clamp(up) + 1) * min(gate, limit) * sigmoid(alpha * min(gate, limit))), each written as the torch ops of
-// qkv/nn/moe.py.
+// qkv/nn/moe.py. moe_grouped runs each expert's rows the same way.
+//
+// Threads: the experts of one call run side by side in one parallel region of torch's pool (at::parallel_for over
+// the experts, on the calling thread alone when they are small: expert_grain; the ATen calls inside run on their
+// worker thread alone, as nested regions do), then their
+// results are added in ascending expert id on the calling thread. One region a call instead of a few per expert:
+// on a busy CPU every region waits for a descheduled worker, and an expert's few rows are too small to split.
+// Each expert's products and activation are the same calls as on one thread, so the values are unchanged.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <utility>
@@ -66,6 +75,13 @@ at::Tensor expert(const at::Tensor& x, int64_t e, const at::Tensor& gate_up, con
   return product(h, down.select(0, e), select(down_bias, e), nb_down);
 }
 
+// Experts a thread's share holds, at least: an expert of width d, hidden f and n rows is 3 n f d multiply-adds, and
+// shares below 2^20 stay on the calling thread (small experts are not worth a parallel region).
+int64_t expert_grain(int64_t d, int64_t f, int64_t n) {
+  const int64_t work = std::max<int64_t>(1, 3 * std::max<int64_t>(n, 1) * f * d);
+  return std::max<int64_t>(1, ((int64_t(1) << 20) + work - 1) / work);
+}
+
 }  // namespace
 
 // x (..., K) @ weight (N, K)^T (+ bias) -> (..., N), as qkv.cpu.skinny.by_rows then the bias.
@@ -98,10 +114,19 @@ at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const
     order.emplace_back(ids[j], static_cast<int64_t>(j));
   }
   std::sort(order.begin(), order.end());
+  std::vector<at::Tensor> ys(order.size());
+  const at::ThreadLocalState caller;  // the workers dispatch as the caller does (below autograd, inference mode)
+  const int64_t grain = expert_grain(x.size(1), gate_up.size(1) / 2, 1);
+  at::parallel_for(0, static_cast<int64_t>(order.size()), grain, [&](int64_t i0, int64_t i1) {
+    at::ThreadLocalStateGuard as_caller(caller);
+    for (int64_t i = i0; i < i1; ++i) {
+      ys[i] = expert(x, order[i].first, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit, nb_gate_up,
+                     nb_down);
+    }
+  });
   auto out = at::zeros_like(x);
-  for (const auto& [e, j] : order) {
-    auto y = expert(x, e, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit, nb_gate_up, nb_down);
-    out.add_((y * weights.narrow(0, j, 1)).to(out.scalar_type()));
+  for (size_t i = 0; i < order.size(); ++i) {
+    out.add_((ys[i] * weights.narrow(0, order[i].second, 1)).to(out.scalar_type()));
   }
   return out;
 }
@@ -127,16 +152,32 @@ at::Tensor moe_grouped(const at::Tensor& x, const at::Tensor& token, const at::T
   }
   TORCH_CHECK(assigned == token.numel(), "moe_grouped: counts sum to ", assigned, ", not the ", token.numel(),
               " assignments");
-  auto out = at::zeros_like(x);
+  std::vector<int64_t> active, starts;  // experts with rows, ascending, and where their assignments start
   int64_t start = 0;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = counts[e];
-    if (n == 0) continue;
-    auto t = token.narrow(0, start, n);
-    auto y = expert(x.index_select(0, t), e, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit,
-                    nb_gate_up[e], nb_down[e]);
-    out.index_add_(0, t, (y * weights.narrow(0, start, n).unsqueeze(1)).to(out.scalar_type()));
-    start += n;
+    if (counts[e] > 0) {
+      active.push_back(e);
+      starts.push_back(start);
+    }
+    start += counts[e];
+  }
+  std::vector<at::Tensor> ys(active.size());
+  const at::ThreadLocalState caller;  // the workers dispatch as the caller does (below autograd, inference mode)
+  const int64_t grain = expert_grain(x.size(1), gate_up.size(1) / 2, active.empty() ? 1 : assigned / active.size());
+  at::parallel_for(0, static_cast<int64_t>(active.size()), grain, [&](int64_t i0, int64_t i1) {
+    at::ThreadLocalStateGuard as_caller(caller);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = active[i];
+      auto t = token.narrow(0, starts[i], counts[e]);
+      ys[i] = expert(x.index_select(0, t), e, gate_up, gate_up_bias, down, down_bias, clamped, alpha, limit,
+                     nb_gate_up[e], nb_down[e]);
+    }
+  });
+  auto out = at::zeros_like(x);
+  for (size_t i = 0; i < active.size(); ++i) {
+    const int64_t e = active[i];
+    out.index_add_(0, token.narrow(0, starts[i], counts[e]),
+                   (ys[i] * weights.narrow(0, starts[i], counts[e]).unsqueeze(1)).to(out.scalar_type()));
   }
   return out;
 }
