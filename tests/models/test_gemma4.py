@@ -327,3 +327,27 @@ def test_engine_serves_shared_layers():
     for rid, (p, b) in zip(ids, reqs):
         assert results[rid].tokens == generate(model, torch.tensor([p]), max_new_tokens=b).new_tokens[0].tolist()
     assert {k: s.blocks_free for k, s in engine.cache.pool_stats().items()} == free
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cost_arithmetic_counts_the_built_model(case):
+    """qkv.costs counts Gemma 4's per-layer shapes: the parameter count equals the built model's (and HF's), and one
+    token's FLOPs are two per weight of the built projections and feed-forwards, plus 4 Hq D_i per attended pair
+    (a uniform head shape, what the arithmetic took before, fails all three)."""
+    from qkv.costs import forward_flops, num_parameters
+
+    hf, _, model = _models(case)
+    c = model.config
+    built = sum(p.numel() for p in model.parameters())
+    assert num_parameters(c).total == built == sum(p.numel() for p in hf.parameters())
+    layers = model.layers
+
+    def weights(part):
+        return sum(m.weight.numel() for layer in layers for m in getattr(layer, part).modules()
+                   if isinstance(m, torch.nn.Linear))
+
+    proj, ffn = weights("self_attn"), weights("mlp")
+    pairs = sum(3 * 4 * layer.self_attn.o_proj.in_features for layer in layers)  # 3 keys (inside every window)
+    f = forward_flops(c, 1, 3)  # one token decoded after two
+    assert (f.projections, f.ffn, f.attention) == (2 * proj, 2 * ffn, pairs)
+    assert len({layer.self_attn.o_proj.in_features for layer in layers}) == 2  # per-type head widths are exercised

@@ -217,6 +217,8 @@ _COUNTED_FIELDS = frozenset({
     "sliding_window", "layer_types", "rope", "max_position_embeddings", "latent", "moe", "indexer", "backend",
     "decode_backend", "name", "linear_attention", "attn_output_gate",
     "nope_layers", "linear_pre_norms",  # no count changes; norms per layer: DecoderConfig.layer_norms
+    "head_dim_by_type", "kv_heads_by_type", "k_eq_v_types", "value_norm", "kv_shared_from",  # Gemma 4: per layer
+    "per_layer_input_size", "per_layer_vocab_size", "layer_scalars", "intermediate_sizes",
 })
 
 
