@@ -351,3 +351,18 @@ def test_cost_arithmetic_counts_the_built_model(case):
     f = forward_flops(c, 1, 3)  # one token decoded after two
     assert (f.projections, f.ffn, f.attention) == (2 * proj, 2 * ffn, pairs)
     assert len({layer.self_attn.o_proj.in_features for layer in layers}) == 2  # per-type head widths are exercised
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kv_cache_memory_counts_each_pool_once(case):
+    """qkv.costs.kv_cache_memory of a Gemma 4 description equals the planner on the built model's cache specs:
+    per-type KV heads and head widths, windows, and shared layers costing nothing."""
+    from qkv.costs import ModelPreset, kv_cache_memory
+
+    model = _models(case)[2]
+    for context in (3, 40):
+        est = kv_cache_memory(ModelPreset.from_config(model.config), context=context, batch=2, dtype="fp32")
+        plan = plan_memory(model, batch=2, context=context, dtype=torch.float32)
+        assert est.total_bytes == round(plan.needed_bytes) > 0
+        shared = sum(g.num_layers for g in est.layers if g.kind == "shared")
+        assert shared == sum(s is not None for s in (model.config.kv_shared_from or ()))
