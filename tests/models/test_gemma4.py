@@ -366,3 +366,15 @@ def test_kv_cache_memory_counts_each_pool_once(case):
         assert est.total_bytes == round(plan.needed_bytes) > 0
         shared = sum(g.num_layers for g in est.layers if g.kind == "shared")
         assert shared == sum(s is not None for s in (model.config.kv_shared_from or ()))
+
+
+def test_model_attention_flops_use_each_type_head_width():
+    """Global layers twice as wide as local ones: the attention FLOPs sum each layer at its own width and window."""
+    from qkv.costs import ModelPreset, attention_flops, model_attention_flops
+
+    c = _models("31b-keqv-Hkv1-untied")[2].config
+    f = model_attention_flops(ModelPreset.from_config(c), context=40)
+    want = sum(attention_flops(1, c.num_attention_heads, 40, 40, c.head_dim_for(i), causal=True, window=c.window_for(i))
+               for i in range(c.num_hidden_layers))
+    assert f.prefill == want
+    assert len({c.head_dim_for(i) for i in range(c.num_hidden_layers)}) == 2
