@@ -357,13 +357,16 @@ def test_cost_arithmetic_counts_the_built_model(case):
 def test_kv_cache_memory_counts_each_pool_once(case):
     """qkv.costs.kv_cache_memory of a Gemma 4 description equals the planner on the built model's cache specs:
     per-type KV heads and head widths, windows, and shared layers costing nothing."""
-    from qkv.costs import ModelPreset, kv_cache_memory
+    from qkv.costs import ModelPreset, kv_cache_memory, num_parameters, preset_from_hf_config
 
-    model = _models(case)[2]
+    hf, _, model = _models(case)
+    from_dict = preset_from_hf_config(hf.config.to_dict())  # what `qkv memory config.json` reads
+    assert num_parameters(from_dict).total == sum(p.numel() for p in model.parameters())
     for context in (3, 40):
-        est = kv_cache_memory(ModelPreset.from_config(model.config), context=context, batch=2, dtype="fp32")
         plan = plan_memory(model, batch=2, context=context, dtype=torch.float32)
-        assert est.total_bytes == round(plan.needed_bytes) > 0
+        for preset in (ModelPreset.from_config(model.config), from_dict):
+            est = kv_cache_memory(preset, context=context, batch=2, dtype="fp32")
+            assert est.total_bytes == round(plan.needed_bytes) > 0
         shared = sum(g.num_layers for g in est.layers if g.kind == "shared")
         assert shared == sum(s is not None for s in (model.config.kv_shared_from or ()))
 
