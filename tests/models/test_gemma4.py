@@ -327,3 +327,57 @@ def test_engine_serves_shared_layers():
     for rid, (p, b) in zip(ids, reqs):
         assert results[rid].tokens == generate(model, torch.tensor([p]), max_new_tokens=b).new_tokens[0].tolist()
     assert {k: s.blocks_free for k, s in engine.cache.pool_stats().items()} == free
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cost_arithmetic_counts_the_built_model(case):
+    """qkv.costs counts Gemma 4's per-layer shapes: the parameter count equals the built model's (and HF's), and one
+    token's FLOPs are two per weight of the built projections and feed-forwards, plus 4 Hq D_i per attended pair
+    (a uniform head shape, what the arithmetic took before, fails all three)."""
+    from qkv.costs import forward_flops, num_parameters
+
+    hf, _, model = _models(case)
+    c = model.config
+    built = sum(p.numel() for p in model.parameters())
+    assert num_parameters(c).total == built == sum(p.numel() for p in hf.parameters())
+    layers = model.layers
+
+    def weights(part):
+        return sum(m.weight.numel() for layer in layers for m in getattr(layer, part).modules()
+                   if isinstance(m, torch.nn.Linear))
+
+    proj, ffn = weights("self_attn"), weights("mlp")
+    pairs = sum(3 * 4 * layer.self_attn.o_proj.in_features for layer in layers)  # 3 keys (inside every window)
+    f = forward_flops(c, 1, 3)  # one token decoded after two
+    assert (f.projections, f.ffn, f.attention) == (2 * proj, 2 * ffn, pairs)
+    assert len({layer.self_attn.o_proj.in_features for layer in layers}) == 2  # per-type head widths are exercised
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kv_cache_memory_counts_each_pool_once(case):
+    """qkv.costs.kv_cache_memory of a Gemma 4 description equals the planner on the built model's cache specs:
+    per-type KV heads and head widths, windows, and shared layers costing nothing."""
+    from qkv.costs import ModelPreset, kv_cache_memory, num_parameters, preset_from_hf_config
+
+    hf, _, model = _models(case)
+    from_dict = preset_from_hf_config(hf.config.to_dict())  # what `qkv memory config.json` reads
+    assert num_parameters(from_dict).total == sum(p.numel() for p in model.parameters())
+    for context in (3, 40):
+        plan = plan_memory(model, batch=2, context=context, dtype=torch.float32)
+        for preset in (ModelPreset.from_config(model.config), from_dict):
+            est = kv_cache_memory(preset, context=context, batch=2, dtype="fp32")
+            assert est.total_bytes == round(plan.needed_bytes) > 0
+        shared = sum(g.num_layers for g in est.layers if g.kind == "shared")
+        assert shared == sum(s is not None for s in (model.config.kv_shared_from or ()))
+
+
+def test_model_attention_flops_use_each_type_head_width():
+    """Global layers twice as wide as local ones: the attention FLOPs sum each layer at its own width and window."""
+    from qkv.costs import ModelPreset, attention_flops, model_attention_flops
+
+    c = _models("31b-keqv-Hkv1-untied")[2].config
+    f = model_attention_flops(ModelPreset.from_config(c), context=40)
+    want = sum(attention_flops(1, c.num_attention_heads, 40, 40, c.head_dim_for(i), causal=True, window=c.window_for(i))
+               for i in range(c.num_hidden_layers))
+    assert f.prefill == want
+    assert len({c.head_dim_for(i) for i in range(c.num_hidden_layers)}) == 2

@@ -75,13 +75,16 @@ class MixerKind:
         name: the registry key (for a recurrent kind, the ``mixer`` value of its ``LinearAttentionConfig``).
         attribute: the submodule name a decoder layer holds the mixer under (``"self_attn"``, ``"linear_attn"``).
         cache: ``(config, layer_idx) -> CacheShape`` of one layer.
-        params: ``config -> int``, the parameters of one such mixer (biases and inner norms included): what
-            ``sum(p.numel() for p in mixer.parameters())`` of the built module gives.
-        weights: ``config -> int``, the projection weights one token multiplies by (two FLOPs each).
-        pair_flops: ``config -> int``, FLOPs per attended (query, key) pair of one sequence (scores and values;
-            0 for a recurrent mixer).
-        token_flops: ``config -> int``, mixing FLOPs per new token of one sequence beyond the projections and the
-            pairs (a recurrent mixer's state update and read; 0 for attention).
+        params: ``(config, layer_idx=None) -> int``, the parameters of one such mixer (biases and inner norms
+            included): what ``sum(p.numel() for p in mixer.parameters())`` of the built module gives. ``layer_idx``:
+            the layer whose shape to count (per-type heads, K = V, a KV-shared layer without key and value
+            projections: Gemma 4); None: a layer of the model-wide shape. The next three take it too.
+        weights: ``(config, layer_idx=None) -> int``, the projection weights one token multiplies by (two FLOPs
+            each).
+        pair_flops: ``(config, layer_idx=None) -> int``, FLOPs per attended (query, key) pair of one sequence
+            (scores and values; 0 for a recurrent mixer).
+        token_flops: ``(config, layer_idx=None) -> int``, mixing FLOPs per new token of one sequence beyond the
+            projections and the pairs (a recurrent mixer's state update and read; 0 for attention).
         window: ``(config, layer_idx) -> int | None``, the keys a query attends to (None: every earlier one).
         recurrent: the kind sits on ``"linear_attention"`` layers and keeps a fixed state instead of a cache that
             grows with the context.
@@ -90,10 +93,10 @@ class MixerKind:
     name: str
     attribute: str
     cache: Callable[[DecoderConfig, int], CacheShape]
-    params: Callable[[DecoderConfig], int]
-    weights: Callable[[DecoderConfig], int]
-    pair_flops: Callable[[DecoderConfig], int]
-    token_flops: Callable[[DecoderConfig], int]
+    params: Callable[..., int]
+    weights: Callable[..., int]
+    pair_flops: Callable[..., int]
+    token_flops: Callable[..., int]
     window: Callable[[DecoderConfig, int], int | None]
     recurrent: bool = False
 
@@ -161,7 +164,7 @@ def _no_window(c: DecoderConfig, i: int) -> None:
     return None
 
 
-def _zero(c: DecoderConfig) -> int:
+def _zero(c: DecoderConfig, i: int | None = None) -> int:
     return 0
 
 
@@ -174,35 +177,46 @@ def _gqa_cache(c: DecoderConfig, i: int) -> CacheShape:
     return CacheShape("full", (Hkv, D))
 
 
-def _gqa_weights(c: DecoderConfig) -> int:
-    d, Hq, Hkv, D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+def _gqa_shape(c: DecoderConfig, i: int | None) -> tuple[int, int, bool, bool]:
+    """``(Hkv, D, has_v, has_k)`` of attention layer ``i`` (None: the model-wide ``num_key_value_heads`` and
+    ``head_dim``, a layer that projects its own keys and values): per-type heads, K = V (no value projection) and
+    cross-layer KV sharing (no key or value projection, no key norm), Gemma 4."""
+    if i is None:
+        return c.num_key_value_heads, c.head_dim, True, True
+    return c.kv_heads_for(i), c.head_dim_for(i), not c.k_eq_v_for(i), c.kv_source(i) is None
+
+
+def _gqa_weights(c: DecoderConfig, i: int | None = None) -> int:
+    d, Hq = c.hidden_size, c.num_attention_heads
+    Hkv, D, has_v, has_k = _gqa_shape(c, i)
     gate = d * Hq * D if c.attn_output_gate else 0  # Qwen3-Next: a second query-sized projection, the output gate
-    return d * Hq * D + 2 * d * Hkv * D + Hq * D * d + gate
+    return d * Hq * D + has_k * (1 + has_v) * d * Hkv * D + Hq * D * d + gate
 
 
-def _gqa_params(c: DecoderConfig) -> int:
-    d, Hq, Hkv, D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    n = _gqa_weights(c)
+def _gqa_params(c: DecoderConfig, i: int | None = None) -> int:
+    d, Hq = c.hidden_size, c.num_attention_heads
+    Hkv, D, has_v, has_k = _gqa_shape(c, i)
+    n = _gqa_weights(c, i)
     if c.qkv_bias:
-        n += (Hq * c.attn_output_gate + Hq + 2 * Hkv) * D
+        n += (Hq * c.attn_output_gate + Hq + has_k * (1 + has_v) * Hkv) * D
     if c.o_bias:
         n += d
     if c.qk_norm:  # RMSNorm: a scale per channel, per head (Gemma 3, Qwen3) or over the projection (OLMo 2/3)
-        n += (Hq + Hkv) * D if c.qk_norm_scope == "projection" else 2 * D
+        n += (Hq + has_k * Hkv) * D if c.qk_norm_scope == "projection" else (1 + has_k) * D
     if c.attention_sinks:
         n += Hq
-    return n
+    return n  # Gemma 4's value norm has no scale: nothing to count
 
 
-def _gqa_pair_flops(c: DecoderConfig) -> int:
-    return 2 * c.num_attention_heads * 2 * c.head_dim
+def _gqa_pair_flops(c: DecoderConfig, i: int | None = None) -> int:
+    return 2 * c.num_attention_heads * 2 * _gqa_shape(c, i)[1]
 
 
 def _mla_cache(c: DecoderConfig, i: int) -> CacheShape:
     return CacheShape("latent", (c.latent.kv_lora_rank, c.latent.qk_rope_head_dim))
 
 
-def _mla_weights(c: DecoderConfig) -> int:
+def _mla_weights(c: DecoderConfig, i: int | None = None) -> int:
     lat, d = c.latent, c.hidden_size
     Hq, Dqk, Dv = lat.num_attention_heads, lat.qk_head_dim, lat.v_head_dim
     q = d * Hq * Dqk if lat.q_lora_rank is None else lat.q_lora_rank * (d + Hq * Dqk)
@@ -210,7 +224,7 @@ def _mla_weights(c: DecoderConfig) -> int:
     return q + kv + Hq * Dv * d
 
 
-def _mla_params(c: DecoderConfig) -> int:
+def _mla_params(c: DecoderConfig, i: int | None = None) -> int:
     lat = c.latent
     norms = (lat.q_lora_rank or 0) + lat.kv_lora_rank  # q_a_layernorm, kv_a_layernorm
     bias = ((lat.q_lora_rank or 0) + lat.kv_lora_rank + lat.qk_rope_head_dim + c.hidden_size
@@ -218,7 +232,7 @@ def _mla_params(c: DecoderConfig) -> int:
     return _mla_weights(c) + norms + bias
 
 
-def _mla_pair_flops(c: DecoderConfig) -> int:
+def _mla_pair_flops(c: DecoderConfig, i: int | None = None) -> int:
     lat = c.latent
     return 2 * lat.num_attention_heads * (lat.qk_head_dim + lat.v_head_dim)
 
@@ -228,64 +242,64 @@ def _dsa_cache(c: DecoderConfig, i: int) -> CacheShape:
     return CacheShape("indexed_latent", (lat.kv_lora_rank, lat.qk_rope_head_dim, c.indexer.index_head_dim))
 
 
-def _dsa_weights(c: DecoderConfig) -> int:
+def _dsa_weights(c: DecoderConfig, i: int | None = None) -> int:
     ix, d = c.indexer, c.hidden_size
     Hi, Di = ix.index_n_heads, ix.index_head_dim
     return _mla_weights(c) + c.latent.q_lora_rank * Hi * Di + d * Di + d * Hi  # the indexer's wq_b, wk, weights_proj
 
 
-def _dsa_params(c: DecoderConfig) -> int:
+def _dsa_params(c: DecoderConfig, i: int | None = None) -> int:
     return _mla_params(c) + _dsa_weights(c) - _mla_weights(c) + 2 * c.indexer.index_head_dim  # its key's LayerNorm
 
 
-def _indexed_gqa_weights(c: DecoderConfig, ix) -> int:
+def _indexed_gqa_weights(c: DecoderConfig, ix, i: int | None = None) -> int:
     """GQA beside a one-key-head indexer (QSA, MSA): its queries and its key, ``d (Hi + 1) Di``."""
-    return _gqa_weights(c) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim
+    return _gqa_weights(c, i) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim
 
 
-def _indexed_gqa_params(c: DecoderConfig, ix) -> int:
-    return _gqa_params(c) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim + 2 * ix.index_head_dim
+def _indexed_gqa_params(c: DecoderConfig, ix, i: int | None = None) -> int:
+    return _gqa_params(c, i) + c.hidden_size * (ix.index_n_heads + 1) * ix.index_head_dim + 2 * ix.index_head_dim
 
 
-def _qsa_weights(c: DecoderConfig) -> int:
-    return _indexed_gqa_weights(c, c.qsa)
+def _qsa_weights(c: DecoderConfig, i: int | None = None) -> int:
+    return _indexed_gqa_weights(c, c.qsa, i)
 
 
-def _qsa_params(c: DecoderConfig) -> int:
-    return _indexed_gqa_params(c, c.qsa)  # the indexer's two RMSNorms included
+def _qsa_params(c: DecoderConfig, i: int | None = None) -> int:
+    return _indexed_gqa_params(c, c.qsa, i)  # the indexer's two RMSNorms included
 
 
-def _msa_weights(c: DecoderConfig) -> int:
-    return _indexed_gqa_weights(c, c.msa)
+def _msa_weights(c: DecoderConfig, i: int | None = None) -> int:
+    return _indexed_gqa_weights(c, c.msa, i)
 
 
-def _msa_params(c: DecoderConfig) -> int:
-    return _indexed_gqa_params(c, c.msa)
+def _msa_params(c: DecoderConfig, i: int | None = None) -> int:
+    return _indexed_gqa_params(c, c.msa, i)
 
 
 def _recurrent_cache(c: DecoderConfig, i: int) -> CacheShape:
     return CacheShape("recurrent", c.linear_attention.recurrent_shape())
 
 
-def _gdn_weights(c: DecoderConfig) -> int:
+def _gdn_weights(c: DecoderConfig, i: int | None = None) -> int:
     lin, d = c.linear_attention, c.hidden_size
     Hk, H, Dk, Dv = (lin.linear_num_key_heads, lin.linear_num_value_heads, lin.linear_key_head_dim,
                      lin.linear_value_head_dim)
     return d * (2 * Hk * Dk + 2 * H * Dv + 2 * H) + H * Dv * d  # q, k, v, z, b, a; the output
 
 
-def _gdn_params(c: DecoderConfig) -> int:
+def _gdn_params(c: DecoderConfig, i: int | None = None) -> int:
     conv, K, H, _, Dv = c.linear_attention.recurrent_shape()
     return _gdn_weights(c) + conv * K + 2 * H + Dv  # depthwise conv, A_log and dt_bias per head, the gated norm
 
 
-def _kda_weights(c: DecoderConfig) -> int:
+def _kda_weights(c: DecoderConfig, i: int | None = None) -> int:
     lin, d = c.linear_attention, c.hidden_size
     H, D = lin.linear_num_value_heads, lin.linear_value_head_dim
     return 3 * d * H * D + 2 * (d * D + D * H * D) + d * H + H * D * d  # q, k, v; low-rank f and g; beta; output
 
 
-def _kda_params(c: DecoderConfig) -> int:
+def _kda_params(c: DecoderConfig, i: int | None = None) -> int:
     conv, K, H, _, D = c.linear_attention.recurrent_shape()
     return _kda_weights(c) + conv * K + H * D + H + D  # conv, dt_bias per channel and A_log per head, the norm
 
@@ -320,7 +334,7 @@ def _v4_cache(c: DecoderConfig, i: int) -> CacheShape:
     return CacheShape("compressed", (c.sliding_window, c.head_dim, c.compressed.rate_of(i), index_dim))
 
 
-def _recurrent_token_flops(c: DecoderConfig) -> int:
+def _recurrent_token_flops(c: DecoderConfig, i: int | None = None) -> int:
     lin = c.linear_attention  # the delta rule reads, corrects and writes a (Dk, Dv) state per head: 6 H Dk Dv
     return 6 * lin.linear_num_value_heads * lin.linear_key_head_dim * lin.linear_value_head_dim
 
@@ -344,5 +358,6 @@ register_mixer(MixerKind(name="kda", attribute="linear_attn", cache=_recurrent_c
                          window=_no_window, recurrent=True))
 for _name, _kind in (("v4_sliding", "sliding"), ("csa", "csa"), ("hca", "hca")):
     register_mixer(MixerKind(name=_name, attribute="self_attn", cache=_v4_cache,
-                             params=lambda c, k=_kind: _v4_params(c, k), weights=lambda c, k=_kind: _v4_weights(c, k),
+                             params=lambda c, i=None, k=_kind: _v4_params(c, k),
+                             weights=lambda c, i=None, k=_kind: _v4_weights(c, k),
                              pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))

@@ -222,6 +222,8 @@ _COUNTED_FIELDS = frozenset({
     "decode_backend", "name", "linear_attention", "attn_output_gate",
     "nope_layers", "linear_pre_norms",  # no count changes; norms per layer: DecoderConfig.layer_norms
     "compressed", "hyper",  # DeepSeek-V4: its mixer kinds count themselves (config.mixers), mHC in costs.params
+    "head_dim_by_type", "kv_heads_by_type", "k_eq_v_types", "value_norm", "kv_shared_from",  # Gemma 4: per layer
+    "per_layer_input_size", "per_layer_vocab_size", "layer_scalars", "intermediate_sizes",
 })
 
 
@@ -784,10 +786,27 @@ def preset_from_hf_config(
         layer_types=layout.layer_types,
         latent=lat,
         linear_attention=layout.linear_attention,
-        **whole,
+        **{**whole, **_per_layer_fields(cfg, layout)},
     )
     return ModelPreset(config=config, source=source, context_stated=whole["max_position_embeddings"] is not None,
                        v_head_dim=v_head_dim if v_head_dim not in (None, head_dim) else None)
+
+
+def _per_layer_fields(cfg: Mapping[str, Any], layout: DecoderConfig) -> dict[str, Any]:
+    """Gemma 4's per-layer shapes: the layout's per-type heads, K = V and KV sharing, and the config's per-layer
+    inputs, double-wide MLP on the KV-shared layers, value norm and layer scalars (as ``family_gemma4`` builds)."""
+    if layout.name != "gemma4_text":
+        return {}
+    n, shared = layout.num_hidden_layers, layout.kv_shared_from
+    widths = None
+    if cfg.get("use_double_wide_mlp") and shared is not None:
+        widths = tuple(cfg["intermediate_size"] * (2 if shared[i] is not None else 1) for i in range(n))
+    ple = cfg.get("hidden_size_per_layer_input") or None
+    return dict(head_dim_by_type=layout.head_dim_by_type, kv_heads_by_type=layout.kv_heads_by_type,
+                k_eq_v_types=layout.k_eq_v_types, kv_shared_from=shared, value_norm=True, layer_scalars=True,
+                sandwich_norms=True, qk_norm=True,
+                per_layer_input_size=ple, per_layer_vocab_size=cfg.get("vocab_size_per_layer_input") if ple else None,
+                intermediate_sizes=widths)
 
 
 def _hf_decoder_config(*, name: str, hidden_size: int, num_attention_heads: int, head_dim: int, latent,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..config.layer_types import LINEAR_ATTENTION
 from ..config.presets import ModelPreset
 
 __all__ = [
@@ -175,6 +176,10 @@ def model_attention_flops(preset: ModelPreset, *, context: int, batch: int = 1) 
             continue
         window = c.sliding_window if kind == "local" else None
         shape = dict(head_dim=preset.key_head_dim, v_head_dim=preset.value_head_dim, causal=True, window=window)
+        if c.head_dim_by_type:  # Gemma 4: a layer type's own head width (every layer of one kind shares it)
+            i = next(i for i in range(c.num_hidden_layers) if c.window_for(i) == window
+                     and c.layer_types[i] != LINEAR_ATTENTION)
+            shape.update(head_dim=c.head_dim_for(i), v_head_dim=c.head_dim_for(i))
         prefill += n * attention_flops(batch, c.num_attention_heads, context, context, **shape)
         decode += n * attention_flops(batch, c.num_attention_heads, 1, context, **shape)
         if absorbed is not None:

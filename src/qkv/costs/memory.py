@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from ..config.mixers import mixer_of
 from ..config.presets import ModelPreset
 from .units import GB, _dtype_key, parse_dtype
 
@@ -108,7 +109,7 @@ def recurrent_state_bytes(preset: ModelPreset, *, dtype: str = "bf16", group_siz
 
 class LayerKV(NamedTuple):
     """Cache of the layers of one kind (``"global"``, ``"local"`` or ``"recurrent"``: a fixed state, ``tokens``
-    and ``bytes_per_token`` 0); bytes rounded up."""
+    and ``bytes_per_token`` 0; ``"shared"``: layers reading another layer's cache, 0 bytes); bytes rounded up."""
 
     kind: str
     num_layers: int
@@ -177,6 +178,8 @@ def kv_cache_memory(
     c = preset.config
     if c.compressed is not None:
         return _compressed_memory(preset, context=context, batch=batch, dtype=dtype, group_size=group_size)
+    if c.head_dim_by_type or c.kv_heads_by_type or c.kv_shared_from is not None:
+        return _per_layer_kv_memory(preset, context=context, batch=batch, dtype=dtype, group_size=group_size)
     if c.latent is not None:
         per_token = mla_kv_bytes_per_token(
             c.latent.kv_lora_rank, c.latent.qk_rope_head_dim + (c.indexer.index_head_dim if c.indexer else 0),
@@ -242,3 +245,32 @@ def _compressed_memory(preset: ModelPreset, *, context: int, batch: int, dtype: 
     return KVMemory(preset=preset.name, context=context, batch=batch, dtype=_dtype_key(dtype), bytes_per_element=eb,
                     bytes_per_token=growth, total_bytes=total, layers=tuple(layers),
                     fits={g: total <= g * GB for g in DEVICE_GB})
+
+
+def _per_layer_kv_memory(preset: ModelPreset, *, context: int, batch: int, dtype: str,
+                         group_size: int | None) -> KVMemory:
+    """:func:`kv_cache_memory` of a model whose attention layers differ in shape (Gemma 4): each layer as its cache
+    spec has it (:meth:`qkv.config.mixers.MixerKind.cache`): a type's own KV heads and head width, and a layer
+    reading an earlier layer's keys and values (``"shared"``) caching nothing, so each pool counts once."""
+    c = preset.config
+    groups: dict[tuple[str, int, float], int] = {}
+    for i in range(c.num_hidden_layers):
+        shape = mixer_of(c, i).cache(c, i)
+        if shape.kind == "shared":
+            key = ("shared", 0, 0.0)
+        else:
+            local = shape.kind == "sliding"
+            heads, dim = shape.args[-2:]
+            tokens = min(context, shape.args[0]) if local else context
+            key = ("local" if local else "global", tokens,
+                   gqa_kv_bytes_per_token(heads, dim, dtype=dtype, group_size=group_size))
+        groups[key] = groups.get(key, 0) + 1
+    layers = []
+    for (kind, tokens, per_token), n in groups.items():
+        per_layer = math.ceil(batch * tokens * per_token)
+        layers.append(LayerKV(kind, n, tokens, per_token, per_layer, n * per_layer))
+    total = sum(g.total_bytes for g in layers)
+    return KVMemory(preset=preset.name, context=context, batch=batch, dtype=_dtype_key(dtype),
+                    bytes_per_element=element_bytes(dtype, group_size=group_size),
+                    bytes_per_token=sum(g.num_layers * g.bytes_per_token for g in layers), total_bytes=total,
+                    layers=tuple(layers), fits={g: total <= g * GB for g in DEVICE_GB})

@@ -94,7 +94,7 @@ def _matmul_weights(preset: ModelPreset) -> tuple[int, int]:
     """Weights a token multiplies by, all layers: (every layer's mixer projections, feed-forward actually used)."""
     p, c = preset, decoder_side(preset)
     ffn = sum(layer_ffn_params(p, i, bias=False)[1] for i in range(c.num_hidden_layers))
-    return sum(mixer_of(c, i).weights(c) for i in range(c.num_hidden_layers)), ffn
+    return sum(mixer_of(c, i).weights(c, i) for i in range(c.num_hidden_layers)), ffn
 
 
 def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *, batch: int = 1,
@@ -125,7 +125,7 @@ def forward_flops(preset: ModelPreset, q_len: int, kv_len: int | None = None, *,
     for i in range(c.num_hidden_layers):  # each layer's mixer: per attended (query, key) pair and per new token
         kind = mixer_of(c, i)
         pairs_x2 = attended_pairs_x2(q_len, kv_len, True, kind.window(c, i))
-        attn += batch * (pairs_x2 * kind.pair_flops(c) // 2 + q_len * kind.token_flops(c))
+        attn += batch * (pairs_x2 * kind.pair_flops(c, i) // 2 + q_len * kind.token_flops(c, i))
         if c.compressed is not None and c.compressed.attention_types[i] != "sliding":
             attn += batch * _compressed_entry_flops(c, i, q_len, kv_len)
     proj, ffn = _matmul_weights(p)

@@ -28,7 +28,13 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
 - manifold-constrained hyper-connections (DeepSeek-V4's mHC, ``n = hc_mult`` streams of width ``d``): each
   block's entry and exit ``n d (n^2 + 2 n)`` (the pre, post and mixing weights read from the flattened streams)
   plus ``n^2 + 2 n`` biases and 3 scales, two per layer; the head collapsing the streams ``n d n + n + 1``.
-- embeddings ``V * d`` (plus a learned position table), the LM head ``V * d`` unless tied.
+- embeddings ``V * d`` (plus a learned position table), the LM head ``V * d`` unless tied. Gemma 4's per-layer
+  inputs (``L`` layers of ``P`` channels) count with the embeddings: their table ``V' * L * P``, the projection
+  ``d * L * P`` and its norm ``P``, and in each layer the gate and up projections ``2 d P`` and a norm ``d``.
+- per-layer shapes (Gemma 4): each attention layer counts with its type's head width and KV heads; a K = V layer
+  has no value projection, a layer reading an earlier layer's keys and values (``kv_shared_from``) has no key or
+  value projection nor key norm; ``intermediate_sizes`` give each layer's feed-forward width. The value norm has
+  no scale and the layer scalars are buffers: nothing to count.
 - an encoder-decoder (the 2017 Transformer) adds ``encoder_layers`` bidirectional layers and, in every
   decoder layer, a cross-attention block with its norm.
 
@@ -111,7 +117,8 @@ def attention_weights(preset: ModelPreset, *, cross: bool = False) -> int:
     c = decoder_side(preset)
     if cross:
         return get_mixer("attention").weights(_cross(c))
-    return mixer_of(c, _attention_layer(c)).weights(c)
+    i = _attention_layer(c)
+    return mixer_of(c, i).weights(c, i)
 
 
 def recurrent_weights(preset: ModelPreset) -> int:
@@ -136,7 +143,7 @@ def _recurrent_kind(c: DecoderConfig) -> str:
 def _mixer_params(preset: ModelPreset) -> int:
     """Every layer's token mixer: attention blocks and recurrent layers, each as its kind counts itself."""
     c = decoder_side(preset)
-    return sum(mixer_of(c, i).params(c) for i in range(c.num_hidden_layers))
+    return sum(mixer_of(c, i).params(c, i) for i in range(c.num_hidden_layers))
 
 
 def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
@@ -144,7 +151,8 @@ def layer_attention_params(preset: ModelPreset, *, cross: bool = False) -> int:
     c = decoder_side(preset)
     if cross:
         return get_mixer("attention").params(_cross(c))
-    return mixer_of(c, _attention_layer(c)).params(c)
+    i = _attention_layer(c)
+    return mixer_of(c, i).params(c, i)
 
 
 def _mlp(c: DecoderConfig, width: int, *, bias: bool) -> int:
@@ -160,7 +168,7 @@ def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) 
     c, m = preset.config, preset.config.moe
     b = bias and c.mlp_bias
     if m is None or not m.is_moe(layer_idx):
-        n = _mlp(c, c.intermediate_size, bias=b)
+        n = _mlp(c, c.intermediate_size_for(layer_idx), bias=b)
         return n, n
     expert = _mlp(c, m.moe_intermediate_size, bias=b)
     width = m.shared_expert_intermediate_size or m.moe_intermediate_size * m.n_shared_experts
@@ -195,7 +203,7 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
     d, n_layers, enc = c.hidden_size, c.num_hidden_layers, preset.encoder_layers
     norm = d if c.norm == "rms" else 2 * d
     positions = c.max_position_embeddings if c.position == "learned" else 0  # a learned table's rows
-    embedding = c.vocab_size * d + positions * d
+    embedding = c.vocab_size * d + positions * d + _per_layer_input_params(c)
     lm_head = 0 if c.tie_word_embeddings else c.vocab_size * d
     attention = _mixer_params(p)
     ffn = active_ffn = 0
@@ -214,6 +222,14 @@ def num_parameters(preset: ModelPreset | str | os.PathLike | Mapping[str, Any]) 
     residual = _hyper_params(c)
     total = embedding + attention + ffn + norms + lm_head + residual
     return ParamCount(p.name, embedding, attention, ffn, norms, lm_head, total, total - ffn + active_ffn, residual)
+
+
+def _per_layer_input_params(c: DecoderConfig) -> int:
+    """Gemma 4's per-layer inputs (module docstring), counted with the embeddings; 0 without them."""
+    if not c.per_layer_input_size:
+        return 0
+    d, n, P = c.hidden_size, c.num_hidden_layers, c.per_layer_input_size
+    return (c.per_layer_vocab_size or c.vocab_size) * n * P + d * n * P + P + n * (2 * d * P + d)
 
 
 def _hyper_params(c: DecoderConfig) -> int:
