@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default=None, help="comma-separated model names to run (default: all)")
     p.add_argument("--shapes", default=None, help="run the real-shape suite (generate_shapes) instead: "
                    "comma-separated shapes of benchmarks/_checkpoints.py, e.g. qwen2.5-0.5b,llama-3.2-1b,qwen2.5-3b")
-    p.add_argument("--tag", default=None, help="with --shapes: the suite writes generate_shapes_<tag>.json (one "
-                   "part of the matrix)")
+    p.add_argument("--tag", default=None, help="the suite writes generate_<tag>.json (with --shapes: "
+                   "generate_shapes_<tag>.json), one part of the matrix, leaving the untagged table's rows alone")
     p.add_argument("--dtypes", default="bfloat16,float32", help="with --shapes: comma-separated dtypes")
     p.add_argument("--batches", default="1,8,32", help="with --shapes: comma-separated batch sizes")
     args = p.parse_args(argv)
@@ -326,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     repeat = args.repeat or (2 if args.quick else 5)  # 5 interleaved repeats: the published configuration
     import transformers
 
-    suite = Suite("generate", "greedy decode tokens/s, qkv vs HF transformers generate (same weights)",
+    from _checkpoints import suite_name
+
+    name = suite_name("generate", args.tag)  # a tagged part keeps generate.json's other rows
+    suite = Suite(name, "greedy decode tokens/s, qkv vs HF transformers generate (same weights)",
                   transformers=transformers.__version__, dtype="float32", cache="qkv Static / HF DynamicCache",
                   hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)
     configs = _configs(args.quick)
