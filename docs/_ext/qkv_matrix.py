@@ -335,9 +335,42 @@ TINY: dict[str, dict] = {
                     "linear_attn_config": {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 2,
                                            "kda_layers": [1], "full_attn_layers": [2]}},
     "gpt2": {}, "bloom": {}, "bert": {}, "t5": {"d_kv": 8, "d_ff": 48, "num_decoder_layers": 2},
+    "smollm3": {"num_hidden_layers": 4},
+    "olmo_hybrid": {**_HYBRID, "num_hidden_layers": 2},
+    "mistral4": {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_key_value_heads": 4,
+                 "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                 "q_lora_rank": 24, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+                 "n_shared_experts": 1, "first_k_dense_replace": 1,
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.0,
+                                     "partial_rotary_factor": 8 / 24}},
+    "gemma4_text": {"num_hidden_layers": 4, "sliding_window": 4, "global_head_dim": 16, "num_kv_shared_layers": 1,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                    "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 64},
+    "glm_moe_dsa": {**_MLA, **_MOE, "q_lora_rank": 16, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4},
+    "deepseek_v4": {"num_hidden_layers": 3, "q_lora_rank": 12, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2,
+                    "index_head_dim": 8, "index_topk": 2, "sliding_window": 4, "partial_rotary_factor": 0.5,
+                    "num_key_value_heads": 1, "hc_mult": 2, "num_hash_layers": 1,
+                    "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                    "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                                    "heavily_compressed_attention"]},
+    "minimax_m3_vl_text": {"num_hidden_layers": 2, "dense_intermediate_size": 24, "shared_intermediate_size": 16,
+                           "num_local_experts": 4, "num_experts_per_tok": 2, "index_n_heads": 2,
+                           "index_head_dim": 8, "index_block_size": 2, "index_topk_blocks": 2,
+                           "index_local_blocks": 1, "layer_types": ["full_attention", "minimax_m3_sparse"],
+                           "mlp_layer_types": ["dense", "sparse"]},
+    "qwen4_exp_text": {**_HYBRID, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                       "shared_expert_intermediate_size": 16, "hc_count": 2, "hc_lowrank": 8, "ple_layer_ids": [1],
+                       "ple_embed_dim": 8, "ngram_size": 3, "heads_per_ngram": 2, "ngram_vocab_size_base": 50,
+                       "make_ngram_vocab_size_divisible_by": 8, "indexer_n_heads": 2, "indexer_kv_heads": 1,
+                       "indexer_head_dim": 8, "indexer_budget": 4, "indexer_compress_ratio": 2,
+                       "layer_types": ["linear_attention", "indexed_attention"]},
 }
 #: Registered types that wrap another one (a multimodal checkpoint's language model): tried through that one.
-WRAPS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+WRAPS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text",
+         "minimax_m3_vl": "minimax_m3_vl_text", "qwen4_exp": "qwen4_exp_text"}
 
 
 def registered_families() -> list[str]:
@@ -366,6 +399,8 @@ def tiny_hf_model(model_type: str, seed: int = 0):
         auto = transformers.AutoModel
     elif model_type == "t5":
         auto = transformers.AutoModelForSeq2SeqLM
+    elif model_type == "mistral4":  # transformers 5.25's auto mapping does not list it
+        return transformers.Mistral4ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
     return auto.from_config(cfg, attn_implementation="eager").eval()
 
 

@@ -180,8 +180,9 @@ def test_linear_layers_of_other_families_are_refused():
 
     cfg = dict(model_type="llama", vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                num_attention_heads=2, layer_types=["linear_attention", "full_attention"])
-    with pytest.raises(CheckpointError, match=r"'linear_attention' layers are read for \['kimi_linear', "
-                                              r"'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_next'\] only"):
+    with pytest.raises(CheckpointError, match=r"'linear_attention' layers are read for \['kimi_linear', 'olmo_hybrid', "
+                                              r"'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_next', 'qwen4_exp_text'\] "
+                                              r"only"):
         family_llama.decoder_config(cfg)
 
 

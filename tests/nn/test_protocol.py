@@ -53,7 +53,18 @@ BUILDERS = {
     "Mamba2Mixer": lambda: Mamba2Mixer(32, num_heads=4, head_dim=8, state_size=4, n_groups=2, layer_idx=3),
     "CompressedAttention": lambda: _deepseek_v4_layer(),
     "IndexedAttention": lambda: _qsa_layer(),
+    "BlockSparseAttention": lambda: _msa_layer(),
 }
+
+
+def _msa_layer():
+    from qkv.config.msa import MSAConfig
+
+    c = DecoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48, msa=MSAConfig(index_n_heads=2, index_head_dim=8,
+                                                                      block=2, topk_blocks=2, local_blocks=1,
+                                                                      layers=(1,)))
+    return DecoderLM(c).layers[1].self_attn  # with the model's RoPE table, which its indexer rotates by
 
 
 def _qsa_layer():

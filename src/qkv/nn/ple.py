@@ -71,10 +71,14 @@ class PerLayerEmbedding(nn.Module):
     ``norm_key``, ``norm_query``, ``norm_conv``, ``conv1d``).
 
     Args:
-        hidden_size: ``d``. streams: ``S``. embed_dim: ``E`` (HF ``ple_embed_dim``).
-        vocab_size, ngram_size, heads_per_ngram, ngram_vocab_size_base, eos_token_id, ple_layer_index, seed,
-            pad_to: the n-gram embedding's (:class:`qkv.nn.NGramEmbedding`).
-        conv_kernel_size: ``K`` (HF ``ple_conv_kernel_size``). eps: the stream norms' epsilon.
+        hidden_size: ``d``.
+        streams: ``S``.
+        embed_dim: ``E`` (HF ``ple_embed_dim``).
+        conv_kernel_size: ``K`` (HF ``ple_conv_kernel_size``).
+        eps: the stream norms' epsilon.
+
+    The n-gram arguments (``vocab_size``, ``ngram_size``, ``heads_per_ngram``, ``ngram_vocab_size_base``,
+    ``eos_token_id``, ``ple_layer_index``, ``seed``, ``pad_to``) are :class:`qkv.nn.NGramEmbedding`'s.
 
     ``forward(streams, input_ids, *, state=None, real=None)``: streams (B, N, S * d), input_ids (B, N) int64,
     state the previous call's :class:`PLEState` (None: a fresh row), real (B, N, 1) 1 on real tokens and 0 on

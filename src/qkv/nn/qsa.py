@@ -120,8 +120,12 @@ class QSAIndexer(nn.Module):
     """QSA's indexer (module notes): its projection and norms; :meth:`select` scores and keeps.
 
     Args:
-        hidden_size: ``d``. index_n_heads: ``Hi``. index_head_dim: ``Di``. budget: tokens kept from complete
-        blocks. block: ``r``. eps: the norms' epsilon.
+        hidden_size: ``d``.
+        index_n_heads: ``Hi``.
+        index_head_dim: ``Di``.
+        budget: tokens kept from complete blocks.
+        block: ``r``.
+        eps: the norms' epsilon.
     """
 
     def __init__(self, hidden_size: int, *, index_n_heads: int, index_head_dim: int, budget: int, block: int,

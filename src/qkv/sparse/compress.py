@@ -48,12 +48,11 @@ __all__ = ["CompressCarry", "CompressOut", "compress_kv"]
 class CompressCarry(NamedTuple):
     """What :func:`compress_kv` needs from earlier tokens to continue a sequence.
 
-    Fields:
-        kv: (B, P, C) values of the tokens of the incomplete last window (P < rate, possibly 0).
-        gate: (B, P, C) their gates (without the position bias).
-        prev_kv: (B, rate, D) with ``overlap``, the series-A values of the last complete window's tokens (the
-            first half of entry ``w + 1``), None before the first complete window and without overlap.
-        prev_gate: (B, rate, D) their gates (without the position bias), None alike.
+    Fields: ``kv`` (B, P, C), the values of the tokens of the incomplete last window (P < rate, possibly 0);
+    ``gate`` (B, P, C), their gates (without the position bias); ``prev_kv`` (B, rate, D), with ``overlap``, the
+    series-A values of the last complete window's tokens (the first half of entry ``w + 1``), None before the first
+    complete window and without overlap; ``prev_gate`` (B, rate, D), their gates (without the position bias), None
+    alike.
     """
 
     kv: torch.Tensor
