@@ -99,10 +99,10 @@ def main(argv=None) -> None:
     known, rest = pre.parse_known_args(argv)
     args = parse_args(__doc__.splitlines()[0], rest, threads=1, cpu_time=True)
     dtype, Hq = torch.float32, 8
-    lengths = [1024, 2048] if args.quick else [4096, 8192, 16384, 32768]
+    lengths = [512, 1024] if args.quick else [4096, 8192, 16384, 32768]
     if known.lengths:
         lengths = [int(v) for v in known.lengths.split(",")]
-    hf_lengths = {1024} if args.quick else {4096, 8192}
+    hf_lengths = {512} if args.quick else {4096, 8192}
     repeat = args.repeat or 2
     rate = gemm_rate(dtype, cpu=args.cpu_time)
     suite = Suite("compressed", "V4 CSA layer (window + top-k compressed entries) vs dense causal SDPA",
@@ -181,7 +181,7 @@ def decode_table(args, Hq: int, repeat: int) -> None:
                   clock="process CPU time" if args.cpu_time else "wall")
     bw = bandwidth()
     suite.ctx["read_GBps"] = round(bw / 1e9, 1)
-    for n in ([8192] if args.quick else [32768, 131072]):
+    for n in ([4096] if args.quick else [32768, 131072]):
         q = torch.randn(1, Hq, 1, D)
         window = torch.randn(1, 1, WINDOW, D)  # the cache's window pool: positions n - WINDOW .. n - 1
         cmp = torch.randn(1, 1, n // RATE, D)
