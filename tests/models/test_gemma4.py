@@ -381,3 +381,22 @@ def test_model_attention_flops_use_each_type_head_width():
                for i in range(c.num_hidden_layers))
     assert f.prefill == want
     assert len({c.head_dim_for(i) for i in range(c.num_hidden_layers)}) == 2
+
+
+@pytest.mark.parametrize("n_layers", [12, 18, 30])
+def test_layout_reads_the_same_from_config_json_and_to_dict(n_layers):
+    """``to_dict()`` states the global layers' head width per layer, keyed by zero-padded indices once a model has 10
+    layers or more ('05' of 12); both forms of a config give the same per-type shapes and sharing."""
+    import transformers
+
+    from qkv.config.hf_config import read_layout
+
+    cfg = transformers.Gemma4TextConfig(**{**_BASE, "num_hidden_layers": n_layers, "num_key_value_heads": 1,
+                                           "head_dim": 16, "global_head_dim": 32, "sliding_window": 8,
+                                           "num_kv_shared_layers": 4})
+    as_dict = cfg.to_dict()
+    json_form = {k: v for k, v in as_dict.items() if k != "per_layer_config"}
+    json_form.update(head_dim=16, global_head_dim=32)
+    a, b = read_layout(as_dict), read_layout(json_form)
+    assert a.head_dim_by_type == b.head_dim_by_type == {_F: 32}
+    assert a.kv_shared_from == b.kv_shared_from and a.kv_shared_from[-1] is not None

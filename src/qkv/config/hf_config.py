@@ -525,7 +525,9 @@ def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) 
     n = len(types)
     k_eq_v = bool(cfg.get("attention_k_eq_v"))
     if isinstance(cfg.get("per_layer_config"), Mapping):  # to_dict(): the layers that differ, the others as stated
-        per_layer, full_dim, full_kv = cfg["per_layer_config"], cfg.get("head_dim"), cfg.get("num_key_value_heads")
+        # keys are layer indices as strings, zero-padded to the widest index ('05' of 12 layers): read them as ints
+        per_layer = {int(k): v for k, v in cfg["per_layer_config"].items()}
+        full_dim, full_kv = cfg.get("head_dim"), cfg.get("num_key_value_heads")
     else:  # config.json: transformers' defaults for the global layers
         per_layer, full_dim = {}, cfg.get("global_head_dim") or 512
         full_kv = (cfg.get("num_global_key_value_heads") if k_eq_v else None) or cfg.get("num_key_value_heads")
@@ -533,7 +535,7 @@ def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) 
     for i, t in enumerate(types):
         if t != FULL_ATTENTION:
             continue
-        over = per_layer.get(str(i), per_layer.get(i)) or {}
+        over = per_layer.get(i) or {}
         dims.add(over.get("head_dim", full_dim))
         kvs.add(over.get("num_key_value_heads", full_kv))
     if len(dims) > 1 or len(kvs) > 1:
