@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.qkv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install browser test test-partial test-slow test-wheel demo bench bench-vllm bench-llamacpp asan lint clean docs wheel
+.PHONY: install browser kernels test test-partial test-slow test-wheel demo bench bench-vllm bench-llamacpp asan lint clean docs wheel
 
 install: $(STAMP)
 
@@ -31,7 +31,13 @@ browser:
 # Lint first: a lint failure fails `make test` (and CI, which runs it).
 test: install browser
 	$(VENV)/bin/ruff check src tests benchmarks examples docs
+	$(MAKE) kernels
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow and not wheel" --expected-skips tests/skips/full.txt
+
+# qkv's compiled CPU kernels, built (or loaded) once in one process before the test workers start, bounded in time,
+# and where they stand printed (`qkv doctor`): a failed or hung build shows here, not inside the suite's collection.
+kernels: install
+	timeout 1800 $(VENV)/bin/qkv doctor
 
 # The suite on a partial install (.venv-partial: torch and `pip install -e .[test]` only, no transformers,
 # tokenizers, bundled model, matplotlib, scipy, triton): what needs them skips, and only with the reasons

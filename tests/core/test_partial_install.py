@@ -3,6 +3,7 @@ mix HF tests with others skip per test (``tests/_hf.py``'s ``OptionalModule``), 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,9 @@ BLOCKED = ("import sys; sys.modules['transformers'] = None; import pytest; "
 
 
 def test_files_mixing_hf_and_plain_tests_keep_their_plain_tests_without_transformers():
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # the quiet collection's format
     r = subprocess.run([sys.executable, "-c", BLOCKED, *MIXED], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     counts = dict(line.rsplit(": ", 1) for line in r.stdout.splitlines() if line.startswith("tests/"))
     for f in MIXED:  # the quiet collection prints "file: count" per file

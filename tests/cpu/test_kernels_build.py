@@ -93,3 +93,29 @@ def test_switched_off_nothing_is_built(fresh, monkeypatch):
     assert kernels.load() is None and not fresh
     st = kernels.status()
     assert st.state == "off" and st.reason == f"{kernels.ENV}=0 in the environment" and st.path is None
+
+
+def _lock(tmp_path, age_s: float):
+    import os
+    import time
+
+    name = f"qkv_cpu_kernels_{kernels.capability().lower()}"
+    lock = tmp_path / "ext" / name / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_bytes(b"")
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_with_a_message(fresh, tmp_path):
+    lock = _lock(tmp_path, kernels.STALE_LOCK_SECONDS + 60)
+    with pytest.warns(RuntimeWarning, match="removing the build lock .* by a build that did not finish"):
+        assert kernels.load() is torch.ops.qkv_cpu
+    assert not lock.exists() and len(fresh) == 1
+
+
+def test_a_recent_lock_is_left_to_the_build_that_holds_it(fresh, tmp_path, recwarn):
+    lock = _lock(tmp_path, 60)
+    assert kernels.load() is torch.ops.qkv_cpu
+    assert lock.exists(), "a build that may still be running keeps its lock"
+    assert not [w for w in recwarn if "removing the build lock" in str(w.message)]

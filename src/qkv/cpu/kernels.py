@@ -45,6 +45,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -69,6 +70,10 @@ PREBUILT_DIR = Path(__file__).with_name("_lib")
 
 #: A cold JIT build on a quiet 2-core machine (13 files); measured 465-883 s on a busy one.
 _JIT_SECONDS = 60
+
+#: A build's lock file (torch's ``FileBaton``) older than this is left by a build that was killed: torch would wait on
+#: it forever, so it is removed with a warning. Twice the slowest build measured on a busy machine.
+STALE_LOCK_SECONDS = 1800
 
 _lock = threading.Lock()
 _module = None
@@ -136,6 +141,7 @@ def _jit_build():
     where.mkdir(parents=True, exist_ok=True)
     built = where / f"{name}.so"
     sources = [src / s for s in SOURCES]
+    _clear_stale_lock(where / "lock")
     newest = max(p.stat().st_mtime for p in [*sources, *src.glob("*.h")])
     if not built.exists() or built.stat().st_mtime < newest:
         why = _note or "this is a source checkout (no prebuilt kernels in the install)"
@@ -147,6 +153,19 @@ def _jit_build():
                        extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
                        verbose=False)
     return f"JIT {built}"
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove a build lock that no live build can hold (older than :data:`STALE_LOCK_SECONDS`), saying so: torch's
+    ``cpp_extension.load`` waits for the lock's file to go and would hang every later process on it."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"qkv: removing the build lock {lock}, left {age / 60:.0f} minutes ago by a build that did not "
+                      f"finish (no build takes over {STALE_LOCK_SECONDS // 60} minutes)", RuntimeWarning, stacklevel=5)
+        lock.unlink(missing_ok=True)
 
 
 def _build():
