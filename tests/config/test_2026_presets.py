@@ -3,6 +3,8 @@ against the published figures their sources state, and the built model (on the m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,3 +46,62 @@ def test_the_presets_carry_the_new_options():
     assert olmo.layer_types.count("full_attention") == 8
     assert m4.latent.query_scale_beta == 0.1 and m4.rope_for("full_attention").interleaved
     assert 6.5 < num_parameters(PRESETS["mistral-small-4-119b"]).active / 1e9 < 6.7
+
+
+# Gemma 4's small models: the model card states effective parameters (the total less the per-layer input tables,
+# which are looked up, not multiplied) and totals that include the vision and audio encoders, which qkv does not
+# build; so the check is the effective count. name -> (effective billions, rounding, layers holding K/V: local, global)
+GEMMA4 = {"gemma4-e2b": (2.3, 0.05, 12, 3), "gemma4-e4b": (4.5, 0.15, 20, 4)}
+_S, _F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("name", list(GEMMA4))
+def test_gemma4_presets_match_the_model_card_and_count_shared_layers_once(name):
+    from qkv.costs import kv_cache_memory
+
+    preset = PRESETS[name]
+    c = preset.config
+    effective, within, local, global_ = GEMMA4[name]
+    count = num_parameters(preset)
+    tables = c.per_layer_vocab_size * c.num_hidden_layers * c.per_layer_input_size
+    assert abs((count.total - tables) / 1e9 - effective) <= within, f"{name}: {(count.total - tables) / 1e9:.3f}B"
+    mem = kv_cache_memory(preset, context=131072, dtype="bf16")
+    by_kind = {layer.kind: layer for layer in mem.layers}
+    assert (by_kind["local"].num_layers, by_kind["global"].num_layers) == (local, global_)
+    assert by_kind["shared"].total_bytes == 0 and by_kind["local"].tokens == 512
+    kv_heads = c.num_key_value_heads
+    assert mem.total_bytes == local * 512 * 2 * kv_heads * 256 * 2 + global_ * 131072 * 2 * kv_heads * 512 * 2
+
+
+@pytest.mark.parametrize("name", list(GEMMA4))
+def test_gemma4_presets_equal_what_from_hf_builds_from_the_config(name):
+    """The preset is the DecoderConfig ``qkv.models.from_hf`` builds from the same HF config, field for field."""
+    transformers = pytest.importorskip("transformers", reason="HF transformers is the reference of these tests")
+    from qkv.models.family_gemma4 import decoder_config
+
+    c = PRESETS[name].config
+    period = c.layer_types.index(_F) + 1
+    hf = transformers.Gemma4TextConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        intermediate_size=c.intermediate_size, num_attention_heads=8, num_key_value_heads=c.num_key_value_heads,
+        head_dim=256, global_head_dim=512, sliding_window=512, layer_types=([_S] * (period - 1) + [_F]) *
+        (c.num_hidden_layers // period), num_kv_shared_layers=sum(s is not None for s in c.kv_shared_from),
+        use_double_wide_mlp=c.intermediate_sizes is not None, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, final_logit_softcapping=30.0, tie_word_embeddings=True,
+        max_position_embeddings=131072)
+    built = decoder_config(hf.to_dict())
+    assert dataclasses.replace(built, name=c.name) == c
+    assert num_parameters(c).total == num_parameters(built).total
+
+
+def test_get_config_shrinks_gemma4_per_layer_fields_with_the_layers():
+    """Fewer layers keep the first n of every per-layer field, as layer types and NoPE layers do."""
+    from qkv.nn import DecoderLM, get_config
+
+    cfg = get_config("gemma4-e2b", num_hidden_layers=4, hidden_size=64, head_dim=16, intermediate_size=96,
+                     vocab_size=97, per_layer_vocab_size=97, per_layer_input_size=8, head_dim_by_type={_F: 32})
+    assert cfg.kv_shared_from is None and cfg.intermediate_sizes == (96,) * 4
+    assert cfg.layer_types == (_S, _S, _S, _S)
+    assert DecoderLM(cfg)(torch.randint(0, 97, (1, 5))).logits.shape == (1, 5, 97)
+    whole = get_config("gemma4-e2b")
+    assert whole.kv_shared_from == PRESETS["gemma4-e2b"].config.kv_shared_from

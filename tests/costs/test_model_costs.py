@@ -335,6 +335,12 @@ def _shrunk(name):
         kw.update(layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
     elif c.sliding_window:
         kw.update(sliding_window=8, layer_types=("sliding_attention",) * 4)
+    if c.kv_shared_from is not None:  # Gemma 4: the last two layers read layers 0 and 1, per-type heads, PLE
+        kw.update(kv_shared_from=(None, None, 0, 1), head_dim_by_type={"full_attention": 32},
+                  kv_heads_by_type={"full_attention": kw["num_key_value_heads"]},
+                  per_layer_input_size=8 if c.per_layer_input_size else None,
+                  per_layer_vocab_size=97 if c.per_layer_input_size else None,
+                  intermediate_sizes=(96, 96, 192, 192) if c.intermediate_sizes else None)
     if c.latent is not None:
         del kw["head_dim"]
         kw.update(num_key_value_heads=8, latent=dataclasses.replace(

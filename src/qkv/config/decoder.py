@@ -790,6 +790,14 @@ def get_config(name: str, **overrides) -> DecoderConfig | TransformerConfig:
                     del overrides["layer_types"]
             if "nope_layers" not in overrides and isinstance(n, int) and preset.config.nope_layers:
                 overrides["nope_layers"] = tuple(i for i in preset.config.nope_layers if i < n)  # the first n too
+            for field in ("kv_shared_from", "intermediate_sizes"):  # per-layer tuples (Gemma 4): the first n too
+                per_layer = getattr(preset.config, field)
+                if field not in overrides and isinstance(n, int) and per_layer is not None:
+                    first = tuple(per_layer[i % len(per_layer)] for i in range(n))
+                    if field == "intermediate_sizes" and "intermediate_size" in overrides:  # the same multiples
+                        base = preset.config.intermediate_size
+                        first = tuple(w * overrides["intermediate_size"] // base for w in first)
+                    overrides[field] = first if any(v is not None for v in first) else None
             cfg = decoder_config_from_preset(preset)
             return cfg.replace(**overrides) if overrides else cfg
         known = list(PRESETS) + list(MODEL_PRESETS)

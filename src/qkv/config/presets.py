@@ -257,6 +257,32 @@ def _deepseek_v4(name: str, *, hidden_size: int, num_hidden_layers: int, num_att
         hyper=HyperConfig(hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6))
 
 
+def _gemma4_dense(name: str, *, hidden_size: int, num_hidden_layers: int, num_key_value_heads: int, period: int,
+                  shared: int, double_wide: bool) -> DecoderConfig:
+    """Gemma 4's small dense decoders (E2B, E4B): 8 query heads, local layers of 256-wide heads with a 512-token
+    window, one global layer each ``period`` (heads 512 wide, proportional RoPE rotating a quarter at theta 1e6), the
+    last ``shared`` layers reading the keys and values of the last earlier layer of their type (as
+    ``qkv.config.hf_config`` reads ``num_kv_shared_layers``), 256-wide per-layer inputs from a full-vocabulary table,
+    a 4x MLP (doubled on the shared layers where ``double_wide``), a tied head soft-capped at 30."""
+    types = _pattern(num_hidden_layers, period)
+    first = num_hidden_layers - shared
+    source = {t: max(j for j in range(first) if types[j] == t) for t in set(types)}
+    d_ff = 4 * hidden_size
+    return DecoderConfig(
+        name=name, vocab_size=262144, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=8, intermediate_size=d_ff, num_key_value_heads=num_key_value_heads, head_dim=256,
+        hidden_act="gelu_pytorch_tanh", sandwich_norms=True, qk_norm=True, attention_scale=1.0,
+        scale_embeddings=True, tie_word_embeddings=True, final_logit_softcapping=30.0, sliding_window=512,
+        layer_types=types, max_position_embeddings=131072,
+        rope={SLIDING: RopeParams(theta=10000.0),
+              FULL: RopeParams(theta=1_000_000.0, scaling={"rope_type": "proportional"}, partial_rotary_factor=0.25)},
+        head_dim_by_type={FULL: 512}, kv_heads_by_type={FULL: num_key_value_heads}, value_norm=True,
+        kv_shared_from=tuple(None if i < first else source[types[i]] for i in range(num_hidden_layers)),
+        layer_scalars=True, per_layer_input_size=256, per_layer_vocab_size=262144,
+        intermediate_sizes=tuple(d_ff * (2 if i >= first else 1) for i in range(num_hidden_layers))
+        if double_wide else None)
+
+
 def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
     """HF Qwen3-Next / Qwen3.5: layer ``i`` is full attention iff ``(i + 1) % interval == 0``, else recurrent."""
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
@@ -662,6 +688,28 @@ _PRESET_LIST = (
             ' layers without positions (NoPE), no q-LoRA; sigmoid routing with a correction bias, 8 of 256 '
             "experts plus 1 shared, first layer dense. transformers' default layer_types (MLA at layers 4, 8, "
             "..., 24 counted from 0) differ from the checkpoint's.",
+    ),
+    ModelPreset(
+        config=_gemma4_dense('gemma4-e2b', hidden_size=1536, num_hidden_layers=35, num_key_value_heads=1, period=5,
+                             shared=20, double_wide=True),
+        source='Google DeepMind 2026, Gemma 4 model card (E2B: 2.3B effective parameters, 5.1B with its per-layer '
+            'embeddings, vision and audio encoders; 128K context); the text config as public reimplementations '
+            'state it alike (35 layers of width 1536, 4 local : 1 global, 1 KV head, heads 256 / 512 wide, window '
+            '512, the last 20 layers KV-shared with a double-wide MLP, 256-wide per-layer inputs)',
+        notes='Per-layer input tables (262,144 x 35 x 256 = 2.35B) are looked up, not multiplied: the effective '
+            'count is the total less them. Only 15 layers hold keys and values; the 20 shared ones read layers 13 '
+            '(local) and 14 (global).',
+    ),
+    ModelPreset(
+        config=_gemma4_dense('gemma4-e4b', hidden_size=2560, num_hidden_layers=42, num_key_value_heads=2, period=6,
+                             shared=18, double_wide=False),
+        source='Google DeepMind 2026, Gemma 4 model card (E4B: 4.5B effective parameters, 8B with its per-layer '
+            'embeddings, vision and audio encoders; 128K context); the text config as public reimplementations '
+            'state it alike (42 layers of width 2560, 5 local : 1 global, 2 KV heads, heads 256 / 512 wide, window '
+            '512, the last 18 layers KV-shared, 256-wide per-layer inputs)',
+        notes='Per-layer input tables (262,144 x 42 x 256 = 2.82B) are looked up, not multiplied. Only 24 layers '
+            'hold keys and values (20 local windows of 512 tokens, 4 global); the 18 shared ones read layers 22 '
+            '(local) and 23 (global).',
     ),
     ModelPreset(
         config=DecoderConfig(
