@@ -105,3 +105,11 @@ def test_get_config_shrinks_gemma4_per_layer_fields_with_the_layers():
     assert DecoderLM(cfg)(torch.randint(0, 97, (1, 5))).logits.shape == (1, 5, 97)
     whole = get_config("gemma4-e2b")
     assert whole.kv_shared_from == PRESETS["gemma4-e2b"].config.kv_shared_from
+
+
+def test_gemma4_mha_equivalent_gives_every_layer_its_own_full_width_cache():
+    from qkv.costs import kv_cache_memory
+
+    mha = kv_cache_memory(PRESETS["gemma4-e4b"].mha_equivalent(), context=131072, dtype="bf16")
+    local, global_ = 35 * 512 * 2 * 8 * 256 * 2, 7 * 131072 * 2 * 8 * 512 * 2  # 8 KV heads, no layer shared
+    assert mha.total_bytes == local + global_

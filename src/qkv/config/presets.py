@@ -177,7 +177,8 @@ class ModelPreset:
 
     def mha_equivalent(self) -> ModelPreset:
         """The same model with one key/value head per query head and no latent compression (nor DeepSeek-V4's
-        compressed entries and sliding window: full attention on every layer).
+        compressed entries and sliding window: full attention on every layer; nor Gemma 4's cross-layer sharing:
+        every layer caches its own keys and values).
 
         For MLA this is the expanded cache: per head a :attr:`key_head_dim` key and a :attr:`value_head_dim`
         value (a cache shape, held by ``v_head_dim``: no model builds it).
@@ -192,6 +193,9 @@ class ModelPreset:
         if c.latent is not None:
             changes.update(latent=None, indexer=None, head_dim=self.key_head_dim, position="rope")
             v_head_dim = self.value_head_dim
+        if c.kv_heads_by_type or c.kv_shared_from is not None:  # Gemma 4: every type's heads, every layer its own
+            changes.update(kv_heads_by_type={t: c.num_attention_heads for t in c.kv_heads_by_type},
+                           kv_shared_from=None)
         if c.compressed is not None:  # DeepSeek-V4: every token's key and value in every head, no compression
             changes.update(compressed=None, hyper=None, layer_types=(FULL,) * c.num_hidden_layers,
                            sliding_window=None, position="rope")
