@@ -16,8 +16,8 @@ from qkv.config import RopeParams
 from qkv.config.qsa import QSAConfig
 from qkv.nn import DecoderConfig, IndexedAttention
 from qkv.nn.decoder import RopeTable, _ForwardContext
-from qkv.nn.qsa import qsa_token_lists
 from qkv.pos.rope import RotaryEmbedding
+from qkv.sparse.select import qsa_select
 
 transformers = pytest.importorskip("transformers", reason="HF transformers is the reference of these tests")
 hf_mod = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
@@ -143,7 +143,9 @@ def test_token_lists_follow_the_rule(block, block_topk):
     gen = torch.Generator().manual_seed(block * 10 + block_topk)
     scores = torch.randn(2, N, N // block, generator=gen).relu()  # ReLU zeros: ties, the earlier block wins
     pos = torch.arange(N)[None].expand(2, N)
-    got = qsa_token_lists(scores, pos, pos, block=block, block_topk=block_topk)
+    keys = torch.eye(N // block).expand(2, 1, N // block, N // block)  # one-hot block keys: q . k_t = score of t
+    got = qsa_select(scores.unsqueeze(1), keys, budget=block_topk * block, block=block, q_positions=pos,
+                     kv_positions=pos, scale=1.0)
     assert got.shape == (2, 1, N, block_topk * block + block - 1)
     want = _lists_by_loop(scores, block, block_topk)
     for b in range(2):

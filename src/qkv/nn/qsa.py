@@ -26,10 +26,11 @@ length.
 
 Example:
     >>> import torch
-    >>> from qkv.nn.qsa import qsa_token_lists
-    >>> scores = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 0.0], [5.0, 0.0], [1.0, 9.0]]])  # (B, N=5, T=2)
-    >>> pos = torch.arange(5)[None]
-    >>> qsa_token_lists(scores, pos, pos, block=2, block_topk=1)[0, 0].tolist()
+    >>> from qkv.sparse.select import qsa_select
+    >>> scores = torch.tensor([[0.0, 0.0], [0.0, 0.0], [5.0, 0.0], [5.0, 0.0], [1.0, 9.0]])  # (N=5, T=2)
+    >>> pos = torch.arange(5)[None]  # one-hot block keys: q . k_t is the score of block t
+    >>> qsa_select(scores[None, None], torch.eye(2)[None, None], budget=2, block=2, q_positions=pos,
+    ...            kv_positions=pos, scale=1.0)[0, 0].tolist()
     [[-1, -1, 0], [0, 1, -1], [0, 1, 2], [0, 1, -1], [2, 3, 4]]
 """
 
@@ -39,12 +40,12 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
 from ..config.decoder import DecoderConfig
 from ..pos.rope import apply_rotary
+from ..sparse.select import qsa_select
 from .norm import RMSNorm
 from .self_attention import SelfAttention
 
@@ -52,16 +53,7 @@ if TYPE_CHECKING:
     from .decoder import RopeTable
     from .mixer import MixerStep
 
-__all__ = ["IndexedAttention", "QSAIndexer", "qsa_block_keys", "qsa_token_lists"]
-
-
-def _slot_of_position(kv_positions: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, length) the key slot holding each position 0 .. length - 1 of each row (-1: none)."""
-    B, S = kv_positions.shape
-    out = torch.full((B, length + 1), -1, dtype=torch.long, device=kv_positions.device)
-    pos = torch.where((kv_positions >= 0) & (kv_positions < length), kv_positions, length)
-    out.scatter_(1, pos, torch.arange(S, device=kv_positions.device).expand(B, S))
-    return out[:, :length]
+__all__ = ["IndexedAttention", "QSAIndexer", "qsa_block_keys"]
 
 
 def qsa_block_keys(keys: torch.Tensor, kv_positions: torch.Tensor, *, block: int, blocks: int) -> torch.Tensor:
@@ -75,45 +67,6 @@ def qsa_block_keys(keys: torch.Tensor, kv_positions: torch.Tensor, *, block: int
     sums = torch.zeros(B, blocks + 1, Di, dtype=work, device=keys.device)
     sums.scatter_add_(1, t.unsqueeze(-1).expand(B, S, Di), keys.to(work))
     return (sums[:, :blocks] / block).to(keys.dtype)
-
-
-def qsa_token_lists(scores: torch.Tensor, q_positions: torch.Tensor, kv_positions: torch.Tensor, *, block: int,
-                    block_topk: int) -> torch.Tensor:
-    """The token lists (B, 1, N, K) of the module notes from block scores.
-
-    Args:
-        scores: (B, N, T) score of block ``t`` for each query (any value where the block is not complete yet).
-        q_positions: (B, N) int64 positions of the queries (``-1``: padding, an empty list).
-        kv_positions: (B, S) int64 positions of the key slots (``-1``: padding or empty).
-        block: ``r``. block_topk: blocks kept per query.
-
-    Returns:
-        (B, 1, N, K) int64 key slots, ``K = block_topk * r + r - 1``: the kept blocks' tokens (best first), then the
-        tail, then padding; ``-1`` marks an empty entry (a block not kept, a tail shorter than ``r - 1``).
-    """
-    B, N, T = scores.shape
-    p = q_positions.unsqueeze(-1)  # (B, N, 1)
-    t = torch.arange(T, device=scores.device)
-    complete = (t + 1) * block - 1 <= p  # (B, N, T)
-    ranked = torch.where(complete, scores, torch.full_like(scores, float("-inf")))
-    k = min(block_topk, T)
-    vals, best = ranked.sort(dim=-1, descending=True, stable=True)
-    vals, best = vals[..., :k], best[..., :k]  # (B, N, k)
-    j = torch.arange(block, device=scores.device)
-    picked = best.unsqueeze(-1) * block + j  # (B, N, k, r) positions
-    picked = torch.where(torch.isneginf(vals).unsqueeze(-1), -1, picked).flatten(-2)
-    tail_start = torch.div(p + 1, block, rounding_mode="floor") * block  # (B, N, 1)
-    tail = tail_start + j[:-1] if block > 1 else tail_start[..., :0]  # (B, N, r - 1)
-    tail = torch.where(tail <= p, tail, -1)
-    wanted = torch.cat((picked, tail), dim=-1)  # (B, N, K) positions, -1 none
-    if block_topk > k:  # fewer blocks than the budget in this call: pad to the full length
-        wanted = torch.cat((wanted, wanted.new_full((B, N, (block_topk - k) * block), -1)), dim=-1)
-    wanted = torch.where(p >= 0, wanted, -1)
-    longest = int(kv_positions.max()) + 1 if kv_positions.numel() else 0
-    slot = _slot_of_position(kv_positions, max(longest, 1))
-    slot = torch.cat((slot, slot.new_full((B, 1), -1)), dim=1)  # column `longest`: -1 for "none"
-    idx = torch.where((wanted >= 0) & (wanted < slot.shape[1] - 1), wanted, slot.shape[1] - 1)
-    return slot.gather(1, idx.flatten(1)).view(B, 1, N, -1)
 
 
 class QSAIndexer(nn.Module):
@@ -146,8 +99,8 @@ class QSAIndexer(nn.Module):
     @torch.no_grad()
     def select(self, q: torch.Tensor, keys: torch.Tensor, *, q_positions: torch.Tensor, kv_positions: torch.Tensor,
                rope: RopeTable | None) -> torch.Tensor:
-        """Token lists (B, 1, N, K) (:func:`qsa_token_lists`) of the rotated indexer queries ``q`` (B, Hi, N, Di)
-        over the raw keys (B, S, Di) of slots at ``kv_positions`` (B, S)."""
+        """Token lists (B, 1, N, K) (:func:`qkv.sparse.select.qsa_select`, the selection space's QSA point) of the
+        rotated indexer queries ``q`` (B, Hi, N, Di) over the raw keys (B, S, Di) of slots at ``kv_positions``."""
         r = self.block
         longest = int(kv_positions.max()) + 1 if kv_positions.numel() else 0
         T = longest // r
@@ -157,8 +110,8 @@ class QSAIndexer(nn.Module):
             starts = torch.arange(T, device=q.device) * r
             cos, sin = rope.cos_sin(starts, work)
             kb = apply_rotary(kb, cos, sin, interleaved=rope.emb.interleaved)
-        s = F.relu(q.to(work) @ kb.to(work).transpose(-1, -2)).sum(1) / math.sqrt(self.head_dim)  # (B, N, T)
-        return qsa_token_lists(s, q_positions, kv_positions, block=r, block_topk=self.block_topk)
+        return qsa_select(q.to(work), kb.to(work), budget=self.block_topk * r, block=r, q_positions=q_positions,
+                          kv_positions=kv_positions, scale=1.0 / math.sqrt(self.head_dim))
 
     def extra_repr(self) -> str:
         return f"heads={self.n_heads}, head_dim={self.head_dim}, block={self.block}, block_topk={self.block_topk}"
