@@ -338,6 +338,7 @@ TINY: dict[str, dict] = {
     "smollm3": {"num_hidden_layers": 4},
     "olmo_hybrid": {**_HYBRID, "num_hidden_layers": 2},
     "mistral4": {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16, "num_key_value_heads": 4,
+                 "head_dim": 24,  # qk_nope_head_dim + qk_rope_head_dim, as Mistral4Config sets it
                  "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
                  "q_lora_rank": 24, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
                  "n_shared_experts": 1, "first_k_dense_replace": 1,

@@ -192,7 +192,9 @@ def test_checkpoint_directory_loads_like_the_model(tmp_path):
      "llama_4_scaling_beta needs original_max_position_embeddings"),
     (dict(n_group=3), "needs n_group dividing n_routed_experts"),
     (dict(model_type="deepseek_v3"), "family_mistral4: model_type 'deepseek_v3' is not mistral4"),
-], ids=["partial-rope", "scale-period", "groups", "wrong-type"])
+    (dict(head_dim=8), r"head_dim=8 != qk_nope_head_dim \+ qk_rope_head_dim = 24: HF would draw its RoPE frequencies "
+     "for 2 channels and rotate 8"),
+], ids=["partial-rope", "scale-period", "groups", "wrong-type", "head-dim"])
 def test_bad_configs_are_refused(change, match):
     from qkv.models import family_mistral4
 

@@ -54,6 +54,14 @@ def _rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float | None, int | None
     if factor is not None and isinstance(dn, int) and isinstance(dr, int) and not math.isclose(factor, dr / (dn + dr)):
         raise CheckpointError(f"from_hf: mistral4 rotates the qk_rope_head_dim={dr} channels of each head, "
                               f"partial_rotary_factor {dr}/{dn + dr}; this config says {factor}")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and isinstance(dn, int) and isinstance(dr, int) and head_dim != dn + dr:
+        # HF's rotary table takes its frequencies from head_dim * partial_rotary_factor channels, not from the
+        # qk_rope_head_dim it rotates; Mistral4Config sets head_dim to dn + dr, so only a hand-edited config differs
+        raise CheckpointError(f"from_hf: mistral4 with head_dim={head_dim} != qk_nope_head_dim + qk_rope_head_dim = "
+                              f"{dn + dr}: HF would draw its RoPE frequencies for {int(head_dim * dr / (dn + dr))} "
+                              f"channels and rotate {dr}, a different model from the one qkv builds; set head_dim to "
+                              f"{dn + dr} (what Mistral4Config sets) or drop it")
     beta = params.pop("llama_4_scaling_beta", None)
     period = params.get("original_max_position_embeddings")
     if beta is not None and period is None:
