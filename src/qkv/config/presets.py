@@ -287,6 +287,27 @@ def _gemma4_dense(name: str, *, hidden_size: int, num_hidden_layers: int, num_ke
         if double_wide else None)
 
 
+def _gemma4_preset(size: str, *, effective: str, with_tables: str, **shape: Any) -> ModelPreset:
+    """A Gemma 4 small-model preset (:func:`_gemma4_dense`) with its source and notes stated from its shape."""
+    c = _gemma4_dense(f"gemma4-{size}", **shape)
+    n, kv, shared = c.num_hidden_layers, c.num_key_value_heads, shape["shared"]
+    own = [t for t, s in zip(c.layer_types, c.kv_shared_from) if s is None]
+    local, global_ = own.count(SLIDING), own.count(FULL)
+    reads = sorted(set(s for s in c.kv_shared_from if s is not None))
+    wide = " with a double-wide MLP" if shape["double_wide"] else ""
+    return ModelPreset(
+        config=c,
+        source=f"Google DeepMind 2026, Gemma 4 model card ({size.upper()}: {effective} effective parameters, "
+               f"{with_tables} with its per-layer embeddings, vision and audio encoders; 128K context); the text "
+               f"config as public reimplementations state it alike ({n} layers of width {c.hidden_size}, "
+               f"{shape['period'] - 1} local : 1 global, {kv} KV head{'s' if kv > 1 else ''}, heads 256 / 512 wide, "
+               f"window 512, the last {shared} layers KV-shared{wide}, 256-wide per-layer inputs)",
+        notes=f"Per-layer input tables (262,144 x {n} x 256 = {262144 * n * 256 / 1e9:.2f}B) are looked up, not "
+              f"multiplied: the effective count is the total less them. Only {local + global_} layers hold keys and "
+              f"values ({local} local windows of 512 tokens, {global_} global); the {shared} shared ones read layers "
+              f"{' and '.join(map(str, reads))}.")
+
+
 def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
     """HF Qwen3-Next / Qwen3.5: layer ``i`` is full attention iff ``(i + 1) % interval == 0``, else recurrent."""
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
@@ -693,28 +714,10 @@ _PRESET_LIST = (
             "experts plus 1 shared, first layer dense. transformers' default layer_types (MLA at layers 4, 8, "
             "..., 24 counted from 0) differ from the checkpoint's.",
     ),
-    ModelPreset(
-        config=_gemma4_dense('gemma4-e2b', hidden_size=1536, num_hidden_layers=35, num_key_value_heads=1, period=5,
-                             shared=20, double_wide=True),
-        source='Google DeepMind 2026, Gemma 4 model card (E2B: 2.3B effective parameters, 5.1B with its per-layer '
-            'embeddings, vision and audio encoders; 128K context); the text config as public reimplementations '
-            'state it alike (35 layers of width 1536, 4 local : 1 global, 1 KV head, heads 256 / 512 wide, window '
-            '512, the last 20 layers KV-shared with a double-wide MLP, 256-wide per-layer inputs)',
-        notes='Per-layer input tables (262,144 x 35 x 256 = 2.35B) are looked up, not multiplied: the effective '
-            'count is the total less them. Only 15 layers hold keys and values; the 20 shared ones read layers 13 '
-            '(local) and 14 (global).',
-    ),
-    ModelPreset(
-        config=_gemma4_dense('gemma4-e4b', hidden_size=2560, num_hidden_layers=42, num_key_value_heads=2, period=6,
-                             shared=18, double_wide=False),
-        source='Google DeepMind 2026, Gemma 4 model card (E4B: 4.5B effective parameters, 8B with its per-layer '
-            'embeddings, vision and audio encoders; 128K context); the text config as public reimplementations '
-            'state it alike (42 layers of width 2560, 5 local : 1 global, 2 KV heads, heads 256 / 512 wide, window '
-            '512, the last 18 layers KV-shared, 256-wide per-layer inputs)',
-        notes='Per-layer input tables (262,144 x 42 x 256 = 2.82B) are looked up, not multiplied. Only 24 layers '
-            'hold keys and values (20 local windows of 512 tokens, 4 global); the 18 shared ones read layers 22 '
-            '(local) and 23 (global).',
-    ),
+    _gemma4_preset('e2b', effective='2.3B', with_tables='5.1B', hidden_size=1536, num_hidden_layers=35,
+                   num_key_value_heads=1, period=5, shared=20, double_wide=True),
+    _gemma4_preset('e4b', effective='4.5B', with_tables='8B', hidden_size=2560, num_hidden_layers=42,
+                   num_key_value_heads=2, period=6, shared=18, double_wide=False),
     ModelPreset(
         config=DecoderConfig(
             name='smollm3-3b',
