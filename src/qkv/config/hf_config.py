@@ -522,7 +522,6 @@ def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) 
     ``per_layer_config`` instead); with ``attention_k_eq_v`` their keys serve as values. The last
     ``num_kv_shared_layers`` layers each read the keys and values of the last earlier layer of their type that
     computes its own (``transformers``' ``kv_sharing_modes``)."""
-    n = len(types)
     k_eq_v = bool(cfg.get("attention_k_eq_v"))
     if isinstance(cfg.get("per_layer_config"), Mapping):  # to_dict(): the layers that differ, the others as stated
         # keys are layer indices as strings, zero-padded to the widest index ('05' of 12 layers): read them as ints
@@ -548,14 +547,27 @@ def _gemma4_layout(cfg: Mapping[str, Any], types: tuple[str, ...], source: str) 
         out["kv_heads_by_type"][FULL_ATTENTION] = int(kvs.pop() or cfg.get("num_attention_heads"))
     shared = int(cfg.get("num_kv_shared_layers") or 0)
     if shared:
-        first = n - shared
-        sources = {t: max((j for j in range(first) if types[j] == t), default=None) for t in set(types)}
-        missing = sorted(t for t, j in sources.items() if j is None)
-        if first <= 0 or missing:
-            raise ValueError(f"{source}: num_kv_shared_layers={shared} of {n} layers leaves no earlier layer of type "
-                             f"{missing or sorted(set(types))} to share keys and values from")
-        out["kv_shared_from"] = tuple(None if i < first else sources[types[i]] for i in range(n))
+        out["kv_shared_from"] = kv_share_sources(types, shared, source)
     return out
+
+
+def kv_share_sources(types: tuple[str, ...], shared: int, source: str = "kv_share_sources") -> tuple[int | None, ...]:
+    """Gemma 4's cross-layer KV sharing (``transformers``' ``num_kv_shared_layers``): the last ``shared`` layers each
+    read the keys and values of the last earlier layer of their type that computes its own; per layer, that source's
+    index, or None for a layer that computes its own.
+
+    Example:
+        >>> kv_share_sources(("s", "f", "s", "s", "f"), 2)
+        (None, None, None, 2, 1)
+    """
+    n = len(types)
+    first = n - shared
+    sources = {t: max((j for j in range(first) if types[j] == t), default=None) for t in set(types)}
+    missing = sorted(t for t, j in sources.items() if j is None)
+    if first <= 0 or missing:
+        raise ValueError(f"{source}: num_kv_shared_layers={shared} of {n} layers leaves no earlier layer of type "
+                         f"{missing or sorted(set(types))} to share keys and values from")
+    return tuple(None if i < first else sources[types[i]] for i in range(n))
 
 
 def read_qsa(config) -> QSAConfig | None:

@@ -22,7 +22,7 @@ from .compressed import CompressedAttentionConfig
 from .config_file import check_layout_fields, read_json_config
 from .decoder import DecoderConfig
 from .dsa import IndexerConfig
-from .hf_config import read_indexer, read_layout, read_moe
+from .hf_config import kv_share_sources, read_indexer, read_layout, read_moe
 from .hyper import HyperConfig
 from .latent import LatentConfig
 from .layer_types import FULL_ATTENTION, LAYER_KIND, LINEAR_ATTENTION, SLIDING_ATTENTION
@@ -270,7 +270,6 @@ def _gemma4_dense(name: str, *, hidden_size: int, num_hidden_layers: int, num_ke
     a 4x MLP (doubled on the shared layers where ``double_wide``), a tied head soft-capped at 30."""
     types = _pattern(num_hidden_layers, period)
     first = num_hidden_layers - shared
-    source = {t: max(j for j in range(first) if types[j] == t) for t in set(types)}
     d_ff = 4 * hidden_size
     return DecoderConfig(
         name=name, vocab_size=262144, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
@@ -281,7 +280,7 @@ def _gemma4_dense(name: str, *, hidden_size: int, num_hidden_layers: int, num_ke
         rope={SLIDING: RopeParams(theta=10000.0),
               FULL: RopeParams(theta=1_000_000.0, scaling={"rope_type": "proportional"}, partial_rotary_factor=0.25)},
         head_dim_by_type={FULL: 512}, kv_heads_by_type={FULL: num_key_value_heads}, value_norm=True,
-        kv_shared_from=tuple(None if i < first else source[types[i]] for i in range(num_hidden_layers)),
+        kv_shared_from=kv_share_sources(types, shared, name),
         layer_scalars=True, per_layer_input_size=256, per_layer_vocab_size=262144,
         intermediate_sizes=tuple(d_ff * (2 if i >= first else 1) for i in range(num_hidden_layers))
         if double_wide else None)
