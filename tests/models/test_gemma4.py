@@ -51,6 +51,11 @@ CASES = {
         num_hidden_layers=6, num_key_value_heads=1, head_dim=16, global_head_dim=24, num_global_key_value_heads=2,
         attention_k_eq_v=True, sliding_window=4, layer_types=[_S, _F, _S, _S, _F, _F], num_kv_shared_layers=2,
         hidden_size_per_layer_input=4, vocab_size_per_layer_input=160),
+    # 26B-A4B-like: 8 experts (3 per token) beside the dense MLP on every layer, K = V global layers, softcap
+    "26b-a4b-moe-keqv": dict(
+        num_hidden_layers=6, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8,
+        top_k_experts=3, moe_intermediate_size=24, final_logit_softcapping=30.0),
 }
 
 _MODELS: dict[str, tuple] = {}
@@ -60,11 +65,12 @@ def _models(case: str):
     """(hf float32, hf float64, qkv float32) for a case, built once per session."""
     if case not in _MODELS:
         hf = hf_causal_lm("Gemma4TextConfig", "Gemma4ForCausalLM", {**_BASE, **CASES[case]},
-                          seed=40 + sorted(CASES).index(case), attn_implementation="eager")
+                          seed=40 + sorted(CASES).index(case), attn_implementation="eager",
+                          experts_implementation="eager")
         gen = torch.Generator().manual_seed(7)
-        with torch.no_grad():  # Gemma 4's norms scale by w, not 1 + w: weights around 1 (randomize_weights: around 0)
-            for name, p in hf.named_parameters():
-                if "norm" in name:
+        with torch.no_grad():  # Gemma 4's norms scale by w, not 1 + w: weights around 1 (randomize_weights: around 0);
+            for name, p in hf.named_parameters():  # so do the router's input scale and its per-expert scales
+                if "norm" in name or name.endswith("scale"):
                     p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
             for layer in hf.model.layers:  # layer scalars away from 1, so that a missing one shows
                 layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
@@ -298,10 +304,12 @@ def test_shared_cache_refuses_policies_and_writes():
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"enable_moe_block": True}, "enable_moe_block"),
+    ({"enable_moe_block": True, "num_experts": None}, "num_experts"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8},
+     "num_experts_per_tok"),
     ({"use_bidirectional_attention": "all"}, "bidirectional"),
     ({"num_kv_shared_layers": 6}, "no earlier layer"),
-], ids=["moe", "bidirectional", "all-shared"])
+], ids=["moe-without-experts", "moe-top-k-over-experts", "bidirectional", "all-shared"])
 def test_unsupported_gemma4_configs_fail_clearly(change, match):
     from qkv.models.family_gemma4 import decoder_config
 
@@ -343,8 +351,13 @@ def test_cost_arithmetic_counts_the_built_model(case):
     layers = model.layers
 
     def weights(part):
-        return sum(m.weight.numel() for layer in layers for m in getattr(layer, part).modules()
-                   if isinstance(m, torch.nn.Linear))
+        linear = sum(m.weight.numel() for layer in layers for m in getattr(layer, part).modules()
+                     if isinstance(m, torch.nn.Linear))
+        if part == "mlp" and c.moe is not None:  # the top-k of the stacked experts (26B-A4B), beside the dense MLP
+            experts = [layer.mlp.experts for layer in layers]
+            linear += sum((e.gate_up_proj.numel() + e.down_proj.numel()) * c.moe.num_experts_per_tok
+                          // c.moe.n_routed_experts for e in experts)
+        return linear
 
     proj, ffn = weights("self_attn"), weights("mlp")
     pairs = sum(3 * 4 * layer.self_attn.o_proj.in_features for layer in layers)  # 3 keys (inside every window)

@@ -351,8 +351,9 @@ def read_moe(config) -> MoEConfig | None:
     """The mixture-of-experts feed-forward of an HF config (None when it has no routed experts), for every family
     qkv loads: DeepSeek-V2 (softmax, greedy or group-limited), DeepSeek-V3 and Kimi Linear (sigmoid ``noaux_tc``
     with the correction bias), Qwen3-MoE (``num_experts``, softmax), Qwen3-Next (softmax and a shared expert scaled
-    by a sigmoid gate) and GPT-OSS (``num_local_experts``, softmax over the top logits, a router bias, clamped SwiGLU
-    experts). Raises ``ValueError`` for a routing rule qkv does not run.
+    by a sigmoid gate), GPT-OSS (``num_local_experts``, softmax over the top logits, a router bias, clamped SwiGLU
+    experts) and Gemma 4 26B-A4B (``enable_moe_block``: experts beside the dense MLP). Raises ``ValueError`` for a
+    routing rule qkv does not run.
 
     Example:
         >>> read_moe({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}).n_routed_experts
@@ -372,6 +373,16 @@ def read_moe(config) -> MoEConfig | None:
                          swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if model_type == "kimi_linear":
         return _kimi_moe(cfg)
+    if model_type in ("gemma4_text", "gemma4"):  # 26B-A4B: experts beside the dense MLP on every layer
+        if not cfg.get("enable_moe_block"):
+            return None
+        fields = ("num_experts", "top_k_experts", "moe_intermediate_size")
+        bad = {k: cfg.get(k) for k in fields
+               if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 1}
+        if bad:
+            raise ValueError(f"gemma4 with enable_moe_block=True needs {list(fields)} as positive ints; got {bad}")
+        return MoEConfig(n_routed_experts=cfg["num_experts"], num_experts_per_tok=cfg["top_k_experts"],
+                         moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=True, beside_dense=True)
     if model_type in ("qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text"):  # Qwen2-MoE's block: softmax top-k, one
         q35 = model_type == "qwen3_5_moe_text"  # gated shared expert
         n = cfg.get("num_experts", 256 if q35 else 512)

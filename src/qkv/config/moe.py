@@ -41,6 +41,11 @@ class MoEConfig:
 
     MiniMax-M3: ``swiglu_limit`` with a shared expert makes the shared expert GPT-OSS's clamped SwiGLU too
     (:class:`qkv.nn.moe.ClampedSwiGLUMLP`, no biases).
+
+    Gemma 4 26B-A4B: ``beside_dense`` runs the experts beside the layer's dense MLP (its width
+    ``intermediate_size_for(i)``) instead of replacing it; the router reads the residual stream before the layer's
+    pre-norm and each expert's weight is times a learned per-expert scale (:class:`qkv.nn.parallel_moe.ParallelMoE`).
+    It routes by softmax and top-k (``topk_method="greedy"``) and has no shared experts: the dense MLP is that path.
     """
 
     n_routed_experts: int
@@ -62,6 +67,7 @@ class MoEConfig:
     hash_layers: tuple[int, ...] = ()
     silu_limit: float | None = None
     moe_layers: tuple[int, ...] | None = None
+    beside_dense: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_layers is not None:
@@ -86,6 +92,13 @@ class MoEConfig:
         if self.silu_limit is not None and (self.swiglu_limit is not None or not self.silu_limit > 0):
             raise ValueError(f"MoEConfig: silu_limit must be > 0 or None, and not set with swiglu_limit (GPT-OSS's "
                              f"experts); got silu_limit={self.silu_limit!r}, swiglu_limit={self.swiglu_limit!r}")
+        if self.beside_dense and (self.topk_method != "greedy" or self.n_shared_experts or self.hash_layers
+                                  or self.swiglu_limit is not None or self.silu_limit is not None or self.router_bias):
+            raise ValueError(f"MoEConfig: beside_dense (Gemma 4's experts beside the dense MLP) routes by softmax "
+                             f"top-k over plain gated experts with no shared expert; got topk_method="
+                             f"{self.topk_method!r}, n_shared_experts={self.n_shared_experts}, hash_layers="
+                             f"{self.hash_layers!r}, swiglu_limit={self.swiglu_limit!r}, silu_limit="
+                             f"{self.silu_limit!r}, router_bias={self.router_bias!r}")
         if self.shared_expert_gate and not self.n_shared_experts:
             raise ValueError("MoEConfig: shared_expert_gate needs a shared expert (n_shared_experts >= 1)")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:

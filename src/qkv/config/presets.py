@@ -848,7 +848,8 @@ def preset_from_hf_config(
 
 def _per_layer_fields(cfg: Mapping[str, Any], layout: DecoderConfig) -> dict[str, Any]:
     """Gemma 4's per-layer shapes: the layout's per-type heads, K = V and KV sharing, and the config's per-layer
-    inputs, double-wide MLP on the KV-shared layers, value norm and layer scalars (as ``family_gemma4`` builds)."""
+    inputs, double-wide MLP on the KV-shared layers, value norm, layer scalars and the experts beside the dense MLP
+    (as ``family_gemma4`` builds)."""
     if layout.name != "gemma4_text":
         return {}
     n, shared = layout.num_hidden_layers, layout.kv_shared_from
@@ -860,7 +861,7 @@ def _per_layer_fields(cfg: Mapping[str, Any], layout: DecoderConfig) -> dict[str
                 k_eq_v_types=layout.k_eq_v_types, kv_shared_from=shared, value_norm=True, layer_scalars=True,
                 sandwich_norms=True, qk_norm=True,
                 per_layer_input_size=ple, per_layer_vocab_size=cfg.get("vocab_size_per_layer_input") if ple else None,
-                intermediate_sizes=widths)
+                intermediate_sizes=widths, moe=read_moe({**cfg, "model_type": "gemma4_text"}))
 
 
 def _hf_decoder_config(*, name: str, hidden_size: int, num_attention_heads: int, head_dim: int, latent,

@@ -22,7 +22,9 @@ model :func:`qkv.models.from_hf` builds, which the tests check):
   mixture of experts (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066) holds ``E`` routed experts of width
   ``moe_intermediate_size``, ``n_shared_experts`` always-on ones and a router ``d * E``; a token uses the
   router, ``num_experts_per_tok`` routed experts and the shared ones (the *active* count); Qwen3-Next's shared
-  expert is ``shared_expert_intermediate_size`` wide with a ``d -> 1`` sigmoid gate.
+  expert is ``shared_expert_intermediate_size`` wide with a ``d -> 1`` sigmoid gate. Gemma 4's experts beside the
+  dense MLP (``beside_dense``) add the layer's dense MLP (active for every token), a router scale ``d``, a
+  per-expert scale ``E`` and three norms ``3 d``.
 - norms: ``d`` per RMSNorm, ``2 d`` per LayerNorm; two per layer (four with sandwich norms, two again
   for OLMo 2/3's post-norm-only blocks) and a final one.
 - manifold-constrained hyper-connections (DeepSeek-V4's mHC, ``n = hc_mult`` streams of width ``d``): each
@@ -174,6 +176,10 @@ def layer_ffn_params(preset: ModelPreset, layer_idx: int, *, bias: bool = True) 
     width = m.shared_expert_intermediate_size or m.moe_intermediate_size * m.n_shared_experts
     shared = _mlp(c, width, bias=b) + (c.hidden_size if m.shared_expert_gate else 0) if m.n_shared_experts else 0
     router = (c.hidden_size + (1 if m.router_bias else 0)) * m.n_routed_experts
+    if m.beside_dense:  # Gemma 4: the dense MLP runs beside the experts; the router and per-expert scales, 3 norms
+        shared = _mlp(c, c.intermediate_size_for(layer_idx), bias=b)
+        if bias:
+            shared += (c.hidden_size + m.n_routed_experts) + 3 * c.hidden_size
     return router + m.n_routed_experts * expert + shared, router + m.num_experts_per_tok * expert + shared
 
 

@@ -19,13 +19,17 @@ A :class:`qkv.nn.DecoderLM` with these switches on:
 - per-layer input embeddings (``hidden_size_per_layer_input``, :mod:`qkv.nn.per_layer_embed`), a stored scalar
   per layer (``layer_scalar``) and optional final logit soft-capping.
 
-The optional MoE block (``enable_moe_block``: a routed expert bank beside the dense MLP, 26B-A4B) is refused with a
-:class:`~qkv.models.loading.CheckpointError`: qkv's MoE has no such parallel form yet.
+- the optional MoE block (``enable_moe_block``, 26B-A4B): ``num_experts`` routed experts of
+  ``moe_intermediate_size``, ``top_k_experts`` per token, beside the dense MLP on every layer
+  (:class:`qkv.nn.parallel_moe.ParallelMoE`).
 
 Tensor names: the Gemma 2/3 norms (:mod:`qkv.models.family_gemma`); the q/k/v projections a layer has stacked into
 ``qkv_proj``; ``embed_tokens_per_layer``, ``per_layer_model_projection``, ``per_layer_projection_norm`` ->
 ``embed_per_layer.{embed, projection, norm}``; per layer ``per_layer_input_gate``, ``per_layer_projection``,
-``post_per_layer_input_norm`` -> ``per_layer_input.{gate, up, norm}``.
+``post_per_layer_input_norm`` -> ``per_layer_input.{gate, up, norm}``; with the MoE block, per layer ``mlp.*`` ->
+``mlp.mlp.*``, ``router.{proj, scale, per_expert_scale}`` -> ``mlp.{router, router_scale, per_expert_scale}``,
+``experts.*`` -> ``mlp.experts.*``, ``post_feedforward_layernorm_1``, ``pre_feedforward_layernorm_2``,
+``post_feedforward_layernorm_2`` -> ``mlp.{dense_out_norm, experts_norm, experts_out_norm}``.
 
 Example:
     >>> import transformers  # doctest: +SKIP
@@ -43,9 +47,10 @@ from typing import Any
 
 import torch
 
-from ..config.hf_config import hf_defaults, text_config
+from ..config.hf_config import hf_defaults, read_moe, text_config
+from ..config.moe import MoEConfig
 from ..nn import DecoderConfig, DecoderLM
-from .hf import ATTN_STACK, read_checkpoint_layout, rename_decoder
+from .hf import ATTN_STACK, MLP_STACK, read_checkpoint_layout, rename_decoder, stack_tensors
 from .hf import decoder_config as decoder_config_from
 from .loading import FAMILIES, CheckpointError
 
@@ -61,6 +66,12 @@ _PER_LAYER = {"per_layer_input_gate": "per_layer_input.gate", "per_layer_project
 _PLE = {"embed_tokens_per_layer": "embed_per_layer.embed", "per_layer_model_projection": "embed_per_layer.projection",
         "per_layer_projection_norm": "embed_per_layer.norm"}
 _TOWERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
+_MOE = {"router.proj.weight": "mlp.router.weight", "router.scale": "mlp.router_scale",
+        "router.per_expert_scale": "mlp.per_expert_scale", "experts.gate_up_proj": "mlp.experts.gate_up_proj",
+        "experts.down_proj": "mlp.experts.down_proj",
+        "post_feedforward_layernorm_1.weight": "mlp.dense_out_norm.weight",
+        "pre_feedforward_layernorm_2.weight": "mlp.experts_norm.weight",
+        "post_feedforward_layernorm_2.weight": "mlp.experts_out_norm.weight"}
 
 
 def _text(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -76,9 +87,7 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
     if cfg.get("use_bidirectional_attention"):
         raise CheckpointError(f"from_hf: gemma4 with use_bidirectional_attention={cfg['use_bidirectional_attention']!r}"
                               " is not supported; qkv builds the causal decoder")
-    if cfg.get("enable_moe_block"):
-        raise CheckpointError("from_hf: gemma4 with enable_moe_block=True (the 26B-A4B expert bank beside the dense "
-                              "MLP) is not supported yet; qkv's MoE has no such parallel block")
+    moe = _moe(cfg)
     layout = read_checkpoint_layout(cfg)
     n, bias = cfg["num_hidden_layers"], bool(cfg.get("attention_bias", False))
     widths = None
@@ -92,7 +101,15 @@ def decoder_config(cfg: dict[str, Any]) -> DecoderConfig:
         head_dim_by_type=layout.head_dim_by_type, kv_heads_by_type=layout.kv_heads_by_type,
         k_eq_v_types=layout.k_eq_v_types, kv_shared_from=layout.kv_shared_from, layer_scalars=True,
         per_layer_input_size=ple, per_layer_vocab_size=cfg.get("vocab_size_per_layer_input") if ple else None,
-        intermediate_sizes=widths, final_logit_softcapping=cfg.get("final_logit_softcapping"))
+        intermediate_sizes=widths, final_logit_softcapping=cfg.get("final_logit_softcapping"), moe=moe)
+
+
+def _moe(cfg: dict[str, Any]) -> MoEConfig | None:
+    """The 26B-A4B block's experts (beside the dense MLP on every layer), or None without ``enable_moe_block``."""
+    try:
+        return read_moe(cfg)
+    except ValueError as e:
+        raise CheckpointError(f"from_hf: {e}") from e
 
 
 def build(config: dict[str, Any]) -> DecoderLM:
@@ -119,6 +136,16 @@ def convert(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str,
             key = f"model.layers.{i}.{hf}.weight"
             if key in src:
                 src[f"model.layers.{i}.{ours}.weight"] = src.pop(key)
+        if c.moe is not None:  # the dense MLP moves under mlp.mlp, the router, experts and their norms under mlp
+            layer = f"model.layers.{i}."
+            gate_up = stack_tensors(src, f"{layer}mlp.", MLP_STACK, ".weight")
+            if gate_up is not None:
+                src[f"{layer}mlp.mlp.gate_up_proj.weight"] = gate_up
+            if f"{layer}mlp.down_proj.weight" in src:
+                src[f"{layer}mlp.mlp.down_proj.weight"] = src.pop(f"{layer}mlp.down_proj.weight")
+            for hf, ours in _MOE.items():
+                if layer + hf in src:
+                    src[layer + ours] = src.pop(layer + hf)
     for hf, ours in _PLE.items():
         if f"model.{hf}.weight" in src:
             src[f"{ours}.weight"] = src.pop(f"model.{hf}.weight")

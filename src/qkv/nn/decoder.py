@@ -26,7 +26,8 @@ branch), so wider residual streams (hyper-connections) run through the same laye
   ``RecurrentSpec``: one :class:`qkv.cache.KVCache` holds both kinds of layer. Padding tokens (position
   ``-1``) are zeroed before the mixer, so a left-padded row leaves the state its real tokens alone leave.
 - feed-forward: :class:`qkv.nn.GatedMLP` (SwiGLU, tanh-GeGLU), :class:`qkv.nn.FeedForward` (GPT-2, BLOOM)
-  or :class:`qkv.nn.MoE` (DeepSeekMoE) on the layers the config selects.
+  or :class:`qkv.nn.MoE` (DeepSeekMoE) on the layers the config selects, or experts beside the dense MLP
+  (:class:`qkv.nn.parallel_moe.ParallelMoE`, Gemma 4 26B-A4B).
 - :class:`qkv.nn.RMSNorm` (Gemma's ``1 + w`` variant included) or LayerNorm; embeddings optionally scaled by
   ``sqrt(d)`` (Gemma); final logits optionally soft-capped (Gemma 2); LM head tied to the embedding or not.
 
@@ -87,6 +88,7 @@ from .mixer import DecoderMixer
 from .mixers import build_mixer
 from .moe import ClampedSwiGLUMLP, MoE
 from .norm import RMSNorm
+from .parallel_moe import ParallelMoE
 from .per_layer_embed import PerLayerBranch, PerLayerInputs
 from .ple import PerLayerEmbedding
 from .residual import Residual, residual_for
@@ -221,6 +223,9 @@ def _norm(c: DecoderConfig, dim: int) -> nn.Module:
 
 
 def _feed_forward(c: DecoderConfig, layer_idx: int) -> nn.Module:
+    if c.moe is not None and c.moe.is_moe(layer_idx) and c.moe.beside_dense:  # Gemma 4 26B-A4B
+        return ParallelMoE(c.hidden_size, c.intermediate_size_for(layer_idx), c.moe, activation=c.hidden_act,
+                           eps=c.rms_norm_eps)
     if c.moe is not None and c.moe.is_moe(layer_idx):
         hashed = c.vocab_size if layer_idx in c.moe.hash_layers else None  # DeepSeek-V4: experts by token id
         return MoE(c.hidden_size, c.moe, activation=c.hidden_act, bias=c.mlp_bias, hash_vocab=hashed)
@@ -252,6 +257,7 @@ class DecoderLayer(nn.Module):
         self.mlp = _feed_forward(c, layer_idx)
         self.ffn_out_norm = _norm(c, c.hidden_size) if post else None
         self._hashed = isinstance(self.mlp, MoE) and self.mlp.hashed
+        self._reads_raw = isinstance(self.mlp, ParallelMoE)  # its router and experts read the un-normed branch input
         self.attn_residual: Residual = residual_for(c, layer_idx, "attn")
         self.ffn_residual: Residual = residual_for(c, layer_idx, "ffn")
         self.layer_idx = layer_idx
@@ -284,10 +290,12 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             h = self.attn_out_norm(h)
         x = self.attn_residual.leave(x, h, ctx)
-        a, ctx = self.ffn_residual.enter(x)
-        a = a if self.ffn_norm is None else self.ffn_norm(a)
+        raw, ctx = self.ffn_residual.enter(x)
+        a = raw if self.ffn_norm is None else self.ffn_norm(raw)
         if self._hashed:
             h = self.mlp(a, input_ids=step.input_ids[:, step.input_ids.shape[1] - a.shape[1]:])
+        elif self._reads_raw:
+            h = self.mlp(a, raw)
         else:
             h = self.mlp(a)
         if self.ffn_out_norm is not None:
