@@ -402,10 +402,10 @@ def test_kv_cache_declares_every_capability_and_the_base_cache_none():
     for proto in (DecodingCache, DeferredViewCache, PrefixMatchingCache, CroppableCache, ForkableCache,
                   ResettableCache):
         assert not isinstance(base, proto), proto.__name__
-    assert cache_capabilities(base) == (True, True, False, False)
-    assert cache_capabilities(DecodingBaseCache()) == (True, True, True, False)  # decodes, always builds its view
-    assert cache_capabilities(cache) == (True, True, True, True)
-    assert cache_capabilities(object()) == (False, False, False, False)
+    assert cache_capabilities(base) == (True, True, False, False, False)
+    assert cache_capabilities(DecodingBaseCache()) == (True, True, True, False, False)  # always builds its view
+    assert cache_capabilities(cache) == (True, True, True, True, True)  # K = V layers may store values only
+    assert cache_capabilities(object()) == (False, False, False, False, False)
 
 
 def test_verify_cache_runs_what_the_cache_declares():

@@ -31,7 +31,7 @@ import torch
 from ..pos.ids import batch_positions
 from .order import PositionOrder
 from .paged import BlockManager, Paged, PagedStore, PoolStats
-from .protocol import CachePolicy, CacheView, HasCacheSpecs, LatentView, Quantizer, RopeFn
+from .protocol import CachePolicy, CacheView, HasCacheSpecs, KeysFromValues, LatentView, Quantizer, RopeFn
 from .recurrent import RecurrentStore
 from .rows import DenseRows, RowManager
 from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SharedSpec, SinkSpec, SlidingWindowSpec
@@ -172,6 +172,12 @@ class KVCache:
             raise ValueError(f"KVCache: policy={policy!r} with cross-layer KV sharing (SharedSpec layers) is not "
                              f"supported: an eviction policy would rank the source's tokens by its own queries "
                              f"only. Build the cache without a policy")
+        values_only = [i for i, s in enumerate(specs) if getattr(s, "values_only", False)]
+        if values_only and (policy is not None or quant is not None):
+            raise ValueError(f"KVCache: layers {values_only} store their values only (K = V, keys derived from them), "
+                             f"which {'policy' if policy is not None else 'quant'}={policy or quant!r} does not "
+                             f"support (it keeps keys of its own); build the specs with keys stored: "
+                             f"model.cache_specs(values_only=False)")
         if policy is not None:
             specs = [policy.apply_spec(s) for s in specs]
         self.specs: list[LayerSpec] = specs
@@ -225,8 +231,9 @@ class KVCache:
         return DynamicStore(keep=keep, window=window)
 
     # protocol
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
-               rope: RopeFn | None = None, defer_view: bool = False) -> CacheView:
+    def update(self, layer_idx: int, k: torch.Tensor | None, v: torch.Tensor, *, positions: torch.Tensor,
+               rope: RopeFn | None = None, defer_view: bool = False,
+               keys_from_values: KeysFromValues | None = None) -> CacheView:
         """Store this step's keys/values for a layer and return what its queries attend over.
 
         Args:
@@ -238,12 +245,17 @@ class KVCache:
             defer_view: a caller about to :meth:`decode` in place: layers whose store reads its own tensors there
                 (paged pools) skip gathering their view (the returned ``k`` and ``v`` are None; :meth:`view`
                 gathers it if the decode declines). Other layers return their view as always.
+            keys_from_values: on a ``values_only`` layer (K = V), ``f(values (B, Hkv, S, D), kv_positions (B, S))
+                -> keys (B, Hkv, S, D)``, rotated: only ``v`` is stored (``k`` is ignored and may be None) and the
+                view's keys are ``f`` of the stored values. Required there, ignored elsewhere.
 
         Returns:
             :class:`CacheView` ``(k, v, kv_positions, q_positions)``.
         """
         layer = self._layer(layer_idx, (FullSpec, SlidingWindowSpec, SinkSpec), "update")
         spec = layer.spec
+        if spec.values_only:
+            return self._update_values(layer, layer_idx, v, positions, keys_from_values)
         pos = self._check_step(layer, k, v, positions, spec.n_kv_heads, spec.head_dim, spec.dv)
         self._order.check(positions, pos, layer=layer_idx)
         k, v = self._cast(k, v)
@@ -259,6 +271,37 @@ class KVCache:
         view = CacheView(k_all, v_all, kv_pos, q_pos)
         layer.last_view = view
         return view
+
+    def _update_values(self, layer: _Layer, layer_idx: int, v, positions, keys_from_values) -> CacheView:
+        """:meth:`update` of a ``values_only`` layer: the values stored (beside a zero-width tensor in the keys'
+        place, so every store keeps them as it keeps keys), the keys derived from all of them."""
+        if not callable(keys_from_values):
+            raise ValueError(f"update: {layer.name} stores values only (K = V); pass keys_from_values=f, f(values, "
+                             f"kv_positions) -> rotated keys, got {keys_from_values!r}")
+        spec = layer.spec
+        pos = self._check_step(layer, v, v, positions, spec.n_kv_heads, spec.dv, spec.dv)
+        self._order.check(positions, pos, layer=layer_idx)
+        self._check_derived(keys_from_values, v[:, :, :0], pos[:, :0])  # before anything is written
+        v, _ = self._cast(v, v)
+        v_all, _, kv_pos = layer.store.write(v, v[..., :0], pos)
+        k_all = self._check_derived(keys_from_values, v_all, kv_pos)
+        self._order.commit(positions, pos, layer=layer_idx)
+        view = layer.last_view = CacheView(k_all, v_all, kv_pos, pos)
+        return view
+
+    @staticmethod
+    def _check_derived(keys_from_values, v: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+        k = keys_from_values(v, kv_pos)
+        if not isinstance(k, torch.Tensor) or k.shape != v.shape:
+            raise ValueError(f"update: keys_from_values must return keys shaped like the values {tuple(v.shape)}, "
+                             f"got {tuple(getattr(k, 'shape', ())) or type(k).__name__}")
+        return k
+
+    def values_only(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` (or the layer a shared one reads) stores values only (K = V): its
+        :meth:`update` needs ``keys_from_values``."""
+        return bool(getattr(self._layer(self._source(layer_idx, "values_only"), None, "values_only").spec,
+                            "values_only", False))
 
     def view(self, layer_idx: int) -> CacheView:
         """The view of layer ``layer_idx``'s last :meth:`update`, gathered now if that update deferred it (a
@@ -286,8 +329,9 @@ class KVCache:
             window: as in ``masks.positions(..., window=W)``.
         """
         layer = self._layer(self._source(layer_idx, "decode"), None, "decode")
-        if not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or layer.last_view is None:
-            return None  # latent layers attend over their view
+        if (not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or layer.last_view is None
+                or layer.spec.values_only):
+            return None  # latent layers attend over their view, values-only ones over the keys derived there
         q_positions = layer.last_view.q_positions  # (B, N)
         n = q.shape[2] if q.dim() == 4 else -1
         if not 1 <= n <= q_positions.shape[1] or q.shape[0] != q_positions.shape[0]:

@@ -201,6 +201,11 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
     if not isinstance(new_tokens, int) or not 0 <= new_tokens <= min(lengths):
         raise ValueError(f"plan_memory: new_tokens must be an int in [0, shortest context = {min(lengths)}], got "
                          f"{new_tokens!r}")
+    values_only = [i for i, s in enumerate(specs) if getattr(s, "values_only", False)]
+    if values_only and (policy is not None or quant is not None):  # KVCache refuses them the same way
+        raise ValueError(f"plan_memory: layers {values_only} store their values only (K = V), which "
+                         f"{'policy' if policy is not None else 'quant'}={policy or quant!r} does not support; plan "
+                         f"the specs with keys stored: model.cache_specs(values_only=False)")
     if policy is not None:
         specs = [policy.apply_spec(s) for s in specs]
     storage = Dynamic() if storage is None else storage

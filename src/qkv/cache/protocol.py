@@ -74,9 +74,13 @@ from .storage import Store
 __all__ = ["CacheView", "LatentView", "AttentionCache", "LatentCache", "DecodingCache", "DeferredViewCache",
            "PrefixMatchingCache",
            "CroppableCache", "ForkableCache", "ResettableCache", "DecoderModel", "HasCacheSpecs", "RopeFn",
+           "KeysFromValues",
            "CachePolicy", "Quantizer", "RowSlots"]
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``keys_from_values(values (B, Hkv, S, D), kv_positions (B, S)) -> keys (B, Hkv, S, D)``, rotated: how a K = V
+#: layer's keys follow from the values a ``values_only`` cache layer stores (:meth:`qkv.cache.KVCache.update`).
+KeysFromValues = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CacheView(NamedTuple):

@@ -5,7 +5,9 @@ kept tokens live (:mod:`qkv.cache.storage`, :mod:`qkv.cache.paged`) and a policy
 (:mod:`qkv.cache.policies`). Because the cache is built from specs, a hybrid model (Gemma 3: five
 sliding-window layers per global layer) gets its savings without a per-model cache class.
 
-- :class:`FullSpec`: every token, keys and values per KV head (MHA, GQA: Ainslie et al. 2023, MQA).
+- :class:`FullSpec`: every token, keys and values per KV head (MHA, GQA: Ainslie et al. 2023, MQA); with
+  ``values_only``, where one projection gives both (K = V, Gemma 4's global layers), only the values: the layer
+  derives its keys from them each step (half the bytes).
 - :class:`SlidingWindowSpec`: the last ``window`` tokens (Mistral's rolling buffer, Jiang et al. 2023,
   arXiv:2310.06825). ``window`` counts the query itself, as ``masks.positions(window=W)`` and HF's
   ``sliding_window`` do, so at most ``W`` tokens are ever needed.
@@ -100,14 +102,17 @@ class LayerSpec:
 
 
 class _KVSpec(LayerSpec):
-    """Layers that keep per-head keys and values: ``n_kv_heads`` heads of ``head_dim`` keys and ``dv`` values."""
+    """Layers that keep per-head keys and values: ``n_kv_heads`` heads of ``head_dim`` keys and ``dv`` values; with
+    ``values_only`` (K = V, Gemma 4's global layers) the values alone, the keys derived from them when read."""
+
+    values_only: bool = False
 
     @property
     def dv(self) -> int:
         return self.v_head_dim or self.head_dim
 
     def row_elements(self) -> int:
-        return self.n_kv_heads * (self.head_dim + self.dv)
+        return self.n_kv_heads * (self.dv if self.values_only else self.head_dim + self.dv)
 
 
 def _check_heads(spec) -> None:
@@ -115,15 +120,23 @@ def _check_heads(spec) -> None:
     _positive("head_dim", spec.head_dim)
     if spec.v_head_dim is not None:
         _positive("v_head_dim", spec.v_head_dim)
+    if not isinstance(spec.values_only, bool):
+        raise ValueError(f"values_only must be a bool, got {spec.values_only!r}")
+    if spec.values_only and spec.dv != spec.head_dim:
+        raise ValueError(f"values_only (keys derived from the stored values, K = V) needs keys and values of one "
+                         f"width; got head_dim={spec.head_dim}, v_head_dim={spec.v_head_dim}")
 
 
 @dataclass(frozen=True)
 class FullSpec(_KVSpec):
-    """Every token: a key ``(head_dim)`` and a value ``(v_head_dim or head_dim)`` per KV head."""
+    """Every token: a key ``(head_dim)`` and a value ``(v_head_dim or head_dim)`` per KV head; with
+    ``values_only`` the value alone (the layer derives its keys from it: ``KVCache.update(..., keys_from_values=)``).
+    """
 
     n_kv_heads: int
     head_dim: int
     v_head_dim: int | None = None
+    values_only: bool = False
 
     def __post_init__(self) -> None:
         _check_heads(self)
@@ -137,6 +150,7 @@ class SlidingWindowSpec(_KVSpec):
     n_kv_heads: int
     head_dim: int
     v_head_dim: int | None = None
+    values_only: bool = False
 
     def __post_init__(self) -> None:
         _positive("SlidingWindowSpec(window)", self.window)

@@ -58,7 +58,8 @@ CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "shar
 
 class CacheShape(NamedTuple):
     """What one layer caches, as data: a :mod:`qkv.cache` spec kind (one of :data:`CACHE_KINDS`) and that spec's
-    constructor arguments (``"full"``: Hkv, D; ``"sliding"``: window, Hkv, D; ``"latent"``: kv_lora_rank,
+    constructor arguments (``"full"``: Hkv, D, Dv (None: D), values only (K = V); ``"sliding"``: window, Hkv, D, Dv,
+    values only; ``"latent"``: kv_lora_rank,
     qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
     Dk, Dv; ``"shared"``: the source layer, window or None, Hkv, D; ``"compressed"``: window, head_dim, rate,
     index_head_dim (0 without an indexer))."""
@@ -172,9 +173,12 @@ def _gqa_cache(c: DecoderConfig, i: int) -> CacheShape:
     w, Hkv, D = c.window_for(i), c.kv_heads_for(i), c.head_dim_for(i)
     if c.kv_source(i) is not None:  # cross-layer KV sharing: reads an earlier layer's cache
         return CacheShape("shared", (c.kv_source(i), w, Hkv, D))
+    # K = V: one tensor is cached, the values; the keys are the values times the key norm's weight, rotated (Gemma
+    # 4: the key norm and the unscaled value norm of one projection), or the values themselves (neither norm)
+    values_only = (c.k_eq_v_for(i) and c.qk_norm_scope == "head" and bool(c.qk_norm) == bool(c.value_norm),)
     if w:
-        return CacheShape("sliding", (w, Hkv, D))
-    return CacheShape("full", (Hkv, D))
+        return CacheShape("sliding", (w, Hkv, D, None) + values_only)
+    return CacheShape("full", (Hkv, D, None) + values_only)
 
 
 def _gqa_shape(c: DecoderConfig, i: int | None) -> tuple[int, int, bool, bool]:

@@ -250,8 +250,9 @@ def _compressed_memory(preset: ModelPreset, *, context: int, batch: int, dtype: 
 def _per_layer_kv_memory(preset: ModelPreset, *, context: int, batch: int, dtype: str,
                          group_size: int | None) -> KVMemory:
     """:func:`kv_cache_memory` of a model whose attention layers differ in shape (Gemma 4): each layer as its cache
-    spec has it (:meth:`qkv.config.mixers.MixerKind.cache`): a type's own KV heads and head width, and a layer
-    reading an earlier layer's keys and values (``"shared"``) caching nothing, so each pool counts once."""
+    spec has it (:meth:`qkv.config.mixers.MixerKind.cache`): a type's own KV heads and head width, a K = V layer
+    caching its values alone, and a layer reading an earlier layer's keys and values (``"shared"``) caching nothing,
+    so each pool counts once."""
     c = preset.config
     groups: dict[tuple[str, int, float], int] = {}
     for i in range(c.num_hidden_layers):
@@ -260,10 +261,11 @@ def _per_layer_kv_memory(preset: ModelPreset, *, context: int, batch: int, dtype
             key = ("shared", 0, 0.0)
         else:
             local = shape.kind == "sliding"
-            heads, dim = shape.args[-2:]
+            heads, dim, *rest = shape.args[1:] if local else shape.args  # Hkv, D[, Dv, values only]
             tokens = min(context, shape.args[0]) if local else context
+            halve = 2 if len(rest) > 1 and rest[1] else 1  # K = V: the values alone are cached
             key = ("local" if local else "global", tokens,
-                   gqa_kv_bytes_per_token(heads, dim, dtype=dtype, group_size=group_size))
+                   gqa_kv_bytes_per_token(heads, dim, dtype=dtype, group_size=group_size) / halve)
         groups[key] = groups.get(key, 0) + 1
     layers = []
     for (kind, tokens, per_token), n in groups.items():

@@ -48,7 +48,7 @@ import torch
 
 from .. import masks
 from .._attention import attention
-from ..cache.protocol import AttentionCache, DecodingCache, DeferredViewCache, LatentCache, RopeFn
+from ..cache.protocol import AttentionCache, DecodingCache, DeferredViewCache, KeysFromValues, LatentCache, RopeFn
 from ..pos.relative import PositionalBias
 from .protocol import AttentionFn, apply_head_gate
 
@@ -70,12 +70,14 @@ class AttentionHeads(NamedTuple):
 class CacheCapabilities(NamedTuple):
     """What a cache class declares, read once per class: the base protocol (:class:`qkv.cache.AttentionCache`),
     latents (:class:`qkv.cache.LatentCache`), in-place decoding (:class:`qkv.cache.DecodingCache`), views built
-    only when a decode declines (:class:`qkv.cache.DeferredViewCache`)."""
+    only when a decode declines (:class:`qkv.cache.DeferredViewCache`), layers storing values only (K = V: a
+    ``values_only(layer_idx)`` method, :meth:`qkv.cache.KVCache.values_only`)."""
 
     attention: bool
     latent: bool
     decoding: bool
     deferred_view: bool = False
+    values_only: bool = False
 
 
 _CAPABILITIES: dict[type, CacheCapabilities] = {}
@@ -87,7 +89,7 @@ def cache_capabilities(cache) -> CacheCapabilities:
     Example:
         >>> from qkv.cache import FullSpec, KVCache
         >>> cache_capabilities(KVCache([FullSpec(1, 4)]))
-        CacheCapabilities(attention=True, latent=True, decoding=True, deferred_view=True)
+        CacheCapabilities(attention=True, latent=True, decoding=True, deferred_view=True, values_only=True)
     """
     kind = type(cache)
     caps = _CAPABILITIES.get(kind)
@@ -95,7 +97,8 @@ def cache_capabilities(cache) -> CacheCapabilities:
         decoding = isinstance(cache, DecodingCache)
         caps = _CAPABILITIES[kind] = CacheCapabilities(isinstance(cache, AttentionCache),
                                                        isinstance(cache, LatentCache), decoding,
-                                                       decoding and isinstance(cache, DeferredViewCache))
+                                                       decoding and isinstance(cache, DeferredViewCache),
+                                                       callable(getattr(kind, "values_only", None)))
     return caps
 
 
@@ -191,6 +194,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                      backend: str = "auto", decode_backend: str | None = None, dropout_p: float = 0.0,
                      return_lse: bool = False, head_gate: torch.Tensor | None = None,
                      queries_to_keep: int = 0, read_only: bool = False,
+                     keys_from_values: KeysFromValues | None = None,
                      owner: str = "cached_attention") -> AttentionHeads:
     """One attention call of a module, over a KV cache or not (the sequence in the module notes).
 
@@ -230,6 +234,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         read_only: with a cache, attend over ``cache.view(layer_idx)`` without writing ``k`` and ``v`` (unused,
             may be None): a layer that shares an earlier layer's keys and values (:class:`qkv.cache.SharedSpec`,
             whose view is its source's, written earlier in the step); only ``q`` is rotated.
+        keys_from_values: K = V: ``f(values, kv_positions) -> rotated keys``. Where the cache stores this layer's
+            values only (:meth:`qkv.cache.KVCache.values_only`) it stores ``v`` and attends with the keys ``f``
+            derives from every stored value (``k`` is not stored); elsewhere ignored.
         owner: the caller's name in error messages.
 
     Returns:
@@ -307,6 +314,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
             view = cache.view(layer_idx)
             if rope is not None:
                 q = rope(q, positions if cache.keeps_absolute_positions(layer_idx) else view.q_positions)
+        elif keys_from_values is not None and caps.values_only and cache.values_only(layer_idx):
+            if rope is not None:  # K = V stored once: the keys come rotated from keys_from_values
+                q = rope(q, positions)
+            view = cache.update(layer_idx, None, v, positions=positions, keys_from_values=keys_from_values)
         elif rope is None or cache.keeps_absolute_positions(layer_idx):
             if rope is not None:
                 q, k = rotate(q, k) if rotate is not None else (rope(q, positions), rope(k, positions))

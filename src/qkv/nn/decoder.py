@@ -520,6 +520,8 @@ class DecoderLM(nn.Module):
         x = self.residual.collapse(x)
         return x if self.norm is None else self.norm(x)
 
-    def cache_specs(self) -> list[LayerSpec]:
-        """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config)."""
-        return cache_specs_of(self.config)
+    def cache_specs(self, *, values_only: bool = True) -> list[LayerSpec]:
+        """One :mod:`qkv.cache` layer spec per layer (:func:`qkv.cache.describe.cache_specs_of` its config);
+        ``values_only=False``: K = V layers store keys and values apart (for eviction policies and quantized
+        caches), not the values alone."""
+        return cache_specs_of(self.config, values_only=values_only)

@@ -167,10 +167,25 @@ class SelfAttention(nn.Module):
 
             def rotate(q, k):
                 return self._rotate_qk(q, k, None, cos, sin)
-        return self._attend(q, k, v, gate, step, keep, rotate, read_only=read_only and cache is not None, mask=mask)
+        derive = self._keys_from_values if self.k_eq_v and not read_only else None
+        return self._attend(q, k, v, gate, step, keep, rotate, read_only=read_only and cache is not None, mask=mask,
+                            keys_from_values=derive)
+
+    def _keys_from_values(self, v: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+        """K = V layers: the rotated keys of cached values (B, Hkv, S, D) at (B, S) positions, for a cache that
+        stores the values alone. The values are the projection RMS-normalized without a scale and the keys the same
+        normalization times the key norm's scale, rotated; with neither norm, keys and values are one tensor."""
+        k = v
+        work = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
+        if self.k_norm is not None:
+            k = (v.to(work) * (self.k_norm.offset + self.k_norm.weight).to(work)).to(v.dtype)
+        if self.rope is None:
+            return k
+        cos, sin = self.rope.cos_sin(kv_positions, work)  # (B, S, R); empty slots (-1) at 0, masked anyway
+        return apply_rotary(k, cos, sin, interleaved=self.rope.emb.interleaved, kernel=self.rotary_kernel)
 
     def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, *, read_only: bool = False,
-                mask=None) -> torch.Tensor:
+                mask=None, keys_from_values=None) -> torch.Tensor:
         """:func:`qkv.nn.cached_attention` of the rotated (or, by ``rotate``, to-be-rotated) heads, then the output
         gate and projection: (B, N or keep, d)."""
         B, N = q.shape[0], q.shape[2]
@@ -181,7 +196,8 @@ class SelfAttention(nn.Module):
                                score_mod=self.score_mod, position_bias=self.alibi, scale=self.scale, sinks=self.sinks,
                                attention_fn=self.attention_fn, backend=self.backend,
                                decode_backend=self.decode_backend, head_gate=self.head_gate,
-                               queries_to_keep=keep, read_only=read_only, owner="DecoderLM")
+                               queries_to_keep=keep, read_only=read_only, keys_from_values=keys_from_values,
+                               owner="DecoderLM")
         n = res.out.shape[2]
         out = res.out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim)
         if gate is not None:
