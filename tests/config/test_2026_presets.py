@@ -114,3 +114,57 @@ def test_gemma4_mha_equivalent_gives_every_layer_its_own_full_width_cache():
     mha = kv_cache_memory(PRESETS["gemma4-e4b"].mha_equivalent(), context=131072, dtype="bf16")
     local, global_ = 35 * 512 * 2 * 8 * 256 * 2, 7 * 131072 * 2 * 8 * 512 * 2  # 8 KV heads, no layer shared
     assert mha.total_bytes == local + global_
+
+
+# Gemma 4's large models: the card's totals (31B: 30.7B; 26B-A4B: 25.2B, 3.8B active) match the text model to their
+# rounding (the ~550M vision encoder is outside them). name -> (total, active, rounding, local and global KV heads)
+GEMMA4_LARGE = {"gemma4-31b": (30.7, 30.7, 0.05, 16, 4), "gemma4-26b-a4b": (25.2, 3.8, 0.05, 8, 2)}
+
+
+@pytest.mark.parametrize("name", list(GEMMA4_LARGE))
+def test_gemma4_large_presets_match_the_card_and_their_kv_bytes(name):
+    from qkv.costs import kv_cache_memory
+
+    total, active, within, local_heads, global_heads = GEMMA4_LARGE[name]
+    preset = PRESETS[name]
+    c = preset.config
+    count = num_parameters(preset)
+    assert abs(count.total / 1e9 - total) <= within, f"{name}: {count.total / 1e9:.3f}B total"
+    assert abs(count.active / 1e9 - active) <= within, f"{name}: {count.active / 1e9:.3f}B active"
+    n_global = c.layer_types.count(_F)
+    n_local = c.num_hidden_layers - n_global
+    # 256K tokens: local layers keep their 1024-token window of keys and values, global ones every token's one
+    # tensor (K = V: the values alone are cached)
+    mem = kv_cache_memory(preset, context=262144, dtype="bf16")
+    assert mem.total_bytes == (n_local * 1024 * 2 * local_heads * 256 * 2
+                               + n_global * 262144 * 1 * global_heads * 512 * 2)
+    from qkv.cache import plan_memory
+
+    assert plan_memory(preset, context=262144, dtype="bf16").needed_bytes == mem.total_bytes
+    assert set(c.k_eq_v_types) == {_F} and c.max_position_embeddings == 262144
+
+
+@pytest.mark.parametrize("name", list(GEMMA4_LARGE))
+def test_gemma4_large_presets_equal_what_from_hf_builds(name):
+    """Field for field the DecoderConfig ``from_hf`` builds from the HF config of the same shape, and the model built
+    from the preset (on the meta device) counts what the arithmetic counts."""
+    transformers = pytest.importorskip("transformers", reason="HF transformers is the reference of these tests")
+    from qkv.models.family_gemma4 import decoder_config
+    from qkv.nn import DecoderLM, get_config
+
+    c = PRESETS[name].config
+    moe = c.moe
+    hf = transformers.Gemma4TextConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=256, global_head_dim=512,
+        num_global_key_value_heads=c.kv_heads_by_type[_F], attention_k_eq_v=True, sliding_window=1024,
+        num_kv_shared_layers=0, hidden_size_per_layer_input=0, final_logit_softcapping=30.0,
+        tie_word_embeddings=True, max_position_embeddings=262144, enable_moe_block=moe is not None,
+        num_experts=moe and moe.n_routed_experts, top_k_experts=moe and moe.num_experts_per_tok,
+        moe_intermediate_size=moe and moe.moe_intermediate_size)
+    built = decoder_config(hf.to_dict())
+    assert dataclasses.replace(built, name=c.name) == c
+    with torch.device("meta"):
+        model = DecoderLM(get_config(name))
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(PRESETS[name]).total

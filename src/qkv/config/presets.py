@@ -307,6 +307,42 @@ def _gemma4_preset(size: str, *, effective: str, with_tables: str, **shape: Any)
               f"{' and '.join(map(str, reads))}.")
 
 
+def _gemma4_large(size: str, *, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+                  num_key_value_heads: int, global_kv_heads: int, intermediate_size: int, published: str,
+                  experts: tuple[int, int, int] | None = None) -> ModelPreset:
+    """Gemma 4's 31B and 26B-A4B decoders: local layers of 256-wide heads with a 1024-token window, one global layer
+    in six (heads 512 wide, proportional RoPE rotating a quarter at theta 1e6) whose keys serve as values (K = V,
+    ``global_kv_heads`` KV heads), no KV sharing or per-layer inputs, a tied head soft-capped at 30, 256K context;
+    ``experts`` (count, per token, width) run beside the dense MLP on every layer (26B-A4B)."""
+    types = _pattern(num_hidden_layers, 6)
+    moe = None if experts is None else MoEConfig(n_routed_experts=experts[0], num_experts_per_tok=experts[1],
+                                                 moe_intermediate_size=experts[2], norm_topk_prob=True,
+                                                 beside_dense=True)
+    c = DecoderConfig(
+        name=f"gemma4-{size}", vocab_size=262144, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+        num_key_value_heads=num_key_value_heads, head_dim=256, hidden_act="gelu_pytorch_tanh", sandwich_norms=True,
+        qk_norm=True, attention_scale=1.0, scale_embeddings=True, tie_word_embeddings=True,
+        final_logit_softcapping=30.0, sliding_window=1024, layer_types=types, max_position_embeddings=262144,
+        rope={SLIDING: RopeParams(theta=10000.0),
+              FULL: RopeParams(theta=1_000_000.0, scaling={"rope_type": "proportional"}, partial_rotary_factor=0.25)},
+        head_dim_by_type={FULL: 512}, kv_heads_by_type={FULL: global_kv_heads}, k_eq_v_types=(FULL,),
+        value_norm=True, layer_scalars=True, moe=moe)
+    block = (f"{experts[0]} experts of width {experts[2]}, {experts[1]} per token, beside a dense GeGLU MLP of "
+             f"{intermediate_size} on every layer" if experts else f"a dense GeGLU MLP of {intermediate_size}")
+    return ModelPreset(
+        config=c,
+        source=f"Google DeepMind 2026, Gemma 4 model card ({size.upper()}: {published}, with a vision encoder of about "
+               f"550M; 256K context); the text config as Google's MaxText states it (configs/models/gemma4-"
+               f"{size.split('-')[0]}.yml: {num_hidden_layers} layers of width {hidden_size}, {num_attention_heads} "
+               f"query heads, {num_key_value_heads} KV heads of 256 on local layers and {global_kv_heads} of 512 on "
+               f"global ones with shared K/V projections, window 1024, {block})",
+        notes=f"The 5 local : 1 global interleave (HF's default layer_types) gives {types.count(FULL)} global layers "
+              f"whose one projection gives keys and values (K = V); qkv caches them as two tensors. The published "
+              f"totals equal this text model's count to their rounding; the vision encoder is outside them and "
+              f"not counted here.")
+
+
 def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
     """HF Qwen3-Next / Qwen3.5: layer ``i`` is full attention iff ``(i + 1) % interval == 0``, else recurrent."""
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
@@ -717,6 +753,11 @@ _PRESET_LIST = (
                    num_key_value_heads=1, period=5, shared=20, double_wide=True),
     _gemma4_preset('e4b', effective='4.5B', with_tables='8B', hidden_size=2560, num_hidden_layers=42,
                    num_key_value_heads=2, period=6, shared=18, double_wide=False),
+    _gemma4_large('31b', hidden_size=5376, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16,
+                  global_kv_heads=4, intermediate_size=21504, published='30.7B parameters'),
+    _gemma4_large('26b-a4b', hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                  global_kv_heads=2, intermediate_size=2112, published='25.2B parameters, 3.8B active',
+                  experts=(128, 8, 704)),
     ModelPreset(
         config=DecoderConfig(
             name='smollm3-3b',
