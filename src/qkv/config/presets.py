@@ -338,9 +338,9 @@ def _gemma4_large(size: str, *, hidden_size: int, num_hidden_layers: int, num_at
                f"query heads, {num_key_value_heads} KV heads of 256 on local layers and {global_kv_heads} of 512 on "
                f"global ones with shared K/V projections, window 1024, {block})",
         notes=f"The 5 local : 1 global interleave (HF's default layer_types) gives {types.count(FULL)} global layers "
-              f"whose one projection gives keys and values (K = V); qkv caches them as two tensors. The published "
-              f"totals equal this text model's count to their rounding; the vision encoder is outside them and "
-              f"not counted here.")
+              f"whose one projection gives keys and values (K = V); qkv caches that tensor once (values_only). The "
+              f"published totals equal this text model's count to their rounding; the vision encoder is outside "
+              f"them and not counted here.")
 
 
 def _hybrid(num_layers: int, interval: int) -> tuple[str, ...]:
