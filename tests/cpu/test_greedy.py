@@ -22,11 +22,6 @@ from qkv.cpu.greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from qkv.models import Engine, generate
 from qkv.nn import DecoderConfig, DecoderLM
 
-# Skipped only where this CPU has no int8 GEMM; any other reason (a wrong token on the probe, the kernels missing)
-# leaves the tests to run and fail, rather than turning every one of them into a skip.
-needs_screen = pytest.mark.skipif("no int8 GEMM" in (screen_unavailable_reason() or ""),
-                                  reason=f"no int8 screen here: {screen_unavailable_reason()}")
-
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).argmax(-1)
@@ -42,7 +37,6 @@ def kernel_counts(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
     return kernel_result(x, w)[:3]
 
 
-@needs_screen
 @pytest.mark.parametrize("V,K", [(1000, 64), (32000, 512), (33, 8), (31, 2), (4099, 96), (50, 1026), (257, 5),
                                  (90, 1), (600, 131)])
 @pytest.mark.parametrize("M", [1, 3, 17, 40])
@@ -57,7 +51,6 @@ def test_tokens_equal_float64_argmax(V, K, M):
     assert torch.equal(HeadScreen().tokens(x, w), reference(x, w))
 
 
-@needs_screen
 @settings(max_examples=40, deadline=None)
 @given(V=st.integers(1, 300), K=st.integers(1, 80), M=st.integers(1, 20),
        scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e6, 1e15]), seed=st.integers(0, 2 ** 16))
@@ -68,7 +61,6 @@ def test_random_heads_and_scales(V, K, M, scale, seed):
     assert torch.equal(HeadScreen().tokens(x, w), reference(x, w))
 
 
-@needs_screen
 def test_exact_ties_take_the_first_index():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(500, 64, generator=g)
@@ -84,7 +76,6 @@ def test_exact_ties_take_the_first_index():
     assert int(count[0]) >= 2 and int(count[2]) >= 2
 
 
-@needs_screen
 def test_near_ties_and_many_candidates():
     """Logits closer than the screen's rounding: the screen cannot tell them apart, float64 does."""
     g = torch.Generator().manual_seed(2)
@@ -100,7 +91,6 @@ def test_near_ties_and_many_candidates():
     assert torch.equal(HeadScreen().tokens(x2, w2), reference(x2, w2))
 
 
-@needs_screen
 def test_non_finite_inputs_take_float32():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(700, 32, generator=g)
@@ -115,7 +105,6 @@ def test_non_finite_inputs_take_float32():
     assert int(got[0]) == int(reference(x[:1], w)[0])
 
 
-@needs_screen
 def test_outliers_in_inputs_and_weights():
     """Real hidden states carry a few entries far larger than the rest, and some head rows one large weight; a
     row's scale is set by its largest entry, so the others keep fewer bits and the bound widens. The tokens stay
@@ -138,7 +127,6 @@ def test_outliers_in_inputs_and_weights():
     assert kernel_result(x_out, w)[3].tolist() == [2, 1] * 6
 
 
-@needs_screen
 def test_byte_planes_follow_the_rows_error_and_count():
     """An input row goes in one byte plane (8 bits) when its quantization error is at most twice the head's relative
     one and there are more than 8 rows, else in two (16 bits); the tokens are float64's either way."""
@@ -156,7 +144,6 @@ def test_byte_planes_follow_the_rows_error_and_count():
     assert torch.equal(head.tokens(spiky, w), reference(spiky, w))
 
 
-@needs_screen
 def test_an_input_error_aligned_with_a_head_row_is_bounded():
     """The one-plane bound is tight where the input's rounding error points along a head row: 63 entries of x sit
     0.49 of a step above their 8-bit value (the rest exactly on it), and head row 1 reads exactly those entries. Its
@@ -175,7 +162,6 @@ def test_an_input_error_aligned_with_a_head_row_is_bounded():
     assert bool(ok.all()) and torch.equal(tokens, reference(x, w)) and set(tokens.tolist()) == {1}
 
 
-@needs_screen
 def test_real_checkpoint_head_and_text():
     """A real head and real hidden states: all-MiniLM-L6-v2's word embeddings (30522 x 384) as a tied head, read by
     its encoder's last hidden states of real sentences (every position)."""
@@ -197,7 +183,6 @@ def test_real_checkpoint_head_and_text():
     assert h.shape[0] > 8 and set(planes.tolist()) <= {1, 2}
 
 
-@needs_screen
 def test_screen_kernel_refuses_what_its_sums_cannot_hold():
     mod = kernels.load()
     with pytest.raises(RuntimeError, match="K must be 1..65536"):
@@ -208,7 +193,6 @@ def test_screen_kernel_refuses_what_its_sums_cannot_hold():
         mod.screened_argmax(torch.randn(2, 8), torch.randn(70, 8), *packed)
 
 
-@needs_screen
 def test_weight_not_finite_or_changed():
     g = torch.Generator().manual_seed(4)
     w = torch.randn(300, 16, generator=g)
@@ -275,7 +259,6 @@ def _lm(tied: bool, cap: float | None = None, vocab: int = 3000) -> DecoderLM:
                                    final_logit_softcapping=cap)).eval()
 
 
-@needs_screen
 @pytest.mark.parametrize("tied", [False, True])
 def test_next_tokens_equal_the_logits_argmax(tied):
     model = _lm(tied)
@@ -305,7 +288,6 @@ def test_next_tokens_softcap_and_plain_heads():
     assert plain.head_screen._key is None
 
 
-@needs_screen
 def test_generate_and_engine_tokens_with_and_without_the_screen():
     model = qkv.cpu.optimize(_lm(False, vocab=4000))
     plain = qkv.cpu.optimize(copy.deepcopy(model), screen=False)

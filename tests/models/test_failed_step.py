@@ -171,8 +171,8 @@ def test_float32_engine_runs_the_int8_screen_and_matches_generate(monkeypatch):
     from qkv.cpu import greedy
 
     reason = greedy.screen_unavailable_reason()
-    if reason is not None and "no int8 GEMM" not in reason:
-        pytest.fail(f"the int8 screen must run wherever this CPU has an int8 GEMM: {reason}")
+    if reason is not None:
+        pytest.fail(f"the int8 screen must run wherever qkv's kernels run: {reason}")
     calls = []
     real = greedy.HeadScreen.tokens
 

@@ -5,7 +5,8 @@ decoding keeps one index per row. :class:`HeadScreen` holds the head once more i
 row as a scale times integers in [-127, 127]), takes each input row to 8-bit integers (one byte plane, where its
 error stays near the head's and more than eight rows share the product) or 16-bit ones (two planes: few rows, or
 rows with large outliers), and multiplies them exactly in integers on the CPU's int8 units (oneDNN's batch-reduce
-GEMM through torch, AMX or AVX512-VNNI). Every approximate logit gets a rigorous bound on its distance from the
+GEMM through torch, AMX or AVX512-VNNI; without them, AVX2's 16-bit multiply-adds in ``csrc/greedy_head.cpp``).
+Every approximate logit gets a rigorous bound on its distance from the
 float32 logit (both quantizations by Cauchy-Schwarz, the float32 GEMM's accumulation by Higham's gamma_K;
 ``csrc/greedy_head.cpp`` writes the bound out), and only the tokens whose upper bound reaches the row's largest
 lower bound are recomputed in float64: a handful per row. The token is the first largest of those float64 logits, so
@@ -17,10 +18,10 @@ few-row logits come from the bf16-weight kernel of :mod:`qkv.cpu.weights`).
 The screen's bytes matter twice: a step reads a quarter of the float32 head, and the decoder's own weights are more
 likely to stay in the CPU's last-level cache between steps when the head beside them is small.
 
-It runs where qkv's compiled CPU kernels run and this CPU has an int8 GEMM (AVX512-VNNI or AMX:
-:func:`screen_unavailable_reason` says why not, elsewhere the float32 head runs), for heads of up to 65,536
-inputs (the integer sums stay exact). The screen costs a quarter of the head's memory again; it is built on first
-use and rebuilt when the weight changes (as :class:`qkv.cpu.gemm.PrepackedWeight`). :func:`qkv.cpu.optimize` gives
+It runs where qkv's compiled CPU kernels run (:func:`screen_unavailable_reason` says why not, and there the float32
+head runs), for heads of up to 65,536 inputs (the integer sums stay exact). The screen costs a quarter of the head's
+memory again; it is built on first use and rebuilt when the weight changes (as
+:class:`qkv.cpu.gemm.PrepackedWeight`). :func:`qkv.cpu.optimize` gives
 one to every module that declares :class:`GreedyHead` (``qkv.nn.DecoderLM``), whose ``next_tokens`` uses it;
 ``qkv.models.generate`` (greedy, without ``return_logits``) and ``qkv.models.Engine`` decode through
 ``next_tokens``.
@@ -58,7 +59,8 @@ class PackedScreen(NamedTuple):
 
     Attributes:
         packed: ``(Vp / 32, Kp, 32)`` int8, each row as integers in [-127, 127], in the VNNI layout of torch's
-            batch-reduce GEMM.
+            batch-reduce GEMM (where this CPU has no int8 GEMM: each block as ``(Kp / 2, 32, 2)``, two inputs of an
+            entry adjacent).
         norms: ``(Vp,)`` float32, ``|w_n|``.
         errors: ``(Vp,)`` float32, ``|w_n - s_n q_n|`` (rounded up).
         max_errors: ``(Vp,)`` float32, ``|w_n - s_n q_n|_inf`` (rounded up).
@@ -100,7 +102,7 @@ def _probe() -> str | None:
 
 def screen_unavailable_reason() -> str | None:
     """Why :class:`HeadScreen` cannot run here (then the float32 head runs), or None when it can: qkv's compiled
-    kernels, an int8 GEMM on this CPU, and a probe's tokens equal to float64's."""
+    kernels, and a probe's tokens equal to float64's."""
     if ops.unavailable_reason() is not None:
         return f"qkv's CPU kernels are unavailable ({ops.unavailable_reason()})"
     return _probe()

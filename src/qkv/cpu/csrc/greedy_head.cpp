@@ -7,7 +7,10 @@
 // one plane of unsigned bytes, where that keeps the row's error near the head's and more than kFewRows rows share
 // the call; else x~ in [-32767, 32767], t = max |x| / 32767, as two planes); oneDNN's batch-reduce GEMM through
 // torch (AMX or AVX512-VNNI units) gives D_n = x~ . q_n exactly in integers, and a_n = t s_n D_n is the approximate
-// logit. Every a_n comes with a rigorous bound b_n on its distance from the float32 logit l_n that any float32 GEMM
+// logit. Where torch has no int8 GEMM for this CPU (AVX2 without VNNI: could_pack(kChar) is false) the same
+// integers come from plane_sums below: each byte plane and the head's int8 entries widened to 16 bits and
+// multiplied in pairs (vpmaddwd: u * q <= 255 * 127, a pair's sum fits in 16 x 16 -> 32 bits without saturation),
+// summed in int32, the head packed for it in pairs of inputs instead of the VNNI layout. Every a_n comes with a rigorous bound b_n on its distance from the float32 logit l_n that any float32 GEMM
 // may give (|l_n - a_n| <= b_n): with L the largest lower bound a_n - b_n of a row, only tokens whose upper bound
 // a_n + b_n reaches L can hold the row's maximum, and those few are recomputed in float64, the first largest
 // winning. The bound is Cauchy-Schwarz on the two quantizations,
@@ -27,7 +30,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -93,6 +96,49 @@ inline void approximate(const int32_t* hi, const int32_t* lo, const int32_t* R, 
   }
 }
 
+// Whether torch's batch-reduce GEMM multiplies int8 on this CPU (AMX, AVX512-VNNI); else plane_sums runs. The
+// packing and the screen ask the same question, so a head is always read in the layout it was packed in.
+inline bool int8_gemm() { return at::native::cpublas::could_pack(at::kChar); }
+
+// sums (P, kBlock) int32 = planes (P, Kp) uint8 times one packed block (Kp / 2, kBlock, 2) int8 (inputs k and k + 1
+// of entry j adjacent), exactly: what brgemm gives from the VNNI layout, for CPUs without an int8 GEMM.
+void plane_sums(int64_t P, int64_t Kp, const uint8_t* planes, const int8_t* block, int32_t* sums) {
+  int64_t p = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  static_assert(kBlock == 32, "four registers of eight 32-bit sums per plane");
+  for (; p < P; p += 2) {  // two planes at a time share each widened load of the block
+    const uint8_t* x0 = planes + p * Kp;
+    const uint8_t* x1 = p + 1 < P ? x0 + Kp : x0;
+    __m256i a0[4], a1[4];
+    for (int i = 0; i < 4; ++i) a0[i] = _mm256_setzero_si256(), a1[i] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < Kp; k += 2) {
+      const int8_t* w = block + k * kBlock;  // 2 * kBlock bytes: entries 0..31, two inputs each
+      const __m256i b0 = _mm256_set1_epi32(static_cast<int32_t>(x0[k]) | (static_cast<int32_t>(x0[k + 1]) << 16));
+      const __m256i b1 = _mm256_set1_epi32(static_cast<int32_t>(x1[k]) | (static_cast<int32_t>(x1[k + 1]) << 16));
+      for (int i = 0; i < 4; ++i) {
+        const __m256i wi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * i)));
+        a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(wi, b0));
+        a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(wi, b1));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + p * kBlock + 8 * i), a0[i]);
+      if (p + 1 < P) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + (p + 1) * kBlock + 8 * i), a1[i]);
+    }
+  }
+#endif
+  for (; p < P; ++p) {  // portable
+    const uint8_t* x = planes + p * Kp;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      int32_t acc = 0;
+      for (int64_t k = 0; k < Kp; k += 2)
+        acc += static_cast<int32_t>(x[k]) * block[k * kBlock + 2 * j] +
+               static_cast<int32_t>(x[k + 1]) * block[k * kBlock + 2 * j + 1];
+      sums[p * kBlock + j] = acc;
+    }
+  }
+}
+
 inline float lanes_max(const Vec& v) {  // the largest lane, NaN if any lane is NaN
   float lanes[Vec::size()];
   v.store(lanes);
@@ -106,7 +152,8 @@ inline float lanes_max(const Vec& v) {  // the largest lane, NaN if any lane is 
 
 }  // namespace
 
-// W (V, K) float32 -> {packed (V/kBlock rounded up, Kp, kBlock) int8 in the VNNI layout of torch's brgemm, A (Vp)
+// W (V, K) float32 -> {packed (V/kBlock rounded up, Kp, kBlock) int8 in the VNNI layout of torch's brgemm (without
+// an int8 GEMM: each block (Kp / 2, kBlock, 2), plane_sums's), A (Vp)
 // = |w_n|, B (Vp) = |w_n - s_n q_n|, C (Vp) = |w_n - s_n q_n|_inf (floats rounded up), S (Vp) the scales s_n, R (Vp)
 // int32 the sums of q_n, P (1) the head's relative quantization error sum B / sum A (an input row goes in one byte
 // plane when its own relative error is at most kPlaneSlack P)};
@@ -116,7 +163,7 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
               "screen_pack: weight must be a contiguous float32 (V, K) tensor");
   const int64_t V = weight.size(0), K = weight.size(1), Kp = (K + 3) / 4 * 4;
   TORCH_CHECK(K > 0 && K <= kMaxK, "screen_pack: K must be 1..", kMaxK, " (exact int32 sums), got ", K);
-  TORCH_CHECK(at::native::cpublas::could_pack(at::kChar), "screen_pack: no int8 GEMM on this CPU");
+  const bool vnni = int8_gemm();
   const int64_t nb = (V + kBlock - 1) / kBlock, Vp = nb * kBlock;
   auto packed = at::empty({nb, Kp, kBlock}, weight.options().dtype(at::kChar));
   auto A = at::zeros({Vp}, weight.options());
@@ -153,8 +200,13 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
         pc[n] = up(worst);
         ps[n] = s, pr[n] = sum;
       }
-      at::native::cpublas::pack(Kp, kBlock, kBlock, kBlock, at::kChar, at::kChar, block.data(),
-                                out + b * Kp * kBlock);
+      int8_t* dst = out + b * Kp * kBlock;
+      if (vnni) {
+        at::native::cpublas::pack(Kp, kBlock, kBlock, kBlock, at::kChar, at::kChar, block.data(), dst);
+      } else {  // pairs of inputs per entry: dst[(k / 2) 2 kBlock + 2 j + k % 2] = block[k kBlock + j]
+        for (int64_t k = 0; k < Kp; ++k)
+          for (int64_t j = 0; j < kBlock; ++j) dst[(k / 2) * 2 * kBlock + 2 * j + k % 2] = block[k * kBlock + j];
+      }
     }
   });
   double sum_a = 0, sum_b = 0;
@@ -259,6 +311,7 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   constexpr int64_t L = Vec::size();
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const Vec vs(slack);
+  const bool vnni = int8_gemm();
   at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> sums(kPlanes * kBlock);
     for (int64_t g = g0; g < g1; ++g) {
@@ -266,8 +319,12 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
       for (size_t run = 0; run + 1 < runs.size(); ++run) {
         const int64_t m0 = runs[run], m1 = runs[run + 1], p0 = first_plane[m0];
         for (int64_t b = g * kGroup; b < std::min(nb, (g + 1) * kGroup); ++b) {
-          at::native::cpublas::brgemm(first_plane[m1] - p0, kBlock, Kp, Kp, kBlock, kBlock, false,
-                                      xq.data() + p0 * Kp, pw + b * Kp * kBlock, sums.data(), true);
+          if (vnni) {
+            at::native::cpublas::brgemm(first_plane[m1] - p0, kBlock, Kp, Kp, kBlock, kBlock, false,
+                                        xq.data() + p0 * Kp, pw + b * Kp * kBlock, sums.data(), true);
+          } else {
+            plane_sums(first_plane[m1] - p0, Kp, xq.data() + p0 * Kp, pw + b * Kp * kBlock, sums.data());
+          }
           for (int64_t m = m0; m < m1; ++m) {
             const int32_t* hi = sums.data() + (first_plane[m] - p0) * kBlock;
             approximate(hi, limit[m] == 127 ? nullptr : hi + kBlock, pr + b * kBlock, ps + b * kBlock, t[m],
@@ -295,7 +352,7 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
         }
       }
     }
-    at::native::cpublas::brgemm_release(true);
+    if (vnni) at::native::cpublas::brgemm_release(true);
   });
 
   // the candidates of each row (upper bound a + b >= the row's largest lower bound), in float64, the first
