@@ -129,13 +129,15 @@ def test_outliers_in_inputs_and_weights():
 
 def test_byte_planes_follow_the_rows_error_and_count():
     """An input row goes in one byte plane (8 bits) when its quantization error is at most twice the head's relative
-    one and there are more than 8 rows, else in two (16 bits); the tokens are float64's either way."""
+    one and there are more than 8 rows (with torch's int8 GEMM, whose call costs about the same for fewer rows;
+    without it, qkv's own integer sums, whose time grows with the planes: more than one row), else in two (16 bits);
+    the tokens are float64's either way."""
     g = torch.Generator().manual_seed(10)
     w = torch.randn(3000, 128, generator=g) / 11
     x = torch.randn(9, 128, generator=g)
-    for rows, want in ((x, [1] * 9), (x[:8], [2] * 8), (x[:1], [2])):
+    for rows, want in ((x, ([1] * 9,)), (x[:8], ([2] * 8, [1] * 8)), (x[:1], ([2],))):  # 8 rows: by the GEMM
         tokens, ok, count, planes = kernel_result(rows, w)
-        assert planes.tolist() == want
+        assert planes.tolist() in want
         assert bool(ok.all()) and torch.equal(tokens, reference(rows, w))
     spiky = x.clone()
     spiky[4, 0] = 40.0  # one entry ~40x the rest: 8 bits leave the others a few levels

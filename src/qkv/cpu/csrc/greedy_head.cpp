@@ -50,6 +50,7 @@ constexpr int64_t kMaxK = 65536;  // K * 255 * 127 < 2^31: the screen's int32 su
 constexpr int64_t kPlanes = 64;   // byte planes of x per GEMM call (a row takes one or two)
 constexpr double kPlaneSlack = 2;  // one plane when the row's relative error is at most this times the head's
 constexpr int64_t kFewRows = 8;    // up to this many rows all go in two planes: a GEMM call costs about the same
+                                   // (plane_sums: one row only, whose two planes take one pass over the head)
 constexpr int64_t kGroup = 8;     // blocks per group: the candidate pass visits only groups that hold candidates
 
 inline int quantized(float v, float scale, int limit) {  // round(v / scale), clamped to [-limit, limit]
@@ -247,9 +248,11 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   // per row: t and x~ = round(x / t), in 8 bits (x~ in [-127, 127], one plane of u = x~ + 128) where that error
   // |x - t x~| is at most kPlaneSlack times the head's relative error P times |x| (the bound at most about
   // 1 + kPlaneSlack times the two-plane one) and there are more than kFewRows rows (fewer, and each GEMM call
-  // costs about the same whatever its rows, so the second plane's tighter bound is free), else in 16 bits (x~ in
+  // costs about the same whatever its rows, so the second plane's tighter bound is free; plane_sums, without an
+  // int8 GEMM: more than one row, its passes take two planes at a time), else in 16 bits (x~ in
   // [-32767, 32767], u = x~ + 32768 as two planes: u >> 8, then u & 255); c1 = |x - t x~| + g |x|, c2 = |t x~|,
   // c3 = |t x~|_1, rounded up. A row with a non-finite input is not screened.
+  const bool vnni = int8_gemm();  // plane_sums's time grows with the planes, a GEMM call's hardly
   const double g = K * std::ldexp(1.0, -23);
   const float slack = static_cast<float>(K * std::ldexp(1.0, -124));
   const double one_plane = kPlaneSlack * static_cast<double>(P.data_ptr<float>()[0]);
@@ -262,7 +265,7 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
     float big = 0.0f;
     for (int64_t k = 0; k < K; ++k) big = std::max(big, std::fabs(xm[k]));  // NaN is dropped here, seen below
     for (const int lim : {127, 32767}) {
-      if (lim == 127 && M <= kFewRows) continue;
+      if (lim == 127 && (vnni ? M <= kFewRows : M == 1)) continue;
       t[m] = std::max(big / static_cast<float>(lim), std::numeric_limits<float>::min());
       double nx = 0, nq = 0, ex = 0, aq = 0;
       for (int64_t k = 0; k < K; ++k) {
@@ -311,7 +314,6 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   constexpr int64_t L = Vec::size();
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const Vec vs(slack);
-  const bool vnni = int8_gemm();
   at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> sums(kPlanes * kBlock);
     for (int64_t g = g0; g < g1; ++g) {
