@@ -17,6 +17,11 @@ Five tables:
    are built: each row's visible slots read in place), over rows of one length and rows of mixed lengths;
    ``fill`` is the live share of the padded view, which decides between the first two where the kernel is not
    built (``qkv.backends.paged.BLOCKS_BELOW_FILL``).
+6. ``decode_keqv``: a Gemma-4-31B-like layer pattern scaled down (5 local layers of 64-wide heads with a 512-token
+   window, 1 global layer of 256-wide heads whose one projection gives keys and values), decode step time and cache
+   bytes with the K = V layer's values stored alone (``values_only``, the default: keys derived each step) against
+   keys and values stored apart (``model.cache_specs(values_only=False)``), same model and tokens; the control row
+   for the derivation's cost, which grows with the context the global layer holds.
 
 Timing: cached decode and recomputation (table 1), prefix caching on and off (table 3) run round-robin,
 every repeat a pair; each ratio is its median and range over the paired repeats, and the target is met
@@ -220,6 +225,56 @@ def quantized(suite: Suite, prompt: int, steps: int) -> None:
                "residual is negligible.")
 
 
+def _keqv_model():
+    from qkv.config.rope import RopeParams
+    from qkv.nn import DecoderConfig, DecoderLM
+
+    S, F = "sliding_attention", "full_attention"
+    torch.manual_seed(0)
+    cfg = DecoderConfig(
+        vocab_size=512, hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, intermediate_size=1024, hidden_act="gelu_pytorch_tanh", sandwich_norms=True, qk_norm=True,
+        attention_scale=1.0, value_norm=True, sliding_window=512, layer_types=(S,) * 5 + (F,),
+        rope={S: RopeParams(theta=10000.0),
+              F: RopeParams(theta=1e6, scaling={"rope_type": "proportional"}, partial_rotary_factor=0.25)},
+        head_dim_by_type={F: 256}, kv_heads_by_type={F: 2}, k_eq_v_types=(F,), max_position_embeddings=32768)
+    return DecoderLM(cfg).eval(), cfg
+
+
+@torch.no_grad()
+def keqv_cache(suite: Suite, contexts, repeat: int, cpu: bool, steps: int = 8) -> None:
+    from qkv.cpu import optimize
+
+    model, cfg = _keqv_model()
+    optimize(model)
+    for ctx in contexts:
+        ids = _ids(1, ctx + steps)
+        pos = torch.arange(ctx + steps).view(1, -1)
+        fns, nbytes, logits = {}, {}, {}
+        for name, values_only in (("values_only", True), ("keys_and_values", False)):
+            cache = KVCache(model.cache_specs(values_only=values_only), rollback=steps)
+            prefill(model, cache, ids[:, :ctx], pos[:, :ctx], 512)
+            nbytes[name] = cache.memory().used_bytes
+            logits[name] = forward_step(model, cache, ids[:, ctx:ctx + 1], pos[:, ctx:ctx + 1])
+            cache.crop(-1)
+
+            def run(cache=cache):  # `steps` single-token steps, then roll them back for the next repeat
+                for t in range(ctx, ctx + steps):
+                    forward_step(model, cache, ids[:, t:t + 1], pos[:, t:t + 1])
+                cache.crop(-steps)
+
+            fns[name] = run
+        t = time_interleaved(fns, warmup=1, repeat=repeat, cpu=cpu, samples=True)
+        suite.add({"context": ctx, "B": 1},
+                  {"values_only_step_ms": median_ms(t["values_only"]) / steps,
+                   "both_step_ms": median_ms(t["keys_and_values"]) / steps,
+                   "time_values_only/both": ratio(t["values_only"], t["keys_and_values"]),
+                   "cache_MiB_values_only": nbytes["values_only"] / 2**20,
+                   "cache_MiB_both": nbytes["keys_and_values"] / 2**20,
+                   "bytes_values_only/both": nbytes["values_only"] / nbytes["keys_and_values"],
+                   "max_logit_diff": float((logits["values_only"] - logits["keys_and_values"]).abs().max())})
+
+
 def main(argv=None) -> None:
     args = parse_args(__doc__, argv, threads=1, cpu_time=True)  # the published configuration
     quick = args.quick
@@ -257,6 +312,16 @@ def main(argv=None) -> None:
             f"least {BLOCKS_MIN_SLOTS} slots (qkv.backends.paged.BLOCKS_BELOW_FILL, BLOCKS_MIN_SLOTS), else the padded "
             "view. Ratios: the first path's time over the second's, median and range over paired repeats.")
     s5.finish()
+
+    s6 = Suite("decode_keqv", "K = V layers cached once (values_only) vs keys and values stored apart",
+               **{**ctx, "model": "DecoderLM Gemma-4-like d512 L6 (5 local H8/KV4 x64, window 512; 1 global "
+                                   "KV2 x256, K = V), qkv.cpu.optimize"})
+    keqv_cache(s6, [512] if quick else [1024, 4096, 16384], repeat, args.cpu_time)
+    s6.note("values_only stores the global layer's values alone and derives its keys (key-norm scale, RoPE) from "
+            "every stored value each step; bytes_values_only/both falls toward 0.5 as the global layer's share of "
+            "the cache grows with the context (local layers keep their 512-token window either way). Ratios: median "
+            "and range over paired repeats.")
+    s6.finish()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ and 8), random weights, built by HF and converted with
 - ``qkv``: ``qkv.models.generate`` with a preallocated ``KVCache(storage=Static(N + T))`` on the model
   ``from_hf`` returns, with qkv's CPU products (``qkv.cpu.optimize``: row blocks for few rows, oneDNN-packed
   weights for many, as its measured rule says);
+- ``qkv_noscreen``: the control row of the greedy head: ``qkv`` with its int8 head screen set aside for the call
+  (``_harness.head_screen_off``: the float32 head's product and argmax);
 - ``qkv_plain``: the same model without them (``from_hf(..., optimize=False)``, ``generate(...,
   optimize=False)``: ``F.linear`` everywhere), what the CPU products buy;
 - ``qkv_input_major``: ``qkv.cpu.optimize(model, input_major=True)`` (wide weights stored input-major and
@@ -54,7 +56,8 @@ a quiet 2-core machine, 3 repeats (estimated, not yet timed): about 12 minutes p
 (batches 1, 8, 32; batch 32's prefills most of it), twice that at 1B, six times at 3B; Qwen2.5-3B in float32 needs
 two 12 GB copies: run it in bfloat16.
 
-Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2] [--models M1,M2]``, or at real shapes
+Usage: ``python benchmarks/generate.py [--quick] [--repeat R] [--threads T1,T2] [--models M1,M2] [--batches 1,4,8]
+[--tag NAME]``, or at real shapes
 ``python benchmarks/generate.py --shapes qwen2.5-0.5b[,llama-3.2-1b,qwen2.5-3b] [--dtypes bfloat16,float32]
 [--batches 1,8,32] [--threads 1,2] [--repeat R] [--tag NAME]`` (``--tag``: writes ``generate_shapes_NAME.json``)
 """
@@ -240,11 +243,9 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             with head_screen_off(qkv_model):
                 return qkv_gen(qkv_model)(clock, new)
 
-        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model)}
+        contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_noscreen": screen_off}
         if plain is not None:
             contenders.update(qkv_plain=qkv_gen(plain, optimized=False), qkv_input_major=qkv_gen(input_major))
-        else:
-            contenders["qkv_noscreen"] = screen_off
         steps: dict[str, list[float]] = {k: [] for k in contenders}
         step_med: dict[str, list[float]] = {k: [] for k in contenders}  # per repeat, paired across contenders
         step_p10: dict[str, list[float]] = {k: [] for k in contenders}
@@ -270,16 +271,16 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
         weight_rate = weight_bytes / statistics.median(steps["qkv"])
         floor_s = weight_bytes / read_rate(threads)  # every weight streamed once per step from memory
         r = ratio(step_med["hf"], step_med["qkv"])  # qkv decode tok/s over HF's, per repeat
+        control = {"qkv_noscreen_decode_tok_s": decode["qkv_noscreen"],  # the head screen's control row
+                   "noscreen_ratio": ratio(step_med["hf"], step_med["qkv_noscreen"]),
+                   "noscreen_same": bool(torch.equal(tokens["qkv"], tokens["qkv_noscreen"]))}
         if plain is not None:
             extra = {"qkv_plain_decode_tok_s": decode["qkv_plain"],  # what qkv.cpu.optimize buys, per repeat
                      "optimize_ratio": ratio(step_med["qkv_plain"], step_med["qkv"]),
-                     "qkv_input_major_decode_tok_s": decode["qkv_input_major"]}
+                     "qkv_input_major_decode_tok_s": decode["qkv_input_major"], **control}
             same = bool(torch.equal(tokens["hf"], tokens["qkv"]) and torch.equal(tokens["hf"], tokens["qkv_plain"]))
         else:
-            extra = {"qkv_noscreen_decode_tok_s": decode["qkv_noscreen"],
-                     "noscreen_ratio": ratio(step_med["hf"], step_med["qkv_noscreen"]),
-                     "agree": token_agreement(tokens["qkv"], tokens["hf"]),
-                     "noscreen_same": bool(torch.equal(tokens["qkv"], tokens["qkv_noscreen"])),
+            extra = {**control, "agree": token_agreement(tokens["qkv"], tokens["hf"]),
                      "distinct": len(set(tokens["qkv"].flatten().tolist()))}
             same = bool(torch.equal(tokens["hf"], tokens["qkv"]))
         case = {"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}
@@ -314,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default=None, help="the suite writes generate_<tag>.json (with --shapes: "
                    "generate_shapes_<tag>.json), one part of the matrix, leaving the untagged table's rows alone")
     p.add_argument("--dtypes", default="bfloat16,float32", help="with --shapes: comma-separated dtypes")
-    p.add_argument("--batches", default="1,8,32", help="with --shapes: comma-separated batch sizes")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,4,8; with --shapes "
+                                                    "1,8,32)")
     args = p.parse_args(argv)
     if args.shapes:
         _run_shapes(args)
@@ -337,9 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(chosen) - set(configs))
     if unknown:
         p.error(f"--models: unknown {unknown}; choose from {sorted(configs)}")
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 4, 8]
+    if min(batches) < 1:
+        p.error(f"--batches takes positive integers, got {args.batches!r}")
     for name in chosen:
         spec = configs[name]
-        _run_case(suite, name, spec, (1, 4, 8), n_prompt, n_new, repeat, thread_counts)
+        _run_case(suite, name, spec, batches, n_prompt, n_new, repeat, thread_counts)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}, "
                "at batch 1 and 4, as their issues set it; smollm3-like at batch 1 and 8) "
                "in every repeat (ratios: the median over the "
@@ -348,9 +353,12 @@ def main(argv: list[str] | None = None) -> None:
                "decode: B / median time between streamed tokens; "
                "e2e includes prefill. optimize_ratio: qkv_plain's step time over qkv's (what qkv.cpu.optimize "
                "buys). qkv_input_major: qkv with wide weights stored input-major (optimize(input_major=True)). "
-               "floor_ms: the weights a step reads (weights_MB; an untied embedding table counts one row) over "
-               "the best of 7 reads (a sum) of a 256 MB matrix at the row's thread count; step/floor near 1 "
-               "means a step is bound by memory bandwidth, and the ratio to HF cannot exceed hf_step/floor.")
+               "floor_ms: the weights a step reads (weights_MB, the float32 head included; an untied embedding "
+               "table counts one row) over the best of 7 reads (a sum) of a 256 MB matrix at the row's thread count; "
+               "step/floor near 1 means a step is bound by memory bandwidth, and a ratio to HF above hf_step/floor "
+               "needs fewer bytes than the float32 weights: qkv's greedy head reads its int8 screen (a quarter of "
+               "the head's bytes; qkv.cpu.greedy). qkv_noscreen / noscreen_ratio: the control row, the same model "
+               "with the screen set aside for the call (the float32 head).")
     suite.finish()
 
 
@@ -366,7 +374,7 @@ def _run_shapes(args) -> None:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or set(dtypes) - {"bfloat16", "float32"}:
         raise SystemExit(f"--dtypes takes comma-separated bfloat16 and/or float32, got {args.dtypes!r}")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in (args.batches or "1,8,32").split(",")]
     thread_counts = [int(t) for t in (args.threads or "1,2").split(",")]
     repeat = args.repeat or 3
     if repeat < 1 or min(batches) < 1 or min(thread_counts) < 1:
