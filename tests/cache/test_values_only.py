@@ -174,3 +174,25 @@ def test_bad_calls_and_unsupported_combinations_are_refused():
     assert torch.equal(view.k, 2 * v) and torch.equal(view.v, v) and cache.values_only(0)
     with pytest.raises(TypeError, match="values_only must be a bool"):
         model.cache_specs(values_only="yes")
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("factor", [0.25, 1.0], ids=["quarter-turns", "all-turn"])
+def test_derived_keys_turn_like_the_stored_ones_for_every_rope_layout(interleaved, factor):
+    """Keys derived from stored values equal the keys a two-tensor cache stores, whichever pairs turn (proportional
+    RoPE: the first quarter; plain: all) and however pairs are laid out (halves or adjacent channels)."""
+    from qkv.config.rope import RopeParams
+
+    rope = {_S: RopeParams(theta=10000.0, interleaved=interleaved),
+            _F: RopeParams(theta=1e4, scaling={"rope_type": "proportional"}, partial_rotary_factor=factor,
+                           interleaved=interleaved)}
+    model = _model(rope=rope, kv_shared_from=None)
+    ids = torch.randint(1, 97, (2, 11), generator=torch.Generator().manual_seed(6))
+    outs = []
+    for values_only in (True, False):
+        cache = KVCache(model.cache_specs(values_only=values_only))
+        with torch.no_grad():
+            outs.append(torch.cat([model(ids[:, :6], cache=cache).logits]
+                                  + [model(ids[:, t:t + 1], cache=cache).logits for t in range(6, 11)], dim=1))
+    assert torch.allclose(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+    assert model.layers[1].self_attn.rope.emb.turning_pairs == (2 if factor < 1 else 8)

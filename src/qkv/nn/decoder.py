@@ -164,11 +164,16 @@ class RopeTable:
             self._tables[key] = (cos.to(dtype), sin.to(dtype))
         return self._tables[key]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, N) or (N,) (negative: padding, treated as 0) -> cos, sin (..., R) in ``dtype``."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, *, width: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, N) or (N,) (negative: padding, treated as 0) -> cos, sin (..., R) in ``dtype``; ``width``:
+        the first ``width`` columns only (gathered alone)."""
         if self.dynamic:
-            return self.emb.cos_sin(positions, dtype=dtype)
+            cos, sin = self.emb.cos_sin(positions, dtype=dtype)
+            return (cos, sin) if width is None else (cos[..., :width], sin[..., :width])
         cos, sin = self._table(positions.device, dtype)
+        if width is not None:
+            cos, sin = cos[:, :width], sin[:, :width]
         p = positions.clamp_min(0)
         return cos[p], sin[p]
 

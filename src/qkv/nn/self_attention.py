@@ -175,14 +175,29 @@ class SelfAttention(nn.Module):
         """K = V layers: the rotated keys of cached values (B, Hkv, S, D) at (B, S) positions, for a cache that
         stores the values alone. The values are the projection RMS-normalized without a scale and the keys the same
         normalization times the key norm's scale, rotated; with neither norm, keys and values are one tensor."""
-        k = v
         work = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
         if self.k_norm is not None:
             k = (v.to(work) * (self.k_norm.offset + self.k_norm.weight).to(work)).to(v.dtype)
+        else:
+            k = v.clone()  # rotated in place below
         if self.rope is None:
             return k
-        cos, sin = self.rope.cos_sin(kv_positions, work)  # (B, S, R); empty slots (-1) at 0, masked anyway
-        return apply_rotary(k, cos, sin, interleaved=self.rope.emb.interleaved, kernel=self.rotary_kernel)
+        emb = self.rope.emb
+        R, h = emb.rotary_dim, emb.turning_pairs
+        if h == R // 2:  # every pair turns
+            cos, sin = self.rope.cos_sin(kv_positions, work)  # (B, S, R); empty slots (-1) at 0, masked anyway
+            return apply_rotary(k, cos, sin, interleaved=emb.interleaved, kernel=self.rotary_kernel)
+        # proportional RoPE: only the first h pairs turn (a quarter on Gemma 4's global layers); the rest stand
+        if emb.interleaved:  # pairs (2i, 2i + 1): the first 2h channels
+            cos, sin = self.rope.cos_sin(kv_positions, work, width=2 * h)
+            k[..., :2 * h] = apply_rotary(k[..., :2 * h], cos, sin, interleaved=True)
+            return k
+        cos, sin = self.rope.cos_sin(kv_positions, work, width=h)  # pairs (i, i + R / 2), i < h
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B, 1, S, h) or (1, S, h) for positions (B, S) or (S,)
+        a, b = k[..., :h].to(work, copy=True), k[..., R // 2:R // 2 + h].to(work, copy=True)  # read before written
+        k[..., :h] = (a * cos - b * sin).to(k.dtype)
+        k[..., R // 2:R // 2 + h] = (b * cos + a * sin).to(k.dtype)
+        return k
 
     def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, *, read_only: bool = False,
                 mask=None, keys_from_values=None) -> torch.Tensor:

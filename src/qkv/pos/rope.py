@@ -248,6 +248,12 @@ class RotaryEmbedding:
         self._base = self._inv_freq_for(None)  # (F,) float64 on CPU
         self._by_device: dict[tuple[torch.device, int | None], torch.Tensor] = {}
 
+    @property
+    def turning_pairs(self) -> int:
+        """How many of the ``rotary_dim / 2`` channel pairs turn (a nonzero frequency): all of them but under
+        proportional RoPE, where the first ``partial_rotary_factor`` of the head's pairs do and the rest stand."""
+        return int(torch.count_nonzero(self._base))
+
     # construction from configs
     @classmethod
     def from_config(cls, config, *, layer_type: str | None = None, interleaved: bool = False) -> RotaryEmbedding:
