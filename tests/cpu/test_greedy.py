@@ -276,12 +276,80 @@ def test_next_tokens_equal_the_logits_argmax(tied):
     assert model.head_screen._key is not None  # the screen ran
 
 
-def test_next_tokens_softcap_and_plain_heads():
-    model = qkv.cpu.optimize(_lm(False, cap=2.0))
-    ids = torch.randint(0, 3000, (3, 5), generator=torch.Generator().manual_seed(7))
+def capped_float32(x: torch.Tensor, w: torch.Tensor, cap: float) -> torch.Tensor:
+    """The tokens a soft-capped model computes: float32 logits, capped in float32, the first largest."""
+    return (cap * torch.tanh(F.linear(x, w) / cap)).argmax(-1)
+
+
+def capped_float64(x: torch.Tensor, w: torch.Tensor, cap: float) -> torch.Tensor:
+    return (cap * torch.tanh((x.double() @ w.double().T) / cap)).argmax(-1)
+
+
+@pytest.mark.parametrize("cap", [0.5, 2.0, 30.0])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 20.0])
+def test_capped_tokens_where_the_cap_keeps_logits_apart(cap, scale):
+    """Logits far from saturation: the capped values keep every order, the screen settles every row and its
+    tokens are the float64 capped argmax (and the float32 one)."""
+    g = torch.Generator().manual_seed(int(cap * 10 + scale * 100))
+    w = torch.randn(3000, 64, generator=g) / 8
+    x = torch.randn(9, 64, generator=g) * scale * cap / 4  # largest logits around scale * cap
+    tokens, ok, _, _ = kernel_result_capped(x, w, cap)
+    settled = ok.float().mean().item()
+    assert settled == 1.0 or scale == 20.0, f"rows left to float32 at cap {cap}, scale {scale}: {ok.tolist()}"
+    assert torch.equal(tokens[ok], capped_float64(x, w, cap)[ok])
+    assert torch.equal(HeadScreen().tokens(x, w, cap), capped_float32(x, w, cap))
+
+
+def kernel_result_capped(x, w, cap):
+    mod = kernels.load()
+    return tuple(mod.screened_argmax(x.contiguous(), w.contiguous(), *mod.screen_pack(w.contiguous()), cap))
+
+
+def test_capped_ties_from_float32_rounding_go_to_the_first_index():
+    """Saturated logits: float32's cap * tanh(l / cap) rounds many different logits to the same value, and the model's
+    token is the first of them, not the largest logit. The screen must not settle such rows."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(2000, 32, generator=g)
+    x = torch.randn(6, 32, generator=g) * 50  # logits in the hundreds, cap 2: tanh is 1.0 in float32 for most
+    want = capped_float32(x, w, 2.0)
+    assert not torch.equal(want, reference(x, w)), "the case must have float32 ties the raw argmax breaks"
+    tokens, ok, _, _ = kernel_result_capped(x, w, 2.0)
+    assert not bool(ok.any())  # every row's winner ties others after the cap
+    assert torch.equal(HeadScreen().tokens(x, w, 2.0), want)
+    # one row just short of saturation beside one in it, and an exact float64 tie under a cap
+    x2 = torch.stack([x[0] / 400, x[1]])
+    assert torch.equal(HeadScreen().tokens(x2, w, 2.0), capped_float32(x2, w, 2.0))
+    w3 = torch.randn(400, 32, generator=g)
+    x3 = torch.randn(2, 32, generator=g)
+    best = reference(x3, w3).tolist()
+    w3[min(best[0] - 1, 3) if best[0] > 0 else 399] = w3[best[0]]
+    assert torch.equal(HeadScreen().tokens(x3, w3, 30.0), capped_float32(x3, w3, 30.0))
+
+
+def test_capped_screen_refuses_a_bad_cap():
+    w, x = torch.randn(50, 8), torch.randn(2, 8)
+    for cap in (0.0, -1.0, float("inf"), float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="cap must be None"):
+            HeadScreen().tokens(x, w, cap)
+    mod = kernels.load()
+    with pytest.raises(RuntimeError, match="cap must be finite"):
+        mod.screened_argmax(x, w, *mod.screen_pack(w), -1.0)
+
+
+@pytest.mark.parametrize("cap", [2.0, 30.0])
+def test_next_tokens_softcap_through_the_screen(cap):
+    model = qkv.cpu.optimize(_lm(False, cap=cap))
+    ref = copy.deepcopy(model).double()
+    ids = torch.randint(0, 3000, (5, 7), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        assert torch.equal(model.next_tokens(ids), model(ids).logits[:, -1].argmax(-1))
-    assert model.head_screen is None or model.head_screen._key is None  # the capped logits, not the screen
+        got = model.next_tokens(ids)
+        assert torch.equal(got, model(ids).logits[:, -1].argmax(-1))
+        assert torch.equal(got, ref(ids).logits[:, -1].argmax(-1))
+    assert model.head_screen._key is not None  # the screen ran, told the cap
+
+
+def test_next_tokens_plain_heads():
+    ids = torch.randint(0, 3000, (3, 5), generator=torch.Generator().manual_seed(7))
     plain = _lm(True)
     plain.linear_fn = lambda x, w, b=None: F.linear(x, w, b) * 2  # the user's own head product: never screened
     plain.head_screen = HeadScreen()

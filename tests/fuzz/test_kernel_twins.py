@@ -408,7 +408,9 @@ def test_screened_argmax():
         V, Kd, rows = _pick(g, [7, 300, 1000]), _pick(g, [16, 64]), _pick(g, [1, 3, 17])
         w = torch.randn(V, Kd, generator=g)
         x = _poison(g, torch.randn(rows, Kd, generator=g), _pick(g, POISONS))
-        got = HeadScreen().tokens(x, w)
-        ref = F.linear(x, w).argmax(-1)
-        fine = ~F.linear(x, w).isnan().any(-1)
-        assert torch.equal(got[fine], ref[fine]), f"screen seed={seed} V={V} K={Kd} rows={rows}"
+        cap = _pick(g, [None, None, 0.5, 30.0])
+        got = HeadScreen().tokens(x, w, cap)
+        logits = F.linear(x, w)
+        ref = (logits if cap is None else cap * torch.tanh(logits / cap)).argmax(-1)
+        fine = ~logits.isnan().any(-1)
+        assert torch.equal(got[fine], ref[fine]), f"screen seed={seed} V={V} K={Kd} rows={rows} cap={cap}"

@@ -12,7 +12,11 @@ float32 logit (both quantizations by Cauchy-Schwarz, the float32 GEMM's accumula
 lower bound are recomputed in float64: a handful per row. The token is the first largest of those float64 logits, so
 it is the argmax of the float32 logits wherever that is determined at all (two logits closer than a float32
 product's rounding, about 1e-6 relative, can come out in either order from any two float32 GEMMs). Rows the screen
-cannot settle (a non-finite input or logit) take ``F.linear`` and ``argmax``; a bfloat16 head is not screened (its
+cannot settle (a non-finite input or logit) take ``F.linear`` and ``argmax``. A final logit soft-cap (Gemma 2-4's
+``cap * tanh(l / cap)``) keeps the candidates, and the kernel compares their capped values in float64; since float32
+rounding can make two capped logits equal (then the first index wins, not the larger logit), a row whose capped
+winner is within a few float32 units of another token's is left to the float32 logits. A bfloat16 head is not
+screened (its
 few-row logits come from the bf16-weight kernel of :mod:`qkv.cpu.weights`).
 
 The screen's bytes matter twice: a step reads a quarter of the float32 head, and the decoder's own weights are more
@@ -118,6 +122,11 @@ def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def _capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` in the logits' dtype (``qkv.nn.DecoderLM``'s final soft-cap), or the logits."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 class HeadScreen:
     """The int8 screen of one LM head weight, built on first use and rebuilt when the weight changes (another
     tensor, new storage, or an in-place write seen by its version counter; as :class:`qkv.cpu.gemm.PrepackedWeight`,
@@ -155,25 +164,31 @@ class HeadScreen:
             self._source, self._key = weight, key
         return self._screen
 
-    def tokens(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K): int64 tokens of shape ``x.shape[:-1]``.
-        Through the screen where :meth:`usable`, else (and for rows it cannot settle) the float32 logits."""
+    def tokens(self, x: torch.Tensor, weight: torch.Tensor, cap: float | None = None) -> torch.Tensor:
+        """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K): int64 tokens of shape ``x.shape[:-1]``;
+        with a final logit soft-cap ``cap`` (> 0), the argmax of ``cap * tanh(x @ weight.T / cap)`` computed as the
+        model does (in the logits' dtype, so float32 rounding may tie two logits and the first wins). Through the
+        screen where :meth:`usable`, else (and for rows it cannot settle: a non-finite input or logit, or a capped
+        winner within a few float32 units of another token's capped value) the float32 logits."""
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
             raise TypeError(f"HeadScreen.tokens: x and weight must be tensors, got {type(x).__name__} and "
                             f"{type(weight).__name__}")
         if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
             raise ValueError(f"HeadScreen.tokens: x (..., K) and weight (V, K) must share K, got x "
                              f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                or not 0 < cap < float("inf")):
+            raise ValueError(f"HeadScreen.tokens: cap must be None (no soft-cap) or a finite number > 0, got {cap!r}")
         lead, K = x.shape[:-1], x.shape[-1]
         if not self.usable(x, weight):
-            return _logits(x, weight).argmax(-1)
+            return _capped(_logits(x, weight), cap).argmax(-1)
         rows = x.reshape(-1, K).contiguous()
         with torch.no_grad():
             tokens, ok, *_ = ops.profiled("head_screen", ops.screened_argmax, rows, weight.detach().contiguous(),
-                                          *self._screen)
-            if not bool(ok.all()):  # a non-finite input or logit: those rows through float32
+                                          *self._screen, cap or 0.0)
+            if not bool(ok.all()):  # rows the screen cannot settle: through float32, as the model rounds
                 bad = (~ok).nonzero()[:, 0]
-                tokens[bad] = F.linear(rows[bad], weight).argmax(-1)
+                tokens[bad] = _capped(F.linear(rows[bad], weight), cap).argmax(-1)
         return tokens.view(lead)
 
     def __repr__(self) -> str:

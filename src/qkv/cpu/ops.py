@@ -230,5 +230,5 @@ def screen_pack(weight):
     return _op("screen_pack")(weight)
 
 
-def screened_argmax(x, weight, packed, A, B, C, S, R, P):
-    return _op("screened_argmax")(x, weight, packed, A, B, C, S, R, P)
+def screened_argmax(x, weight, packed, A, B, C, S, R, P, cap=0.0):
+    return _op("screened_argmax")(x, weight, packed, A, B, C, S, R, P, float(cap))

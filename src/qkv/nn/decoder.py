@@ -99,8 +99,9 @@ class TokenScreen(Protocol):
     """Greedy tokens of an LM head without its whole float32 product, set into :class:`DecoderLM`'s ``head_screen``
     from outside (``qkv.cpu.optimize`` sets a ``qkv.cpu.greedy.HeadScreen`` where its int8 screen runs)."""
 
-    def tokens(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K)."""
+    def tokens(self, x: torch.Tensor, weight: torch.Tensor, cap: float | None = None) -> torch.Tensor:
+        """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K); with ``cap``, the argmax of the
+        soft-capped logits ``cap * tanh(x @ weight.T / cap)`` as computed in x's dtype (ties to the first)."""
 
 __all__ = ["DecoderLM", "DecoderLayer", "DecoderOutput", "SelfAttention", "positions_from_attention_mask"]
 
@@ -474,17 +475,18 @@ class DecoderLM(nn.Module):
         largest logit of each row. With a :class:`qkv.cpu.greedy.HeadScreen` in ``head_screen`` (set by
         :func:`qkv.cpu.optimize` where it runs) the float32 head product is replaced by its int8 screen and a
         float64 check of the few tokens the screen leaves (the same tokens wherever float32 logits tell them
-        apart); a final logit softcap (monotonic) changes no token but ties, so a model with one takes the logits.
+        apart); a final logit softcap is monotonic but may round two logits to one float32 value, so the screen is
+        told the cap and leaves rows whose capped winner is that close to another token to the float32 logits.
         Arguments as :meth:`forward`."""
         x = self._hidden(input_ids, None, positions, cache, 1)[:, -1]  # (B, d)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         bias = None if self.lm_head is None else self.lm_head.bias
         screen = self.head_screen
-        if (screen is not None and bias is None and self.config.final_logit_softcapping is None
-                and _plain_product(self.linear_fn if self.lm_head is None else self.lm_head)):
-            return screen.tokens(x, weight)  # F.linear's argmax where it cannot screen: the head's own product
-        logits = self.linear_fn(x, weight) if self.lm_head is None else self.lm_head(x)
         cap = self.config.final_logit_softcapping
+        if (screen is not None and bias is None
+                and _plain_product(self.linear_fn if self.lm_head is None else self.lm_head)):
+            return screen.tokens(x, weight, cap)  # F.linear's argmax where it cannot screen: the head's own product
+        logits = self.linear_fn(x, weight) if self.lm_head is None else self.lm_head(x)
         return (logits if cap is None else cap * torch.tanh(logits / cap)).argmax(-1)
 
     def _hidden(self, input_ids: torch.Tensor, attention_mask, positions, cache, keep: int) -> torch.Tensor:

@@ -25,6 +25,14 @@
 // |a_n| 2^-20 and then by (1 + 2^-20). The int32 sums are exact while K (255 * 127) < 2^31, so K is at most
 // kMaxK. Rows whose input or approximate logits are not finite are returned as not screened (ok false), for the
 // caller's float32 path.
+//
+// A final logit soft-cap (cap > 0: the token is the first largest of cap tanh(l / cap), as Gemma 2-4 compute it in
+// float32) keeps the order of distinct logits but may round two of them to one float32 value, and then the first
+// index wins there, not the larger logit. The candidates are the same (the cap is monotone), their capped values are
+// taken in float64, and a row is settled only when the winner's capped value stands more than kCapUlps float32 units
+// in the last place above both the runner-up's and the cap of the row's largest lower bound L (every token left out
+// has a float32 logit below L, so a capped value at most that); else it is returned not screened, for the float32
+// path, which rounds as the model does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -35,6 +43,7 @@
 #endif
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -52,6 +61,8 @@ constexpr double kPlaneSlack = 2;  // one plane when the row's relative error is
 constexpr int64_t kFewRows = 8;    // up to this many rows all go in two planes: a GEMM call costs about the same
                                    // (plane_sums: one row only, whose two planes take one pass over the head)
 constexpr int64_t kGroup = 8;     // blocks per group: the candidate pass visits only groups that hold candidates
+constexpr double kCapUlps = 8;    // a capped winner's margin, in float32 units in the last place of its value:
+                                  // float32's divide, tanh and product each round by a unit or two
 
 inline int quantized(float v, float scale, int limit) {  // round(v / scale), clamped to [-limit, limit]
   const double q = std::nearbyint(static_cast<double>(v) / scale);
@@ -217,10 +228,14 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
 }
 
 // x (M, K) float32 -> {tokens (M) int64, ok (M) bool, candidates (M) int64, planes (M) int64}: tokens of the
-// screened rows (ok), how many tokens each row recomputed, and in how many byte planes it went.
+// screened rows (ok), how many tokens each row recomputed, and in how many byte planes it went; cap > 0: the tokens
+// of the soft-capped logits cap tanh(l / cap), a row whose capped winner is not clear left not screened.
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                                         const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
-                                        const at::Tensor& S, const at::Tensor& R, const at::Tensor& P) {
+                                        const at::Tensor& S, const at::Tensor& R, const at::Tensor& P,
+                                        double cap) {
+  TORCH_CHECK(std::isfinite(cap) && cap >= 0, "screened_argmax: cap must be finite and >= 0 (0: no soft-cap), got ",
+              cap);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "screened_argmax: x must be a contiguous float32 (M, K) tensor");
   const int64_t M = x.size(0), K = x.size(1), V = weight.size(0), nb = packed.size(0), Vp = nb * kBlock;
@@ -376,6 +391,7 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
       const RowTerms terms{Vec(c1[m]), Vec(c2[m]), Vec(c3[m])};
       const Vec vfloor(floor);
       double best = -std::numeric_limits<double>::infinity();
+      double capped = best, runner_up = best;  // with a cap: the capped values of the winner and the best other
       int64_t arg = -1, seen = 0;
       for (int64_t g = 0; g < ng; ++g) {
         if (!(grp_hi[m * ng + g] >= floor)) continue;
@@ -398,11 +414,25 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
             for (; k < K; ++k) s0 += static_cast<double>(xm[k]) * wn[k];
             const double v = (s0 + s1) + (s2 + s3);
             ++seen;
+            if (cap > 0) {
+              const double c = cap * std::tanh(v / cap);
+              if (arg < 0 || v > best) {
+                runner_up = std::max(runner_up, capped);
+                capped = c;
+              } else {
+                runner_up = std::max(runner_up, c);
+              }
+            }
             if (arg < 0 || v > best) best = v, arg = n;
           }
         }
       }
       if (arg < 0 || !std::isfinite(best)) continue;
+      if (cap > 0) {  // the float32 cap could tie the winner with another token: the float32 path decides
+        const double unit = std::ldexp(1.0, std::ilogb(std::max<double>(std::fabs(capped), FLT_MIN)) - 23);
+        const double left_out = cap * std::tanh(static_cast<double>(floor) / cap);
+        if (!(capped - std::max(runner_up, left_out) > kCapUlps * unit)) continue;
+      }
       pt[m] = arg, pok[m] = true, pn[m] = seen;
     }
   });

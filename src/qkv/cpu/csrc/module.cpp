@@ -50,7 +50,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 std::vector<at::Tensor> screen_pack(const at::Tensor& weight);
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                                         const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
-                                        const at::Tensor& S, const at::Tensor& R, const at::Tensor& P);
+                                        const at::Tensor& S, const at::Tensor& R, const at::Tensor& P,
+                                        double cap);
 
 namespace {
 
@@ -128,7 +129,7 @@ TORCH_LIBRARY(qkv_cpu, m) {
         "Tensor src) -> ()");
   m.def("screen_pack(Tensor weight) -> Tensor[]");
   m.def("screened_argmax(Tensor x, Tensor weight, Tensor packed, Tensor A, Tensor B, Tensor C, Tensor S, Tensor R, "
-        "Tensor P) -> Tensor[]");
+        "Tensor P, float cap=0.0) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(qkv_cpu, CPU, m) {
