@@ -20,6 +20,10 @@ and 8), random weights, built by HF and converted with
   (``_harness.head_screen_off``: the float32 head's product and argmax);
 - ``qkv_plain``: the same model without them (``from_hf(..., optimize=False)``, ``generate(...,
   optimize=False)``: ``F.linear`` everywhere), what the CPU products buy;
+- ``qkv_bf16exact`` (with ``--bf16-values``, which rounds every random weight to a bfloat16 value, kept float32 for
+  HF and qkv alike: a bf16 checkpoint loaded with ``dtype=float32``, as the released models are): the same model with
+  ``qkv.cpu.optimize(model, weights="bf16-exact")``, its layers' weights held in bfloat16, the same numbers at half
+  the bytes, multiplied in float32 (lossless); the LM head keeps its int8 screen;
 - ``qkv_input_major``: ``qkv.cpu.optimize(model, input_major=True)`` (wide weights stored input-major and
   multiplied by column blocks, the default before row blocks of standard-layout weights measured faster
   for a few rows), an ablation of the one choice that is about memory traffic rather than Python overhead.
@@ -143,7 +147,7 @@ def _gemma4_like(quick: bool) -> dict:
                 vocab_size_per_layer_input=262144, final_logit_softcapping=30.0, max_position_embeddings=4096)
 
 
-def _models(name: str, spec: tuple[str, str, dict]):
+def _models(name: str, spec: tuple[str, str, dict], bf16_values: bool = False):
     import transformers
 
     from qkv.models import from_hf
@@ -153,9 +157,15 @@ def _models(name: str, spec: tuple[str, str, dict]):
     hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs)).eval()
     hf.generation_config.eos_token_id = None  # always T new tokens
     hf.generation_config.pad_token_id = 0
+    if bf16_values:  # a bf16 checkpoint loaded with dtype=float32: every weight a bfloat16 value, held as float32
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
     qkv_model = from_hf(hf)
     plain = from_hf(hf, optimize=False)
     input_major = optimize(from_hf(hf, optimize=False), input_major=True)
+    # the lossless narrowing's row: the same float32 numbers, the layers' weights held in bf16
+    narrow = optimize(from_hf(hf), weights="bf16-exact") if bf16_values else None
     weight_bytes = sum(p.numel() * p.element_size() for p in qkv_model.parameters())
     if qkv_model.lm_head is not None:  # a step reads one row of an untied embedding table
         emb = qkv_model.embed_tokens.weight
@@ -164,7 +174,7 @@ def _models(name: str, spec: tuple[str, str, dict]):
         m = qkv_model.config.moe
         unread = sum(p.numel() * p.element_size() for n, p in qkv_model.named_parameters() if ".experts." in n)
         weight_bytes -= unread * (1 - m.num_experts_per_tok / m.n_routed_experts)
-    return hf, qkv_model, plain, input_major, weight_bytes
+    return hf, qkv_model, plain, input_major, narrow, weight_bytes
 
 
 def _shape_models(shape: str, dtype: torch.dtype, folder: Path):
@@ -185,7 +195,7 @@ def _shape_models(shape: str, dtype: torch.dtype, folder: Path):
     if qkv_model.lm_head is not None:  # a step reads one row of an untied embedding table
         emb = qkv_model.embed_tokens.weight
         weight_bytes -= emb.numel() * emb.element_size()
-    return hf, qkv_model, None, None, weight_bytes
+    return hf, qkv_model, None, None, None, weight_bytes
 
 
 class _Clock:
@@ -216,11 +226,11 @@ def _timed(run, n_new: int) -> float:
 
 
 def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int, repeat: int,
-              thread_counts: list[int], models=None) -> None:
+              thread_counts: list[int], models=None, bf16_values: bool = False) -> None:
     from qkv.cache import KVCache, Static
     from qkv.models.generate import generate
 
-    hf, qkv_model, plain, input_major, weight_bytes = models or _models(name, spec)
+    hf, qkv_model, plain, input_major, narrow, weight_bytes = models or _models(name, spec, bf16_values)
     vocab = spec[2]["vocab_size"]
     dtype = next(qkv_model.parameters()).dtype
     for threads, B in ((t, b) for t in thread_counts for b in batches):
@@ -246,6 +256,8 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
         contenders = {"hf": hf_gen, "qkv": qkv_gen(qkv_model), "qkv_noscreen": screen_off}
         if plain is not None:
             contenders.update(qkv_plain=qkv_gen(plain, optimized=False), qkv_input_major=qkv_gen(input_major))
+        if narrow is not None:
+            contenders.update(qkv_bf16exact=qkv_gen(narrow))
         steps: dict[str, list[float]] = {k: [] for k in contenders}
         step_med: dict[str, list[float]] = {k: [] for k in contenders}  # per repeat, paired across contenders
         step_p10: dict[str, list[float]] = {k: [] for k in contenders}
@@ -283,6 +295,17 @@ def _run_case(suite: Suite, name: str, spec, batches, n_prompt: int, n_new: int,
             extra = {**control, "agree": token_agreement(tokens["qkv"], tokens["hf"]),
                      "distinct": len(set(tokens["qkv"].flatten().tolist()))}
             same = bool(torch.equal(tokens["hf"], tokens["qkv"]))
+        if narrow is not None:  # the bf16-valued weights held in bf16 (lossless): its own ratio to HF and floor
+            nr = ratio(step_med["hf"], step_med["qkv_bf16exact"])
+            narrow_bytes = weight_bytes - sum(m.weight_bf16.numel() * 2 for m in narrow.modules()
+                                              if hasattr(m, "weight_bf16"))
+            extra.update({"qkv_bf16exact_decode_tok_s": decode["qkv_bf16exact"], "bf16exact_ratio": nr,
+                          "bf16exact_same": bool(torch.equal(tokens["hf"], tokens["qkv_bf16exact"])),
+                          "bf16exact_weights_MB": narrow_bytes / 1e6,
+                          "bf16exact_step/floor": statistics.median(steps["qkv_bf16exact"]) / floor_s,
+                          "bf16exact_target": (f"{target(nr, '>=', TARGETS.get(name, TARGET))} "
+                                               f"({TARGETS.get(name, TARGET)}x)"
+                                               if B in TARGET_BATCHES.get(name, (B,)) else "none at this batch")})
         case = {"model": name, "threads": threads, "B": B, "prompt": n_prompt, "new": n_new}
         if plain is None:
             case = {"model": name, "dtype": str(dtype).removeprefix("torch."), **case}
@@ -317,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", default="bfloat16,float32", help="with --shapes: comma-separated dtypes")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,4,8; with --shapes "
                                                     "1,8,32)")
+    p.add_argument("--bf16-values", action="store_true",
+                   help="round every random weight to a bfloat16 value (kept float32, as a bf16 checkpoint loaded "
+                        "with dtype=float32) and add the qkv_bf16exact row (optimize(weights='bf16-exact'))")
     args = p.parse_args(argv)
     if args.shapes:
         _run_shapes(args)
@@ -333,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
     name = suite_name("generate", args.tag)  # a tagged part keeps generate.json's other rows
     suite = Suite(name, "greedy decode tokens/s, qkv vs HF transformers generate (same weights)",
                   transformers=transformers.__version__, dtype="float32", cache="qkv Static / HF DynamicCache",
-                  hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)
+                  hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts,
+                  weights=("random float32 rounded to bfloat16 values (a bf16 checkpoint loaded as float32)"
+                           if args.bf16_values else "random float32"))
     configs = _configs(args.quick)
     chosen = args.models.split(",") if args.models else list(configs)
     unknown = sorted(set(chosen) - set(configs))
@@ -344,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batches takes positive integers, got {args.batches!r}")
     for name in chosen:
         spec = configs[name]
-        _run_case(suite, name, spec, batches, n_prompt, n_new, repeat, thread_counts)
+        _run_case(suite, name, spec, batches, n_prompt, n_new, repeat, thread_counts, bf16_values=args.bf16_values)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}, "
                "at batch 1 and 4, as their issues set it; smollm3-like at batch 1 and 8) "
                "in every repeat (ratios: the median over the "
@@ -358,7 +386,11 @@ def main(argv: list[str] | None = None) -> None:
                "step/floor near 1 means a step is bound by memory bandwidth, and a ratio to HF above hf_step/floor "
                "needs fewer bytes than the float32 weights: qkv's greedy head reads its int8 screen (a quarter of "
                "the head's bytes; qkv.cpu.greedy). qkv_noscreen / noscreen_ratio: the control row, the same model "
-               "with the screen set aside for the call (the float32 head).")
+               "with the screen set aside for the call (the float32 head)."
+               + (" qkv_bf16exact / bf16exact_ratio: the same weights (every one a bfloat16 value, held as float32 "
+                  "by HF and qkv alike) with qkv.cpu.optimize(weights='bf16-exact'): the layers' weights held in "
+                  "bfloat16, the same numbers at half the bytes, products in float32 (lossless; the LM head keeps "
+                  "its int8 screen); bf16exact_weights_MB: what its step reads." if args.bf16_values else ""))
     suite.finish()
 
 
@@ -383,7 +415,9 @@ def _run_shapes(args) -> None:
     suite = Suite(suite_name("generate_shapes", args.tag),
                   "greedy decode tokens/s at real shapes, qkv vs HF transformers generate (same "
                   "random checkpoint)", transformers=transformers.__version__, cache="qkv Static / HF DynamicCache",
-                  hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts)
+                  hf_attention="sdpa (HF default)", repeat=repeat, threads=thread_counts,
+                  weights=("random float32 rounded to bfloat16 values (a bf16 checkpoint loaded as float32)"
+                           if args.bf16_values else "random float32"))
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             for dtype_name in dtypes:

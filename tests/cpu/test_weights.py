@@ -155,7 +155,7 @@ def test_bad_inputs_are_refused_by_name():
         quantize_int8(torch.randn(3))
     with pytest.raises(TypeError, match="must be an nn.Linear"):
         Int8Linear.from_linear(torch.nn.Conv1d(2, 2, 1))
-    with pytest.raises(ValueError, match="weights must be None .* or one of \\('int8',\\), got 'int4'"):
+    with pytest.raises(ValueError, match="weights must be None .* or one of \\('int8', 'bf16-exact'\\), got 'int4'"):
         qkv.cpu.optimize(torch.nn.Linear(4, 4), weights="int4")
 
 
@@ -326,3 +326,84 @@ def test_kernels_start_no_threads_under_one_torch_thread():
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = map(int, out.stdout.split()[-2:])
     assert after == before, f"{after - before} threads started by the kernels under one torch thread"
+
+
+def _bf16_valued(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with every floating parameter rounded to a bfloat16 value, kept float32: a bf16 checkpoint loaded
+    with dtype=float32."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    return module
+
+
+def test_is_bf16_exact():
+    from qkv.cpu.weights import is_bf16_exact
+
+    w = torch.randn(40, 24)
+    assert not is_bf16_exact(w) and is_bf16_exact(w.to(torch.bfloat16).float())
+    assert is_bf16_exact(torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 2.0 ** -133, 3.0]))
+    assert not is_bf16_exact(torch.tensor([1.0, float("nan")]))  # NaN never counts: it is not equal to itself
+    assert not is_bf16_exact(w.double().to(torch.bfloat16).double())  # float64: not this format's
+    assert not is_bf16_exact(w.to(torch.bfloat16)) and not is_bf16_exact("w")
+    assert is_bf16_exact(torch.zeros(0, 5))
+
+
+@pytest.mark.parametrize("rows", [1, 3, WEIGHT_ROWS, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_exact_linear_is_the_float32_product(rows, bias):
+    from qkv.cpu.weights import Bf16ExactLinear
+
+    g = torch.Generator().manual_seed(rows + 100 * bias)
+    lin = _bf16_valued(torch.nn.Linear(300, 130, bias=bias))
+    layer = Bf16ExactLinear.from_linear(lin)
+    assert layer.weight_bf16.dtype == torch.bfloat16 and torch.equal(layer.weight, lin.weight)
+    assert layer.bias is lin.bias and "bfloat16 values held exactly" in repr(layer)
+    x = torch.randn(rows, 300, generator=g)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 130)
+    assert _budget_units(got, x, lin.weight.detach().double(),
+                         bias=None if lin.bias is None else lin.bias.detach()) <= 1.0
+    with torch.no_grad():  # the same numbers: F.linear on the float32 weight is within the same budget of it
+        assert float((got - lin(x)).abs().max()) <= 2 * (300 + 2) * U32 * float(x.abs().sum(-1).max() *
+                                                                                 lin.weight.abs().max())
+    act = Bf16ExactLinear.from_linear(lin, activation=torch.relu)
+    with torch.no_grad():
+        assert torch.equal(act(x), torch.relu(got))
+
+
+def test_bf16_exact_linear_refuses_a_weight_it_would_change():
+    from qkv.cpu.weights import Bf16ExactLinear
+
+    with pytest.raises(ValueError, match="not all bfloat16 values"):
+        Bf16ExactLinear.from_linear(torch.nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="not float32"):
+        Bf16ExactLinear.from_linear(torch.nn.Linear(8, 4).to(torch.bfloat16))
+    with pytest.raises(TypeError, match="must be an nn.Linear"):
+        Bf16ExactLinear.from_linear(torch.nn.Conv1d(2, 2, 1))
+
+
+def test_optimize_bf16_exact_keeps_the_float32_model():
+    from qkv.cpu.weights import Bf16ExactLinear
+
+    ref = _bf16_valued(_lm(6))
+    with torch.no_grad():  # one layer whose weight is not all bf16 values stays float32
+        ref.layers[1].mlp.down_proj.weight[0, 0] += 1e-4
+    plain = qkv.cpu.optimize(copy.deepcopy(ref))
+    model = qkv.cpu.optimize(copy.deepcopy(ref), weights="bf16-exact")
+    narrow = [n for n, m in model.named_modules() if isinstance(m, Bf16ExactLinear)]
+    assert len(narrow) == 2 * 4 - 1 and "layers.1.mlp.down_proj" not in narrow
+    assert not isinstance(model.lm_head, Bf16ExactLinear)
+    assert qkv.cpu.optimized(model).weights == "bf16-exact"
+    ids = torch.randint(0, 500, (3, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got, want = model(ids).logits, copy.deepcopy(ref).double()(ids).logits
+        # float32 arithmetic on the same weights: within the float32 budget of float64, as the float32 model
+        base = float((plain(ids).logits.double() - want).abs().max())
+        assert float((got.double() - want).abs().max()) <= 4 * base + 1e-6
+    a = generate(model, ids, max_new_tokens=10).new_tokens
+    assert torch.equal(a, generate(plain, ids, max_new_tokens=10).new_tokens)
+    assert torch.equal(a, generate(model, ids, max_new_tokens=10, use_cache=False).new_tokens)
+    with pytest.raises(ValueError, match="weights must be None"):
+        qkv.cpu.optimize(copy.deepcopy(ref), weights="bf16")

@@ -20,7 +20,8 @@ applied to a plain model from outside by one call, :func:`optimize`.
 - :mod:`qkv.cpu.greedy`: greedy tokens of an LM head through an int8 screen with a rigorous bound, the few
   tokens it leaves recomputed in float64 (:class:`~qkv.cpu.greedy.HeadScreen`; ``DecoderLM.next_tokens``).
 - :mod:`qkv.cpu.weights`: few-row products with bfloat16 weights, or int8 weights with per-channel scales
-  (:class:`~qkv.cpu.weights.Int8Linear`; ``optimize(model, weights="int8")``, never the default).
+  (:class:`~qkv.cpu.weights.Int8Linear`; ``optimize(model, weights="int8")``, never the default), and float32
+  weights of bfloat16 values held in bfloat16, losslessly (``optimize(model, weights="bf16-exact")``).
 - :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,
   ``qkv.models.generate`` and ``SentenceEncoder`` call it by default); :func:`use_onednn` is the same with
   oneDNN required, kept for existing code.
@@ -41,10 +42,10 @@ from .gemm import (
 from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .optimize import ActivatedUpProjection, LinearHost, Optimized, optimize, optimized, use_onednn
 from .skinny import InputMajorLinear, SkinnyLinear, input_major, skinny_linear
-from .weights import Int8Linear, quantize_int8, weight_linear
+from .weights import Bf16ExactLinear, Int8Linear, is_bf16_exact, quantize_int8, weight_linear
 
 __all__ = ["optimize", "optimized", "Optimized", "use_onednn", "LinearHost", "ActivatedUpProjection", "GreedyHead",
            "HeadScreen", "screen_unavailable_reason",
            "onednn_available", "onednn_unavailable_reason", "PrepackedLinear", "PrepackedWeight",
            "PrepackedWeights", "LinearProducts", "SkinnyLinear", "InputMajorLinear", "input_major", "skinny_linear",
-           "Int8Linear", "quantize_int8", "weight_linear"]
+           "Int8Linear", "Bf16ExactLinear", "is_bf16_exact", "quantize_int8", "weight_linear"]

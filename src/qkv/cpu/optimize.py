@@ -55,7 +55,7 @@ from . import fused, gemm, ops
 from .gemm import LinearProducts, PrepackedLinear, can_fuse
 from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .skinny import SkinnyLinear
-from .weights import WEIGHT_FORMATS, Int8Linear
+from .weights import WEIGHT_FORMATS, Bf16ExactLinear, Int8Linear, is_bf16_exact
 
 __all__ = ["optimize", "optimized", "use_onednn", "Optimized", "LinearHost", "ActivatedUpProjection", "NormHost",
            "GateHost", "RotaryHost", "ExpertsHost", "DeltaHost", "DecodeHost"]
@@ -66,8 +66,10 @@ _MARK = "_qkv_cpu_optimized"
 class Optimized(NamedTuple):
     """How :func:`optimize` left a model: ``onednn`` (packed oneDNN copies in use), the ``input_major``
     option it was given (None: layouts kept), ``screen`` (a greedy head was given an int8 screen) and
-    ``weights`` (``"int8"``: some linear layers hold int8 weights, :class:`qkv.cpu.weights.Int8Linear`; None:
-    every weight in its own dtype). Which kernel slots hold qkv's compiled kernels the modules' slots say."""
+    ``weights`` (``"int8"``: some linear layers hold int8 weights, :class:`qkv.cpu.weights.Int8Linear`;
+    ``"bf16-exact"``: some float32 layers hold their bfloat16-valued weights in bfloat16,
+    :class:`qkv.cpu.weights.Bf16ExactLinear`; None: every weight in its own dtype). Which kernel slots hold qkv's
+    compiled kernels the modules' slots say."""
 
     onednn: bool
     input_major: bool | None
@@ -171,9 +173,15 @@ def _head_layers(model: nn.Module) -> set[int]:
             if isinstance(m, GreedyHead) and isinstance(getattr(m, "lm_head", None), nn.Linear)}
 
 
-def _int8_layer(child: nn.Linear) -> Int8Linear:
-    """``child`` with its weight quantized, a fused activation carried over."""
-    return Int8Linear.from_linear(child, activation=getattr(child, "activation", None))
+def _narrow_layer(child: nn.Linear, weights: str, pack: bool, input_major: bool | None) -> nn.Module:
+    """``child`` in the weight format ``weights`` (a fused activation carried over): quantized to int8, or with its
+    weight held in bfloat16 where that keeps every value (else the float32 product layer)."""
+    activation = getattr(child, "activation", None)
+    if weights == "int8":
+        return Int8Linear.from_linear(child, activation=activation)
+    if is_bf16_exact(child.weight):
+        return Bf16ExactLinear.from_linear(child, activation=activation)
+    return _product_layer(child, pack, input_major)
 
 
 def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None,
@@ -196,6 +204,12 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         compiled: True (default) puts qkv's compiled kernels (:mod:`qkv.cpu.fused`) into every module's slot for
             them (each declines, call by call, what it does not run: another device or dtype, autograd, the
             kernels unavailable); False removes them (the model computes with torch's ops alone).
+        weights: None (default) keeps every weight in its dtype. ``"bf16-exact"``: every linear layer but a
+            greedy LM head whose float32 weight holds only bfloat16 values (a bf16 checkpoint loaded as float32)
+            keeps it in bfloat16, the same numbers at half the bytes, multiplied in float32
+            (:class:`qkv.cpu.weights.Bf16ExactLinear`; lossless; the other layers as with None). ``"int8"``:
+            every linear layer but the LM head quantized per channel (:class:`qkv.cpu.weights.Int8Linear`;
+            lossy). Both are for inference (no weight gradient) and need qkv's compiled kernels.
 
     Returns:
         ``model`` (see above for a bare ``nn.Linear``), marked so :func:`optimized` reports the options.
@@ -229,11 +243,12 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
         raise RuntimeError(f"optimize: onednn=True cannot run: {why}; pass onednn=None to use it where available")
     pack = onednn is not False and why is None
     if type(model) is nn.Linear or isinstance(model, SkinnyLinear):
-        model = _int8_layer(model) if weights is not None else _product_layer(model, pack, input_major)
+        model = (_narrow_layer(model, weights, pack, input_major) if weights is not None
+                 else _product_layer(model, pack, input_major))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if weights is not None and isinstance(child, nn.Linear) and id(child) not in heads:
-                setattr(parent, name, _int8_layer(child))
+                setattr(parent, name, _narrow_layer(child, weights, pack, input_major))
             elif type(child) is nn.Linear or isinstance(child, SkinnyLinear):
                 setattr(parent, name, _product_layer(child, pack, input_major))
         if isinstance(parent, LinearHost) and (parent.linear_fn is F.linear
@@ -256,9 +271,9 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
                 parent.__dict__[_DECODE_MARK], parent.decode_backend = parent.decode_backend, "auto"
             elif not compiled and _DECODE_MARK in parent.__dict__:
                 parent.decode_backend = parent.__dict__.pop(_DECODE_MARK)
-    int8 = any(isinstance(m, Int8Linear) for m in model.modules())
-    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=screened_any,
-                                      weights="int8" if int8 else None)
+    kinds = {type(m) for m in model.modules()}
+    held = "int8" if Int8Linear in kinds else "bf16-exact" if Bf16ExactLinear in kinds else None
+    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=screened_any, weights=held)
     return model
 
 

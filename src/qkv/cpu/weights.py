@@ -7,6 +7,11 @@ fewer bytes per weight is the lever left once the products run at that floor. Tw
 
 - **bfloat16** weights (a bf16 model): two bytes a weight. Each weight vector is widened to float32 in registers
   and the sums are float32, so the result is that of float32 arithmetic on the bf16 values.
+- **bfloat16 values held as float32** (a bf16 checkpoint loaded with ``dtype=float32``, which is how every
+  released checkpoint of the 2024-2026 families reaches a float32 model): the weight's low 16 bits are zero, so
+  :class:`Bf16ExactLinear` keeps its upper halves, a bfloat16 copy that is the same numbers, and the float32
+  products above give float32 arithmetic on exactly the float32 weights, at half their bytes. Lossless: only
+  weights that :func:`is_bf16_exact` are converted.
 - **int8 weight-only quantization** (Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix Multiplication for
   Transformers at Scale", arXiv:2208.07339, section 3.1: symmetric absmax quantization per output channel, here
   without the outlier split): one byte a weight. Output channel n keeps integers q_n in [-127, 127] and one
@@ -45,14 +50,16 @@ from torch import nn
 from . import ops
 
 __all__ = ["WEIGHT_ROWS", "WEIGHT_FORMATS", "quantize_int8", "dequantize", "weight_linear",
-           "weight_linear_reference", "Int8Linear"]
+           "weight_linear_reference", "Int8Linear", "Bf16ExactLinear", "is_bf16_exact"]
 
 #: Rows up to which :func:`weight_linear` runs the compiled kernel (a decode step's few rows); more rows (a prompt)
 #: go through the twin, whose GEMM reuses each widened weight over every row.
 WEIGHT_ROWS = 16
 
-#: The weight formats ``qkv.cpu.optimize(model, weights=...)`` converts a model's linear layers to.
-WEIGHT_FORMATS = ("int8",)
+#: The weight formats ``qkv.cpu.optimize(model, weights=...)`` converts a model's linear layers to: ``"int8"``
+#: (lossy, :class:`Int8Linear`) and ``"bf16-exact"`` (lossless, :class:`Bf16ExactLinear`: only float32 weights whose
+#: every value is a bfloat16 value).
+WEIGHT_FORMATS = ("int8", "bf16-exact")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,3 +203,65 @@ class Int8Linear(nn.Module):
         act = f", activation={self.activation!r}" if self.activation is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weights=int8 per-channel{act}")
+
+
+def is_bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is float32 and every value of it is a bfloat16 value (its low 16 bits are zero: a bf16
+    checkpoint loaded as float32), so that a bfloat16 copy holds the same numbers. NaN never counts as exact."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32:
+        return False
+    w = weight.detach()
+    return bool(torch.equal(w.to(torch.bfloat16).to(torch.float32), w))
+
+
+class Bf16ExactLinear(nn.Module):
+    """A float32 linear layer whose weight values are all bfloat16 values (:func:`is_bf16_exact`), stored as
+    bfloat16: the same numbers at half the bytes, multiplied in float32 through :func:`weight_linear` (the compiled
+    kernel for a decode step's few rows, widening each weight in registers; ``F.linear`` on the widened weight for
+    more). ``activation``, when set, is applied to the output.
+
+    ``weight_bf16`` (N, K) bfloat16 is a buffer; the bias stays a float32 parameter; ``weight`` reads back the
+    float32 weight (equal to the original, computed on every read). Inference only: there is no gradient for the
+    weight. Build it with :meth:`from_linear`, which refuses a weight that is not exact.
+    """
+
+    computes_linear = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight_bf16", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.activation = activation
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> Bf16ExactLinear:
+        """``linear`` (an ``nn.Linear`` with a float32 weight of bfloat16 values) with its weight held in bfloat16;
+        its bias parameter is kept as is. ``ValueError`` for any other weight (converting it would change it)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"Bf16ExactLinear.from_linear: linear must be an nn.Linear, got {type(linear).__name__}")
+        if not is_bf16_exact(linear.weight):
+            what = "not float32" if linear.weight.dtype != torch.float32 else "not all bfloat16 values"
+            raise ValueError(f"Bf16ExactLinear.from_linear: the weight ({linear.weight.dtype} "
+                             f"{tuple(linear.weight.shape)}) is {what}, so a bfloat16 copy would change it; keep "
+                             f"the layer as it is, or quantize it on purpose (weights='int8')")
+        new = cls(linear.in_features, linear.out_features, bias=False, activation=activation)
+        new.weight_bf16 = linear.weight.detach().to(torch.bfloat16)
+        new.bias = linear.bias
+        return new
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 (N, K) weight, equal to the one converted."""
+        return self.weight_bf16.to(torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = weight_linear(x, self.weight_bf16, None, self.bias)
+        return y if self.activation is None else self.activation(y)
+
+    def extra_repr(self) -> str:
+        act = f", activation={self.activation!r}" if self.activation is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weights=bfloat16 values held exactly{act}")
