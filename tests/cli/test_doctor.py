@@ -31,6 +31,9 @@ def test_doctor_json_reports_each_path():
     assert info["threads"] == {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
     for key in ("onednn", "int8_head_screen"):
         assert info[key]["on"] == (info[key]["off_because"] is None)
+    for key in ("int8_weights", "bf16_exact_weights"):  # opt-in formats: never the default, their kernel's state
+        assert info[key]["default"] is False and info[key]["kernel_on"] == (info[key]["kernel_off_because"] is None)
+    assert "bf16-exact" in info["bf16_exact_weights"]["how"]
 
 
 def test_doctor_text_names_the_state_and_why_a_path_is_off(monkeypatch):
@@ -46,3 +49,4 @@ def test_doctor_text_names_the_state_and_why_a_path_is_off(monkeypatch):
     assert "compiled kernels: off" in off.output
     assert f"off because: {kernels.ENV}=0 in the environment" in off.output
     assert "int8 head screen: off (qkv's CPU kernels are unavailable" in off.output
+    assert "bf16-exact weights (lossless): not by default" in off.output and "cannot run here" in off.output

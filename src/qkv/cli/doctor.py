@@ -31,6 +31,8 @@ def report() -> dict:
         "int8_head_screen": {"on": screen_unavailable_reason() is None, "off_because": screen_unavailable_reason()},
         "int8_weights": {"default": False, "how": 'qkv.cpu.optimize(model, weights="int8")',
                          "kernel_on": st.reason is None, "kernel_off_because": st.reason},
+        "bf16_exact_weights": {"default": False, "how": 'qkv.cpu.optimize(model, weights="bf16-exact")',
+                               "kernel_on": st.reason is None, "kernel_off_because": st.reason},
     }
 
 
@@ -70,6 +72,10 @@ def doctor(
                                                                    f" ({part['off_because']})"))
     w = info["int8_weights"]
     lines.append("int8 weights (lossy): never by default, " + w["how"] + " quantizes a model's linear layers"
+                 + ("" if w["kernel_on"] else f" (cannot run here: {w['kernel_off_because']})"))
+    w = info["bf16_exact_weights"]
+    lines.append("bf16-exact weights (lossless): not by default, " + w["how"] + " holds float32 weights of "
+                 "bfloat16 values (a bf16 checkpoint loaded as float32) in bfloat16"
                  + ("" if w["kernel_on"] else f" (cannot run here: {w['kernel_off_because']})"))
     typer.echo("\n".join(lines))
 
