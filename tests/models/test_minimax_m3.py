@@ -5,10 +5,11 @@ transformers' ``MiniMaxM3VLForCausalLM``.
 The float64 reference is HF's own source with its float32 casts lifted to float64 (tests/_hf_float64.py: the
 norms, rotary table, eager softmax, router and indexer scores), so the bound is float64's: relative error < 1e-8.
 Tiny random configs with every layer type (dense/MSA attention x dense/MoE MLP) and a prompt longer than the
-blocks an MSA query keeps (the selection changes the logits; checked). MSA layers keep no cache yet, so decoding
-is by full recomputation (``use_cache=False``) and a cache is refused. HF's indexer anchors its blocks to cache
-slots, so HF's left-padded batch differs from each row alone (its own docstring says so); the padded row's
-reference is that row alone.
+blocks an MSA query keeps (the selection changes the logits; checked). MSA layers cache their indexer key beside
+their keys and values (``IndexedSpec``); cached decoding equals full recomputation in float64 and through
+``verify_cache`` (dynamic, static and paged storage: crop, fork, prefix reuse), and the Engine serves the model.
+HF's indexer anchors its blocks to cache slots, so HF's left-padded batch differs from each row alone (its own
+docstring says so); the padded row's reference is that row alone.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ def test_float64_logits_equal_hf_eager(case):
 
 
 class TestHFParity(LogitParity):
-    """The shared parity suite on the prefill (DECODE_TAIL empty: MSA layers keep no cache); the padded row's
+    """The shared parity suite (a two-token then a one-token cached step after the prefill); the padded row's
     reference is the row alone (see the module)."""
 
-    CASES, N_NEW, DECODE_TAIL = CASES, N_NEW, ()
+    CASES, N_NEW, DECODE_TAIL = CASES, N_NEW, (2, 1)
 
     def models(self, case):
         return _models(case)
@@ -107,13 +108,15 @@ class TestHFParity(LogitParity):
             truth = torch.cat([ref(ids[b, real[b]][None]).logits[0] for b in range(ids.shape[0])])
         assert _rel(ours[real], truth) < 1e-5, f"{case}: relative error {_rel(ours[real], truth):.3g}"
 
-    def test_cached_greedy_generation_matches_hf(self, case):
-        """qkv's greedy tokens on the left-padded batch (full recomputation) equal HF's for each row alone."""
+    @pytest.mark.parametrize("cached", [True, False])
+    def test_cached_greedy_generation_matches_hf(self, case, cached):
+        """qkv's greedy tokens on the left-padded batch (cached, and by full recomputation) equal HF's for each row
+        alone."""
         hf, _, model = _models(case)
         ids, mask = _prompt(case, padded=True)
         real = mask.bool()
         with torch.no_grad():
-            out = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, use_cache=False)
+            out = generate(model, ids, max_new_tokens=N_NEW, attention_mask=mask, use_cache=cached)
             for b in range(ids.shape[0]):
                 row = ids[b, real[b]][None]
                 want = hf.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=N_NEW,
@@ -122,11 +125,80 @@ class TestHFParity(LogitParity):
                                                               f"{want.tolist()}"
 
 
-def test_msa_layers_refuse_a_cache():
+@pytest.mark.parametrize("case", list(CASES))
+def test_float64_cached_decode_equals_recomputation(case):
+    """Prefill then one-token steps on the cache, float64: every step's logits equal the full recomputation's to
+    float64 rounding, and HF float64's (casts lifted) to < 1e-8; the cache holds the indexer keys
+    (IndexedSpec) beside keys and values."""
+    _, ref, model = _models(case)
+    ours = copy.deepcopy(model).double()
+    specs = ours.cache_specs()
+    assert [type(s).__name__ for s in specs] == ["FullSpec", "IndexedSpec", "IndexedSpec", "FullSpec"]
+    assert specs[1].index_head_dim == _BASE["index_head_dim"] and specs[1].dv == 16 + 8
+    ids, _ = _prompt(case, padded=False)
+    cache = KVCache(specs)
+    with torch.no_grad():
+        ours(ids[:, :6], cache=cache)
+        for t in range(6, ids.shape[1]):
+            step = ours(ids[:, t:t + 1], cache=cache).logits[:, -1]
+            full = ours(ids[:, :t + 1]).logits[:, -1]
+            assert _rel(step, full) < 1e-12, f"{case} step {t}: {_rel(step, full):.3g}"
+        truth = ref(ids).logits[:, -1]
+    assert _rel(step, truth) < 1e-8
+
+
+@pytest.mark.parametrize("storage", ["dynamic", "static", "paged"])
+def test_verify_cache_with_indexer_keys(storage):
+    """Cached decoding equals recomputation on every storage: decode, crop, fork and (paged) prefix reuse carry
+    the indexer keys with their tokens."""
+    from qkv.cache import Paged, Static
+    from qkv.models import verify_cache
+
+    model = _models(next(iter(CASES)))[2]
+    make = {"dynamic": lambda: KVCache(model, rollback=4),
+            "static": lambda: KVCache(model, storage=Static(64), rollback=4),
+            "paged": lambda: KVCache(model, storage=Paged(block_size=4, num_blocks=128, prefix_caching=True))}[storage]
+    report = verify_cache(model, make, prompt_lengths=(15, 9), max_new_tokens=8)
+    assert report.ok, str(report)
+
+
+def test_engine_serves_msa_layers():
+    """The continuous-batching Engine (paged pools) gives each request generate's tokens on that request alone."""
+    from qkv.models import Engine
+
+    model = _models(next(iter(CASES)))[2]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, _BASE["vocab_size"], (n,), generator=g).tolist() for n in (13, 5, 9)]
+    engine = Engine(model, num_blocks=64, block_size=4, max_batch=2, prefix_caching=True)
+    rids = [engine.add(p, 6) for p in prompts]
+    results = engine.run()
+    for rid, p in zip(rids, prompts):
+        want = generate(model, torch.tensor([p]), max_new_tokens=6, use_cache=False).new_tokens[0].tolist()
+        assert results[rid].tokens == want
+
+
+def test_indexed_cache_refusals():
+    """A cache built from other specs, a quantized or evicting cache, and a bad IndexedSpec are refused by name."""
+    from qkv.cache import FullSpec, IndexedSpec, Int8, plan_memory
+
     model = _models(next(iter(CASES)))[2]
     ids, _ = _prompt(next(iter(CASES)), padded=False)
-    with pytest.raises(ValueError, match=r"\(MSA\) keeps no cache yet"):
-        model(ids, cache=KVCache(model.cache_specs()))
+    plain = [FullSpec(s.n_kv_heads, s.head_dim) if isinstance(s, IndexedSpec) else s for s in model.cache_specs()]
+    with pytest.raises(ValueError, match=r"layer 1 \(MSA\) caches its indexer key .* needs IndexedSpec"):
+        model(ids, cache=KVCache(plain))
+    with pytest.raises(ValueError, match=r"layers \[1, 2\] keep an indexer key in their value rows"):
+        KVCache(model.cache_specs(), quant=Int8())
+    with pytest.raises(ValueError, match=r"layers \[1, 2\] keep an indexer key"):
+        plan_memory(model, batch=1, context=32, quant=Int8())
+    for bad, match in ((dict(index_head_dim=0), r"index_head_dim\) must be an int >= 1"),
+                       (dict(index_head_dim=8, values_only=True), "values_only is not defined")):
+        with pytest.raises(ValueError, match=match):
+            IndexedSpec(2, 16, **bad)
+    spec = IndexedSpec(3, 4, index_head_dim=7)  # 7 channels over 3 heads: 3 each, the last padded
+    assert (spec.index_tail, spec.dv, spec.row_elements()) == (3, 7, 3 * (4 + 7))
+    v, keys = torch.randn(2, 3, 5, 4), torch.randn(2, 5, 7)
+    back_v, back_keys = spec.split_values(spec.pack_values(v, keys))
+    assert torch.equal(back_v, v) and torch.equal(back_keys, keys)
 
 
 def test_multimodal_config_reads_its_language_model():

@@ -217,6 +217,6 @@ def test_msa_config_and_layer_refuse_bad_inputs():
         c = DecoderConfig(**base, msa=MSAConfig(**{**kw, "index_head_dim": 4}))
         BlockSparseAttention.for_decoder(c, 0, RopeTable(RotaryEmbedding(8)))
     _, _, ours, _ = _layer_pair(next(iter(LAYER_CASES)))
-    with pytest.raises(ValueError, match=r"layer 0 \(MSA\) keeps no cache yet"):
+    with pytest.raises(ValueError, match=r"layer 0 \(MSA\) caches its indexer key .* needs IndexedSpec"):
         ours(torch.zeros(1, 2, DM, dtype=F64), _ForwardContext(torch.arange(2)[None], KVCache([FullSpec(HKV, HD)]),
                                                                  2, F64))

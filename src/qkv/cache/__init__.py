@@ -49,6 +49,7 @@ from .specs import (
     CrossSpec,
     FullSpec,
     IndexedLatentSpec,
+    IndexedSpec,
     LatentSpec,
     LayerSpec,
     RecurrentSpec,
@@ -61,7 +62,8 @@ from .storage import Dynamic, Static
 
 __all__ = [
     "KVCache", "CacheMemory", "LayerMemory",
-    "LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
+    "LayerSpec", "FullSpec", "IndexedSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec",
+    "CrossSpec",
     "RecurrentSpec", "SharedSpec", "CompressedSpec", "CompressedCache",
     "element_bytes",
     "Dynamic", "Static", "Paged", "CacheFull", "PoolStats", "prefix_hashes",

@@ -34,7 +34,17 @@ from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CachePolicy, CacheView, HasCacheSpecs, KeysFromValues, LatentView, Quantizer, RopeFn
 from .recurrent import RecurrentStore
 from .rows import DenseRows, RowManager
-from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SharedSpec, SinkSpec, SlidingWindowSpec
+from .specs import (
+    CrossSpec,
+    FullSpec,
+    IndexedSpec,
+    LatentSpec,
+    LayerSpec,
+    RecurrentSpec,
+    SharedSpec,
+    SinkSpec,
+    SlidingWindowSpec,
+)
 from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
 
 __all__ = ["KVCache", "CacheMemory", "LayerMemory"]
@@ -172,6 +182,11 @@ class KVCache:
             raise ValueError(f"KVCache: policy={policy!r} with cross-layer KV sharing (SharedSpec layers) is not "
                              f"supported: an eviction policy would rank the source's tokens by its own queries "
                              f"only. Build the cache without a policy")
+        indexed = [i for i, s in enumerate(specs) if isinstance(s, IndexedSpec)]
+        if indexed and (policy is not None or quant is not None):
+            raise ValueError(f"KVCache: layers {indexed} keep an indexer key in their value rows (IndexedSpec, "
+                             f"MiniMax-M3's MSA), which {'policy' if policy is not None else 'quant'}="
+                             f"{policy or quant!r} would drop or quantize with the values; build the cache without it")
         values_only = [i for i, s in enumerate(specs) if getattr(s, "values_only", False)]
         if values_only and (policy is not None or quant is not None):
             raise ValueError(f"KVCache: layers {values_only} store their values only (K = V, keys derived from them), "
@@ -330,8 +345,9 @@ class KVCache:
         """
         layer = self._layer(self._source(layer_idx, "decode"), None, "decode")
         if (not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or layer.last_view is None
-                or layer.spec.values_only):
-            return None  # latent layers attend over their view, values-only ones over the keys derived there
+                or layer.spec.values_only or isinstance(layer.spec, IndexedSpec)):
+            return None  # latent layers attend over their view, values-only ones over the keys derived there, indexed
+            # ones over the values without the indexer key's tail
         q_positions = layer.last_view.q_positions  # (B, N)
         n = q.shape[2] if q.dim() == 4 else -1
         if not 1 <= n <= q_positions.shape[1] or q.shape[0] != q_positions.shape[0]:

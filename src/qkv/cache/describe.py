@@ -22,12 +22,22 @@ from ..config.decoder import DecoderConfig
 from ..config.mixers import CacheShape, mixer_of
 from ..config.presets import ModelPreset
 from .compressed import CompressedSpec
-from .specs import FullSpec, IndexedLatentSpec, LatentSpec, LayerSpec, RecurrentSpec, SharedSpec, SlidingWindowSpec
+from .specs import (
+    FullSpec,
+    IndexedLatentSpec,
+    IndexedSpec,
+    LatentSpec,
+    LayerSpec,
+    RecurrentSpec,
+    SharedSpec,
+    SlidingWindowSpec,
+)
 
 __all__ = ["cache_specs_of", "spec_of"]
 
 #: The layer spec class of each cache kind a mixer declares (:data:`qkv.config.mixers.CACHE_KINDS`).
-_SPECS: dict[str, type[LayerSpec]] = {"full": FullSpec, "sliding": SlidingWindowSpec, "latent": LatentSpec,
+_SPECS: dict[str, type[LayerSpec]] = {"full": FullSpec, "indexed": IndexedSpec, "sliding": SlidingWindowSpec,
+                                      "latent": LatentSpec,
                                       "indexed_latent": IndexedLatentSpec, "recurrent": RecurrentSpec,
                                       "shared": SharedSpec, "compressed": CompressedSpec}
 

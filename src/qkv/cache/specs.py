@@ -17,6 +17,9 @@ sliding-window layers per global layer) gets its savings without a per-model cac
 - :class:`LatentSpec`: Multi-head Latent Attention caches one compressed latent ``c_kv`` and one
   decoupled RoPE key ``k_rope`` per token, shared by all heads (DeepSeek-V2, arXiv:2405.04434, 2.1.2).
 - :class:`IndexedLatentSpec`: MLA's row plus DeepSeek Sparse Attention's indexer key (DeepSeek-V3.2).
+- :class:`IndexedSpec`: a full layer's keys and values plus one indexer key per token, shared by the layer's heads
+  (MiniMax-M3's MSA), carried in the tail of the value rows so that paging, prefix sharing, crop and fork keep it
+  with its token.
 - :class:`CrossSpec`: encoder keys/values, computed once from ``source_len`` encoder tokens.
 - :class:`SharedSpec`: a layer that reads another layer's keys and values instead of writing its own (cross-layer
   KV sharing: Brandon et al. 2024, "Reducing Transformer Key-Value Cache Size with Cross-Layer Attention",
@@ -49,8 +52,8 @@ import torch
 
 from ..costs.memory import element_bytes  # the one count (a torch dtype or a name); scales are the quantizer's
 
-__all__ = ["LayerSpec", "FullSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec", "CrossSpec",
-           "RecurrentSpec",
+__all__ = ["LayerSpec", "FullSpec", "IndexedSpec", "SlidingWindowSpec", "SinkSpec", "LatentSpec", "IndexedLatentSpec",
+           "CrossSpec", "RecurrentSpec",
            "SharedSpec", "element_bytes"]
 
 
@@ -140,6 +143,54 @@ class FullSpec(_KVSpec):
 
     def __post_init__(self) -> None:
         _check_heads(self)
+
+
+@dataclass(frozen=True)
+class IndexedSpec(FullSpec):
+    """Every token: a key and a value per KV head, plus one indexer key of ``index_head_dim`` shared by the layer's
+    heads (MiniMax-M3's MSA: the indexer scores cached tokens by it to pick key blocks). The indexer key rides in the
+    value rows' tail: each head's stored value row is ``value_width + index_tail`` wide, head h's tail holding
+    channels ``[h t, (h + 1) t)`` of the indexer key (``t = index_tail = ceil(index_head_dim / n_kv_heads)``, the
+    last head's zero-padded), so every store, paged pool, prefix share, crop and fork keeps it with its token. ``dv``
+    is that stored width (what ``update`` takes as values); the layer splits the view (:meth:`split_values`)."""
+
+    index_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.values_only is not False:
+            raise ValueError("IndexedSpec: values_only is not defined for an indexed layer (its values carry the "
+                             "indexer key); store keys and values")
+        super().__post_init__()
+        _positive("IndexedSpec(index_head_dim)", self.index_head_dim)
+
+    @property
+    def value_width(self) -> int:
+        """The attention values' width per head (``v_head_dim or head_dim``)."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def index_tail(self) -> int:
+        """Indexer-key channels each head's value row carries."""
+        return -(-self.index_head_dim // self.n_kv_heads)
+
+    @property
+    def dv(self) -> int:
+        return self.value_width + self.index_tail
+
+    def pack_values(self, v: torch.Tensor, index_keys: torch.Tensor) -> torch.Tensor:
+        """Values ``(B, Hkv, N, value_width)`` and indexer keys ``(B, N, index_head_dim)`` -> the stored values
+        ``(B, Hkv, N, dv)``."""
+        B, H, N, _ = v.shape
+        t = self.index_tail
+        tail = torch.nn.functional.pad(index_keys.to(v.dtype), (0, H * t - self.index_head_dim))
+        return torch.cat((v, tail.view(B, N, H, t).transpose(1, 2)), dim=-1)
+
+    def split_values(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored values ``(B, Hkv, S, dv)`` -> ``(values (B, Hkv, S, value_width), indexer keys (B, S,
+        index_head_dim))`` (views where they can be)."""
+        B, H, S, _ = stored.shape
+        keys = stored[..., self.value_width:].transpose(1, 2).reshape(B, S, H * self.index_tail)
+        return stored[..., :self.value_width], keys[..., :self.index_head_dim]
 
 
 @dataclass(frozen=True)
@@ -333,6 +384,7 @@ class SharedSpec(LayerSpec):
                 and spec.dv == self.head_dim)
 
 
-_KINDS = {"FullSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink", "LatentSpec": "latent",
+_KINDS = {"FullSpec": "full", "IndexedSpec": "full", "SlidingWindowSpec": "sliding", "SinkSpec": "sink",
+          "LatentSpec": "latent",
           "IndexedLatentSpec": "latent", "CrossSpec": "cross", "RecurrentSpec": "recurrent", "SharedSpec": "shared",
           "CompressedSpec": "compressed"}

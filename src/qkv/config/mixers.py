@@ -52,14 +52,14 @@ __all__ = ["CACHE_KINDS", "MIXERS", "CacheShape", "MixerKind", "get_mixer", "mix
            "register_mixer"]
 
 #: The :mod:`qkv.cache` layer specs a mixer's cache may be, by their ``kind`` (``"indexed_latent"``: a latent with
-#: DeepSeek Sparse Attention's indexer key beside it).
-CACHE_KINDS = ("full", "sliding", "latent", "indexed_latent", "recurrent", "shared", "compressed")
+#: DeepSeek Sparse Attention's indexer key beside it; ``"indexed"``: full keys and values with MSA's indexer key).
+CACHE_KINDS = ("full", "indexed", "sliding", "latent", "indexed_latent", "recurrent", "shared", "compressed")
 
 
 class CacheShape(NamedTuple):
     """What one layer caches, as data: a :mod:`qkv.cache` spec kind (one of :data:`CACHE_KINDS`) and that spec's
     constructor arguments (``"full"``: Hkv, D, Dv (None: D), values only (K = V); ``"sliding"``: window, Hkv, D, Dv,
-    values only; ``"latent"``: kv_lora_rank,
+    values only; ``"indexed"``: Hkv, D, Dv, False, index_head_dim; ``"latent"``: kv_lora_rank,
     qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
     Dk, Dv; ``"shared"``: the source layer, window or None, Hkv, D; ``"compressed"``: window, head_dim, rate,
     index_head_dim (0 without an indexer))."""
@@ -273,6 +273,11 @@ def _qsa_params(c: DecoderConfig, i: int | None = None) -> int:
     return _indexed_gqa_params(c, c.qsa, i)  # the indexer's two RMSNorms included
 
 
+def _msa_cache(c: DecoderConfig, i: int) -> CacheShape:
+    """An MSA layer keeps its keys and values and its indexer's key per token (:class:`qkv.cache.IndexedSpec`)."""
+    return CacheShape("indexed", (c.kv_heads_for(i), c.head_dim_for(i), None, False, c.msa.index_head_dim))
+
+
 def _msa_weights(c: DecoderConfig, i: int | None = None) -> int:
     return _indexed_gqa_weights(c, c.msa, i)
 
@@ -351,7 +356,7 @@ register_mixer(MixerKind(name="dsa", attribute="self_attn", cache=_dsa_cache, pa
                          weights=_dsa_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
 register_mixer(MixerKind(name="qsa", attribute="self_attn", cache=_gqa_cache, params=_qsa_params,
                          weights=_qsa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
-register_mixer(MixerKind(name="msa", attribute="self_attn", cache=_gqa_cache, params=_msa_params,
+register_mixer(MixerKind(name="msa", attribute="self_attn", cache=_msa_cache, params=_msa_params,
                          weights=_msa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
 for _name in ("gated_deltanet", "gated_deltanet_split"):
     register_mixer(MixerKind(name=_name, attribute="linear_attn", cache=_recurrent_cache, params=_gdn_params,

@@ -11,7 +11,8 @@ MiniMax 2026, MiniMax-M3 model report. A pre-norm :class:`qkv.nn.DecoderLM` with
   SwiGLU experts without biases and one clamped-SwiGLU shared expert of ``shared_intermediate_size``); the
   others a clamped-SwiGLU MLP of ``dense_intermediate_size``.
 
-MSA layers keep no cache yet: such a model decodes by full recomputation (a step with a cache is refused).
+MSA layers cache their indexer's key beside their keys and values (:class:`qkv.cache.IndexedSpec`, in the value
+rows' tail), so cached decoding, paged pools, prefix sharing and the Engine serve such a model.
 Tensor names are HF's (``self_attn.indexer.*``, ``mlp.experts.*``, ``mlp.shared_experts.*``), q/k/v stacked; the
 router is ``mlp.router`` and its bias ``mlp.e_score_correction_bias``; the experts' biases are zeros.
 

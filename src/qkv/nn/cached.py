@@ -194,8 +194,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
                      backend: str = "auto", decode_backend: str | None = None, dropout_p: float = 0.0,
                      return_lse: bool = False, head_gate: torch.Tensor | None = None,
                      queries_to_keep: int = 0, read_only: bool = False,
-                     keys_from_values: KeysFromValues | None = None,
-                     owner: str = "cached_attention") -> AttentionHeads:
+                     keys_from_values: KeysFromValues | None = None, mask_from_view=None,
+                     value_width: int | None = None, owner: str = "cached_attention") -> AttentionHeads:
     """One attention call of a module, over a KV cache or not (the sequence in the module notes).
 
     Args:
@@ -237,6 +237,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         keys_from_values: K = V: ``f(values, kv_positions) -> rotated keys``. Where the cache stores this layer's
             values only (:meth:`qkv.cache.KVCache.values_only`) it stores ``v`` and attends with the keys ``f``
             derives from every stored value (``k`` is not stored); elsewhere ignored.
+        mask_from_view: with a cache, ``f(view) -> mask``: a :mod:`qkv.masks` mask over the cache's slots computed
+            from its view after this step is stored (a selection that scores cached tokens, MiniMax-M3's MSA), AND-ed
+            with ``mask``; such a step never attends in place.
+        value_width: with a cache, attend over the first ``value_width`` channels of the stored values (an
+            :class:`qkv.cache.IndexedSpec` layer's value rows carry its indexer key after them).
         owner: the caller's name in error messages.
 
     Returns:
@@ -281,6 +286,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
         raise ValueError(f"{owner}: rotate needs rope as well (caches that re-position keys rotate them with rope)")
     if type(queries_to_keep) is not int or queries_to_keep < 0:
         raise ValueError(f"{owner}: queries_to_keep must be an int >= 0 (0: every query), got {queries_to_keep!r}")
+    if (mask_from_view is not None or value_width is not None) and cache is None:
+        raise ValueError(f"{owner}: mask_from_view and value_width read a cache's view; without a cache pass the "
+                         f"mask and the values themselves")
     # the last queries only: after the cache update (every key is stored), unless the cache ranks by attention
     keep = queries_to_keep if 0 < queries_to_keep < N else 0
     sliced_after = keep and cache is not None and cache.scores_attention(layer_idx)
@@ -305,6 +313,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
     # in place where the cache can: a plain step (one query per row whose single-query backend is the default's,
     # or a prompt chunk on the default backend)
     in_place = (caps is not None and caps.decoding and not return_lse and position_bias is None
+                and mask_from_view is None and value_width is None
                 and (n_attend > 1 or decode_backend in (None, "auto", "sdpa"))
                 and _plain_call(attention_fn=attention_fn, backend=backend, causal=causal, mask=mask,
                                 score_mod=score_mod, sinks=sinks, dropout_p=dropout_p))
@@ -326,6 +335,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer
             view = cache.update(layer_idx, k, v, positions=positions, rope=rope, **defer)
             q = rope(q, view.q_positions)
         k, v, q_pos, kv_pos = view.k, view.v, view.q_positions, view.kv_positions  # (B, Hkv, S, D), ...
+        if mask_from_view is not None:
+            picked = mask_from_view(view)
+            mask = picked if mask is None else mask & picked
+        if value_width is not None:
+            v = v[..., :value_width]
     q_seen = q  # what a scoring cache observes: every query
     if n_attend < N:
         q, step_mask = q[:, :, -n_attend:], None  # the step's mask covers every query: built again below

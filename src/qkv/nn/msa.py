@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .. import masks
+from ..cache.specs import IndexedSpec
 from ..config.decoder import DecoderConfig
 from ..pos.rope import RotaryEmbedding
 from ..sparse.select import expand_heads, msa_select
@@ -144,8 +145,10 @@ class BlockSparseAttention(SelfAttention):
     """MiniMax-M3's MSA layer: :class:`qkv.nn.SelfAttention` (Gemma-style per-head QK norm, partial RoPE, GQA) in
     which each query head reads only the key blocks its KV group's :class:`MSAIndexer` keeps (the ``"msa"`` mixer
     kind, :class:`qkv.config.msa.MSAConfig`), on the ``gather`` backend when the config's is ``"auto"``. The
-    indexer rotates with the attention's RoPE table. The layer keeps no cache yet: a step with a cache is refused
-    (decode by full recomputation).
+    indexer rotates with the attention's RoPE table. With a cache (:class:`qkv.cache.IndexedSpec`: the indexer's key
+    of each token rides in the tail of its value rows, so paged pools, prefix sharing, crop and fork keep it), a
+    step stores its keys, values and indexer keys, then selects over every cached token's indexer key at its
+    position and attends over the cached keys and values.
     """
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: RopeTable | None) -> None:
@@ -176,11 +179,45 @@ class BlockSparseAttention(SelfAttention):
         return self(x, step)
 
     def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0, mask=None) -> torch.Tensor:
-        if step.cache is not None:
-            raise ValueError(f"BlockSparseAttention: layer {self.layer_idx} (MSA) keeps no cache yet; run the model "
-                             "without a cache (each step a full recomputation)")
         B, N, _ = x.shape
+        if step.cache is not None:
+            spec = self._cached_spec(step.cache)
+            if step.positions is None:
+                raise ValueError("BlockSparseAttention: a cache needs positions (B, N) of the new tokens")
+            self._pending = (x, spec, self.indexer.keys(x, step.positions), mask)
+            try:
+                return super().forward(x, step, 0)
+            finally:
+                self._pending = None
         pos = step.positions if step.positions is not None else torch.arange(N, device=x.device).expand(B, N)
         picked = self.indexer(x, self.indexer.keys(x, pos), q_positions=pos, kv_positions=pos)
         lists = masks.topk(expand_heads(picked.slots, self.n_heads))
         return super().forward(x, step, 0, mask=lists if mask is None else lists & mask)
+
+    _pending = None  # during a cached step: (x, spec, this step's indexer keys, the caller's mask)
+
+    def _cached_spec(self, cache) -> IndexedSpec:
+        """This layer's :class:`qkv.cache.IndexedSpec` in ``cache`` (a cache built from other specs is refused)."""
+        specs = getattr(cache, "specs", None)
+        spec = specs[self.layer_idx] if isinstance(specs, (list, tuple)) and self.layer_idx < len(specs) else None
+        if (not isinstance(spec, IndexedSpec) or spec.index_head_dim != self.indexer.head_dim
+                or spec.n_kv_heads != self.n_kv_heads or spec.value_width != self.head_dim):
+            raise ValueError(f"BlockSparseAttention: layer {self.layer_idx} (MSA) caches its indexer key beside its "
+                             f"keys and values and needs IndexedSpec(n_kv_heads={self.n_kv_heads}, head_dim="
+                             f"{self.head_dim}, index_head_dim={self.indexer.head_dim}) there, got {spec!r}; build "
+                             f"the cache from model.cache_specs()")
+        return spec
+
+    def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, **kw) -> torch.Tensor:
+        if self._pending is None:
+            return super()._attend(q, k, v, gate, step, keep, rotate, **kw)
+        x, spec, index_keys, extra = self._pending
+
+        def select(view):  # over every cached token's indexer key, at the cached positions
+            values, keys = spec.split_values(view.v)
+            picked = self.indexer(x, keys, q_positions=view.q_positions, kv_positions=view.kv_positions)
+            lists = masks.topk(expand_heads(picked.slots, self.n_heads))
+            return lists if extra is None else lists & extra
+
+        return super()._attend(q, k, spec.pack_values(v, index_keys), gate, step, keep, rotate,
+                               mask_from_view=select, value_width=spec.value_width, **kw)

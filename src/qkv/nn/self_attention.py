@@ -200,7 +200,7 @@ class SelfAttention(nn.Module):
         return k
 
     def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, *, read_only: bool = False,
-                mask=None, keys_from_values=None) -> torch.Tensor:
+                mask=None, keys_from_values=None, mask_from_view=None, value_width=None) -> torch.Tensor:
         """:func:`qkv.nn.cached_attention` of the rotated (or, by ``rotate``, to-be-rotated) heads, then the output
         gate and projection: (B, N or keep, d)."""
         B, N = q.shape[0], q.shape[2]
@@ -212,7 +212,7 @@ class SelfAttention(nn.Module):
                                attention_fn=self.attention_fn, backend=self.backend,
                                decode_backend=self.decode_backend, head_gate=self.head_gate,
                                queries_to_keep=keep, read_only=read_only, keys_from_values=keys_from_values,
-                               owner="DecoderLM")
+                               mask_from_view=mask_from_view, value_width=value_width, owner="DecoderLM")
         n = res.out.shape[2]
         out = res.out.transpose(1, 2).reshape(B, n, self.n_heads * self.head_dim)
         if gate is not None:
