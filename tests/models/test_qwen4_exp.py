@@ -12,8 +12,10 @@ and qkv the earliest, so the config uses 8 indexer heads (a block scores 0 only 
 The float64 bar is the issue's 1e-8 (measured 1.8e-15, left-padded 6.6e-16): qkv's MoE router computes in float64
 for a float64 model, as the lifted HF reference does. The QSA layer alone agrees to 1e-10 (``tests/nn/test_qsa.py``).
 
-Not covered (see the family module): a KV cache (QSA's indexer keys and PLE's state have no cache spec yet: a
-cached step is refused) and HF's ``attn_implementation="qkv"`` route.
+The cache: QSA layers keep each token's raw indexer key in their value rows (``IndexedSpec``), the recurrent
+layers keep PLE's n-gram context and convolution inputs beside their own state (``RecurrentSpec.side``); cached
+float64 decoding equals full recomputation, greedy generation on the left-padded batch equals HF's per row, and the
+Engine serves the model. Not covered: HF's ``attn_implementation="qkv"`` route.
 """
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ def _models():
     return _MODELS["m"]
 
 
+def _hf32():
+    """HF float32 on the same weights, built once (greedy generation compares with it)."""
+    if "hf32" not in _MODELS:
+        _MODELS["hf32"] = hf_causal_lm("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", FIELDS, seed=47,
+                                       attn_implementation="eager", experts_implementation="eager")
+    return _MODELS["hf32"]
+
+
 def _prompt(padded: bool):
     ids, mask = two_row_prompt(147, VOCAB, N_PROMPT, pad=N_PAD if padded else 0, low=2)
     ids[0, 6] = 1  # an EOS inside the prompt: PLE's n-grams restart after it
@@ -106,11 +116,88 @@ def test_float32_from_hf_and_left_padding_give_each_row_alone():
     assert _rel(got32.double(), truth) < 1e-4, f"float32 relative error {_rel(got32.double(), truth):.2e}"
 
 
-def test_a_cache_is_refused_clearly():
-    _, _, ours32 = _models()
+def test_cache_specs_keep_indexer_keys_and_ple_state():
+    _, ours, _ = _models()
+    specs = ours.cache_specs()
+    assert [type(s).__name__ for s in specs] == ["RecurrentSpec", "IndexedSpec"] * 2
+    assert specs[1].index_head_dim == FIELDS["indexer_head_dim"]
+    wide = FIELDS["hc_count"] * FIELDS["hidden_size"]
+    assert specs[0].side == ((2,), (wide, 3 * 3)) and specs[0].side_ints == 1  # n-gram 3, taps 4
+    assert specs[0].fixed_bytes(torch.float32) - specs[0].side_bytes(torch.float32) > 0
+    assert specs[0].side_bytes(torch.float32) == 2 * 8 + wide * 9 * 4
+
+
+@pytest.mark.parametrize("chunks", [(15,), (9, 1, 1, 1, 1, 1, 1), (6, 4, 5)])
+def test_float64_cached_decode_equals_recomputation(chunks):
+    """The prompt in chunks on one cache (a prefill, then one-token or multi-token steps through QSA's cached
+    indexer keys and PLE's cached n-gram context and convolution), float64: the last logits of every chunk equal
+    the full recomputation's."""
+    ref, ours, _ = _models()
     ids, _ = _prompt(False)
-    with pytest.raises(ValueError, match="keeps no state in a KV cache yet|keeps no cache yet"):
-        ours32(ids, cache=KVCache(ours32.cache_specs()))
+    cache = KVCache(ours.cache_specs())
+    start = 0
+    with torch.no_grad():
+        for n in chunks:
+            got = ours(ids[:, start:start + n], cache=cache).logits[:, -1]
+            start += n
+            full = ours(ids[:, :start]).logits[:, -1]
+            assert _rel(got, full) < 1e-12, f"chunk ending at {start}: {_rel(got, full):.3g}"
+        with float64_throughout():
+            truth = ref(ids, use_cache=False).logits[:, -1]
+    assert _rel(got, truth) < 1e-8
+
+
+def test_cached_greedy_generation_matches_hf_per_row():
+    """Left-padded batch, cached greedy decoding (float32 from from_hf) equals HF generate on each row alone."""
+    from qkv.models.generate import generate
+
+    ref, _, ours32 = _models()
+    hf = _hf32()
+    ids, mask = _prompt(True)
+    real = mask.bool()
+    out = generate(ours32, ids, attention_mask=mask, max_new_tokens=6)
+    again = generate(ours32, ids, attention_mask=mask, max_new_tokens=6, use_cache=False)
+    assert torch.equal(out.new_tokens, again.new_tokens)
+    with torch.no_grad():
+        for b in range(2):
+            row = ids[b, real[b]][None]
+            want = hf.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=6, do_sample=False)
+            assert out.new_tokens[b].tolist() == want[0, row.shape[1]:].tolist(), f"row {b}"
+
+
+def test_engine_serves_qwen4_exp():
+    """The Engine (paged indexed layers, per-slot recurrent and PLE state) gives generate's tokens per request."""
+    from qkv.models import Engine
+    from qkv.models.generate import generate
+
+    _, _, ours32 = _models()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (12, 5, 9)]
+    prompts[0][4] = 1  # an EOS inside a prompt
+    engine = Engine(ours32, num_blocks=64, block_size=4, max_batch=2)
+    rids = [engine.add(p, 5) for p in prompts]
+    results = engine.run()
+    for rid, p in zip(rids, prompts):
+        want = generate(ours32, torch.tensor([p]), max_new_tokens=5, use_cache=False).new_tokens[0].tolist()
+        assert results[rid].tokens == want
+
+
+def test_recurrent_side_state_is_checked():
+    from qkv.cache import RecurrentSpec
+
+    _, ours, _ = _models()
+    cache = KVCache(ours.cache_specs())
+    spec = cache.specs[0]
+    conv = torch.zeros(1, spec.conv_dim, spec.conv_kernel - 1)
+    rec = torch.zeros(1, spec.num_heads, spec.head_k_dim, spec.head_v_dim)
+    with pytest.raises(TypeError, match=r"4 tensors \(conv, recurrent and its side state"):
+        cache.update_recurrent(0, (conv, rec), tokens=1)
+    with pytest.raises(ValueError, match="side state 0 as int64"):
+        cache.update_recurrent(0, (conv, rec, torch.zeros(1, 2), torch.zeros(1, *spec.side[1])), tokens=1)
+    for bad, match in (({"side": ((2,), "x")}, "tuple of per-row shapes"), ({"side": ((2,),), "side_ints": 2},
+                                                                             "counts more int64 parts")):
+        with pytest.raises(ValueError, match=match):
+            RecurrentSpec(4, 4, 2, 8, 8, **bad)
 
 
 def test_qsa_selection_matters():

@@ -54,6 +54,7 @@ BUILDERS = {
     "CompressedAttention": lambda: _deepseek_v4_layer(),
     "IndexedAttention": lambda: _qsa_layer(),
     "BlockSparseAttention": lambda: _msa_layer(),
+    "SelectingAttention": lambda: _selecting_layer(),
 }
 
 
@@ -88,6 +89,14 @@ def _deepseek_v4_layer():
                       head_dim=8, intermediate_size=48, sliding_window=4, layer_types=("sliding_attention",) * 2,
                       attention_sinks=True, position="none", compressed=cc)
     return CompressedAttention(c, 1)
+
+
+def _selecting_layer():
+    """The base of MSA and QSA (its selection left to them) on a plain GQA config."""
+    from qkv.nn.selecting import SelectingAttention
+
+    model = DecoderLM(get_config("tiny-llama"))
+    return SelectingAttention(model.config, 1, model.layers[1].self_attn.rope)
 
 
 def _attention_classes() -> dict[str, type]:

@@ -401,12 +401,13 @@ class KVCache:
 
         Args:
             state: ``(conv (B, conv_dim, conv_kernel - 1), recurrent (B, num_heads, head_k_dim, head_v_dim))``,
-                e.g. the :class:`qkv.nn.RecurrentState` a mixer returned; kept as given.
+                e.g. the :class:`qkv.nn.RecurrentState` a mixer returned, then the spec's ``side`` parts where it
+                has them; kept as given.
             tokens: the step's tokens per row (padding included), which ``seq_length`` counts.
         """
         layer = self._layer(layer_idx, (RecurrentSpec,), "update_recurrent")
         if self._device is None:
-            self._device = state[1].device if isinstance(state, tuple) and len(state) == 2 else None
+            self._device = state[1].device if isinstance(state, tuple) and len(state) >= 2 else None
         if self._row_slots:
             layer.store.put_rows(self._manager.selected, self._manager.rows, state, tokens)
         else:

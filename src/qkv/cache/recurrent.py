@@ -37,10 +37,13 @@ class RecurrentStore(Store):
 
     def put(self, state, tokens: int) -> None:
         spec, name = self.spec, self.layer
-        if not (isinstance(state, tuple) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
-            raise TypeError(f"update_recurrent: {name} takes its state as a pair of tensors (conv, recurrent), e.g. a "
-                            f"qkv.nn.RecurrentState; got {type(state).__name__}")
-        conv, rec = state
+        parts = 2 + len(spec.side)
+        if not (isinstance(state, tuple) and len(state) == parts and all(isinstance(t, torch.Tensor) for t in state)):
+            what = "a pair of tensors (conv, recurrent), e.g. a qkv.nn.RecurrentState" if parts == 2 else \
+                f"{parts} tensors (conv, recurrent and its side state {spec.side})"
+            raise TypeError(f"update_recurrent: {name} takes its state as {what}; got {type(state).__name__}"
+                            + (f" of {len(state)}" if isinstance(state, tuple) else ""))
+        conv, rec = state[:2]
         B = rec.shape[0] if rec.dim() else 0
         want_conv = (B, spec.conv_dim, spec.conv_kernel - 1)
         want_rec = (B, spec.num_heads, spec.head_k_dim, spec.head_v_dim)
@@ -48,6 +51,11 @@ class RecurrentStore(Store):
             raise ValueError(f"update_recurrent: {name} ({spec}) holds conv (B, conv_dim, conv_kernel - 1) = "
                              f"{want_conv} and recurrent (B, num_heads, head_k_dim, head_v_dim) = {want_rec}; got "
                              f"conv {tuple(conv.shape)}, recurrent {tuple(rec.shape)}")
+        for j, (t, shape) in enumerate(zip(state[2:], spec.side)):
+            if tuple(t.shape) != (B, *shape) or (t.dtype == torch.int64) != (j < spec.side_ints):
+                kind = "int64" if j < spec.side_ints else "floating"
+                raise ValueError(f"update_recurrent: {name} ({spec}) holds side state {j} as {kind} (B, *{shape}) = "
+                                 f"{(B, *shape)}; got {t.dtype} {tuple(t.shape)}")
         if self.state is not None and B != self.state[1].shape[0]:
             raise ValueError(f"update_recurrent: {name} got batch {B} but the cache holds {self.state[1].shape[0]} "
                              f"rows; use cache.reorder(idx) or cache.fork(n) to change rows")
@@ -87,13 +95,13 @@ class RecurrentStore(Store):
             self.put(state, tokens)
             self.written = [True] * n
             return
-        conv, rec = state
-        if conv.shape[0] != len(rows) or rec.shape[0] != len(rows) or conv.shape[1:] != self.state[0].shape[1:] \
-                or rec.shape[1:] != self.state[1].shape[1:]:
+        if len(state) != len(self.state) or any(
+                t.shape[0] != len(rows) or t.shape[1:] != mine.shape[1:] for t, mine in zip(state, self.state)):
             raise ValueError(f"update_recurrent: {self.layer} holds conv {tuple(self.state[0].shape[1:])} and "
-                             f"recurrent {tuple(self.state[1].shape[1:])} per row for the {len(rows)} rows of this "
-                             f"step; got conv {tuple(conv.shape)}, recurrent {tuple(rec.shape)}")
-        idx = torch.tensor(rows, dtype=torch.int64, device=rec.device)
+                             f"recurrent {tuple(self.state[1].shape[1:])} per row (and {len(self.state) - 2} side "
+                             f"parts) for the {len(rows)} rows of this step; got "
+                             f"{[tuple(t.shape) for t in state]}")
+        idx = torch.tensor(rows, dtype=torch.int64, device=state[1].device)
         for mine, new in zip(self.state, state, strict=True):
             mine.index_copy_(0, idx, new.to(mine.dtype))
         for b in rows:

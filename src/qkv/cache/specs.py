@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -302,13 +303,19 @@ class CrossSpec(_KVSpec):
 class RecurrentSpec(LayerSpec):
     """A recurrent layer: the convolution's last ``conv_kernel - 1`` inputs of ``conv_dim`` channels (in the
     cache dtype) and a ``(head_k_dim, head_v_dim)`` state per head (float32, float64 for a float64 cache: the
-    dtype the gated rules accumulate in). Nothing per token: its bytes do not grow with the context."""
+    dtype the gated rules accumulate in). Nothing per token: its bytes do not grow with the context.
+
+    ``side``: the per-row shapes of more fixed-size state kept with the layer's (Qwen4-Exp's Per-Layer Embedding
+    before the layer: its n-gram context and its convolution's last inputs), the first ``side_ints`` of them int64
+    (token ids), the others in the cache dtype; ``update_recurrent`` then takes ``(conv, recurrent, *side)``."""
 
     conv_dim: int
     conv_kernel: int
     num_heads: int
     head_k_dim: int
     head_v_dim: int
+    side: tuple[tuple[int, ...], ...] = ()
+    side_ints: int = 0
 
     def __post_init__(self) -> None:
         _positive("RecurrentSpec(conv_dim)", self.conv_dim, allow_zero=True)
@@ -316,6 +323,15 @@ class RecurrentSpec(LayerSpec):
         _positive("RecurrentSpec(num_heads)", self.num_heads)
         _positive("RecurrentSpec(head_k_dim)", self.head_k_dim)
         _positive("RecurrentSpec(head_v_dim)", self.head_v_dim)
+        if not isinstance(self.side, tuple) or not all(
+                isinstance(shape, tuple) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                 for n in shape) for shape in self.side):
+            raise ValueError(f"RecurrentSpec(side) must be a tuple of per-row shapes (tuples of ints >= 0), got "
+                             f"{self.side!r}")
+        _positive("RecurrentSpec(side_ints)", self.side_ints, allow_zero=True)
+        if self.side_ints > len(self.side):
+            raise ValueError(f"RecurrentSpec(side_ints)={self.side_ints} counts more int64 parts than side has "
+                             f"({len(self.side)})")
 
     @property
     def max_tokens(self) -> int:  # type: ignore[override]
@@ -330,9 +346,15 @@ class RecurrentSpec(LayerSpec):
     def state_elements(self) -> int:
         return self.num_heads * self.head_k_dim * self.head_v_dim
 
+    def side_bytes(self, dtype: torch.dtype | str) -> int | float:
+        """Bytes of one row's ``side`` state: its int64 parts and the others in ``dtype``."""
+        sizes = [math.prod(shape) for shape in self.side]
+        return _whole(8 * sum(sizes[:self.side_ints]) + element_bytes(dtype) * sum(sizes[self.side_ints:]))
+
     def fixed_bytes(self, dtype: torch.dtype | str) -> int | float:
         wide = dtype == torch.float64 or (isinstance(dtype, str) and dtype.lower() in ("fp64", "float64"))
-        return _whole(self.conv_elements() * element_bytes(dtype) + self.state_elements() * (8 if wide else 4))
+        return _whole(self.conv_elements() * element_bytes(dtype) + self.state_elements() * (8 if wide else 4)
+                      + self.side_bytes(dtype))
 
     def tokens_for(self, context: int) -> int:
         return 0

@@ -61,8 +61,8 @@ class CacheShape(NamedTuple):
     constructor arguments (``"full"``: Hkv, D, Dv (None: D), values only (K = V); ``"sliding"``: window, Hkv, D, Dv,
     values only; ``"indexed"``: Hkv, D, Dv, False, index_head_dim; ``"latent"``: kv_lora_rank,
     qk_rope_head_dim; ``"indexed_latent"``: those and index_head_dim; ``"recurrent"``: conv channels, taps, heads,
-    Dk, Dv; ``"shared"``: the source layer, window or None, Hkv, D; ``"compressed"``: window, head_dim, rate,
-    index_head_dim (0 without an indexer))."""
+    Dk, Dv (and a side state's shapes and int64 count); ``"shared"``: the source layer, window or None, Hkv, D;
+    ``"compressed"``: window, head_dim, rate, index_head_dim (0 without an indexer))."""
 
     kind: str
     args: tuple[int, ...]
@@ -273,9 +273,11 @@ def _qsa_params(c: DecoderConfig, i: int | None = None) -> int:
     return _indexed_gqa_params(c, c.qsa, i)  # the indexer's two RMSNorms included
 
 
-def _msa_cache(c: DecoderConfig, i: int) -> CacheShape:
-    """An MSA layer keeps its keys and values and its indexer's key per token (:class:`qkv.cache.IndexedSpec`)."""
-    return CacheShape("indexed", (c.kv_heads_for(i), c.head_dim_for(i), None, False, c.msa.index_head_dim))
+def _indexed_cache(c: DecoderConfig, i: int) -> CacheShape:
+    """An MSA or QSA layer keeps its keys and values and its indexer's key per token
+    (:class:`qkv.cache.IndexedSpec`)."""
+    index = c.msa if c.msa is not None and i in c.msa.layers else c.qsa
+    return CacheShape("indexed", (c.kv_heads_for(i), c.head_dim_for(i), None, False, index.index_head_dim))
 
 
 def _msa_weights(c: DecoderConfig, i: int | None = None) -> int:
@@ -287,7 +289,15 @@ def _msa_params(c: DecoderConfig, i: int | None = None) -> int:
 
 
 def _recurrent_cache(c: DecoderConfig, i: int) -> CacheShape:
-    return CacheShape("recurrent", c.linear_attention.recurrent_shape())
+    """The recurrent state; a layer with a Per-Layer Embedding before it (Qwen4-Exp) keeps that module's state
+    beside it: the last ``ngram_size - 1`` tokens (int64) and its convolution's last ``(taps - 1) * ngram_size``
+    inputs over the streams (``qkv.nn.ple``)."""
+    ple = c.ple
+    if ple is None or ple.index_of(i) is None:
+        return CacheShape("recurrent", c.linear_attention.recurrent_shape())
+    wide = c.gated_residual.streams * c.hidden_size
+    side = ((ple.ngram_size - 1,), (wide, (ple.conv_kernel_size - 1) * ple.ngram_size))
+    return CacheShape("recurrent", (*c.linear_attention.recurrent_shape(), side, 1))
 
 
 def _gdn_weights(c: DecoderConfig, i: int | None = None) -> int:
@@ -354,9 +364,9 @@ register_mixer(MixerKind(name="mla", attribute="self_attn", cache=_mla_cache, pa
                          weights=_mla_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
 register_mixer(MixerKind(name="dsa", attribute="self_attn", cache=_dsa_cache, params=_dsa_params,
                          weights=_dsa_weights, pair_flops=_mla_pair_flops, token_flops=_zero, window=_no_window))
-register_mixer(MixerKind(name="qsa", attribute="self_attn", cache=_gqa_cache, params=_qsa_params,
+register_mixer(MixerKind(name="qsa", attribute="self_attn", cache=_indexed_cache, params=_qsa_params,
                          weights=_qsa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
-register_mixer(MixerKind(name="msa", attribute="self_attn", cache=_msa_cache, params=_msa_params,
+register_mixer(MixerKind(name="msa", attribute="self_attn", cache=_indexed_cache, params=_msa_params,
                          weights=_msa_weights, pair_flops=_gqa_pair_flops, token_flops=_zero, window=_window))
 for _name in ("gated_deltanet", "gated_deltanet_split"):
     register_mixer(MixerKind(name=_name, attribute="linear_attn", cache=_recurrent_cache, params=_gdn_params,

@@ -187,13 +187,14 @@ class _ForwardContext:
     """What every layer of one forward pass shares: positions, cache, masks and RoPE tables of the step."""
 
     __slots__ = ("positions", "cache", "n", "dtype", "input_ids", "_cos_sin", "_masks", "_real", "shared_kv",
-                 "per_layer")
+                 "per_layer", "side_states")
 
     def __init__(self, positions: torch.Tensor | None, cache: AttentionCache | None, n: int,
                  dtype: torch.dtype, input_ids: torch.Tensor | None = None) -> None:
         self.positions, self.cache, self.n, self.dtype = positions, cache, n, dtype
         self.shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # KV sharing without a cache, by layer
         self.per_layer: torch.Tensor | None = None  # (B, N, L, P) per-layer inputs (Gemma 4)
+        self.side_states: dict[int, tuple[torch.Tensor, ...]] = {}  # with a cache: state kept beside a layer's
         self.input_ids = input_ids  # (B, N): what hash-routed experts choose by
         self._cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int | None, masks.Mask] = {}

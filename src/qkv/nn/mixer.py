@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from ._recurrent import RecurrentState
+
 if TYPE_CHECKING:
     from ..cache.protocol import AttentionCache
     from ..config.decoder import DecoderConfig
@@ -34,6 +36,7 @@ class MixerStep(Protocol):
     positions: torch.Tensor | None  # (B, N) absolute positions, -1 on padding; None: 0 .. N-1
     cache: AttentionCache | None
     shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # without a cache: keys and values later layers share
+    side_states: dict[int, tuple[torch.Tensor, ...]]  # with a cache: a layer's side state to keep with its own
 
     def real_tokens(self) -> torch.Tensor | None:
         """(B, N, 1): 1 on real tokens, 0 on padding; None without padding."""
@@ -70,7 +73,10 @@ def mix_recurrent(mixer, x: torch.Tensor, step: MixerStep) -> torch.Tensor:
     if real is not None:
         x = x * real
     state = None if cache is None else cache.recurrent_state(i)
+    if state is not None and len(state) > 2:  # a side state kept beside the layer's (RecurrentSpec.side)
+        state = RecurrentState(state[0], state[1])
     res = mixer.step(x, state) if x.shape[1] == 1 and state is not None else mixer(x, state=state)
     if cache is not None:
-        cache.update_recurrent(i, res.state, tokens=x.shape[1])
+        side = step.side_states.pop(i, ())  # what a module before the mixer keeps with it (Qwen4-Exp's PLE)
+        cache.update_recurrent(i, (*res.state, *side) if side else res.state, tokens=x.shape[1])
     return res.out

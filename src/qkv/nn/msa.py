@@ -39,12 +39,11 @@ import torch
 from torch import nn
 
 from .. import masks
-from ..cache.specs import IndexedSpec
 from ..config.decoder import DecoderConfig
 from ..pos.rope import RotaryEmbedding
 from ..sparse.select import expand_heads, msa_select
 from .norm import RMSNorm
-from .self_attention import SelfAttention
+from .selecting import SelectingAttention
 
 if TYPE_CHECKING:
     from .decoder import RopeTable
@@ -141,14 +140,12 @@ class MSAIndexer(nn.Module):
                 f"topk_blocks={self.topk_blocks}, local_blocks={self.local_blocks}, rotary_dim={self.rotary_dim}")
 
 
-class BlockSparseAttention(SelfAttention):
+class BlockSparseAttention(SelectingAttention):
     """MiniMax-M3's MSA layer: :class:`qkv.nn.SelfAttention` (Gemma-style per-head QK norm, partial RoPE, GQA) in
     which each query head reads only the key blocks its KV group's :class:`MSAIndexer` keeps (the ``"msa"`` mixer
     kind, :class:`qkv.config.msa.MSAConfig`), on the ``gather`` backend when the config's is ``"auto"``. The
-    indexer rotates with the attention's RoPE table. With a cache (:class:`qkv.cache.IndexedSpec`: the indexer's key
-    of each token rides in the tail of its value rows, so paged pools, prefix sharing, crop and fork keep it), a
-    step stores its keys, values and indexer keys, then selects over every cached token's indexer key at its
-    position and attends over the cached keys and values.
+    indexer rotates with the attention's RoPE table. A cache keeps each token's indexer key beside its keys and values
+    (:class:`qkv.nn.selecting.SelectingAttention`, :class:`qkv.cache.IndexedSpec`).
     """
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: RopeTable | None) -> None:
@@ -174,50 +171,14 @@ class BlockSparseAttention(SelfAttention):
         """The MSA mixer of layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`)."""
         return cls(config, layer_idx, rope)
 
-    def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
-        """The decoder's call: every column (the selection covers every query; the decoder keeps the last)."""
-        return self(x, step)
+    kind_name = "MSA"
 
-    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0, mask=None) -> torch.Tensor:
-        B, N, _ = x.shape
-        if step.cache is not None:
-            spec = self._cached_spec(step.cache)
-            if step.positions is None:
-                raise ValueError("BlockSparseAttention: a cache needs positions (B, N) of the new tokens")
-            self._pending = (x, spec, self.indexer.keys(x, step.positions), mask)
-            try:
-                return super().forward(x, step, 0)
-            finally:
-                self._pending = None
-        pos = step.positions if step.positions is not None else torch.arange(N, device=x.device).expand(B, N)
-        picked = self.indexer(x, self.indexer.keys(x, pos), q_positions=pos, kv_positions=pos)
-        lists = masks.topk(expand_heads(picked.slots, self.n_heads))
-        return super().forward(x, step, 0, mask=lists if mask is None else lists & mask)
+    def index_step(self, x: torch.Tensor, step: MixerStep, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The indexer keys of the new tokens, normed and rotated at their positions (what a cache keeps)."""
+        return self.indexer.keys(x, positions), None
 
-    _pending = None  # during a cached step: (x, spec, this step's indexer keys, the caller's mask)
-
-    def _cached_spec(self, cache) -> IndexedSpec:
-        """This layer's :class:`qkv.cache.IndexedSpec` in ``cache`` (a cache built from other specs is refused)."""
-        specs = getattr(cache, "specs", None)
-        spec = specs[self.layer_idx] if isinstance(specs, (list, tuple)) and self.layer_idx < len(specs) else None
-        if (not isinstance(spec, IndexedSpec) or spec.index_head_dim != self.indexer.head_dim
-                or spec.n_kv_heads != self.n_kv_heads or spec.value_width != self.head_dim):
-            raise ValueError(f"BlockSparseAttention: layer {self.layer_idx} (MSA) caches its indexer key beside its "
-                             f"keys and values and needs IndexedSpec(n_kv_heads={self.n_kv_heads}, head_dim="
-                             f"{self.head_dim}, index_head_dim={self.indexer.head_dim}) there, got {spec!r}; build "
-                             f"the cache from model.cache_specs()")
-        return spec
-
-    def _attend(self, q, k, v, gate, step: MixerStep, keep: int, rotate, **kw) -> torch.Tensor:
-        if self._pending is None:
-            return super()._attend(q, k, v, gate, step, keep, rotate, **kw)
-        x, spec, index_keys, extra = self._pending
-
-        def select(view):  # over every cached token's indexer key, at the cached positions
-            values, keys = spec.split_values(view.v)
-            picked = self.indexer(x, keys, q_positions=view.q_positions, kv_positions=view.kv_positions)
-            lists = masks.topk(expand_heads(picked.slots, self.n_heads))
-            return lists if extra is None else lists & extra
-
-        return super()._attend(q, k, spec.pack_values(v, index_keys), gate, step, keep, rotate,
-                               mask_from_view=select, value_width=spec.value_width, **kw)
+    def selection(self, x: torch.Tensor, context, keys: torch.Tensor, *, q_positions: torch.Tensor,
+                  kv_positions: torch.Tensor) -> masks.Mask:
+        """Each KV group's kept blocks, as a token list per query head."""
+        picked = self.indexer(x, keys, q_positions=q_positions, kv_positions=kv_positions)
+        return masks.topk(expand_heads(picked.slots, self.n_heads))

@@ -114,18 +114,28 @@ class PerLayerEmbedding(nn.Module):
         j = None if p is None else p.index_of(layer_idx)
         if j is None:
             return None
-        return cls(hidden_size=config.hidden_size, streams=config.gated_residual.streams, embed_dim=p.embed_dim,
-                   vocab_size=config.vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
-                   ngram_vocab_size_base=p.ngram_vocab_size_base, eos_token_id=p.eos_token_id, ple_layer_index=j,
-                   seed=p.seed, pad_to=p.pad_to, conv_kernel_size=p.conv_kernel_size, eps=config.rms_norm_eps)
+        ple = cls(hidden_size=config.hidden_size, streams=config.gated_residual.streams, embed_dim=p.embed_dim,
+                  vocab_size=config.vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
+                  ngram_vocab_size_base=p.ngram_vocab_size_base, eos_token_id=p.eos_token_id, ple_layer_index=j,
+                  seed=p.seed, pad_to=p.pad_to, conv_kernel_size=p.conv_kernel_size, eps=config.rms_norm_eps)
+        ple.layer_idx = layer_idx
+        return ple
+
+    layer_idx: int | None = None  # the decoder layer it sits before (for_decoder sets it)
 
     def mix(self, streams: torch.Tensor, step: MixerStep) -> torch.Tensor:
-        """The decoder's call: what the layer adds to its streams (B, N, S * d) from the step's token ids. No cache
-        yet: a step with one is refused (decode by full recomputation)."""
-        if step.cache is not None:
-            raise ValueError("PerLayerEmbedding: Qwen4-Exp's PLE keeps no state in a KV cache yet; run the model "
-                             "without a cache (each step a full recomputation)")
-        return self(streams, step.input_ids, real=step.real_tokens()).out
+        """The decoder's call: what the layer adds to its streams (B, N, S * d) from the step's token ids. With a
+        cache, its state lives beside the recurrent layer's (:class:`qkv.cache.RecurrentSpec` ``side``): read
+        from there, and handed to the layer's mixer to keep with its own (``step.side_states``). The n-gram
+        context is kept relative to EOS, so a row slot cleared to zeros reads as a fresh row."""
+        cache, i = step.cache, self.layer_idx
+        if cache is None:
+            return self(streams, step.input_ids, real=step.real_tokens()).out
+        held = cache.recurrent_state(i)
+        state = None if held is None else PLEState(held[2] + self.eos_token_id, held[3])
+        res = self(streams, step.input_ids, state=state, real=step.real_tokens())
+        step.side_states[i] = (res.state.context - self.eos_token_id, res.state.conv)
+        return res.out
 
     def initial_state(self, batch: int, *, device=None, dtype=None) -> PLEState:
         """The state of ``batch`` fresh rows: EOS context, zero convolution inputs."""

@@ -47,7 +47,7 @@ from ..config.decoder import DecoderConfig
 from ..pos.rope import apply_rotary
 from ..sparse.select import qsa_select
 from .norm import RMSNorm
-from .self_attention import SelfAttention
+from .selecting import SelectingAttention
 
 if TYPE_CHECKING:
     from .decoder import RopeTable
@@ -117,10 +117,10 @@ class QSAIndexer(nn.Module):
         return f"heads={self.n_heads}, head_dim={self.head_dim}, block={self.block}, block_topk={self.block_topk}"
 
 
-class IndexedAttention(SelfAttention):
+class IndexedAttention(SelectingAttention):
     """QSA (module notes): :class:`qkv.nn.SelfAttention` over the tokens its :class:`QSAIndexer` keeps, on the
-    ``gather`` backend when the config's is ``"auto"``. The layer keeps no cache yet: a step with a cache is
-    refused (decode by full recomputation).
+    ``gather`` backend when the config's is ``"auto"``. A cache keeps each token's raw indexer key beside its keys
+    and values (:class:`qkv.nn.selecting.SelectingAttention`, :class:`qkv.cache.IndexedSpec`).
     """
 
     def __init__(self, c: DecoderConfig, layer_idx: int, rope: RopeTable | None) -> None:
@@ -140,20 +140,20 @@ class IndexedAttention(SelfAttention):
         """The QSA mixer of layer ``layer_idx`` of ``config`` (:mod:`qkv.nn.mixer`)."""
         return cls(config, layer_idx, rope)
 
-    def mix(self, x: torch.Tensor, step: MixerStep, keep: int = 0) -> torch.Tensor:
-        """The decoder's call: every column (the selection covers every query; the decoder keeps the last)."""
-        return self(x, step)
+    kind_name = "QSA"
 
-    def forward(self, x: torch.Tensor, step: MixerStep, keep: int = 0, mask=None) -> torch.Tensor:
-        if step.cache is not None:
-            raise ValueError(f"IndexedAttention: layer {self.layer_idx} (QSA) keeps no cache yet; run the model "
-                             "without a cache (each step a full recomputation)")
-        B, N, _ = x.shape
-        pos = step.positions if step.positions is not None else torch.arange(N, device=x.device).expand(B, N)
+    def index_step(self, x: torch.Tensor, step: MixerStep,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw indexer keys of the new tokens (what a cache keeps: blocks are averaged, normed and rotated when
+        scored) and the normed indexer queries rotated at their positions."""
         q, keys = self.indexer.project(x)
         if self.rope is not None:
             cos, sin = step.cos_sin(self.rope, x.device)
             q = apply_rotary(q, cos, sin, interleaved=self.rope.emb.interleaved)
-        lists = self.indexer.select(q, keys, q_positions=pos, kv_positions=pos, rope=self.rope)
-        picked = masks.topk(lists)
-        return super().forward(x, step, 0, mask=picked if mask is None else picked & mask)
+        return keys, q
+
+    def selection(self, x: torch.Tensor, context: torch.Tensor, keys: torch.Tensor, *, q_positions: torch.Tensor,
+                  kv_positions: torch.Tensor) -> masks.Mask:
+        """One token list per query, shared by every head."""
+        return masks.topk(self.indexer.select(context, keys, q_positions=q_positions, kv_positions=kv_positions,
+                                              rope=self.rope))
