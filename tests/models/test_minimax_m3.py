@@ -201,6 +201,53 @@ def test_indexed_cache_refusals():
     assert torch.equal(back_v, v) and torch.equal(back_keys, keys)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_route_gives_eager_logits(case):
+    """HF's own model with attn_implementation="qkv": its MSA layers hand the block selection to the attention
+    interface as a 4-D mask, which qkv takes densely; the logits are within budget of HF float64 eager (HF float32
+    eager the baseline), unpadded (HF's padded selection is its own, see the module)."""
+    import qkv.integrations.transformers as qhf
+    from _hf import within_budget
+
+    hf, ref, _ = _models(case)
+    cand = copy.deepcopy(hf)
+    qhf.use(cand)
+    ids, _ = _prompt(case, padded=False)
+    with torch.no_grad():
+        within_budget(cand(ids).logits, ref(ids).logits, hf(ids).logits, what=f"{case} attn_implementation='qkv'")
+
+
+def test_hf_route_block_indices_checked_and_read_as_blocks():
+    """The attention function reads block_indices as key blocks per KV group (slots past the keys and -1 blocks
+    dropped): equal to eager with HF's own block mask; bad shapes and a module without a block size refused."""
+    import qkv.integrations.transformers as qhf
+
+    hf, _, _ = _models(next(iter(CASES)))
+    attn = hf.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 5, 16, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    blocks = torch.tensor([[[[0, -1], [0, 1], [1, 0], [1, -1], [0, 1]], [[0, 1], [-1, -1], [1, -1], [0, 1],
+                                                                        [1, 0]]]])  # (1, Hi=2, 5, 2), block 3
+    out, _ = qhf.attention_forward(attn, q, k, v, None, scaling=0.25, block_indices=blocks)
+    keep = torch.zeros(1, 2, 5, 5, dtype=torch.bool)
+    for h in range(2):
+        for i in range(5):
+            for b in blocks[0, h, i].tolist():
+                if b >= 0:
+                    keep[0, h, i, b * 3:b * 3 + 3] = True
+    keep = keep & torch.ones(5, 5, dtype=torch.bool).tril()
+    keep = keep.repeat_interleave(2, dim=1)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf"))
+    want = (scores.softmax(-1).nan_to_num() @ v.repeat_interleave(2, dim=1)).transpose(1, 2)
+    got_rows = keep.any(-1).transpose(1, 2)  # queries with some key (the others: no key kept)
+    assert torch.allclose(out[got_rows], want[got_rows], atol=1e-5)
+    with pytest.raises(ValueError, match=r"block_indices .* must be \(B, Hi, Nq, K\)"):
+        qhf.attention_forward(attn, q, k, v, None, block_indices=blocks[:, :, :3])
+    with pytest.raises(ValueError, match="without a block size"):
+        qhf.attention_forward(torch.nn.Module(), q, k, v, None, block_indices=blocks)
+
+
 def test_multimodal_config_reads_its_language_model():
     """``minimax_m3_vl``'s text_config and ``model.language_model.*`` tensors load the same model."""
     from qkv.models.family_minimax_m3 import convert, decoder_config

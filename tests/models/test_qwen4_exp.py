@@ -15,7 +15,8 @@ for a float64 model, as the lifted HF reference does. The QSA layer alone agrees
 The cache: QSA layers keep each token's raw indexer key in their value rows (``IndexedSpec``), the recurrent
 layers keep PLE's n-gram context and convolution inputs beside their own state (``RecurrentSpec.side``); cached
 float64 decoding equals full recomputation, greedy generation on the left-padded batch equals HF's per row, and the
-Engine serves the model. Not covered: HF's ``attn_implementation="qkv"`` route.
+Engine serves the model. HF's ``attn_implementation="qkv"`` route gives eager's logits (the selection reaches it as a
+4-D mask).
 """
 
 from __future__ import annotations
@@ -180,6 +181,24 @@ def test_engine_serves_qwen4_exp():
     for rid, p in zip(rids, prompts):
         want = generate(ours32, torch.tensor([p]), max_new_tokens=5, use_cache=False).new_tokens[0].tolist()
         assert results[rid].tokens == want
+
+
+def test_hf_route_gives_eager_logits():
+    """HF's own model with attn_implementation="qkv": its QSA layers hand the selection to the attention interface
+    as a 4-D mask; the logits are within budget of HF float64 eager (HF float32 eager the baseline)."""
+    import qkv.integrations.transformers as qhf
+    from _hf import within_budget
+
+    ref, _, _ = _models()
+    hf = _hf32()
+    cand = copy.deepcopy(hf)
+    qhf.use(cand)
+    ids, _ = _prompt(False)
+    with torch.no_grad():
+        with float64_throughout():
+            truth = ref(ids, use_cache=False).logits
+        within_budget(cand(ids, use_cache=False).logits, truth, hf(ids, use_cache=False).logits,
+                      what="qwen4_exp attn_implementation='qkv'")
 
 
 def test_recurrent_side_state_is_checked():

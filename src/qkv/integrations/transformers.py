@@ -291,7 +291,8 @@ def _padding(attention_mask: torch.Tensor | None, g: _Geometry) -> Mask | None:
 #: compressor's block bias (compressed-causal visibility and the indexer's selection) to the key axis of a tensor
 #: mask, and would let every query see every compressed entry through any other object. For these the ``"qkv"``
 #: mask function hands HF eager's additive float mask, which the attention call then reads as a dense mask.
-TENSOR_MASK_MODELS = frozenset({"deepseek_v4"})
+#: Qwen4-Exp's QSA layers likewise fold their selection into the mask tensor (their indexer reads its dtype).
+TENSOR_MASK_MODELS = frozenset({"deepseek_v4", "qwen4_exp_text", "qwen4_exp"})
 
 
 def hf_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -363,10 +364,14 @@ def _forward_for(backend: str) -> Callable:
                              "qkv.varlen_attention")
         mask, bias, source = _as_mask(attention_mask, module, is_causal, query.shape[2])
         indices, run_on = kwargs.get("indices"), backend
-        if indices is not None:  # DeepSeek-V3.2: the indexer's (B, Nq, K) top-k keys, shared by the heads
+        blocks = kwargs.get("block_indices")
+        if blocks is not None:  # MiniMax-M3: each KV group's kept key blocks (B, Hi, Nq, K), -1 for none
+            mask = _blocks_selected(blocks, module, mask, query, key.shape[2])
+            source += " & the indexer's key blocks"
+        elif indices is not None:  # DeepSeek-V3.2: the indexer's (B, Nq, K) top-k keys, shared by the heads
             mask, source = _selected(indices, mask, query), source + " & the indexer's top-k keys"
-            if backend == "auto" and not dropout:
-                run_on = "gather"  # read only the listed keys, as the sparse kernels HF would call do
+        if (blocks is not None or indices is not None) and backend == "auto" and not dropout:
+            run_on = "gather"  # read only the listed keys, as the sparse kernels HF would call do
         score_mod = [m for m in (None if position_bias is None else mods.bias(position_bias),
                                  None if not softcap else mods.softcap(float(softcap)), bias) if m is not None]
         sinks = None if s_aux is None else s_aux.to(query.device)
@@ -397,6 +402,28 @@ def _selected(indices, mask: Mask | None, query: torch.Tensor) -> Mask:
         raise ValueError(f"qkv attention: indices (the top-k keys of each query, DeepSeek-V3.2's indexer) must be "
                          f"(B, Nq, K) = ({B}, {Nq}, K), got {seen}")
     lists = M.topk(indices if indices.dim() == 4 else indices.unsqueeze(1))
+    return lists if mask is None else mask & lists
+
+
+def _blocks_selected(blocks, module, mask: Mask | None, query: torch.Tensor, n_keys: int) -> Mask:
+    """``mask & topk(slots)`` for HF's block-sparse selection (MiniMax-M3's ``block_indices`` (B, Hi, Nq, K): block
+    ids of ``block_size`` key slots from slot 0, one list per KV group, ``-1`` for none), each group's slots read
+    by its ``Hq / Hi`` query heads; checked."""
+    B, Hq, Nq = query.shape[0], query.shape[1], query.shape[2]
+    indexer = getattr(module, "indexer", None)
+    size = getattr(indexer, "block_size", None) or getattr(getattr(module, "config", None), "index_block_size", None)
+    if (not isinstance(blocks, torch.Tensor) or blocks.dim() != 4 or blocks.shape[0] != B or blocks.shape[2] != Nq
+            or Hq % blocks.shape[1]):
+        seen = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+        raise ValueError(f"qkv attention: block_indices (each KV group's kept key blocks) must be (B, Hi, Nq, K) = "
+                         f"({B}, Hi dividing {Hq}, {Nq}, K), got {seen}")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"qkv attention: block_indices came without a block size: the module "
+                         f"{type(module).__name__} has no indexer.block_size nor config.index_block_size")
+    offsets = torch.arange(size, device=blocks.device)
+    slots = (blocks.unsqueeze(-1) * size + offsets).flatten(-2)  # (B, Hi, Nq, K * size)
+    slots = slots.masked_fill(blocks.repeat_interleave(size, dim=-1) < 0, -1).masked_fill(slots >= n_keys, -1)
+    lists = M.topk(slots.repeat_interleave(Hq // blocks.shape[1], dim=1))
     return lists if mask is None else mask & lists
 
 
