@@ -57,7 +57,7 @@ def _budget_units(got: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, scale=N
 
 
 @pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (2, 64, 1000), (3, 300, 17), (5, 7, 9), (16, 512, 64),
-                                      (1, 1, 1)])
+                                      (11, 300, 100), (8, 1030, 31), (1, 1, 1)])
 def test_bf16_weights_within_the_float32_budget(rows, K, N):
     g = torch.Generator().manual_seed(rows * 1000 + K)
     x = torch.randn(rows, K, generator=g)
@@ -69,7 +69,7 @@ def test_bf16_weights_within_the_float32_budget(rows, K, N):
     assert _budget_units(got, x, w.double(), bias=b) <= 1.0
 
 
-@pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (4, 300, 257), (16, 64, 33)])
+@pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (4, 300, 257), (16, 64, 33), (9, 301, 14)])
 def test_int8_weights_within_both_budgets(rows, K, N):
     g = torch.Generator().manual_seed(rows + K)
     x = torch.randn(rows, K, generator=g)

@@ -109,7 +109,8 @@ inline void emit(const float* x, const W* w, int64_t K, int64_t N, int64_t m, in
 }
 
 // Outputs [n, n + NR) of every row: MR rows at a time (each widened weight vector feeds MR x NR accumulators:
-// MR = 4 with NR = 2 for four rows or more, MR = 2 with NR = 4 below), the last rows one by one.
+// MR = 8 with NR = 3 for eight rows or more on AVX-512, MR = 4 with NR = 2 for four rows or more, MR = 2 with NR = 4
+// below), the last rows one by one.
 template <int MR, int NR, typename W>
 inline void rows_tile(const float* x, int64_t M, const W* w, int64_t K, int64_t N, int64_t n, const float* scale,
                       const float* bias, float* out) {
@@ -138,6 +139,12 @@ void products_tiled(const float* x, int64_t M, const W* w, int64_t K, int64_t N,
 template <typename W>
 void products(const float* x, int64_t M, const W* w, int64_t K, int64_t N, const float* scale, const float* bias,
               float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (M >= 8) {  // 32 registers: 8 x 3 accumulators, 3 widened weight vectors and a row of x
+    products_tiled<8, 3>(x, M, w, K, N, scale, bias, out);
+    return;
+  }
+#endif
   if (M >= 4) {
     products_tiled<4, 2>(x, M, w, K, N, scale, bias, out);
   } else {
