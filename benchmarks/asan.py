@@ -157,6 +157,19 @@ def _hostile_calls(mod):
     w = torch.randn(300, 64)
     calls.append(("screen_pack", lambda: mod.screen_pack(w)))
     calls.append(("screened_argmax", lambda: mod.screened_argmax(torch.randn(3, 64), w, *mod.screen_pack(w))))
+    for cap, scale in ((2.0, 1.0), (2.0, 100.0), (30.0, 0.01), (-1.0, 1.0), (float("nan"), 1.0), (float("inf"), 1.0)):
+        calls.append((f"screened_argmax cap {cap} x{scale}", lambda cap=cap, scale=scale: mod.screened_argmax(
+            torch.randn(9, 64) * scale, w, *mod.screen_pack(w), cap)))
+    for rows, K, N, fmt in ((1, 64, 100, "bf16"), (3, 7, 9, "int8"), (8, 300, 100, "bf16"), (11, 33, 7, "int8"),
+                            (9, 0, 5, "bf16"), (4, 16, 0, "int8"), (0, 16, 5, "bf16"), (16, 1030, 31, "bf16")):
+        def wl(rows=rows, K=K, N=N, fmt=fmt):
+            x = torch.randn(rows, K)
+            if fmt == "bf16":
+                return mod.weight_linear(x, torch.randn(N, K).to(torch.bfloat16), None, torch.randn(N))
+            return mod.weight_linear(x, torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N), None)
+        calls.append((f"weight_linear {fmt} {rows}x{K} N{N}", wl))
+    calls.append(("weight_linear int8 without scale", lambda: mod.weight_linear(
+        torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), None, None)))
     return calls
 
 

@@ -26,6 +26,19 @@ from qkv.cache import KVCache
 from qkv.models.generate import generate, prompt_positions
 
 
+def engine_matches_generate(model, prompts: list[list[int]], max_new_tokens: int, **engine_kw) -> None:
+    """The continuous-batching Engine (paged pools, row slots) gives each request the greedy tokens of ``generate``
+    by full recomputation on that request alone."""
+    from qkv.models import Engine
+
+    engine = Engine(model, **{"num_blocks": 64, "block_size": 4, "max_batch": 2, **engine_kw})
+    rids = [engine.add(p, max_new_tokens) for p in prompts]
+    results = engine.run()
+    for rid, p in zip(rids, prompts):
+        want = generate(model, torch.tensor([p]), max_new_tokens=max_new_tokens, use_cache=False).new_tokens[0]
+        assert results[rid].tokens == want.tolist(), f"prompt {p}: engine {results[rid].tokens}, {want.tolist()}"
+
+
 class LogitParity:
     """Prefill, cached decode, left padding and greedy generation against HF (module notes)."""
 

@@ -81,6 +81,29 @@ def test_float32_on_request_upcasts_exactly(bf16_dir, dtype):
     assert torch.equal(w32, w16.float()), "bfloat16 -> float32 is exact; the weights must be the checkpoint's"
 
 
+def test_bf16_checkpoint_as_float32_with_bf16_exact_weights(bf16_dir, hf64):
+    """A bf16 checkpoint loaded as float32 with weights="bf16-exact": every linear but the head holds its weight
+    in bfloat16, the same numbers; the logits are those of the float32 model (within the float32 budget of the
+    bf16 weights computed in float64); weights without optimize refused."""
+    import copy
+
+    from qkv.cpu import Bf16ExactLinear, optimized
+
+    model = from_hf(bf16_dir, dtype=torch.float32, weights="bf16-exact")
+    plain = from_hf(bf16_dir, dtype=torch.float32)
+    narrow = [m for m in model.modules() if isinstance(m, Bf16ExactLinear)]
+    assert len(narrow) == 2 * FIELDS["num_hidden_layers"] * 2 and optimized(model).weights == "bf16-exact"
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, plain.layers[0].mlp.down_proj.weight)
+    ids = torch.randint(1, FIELDS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        truth = copy.deepcopy(hf64).to(torch.bfloat16).double()(ids).logits
+        within_budget(model(ids).logits, truth, plain(ids).logits, "bf16-exact weights, float32 compute")
+    with pytest.raises(ValueError, match="weights='bf16-exact' is a format of qkv.cpu.optimize"):
+        from_hf(bf16_dir, dtype=torch.float32, optimize=False, weights="bf16-exact")
+    with pytest.raises(ValueError, match="weights must be None"):
+        from_hf(bf16_dir, dtype=torch.float32, weights="fp8")
+
+
 def test_none_is_auto(bf16_dir):
     assert _float_dtypes(from_hf(bf16_dir, dtype=None)) == {torch.bfloat16}
     assert _float_dtypes(from_hf(bf16_dir, dtype="AUTO")) == {torch.bfloat16}

@@ -21,7 +21,7 @@ import torch
 
 from _hf import hf_causal_lm, two_row_prompt
 from _hf_float64 import float64_twin
-from _parity import LogitParity
+from _parity import LogitParity, engine_matches_generate
 from qkv.cache import KVCache
 from qkv.models import CheckpointError, from_hf
 from qkv.models.generate import generate
@@ -164,17 +164,9 @@ def test_verify_cache_with_indexer_keys(storage):
 
 def test_engine_serves_msa_layers():
     """The continuous-batching Engine (paged pools) gives each request generate's tokens on that request alone."""
-    from qkv.models import Engine
-
-    model = _models(next(iter(CASES)))[2]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, _BASE["vocab_size"], (n,), generator=g).tolist() for n in (13, 5, 9)]
-    engine = Engine(model, num_blocks=64, block_size=4, max_batch=2, prefix_caching=True)
-    rids = [engine.add(p, 6) for p in prompts]
-    results = engine.run()
-    for rid, p in zip(rids, prompts):
-        want = generate(model, torch.tensor([p]), max_new_tokens=6, use_cache=False).new_tokens[0].tolist()
-        assert results[rid].tokens == want
+    engine_matches_generate(_models(next(iter(CASES)))[2], prompts, 6, prefix_caching=True)
 
 
 def test_indexed_cache_refusals():

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from _hf import float64_throughout, hf_causal_lm, two_row_prompt
+from _parity import engine_matches_generate
 from qkv.cache import KVCache
 from qkv.models import from_hf
 from qkv.models.family_qwen4_exp import convert, decoder_config
@@ -168,19 +169,10 @@ def test_cached_greedy_generation_matches_hf_per_row():
 
 def test_engine_serves_qwen4_exp():
     """The Engine (paged indexed layers, per-slot recurrent and PLE state) gives generate's tokens per request."""
-    from qkv.models import Engine
-    from qkv.models.generate import generate
-
-    _, _, ours32 = _models()
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (12, 5, 9)]
     prompts[0][4] = 1  # an EOS inside a prompt
-    engine = Engine(ours32, num_blocks=64, block_size=4, max_batch=2)
-    rids = [engine.add(p, 5) for p in prompts]
-    results = engine.run()
-    for rid, p in zip(rids, prompts):
-        want = generate(ours32, torch.tensor([p]), max_new_tokens=5, use_cache=False).new_tokens[0].tolist()
-        assert results[rid].tokens == want
+    engine_matches_generate(_models()[2], prompts, 5)
 
 
 def test_hf_route_gives_eager_logits():

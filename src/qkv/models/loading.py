@@ -159,7 +159,8 @@ def check_fits(model: torch.nn.Module, state: dict[str, torch.Tensor], *, source
         raise CheckpointError(f"from_hf: {source} does not fit {type(model).__name__}: " + " | ".join(problems))
 
 
-def from_hf(src, *, dtype: torch.dtype | str | None = "auto", optimize: bool = True) -> torch.nn.Module:
+def from_hf(src, *, dtype: torch.dtype | str | None = "auto", optimize: bool = True,
+            weights: str | None = None) -> torch.nn.Module:
     """Build a qkv-native model from an HF checkpoint directory or an in-memory ``PreTrainedModel``.
 
     Args:
@@ -175,6 +176,10 @@ def from_hf(src, *, dtype: torch.dtype | str | None = "auto", optimize: bool = T
             ``state_dict``, faster CPU inference; a float32 weight multiplied by many rows, as in a prefill,
             gets a packed oneDNN copy, twice its memory); False returns the plain model
             (``qkv.cpu.optimize(model, onednn=False)`` then gives the products without the copies).
+        weights: with ``optimize``, :func:`qkv.cpu.optimize`'s weight format: None (default) keeps every weight
+            in its dtype; ``"bf16-exact"`` holds the float32 weights that are all bfloat16 values (a bf16
+            checkpoint loaded with ``dtype=torch.float32``) in bfloat16, the same numbers at half the bytes
+            (lossless, inference only); ``"int8"`` quantizes the linear layers (lossy).
 
     Example:
         >>> import qkv.models  # doctest: +SKIP
@@ -182,6 +187,9 @@ def from_hf(src, *, dtype: torch.dtype | str | None = "auto", optimize: bool = T
     """
     if not isinstance(optimize, bool):
         raise TypeError(f"from_hf: optimize must be True or False, got {optimize!r}")
+    if weights is not None and not optimize:
+        raise ValueError(f"from_hf: weights={weights!r} is a format of qkv.cpu.optimize; pass optimize=True (the "
+                         f"default) with it, or weights=None")
     if isinstance(src, (str, Path)):
         config = load_config(src)
         state = load_state_dict(src)
@@ -205,7 +213,7 @@ def from_hf(src, *, dtype: torch.dtype | str | None = "auto", optimize: bool = T
     check_and_load(model, converted, source=source)
     model.eval()
     model = model.to(dtype)
-    return cpu_optimize(model) if optimize else model
+    return cpu_optimize(model, weights=weights) if optimize else model
 
 
 def _majority_dtype(tensors) -> torch.dtype:
