@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = configs[name]
         _run_case(suite, name, spec, batches, n_prompt, n_new, repeat, thread_counts, bf16_values=args.bf16_values)
     suite.note(f"Target: qkv decode tokens/s >= {TARGET}x HF's ({', '.join(f'{k} {v}x' for k, v in TARGETS.items())}, "
-               "at batch 1 and 4, as their issues set it; smollm3-like at batch 1 and 8) "
+               "at batch 1 and 4, as their issues set it; smollm3-like and gemma4-like at batch 1 and 8) "
                "in every repeat (ratios: the median over the "
                "paired repeats, then the lowest and highest). step_*_ms: where qkv's decode step goes (products, "
                "attention, other torch ops, Python; one profiled run of each length, indicative). "
