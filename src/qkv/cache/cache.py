@@ -34,17 +34,7 @@ from .paged import BlockManager, Paged, PagedStore, PoolStats
 from .protocol import CachePolicy, CacheView, HasCacheSpecs, KeysFromValues, LatentView, Quantizer, RopeFn
 from .recurrent import RecurrentStore
 from .rows import DenseRows, RowManager
-from .specs import (
-    CrossSpec,
-    FullSpec,
-    IndexedSpec,
-    LatentSpec,
-    LayerSpec,
-    RecurrentSpec,
-    SharedSpec,
-    SinkSpec,
-    SlidingWindowSpec,
-)
+from .specs import CrossSpec, FullSpec, LatentSpec, LayerSpec, RecurrentSpec, SharedSpec, SinkSpec, SlidingWindowSpec
 from .storage import Dynamic, DynamicStore, RingStore, RopeStore, Static, StaticStore, Store
 
 __all__ = ["KVCache", "CacheMemory", "LayerMemory"]
@@ -182,7 +172,7 @@ class KVCache:
             raise ValueError(f"KVCache: policy={policy!r} with cross-layer KV sharing (SharedSpec layers) is not "
                              f"supported: an eviction policy would rank the source's tokens by its own queries "
                              f"only. Build the cache without a policy")
-        indexed = [i for i, s in enumerate(specs) if isinstance(s, IndexedSpec)]
+        indexed = [i for i, s in enumerate(specs) if getattr(s, "index_tail", 0)]  # IndexedSpec layers
         if indexed and (policy is not None or quant is not None):
             raise ValueError(f"KVCache: layers {indexed} keep an indexer key in their value rows (IndexedSpec, "
                              f"MiniMax-M3's MSA), which {'policy' if policy is not None else 'quant'}="
@@ -345,7 +335,7 @@ class KVCache:
         """
         layer = self._layer(self._source(layer_idx, "decode"), None, "decode")
         if (not isinstance(layer.spec, (FullSpec, SlidingWindowSpec)) or layer.last_view is None
-                or layer.spec.values_only or isinstance(layer.spec, IndexedSpec)):
+                or layer.spec.values_only or getattr(layer.spec, "index_tail", 0)):
             return None  # latent layers attend over their view, values-only ones over the keys derived there, indexed
             # ones over the values without the indexer key's tail
         q_positions = layer.last_view.q_positions  # (B, N)

@@ -38,16 +38,7 @@ from .compressed import CompressedSpec
 from .describe import cache_specs_of
 from .paged import Paged
 from .protocol import CachePolicy, HasCacheSpecs, Quantizer
-from .specs import (
-    CrossSpec,
-    FullSpec,
-    IndexedSpec,
-    LayerSpec,
-    RecurrentSpec,
-    SharedSpec,
-    SlidingWindowSpec,
-    element_bytes,
-)
+from .specs import CrossSpec, FullSpec, LayerSpec, RecurrentSpec, SharedSpec, SlidingWindowSpec, element_bytes
 from .storage import Dynamic, Static
 
 __all__ = ["plan_memory", "MemoryPlan", "LayerPlan", "resolve_specs"]
@@ -210,7 +201,7 @@ def plan_memory(config_or_specs, *, batch: int = 1, context: int | Sequence[int]
     if not isinstance(new_tokens, int) or not 0 <= new_tokens <= min(lengths):
         raise ValueError(f"plan_memory: new_tokens must be an int in [0, shortest context = {min(lengths)}], got "
                          f"{new_tokens!r}")
-    indexed = [i for i, s in enumerate(specs) if isinstance(s, IndexedSpec)]
+    indexed = [i for i, s in enumerate(specs) if getattr(s, "index_tail", 0)]  # IndexedSpec layers
     if indexed and (policy is not None or quant is not None):  # KVCache refuses them the same way
         raise ValueError(f"plan_memory: layers {indexed} keep an indexer key in their value rows (IndexedSpec), "
                          f"which {'policy' if policy is not None else 'quant'}={policy or quant!r} does not support")
