@@ -130,6 +130,12 @@ def test_nan_and_zero_sizes():
         zq, zs = quantize_int8(torch.randn(5, 0))
         b = torch.randn(5)
         assert torch.equal(weight_linear(torch.randn(3, 0), zq, zs, b), b.expand(3, 5))
+        w16 = torch.randn(10, 40).to(torch.bfloat16)
+        for rows in (1, 2, 5, 9):  # every tile the kernel picks by the row count: a NaN row stays NaN, alone
+            xr = torch.randn(rows, 40)
+            xr[rows - 1, 7] = float("nan")
+            y = weight_linear(xr, w16)
+            assert bool(y[rows - 1].isnan().all()) and bool(y[:rows - 1].isfinite().all()), rows
 
 
 def test_bad_inputs_are_refused_by_name():
