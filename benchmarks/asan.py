@@ -161,11 +161,13 @@ def _hostile_calls(mod):
         calls.append((f"screened_argmax cap {cap} x{scale}", lambda cap=cap, scale=scale: mod.screened_argmax(
             torch.randn(9, 64) * scale, w, *mod.screen_pack(w), cap)))
     for rows, K, N, fmt in ((1, 64, 100, "bf16"), (3, 7, 9, "int8"), (8, 300, 100, "bf16"), (11, 33, 7, "int8"),
-                            (9, 0, 5, "bf16"), (4, 16, 0, "int8"), (0, 16, 5, "bf16"), (16, 1030, 31, "bf16")):
+                            (9, 0, 5, "bf16"), (4, 16, 0, "int8"), (0, 16, 5, "bf16"), (16, 1030, 31, "bf16"),
+                            (1, 33, 7, "f32"), (2, 1030, 31, "f32"), (1, 0, 3, "f32")):
         def wl(rows=rows, K=K, N=N, fmt=fmt):
             x = torch.randn(rows, K)
-            if fmt == "bf16":
-                return mod.weight_linear(x, torch.randn(N, K).to(torch.bfloat16), None, torch.randn(N))
+            if fmt in ("bf16", "f32"):
+                w = torch.randn(N, K)
+                return mod.weight_linear(x, w.to(torch.bfloat16) if fmt == "bf16" else w, None, torch.randn(N))
             return mod.weight_linear(x, torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N), None)
         calls.append((f"weight_linear {fmt} {rows}x{K} N{N}", wl))
     calls.append(("weight_linear int8 without scale", lambda: mod.weight_linear(

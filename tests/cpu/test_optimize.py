@@ -63,10 +63,16 @@ def test_model_builds_plain_modules():
         assert all(p.is_contiguous() for p in model.parameters())
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_optimize_keeps_state_and_logits(two_threads, monkeypatch, name, row_block_table):
+def test_optimize_keeps_state_and_logits(two_threads, monkeypatch, name, stream, row_block_table):
     """Same state_dict (names, the same tensors), logits within budget of float64 for prefills and for a
-    one-row and an 8-row decode step, through row blocks (a table that takes them) and (where it runs) oneDNN."""
+    one-row and an 8-row decode step, through the weight-streaming kernel (one row, where it is built), row blocks
+    (a table that takes them, the streaming kernel switched off) and (where it runs) oneDNN."""
+    if not stream:
+        monkeypatch.setattr(gemm_module, "_STREAMED_ROWS", {})
+    elif qkv.cpu.ops.unavailable_reason() is not None:
+        pytest.skip(f"the compiled kernels are off: {qkv.cpu.ops.unavailable_reason()}")
     model = _model(name)
     ref = copy.deepcopy(model).double()
     plain = copy.deepcopy(model)
@@ -76,6 +82,7 @@ def test_optimize_keeps_state_and_logits(two_threads, monkeypatch, name, row_blo
     assert list(state) == list(before) and all(state[k].data_ptr() == p for k, p in before.items())
     assert all(t.is_contiguous() for t in state.values())
     blocks, packed = _spy(monkeypatch, gemm_module, "rows_linear"), _spy(monkeypatch, gemm_module, "_pointwise")
+    streamed = _spy(monkeypatch, qkv.cpu.ops, "weight_linear")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 2048, (8, 10), generator=g)
     with torch.inference_mode():
@@ -86,7 +93,10 @@ def test_optimize_keeps_state_and_logits(two_threads, monkeypatch, name, row_blo
             assert_within_budget(got, want, base, what=f"{name} prefill of {rows} sequences")
             got, want, base = (m(ids[:rows, 9:], cache=c).logits for m, c in zip(models, caches))
             assert_within_budget(got, want, base, what=f"{name} decode step of {rows} rows")
-    assert blocks, "a one-row step of 2048-output weights takes row blocks at two threads"
+    if stream:
+        assert streamed, "a one-row step of float32 weights streams them through qkv_cpu::weight_linear"
+    else:
+        assert blocks and not streamed, "a one-row step of 2048-output weights takes row blocks at two threads"
     assert packed or not qkv.cpu.onednn_available(), "many-row products take oneDNN where it runs"
 
 

@@ -69,6 +69,29 @@ def test_bf16_weights_within_the_float32_budget(rows, K, N):
     assert _budget_units(got, x, w.double(), bias=b) <= 1.0
 
 
+@pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (1, 33, 7), (1, 48, 5), (2, 4864, 40), (2, 17, 3),
+                                      (3, 300, 17), (8, 1030, 31), (1, 1, 1)])
+def test_float32_weights_streamed_within_the_float32_budget(rows, K, N):
+    """A float32 weight (the decode step's streaming path, qkv.cpu.gemm.linear for 1-2 rows) against float64: K not a
+    multiple of the vector width, nor of two of them (the one-row tile's two sets of partial sums), and K = 1."""
+    g = torch.Generator().manual_seed(rows * 7 + K)
+    x = torch.randn(rows, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g)
+    with torch.no_grad():
+        assert ops.why_not_weight_linear(x, w, None, b) is None
+        for bias in (None, b):
+            got = weight_linear(x, w, None, bias)
+            assert got.dtype == torch.float32 and got.shape == (rows, N)
+            assert _budget_units(got, x, w.double(), bias=bias) <= 1.0
+        xb = x.to(torch.bfloat16)  # bfloat16 rows by a float32 weight: float32 sums, rounded once to bfloat16
+        got = weight_linear(xb, w)
+        want = (xb.double() @ w.double().t())
+        assert got.dtype == torch.bfloat16
+        assert bool(((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + (K + 2) * U32 * (
+            xb.double().abs() @ w.double().abs().t()) * 1.01).all())
+
+
 @pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (4, 300, 257), (16, 64, 33), (9, 301, 14)])
 def test_int8_weights_within_both_budgets(rows, K, N):
     g = torch.Generator().manual_seed(rows + K)
@@ -130,19 +153,25 @@ def test_nan_and_zero_sizes():
         zq, zs = quantize_int8(torch.randn(5, 0))
         b = torch.randn(5)
         assert torch.equal(weight_linear(torch.randn(3, 0), zq, zs, b), b.expand(3, 5))
-        w16 = torch.randn(10, 40).to(torch.bfloat16)
-        for rows in (1, 2, 5, 9):  # every tile the kernel picks by the row count: a NaN row stays NaN, alone
-            xr = torch.randn(rows, 40)
-            xr[rows - 1, 7] = float("nan")
-            y = weight_linear(xr, w16)
-            assert bool(y[rows - 1].isnan().all()) and bool(y[:rows - 1].isfinite().all()), rows
+        for w16 in (torch.randn(10, 40).to(torch.bfloat16), torch.randn(10, 40)):
+            for rows in (1, 2, 5, 9):  # every tile the kernel picks by the row count: a NaN row stays NaN, alone
+                xr = torch.randn(rows, 40)
+                xr[rows - 1, 7] = float("nan")
+                y = weight_linear(xr, w16)
+                assert bool(y[rows - 1].isnan().all()) and bool(y[:rows - 1].isfinite().all()), rows
+        w = torch.randn(6, 40)
+        w[2, 39] = float("nan")  # a NaN weight (the one-row tile's tail) poisons its output, in every row
+        y = weight_linear(torch.randn(1, 40), w)
+        assert bool(y[:, 2].isnan().all()) and int(y.isnan().sum()) == 1
 
 
 def test_bad_inputs_are_refused_by_name():
     q, s = quantize_int8(torch.randn(8, 16))
     x = torch.randn(2, 16)
-    with pytest.raises(ValueError, match="weight must be .* int8 .* or bfloat16, got torch.float32"):
-        weight_linear(x, torch.randn(8, 16))
+    with pytest.raises(ValueError, match="weight must be .* int8 .*, bfloat16 or float32, got torch.float64"):
+        weight_linear(x, torch.randn(8, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="a float32 weight takes no scale"):
+        weight_linear(x, torch.randn(8, 16), s)
     with pytest.raises(ValueError, match="an int8 weight needs scale"):
         weight_linear(x, q)
     with pytest.raises(ValueError, match="an int8 weight needs scale"):

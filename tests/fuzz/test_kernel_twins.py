@@ -6,7 +6,7 @@ places, the rest within the float32 budget) or the same exception type. The inpu
 seeded per case (``seed`` in every message): NaN and inf values, -1 and out-of-range ids, zero sizes, strided
 and expanded views, both float dtypes. ``paged_store`` has no Python twin of its own (the cache's indexed write
 is it) and is compared with that write; the int8 screen runs on every CPU qkv's kernels build for.
-``weight_linear`` (bf16 and int8 weights) runs its kernel up to 16 rows and its twin beyond, so its cases stay
+``weight_linear`` (float32, bf16 and int8 weights) runs its kernel up to 16 rows and its twin beyond, so its cases stay
 at up to 16 rows.
 """
 
@@ -218,7 +218,8 @@ def test_weight_linear(seed):
     rows, K, N = _pick(g, [0, 1, 2, 5, 16]), _pick(g, [0, 1, 9, 64, 300]), _pick(g, [0, 1, 7, 128, 1000])
     x = _poison(g, torch.randn(rows, K, generator=g), _pick(g, POISONS)).to(xdt)
     w = torch.randn(N, K, generator=g)
-    q, s = quantize_int8(w) if _pick(g, [0, 1]) else (w.to(torch.bfloat16), None)
+    fmt = _pick(g, ["int8", "bf16", "f32"])
+    q, s = quantize_int8(w) if fmt == "int8" else (w.to(torch.bfloat16) if fmt == "bf16" else w, None)
     if s is not None and _pick(g, [0, 0, 1]):  # a wrong count of scales: refused the same way on both paths
         s = s[: max(N - 1, 0)]
     b = torch.randn(N, generator=g) if _pick(g, [0, 1]) else None

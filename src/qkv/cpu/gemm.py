@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
-from .rule import MEASURED_ROWS, choose
+from .rule import MEASURED_ROWS, STREAM_ROWS, choose
 from .skinny import (
     SkinnyLinear,
     block_count,
@@ -211,20 +211,25 @@ def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+_STREAMED_ROWS = {torch.bfloat16: WEIGHT_ROWS, torch.float32: STREAM_ROWS}  # dtype -> rows the kernel takes
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: WeightPacks | None = None, activation: Activation | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (then ``activation``, if given) the way the product rule says for this
     shape and thread count (:func:`qkv.cpu.rule.choose`): oneDNN through ``packed`` (the activation fused)
     where the rule takes it and this product can run it, else row or column blocks
-    (:func:`qkv.cpu.skinny.skinny_linear`), else ``F.linear``. A bfloat16 product of up to
-    :data:`qkv.cpu.weights.WEIGHT_ROWS` rows runs the bf16-weight kernel (:mod:`qkv.cpu.weights`: float32 sums)
-    where it runs. x (..., K), weight (N, K) -> (..., N)."""
+    (:func:`qkv.cpu.skinny.skinny_linear`), else ``F.linear``. Before the rule, a bfloat16 product of up to
+    :data:`qkv.cpu.weights.WEIGHT_ROWS` rows and a float32 one of up to :data:`qkv.cpu.rule.STREAM_ROWS` rows run
+    the weight-streaming kernel (:mod:`qkv.cpu.weights`: float32 sums) where it runs. x (..., K), weight (N, K) ->
+    (..., N)."""
     if x.device.type != "cpu":  # the CPU paths only: elsewhere nothing to decide
         y = F.linear(x, weight, bias)
         return y if activation is None else activation(y)
     K = x.shape[-1]
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and K and x.numel() // K <= WEIGHT_ROWS
-            and weight.dim() == 2 and ops.why_not_weight_linear(x, weight, None, bias) is None):
+    if (x.dtype == weight.dtype and K and weight.dim() == 2
+            and x.numel() // K <= _STREAMED_ROWS.get(x.dtype, 0)
+            and ops.why_not_weight_linear(x, weight, None, bias) is None):
         y = ops.weight_linear(x, weight, None, bias)
         return y if activation is None else activation(y)
     path = choose(x.numel() // K, weight.shape[0], K) if K else "linear"

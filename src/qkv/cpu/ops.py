@@ -145,12 +145,13 @@ def why_not_screen(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 def why_not_weight_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                           bias: torch.Tensor | None) -> str | None:
     """Whether :func:`weight_linear` runs ``x (..., K)`` (float32/bfloat16) by a contiguous ``weight (N, K)``,
-    bfloat16 without ``scale`` or int8 with a float32 ``scale (N,)``, and ``bias (N,)`` or None, on the CPU."""
-    if weight.dtype not in (torch.bfloat16, torch.int8) or not weight.is_contiguous():
-        return (f"qkv_cpu::weight_linear needs a contiguous bfloat16 or int8 weight, got "
+    float32 or bfloat16 without ``scale`` or int8 with a float32 ``scale (N,)``, and ``bias (N,)`` or None, on the
+    CPU."""
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.int8) or not weight.is_contiguous():
+        return (f"qkv_cpu::weight_linear needs a contiguous float32, bfloat16 or int8 weight, got "
                 f"{str(weight.dtype).removeprefix('torch.')}{'' if weight.is_contiguous() else ' (not contiguous)'}")
     if (weight.dtype == torch.int8) != (scale is not None) or (scale is not None and scale.dtype != torch.float32):
-        return "qkv_cpu::weight_linear needs a float32 scale with an int8 weight and none with a bfloat16 one"
+        return "qkv_cpu::weight_linear needs a float32 scale with an int8 weight and none with another"
     why = why_not("weight_linear", (x,), dtypes=(torch.float32, torch.bfloat16))
     return why or why_not("weight_linear", (weight, scale, bias), dtypes=(torch.int8, torch.bfloat16, torch.float32,
                                                                          torch.float16), same_dtype=False)

@@ -11,6 +11,11 @@ Four paths compute the same ``F.linear(x, weight)`` (float32; float64 for the bl
   runs it and the caller holds a packed copy;
 - ``"linear"``: ``F.linear`` (MKL).
 
+Before the table, a float32 product of at most :data:`STREAM_ROWS` rows (a decode step's one or two sequences)
+streams its weight through the compiled ``qkv_cpu::weight_linear`` where it is built (:func:`qkv.cpu.gemm.linear`
+decides it; ``benchmarks/skinny.py`` times it as the ``"stream"`` path beside the four): one weight row at a time,
+on torch's threads, where MKL's single-row product runs on one thread at about half the memory's rate.
+
 :data:`TABLE` decides, keyed by thread count (1, or 2 meaning two or more) and shape class
 (:func:`shape_class`), as row bands (:class:`Band`): for 1 to ``up_to`` rows (after the band before), the
 path for each weight layout with and without oneDNN (a caller without a packed copy, a torch build without
@@ -42,7 +47,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-__all__ = ["Band", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "MEASURED_ROWS", "DECIDED_IN_PLACE",
+__all__ = ["Band", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "MEASURED_ROWS", "STREAM_ROWS", "DECIDED_IN_PLACE",
            "NARROW_SWITCHES", "switches", "shape_class", "thread_class", "choose"]
 
 Path = Literal["row_blocks", "columns", "onednn", "linear"]
@@ -52,6 +57,9 @@ PATHS: tuple[str, ...] = ("row_blocks", "columns", "onednn", "linear")
 NARROW_OUTPUTS = 1024  # fewer outputs than this: "narrow"
 LONG_INPUTS = 1024  # more inputs than this (and not narrow): "wide" or "long", else "short"
 MEASURED_ROWS = 32  # the bands cover 1 .. this many rows
+#: A float32 product of at most this many rows streams its weight through ``qkv_cpu::weight_linear`` where it runs
+#: (decided before :data:`TABLE`); from three rows the tiles that reuse each weight vector over rows win.
+STREAM_ROWS = 2
 
 
 class Band(NamedTuple):

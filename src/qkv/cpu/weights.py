@@ -19,6 +19,10 @@ fewer bytes per weight is the lever left once the products run at that floor. Tw
   s_n / 2, so an output moves by at most |x|_1 s_n / 2 (and by about sqrt(K) |x| s_n / sqrt(12) for typical
   rounding errors): a lossy format, never a default.
 
+The same kernel also streams plain **float32** weights for the one or two rows of a decode step
+(:data:`qkv.cpu.rule.STREAM_ROWS`; :func:`qkv.cpu.gemm.linear` takes it there), which ``F.linear`` reads on one
+thread at about half the memory's rate.
+
 :func:`weight_linear` is the product, through the compiled kernel ``qkv_cpu::weight_linear`` for up to
 :data:`WEIGHT_ROWS` rows (:func:`qkv.cpu.ops.why_not_weight_linear` says when it cannot run) and through its torch-op
 twin (:func:`weight_linear_reference`) otherwise. :class:`Int8Linear` is a linear layer holding an int8 weight;
@@ -115,10 +119,11 @@ def _check(x, weight, scale, bias) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
         seen = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"weight_linear: x must be a floating tensor (..., K), got {seen}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in (torch.int8, torch.bfloat16):
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2
+            or weight.dtype not in (torch.int8, torch.bfloat16, torch.float32)):
         seen = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"weight_linear: weight must be (N, K) int8 (with scale) or bfloat16, got {seen}; a float32 "
-                         f"weight takes F.linear or qkv.cpu.gemm.linear")
+        raise ValueError(f"weight_linear: weight must be (N, K) int8 (with scale), bfloat16 or float32, got {seen}; "
+                         f"a float64 weight takes F.linear")
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"weight_linear: x's last dimension must be weight's K = {K}, got x {tuple(x.shape)}")
@@ -128,7 +133,8 @@ def _check(x, weight, scale, bias) -> None:
             raise ValueError(f"weight_linear: an int8 weight needs scale, a floating (N,) = ({N},) tensor of "
                              f"per-channel scales (qkv.cpu.weights.quantize_int8 gives it), got {seen}")
     elif scale is not None:
-        raise ValueError("weight_linear: a bfloat16 weight takes no scale (scale=None); scales go with int8 weights")
+        raise ValueError(f"weight_linear: a {str(weight.dtype).removeprefix('torch.')} weight takes no scale "
+                         f"(scale=None); scales go with int8 weights")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,) or not bias.is_floating_point()):
         seen = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
         raise ValueError(f"weight_linear: bias must be None or a floating (N,) = ({N},) tensor, got {seen}")
@@ -136,11 +142,11 @@ def _check(x, weight, scale, bias) -> None:
 
 def weight_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T`` (times ``scale``) plus ``bias`` with a bfloat16 or int8 weight, sums in float32.
+    """``x @ weight^T`` (times ``scale``) plus ``bias`` with a float32, bfloat16 or int8 weight, sums in float32.
 
     Args:
         x: (..., K) floating (the kernel takes float32 and bfloat16; float64 runs the twin in float64).
-        weight: (N, K) bfloat16 (``scale`` None) or int8 (``scale`` required).
+        weight: (N, K) float32 or bfloat16 (``scale`` None) or int8 (``scale`` required).
         scale: (N,) per-output-channel scales of an int8 weight (:func:`quantize_int8`).
         bias: (N,) or None.
 

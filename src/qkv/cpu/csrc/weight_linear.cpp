@@ -1,14 +1,16 @@
-// The few-row product of a decode step with its weight stored narrower than float32: bfloat16, or int8 with one
+// The few-row product of a decode step: the weight in float32, or stored narrower, as bfloat16 or as int8 with one
 // float32 scale per output channel (weight-only quantization, as in Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix
 // Multiplication for Transformers at Scale", arXiv:2208.07339, section 3.1, without the outlier split).
 //
 // A decode step streams every weight from memory once, so its time is the weight's bytes over the bandwidth:
-// bfloat16 halves them and int8 quarters them. No instruction of an AVX2 CPU multiplies either format, so each
+// bfloat16 halves them and int8 quarters them. A float32 weight is streamed the same way: for one or two rows torch's
+// F.linear (MKL's single-row product) reads it at about half the rate and on one thread. No instruction of an AVX2 CPU multiplies either format, so each
 // weight vector is widened in registers (bfloat16 -> float32 is a 16-bit shift; int8 -> int32 -> float32) and
 // multiplied by the float32 rows with fused multiply-adds, the sums in float32. Row n of the output is
-//   y[m, n] = s_n * sum_k x[m, k] w[n, k] + b_n   (s_n = 1 for bfloat16),
-// the K-term sum in Vec-wide partial sums (Vec: at::vec::Vectorized<float>, 8 lanes on AVX2, 16 on AVX-512) added
-// lane by lane at the end, then the tail. Blocks of output rows run on torch's intra-op threads (at::parallel_for,
+//   y[m, n] = s_n * sum_k x[m, k] w[n, k] + b_n   (s_n = 1 for bfloat16 and float32),
+// the K-term sum in Vec-wide partial sums (Vec: at::vec::Vectorized<float>, 8 lanes on AVX2, 16 on AVX-512; two
+// interleaved sets of them for a one-row, one-weight-row tile, whose single chain of dependent multiply-adds would
+// otherwise wait on itself) added across lanes at the end, then the tail. Blocks of output rows run on torch's intra-op threads (at::parallel_for,
 // which runs inline inside another parallel region and on one thread under torch.set_num_threads(1)); a share below
 // kGrainWeights weights stays on the calling thread (a small product is not worth waking the pool). x may be float32
 // or bfloat16 (widened once); the output has x's dtype.
@@ -59,37 +61,60 @@ inline Vec widen(const int8_t* p) {
 #endif
 }
 
+inline Vec widen(const float* p) { return Vec::loadu(p); }
+
+inline float scalar(float v) { return v; }
 inline float scalar(at::BFloat16 v) { return static_cast<float>(v); }
 inline float scalar(int8_t v) { return static_cast<float>(v); }
 
-inline float lanes(const Vec& v) {  // the lanes' sum, in lane order
+inline float lanes(const Vec& v) {  // the lanes' sum
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
   float buf[kV];
   v.store(buf);
   float s = 0.f;
   for (int64_t i = 0; i < kV; ++i) s += buf[i];
   return s;
+#endif
 }
 
 // Outputs [n, n + NR) of rows [m, m + MR): x rows of K float32 (row stride K), w rows of K (row stride K);
-// dot[i][j] = x[m + i] . w[n + j] in float32.
+// dot[i][j] = x[m + i] . w[n + j] in float32. A 1 x 1 tile keeps U = 2 sets of partial sums (even and odd Vec
+// steps) so that two multiply-add chains are in flight; larger tiles have MR x NR chains already.
 template <int MR, int NR, typename W>
 inline void tile(const float* x, const W* w, int64_t K, float dot[MR][NR]) {
-  Vec acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
+  constexpr int U = MR * NR == 1 ? 2 : 1;
+  Vec acc[U][MR][NR];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[u][i][j] = Vec(0.f);
   const int64_t main = K - K % kV;
-  for (int64_t k = 0; k < main; k += kV) {
+  int64_t k = 0;
+  for (; k + U * kV <= main; k += U * kV) {
+    for (int u = 0; u < U; ++u) {
+      Vec wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = widen(w + j * K + k + u * kV);
+      for (int i = 0; i < MR; ++i) {
+        const Vec xv = Vec::loadu(x + i * K + k + u * kV);
+        for (int j = 0; j < NR; ++j) acc[u][i][j] = at::vec::fmadd(xv, wv[j], acc[u][i][j]);
+      }
+    }
+  }
+  for (; k < main; k += kV) {  // the Vec steps left over from the U-step loop
     Vec wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = widen(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
       const Vec xv = Vec::loadu(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = at::vec::fmadd(xv, wv[j], acc[i][j]);
+      for (int j = 0; j < NR; ++j) acc[0][i][j] = at::vec::fmadd(xv, wv[j], acc[0][i][j]);
     }
   }
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
-      float s = lanes(acc[i][j]);
-      for (int64_t k = main; k < K; ++k) s += x[i * K + k] * scalar(w[j * K + k]);
+      Vec a = acc[0][i][j];
+      for (int u = 1; u < U; ++u) a = a + acc[u][i][j];
+      float s = lanes(a);
+      for (int64_t t = main; t < K; ++t) s += x[i * K + t] * scalar(w[j * K + t]);
       dot[i][j] = s;
     }
   }
@@ -159,7 +184,7 @@ void products(const float* x, int64_t M, const W* w, int64_t K, int64_t N, const
 
 }  // namespace
 
-// x (..., K) float32 or bfloat16; weight (N, K) contiguous, bfloat16 (scale None) or int8 (scale (N,) float32);
+// x (..., K) float32 or bfloat16; weight (N, K) contiguous, float32 or bfloat16 (scale None) or int8 (scale (N,) float32);
 // bias (N,) or None (any floating dtype, used in float32) -> (..., N) in x's dtype.
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& bias) {
@@ -174,8 +199,8 @@ at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     TORCH_CHECK(has_scale && scale->dim() == 1 && scale->size(0) == N && scale->scalar_type() == at::kFloat,
                 "weight_linear: an int8 weight needs scale (N,) float32, one per output channel");
   } else {
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && !has_scale,
-                "weight_linear: the weight must be bfloat16 (no scale) or int8 (with scale), got ",
+    TORCH_CHECK((weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && !has_scale,
+                "weight_linear: the weight must be float32 or bfloat16 (no scale) or int8 (with scale), got ",
                 weight.scalar_type(), has_scale ? " with a scale" : "");
   }
   const bool has_bias = bias.has_value() && bias->defined();
@@ -200,6 +225,8 @@ at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     const float* pb = has_bias ? bf.data_ptr<float>() : nullptr;
     if (weight.scalar_type() == at::kChar) {
       products(xf.data_ptr<float>(), R, weight.data_ptr<int8_t>(), K, N, ps, pb, out.data_ptr<float>());
+    } else if (weight.scalar_type() == at::kFloat) {
+      products(xf.data_ptr<float>(), R, weight.data_ptr<float>(), K, N, ps, pb, out.data_ptr<float>());
     } else {
       products(xf.data_ptr<float>(), R, weight.data_ptr<at::BFloat16>(), K, N, ps, pb, out.data_ptr<float>());
     }
