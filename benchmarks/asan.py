@@ -157,12 +157,18 @@ def _hostile_calls(mod):
     w = torch.randn(300, 64)
     calls.append(("screen_pack", lambda: mod.screen_pack(w)))
     calls.append(("screened_argmax", lambda: mod.screened_argmax(torch.randn(3, 64), w, *mod.screen_pack(w))))
+    w16 = w.to(torch.bfloat16)
+    for bits, cap in ((8, 0.0), (8, 2.0), (16, 0.0)):  # a bfloat16 head and its rounded logits; 16 is refused
+        calls.append((f"screened_argmax bf16 head bits {bits} cap {cap}",
+                      lambda bits=bits, cap=cap: mod.screened_argmax(torch.randn(5, 64), w16,
+                                                                     *mod.screen_pack(w16.float()), cap, bits)))
     for cap, scale in ((2.0, 1.0), (2.0, 100.0), (30.0, 0.01), (-1.0, 1.0), (float("nan"), 1.0), (float("inf"), 1.0)):
         calls.append((f"screened_argmax cap {cap} x{scale}", lambda cap=cap, scale=scale: mod.screened_argmax(
             torch.randn(9, 64) * scale, w, *mod.screen_pack(w), cap)))
     for rows, K, N, fmt in ((1, 64, 100, "bf16"), (3, 7, 9, "int8"), (8, 300, 100, "bf16"), (11, 33, 7, "int8"),
                             (9, 0, 5, "bf16"), (4, 16, 0, "int8"), (0, 16, 5, "bf16"), (16, 1030, 31, "bf16"),
-                            (1, 33, 7, "f32"), (2, 1030, 31, "f32"), (1, 0, 3, "f32")):
+                            (1, 33, 7, "f32"), (2, 1030, 31, "f32"), (1, 0, 3, "f32"), (1, 4097, 7, "f32"),
+                            (2, 4099, 6, "bf16"), (1, 4100, 5, "int8"), (2, 4096, 3, "int8")):
         def wl(rows=rows, K=K, N=N, fmt=fmt):
             x = torch.randn(rows, K)
             if fmt in ("bf16", "f32"):

@@ -30,10 +30,18 @@ Llama-shaped ``qkv.nn.DecoderLM`` (vocabulary 32000) given ``qkv.cpu.optimize`` 
 class is settled here (``qkv.cpu.rule.DECIDED_IN_PLACE``). ``--fit JSON`` prints the row bands a product table
 supports, the ones ``qkv.cpu.rule.TABLE`` follows.
 
-Published configuration (the defaults): torch's default thread count, then 1 thread; wall clock; 7 paired
-repeats. Expected time on a quiet 2-core machine: about 6 minutes.
+``skinny_stream`` (alone with ``--stream``) times the weight-streaming kernel (``qkv_cpu::weight_linear``, which
+``qkv.cpu.gemm.linear`` takes for float32 products of up to ``qkv.cpu.rule.STREAM_ROWS`` rows before the table)
+against every other path, forced, weights cold, on the products of the Qwen2.5-0.5B and Llama-3.2-1B shapes at 1 to
+4 rows; and whole decode steps of a Qwen2.5-0.5B-shaped ``DecoderLM`` (24 layers of width 896, vocabulary 151,936,
+random weights) with the streaming kernel and without it (``no_stream/stream``), batch 1 and 2, paired repeats of 16
+steps, greedy through ``next_tokens`` (the int8 head screen). ``tests/cpu/test_rule.py`` refuses ``STREAM_ROWS``
+where another path beat the stream in every repeat.
 
-Usage: ``python benchmarks/skinny.py [--quick] [--repeat R] [--threads T1,T2]``
+Published configuration (the defaults): torch's default thread count, then 1 thread; wall clock; 7 paired
+repeats. Expected time on a quiet 2-core machine: about 10 minutes (4 of them ``skinny_stream``).
+
+Usage: ``python benchmarks/skinny.py [--quick] [--stream] [--repeat R] [--threads T1,T2]``
 """
 
 from __future__ import annotations
@@ -58,6 +66,9 @@ SHAPES = [(768, 512), (512, 512), (2752, 512), (512, 1376), (32000, 512), (4096,
 QUICK_SHAPES = [(2048, 64), (600, 256)]
 ROWS = [1, 2, 4, 6, 8, 12, 16, 24, 32]
 QUICK_ROWS = [1, 2, 8, 32]
+STREAM_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (3072, 2048), (2048, 2048), (16384, 2048),
+                 (2048, 8192)]  # Qwen2.5-0.5B's QKV, output, gate/up, down; Llama-3.2-1B's
+STREAM_ROWS_MEASURED = [1, 2, 3, 4]
 PAIRS = [("linear", "row_blocks"), ("linear", "onednn"), ("row_blocks", "onednn"), ("linear", "columns"),
          ("columns", "onednn")]
 
@@ -71,6 +82,96 @@ def _paths(x: torch.Tensor, w: torch.Tensor, w_im: torch.Tensor, packed: Prepack
     if packed is not None:
         fns["onednn"] = lambda: prepacked_linear(x, w, None, packed)
     return fns
+
+
+def _stream_table(shapes, rows_list: list[int], threads_list: list[int], repeat: int, quick: bool) -> None:
+    """The streaming kernel against the rule's paths, forced, weights cold; then whole decode steps with and
+    without it (table ``skinny_stream``)."""
+    from qkv.cpu import ops
+
+    evict = torch.empty((4 if quick else 64) * 1024 * 1024)
+    suite = Suite("skinny_stream", "decode-step products: the weight-streaming kernel (qkv_cpu::weight_linear) "
+                  "against F.linear, row blocks and oneDNN, forced, weights cold; whole decode steps with and "
+                  "without it", threads=threads_list, repeat=repeat, clock="wall", dtype="float32",
+                  onednn=onednn_available(), stream_rows=rule.STREAM_ROWS)
+    gen = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=gen) / k ** 0.5
+        w64 = w.double()
+        packed = PrepackedWeight() if onednn_available() else None
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            rate = read_rate(threads)
+            for rows in rows_list:
+                x = torch.randn(rows, k, generator=gen)
+                with torch.inference_mode():
+                    fns = _paths(x, w, input_major(w), packed, threads)
+                    del fns["columns"]
+                    fns["stream"] = lambda x=x: ops.weight_linear(x, w, None, None)
+                    truth = F.linear(x.double(), w64)
+                    diff = max(float((fn() - truth).abs().max()) for fn in fns.values())
+                    t = cold_times(fns, repeat, evict)
+                med = {c: statistics.median(v) for c, v in t.items()}
+                floor = w.numel() * w.element_size() / rate
+                results = {f"{c}_us": med[c] * 1e6 for c in t}
+                results.update({f"{c}/stream": ratio(t[c], t["stream"]) for c in t if c != "stream"})
+                results.update({"fastest": min(med, key=med.get), "read_GB_s": rate / 1e9, "floor_us": floor * 1e6,
+                                "stream/floor": med["stream"] / floor, "max_abs_diff": diff})
+                suite.add({"N": n, "K": k, "rows": rows, "threads": threads}, results)
+                print(f"  {n}x{k} rows={rows} threads={threads}: " + ", ".join(
+                    f"{c} {v * 1e6:.0f} us" for c, v in med.items()))
+    _stream_steps(suite, threads_list, repeat, quick)
+    suite.note("x/stream > 1: the streaming kernel is faster than path x (per paired repeat: median, lowest, "
+               "highest). stream/floor: its median over the weight's bytes at read_GB_s. Decode steps: no_stream "
+               "is the same optimized model with the streaming kernel switched off (the product rule's table).")
+    suite.finish()
+
+
+def _stream_steps(suite, threads_list: list[int], repeat: int, quick: bool) -> None:
+    from qkv.cache import KVCache, Static
+    from qkv.cpu import gemm, optimize
+    from qkv.nn import DecoderConfig, DecoderLM
+
+    width, layers, vocab, inter = (64, 2, 512, 256) if quick else (896, 24, 151936, 4864)
+    config = DecoderConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, num_attention_heads=14,
+                           num_key_value_heads=2, intermediate_size=inter, tie_word_embeddings=True,
+                           qkv_bias=True)
+    torch.manual_seed(0)
+    model = optimize(DecoderLM(config).eval())
+    steps, prompt = (4, 8) if quick else (16, 32)
+    streamed = gemm._STREAMED_ROWS
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        for B in (1, 2):
+            ids = torch.randint(0, vocab, (B, prompt))
+
+            def run(name):
+                gemm._STREAMED_ROWS = streamed if name == "stream" else {}
+                try:
+                    cache = KVCache(model.cache_specs(), storage=Static(prompt + steps))
+                    model(ids, cache=cache, logits_to_keep=1)
+                    tok = ids[:, -1:]
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        tok = model.next_tokens(tok, cache=cache)[:, None]  # greedy, through the head screen
+                    return (time.perf_counter() - t0) / steps
+                finally:
+                    gemm._STREAMED_ROWS = streamed
+
+            with torch.inference_mode():
+                for name in ("stream", "no_stream"):
+                    run(name)
+                t: dict[str, list[float]] = {"stream": [], "no_stream": []}
+                for _ in range(repeat):
+                    for name in t:
+                        t[name].append(run(name))
+            suite.add({"decode_step": f"Qwen2.5-0.5B-shaped, {layers} x {width}, vocabulary {vocab}", "B": B,
+                       "threads": threads},
+                      {"stream_ms": statistics.median(t["stream"]) * 1e3,
+                       "no_stream_ms": statistics.median(t["no_stream"]) * 1e3,
+                       "no_stream/stream": ratio(t["no_stream"], t["stream"])})
+            print(f"  decode step B={B} threads={threads}: no_stream/stream "
+                  f"{suite.rows[-1]['no_stream/stream']['median']:.2f}")
 
 
 def _product_table(shapes, rows_list: list[int], threads_list: list[int], repeat: int, quick: bool) -> None:
@@ -261,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="two small shapes, 4 row counts, 3 repeats (a smoke run)")
     p.add_argument("--repeat", type=int, default=None, help="paired repeats per case (default 7; 3 with --quick)")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: torch's own, then 1)")
+    p.add_argument("--stream", action="store_true", help="only the streaming kernel's table (skinny_stream)")
     p.add_argument("--fit", metavar="JSON", default=None,
                    help="print the row bands a skinny.json supports (qkv.cpu.rule.TABLE follows them) and exit")
     args = p.parse_args(argv)
@@ -278,9 +380,12 @@ def main(argv: list[str] | None = None) -> None:
     default_threads = torch.get_num_threads()
     threads_list = ([int(t) for t in args.threads.split(",")] if args.threads
                     else list(dict.fromkeys([default_threads, 1])))
-    _product_table(QUICK_SHAPES if args.quick else SHAPES, QUICK_ROWS if args.quick else ROWS, threads_list,
-                   repeat, args.quick)
-    _decode_step(threads_list, repeat, args.quick)
+    if not args.stream:
+        _product_table(QUICK_SHAPES if args.quick else SHAPES, QUICK_ROWS if args.quick else ROWS, threads_list,
+                       repeat, args.quick)
+        _decode_step(threads_list, repeat, args.quick)
+    _stream_table(QUICK_SHAPES if args.quick else STREAM_SHAPES, STREAM_ROWS_MEASURED, threads_list, repeat,
+                  args.quick)
     torch.set_num_threads(default_threads)
 
 

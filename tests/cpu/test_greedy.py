@@ -379,3 +379,101 @@ def test_next_tokens_refuses_bad_input():
         model.next_tokens(torch.randn(2, 3))
     with pytest.raises(ValueError, match="positions"):
         model.next_tokens(torch.zeros(2, 3, dtype=torch.int64), positions=torch.zeros(5, dtype=torch.int64))
+
+
+# A bfloat16 head: logits are float32 sums rounded to bfloat16 (the bf16-weight kernel for few rows), so two logits
+# within a bfloat16 unit tie and the first index wins. The reference rounds the float64 logits to bfloat16 (an
+# exact product, then one rounding), independent of every kernel.
+
+
+def bf16_reference(x: torch.Tensor, w: torch.Tensor, cap: float | None = None) -> torch.Tensor:
+    logits = (x.double() @ w.double().T).to(torch.bfloat16)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    return logits.argmax(-1)
+
+
+def model_bf16_tokens(x: torch.Tensor, w: torch.Tensor, cap: float | None = None) -> torch.Tensor:
+    """The tokens a bfloat16 model takes: its own logits (qkv.cpu.weights' kernel for few rows), soft-capped."""
+    return greedy_module._capped(greedy_module._logits(x, w), cap).argmax(-1)
+
+
+def kernel_result_bf16(x, w, cap=0.0):
+    mod = kernels.load()
+    return tuple(mod.screened_argmax(x.float().contiguous(), w.contiguous(), *mod.screen_pack(w.float().contiguous()),
+                                     cap, 8))
+
+
+@pytest.mark.parametrize("V,K,M,scale", [(5000, 64, 9, 1.0), (32000, 512, 3, 0.3), (4099, 96, 1, 3.0),
+                                         (300, 7, 20, 1.0), (151, 1030, 2, 1.0)])
+def test_bf16_head_tokens_equal_the_bf16_logits_argmax(V, K, M, scale):
+    g = torch.Generator().manual_seed(V + K * 3 + M)
+    w = (torch.randn(V, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    x = (torch.randn(M, K, generator=g) * scale).to(torch.bfloat16)
+    tokens, ok, count, _ = kernel_result_bf16(x, w)
+    assert ok.float().mean().item() >= 0.5, "the screen settles most rows of a random bf16 head"
+    assert torch.equal(tokens[ok], bf16_reference(x, w)[ok])  # a settled row has one clear bf16 winner
+    assert torch.equal(tokens[ok], model_bf16_tokens(x, w)[ok])
+    screen = HeadScreen()
+    assert screen.usable(x, w)
+    assert torch.equal(screen.tokens(x, w), model_bf16_tokens(x, w))
+
+
+def test_bf16_ties_go_to_the_first_index():
+    """Two head rows whose logits differ by far less than a bfloat16 unit: the exact argmax is the later row, the
+    bf16 logits tie and the model takes the earlier one. The screen must not settle such a row."""
+    g = torch.Generator().manual_seed(3)
+    K = 64
+    x = torch.randn(2, K, generator=g).to(torch.bfloat16)
+    x[:, 0] = 2.0 ** -10
+    w = (torch.randn(400, K, generator=g) * 0.05).to(torch.bfloat16)
+    top = torch.sign(x[0].float()).to(torch.bfloat16)  # a row aligned with x[0]: its logit is far above the rest
+    w[10], w[20] = top, top
+    w[20, 0] = top[0] + 2.0 ** -6 * torch.sign(x[0, 0].float())  # logit 20 = logit 10 + 2^-16: one bf16 value
+    exact = x.double() @ w.double().T
+    assert int(exact[0].argmax()) == 20 and float(exact[0, 20] - exact[0, 10]) > 0
+    assert int(bf16_reference(x, w)[0]) == 10 and int(model_bf16_tokens(x, w)[0]) == 10
+    tokens, ok, _, _ = kernel_result_bf16(x, w)
+    assert not bool(ok[0])
+    assert torch.equal(HeadScreen().tokens(x, w), model_bf16_tokens(x, w))
+    assert int(HeadScreen().tokens(x, w)[0]) == 10
+
+
+@pytest.mark.parametrize("cap", [2.0, 30.0])
+def test_bf16_head_with_a_cap(cap):
+    g = torch.Generator().manual_seed(int(cap))
+    w = (torch.randn(3000, 64, generator=g) / 8).to(torch.bfloat16)
+    x = (torch.randn(8, 64, generator=g) * cap / 4).to(torch.bfloat16)
+    tokens, ok, _, _ = kernel_result_bf16(x, w, cap)
+    assert torch.equal(tokens[ok], model_bf16_tokens(x, w, cap)[ok])
+    assert torch.equal(HeadScreen().tokens(x, w, cap), model_bf16_tokens(x, w, cap))
+
+
+def test_bf16_screen_refusals():
+    mod = kernels.load()
+    w = torch.randn(50, 8)
+    with pytest.raises(RuntimeError, match="logit_bits must be 24"):
+        mod.screened_argmax(torch.randn(2, 8), w, *mod.screen_pack(w), 0.0, 16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        mod.screened_argmax(torch.randn(2, 8), w.half(), *mod.screen_pack(w))
+    screen = HeadScreen()  # mixed dtypes: not screened, the product's own argmax
+    x16, w32 = torch.randn(2, 8).to(torch.bfloat16), torch.randn(50, 8)
+    assert not screen.usable(x16, w32) and not screen.usable(x16.float(), w32.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_model_next_tokens_through_the_screen(tied, monkeypatch):
+    model = qkv.cpu.optimize(_lm(tied).to(torch.bfloat16))
+    assert model.head_screen is not None
+    calls = []
+    real = qkv.cpu.ops.screened_argmax
+    monkeypatch.setattr(qkv.cpu.ops, "screened_argmax", lambda *a: calls.append(a[-1]) or real(*a))
+    ids = torch.randint(0, 3000, (6, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = model.next_tokens(ids)
+        assert torch.equal(got, model(ids).logits[:, -1].argmax(-1))
+    assert calls == [8]  # the screen ran, told the logits are bfloat16
+    plain = qkv.cpu.optimize(copy.deepcopy(model), screen=False)
+    prompt = ids[:, :4]
+    a, b = generate(model, prompt, max_new_tokens=8), generate(plain, prompt, max_new_tokens=8)
+    assert torch.equal(a.new_tokens, b.new_tokens)

@@ -22,6 +22,7 @@ from qkv.cpu.rule import MEASURED_ROWS, PATHS, TABLE, Band, choose, shape_class,
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "benchmarks" / "results" / "skinny.json"
 COMMITTED_DECODE = ROOT / "benchmarks" / "results" / "skinny_decode.json"
+COMMITTED_STREAM = ROOT / "benchmarks" / "results" / "skinny_stream.json"
 STANDARD, INPUT_MAJOR = ("linear", "row_blocks", "onednn"), ("linear", "columns", "onednn")
 
 
@@ -128,6 +129,38 @@ def test_rule_holds_in_place_on_whole_decode_steps():
                 elif other != "small_linear" and r["max"] < 1:
                     faster.append(f"{row}: {other} faster than the rule in every repeat ({r})")
     assert payload["rows"] and not faster, "\n".join(faster)
+
+
+def stream_refusals(payload: dict, stream_rows: int) -> list[str]:
+    """Cells of a skinny_stream table where streaming up to ``stream_rows`` rows is refused: a product of at most
+    that many rows where another path was faster in every repeat, or whole decode steps of that batch that were
+    faster without the stream in every repeat."""
+    refused = []
+    for row in payload["rows"]:
+        if "decode_step" in row:
+            r = row["no_stream/stream"]
+            if row["B"] <= stream_rows and r["max"] < 1:
+                refused.append(f"decode step B={row['B']} threads={row['threads']}: faster without ({r})")
+            continue
+        if row["rows"] > stream_rows:
+            continue
+        for key, r in row.items():
+            if key.endswith("/stream") and isinstance(r, dict) and r["max"] < 1:
+                refused.append(f"N={row['N']} K={row['K']} rows={row['rows']} threads={row['threads']}: "
+                               f"{key.split('/')[0]} faster in every repeat ({r})")
+    return refused
+
+
+def test_stream_rows_hold_on_their_table():
+    """The committed skinny_stream table: at up to ``STREAM_ROWS`` rows no path beat the streaming kernel in every
+    repeat on a real decode shape, and whole decode steps were not faster without it; the checker refuses a
+    larger ``STREAM_ROWS`` where the table says so."""
+    payload = json.loads(COMMITTED_STREAM.read_text())
+    assert payload["suite"] == "skinny_stream" and payload["rows"], f"{COMMITTED_STREAM} holds no table"
+    assert any("decode_step" in r for r in payload["rows"]) and any(r.get("rows") == 1 for r in payload["rows"])
+    refused = stream_refusals(payload, rule.STREAM_ROWS)
+    assert not refused, "the streaming kernel lost where the rule takes it:\n" + "\n".join(refused)
+    assert stream_refusals(payload, 4), "the table shows no row count where the stream loses (then raise STREAM_ROWS)"
 
 
 def test_the_checker_refuses_a_rule_its_own_table_contradicts():

@@ -69,11 +69,13 @@ def test_bf16_weights_within_the_float32_budget(rows, K, N):
     assert _budget_units(got, x, w.double(), bias=b) <= 1.0
 
 
-@pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (1, 33, 7), (1, 48, 5), (2, 4864, 40), (2, 17, 3),
-                                      (3, 300, 17), (8, 1030, 31), (1, 1, 1)])
+@pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (1, 33, 7), (1, 48, 5), (1, 100, 3), (2, 4864, 40), (2, 17, 3),
+                                      (1, 4097, 7), (2, 4099, 6), (1, 4864, 9), (3, 300, 17), (8, 1030, 31),
+                                      (1, 1, 1)])
 def test_float32_weights_streamed_within_the_float32_budget(rows, K, N):
     """A float32 weight (the decode step's streaming path, qkv.cpu.gemm.linear for 1-2 rows) against float64: K not a
-    multiple of the vector width, nor of two of them (the one-row tile's two sets of partial sums), and K = 1."""
+    multiple of the vector width, nor of four of them (the one-row tile's four sets of partial sums), K = 1, and long
+    rows (K >= 4096: four weight rows side by side) with output counts that leave rows over."""
     g = torch.Generator().manual_seed(rows * 7 + K)
     x = torch.randn(rows, K, generator=g)
     w = torch.randn(N, K, generator=g)
@@ -159,10 +161,12 @@ def test_nan_and_zero_sizes():
                 xr[rows - 1, 7] = float("nan")
                 y = weight_linear(xr, w16)
                 assert bool(y[rows - 1].isnan().all()) and bool(y[:rows - 1].isfinite().all()), rows
-        w = torch.randn(6, 40)
-        w[2, 39] = float("nan")  # a NaN weight (the one-row tile's tail) poisons its output, in every row
-        y = weight_linear(torch.randn(1, 40), w)
-        assert bool(y[:, 2].isnan().all()) and int(y.isnan().sum()) == 1
+        for K, col in ((40, 39), (4100, 4090), (4100, 5)):  # short and long rows (the four-row tile), tail and body
+            w = torch.randn(6, K)
+            w[2, col] = float("nan")  # a NaN weight poisons its output, in every row, and no other
+            for rows in (1, 2):
+                y = weight_linear(torch.randn(rows, K), w)
+                assert bool(y[:, 2].isnan().all()) and int(y.isnan().sum()) == rows, (K, col, rows)
 
 
 def test_bad_inputs_are_refused_by_name():
@@ -280,17 +284,21 @@ def test_kernel_off_means_the_twin(monkeypatch):
         qkv.cpu.optimize(torch.nn.Linear(4, 4), weights="int8")
 
 
-def test_a_bf16_head_outside_the_screen_runs_the_kernel(monkeypatch):
+def test_a_bf16_head_without_the_screen_runs_the_kernel(monkeypatch):
+    from qkv.cpu import greedy
     from qkv.cpu.greedy import HeadScreen
 
     g = torch.Generator().manual_seed(9)
     x, w = torch.randn(3, 64, generator=g).to(torch.bfloat16), torch.randn(900, 64, generator=g).to(torch.bfloat16)
-    calls = []
     real = ops.weight_linear
+    with torch.no_grad():
+        screened = HeadScreen().tokens(x, w)  # the screen (tests/cpu/test_greedy.py covers its ties)
+    calls = []
     monkeypatch.setattr(ops, "weight_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(greedy, "screen_unavailable_reason", lambda: "no int8 GEMM (test)")
     with torch.no_grad():
         tokens = HeadScreen().tokens(x, w)
-    assert calls and torch.equal(tokens, real(x, w, None, None).argmax(-1))
+    assert calls and torch.equal(tokens, real(x, w, None, None).argmax(-1)) and torch.equal(tokens, screened)
 
 
 def test_int8_minilm_keeps_its_hidden_states_and_head_tokens():

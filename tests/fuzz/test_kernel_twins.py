@@ -399,7 +399,8 @@ def test_paged_store(seed):
 
 
 def test_screened_argmax():
-    """The int8 screen's tokens equal the float32 head's argmax (first largest), NaN rows included: through torch's
+    """The int8 screen's tokens equal the float32 (or bfloat16) head's argmax (first largest), NaN rows included:
+    through torch's
     int8 GEMM where this CPU has one, else through qkv's own AVX2 (or portable) integer sums."""
     from qkv.cpu.greedy import HeadScreen, screen_unavailable_reason
 
@@ -410,8 +411,11 @@ def test_screened_argmax():
         w = torch.randn(V, Kd, generator=g)
         x = _poison(g, torch.randn(rows, Kd, generator=g), _pick(g, POISONS))
         cap = _pick(g, [None, None, 0.5, 30.0])
+        if _pick(g, [0, 0, 1]):  # a bfloat16 model's head: its own bf16 logits (the bf16-weight kernel) decide
+            x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
         got = HeadScreen().tokens(x, w, cap)
-        logits = F.linear(x, w)
+        with torch.no_grad():
+            logits = weight_linear(x, w) if w.dtype == torch.bfloat16 else F.linear(x, w)
         ref = (logits if cap is None else cap * torch.tanh(logits / cap)).argmax(-1)
         fine = ~logits.isnan().any(-1)
         assert torch.equal(got[fine], ref[fine]), f"screen seed={seed} V={V} K={Kd} rows={rows} cap={cap}"

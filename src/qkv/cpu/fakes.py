@@ -104,7 +104,7 @@ def _screen_pack(weight):
             weight.new_empty(Vp, dtype=torch.int32), weight.new_empty(1)]
 
 
-def _screened_argmax(x, weight, packed, A, B, C, S, R, P, cap=0.0):
+def _screened_argmax(x, weight, packed, A, B, C, S, R, P, cap=0.0, logit_bits=24):
     M = x.shape[0]
     return [x.new_empty(M, dtype=torch.int64), x.new_empty(M, dtype=torch.bool), x.new_empty(M, dtype=torch.int64),
             x.new_empty(M, dtype=torch.int64)]

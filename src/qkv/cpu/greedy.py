@@ -15,9 +15,14 @@ product's rounding, about 1e-6 relative, can come out in either order from any t
 cannot settle (a non-finite input or logit) take ``F.linear`` and ``argmax``. A final logit soft-cap (Gemma 2-4's
 ``cap * tanh(l / cap)``) keeps the candidates, and the kernel compares their capped values in float64; since float32
 rounding can make two capped logits equal (then the first index wins, not the larger logit), a row whose capped
-winner is within a few float32 units of another token's is left to the float32 logits. A bfloat16 head is not
-screened (its
-few-row logits come from the bf16-weight kernel of :mod:`qkv.cpu.weights`).
+winner is within a few float32 units of another token's is left to the float32 logits.
+
+A bfloat16 model's head is screened the same way (the screen packed from its values, the candidates read from the
+bfloat16 head itself), but its logits are float32 sums rounded to bfloat16 (the bf16-weight kernel of
+:mod:`qkv.cpu.weights` for few rows), so two logits within a bfloat16 unit (2^-8 relative) tie and the first index
+wins: a row is settled only when its winner's lowest possible float32 sum stands more than a bfloat16 unit above
+every other token's highest (the float32 sums' own error bounded by Higham's gamma_K, as below); other rows take the
+model's own bfloat16 logits.
 
 The screen's bytes matter twice: a step reads a quarter of the float32 head, and the decoder's own weights are more
 likely to stay in the CPU's last-level cache between steps when the head beside them is small.
@@ -52,6 +57,9 @@ from . import ops
 from .weights import WEIGHT_ROWS
 
 __all__ = ["HeadScreen", "PackedScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS"]
+
+#: The logits' dtypes the screen settles -> their significand bits (``screened_argmax``'s ``logit_bits``).
+_LOGIT_BITS = {torch.float32: 24, torch.bfloat16: 8}
 
 #: The most inputs (K) a screened head may have: the screen's int32 sums of K products of 255 x 127 stay exact.
 MAX_INPUTS = 65536
@@ -144,12 +152,12 @@ class HeadScreen:
         return {"_source": None, "_key": None, "_screen": None}
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether :meth:`tokens` screens this product (float32 CPU tensors without gradient, at most
-        :data:`MAX_INPUTS` inputs, a finite weight, the screen available here); else it computes the float32
-        logits."""
+        """Whether :meth:`tokens` screens this product (float32 or bfloat16 CPU tensors, x and weight of one dtype,
+        without gradient, at most :data:`MAX_INPUTS` inputs, a finite weight, the screen available here); else it
+        computes the logits."""
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if (grad or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32
-                or weight.dtype != torch.float32 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]
+        if (grad or x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype not in _LOGIT_BITS
+                or weight.dtype != x.dtype or weight.dim() != 2 or x.shape[-1] != weight.shape[1]
                 or weight.shape[1] > MAX_INPUTS or x.numel() == 0 or screen_unavailable_reason() is not None):
             return False
         return self._get(weight) is not None
@@ -160,16 +168,18 @@ class HeadScreen:
         if self._source is not weight or self._key != key:
             with torch.no_grad():
                 w = weight.detach().contiguous()
-                self._screen = pack(w) if bool(torch.isfinite(w).all()) else None
+                self._screen = pack(w.float()) if bool(torch.isfinite(w).all()) else None
             self._source, self._key = weight, key
         return self._screen
 
     def tokens(self, x: torch.Tensor, weight: torch.Tensor, cap: float | None = None) -> torch.Tensor:
         """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K): int64 tokens of shape ``x.shape[:-1]``;
         with a final logit soft-cap ``cap`` (> 0), the argmax of ``cap * tanh(x @ weight.T / cap)`` computed as the
-        model does (in the logits' dtype, so float32 rounding may tie two logits and the first wins). Through the
-        screen where :meth:`usable`, else (and for rows it cannot settle: a non-finite input or logit, or a capped
-        winner within a few float32 units of another token's capped value) the float32 logits."""
+        model does (in the logits' dtype, so float32 rounding may tie two logits and the first wins). A bfloat16 x
+        and weight give the argmax of the bfloat16 logits (float32 sums rounded to bfloat16, the first index on
+        ties). Through the screen where :meth:`usable`, else (and for rows it cannot settle: a non-finite input or
+        logit, or a winner within a few units of the logits' format of another token's value) the model's logits
+        (float32, or the bfloat16 ones of :mod:`qkv.cpu.weights`' kernel)."""
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
             raise TypeError(f"HeadScreen.tokens: x and weight must be tensors, got {type(x).__name__} and "
                             f"{type(weight).__name__}")
@@ -184,11 +194,12 @@ class HeadScreen:
             return _capped(_logits(x, weight), cap).argmax(-1)
         rows = x.reshape(-1, K).contiguous()
         with torch.no_grad():
-            tokens, ok, *_ = ops.profiled("head_screen", ops.screened_argmax, rows, weight.detach().contiguous(),
-                                          *self._screen, cap or 0.0)
-            if not bool(ok.all()):  # rows the screen cannot settle: through float32, as the model rounds
+            tokens, ok, *_ = ops.profiled("head_screen", ops.screened_argmax, rows.float(),
+                                          weight.detach().contiguous(), *self._screen, cap or 0.0,
+                                          _LOGIT_BITS[x.dtype])
+            if not bool(ok.all()):  # rows the screen cannot settle: the model's own logits, as it rounds them
                 bad = (~ok).nonzero()[:, 0]
-                tokens[bad] = _capped(F.linear(rows[bad], weight), cap).argmax(-1)
+                tokens[bad] = _capped(_logits(rows[bad], weight), cap).argmax(-1)
         return tokens.view(lead)
 
     def __repr__(self) -> str:

@@ -137,9 +137,11 @@ def why_not_paged(*tensors: torch.Tensor | None) -> str | None:
 
 
 def why_not_screen(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Whether :func:`screen_pack` / :func:`screened_argmax` run ``x (M, K)`` against ``weight (V, K)``: float32,
-    CPU (the int8 GEMM itself is probed by :func:`qkv.cpu.greedy.screen_unavailable_reason`)."""
-    return why_not("screened_argmax", (x, weight), dtypes=(torch.float32,))
+    """Whether :func:`screened_argmax` runs ``x (M, K)`` float32 against ``weight (V, K)`` float32 or bfloat16 (packed
+    by :func:`screen_pack` from float32), CPU (the int8 GEMM itself is probed by
+    :func:`qkv.cpu.greedy.screen_unavailable_reason`)."""
+    return why_not("screened_argmax", (x,), dtypes=(torch.float32,)) or why_not(
+        "screened_argmax", (weight,), dtypes=(torch.float32, torch.bfloat16))
 
 
 def why_not_weight_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -231,5 +233,5 @@ def screen_pack(weight):
     return _op("screen_pack")(weight)
 
 
-def screened_argmax(x, weight, packed, A, B, C, S, R, P, cap=0.0):
-    return _op("screened_argmax")(x, weight, packed, A, B, C, S, R, P, float(cap))
+def screened_argmax(x, weight, packed, A, B, C, S, R, P, cap=0.0, logit_bits=24):
+    return _op("screened_argmax")(x, weight, packed, A, B, C, S, R, P, float(cap), int(logit_bits))

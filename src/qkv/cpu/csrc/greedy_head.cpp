@@ -30,9 +30,20 @@
 // float32) keeps the order of distinct logits but may round two of them to one float32 value, and then the first
 // index wins there, not the larger logit. The candidates are the same (the cap is monotone), their capped values are
 // taken in float64, and a row is settled only when the winner's capped value stands more than kCapUlps float32 units
-// in the last place above both the runner-up's and the cap of the row's largest lower bound L (every token left out
-// has a float32 logit below L, so a capped value at most that); else it is returned not screened, for the float32
+// in the last place above both the runner-up's and the cap of the largest upper bound a + b of the tokens left out
+// (each one's float32 logit is at most its bound, so its capped value at most that); else it is returned not
+// screened, for the float32
 // path, which rounds as the model does.
+//
+// Logits rounded to a narrower format (logit_bits: 8 for a bfloat16 model, whose logits are the float32 sums of its
+// bfloat16 head rounded to bfloat16; 24 is float32) tie often: two logits a bfloat16 unit apart round to one value,
+// and the first index wins there. The head may then be given in bfloat16 (the candidates read it widened, exactly).
+// Each candidate n also gets the bound e_n = g sum_k |x_k w_nk| on its float32 sum's distance from the exact v_n
+// (Higham's, as above), and a row is settled only when the winner's lowest float32 sum v - e stands more than one
+// unit of the narrow format (at the larger magnitude) above every other candidate's highest v + e and above the
+// largest upper bound a + b of the tokens left out:
+// rounding, monotone and at most half a unit, then keeps the winner strictly above every other token. With a cap as
+// well, the capped values of those ends are compared with kCapUlps units of the narrow format.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -233,16 +244,18 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight) {
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                                         const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
                                         const at::Tensor& S, const at::Tensor& R, const at::Tensor& P,
-                                        double cap) {
+                                        double cap, int64_t logit_bits) {
   TORCH_CHECK(std::isfinite(cap) && cap >= 0, "screened_argmax: cap must be finite and >= 0 (0: no soft-cap), got ",
               cap);
+  TORCH_CHECK(logit_bits == 24 || logit_bits == 8,
+              "screened_argmax: logit_bits must be 24 (float32 logits) or 8 (bfloat16), got ", logit_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "screened_argmax: x must be a contiguous float32 (M, K) tensor");
   const int64_t M = x.size(0), K = x.size(1), V = weight.size(0), nb = packed.size(0), Vp = nb * kBlock;
   const int64_t Kp = (K + 3) / 4 * 4;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kFloat,
-              "screened_argmax: weight must be a contiguous float32 (V, K) tensor with x's K");
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "screened_argmax: weight must be a contiguous float32 or bfloat16 (V, K) tensor with x's K");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == Kp && packed.size(2) == kBlock &&
                   packed.scalar_type() == at::kChar && nb * kBlock >= V && (nb - 1) * kBlock < V &&
                   A.numel() == Vp && B.numel() == Vp && C.numel() == Vp && S.numel() == Vp && R.numel() == Vp &&
@@ -254,7 +267,11 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
   auto planes = at::zeros({M}, x.options().dtype(at::kLong));
   if (M == 0) return {tokens, ok, count, planes};
   const float* px = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
+  const bool bf16_head = weight.scalar_type() == at::kBFloat16;
+  const float* w = bf16_head ? nullptr : weight.data_ptr<float>();
+  const at::BFloat16* w16 = bf16_head ? weight.data_ptr<at::BFloat16>() : nullptr;
+  const bool rounded = logit_bits < 24;  // logits in a narrower format than float32: ties to rule out
+  const double gamma = K * std::ldexp(1.0, -23);  // >= gamma_K: a float32 sum's error over sum |x_k w_k|
   const float *pa = A.data_ptr<float>(), *pb = B.data_ptr<float>(), *pc = C.data_ptr<float>();
   const float* ps = S.data_ptr<float>();
   const int32_t* pr = R.data_ptr<int32_t>();
@@ -391,47 +408,72 @@ std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& w
       const RowTerms terms{Vec(c1[m]), Vec(c2[m]), Vec(c3[m])};
       const Vec vfloor(floor);
       double best = -std::numeric_limits<double>::infinity();
-      double capped = best, runner_up = best;  // with a cap: the capped values of the winner and the best other
+      double best_e = 0, other = best;  // the winner's bound e (rounded logits), the others' largest v + e
+      double left = best;  // the largest upper bound a + b of a token left out (its float32 logit is at most that)
+      const bool ends = cap > 0 || rounded;  // the winner is checked against the others' highest values
       int64_t arg = -1, seen = 0;
       for (int64_t g = 0; g < ng; ++g) {
-        if (!(grp_hi[m * ng + g] >= floor)) continue;
+        if (!(grp_hi[m * ng + g] >= floor)) {
+          left = std::max(left, static_cast<double>(grp_hi[m * ng + g]));
+          continue;
+        }
         for (int64_t j0 = g * span; j0 < std::min((g + 1) * span, V); j0 += L) {
           const Vec va = Vec::loadu(am + j0);
           const Vec hi = va + bound(va, pa + j0, pb + j0, pc + j0, terms, vs);
+          if (ends) {  // the lanes left out, padding entries excluded
+            const Vec out = Vec::blendv(hi, Vec(-kInf), hi >= vfloor);
+            const int64_t live = std::min<int64_t>(L, V - j0);
+            left = std::max(left, static_cast<double>(lanes_max(live < L ? Vec::set(Vec(-kInf), out, live) : out)));
+          }
           int lanes = ~(hi >= vfloor).zero_mask() & ((1 << L) - 1);
           while (lanes) {
             const int i = __builtin_ctz(lanes);
             lanes &= lanes - 1;
             const int64_t n = j0 + i;
             if (n >= V) break;
-            const float* wn = w + n * K;
-            double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-            int64_t k = 0;
-            for (; k + 4 <= K; k += 4) {
-              s0 += static_cast<double>(xm[k]) * wn[k], s1 += static_cast<double>(xm[k + 1]) * wn[k + 1];
-              s2 += static_cast<double>(xm[k + 2]) * wn[k + 2], s3 += static_cast<double>(xm[k + 3]) * wn[k + 3];
-            }
-            for (; k < K; ++k) s0 += static_cast<double>(xm[k]) * wn[k];
-            const double v = (s0 + s1) + (s2 + s3);
-            ++seen;
-            if (cap > 0) {
-              const double c = cap * std::tanh(v / cap);
-              if (arg < 0 || v > best) {
-                runner_up = std::max(runner_up, capped);
-                capped = c;
-              } else {
-                runner_up = std::max(runner_up, c);
+            double s0 = 0, s1 = 0, s2 = 0, s3 = 0, mag = 0;
+            if (bf16_head) {  // widened exactly; the sum of |products| rides along
+              const at::BFloat16* wn = w16 + n * K;
+              for (int64_t k = 0; k < K; ++k) {
+                const double p = static_cast<double>(xm[k]) * static_cast<float>(wn[k]);
+                s0 += p, mag += std::fabs(p);
               }
+            } else {
+              const float* wn = w + n * K;
+              int64_t k = 0;
+              for (; k + 4 <= K; k += 4) {
+                s0 += static_cast<double>(xm[k]) * wn[k], s1 += static_cast<double>(xm[k + 1]) * wn[k + 1];
+                s2 += static_cast<double>(xm[k + 2]) * wn[k + 2], s3 += static_cast<double>(xm[k + 3]) * wn[k + 3];
+              }
+              for (; k < K; ++k) s0 += static_cast<double>(xm[k]) * wn[k];
+              if (rounded)
+                for (k = 0; k < K; ++k) mag += std::fabs(static_cast<double>(xm[k]) * wn[k]);
             }
-            if (arg < 0 || v > best) best = v, arg = n;
+            const double v = (s0 + s1) + (s2 + s3);
+            // float32 logits: the float64 value decides (e = 0), as without rounding to a narrower format
+            const double e = rounded ? (gamma * mag + K * std::ldexp(1.0, -124)) * (1 + 1e-9) : 0.0;
+            ++seen;
+            if (arg < 0 || v > best) {
+              if (arg >= 0) other = std::max(other, best + best_e);
+              best = v, best_e = e, arg = n;
+            } else {
+              other = std::max(other, v + e);
+            }
           }
         }
       }
       if (arg < 0 || !std::isfinite(best)) continue;
-      if (cap > 0) {  // the float32 cap could tie the winner with another token: the float32 path decides
-        const double unit = std::ldexp(1.0, std::ilogb(std::max<double>(std::fabs(capped), FLT_MIN)) - 23);
-        const double left_out = cap * std::tanh(static_cast<double>(floor) / cap);
-        if (!(capped - std::max(runner_up, left_out) > kCapUlps * unit)) continue;
+      // the winner's lowest value against the highest any other token may take
+      const double low = best - best_e, rival = std::max(other, left);
+      const auto unit = [&](double a, double b) {  // the logits' format's spacing at the larger magnitude
+        const double big = std::max({std::fabs(a), std::fabs(b), static_cast<double>(FLT_MIN)});
+        return std::ldexp(1.0, std::ilogb(big) - static_cast<int>(logit_bits - 1));
+      };
+      if (cap > 0) {  // the cap could round the winner onto another token's value: the caller's path decides
+        const double c_low = cap * std::tanh(low / cap), c_rival = cap * std::tanh(rival / cap);
+        if (!(c_low - c_rival > kCapUlps * unit(c_low, c_rival))) continue;
+      } else if (rounded) {  // rounding could tie the winner with another token: the caller's path decides
+        if (!(low - rival > unit(low, rival))) continue;
       }
       pt[m] = arg, pok[m] = true, pn[m] = seen;
     }

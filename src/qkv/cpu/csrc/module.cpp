@@ -51,7 +51,7 @@ std::vector<at::Tensor> screen_pack(const at::Tensor& weight);
 std::vector<at::Tensor> screened_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                                         const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
                                         const at::Tensor& S, const at::Tensor& R, const at::Tensor& P,
-                                        double cap);
+                                        double cap, int64_t logit_bits);
 
 namespace {
 
@@ -129,7 +129,7 @@ TORCH_LIBRARY(qkv_cpu, m) {
         "Tensor src) -> ()");
   m.def("screen_pack(Tensor weight) -> Tensor[]");
   m.def("screened_argmax(Tensor x, Tensor weight, Tensor packed, Tensor A, Tensor B, Tensor C, Tensor S, Tensor R, "
-        "Tensor P, float cap=0.0) -> Tensor[]");
+        "Tensor P, float cap=0.0, int logit_bits=24) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(qkv_cpu, CPU, m) {

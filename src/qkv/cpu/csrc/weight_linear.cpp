@@ -9,8 +9,8 @@
 // multiplied by the float32 rows with fused multiply-adds, the sums in float32. Row n of the output is
 //   y[m, n] = s_n * sum_k x[m, k] w[n, k] + b_n   (s_n = 1 for bfloat16 and float32),
 // the K-term sum in Vec-wide partial sums (Vec: at::vec::Vectorized<float>, 8 lanes on AVX2, 16 on AVX-512; two
-// interleaved sets of them for a one-row, one-weight-row tile, whose single chain of dependent multiply-adds would
-// otherwise wait on itself) added across lanes at the end, then the tail. Blocks of output rows run on torch's intra-op threads (at::parallel_for,
+// four interleaved sets of them for a one-row, one-weight-row tile, whose single chain of dependent multiply-adds
+// would otherwise wait on itself) added across lanes at the end, then the tail. Blocks of output rows run on torch's intra-op threads (at::parallel_for,
 // which runs inline inside another parallel region and on one thread under torch.set_num_threads(1)); a share below
 // kGrainWeights weights stays on the calling thread (a small product is not worth waking the pool). x may be float32
 // or bfloat16 (widened once); the output has x's dtype.
@@ -33,6 +33,8 @@ constexpr int64_t kV = Vec::size();
 // parallel region waits for a descheduled worker (milliseconds), so small products are not worth the pool: 256K
 // weights are 256 KB of int8 (512 KB of bfloat16), tens of microseconds on one core.
 constexpr int64_t kGrainWeights = 1 << 18;
+// Inputs from which a one- or two-row product reads four weight rows side by side (products()).
+constexpr int64_t kLongRow = 4096;
 
 // Vec::size() weights from p, widened to float32.
 inline Vec widen(const at::BFloat16* p) {  // a bfloat16 is the high half of its float32
@@ -80,11 +82,11 @@ inline float lanes(const Vec& v) {  // the lanes' sum
 }
 
 // Outputs [n, n + NR) of rows [m, m + MR): x rows of K float32 (row stride K), w rows of K (row stride K);
-// dot[i][j] = x[m + i] . w[n + j] in float32. A 1 x 1 tile keeps U = 2 sets of partial sums (even and odd Vec
-// steps) so that two multiply-add chains are in flight; larger tiles have MR x NR chains already.
+// dot[i][j] = x[m + i] . w[n + j] in float32. A 1 x 1 tile keeps U = 4 sets of partial sums (Vec steps taken in
+// turn) so that four multiply-add chains are in flight; larger tiles have MR x NR chains already.
 template <int MR, int NR, typename W>
 inline void tile(const float* x, const W* w, int64_t K, float dot[MR][NR]) {
-  constexpr int U = MR * NR == 1 ? 2 : 1;
+  constexpr int U = MR * NR == 1 ? 4 : 1;
   Vec acc[U][MR][NR];
   for (int u = 0; u < U; ++u)
     for (int i = 0; i < MR; ++i)
@@ -163,10 +165,12 @@ void products_tiled(const float* x, int64_t M, const W* w, int64_t K, int64_t N,
 template <typename W>
 void products(const float* x, int64_t M, const W* w, int64_t K, int64_t N, const float* scale, const float* bias,
               float* out) {
-  // One or two rows (a decode step's): one weight row per tile. A tile that reads several weight rows side by side
-  // streams them from memory at about a third of the rate one row at a time does (a 272 MB bfloat16 head, one
-  // row, one thread: 9.6 against 27.6 GB/s), and such a step is that stream. From four rows the products, not the
-  // stream, set the time, and tiles of several weight rows keep more accumulators busy.
+  // One or two rows (a decode step's): the product is the weight's stream from memory. Short weight rows (K below
+  // kLongRow: the QKV, output and up projections' K = 896 .. 2048) stream fastest one at a time; long ones (a down
+  // projection's K = 4864 .. 8192) four side by side. Measured on the products of the 0.5B-1B shapes, weights cold
+  // (benchmarks/skinny.py's skinny_stream table for float32): four short rows side by side ran at half the rate of
+  // one, and one long row at 0.7-0.9 of four. From four rows the products, not the stream, set the time, and tiles
+  // of several weight rows keep more accumulators busy.
 #if defined(CPU_CAPABILITY_AVX512)
   if (M >= 8) {  // 32 registers: 8 x 3 accumulators, 3 widened weight vectors and a row of x
     products_tiled<8, 3>(x, M, w, K, N, scale, bias, out);
@@ -176,7 +180,13 @@ void products(const float* x, int64_t M, const W* w, int64_t K, int64_t N, const
   if (M >= 4) {
     products_tiled<4, 2>(x, M, w, K, N, scale, bias, out);
   } else if (M >= 2) {
-    products_tiled<2, 1>(x, M, w, K, N, scale, bias, out);
+    if (K >= kLongRow) {
+      products_tiled<2, 4>(x, M, w, K, N, scale, bias, out);
+    } else {
+      products_tiled<2, 1>(x, M, w, K, N, scale, bias, out);
+    }
+  } else if (K >= kLongRow) {
+    products_tiled<1, 4>(x, M, w, K, N, scale, bias, out);
   } else {
     products_tiled<1, 1>(x, M, w, K, N, scale, bias, out);
   }
