@@ -123,7 +123,7 @@ def test_the_refusal_names_the_argument_that_requires_a_gradient():
 def test_eligibility_reasons():
     x, w = torch.randn(3, 8), torch.randn(8)
     assert ops.why_not_rms_norm(x, w) is None
-    assert ops.why_not_rms_norm(x.half(), w.half()) == "qkv_cpu::rms_norm runs float32/float64, got float16"
+    assert ops.why_not_rms_norm(x.half(), w.half()) == "qkv_cpu::rms_norm runs float32/float64/bfloat16, got float16"
     assert ops.why_not_rms_norm(x, w.double()) == ("qkv_cpu::rms_norm needs one dtype, got torch.float32 and "
                                                     "torch.float64")
     assert ops.why_not_rms_norm(x, w.requires_grad_()) == "autograd records this call (qkv_cpu::rms_norm has no " \

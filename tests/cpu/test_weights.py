@@ -450,3 +450,27 @@ def test_optimize_bf16_exact_keeps_the_float32_model():
     assert torch.equal(a, generate(model, ids, max_new_tokens=10, use_cache=False).new_tokens)
     with pytest.raises(ValueError, match="weights must be None"):
         qkv.cpu.optimize(copy.deepcopy(ref), weights="bf16")
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_bf16_rms_norm_kernel_within_one_rounding_of_float64(offset):
+    """A bfloat16 model's RMSNorm through the compiled loop (float32 arithmetic, one rounding to bfloat16) against the
+    float64 norm of the same bf16 values: within one bf16 rounding plus float32's; and the twin agrees as closely."""
+    from qkv.nn.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(int(offset) + 3)
+    norm = RMSNorm(896, eps=1e-6, offset=offset).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(896, generator=g) * 0.5 + (0.0 if offset else 1.0))
+    x = (torch.randn(5, 896, generator=g) * 3).to(torch.bfloat16)
+    x64, w64 = x.double(), norm.weight.double()
+    want = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * (offset + w64)
+    with torch.no_grad():
+        assert ops.why_not_rms_norm(x, norm.weight) is None
+        got = ops.rms_norm(x, norm.weight, 1e-6, offset)
+        twin = norm(x)
+    assert got.dtype == torch.bfloat16
+    bound = want.abs() * (2.0 ** -8 + 2.0 ** -20) + 1e-30
+    assert bool(((got.double() - want).abs() <= bound).all())
+    assert bool(((twin.double() - want).abs() <= bound).all())
+    assert float((got.double() != twin.double()).float().mean()) < 0.01  # neighbours at most, rarely

@@ -256,14 +256,16 @@ def test_rotary(seed):
 @pytest.mark.parametrize("seed", range(CASES))
 def test_rms_norm(seed):
     g = _gen(seed)
-    dt = _pick(g, DTYPES)
+    dt = _pick(g, [*DTYPES, torch.bfloat16])
     d = _pick(g, [1, 8, 100])
     norm = RMSNorm(d, eps=_pick(g, [1e-6, 0.0]), offset=_pick(g, [0.0, 1.0])).to(dt)
     with torch.no_grad():
         norm.weight.normal_(generator=g)
     x = _view(g, _poison(g, torch.randn(_pick(g, [0, 1, 3]), d, generator=g, dtype=dt), _pick(g, POISONS)),
               _pick(g, ["plain", "strided"]))
-    agree(f"rms_norm seed={seed} dtype={dt} x={tuple(x.shape)} eps={norm.eps}", lambda: norm(x), atol=1e-6, rtol=1e-5)
+    low = dt == torch.bfloat16  # float32 arithmetic rounded once: the two may round a value to neighbouring bf16s
+    agree(f"rms_norm seed={seed} dtype={dt} x={tuple(x.shape)} eps={norm.eps}", lambda: norm(x),
+          atol=1e-2 if low else 1e-6, rtol=2.0 ** -7 if low else 1e-5)
 
 
 @pytest.mark.parametrize("seed", range(CASES))

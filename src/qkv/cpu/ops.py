@@ -85,8 +85,9 @@ def _reason(name: str, tensors, dtypes, same_dtype: bool) -> str:
 
 
 def why_not_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Whether :func:`rms_norm` runs ``x (..., D)`` with ``weight (D,)``: float32/float64 of one dtype, CPU."""
-    return why_not("rms_norm", (x, weight))
+    """Whether :func:`rms_norm` runs ``x (..., D)`` with ``weight (D,)``: float32/float64/bfloat16 of one dtype,
+    CPU (bfloat16 normalizes in float32, rounded once)."""
+    return why_not("rms_norm", (x, weight), dtypes=(torch.float32, torch.float64, torch.bfloat16))
 
 
 def why_not_silu_mul(h: torch.Tensor) -> str | None:

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -220,26 +221,46 @@ at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   sizes.back() = N;
   int64_t R = 1;
   for (size_t d = 0; d + 1 < sizes.size(); ++d) R *= sizes[d];
-  auto out = at::empty({R, N}, x.options().dtype(at::kFloat));
-  if (K == 0) {  // an empty sum: the bias, or zeros
-    if (has_bias) {
-      out.copy_(bias->to(at::kFloat).expand({R, N}));
-    } else {
-      out.zero_();
-    }
-  } else if (R > 0 && N > 0) {
-    auto xf = x.reshape({R, K}).to(at::kFloat).contiguous();
-    auto sf = has_scale ? scale->contiguous() : at::Tensor();
-    auto bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    const float* ps = has_scale ? sf.data_ptr<float>() : nullptr;
-    const float* pb = has_bias ? bf.data_ptr<float>() : nullptr;
-    if (weight.scalar_type() == at::kChar) {
-      products(xf.data_ptr<float>(), R, weight.data_ptr<int8_t>(), K, N, ps, pb, out.data_ptr<float>());
-    } else if (weight.scalar_type() == at::kFloat) {
-      products(xf.data_ptr<float>(), R, weight.data_ptr<float>(), K, N, ps, pb, out.data_ptr<float>());
-    } else {
-      products(xf.data_ptr<float>(), R, weight.data_ptr<at::BFloat16>(), K, N, ps, pb, out.data_ptr<float>());
-    }
+  if (K == 0 || R == 0 || N == 0) {  // an empty sum: the bias, or zeros
+    auto out = at::zeros({R, N}, x.options().dtype(at::kFloat));
+    if (has_bias && K == 0) out.copy_(bias->to(at::kFloat).expand({R, N}));
+    return out.to(x.scalar_type()).view(sizes);
   }
-  return out.to(x.scalar_type()).view(sizes);
+  // A decode step makes about a hundred of these calls: bfloat16 rows, bias and results are widened and narrowed
+  // here in plain loops (a few hundred values), not by dispatched dtype conversions.
+  const auto floats = [](const at::Tensor& t, std::vector<float>& buf) -> const float* {
+    if (t.scalar_type() == at::kFloat) return t.data_ptr<float>();
+    buf.resize(t.numel());
+    if (t.scalar_type() == at::kBFloat16) {
+      const at::BFloat16* p = t.data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < t.numel(); ++i) buf[i] = static_cast<float>(p[i]);
+    } else {
+      auto f = t.to(at::kFloat);
+      std::copy(f.data_ptr<float>(), f.data_ptr<float>() + f.numel(), buf.begin());
+    }
+    return buf.data();
+  };
+  auto xc = x.reshape({R, K}).contiguous();
+  auto bc = has_bias ? bias->contiguous() : at::Tensor();
+  auto sf = has_scale ? scale->contiguous() : at::Tensor();
+  std::vector<float> xbuf, bbuf, obuf;
+  const float* px = floats(xc, xbuf);
+  const float* pb = has_bias ? floats(bc, bbuf) : nullptr;
+  const float* ps = has_scale ? sf.data_ptr<float>() : nullptr;
+  auto out = at::empty({R, N}, x.options());
+  const bool narrow = x.scalar_type() != at::kFloat;
+  if (narrow) obuf.resize(R * N);
+  float* po = narrow ? obuf.data() : out.data_ptr<float>();
+  if (weight.scalar_type() == at::kChar) {
+    products(px, R, weight.data_ptr<int8_t>(), K, N, ps, pb, po);
+  } else if (weight.scalar_type() == at::kFloat) {
+    products(px, R, weight.data_ptr<float>(), K, N, ps, pb, po);
+  } else {
+    products(px, R, weight.data_ptr<at::BFloat16>(), K, N, ps, pb, po);
+  }
+  if (narrow) {  // bfloat16 rows: the float32 sums rounded once (round to nearest even)
+    at::BFloat16* y = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < R * N; ++i) y[i] = static_cast<at::BFloat16>(obuf[i]);
+  }
+  return out.view(sizes);
 }
