@@ -24,8 +24,8 @@ host cancels); the row reports each side's tokens/s (median), qkv's over llama.c
 and the target (>= 1.0 on the slowest repeat). llama-bench prints no tokens, so they are not compared.
 
 Runtime on a quiet 2-core machine: converting a shape takes about a minute per output type at 0.5B; a row at 0.5B
-with 5 repeats about 2 minutes; 1B about twice, 3B about six times (3B in float32 is 12 GB per copy: run
-``--types bf16,q8_0`` there).
+with 5 repeats about 2 minutes; 1B about twice, 3B about six times. A pair whose qkv model and GGUF do not fit in
+80% of the machine's memory together is skipped with the reason (3B in float32 is 12 GB per copy on a 24 GB machine).
 
 Usage::
 
@@ -153,6 +153,19 @@ def qkv_model(ckpt: Path, dtype_name: str, weights: str | None):
     return optimize(model, weights=weights) if weights is not None else model
 
 
+def too_big(ckpt: Path, gguf: Path, dtype_name: str) -> str | None:
+    """Why qkv's model and llama.cpp's GGUF cannot be timed side by side here (None when they can): together they
+    must fit in 80% of this machine's memory, else one side's weights are read back from disk while the other runs
+    (3B in float32: 12 GB per copy on a 24 GB machine)."""
+    n_params = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) // 4  # a float32 checkpoint
+    need = n_params * (4 if dtype_name == "float32" else 2) + gguf.stat().st_size
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > 0.8 * total:
+        return (f"qkv's {dtype_name} model and the {gguf.name} GGUF need {need / 1e9:.1f} GB together, more than 80% "
+                f"of this machine's {total / 1e9:.1f} GB (each side would read its weights from disk)")
+    return None
+
+
 def qkv_rate(model, vocab: int) -> float:
     """Decode tokens/s of ``N_NEW`` steps from a 1-token prompt (33 new tokens timed minus 1)."""
     import torch
@@ -201,7 +214,7 @@ def run(args) -> None:
             for gguf_type in types:
                 dtype_name, weights = PAIRS[gguf_type]
                 gguf = convert(ckpt, base, gguf_type)
-                model = qkv_model(ckpt, dtype_name, weights)
+                model = too_big(ckpt, gguf, dtype_name) or qkv_model(ckpt, dtype_name, weights)
                 qkv_path = f"{dtype_name}" + (f", weights={weights}" if weights else "")
                 for threads in threads_list:
                     case = {"shape": shape, "llama_cpp": gguf_type, "qkv": qkv_path, "threads": threads, "B": 1,
