@@ -214,6 +214,14 @@ def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 _STREAMED_ROWS = {torch.bfloat16: WEIGHT_ROWS, torch.float32: STREAM_ROWS}  # dtype -> rows the kernel takes
 
 
+def _streams(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`linear` streams this product through ``qkv_cpu::weight_linear`` (before the rule)."""
+    K = x.shape[-1]
+    return bool(x.dtype == weight.dtype and K and weight.dim() == 2
+                and x.numel() // K <= _STREAMED_ROWS.get(x.dtype, 0)
+                and ops.why_not_weight_linear(x, weight, None, bias) is None)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: WeightPacks | None = None, activation: Activation | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (then ``activation``, if given) the way the product rule says for this
@@ -227,9 +235,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = F.linear(x, weight, bias)
         return y if activation is None else activation(y)
     K = x.shape[-1]
-    if (x.dtype == weight.dtype and K and weight.dim() == 2
-            and x.numel() // K <= _STREAMED_ROWS.get(x.dtype, 0)
-            and ops.why_not_weight_linear(x, weight, None, bias) is None):
+    if _streams(x, weight, bias):
         y = ops.weight_linear(x, weight, None, bias)
         return y if activation is None else activation(y)
     path = choose(x.numel() // K, weight.shape[0], K) if K else "linear"
@@ -317,16 +323,19 @@ class LinearProducts:
 
 
 def planned_row_blocks(linear_fn: Callable, x: torch.Tensor, weight: torch.Tensor) -> int | None:
-    """The row blocks ``linear_fn(x, weight, bias)`` multiplies through (1: ``F.linear`` itself), for a
-    ``linear_fn`` that is ``F.linear`` or a :class:`LinearProducts` and a contiguous ``weight`` (N, K); None where
-    it takes another path (oneDNN, column blocks, a function of the caller's own), so that a fused caller
-    (:mod:`qkv.nn.moe`'s one-token experts) runs exactly the products ``linear_fn`` would."""
+    """The row blocks ``linear_fn(x, weight, bias)`` multiplies through (1: ``F.linear`` itself, 0: the weight
+    streamed by ``qkv_cpu::weight_linear``), for a ``linear_fn`` that is ``F.linear`` or a :class:`LinearProducts`
+    and a contiguous ``weight`` (N, K); None where it takes another path (oneDNN, column blocks, a function of the
+    caller's own), so that a fused caller (:mod:`qkv.nn.moe`'s one-token experts) runs exactly the products
+    ``linear_fn`` would."""
     if linear_fn is F.linear:
         return 1
     if type(linear_fn) is not LinearProducts or not weight.is_contiguous() or x.device.type != "cpu":
         return None
     K, N = x.shape[-1], weight.shape[0]
     rows = x.numel() // K if K else 0
+    if _streams(x, weight, None):
+        return 0
     if linear_fn.pack and choose(rows, N, K) == "onednn" and _eligible(x, weight):
         return None
     if rows > MEASURED_ROWS or not blockable(x, weight):

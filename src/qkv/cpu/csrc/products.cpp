@@ -43,8 +43,18 @@ at::Tensor rows_product(const at::Tensor& x2, const at::Tensor& weight, int64_t 
   return out;
 }
 
-// rows_product with the bias: at::linear's fused bias where there are no blocks, as F.linear on the Python path.
+}  // namespace
+
+at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                         const c10::optional<at::Tensor>& bias);
+
+namespace {
+
+// rows_product with the bias: at::linear's fused bias where there are no blocks, as F.linear on the Python path;
+// nb = 0: the weight streamed by weight_linear (weight_linear.cpp), as qkv.cpu.gemm.linear takes a decode step's
+// float32 product.
 at::Tensor product(const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t nb) {
+  if (nb == 0) return weight_linear(x2, weight, c10::nullopt, bias);
   const bool has_bias = bias.has_value() && bias->defined();
   if (nb <= 1) return has_bias ? at::linear(x2, weight, *bias) : at::linear(x2, weight);
   auto out = rows_product(x2, weight, nb);
@@ -99,7 +109,8 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 
 // One token's routed experts: x (1, d); ids, weights (k,) the chosen experts and their router weights (float32);
 // gate_up (E, 2f, d) and down (E, d, f) stacked (biases (E, 2f), (E, d) or None); clamped: GPT-OSS's activation
-// with alpha and limit, else SiLU(gate) * up; nb_gate_up, nb_down: row blocks of the two products (1: at::linear).
+// with alpha and limit, else SiLU(gate) * up; nb_gate_up, nb_down: row blocks of the two products (1: at::linear,
+// 0: the weight streamed).
 at::Tensor moe_token(const at::Tensor& x, const std::vector<int64_t>& ids, const at::Tensor& weights,
                      const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                      const c10::optional<at::Tensor>& down_bias, bool clamped, double alpha, double limit,
