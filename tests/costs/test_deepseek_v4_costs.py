@@ -80,3 +80,12 @@ def test_decode_attention_at_1m_tokens_is_a_small_part_of_v32s_dense_count():
     v4 = model_flops(PRESETS["deepseek-v4-pro"], context=1 << 20).decode
     v32 = model_flops(PRESETS["deepseek-v3.2"], context=1 << 20).decode
     assert v4.attention < 0.05 * v32.attention and v4.total < 0.1 * v32.total
+
+
+def test_presets_name_the_compressed_attention():
+    """V4's presets are not labelled MQA (one shared KV head) but by their compressed attention, and the MHA
+    equivalent they are compared with is plain MHA."""
+    for name in ("deepseek-v4-flash", "deepseek-v4-pro"):
+        assert PRESETS[name].attention_kind == "csa/hca"
+        assert PRESETS[name].mha_equivalent().attention_kind == "mha"
+    assert PRESETS["deepseek-v3.2"].attention_kind == "mla"

@@ -97,10 +97,13 @@ class ModelPreset:
 
     @property
     def attention_kind(self) -> str:
-        """``"mla"``, ``"mha"``, ``"mqa"`` or ``"gqa"``."""
+        """``"mla"``, ``"csa/hca"`` (DeepSeek-V4's compressed attention: keys compressed per layer kind, one shared
+        KV head), ``"mha"``, ``"mqa"`` or ``"gqa"``."""
         c = self.config
         if c.latent is not None:
             return "mla"
+        if c.compressed is not None:
+            return "csa/hca"
         if c.num_key_value_heads == c.num_attention_heads:
             return "mha"
         return "mqa" if c.num_key_value_heads == 1 else "gqa"
