@@ -14,9 +14,9 @@ __all__ = ["register", "doctor", "report"]
 def report() -> dict:
     """What ``qkv doctor`` shows, as a dict: the compiled kernels (state prebuilt / jit / off, the capability
     built for, the library, why off, why a prebuilt library was passed over), this CPU's capability, torch's
-    version, threads, oneDNN and the int8 head screen (each with the reason it is off, or None), and how int8
+    version, threads (and how many a model step takes now, beside the other runnable tasks), oneDNN and the int8 head screen (each with the reason it is off, or None), and how int8
     weights are asked for (never a default) and whether their kernel runs."""
-    from qkv.cpu import kernels
+    from qkv.cpu import kernels, threads
     from qkv.cpu.gemm import onednn_unavailable_reason
     from qkv.cpu.greedy import screen_unavailable_reason
 
@@ -26,7 +26,10 @@ def report() -> dict:
                     "prebuilt_passed_over_because": st.note},
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
-        "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()},
+        "threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(),
+                    "other_runnable_now": threads.others_running(fresh=True), "step_now": threads.step_threads(),
+                    "how": 'an optimized model\'s step uses no more threads than cores are free; '
+                           'qkv.cpu.optimize(model, threads="fixed") keeps torch\'s setting'},
         "onednn": {"on": onednn_unavailable_reason() is None, "off_because": onednn_unavailable_reason()},
         "int8_head_screen": {"on": screen_unavailable_reason() is None, "off_because": screen_unavailable_reason()},
         "int8_weights": {"default": False, "how": 'qkv.cpu.optimize(model, weights="int8")',
@@ -65,7 +68,9 @@ def doctor(
     if k["prebuilt_passed_over_because"]:
         lines.append(f"  prebuilt library not used: {k['prebuilt_passed_over_because']}")
     lines += [f"cpu capability: {info['cpu_capability']}", f"torch: {info['torch']}",
-              f"threads: {info['threads']['intra_op']} intra-op, {info['threads']['inter_op']} inter-op"]
+              f"threads: {info['threads']['intra_op']} intra-op, {info['threads']['inter_op']} inter-op",
+              f"  a step now: {info['threads']['step_now']} (other runnable tasks: "
+              f"{info['threads']['other_runnable_now']}; {info['threads']['how']})"]
     for name, key in (("oneDNN products", "onednn"), ("int8 head screen", "int8_head_screen")):
         part = info[key]
         lines.append(f"{name}: {'on' if part['on'] else 'off'}" + ("" if part["on"] else

@@ -25,6 +25,8 @@ applied to a plain model from outside by one call, :func:`optimize`.
 - :mod:`qkv.cpu.optimize`: :func:`optimize` swaps these into a model (``qkv.models.from_hf``,
   ``qkv.models.generate`` and ``SentenceEncoder`` call it by default); :func:`use_onednn` is the same with
   oneDNN required, kept for existing code.
+- :mod:`qkv.cpu.threads`: each step of an optimized model on no more of torch's threads than the cores other
+  processes leave free (:func:`step`; ``optimize(model, threads="fixed")``: torch's setting).
 
 Whatever the layout in memory, a model's ``state_dict()`` holds standard contiguous tensors, so
 ``safetensors.torch.save_file(model.state_dict(), path)`` works as is. Measured speed-ups are in
@@ -40,11 +42,11 @@ from .gemm import (
     onednn_unavailable_reason,
 )
 from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
-from .optimize import ActivatedUpProjection, LinearHost, Optimized, optimize, optimized, use_onednn
+from .optimize import ActivatedUpProjection, LinearHost, Optimized, optimize, optimized, step, use_onednn
 from .skinny import InputMajorLinear, SkinnyLinear, input_major, skinny_linear
 from .weights import Bf16ExactLinear, Int8Linear, is_bf16_exact, quantize_int8, weight_linear
 
-__all__ = ["optimize", "optimized", "Optimized", "use_onednn", "LinearHost", "ActivatedUpProjection", "GreedyHead",
+__all__ = ["optimize", "optimized", "Optimized", "step", "use_onednn", "LinearHost", "ActivatedUpProjection", "GreedyHead",
            "HeadScreen", "screen_unavailable_reason",
            "onednn_available", "onednn_unavailable_reason", "PrepackedLinear", "PrepackedWeight",
            "PrepackedWeights", "LinearProducts", "SkinnyLinear", "InputMajorLinear", "input_major", "skinny_linear",

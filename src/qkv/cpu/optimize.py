@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -51,16 +52,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused, gemm, ops
+from . import fused, gemm, ops, threads as step_threads
 from .gemm import LinearProducts, PrepackedLinear, can_fuse
 from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .skinny import SkinnyLinear
 from .weights import WEIGHT_FORMATS, Bf16ExactLinear, Int8Linear, is_bf16_exact
 
 __all__ = ["optimize", "optimized", "use_onednn", "Optimized", "LinearHost", "ActivatedUpProjection", "NormHost",
-           "GateHost", "RotaryHost", "ExpertsHost", "DeltaHost", "DecodeHost"]
+           "GateHost", "RotaryHost", "ExpertsHost", "DeltaHost", "DecodeHost", "step"]
 
 _MARK = "_qkv_cpu_optimized"
+_HOOKS = "_qkv_cpu_step_hooks"  # the handles of the forward hooks that run each call under threads.step()
 
 
 class Optimized(NamedTuple):
@@ -69,12 +71,14 @@ class Optimized(NamedTuple):
     ``weights`` (``"int8"``: some linear layers hold int8 weights, :class:`qkv.cpu.weights.Int8Linear`;
     ``"bf16-exact"``: some float32 layers hold their bfloat16-valued weights in bfloat16,
     :class:`qkv.cpu.weights.Bf16ExactLinear`; None: every weight in its own dtype). Which kernel slots hold qkv's
-    compiled kernels the modules' slots say."""
+    compiled kernels the modules' slots say. ``threads``: ``"adapt"`` (each step on as many threads as cores are
+    free, :mod:`qkv.cpu.threads`) or ``"fixed"`` (torch's setting)."""
 
     onednn: bool
     input_major: bool | None
     screen: bool = False
     weights: str | None = None
+    threads: str = "adapt"
 
 
 @runtime_checkable
@@ -154,6 +158,26 @@ def optimized(model: nn.Module) -> Optimized | None:
     return model.__dict__.get(_MARK)
 
 
+def step(model) -> contextlib.AbstractContextManager:
+    """The context one step of ``model`` runs under (``qkv.models.generate`` and the Engine open it around each
+    step): :func:`qkv.cpu.threads.step` where :func:`optimize` left ``model`` with ``threads="adapt"``, else
+    nothing."""
+    mark = model.__dict__.get(_MARK) if isinstance(model, nn.Module) else None
+    return step_threads.step() if mark is not None and mark.threads == "adapt" else contextlib.nullcontext()
+
+
+def _set_step_hooks(model: nn.Module, adapt: bool) -> None:
+    """Register (``adapt``) or remove the forward hooks that run each ``model(...)`` call under
+    :func:`qkv.cpu.threads.step`."""
+    handles = model.__dict__.pop(_HOOKS, None)
+    if handles is not None:
+        for h in handles:
+            h.remove()
+    if adapt:
+        model.__dict__[_HOOKS] = (model.register_forward_pre_hook(step_threads.open_step),
+                                  model.register_forward_hook(step_threads.close_step, always_call=True))
+
+
 def _is_input_major(w: torch.Tensor) -> bool:
     return w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
 
@@ -185,7 +209,8 @@ def _narrow_layer(child: nn.Linear, weights: str, pack: bool, input_major: bool 
 
 
 def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool | None = None,
-             screen: bool | None = None, compiled: bool = True, weights: str | None = None) -> nn.Module:
+             screen: bool | None = None, compiled: bool = True, weights: str | None = None,
+             threads: str = "adapt") -> nn.Module:
     """Swap the CPU products of :mod:`qkv.cpu` into ``model`` (in place) and return it.
 
     Args:
@@ -210,6 +235,10 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
             (:class:`qkv.cpu.weights.Bf16ExactLinear`; lossless; the other layers as with None). ``"int8"``:
             every linear layer but the LM head quantized per channel (:class:`qkv.cpu.weights.Int8Linear`;
             lossy). Both are for inference (no weight gradient) and need qkv's compiled kernels.
+        threads: ``"adapt"`` (default): each call of ``model`` (and each step ``qkv.models.generate`` and the
+            Engine run) uses torch's intra-op threads, but no more than the cores other processes leave free
+            (:mod:`qkv.cpu.threads`: beside busy processes a step of many small parallel regions waits for
+            descheduled workers); ``"fixed"``: torch's setting always.
 
     Returns:
         ``model`` (see above for a bare ``nn.Linear``), marked so :func:`optimized` reports the options.
@@ -228,6 +257,9 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(f"optimize: weights must be None (keep each weight's dtype) or one of {WEIGHT_FORMATS}, got "
                          f"{weights!r}")
+    if threads not in step_threads.THREAD_MODES:
+        raise ValueError(f"optimize: threads must be one of {step_threads.THREAD_MODES} (\"adapt\": no more threads "
+                         f"than free cores; \"fixed\": torch's setting), got {threads!r}")
     if weights is not None and ops.unavailable_reason() is not None:
         raise RuntimeError(f"optimize: weights={weights!r} needs qkv's compiled kernels, which cannot run here: "
                            f"{ops.unavailable_reason()}")
@@ -273,7 +305,9 @@ def optimize(model: nn.Module, *, onednn: bool | None = None, input_major: bool 
                 parent.decode_backend = parent.__dict__.pop(_DECODE_MARK)
     kinds = {type(m) for m in model.modules()}
     held = "int8" if Int8Linear in kinds else "bf16-exact" if Bf16ExactLinear in kinds else None
-    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=screened_any, weights=held)
+    _set_step_hooks(model, threads == "adapt")
+    model.__dict__[_MARK] = Optimized(onednn=pack, input_major=input_major, screen=screened_any, weights=held,
+                                      threads=threads)
     return model
 
 

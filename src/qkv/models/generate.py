@@ -42,6 +42,7 @@ import torch
 from ..cache.protocol import PrefixMatchingCache, decoder_model_problem
 from ..cpu import optimize as cpu_optimize
 from ..cpu import optimized
+from ..cpu import step as cpu_step
 from ..pos.ids import positions_from_padding
 from .sampling import RequestSampler, SamplingParams
 
@@ -187,9 +188,10 @@ def forward_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, *, la
     (``logits_to_keep=1`` where its ``forward`` takes it)."""
     if cache is not None:
         cache.prepare(ids, positions)
-    if last_only and ids.shape[1] > 1 and _takes_logits_to_keep(model):
-        return logits_of(model(ids, positions=positions, cache=cache, logits_to_keep=1))
-    return logits_of(model(ids, positions=positions, cache=cache))
+    with cpu_step(model):
+        if last_only and ids.shape[1] > 1 and _takes_logits_to_keep(model):
+            return logits_of(model(ids, positions=positions, cache=cache, logits_to_keep=1))
+        return logits_of(model(ids, positions=positions, cache=cache))
 
 
 def last_logits(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -214,7 +216,8 @@ def last_tokens(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> tor
     if isinstance(model, GreedyDecoder):
         if cache is not None:
             cache.prepare(ids, positions)
-        return model.next_tokens(ids, positions=positions, cache=cache)
+        with cpu_step(model):
+            return model.next_tokens(ids, positions=positions, cache=cache)
     return greedy(last_logits(model, cache, ids, positions).float())
 
 
