@@ -28,7 +28,10 @@ def test_doctor_json_reports_each_path():
     assert info["kernels"]["capability"] in kernels.CAPABILITIES
     assert info["torch"] == torch.__version__
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert info["threads"] == {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads()}
+    t = info["threads"]
+    assert (t["intra_op"], t["inter_op"]) == (torch.get_num_threads(), torch.get_num_interop_threads())
+    assert 1 <= t["step_now"] <= t["intra_op"] and 'threads="fixed"' in t["how"]
+    assert t["other_runnable_now"] is None or t["other_runnable_now"] >= 0
     for key in ("onednn", "int8_head_screen"):
         assert info[key]["on"] == (info[key]["off_because"] is None)
     for key in ("int8_weights", "bf16_exact_weights"):  # opt-in formats: never the default, their kernel's state
