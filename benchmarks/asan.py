@@ -146,6 +146,16 @@ def _hostile_calls(mod):
         calls.append(("paged_decode zero kv heads", lambda: mod.paged_decode(
             torch.randn(1, 4, 8, dtype=dt), kp[:, :0], vp[:, :0], torch.tensor([[0]]), torch.arange(T).view(1, -1),
             torch.tensor([1]), 0.35, 0, True, None)))
+        kb, vb = kp.to(torch.bfloat16), vp.to(torch.bfloat16)  # bfloat16 pools: widened piece by piece
+        for table in ([[0, 1]], [[0, P]]):
+            tab = torch.tensor(table)
+            calls.append((f"paged_decode bf16 table {table}", lambda tab=tab: mod.paged_decode(
+                torch.randn(1, 4, 8, dtype=torch.bfloat16), kb, vb, tab, torch.arange(2 * T).view(1, -1),
+                torch.tensor([2 * T - 1]), 0.35, 3, True, torch.zeros(4, dtype=torch.bfloat16))))
+        calls.append(("decode_attention bf16 long", lambda: mod.decode_attention(
+            torch.randn(2, 4, 1, 24, dtype=torch.bfloat16), torch.randn(2, 2, 300, 24, dtype=torch.bfloat16),
+            torch.randn(2, 2, 300, 24, dtype=torch.bfloat16), torch.full((2, 1), 299),
+            torch.arange(300).expand(2, 300), True, 0, None, 0.2)))
         calls.append(("paged_decode positions far out", lambda: mod.paged_decode(
             torch.randn(1, 4, 8, dtype=dt), kp, vp, torch.tensor([[0]]), torch.tensor([[2**40, -2**40, 3, 4]]),
             torch.tensor([2**41]), 0.35, 1, True, None)))

@@ -14,8 +14,8 @@ vocabulary 8192) and a dense Llama-like decoder (4 layers, width 512, vocabulary
 ``qkv.models.generate`` call (a 32-token prompt, 16 new tokens, batch 1), the two paths paired and interleaved;
 ``plain/default`` is the plain path's time over the default's per repeat (>= 0.9 is #49's target, met when the
 slowest repeat meets it). Control: the default path with ``qkv.cpu.optimize(model, threads="fixed")`` (the same
-kernels on torch's thread setting whatever the load), ``plain/fixed``. Burners are spawned processes spinning in Python, started before and stopped after each
-model's repeats.
+kernels on torch's thread setting whatever the load), ``plain/fixed``. Burners are spawned processes spinning in
+Python, started before and stopped after each model's repeats.
 
 Published configuration (the defaults): 2 threads, wall clock, 5 paired repeats, 0, 2 and 4 burners. Expected time
 on a quiet 2-core machine: about 3 minutes. ``--quick``: smaller models, 2 repeats, 0 and 2 burners.

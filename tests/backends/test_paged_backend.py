@@ -101,6 +101,26 @@ def test_sinks_and_bfloat16_are_served():
     assert "float32/float64, got bfloat16" in qkv.explain(qb, kb, vb, paged=paged).note
 
 
+def test_a_bfloat16_decode_step_runs_the_compiled_kernel(kernel_path):
+    """One query per row over bfloat16 pools: the compiled paged-decode kernel (pools widened to float32 piece by
+    piece, the output rounded once) within budget of the float64 reference, with sinks; the torch ops' view
+    where the kernels are off."""
+    q, kp, vp, paged = _operands(11, N=1, lens=(9, 1, 14, 0), B=4)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, kp, vp))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]).to(torch.bfloat16)
+    note = qkv.explain(qb, kb, vb, paged=paged).note
+    if kernel_path == "compiled":
+        assert note.startswith("compiled paged-decode kernel") and "bfloat16" in note, note
+    else:
+        assert "torch ops over the gathered view" in note, note
+    for z in (None, sinks):
+        out = qkv.attention(qb, kb, vb, paged=paged, sinks=z)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        assert_within_budget(out, _reference(qb, kb, vb, paged, sinks=z)[0],
+                             _reference(qb, kb, vb, paged, sinks=z, dtype=torch.bfloat16)[0], what="bfloat16 decode")
+        assert out[3].eq(0).all()  # a padding query (an empty row) attends to nothing
+
+
 def test_gradients_flow_through_the_torch_op_path():
     q, kp, vp, paged = _operands(5, N=3, dtype=torch.float64)
     q.requires_grad_(True)

@@ -105,7 +105,8 @@ def test_one_query_gqa_folds_groups_into_rows(mask_kind, monkeypatch):
     assert calls or mask_kind in ("causal_top_left",), "the grouped decode path was not taken"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1, 40, 16), (1, 4, 4, 1, 129, 64), (3, 6, 1, 1, 9, 8),
                                    (2, 8, 2, 1, 300, 64)], ids=lambda s: shape_id(*s))
 @pytest.mark.parametrize("window", [None, 5])
@@ -114,8 +115,8 @@ def test_decode_step_by_positions_in_one_compiled_call(dtype, shape, window, sin
     """A cached decode step (one query per row, a positions mask with padding, a window, sinks) on the CPU
     without autograd runs qkv's compiled decode_attention (the paged-decode kernel over the cache as one block a
     row, keys longer than its 128-key spans included), the ``cpu_decode`` backend: within budget of the float64
-    reference, with torch SDPA as the baseline, and a row whose keys are all padding gives zeros. Switched off,
-    the backend declines by name."""
+    reference, with torch SDPA as the baseline (bfloat16 too: its cache widened to float32 piece by piece), and a
+    row whose keys are all padding gives zeros. Switched off, the backend declines by name."""
     from qkv import masks
     from qkv.cpu import kernels
 

@@ -6,8 +6,9 @@ built and materialized per step and SDPA over it; ``decode_attention.cpp`` (qkv'
 as one block a row, after PagedAttention: Kwon et al. 2023, arXiv:2309.06180) reads each KV head once for its query
 heads, applies the positions rule per slot and adds the sinks to the denominator, in one call reached through
 :mod:`qkv.cpu.ops`. It takes one query per row, a positions mask, no score modifier, ``Dv == Dqk``, float32/float64
-CPU tensors that need no gradient, no ``return_lse``, and the kernels built; it declines anything else with the
-reason (``qkv.explain`` names it), and a request naming it that it declines raises.
+or bfloat16 (computed in float32, rounded once) CPU tensors that need no gradient, no ``return_lse``, and the
+kernels built; it declines anything else with the reason (``qkv.explain`` names it), and a request naming it
+that it declines raises.
 
 ``qkv.cpu.optimize`` makes it a model's single-query backend where the model's was ``"sdpa"``.
 

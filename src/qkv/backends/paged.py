@@ -55,7 +55,7 @@ from ..cpu import ops
 from .base import NOMINAL_FLOPS, Backend, Estimate, dense_flops
 
 __all__ = ["PagedBackend", "paged_decode_blocks", "paged_prefill_blocks", "blocks_compiled", "gather_head_major",
-           "check_paged_args", "BLOCKS_DTYPES", "SPAN_TOKENS", "BLOCKS_BELOW_FILL", "BLOCKS_MIN_SLOTS"]
+           "check_paged_args", "BLOCKS_DTYPES", "DECODE_DTYPES", "SPAN_TOKENS", "BLOCKS_BELOW_FILL", "BLOCKS_MIN_SLOTS"]
 
 #: Keys per GEMM: a row's live blocks are read in spans of this many tokens (whole blocks, at least one), so each
 #: score product is (G, D) x (D, SPAN_TOKENS) rather than one block wide; block-wide products ran at about half
@@ -65,6 +65,9 @@ SPAN_TOKENS = 64
 #: Dtypes the block path computes in (its softmax runs in the query's dtype): float32 and float64. Lower precisions
 #: keep the gathered view and SDPA, which accumulates them in float32.
 BLOCKS_DTYPES = (torch.float32, torch.float64)
+#: Dtypes of a decode step (one query per row) the compiled kernel takes: those and bfloat16 pools, read in place and
+#: computed in float32 (without the kernels a bfloat16 step keeps the gathered view).
+DECODE_DTYPES = BLOCKS_DTYPES + (torch.bfloat16,)
 
 #: Without qkv's compiled CPU kernels (which serve every CPU decode step), the block path (:func:`_blocks`) serves a
 #: CPU decode step when the step's rows fill at most this share of the padded view, and the view holds at least
@@ -385,11 +388,12 @@ class PagedBackend(Backend):
                 return "triton"
         if q.device.type == "cuda":
             return "view"
-        if q.dtype not in BLOCKS_DTYPES or (torch.is_grad_enabled() and req.requires_grad) or q.device.type != "cpu":
+        if (q.dtype not in (DECODE_DTYPES if one else BLOCKS_DTYPES) or (torch.is_grad_enabled() and req.requires_grad)
+                or q.device.type != "cpu"):
             return "view"
         if ops.available() and (one or q.stride(-1) == 1):
             return "compiled"
-        return "blocks" if one and _ragged(req.paged.kv_positions) else "view"
+        return "blocks" if one and q.dtype in BLOCKS_DTYPES and _ragged(req.paged.kv_positions) else "view"
 
     def path(self, req: Request) -> str:
         kind = self._kind(req)
@@ -402,8 +406,10 @@ class PagedBackend(Backend):
         if req.device.type == "cuda":
             why = ("the Triton kernel takes one query per row" if req.Nq > 1
                    else "the Triton decode kernel cannot run (no triton, gradients or an unsupported dtype)")
-        elif req.dtype not in BLOCKS_DTYPES:
-            why = f"the compiled kernels take float32/float64, got {str(req.dtype).replace('torch.', '')}"
+        elif req.dtype not in (DECODE_DTYPES if req.Nq == 1 else BLOCKS_DTYPES):
+            takes = ("decode kernel takes float32/float64/bfloat16" if req.Nq == 1
+                     else "prefill kernel takes float32/float64")
+            why = f"the compiled {takes}, got {str(req.dtype).replace('torch.', '')}"
         elif req.requires_grad:
             why = "gradients are asked for and the compiled kernels have no backward"
         elif req.device.type != "cpu":

@@ -14,8 +14,9 @@ __all__ = ["register", "doctor", "report"]
 def report() -> dict:
     """What ``qkv doctor`` shows, as a dict: the compiled kernels (state prebuilt / jit / off, the capability
     built for, the library, why off, why a prebuilt library was passed over), this CPU's capability, torch's
-    version, threads (and how many a model step takes now, beside the other runnable tasks), oneDNN and the int8 head screen (each with the reason it is off, or None), and how int8
-    weights are asked for (never a default) and whether their kernel runs."""
+    version, threads (and how many a model step takes now, beside the other runnable tasks), oneDNN and the int8
+    head screen (each with the reason it is off, or None), and how int8 weights are asked for (never a default)
+    and whether their kernel runs."""
     from qkv.cpu import kernels, threads
     from qkv.cpu.gemm import onednn_unavailable_reason
     from qkv.cpu.greedy import screen_unavailable_reason

@@ -46,8 +46,8 @@ from .optimize import ActivatedUpProjection, LinearHost, Optimized, optimize, op
 from .skinny import InputMajorLinear, SkinnyLinear, input_major, skinny_linear
 from .weights import Bf16ExactLinear, Int8Linear, is_bf16_exact, quantize_int8, weight_linear
 
-__all__ = ["optimize", "optimized", "Optimized", "step", "use_onednn", "LinearHost", "ActivatedUpProjection", "GreedyHead",
-           "HeadScreen", "screen_unavailable_reason",
+__all__ = ["optimize", "optimized", "Optimized", "step", "use_onednn", "LinearHost", "ActivatedUpProjection",
+           "GreedyHead", "HeadScreen", "screen_unavailable_reason",
            "onednn_available", "onednn_unavailable_reason", "PrepackedLinear", "PrepackedWeight",
            "PrepackedWeights", "LinearProducts", "SkinnyLinear", "InputMajorLinear", "input_major", "skinny_linear",
            "Int8Linear", "Bf16ExactLinear", "is_bf16_exact", "quantize_int8", "weight_linear"]

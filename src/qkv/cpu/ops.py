@@ -123,8 +123,9 @@ def why_not_gated_delta_chunks(*tensors: torch.Tensor | None) -> str | None:
 
 
 def why_not_decode_attention(*tensors: torch.Tensor | None) -> str | None:
-    """Whether :func:`decode_attention` runs queries, keys, values (and sinks): float32/float64, CPU."""
-    return why_not("decode_attention", tensors)
+    """Whether :func:`decode_attention` runs queries, keys, values (and sinks): float32/float64/bfloat16 (computed in
+    float32) of one dtype, CPU."""
+    return why_not("decode_attention", tensors, dtypes=_FLOATS + (torch.bfloat16,))
 
 
 def why_not_gather_attention(*tensors: torch.Tensor | None) -> str | None:
@@ -132,9 +133,11 @@ def why_not_gather_attention(*tensors: torch.Tensor | None) -> str | None:
     return why_not("gather_attention", tensors)
 
 
-def why_not_paged(*tensors: torch.Tensor | None) -> str | None:
-    """Whether :func:`paged_decode` / :func:`paged_prefill` / :func:`paged_store` run these: float32/float64, CPU."""
-    return why_not("paged_decode", tensors)
+def why_not_paged(*tensors: torch.Tensor | None, decode: bool = False) -> str | None:
+    """Whether :func:`paged_decode` / :func:`paged_prefill` / :func:`paged_store` run these: float32/float64 (and
+    bfloat16, computed in float32, for ``decode``: :func:`paged_decode`), CPU."""
+    return why_not("paged_decode" if decode else "paged_prefill", tensors,
+                   dtypes=_FLOATS + (torch.bfloat16,) if decode else _FLOATS)
 
 
 def why_not_screen(x: torch.Tensor, weight: torch.Tensor) -> str | None:

@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused, gemm, ops, threads as step_threads
+from . import fused, gemm, ops
+from . import threads as step_threads
 from .gemm import LinearProducts, PrepackedLinear, can_fuse
 from .greedy import GreedyHead, HeadScreen, screen_unavailable_reason
 from .skinny import SkinnyLinear

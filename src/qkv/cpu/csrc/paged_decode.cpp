@@ -9,7 +9,9 @@
 // are G dot products per key read from the pool in place (float32 with AVX-512: sixteen keys' dot products summed
 // lane-wise by one tree of shuffles), then one softmax update per head and span, vectorized over its keys, and the
 // values accumulated in a register tile of heads x head-dim vectors, each value vector loaded once per tile.
-// Nothing is gathered, listed or padded: the bytes read are the visible keys and values.
+// Nothing is gathered, listed or padded: the bytes read are the visible keys and values. Pools in bfloat16 are read
+// the same way and computed in float32: each visible piece's keys and values are widened into a per-thread float32
+// buffer as they are reached (the query, the sums and the softmax in float32), and the output is rounded once.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -146,18 +148,37 @@ void values(const T* p, int64_t ps, const T* alpha, const T* const* vrows, int64
   }
 }
 
-template <typename T>
+// rows x D values of src (row stride st) widened to float32, contiguous, into dst.
+inline void widen_rows(const at::BFloat16* src, int64_t st, int64_t rows, int64_t D, float* dst) {
+  using bVec = at::vec::Vectorized<at::BFloat16>;
+  constexpr int64_t L = bVec::size(), H = at::vec::Vectorized<float>::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* a = src + r * st;
+    float* o = dst + r * D;
+    int64_t d = 0;
+    for (; d + L <= D; d += L) {
+      auto [lo, hi] = at::vec::convert_bfloat16_float(bVec::loadu(a + d));
+      lo.store(o + d);
+      hi.store(o + d + H);
+    }
+    for (; d < D; ++d) o[d] = static_cast<float>(a[d]);
+  }
+}
+
+// T: the arithmetic (float or double); S: the pools' storage (T, or bfloat16 with T float).
+template <typename T, typename S = T>
 void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, const at::Tensor& tables,
          const at::Tensor& kv_pos, const at::Tensor& q_pos, double scale, int64_t window, bool causal,
          const T* sinks, at::Tensor& out, at::Tensor& lse) {
+  constexpr bool kWiden = !std::is_same_v<S, T>;
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t L = Vec::size();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t P = kpool.size(0), Hkv = kpool.size(1), Tb = kpool.size(2), Dv = vpool.size(3);
   const int64_t NB = tables.size(1), G = Hq / Hkv;
   const T* qp = q.data_ptr<T>();
-  const T* kp = kpool.data_ptr<T>();
-  const T* vp = vpool.data_ptr<T>();
+  const S* kp = kpool.data_ptr<S>();
+  const S* vp = vpool.data_ptr<S>();
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* pos = kv_pos.data_ptr<int64_t>();
   const int64_t* qps = q_pos.data_ptr<int64_t>();
@@ -178,6 +199,7 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
   at::parallel_for(0, B * Hkv, std::max<int64_t>(1, kMinWork / work), [&](int64_t begin, int64_t end) {
     std::vector<T> qs(G * D), o(G * Dv), s(G * span), m(G), l(G), alpha(G);
     std::vector<const T*> vrows(span);
+    std::vector<T> kwide(kWiden ? kSpan * D : 0), vwide(kWiden ? span * Dv : 0);  // widened keys, values
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv, qpos = qps[b * qpsb];
       auto visible = [&](int64_t p) {
@@ -214,24 +236,36 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
         const int64_t blk = tab[b * NB + j];
         const int64_t cnt = last - first + 1;
         if (n + cnt > span) flush();
-        const T* kb = kp + blk * ksp + h * ksh;
-        const T* vb = vp + blk * vsp + h * vsh;
+        const T* kb;  // slot t's key at kb + t * ks, its value at vb + t * vs
+        const T* vb;
+        int64_t ks = kst, vs = vst;
+        if constexpr (kWiden) {  // the piece's slots first..last, widened: keys for now, values until the flush
+          widen_rows(kp + blk * ksp + h * ksh + first * kst, kst, cnt, D, kwide.data());
+          widen_rows(vp + blk * vsp + h * vsh + first * vst, vst, cnt, Dv, vwide.data() + n * Dv);
+          kb = kwide.data() - first * D;
+          vb = vwide.data() + (n - first) * Dv;
+          ks = D;
+          vs = Dv;
+        } else {
+          kb = kp + blk * ksp + h * ksh;
+          vb = vp + blk * vsp + h * vsh;
+        }
         int64_t t0 = first;  // scores of the slots first..last
         if constexpr (std::is_same_v<T, float>) {
           if (kScores16 && D % 16 == 0) {
             for (; t0 + 16 <= last + 1; t0 += 16) {
-              for (int64_t g = 0; g < G; ++g) scores16(qs.data() + g * D, kb + t0 * kst, kst, D, s.data() + g * span + n + t0 - first);
+              for (int64_t g = 0; g < G; ++g) scores16(qs.data() + g * D, kb + t0 * ks, ks, D, s.data() + g * span + n + t0 - first);
             }
           }
         }
         for (int64_t t = t0; t <= last; ++t) {
-          for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = dot<T>(qs.data() + g * D, kb + t * kst, D);
+          for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = dot<T>(qs.data() + g * D, kb + t * ks, D);
         }
         for (int64_t t = first; t <= last; ++t) {  // slots between that the query may not see (a window's edge)
           if (!visible(pj[t])) {
             for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = ninf;
           }
-          vrows[n + t - first] = vb + t * vst;
+          vrows[n + t - first] = vb + t * vs;
         }
         n += cnt;
       }
@@ -250,7 +284,7 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
 // q (B, Hq, D); k_pool (P, Hkv, T, D), v_pool (P, Hkv, T, Dv) with unit last strides; tables (B, NB) int64;
 // kv_pos (B, NB * T) int64, -1 where empty, q_pos (B,) int64 (a row of either may be broadcast, stride 0); a slot
 // is visible to a query at position >= 0 when filled, not after it if causal, inside the window (<= 0: none);
-// sinks (Hq,) or None -> out (B, Hq, Dv), lse (B, Hq). A (B, Hkv, S, D) cache is the pool of B blocks of S slots
+// sinks (Hq,) or None -> out (B, Hq, Dv), lse (B, Hq), in q's dtype: float32, float64 or bfloat16 (float32 inside). A (B, Hkv, S, D) cache is the pool of B blocks of S slots
 // with tables [[0], [1], ...].
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                      const at::Tensor& tables, const at::Tensor& kv_pos, const at::Tensor& q_pos,
@@ -258,6 +292,14 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_po
                                      const c10::optional<at::Tensor>& sinks) {
   const at::Tensor z = qkv_paged::check_args("paged_decode", q, k_pool, v_pool, tables, kv_pos, q_pos, sinks);
   const int64_t B = q.size(0);
+  if (q.scalar_type() == at::kBFloat16) {  // bfloat16 pools, float32 arithmetic, the results rounded once
+    const at::Tensor qf = q.to(at::kFloat), zf = z.defined() ? z.to(at::kFloat) : z;
+    auto out = at::empty({B, q.size(1), v_pool.size(3)}, qf.options());
+    auto lse = at::empty({B, q.size(1)}, qf.options());
+    run<float, at::BFloat16>(qf, k_pool, v_pool, tables, kv_pos, q_pos, scale, window, causal,
+                             zf.defined() ? zf.data_ptr<float>() : nullptr, out, lse);
+    return {out.to(at::kBFloat16), lse.to(at::kBFloat16)};
+  }
   auto out = at::empty({B, q.size(1), v_pool.size(3)}, q.options());
   auto lse = at::empty({B, q.size(1)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode", [&] {
