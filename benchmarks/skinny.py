@@ -38,10 +38,18 @@ random weights) with the streaming kernel and without it (``no_stream/stream``),
 steps, greedy through ``next_tokens`` (the int8 head screen). ``tests/cpu/test_rule.py`` refuses ``STREAM_ROWS``
 where another path beat the stream in every repeat.
 
-Published configuration (the defaults): torch's default thread count, then 1 thread; wall clock; 7 paired
-repeats. Expected time on a quiet 2-core machine: about 10 minutes (4 of them ``skinny_stream``).
+``skinny_bf16`` (alone with ``--bf16``) is the same for bfloat16 rows and weights, at 1-4, 8 and 16 rows, against
+``F.linear`` and oneDNN's bfloat16 GEMM on a packed copy (``qkv.cpu.rule.BF16_STREAM_ROWS`` follows it); its decode
+steps (the same model in bfloat16, batch 1, 2 and 8) add ``stream_16``, the rule before this table (bf16 products
+streamed up to 16 rows, the head screened at any row count); its ``head`` rows time a 151,936 x 896 head's greedy
+tokens by the int8 screen and by the head's own packed product and argmax, bfloat16 and float32, 1-32 rows
+(``qkv.cpu.greedy.SCREEN_ROWS`` follows them).
 
-Usage: ``python benchmarks/skinny.py [--quick] [--stream] [--repeat R] [--threads T1,T2]``
+Published configuration (the defaults): torch's default thread count, then 1 thread; wall clock; 7 paired
+repeats. Expected time on a quiet 2-core machine: about 15 minutes (4 of them ``skinny_stream``, 5
+``skinny_bf16``).
+
+Usage: ``python benchmarks/skinny.py [--quick] [--stream | --bf16] [--repeat R] [--threads T1,T2]``
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ QUICK_ROWS = [1, 2, 8, 32]
 STREAM_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (3072, 2048), (2048, 2048), (16384, 2048),
                  (2048, 8192)]  # Qwen2.5-0.5B's QKV, output, gate/up, down; Llama-3.2-1B's
 STREAM_ROWS_MEASURED = [1, 2, 3, 4]
+BF16_ROWS_MEASURED = [1, 2, 3, 4, 8, 16]
 PAIRS = [("linear", "row_blocks"), ("linear", "onednn"), ("row_blocks", "onednn"), ("linear", "columns"),
          ("columns", "onednn")]
 
@@ -84,32 +93,40 @@ def _paths(x: torch.Tensor, w: torch.Tensor, w_im: torch.Tensor, packed: Prepack
     return fns
 
 
-def _stream_table(shapes, rows_list: list[int], threads_list: list[int], repeat: int, quick: bool) -> None:
+def _stream_table(shapes, rows_list: list[int], threads_list: list[int], repeat: int, quick: bool,
+                  dtype: torch.dtype = torch.float32) -> None:
     """The streaming kernel against the rule's paths, forced, weights cold; then whole decode steps with and
-    without it (table ``skinny_stream``)."""
+    without it (table ``skinny_stream``; ``skinny_bf16`` for bfloat16 x and weights, with the LM head's screen
+    against its product)."""
     from qkv.cpu import ops
 
+    bf16 = dtype == torch.bfloat16
     evict = torch.empty((4 if quick else 64) * 1024 * 1024)
-    suite = Suite("skinny_stream", "decode-step products: the weight-streaming kernel (qkv_cpu::weight_linear) "
-                  "against F.linear, row blocks and oneDNN, forced, weights cold; whole decode steps with and "
-                  "without it", threads=threads_list, repeat=repeat, clock="wall", dtype="float32",
-                  onednn=onednn_available(), stream_rows=rule.STREAM_ROWS)
+    name = "skinny_bf16" if bf16 else "skinny_stream"
+    suite = Suite(name, f"decode-step products in {str(dtype).removeprefix('torch.')}: the weight-streaming kernel "
+                  "(qkv_cpu::weight_linear) against F.linear, " + ("" if bf16 else "row blocks and ")
+                  + "oneDNN, forced, weights cold; whole decode steps with and without it"
+                  + ("; the LM head's int8 screen against its product by rows" if bf16 else ""),
+                  threads=threads_list, repeat=repeat, clock="wall", dtype=str(dtype).removeprefix("torch."),
+                  onednn=onednn_available(), stream_rows=rule.BF16_STREAM_ROWS if bf16 else rule.STREAM_ROWS)
     gen = torch.Generator().manual_seed(0)
     for n, k in shapes:
-        w = torch.randn(n, k, generator=gen) / k ** 0.5
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
         w64 = w.double()
         packed = PrepackedWeight() if onednn_available() else None
         for threads in threads_list:
             torch.set_num_threads(threads)
             rate = read_rate(threads)
             for rows in rows_list:
-                x = torch.randn(rows, k, generator=gen)
+                x = torch.randn(rows, k, generator=gen).to(dtype)
                 with torch.inference_mode():
                     fns = _paths(x, w, w, packed, threads)  # no input-major copy: its column path is not timed here
                     del fns["columns"]
+                    if bf16:
+                        del fns["row_blocks"]  # float32 only
                     fns["stream"] = lambda x=x: ops.weight_linear(x, w, None, None)
                     truth = F.linear(x.double(), w64)
-                    diff = max(float((fn() - truth).abs().max()) for fn in fns.values())
+                    diff = max(float((fn().double() - truth).abs().max()) for fn in fns.values())
                     t = cold_times(fns, repeat, evict)
                 med = {c: statistics.median(v) for c, v in t.items()}
                 floor = w.numel() * w.element_size() / rate
@@ -120,16 +137,49 @@ def _stream_table(shapes, rows_list: list[int], threads_list: list[int], repeat:
                 suite.add({"N": n, "K": k, "rows": rows, "threads": threads}, results)
                 print(f"  {n}x{k} rows={rows} threads={threads}: " + ", ".join(
                     f"{c} {v * 1e6:.0f} us" for c, v in med.items()))
-    _stream_steps(suite, threads_list, repeat, quick)
+    _stream_steps(suite, threads_list, repeat, quick, dtype)
+    if bf16:
+        _head_rows(suite, threads_list, repeat, quick)
     suite.note("x/stream > 1: the streaming kernel is faster than path x (per paired repeat: median, lowest, "
                "highest). stream/floor: its median over the weight's bytes at read_GB_s. Decode steps: no_stream "
-               "is the same optimized model with the streaming kernel switched off (the product rule's table).")
+               "is the same optimized model with the streaming kernel switched off (the product rule's table)."
+               + (" stream_16 streams bfloat16 products of up to 16 rows and screens the head at any row count "
+                  "(the rule before this table). Head rows: the greedy tokens of a 151,936 x 896 head by the int8 "
+                  "screen (HeadScreen.tokens) and by the head's product on a packed copy (oneDNN) and argmax; "
+                  "head/screen > 1: the screen is faster." if bf16 else ""))
     suite.finish()
 
 
-def _stream_steps(suite, threads_list: list[int], repeat: int, quick: bool) -> None:
+def _head_rows(suite, threads_list: list[int], repeat: int, quick: bool) -> None:
+    """The greedy tokens of a Qwen2.5-0.5B-sized head by its screen and by its own product, bf16 and float32."""
+    from qkv.cpu.greedy import HeadScreen
+
+    V, K = (4096, 64) if quick else (151936, 896)
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = (torch.randn(V, K, generator=gen) / K ** 0.5).to(dtype)
+        screen, packed = HeadScreen(), PrepackedWeight()
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 4, 8, 16, 32):
+                x = torch.randn(rows, K, generator=gen).to(dtype)
+                fns = {"screen": lambda x=x: screen.tokens(x, w),
+                       "head": lambda x=x: prepacked_linear(x, w, None, packed).argmax(-1)}
+                with torch.inference_mode():
+                    t = cold_times(fns, repeat, torch.empty(1))
+                suite.add({"head": f"{V}x{K}", "dtype": str(dtype).removeprefix("torch."), "rows": rows,
+                           "threads": threads},
+                          {"screen_ms": statistics.median(t["screen"]) * 1e3,
+                           "head_ms": statistics.median(t["head"]) * 1e3,
+                           "head/screen": ratio(t["head"], t["screen"])})
+                print(f"  head {dtype} rows={rows} threads={threads}: head/screen "
+                      f"{suite.rows[-1]['head/screen']['median']:.2f}")
+
+
+def _stream_steps(suite, threads_list: list[int], repeat: int, quick: bool,
+                  dtype: torch.dtype = torch.float32) -> None:
     from qkv.cache import KVCache, Static
-    from qkv.cpu import gemm, optimize
+    from qkv.cpu import gemm, greedy, optimize
     from qkv.nn import DecoderConfig, DecoderLM
 
     width, layers, vocab, inter = (64, 2, 512, 256) if quick else (896, 24, 151936, 4864)
@@ -137,16 +187,20 @@ def _stream_steps(suite, threads_list: list[int], repeat: int, quick: bool) -> N
                            num_key_value_heads=2, intermediate_size=inter, tie_word_embeddings=True,
                            qkv_bias=True)
     torch.manual_seed(0)
-    model = optimize(DecoderLM(config).eval())
+    model = optimize(DecoderLM(config).eval().to(dtype))
     steps, prompt = (4, 8) if quick else (16, 32)
-    streamed = gemm._STREAMED_ROWS
+    streamed, screen_rows = gemm._STREAMED_ROWS, greedy.SCREEN_ROWS
+    bf16 = dtype == torch.bfloat16
+    variants = ("stream", "no_stream", "stream_16") if bf16 else ("stream", "no_stream")
     for threads in threads_list:
         torch.set_num_threads(threads)
-        for B in (1, 2):
+        for B in (1, 2, 8) if bf16 else (1, 2):
             ids = torch.randint(0, vocab, (B, prompt))
 
             def run(name):
-                gemm._STREAMED_ROWS = streamed if name == "stream" else {}
+                gemm._STREAMED_ROWS = {"stream": streamed, "no_stream": {},
+                                       "stream_16": {**streamed, torch.bfloat16: 16}}[name]
+                greedy.SCREEN_ROWS = {dtype: 1 << 30} if name == "stream_16" else screen_rows
                 try:
                     cache = KVCache(model.cache_specs(), storage=Static(prompt + steps))
                     model(ids, cache=cache, logits_to_keep=1)
@@ -156,20 +210,19 @@ def _stream_steps(suite, threads_list: list[int], repeat: int, quick: bool) -> N
                         tok = model.next_tokens(tok, cache=cache)[:, None]  # greedy, through the head screen
                     return (time.perf_counter() - t0) / steps
                 finally:
-                    gemm._STREAMED_ROWS = streamed
+                    gemm._STREAMED_ROWS, greedy.SCREEN_ROWS = streamed, screen_rows
 
             with torch.inference_mode():
-                for name in ("stream", "no_stream"):
+                for name in variants:
                     run(name)
-                t: dict[str, list[float]] = {"stream": [], "no_stream": []}
+                t: dict[str, list[float]] = {name: [] for name in variants}
                 for _ in range(repeat):
                     for name in t:
                         t[name].append(run(name))
+            results = {f"{name}_ms": statistics.median(t[name]) * 1e3 for name in variants}
+            results.update({f"{name}/stream": ratio(t[name], t["stream"]) for name in variants if name != "stream"})
             suite.add({"decode_step": f"Qwen2.5-0.5B-shaped, {layers} x {width}, vocabulary {vocab}", "B": B,
-                       "threads": threads},
-                      {"stream_ms": statistics.median(t["stream"]) * 1e3,
-                       "no_stream_ms": statistics.median(t["no_stream"]) * 1e3,
-                       "no_stream/stream": ratio(t["no_stream"], t["stream"])})
+                       "threads": threads}, results)
             print(f"  decode step B={B} threads={threads}: no_stream/stream "
                   f"{suite.rows[-1]['no_stream/stream']['median']:.2f}")
 
@@ -193,7 +246,7 @@ def _product_table(shapes, rows_list: list[int], threads_list: list[int], repeat
                 with torch.inference_mode():
                     fns = _paths(x, w, w_im, packed, threads)
                     truth = F.linear(x.double(), w64)
-                    diff = max(float((fn() - truth).abs().max()) for fn in fns.values())
+                    diff = max(float((fn().double() - truth).abs().max()) for fn in fns.values())
                     t = cold_times(fns, repeat, evict)
                 med = {c: statistics.median(v) for c, v in t.items()}
                 floor = w.numel() * w.element_size() / rate
@@ -363,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=None, help="paired repeats per case (default 7; 3 with --quick)")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: torch's own, then 1)")
     p.add_argument("--stream", action="store_true", help="only the streaming kernel's table (skinny_stream)")
+    p.add_argument("--bf16", action="store_true", help="only the bfloat16 table (skinny_bf16)")
     p.add_argument("--fit", metavar="JSON", default=None,
                    help="print the row bands a skinny.json supports (qkv.cpu.rule.TABLE follows them) and exit")
     args = p.parse_args(argv)
@@ -380,12 +434,16 @@ def main(argv: list[str] | None = None) -> None:
     default_threads = torch.get_num_threads()
     threads_list = ([int(t) for t in args.threads.split(",")] if args.threads
                     else list(dict.fromkeys([default_threads, 1])))
-    if not args.stream:
+    if not (args.stream or args.bf16):
         _product_table(QUICK_SHAPES if args.quick else SHAPES, QUICK_ROWS if args.quick else ROWS, threads_list,
                        repeat, args.quick)
         _decode_step(threads_list, repeat, args.quick)
-    _stream_table(QUICK_SHAPES if args.quick else STREAM_SHAPES, STREAM_ROWS_MEASURED, threads_list, repeat,
-                  args.quick)
+    if not args.bf16:
+        _stream_table(QUICK_SHAPES if args.quick else STREAM_SHAPES, STREAM_ROWS_MEASURED, threads_list, repeat,
+                      args.quick)
+    if not args.stream:
+        _stream_table(QUICK_SHAPES if args.quick else STREAM_SHAPES, BF16_ROWS_MEASURED, threads_list, repeat,
+                      args.quick, torch.bfloat16)
     torch.set_num_threads(default_threads)
 
 

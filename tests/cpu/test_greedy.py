@@ -477,3 +477,26 @@ def test_bf16_model_next_tokens_through_the_screen(tied, monkeypatch):
     prompt = ids[:, :4]
     a, b = generate(model, prompt, max_new_tokens=8), generate(plain, prompt, max_new_tokens=8)
     assert torch.equal(a.new_tokens, b.new_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_screen_takes_up_to_screen_rows(dtype, monkeypatch):
+    """A model's greedy head goes through the screen for at most SCREEN_ROWS rows (more: the head's own product is
+    faster); either way the tokens are the model's logits' argmax."""
+    from qkv.cpu import greedy
+
+    model = qkv.cpu.optimize(_lm(False).to(dtype))
+    screen = model.head_screen
+    calls = []
+    real = screen.tokens
+    monkeypatch.setattr(screen, "tokens", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    limit = greedy.SCREEN_ROWS[dtype]
+    for B in (limit, limit + 1):
+        ids = torch.randint(0, 3000, (B, 5), generator=torch.Generator().manual_seed(B))
+        with torch.no_grad():
+            got = model.next_tokens(ids)
+            assert torch.equal(got, model(ids).logits[:, -1].argmax(-1))
+    assert calls == [limit]
+    x = torch.randn(3, 64).to(dtype)
+    with torch.no_grad():
+        assert screen.screens(x, model.lm_head.weight) and not screen.screens(x.double(), model.lm_head.weight)

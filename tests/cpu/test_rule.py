@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from qkv.cpu import rule
 from qkv.cpu.rule import MEASURED_ROWS, PATHS, TABLE, Band, choose, shape_class, switches
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "benchmarks" / "results" / "skinny.json"
 COMMITTED_DECODE = ROOT / "benchmarks" / "results" / "skinny_decode.json"
 COMMITTED_STREAM = ROOT / "benchmarks" / "results" / "skinny_stream.json"
+COMMITTED_BF16 = ROOT / "benchmarks" / "results" / "skinny_bf16.json"
 STANDARD, INPUT_MAJOR = ("linear", "row_blocks", "onednn"), ("linear", "columns", "onednn")
 
 
@@ -161,6 +163,32 @@ def test_stream_rows_hold_on_their_table():
     refused = stream_refusals(payload, rule.STREAM_ROWS)
     assert not refused, "the streaming kernel lost where the rule takes it:\n" + "\n".join(refused)
     assert stream_refusals(payload, 4), "the table shows no row count where the stream loses (then raise STREAM_ROWS)"
+
+
+def test_bf16_stream_and_screen_rows_hold_on_their_table():
+    """The committed skinny_bf16 table: at up to ``BF16_STREAM_ROWS`` rows no path beat the streaming kernel in
+    every repeat and whole bf16 decode steps were not faster without it, and the table shows where it loses; the
+    head screen was not beaten by the head's own product at up to ``SCREEN_ROWS`` rows, and a bf16 head's product
+    beat it at the next measured row count (so the bound is not too low either)."""
+    from qkv.cpu.greedy import SCREEN_ROWS
+
+    payload = json.loads(COMMITTED_BF16.read_text())
+    assert payload["suite"] == "skinny_bf16" and payload["rows"], f"{COMMITTED_BF16} holds no table"
+    products = {"rows": [r for r in payload["rows"] if "head" not in r]}
+    refused = stream_refusals(products, rule.BF16_STREAM_ROWS)
+    assert not refused, "the streaming kernel lost where the rule takes it:\n" + "\n".join(refused)
+    assert stream_refusals(products, 16), "the table shows no row count where the stream loses"
+    heads = [r for r in payload["rows"] if "head" in r]
+    assert {r["dtype"] for r in heads} == {"bfloat16", "float32"}
+    for r in heads:
+        bound = SCREEN_ROWS[getattr(torch, r["dtype"])]
+        if r["rows"] <= bound:
+            assert r["head/screen"]["max"] >= 1, f"the head's product beat the screen in every repeat: {r}"
+    for threads in {r["threads"] for r in heads}:
+        above = [r for r in heads if r["dtype"] == "bfloat16" and r["threads"] == threads
+                 and r["rows"] > SCREEN_ROWS[torch.bfloat16]]
+        assert above and min(above, key=lambda r: r["rows"])["head/screen"]["median"] < 1, \
+            "the bf16 screen still won at the next row count: raise SCREEN_ROWS"
 
 
 def test_the_checker_refuses_a_rule_its_own_table_contradicts():

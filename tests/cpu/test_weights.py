@@ -57,8 +57,11 @@ def _budget_units(got: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, scale=N
 
 
 @pytest.mark.parametrize("rows,K,N", [(1, 896, 130), (2, 64, 1000), (3, 300, 17), (5, 7, 9), (16, 512, 64),
-                                      (11, 300, 100), (8, 1030, 31), (1, 1, 1)])
+                                      (11, 300, 100), (8, 1030, 31), (1, 1, 1), (2, 2048, 7), (2, 2053, 10),
+                                      (2, 4099, 6)])
 def test_bf16_weights_within_the_float32_budget(rows, K, N):
+    """bfloat16 weights by float32 rows against float64; two rows from K = 2048 read four weight rows side by side
+    (with rows left over)."""
     g = torch.Generator().manual_seed(rows * 1000 + K)
     x = torch.randn(rows, K, generator=g)
     w = torch.randn(N, K, generator=g).to(torch.bfloat16)
@@ -257,18 +260,30 @@ def test_int8_generation_cached_equals_recompute_and_agrees_with_float32():
     assert float((got == want).double().mean()) >= 0.75
 
 
-def test_bf16_model_keeps_bf16_weights_and_decodes_through_the_kernel(monkeypatch):
+@pytest.mark.parametrize("columns", [1, 6])
+def test_bf16_model_keeps_bf16_weights_and_decodes_through_the_kernel(monkeypatch, columns):
+    """Two rows (a decode step of two sequences: BF16_STREAM_ROWS) stream their bf16 weights through
+    qkv_cpu::weight_linear; twelve rows take oneDNN's bf16 GEMM on packed copies (where oneDNN runs), never the
+    streaming kernel. Both within bf16's reach of the float64 model."""
+    from qkv.cpu import gemm
+    from qkv.cpu.rule import BF16_STREAM_ROWS
+
     ref = _lm(4)
     model = qkv.cpu.optimize(copy.deepcopy(ref).to(torch.bfloat16))
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
-    calls = []
-    real = ops.weight_linear
+    calls, packed = [], []
+    real, real_packed = ops.weight_linear, gemm.prepacked_linear
     monkeypatch.setattr(ops, "weight_linear", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(gemm, "prepacked_linear", lambda *a, **k: packed.append(1) or real_packed(*a, **k))
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        got = model(ids[:, -WEIGHT_ROWS // 2:]).logits.double()
-        want = copy.deepcopy(ref).double()(ids[:, -WEIGHT_ROWS // 2:]).logits
-    assert calls, "a bf16 step of few rows must run qkv_cpu::weight_linear"
+        got = model(ids[:, -columns:]).logits.double()
+        want = copy.deepcopy(ref).double()(ids[:, -columns:]).logits
+    if 2 * columns <= BF16_STREAM_ROWS:
+        assert calls and not packed, "a bf16 step of few rows must run qkv_cpu::weight_linear"
+    else:
+        assert not calls, "more rows than BF16_STREAM_ROWS must not stream"
+        assert bool(packed) == gemm.onednn_available()
     # bf16 weights and activations against float64: the logits keep about bf16's 8 bits on random weights
     assert float((got - want).abs().max() / want.std()) <= 0.1
 
@@ -289,7 +304,7 @@ def test_a_bf16_head_without_the_screen_runs_the_kernel(monkeypatch):
     from qkv.cpu.greedy import HeadScreen
 
     g = torch.Generator().manual_seed(9)
-    x, w = torch.randn(3, 64, generator=g).to(torch.bfloat16), torch.randn(900, 64, generator=g).to(torch.bfloat16)
+    x, w = torch.randn(2, 64, generator=g).to(torch.bfloat16), torch.randn(900, 64, generator=g).to(torch.bfloat16)
     real = ops.weight_linear
     with torch.no_grad():
         screened = HeadScreen().tokens(x, w)  # the screen (tests/cpu/test_greedy.py covers its ties)
@@ -298,7 +313,10 @@ def test_a_bf16_head_without_the_screen_runs_the_kernel(monkeypatch):
     monkeypatch.setattr(greedy, "screen_unavailable_reason", lambda: "no int8 GEMM (test)")
     with torch.no_grad():
         tokens = HeadScreen().tokens(x, w)
-    assert calls and torch.equal(tokens, real(x, w, None, None).argmax(-1)) and torch.equal(tokens, screened)
+        assert calls and torch.equal(tokens, real(x, w, None, None).argmax(-1)) and torch.equal(tokens, screened)
+        calls.clear()
+        x3 = torch.cat([x, x[:1]])  # three rows: the head's own product is oneDNN's, as F.linear's
+        assert torch.equal(HeadScreen().tokens(x3, w), torch.nn.functional.linear(x3, w).argmax(-1)) and not calls
 
 
 def test_int8_minilm_keeps_its_hidden_states_and_head_tokens():

@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
-from .rule import MEASURED_ROWS, STREAM_ROWS, choose
+from .rule import BF16_STREAM_ROWS, MEASURED_ROWS, STREAM_ROWS, choose
 from .skinny import (
     SkinnyLinear,
     block_count,
@@ -56,7 +56,6 @@ from .skinny import (
     skinny_linear,
     standard_layout_state_dict,
 )
-from .weights import WEIGHT_ROWS
 
 __all__ = ["onednn_available", "onednn_unavailable_reason", "prepacked_linear", "linear", "planned_row_blocks",
            "PrepackedWeight", "PrepackedWeights", "WeightPacks", "PrepackedLinear", "LinearProducts", "can_fuse",
@@ -163,8 +162,11 @@ class PrepackedWeights:
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return (not grad and x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.numel() > 0 and onednn_available())
+    return (not grad and x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype in _PACKED_DTYPES
+            and weight.dtype == x.dtype and x.numel() > 0 and onednn_available())
+
+
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what the packed oneDNN products take (x and weight alike)
 
 
 def _reference_epilogues() -> tuple[tuple[str, str, Activation], ...]:
@@ -211,7 +213,7 @@ def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-_STREAMED_ROWS = {torch.bfloat16: WEIGHT_ROWS, torch.float32: STREAM_ROWS}  # dtype -> rows the kernel takes
+_STREAMED_ROWS = {torch.bfloat16: BF16_STREAM_ROWS, torch.float32: STREAM_ROWS}  # dtype -> rows the kernel takes
 
 
 def _streams(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -228,9 +230,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     shape and thread count (:func:`qkv.cpu.rule.choose`): oneDNN through ``packed`` (the activation fused)
     where the rule takes it and this product can run it, else row or column blocks
     (:func:`qkv.cpu.skinny.skinny_linear`), else ``F.linear``. Before the rule, a bfloat16 product of up to
-    :data:`qkv.cpu.weights.WEIGHT_ROWS` rows and a float32 one of up to :data:`qkv.cpu.rule.STREAM_ROWS` rows run
-    the weight-streaming kernel (:mod:`qkv.cpu.weights`: float32 sums) where it runs. x (..., K), weight (N, K) ->
-    (..., N)."""
+    :data:`qkv.cpu.rule.BF16_STREAM_ROWS` rows and a float32 one of up to :data:`qkv.cpu.rule.STREAM_ROWS` rows run
+    the weight-streaming kernel (:mod:`qkv.cpu.weights`: float32 sums) where it runs; a bfloat16 product of more
+    rows runs oneDNN's bfloat16 GEMM through ``packed`` where it can (the table is float32's), else ``F.linear``.
+    x (..., K), weight (N, K) -> (..., N)."""
     if x.device.type != "cpu":  # the CPU paths only: elsewhere nothing to decide
         y = F.linear(x, weight, bias)
         return y if activation is None else activation(y)
@@ -238,7 +241,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _streams(x, weight, bias):
         y = ops.weight_linear(x, weight, None, bias)
         return y if activation is None else activation(y)
-    path = choose(x.numel() // K, weight.shape[0], K) if K else "linear"
+    if x.dtype == torch.bfloat16:
+        path = "onednn" if K else "linear"
+    else:
+        path = choose(x.numel() // K, weight.shape[0], K) if K else "linear"
     if path == "onednn" and packed is not None and _eligible(x, weight):
         if activation is not None and epilogue(activation) is None:
             return activation(prepacked_linear(x, weight, bias, packed))

@@ -54,12 +54,18 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .weights import WEIGHT_ROWS
+from .rule import BF16_STREAM_ROWS
 
-__all__ = ["HeadScreen", "PackedScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS"]
+__all__ = ["HeadScreen", "PackedScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS", "SCREEN_ROWS"]
 
 #: The logits' dtypes the screen settles -> their significand bits (``screened_argmax``'s ``logit_bits``).
 _LOGIT_BITS = {torch.float32: 24, torch.bfloat16: 8}
+
+#: Rows up to which a model's greedy head goes through the screen (:meth:`HeadScreen.screens`), following
+#: ``benchmarks/results/skinny_bf16.json``'s ``head`` rows (the screen against the head's own product on a packed
+#: copy and argmax, 1-32 rows): a bfloat16 head's product (AVX512-BF16 dot products) is faster from 8 rows; a
+#: float32 head's never was, so its bound is the most rows measured.
+SCREEN_ROWS = {torch.float32: 32, torch.bfloat16: 4}
 
 #: The most inputs (K) a screened head may have: the screen's int32 sums of K products of 255 x 127 stay exact.
 MAX_INPUTS = 65536
@@ -121,10 +127,11 @@ def screen_unavailable_reason() -> str | None:
 
 
 def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The head's logits where the screen does not run: ``F.linear``, or for a bfloat16 head of few rows the
-    bf16-weight kernel (:mod:`qkv.cpu.weights`, float32 sums) where it runs."""
+    """The head's logits where the screen does not run: ``F.linear``, or for a bfloat16 head of few rows
+    (:data:`qkv.cpu.rule.BF16_STREAM_ROWS`) the bf16-weight kernel (:mod:`qkv.cpu.weights`, float32 sums) where it
+    runs, as :func:`qkv.cpu.gemm.linear` computes the model's own head product there."""
     K = x.shape[-1]
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and K and x.numel() // K <= WEIGHT_ROWS
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and K and x.numel() // K <= BF16_STREAM_ROWS
             and ops.why_not_weight_linear(x, weight, None, None) is None):
         return ops.weight_linear(x, weight, None, None)
     return F.linear(x, weight)
@@ -161,6 +168,12 @@ class HeadScreen:
                 or weight.shape[1] > MAX_INPUTS or x.numel() == 0 or screen_unavailable_reason() is not None):
             return False
         return self._get(weight) is not None
+
+    def screens(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether a model should take its greedy tokens from :meth:`tokens` for these rows: :meth:`usable` and at
+        most :data:`SCREEN_ROWS` rows (more rows: the head's own product is faster)."""
+        K = x.shape[-1] if x.dim() else 0
+        return bool(K) and x.numel() // K <= SCREEN_ROWS.get(x.dtype, 0) and self.usable(x, weight)
 
     def _get(self, weight: torch.Tensor) -> PackedScreen | None:
         version = None if weight.is_inference() else weight._version

@@ -48,7 +48,7 @@ from typing import Literal, NamedTuple
 import torch
 
 __all__ = ["Band", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "MEASURED_ROWS", "STREAM_ROWS",
-           "DECIDED_IN_PLACE", "NARROW_SWITCHES", "switches", "shape_class", "thread_class", "choose"]
+           "BF16_STREAM_ROWS", "DECIDED_IN_PLACE", "NARROW_SWITCHES", "switches", "shape_class", "thread_class", "choose"]
 
 Path = Literal["row_blocks", "columns", "onednn", "linear"]
 #: The paths :func:`choose` names.
@@ -60,6 +60,10 @@ MEASURED_ROWS = 32  # the bands cover 1 .. this many rows
 #: A float32 product of at most this many rows streams its weight through ``qkv_cpu::weight_linear`` where it runs
 #: (decided before :data:`TABLE`); from three rows the tiles that reuse each weight vector over rows win.
 STREAM_ROWS = 2
+#: A bfloat16 product (x and weight in bfloat16) of at most this many rows streams its weight the same way; from
+#: three rows oneDNN's bfloat16 GEMM on a copy packed once (``qkv.cpu.gemm.linear``, where oneDNN runs here) is
+#: faster (AVX512-BF16 dot products), else ``F.linear``. Checked against ``benchmarks/results/skinny_bf16.json``.
+BF16_STREAM_ROWS = 2
 
 
 class Band(NamedTuple):

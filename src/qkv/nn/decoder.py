@@ -103,6 +103,9 @@ class TokenScreen(Protocol):
         """``(x @ weight.T).argmax(-1)`` for x (..., K) and weight (V, K); with ``cap``, the argmax of the
         soft-capped logits ``cap * tanh(x @ weight.T / cap)`` as computed in x's dtype (ties to the first)."""
 
+    def screens(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`tokens` is the faster way for these rows (else the model computes its logits)."""
+
 __all__ = ["DecoderLM", "DecoderLayer", "DecoderOutput", "SelfAttention", "positions_from_attention_mask"]
 
 
@@ -474,9 +477,9 @@ class DecoderLM(nn.Module):
                     cache: AttentionCache | None = None) -> torch.Tensor:
         """Greedy next tokens (B,) int64 after the last column: ``forward(...).logits[:, -1].argmax(-1)``, the first
         largest logit of each row. With a :class:`qkv.cpu.greedy.HeadScreen` in ``head_screen`` (set by
-        :func:`qkv.cpu.optimize` where it runs) the float32 head product is replaced by its int8 screen and a
-        float64 check of the few tokens the screen leaves (the same tokens wherever float32 logits tell them
-        apart); a final logit softcap is monotonic but may round two logits to one float32 value, so the screen is
+        :func:`qkv.cpu.optimize` where it runs) the float32 head product is replaced, for as many rows as the screen
+        says it is faster (``screens``), by its int8 screen and a float64 check of the few tokens the screen leaves
+        (the same tokens wherever float32 logits tell them apart); a final logit softcap is monotonic but may round two logits to one float32 value, so the screen is
         told the cap and leaves rows whose capped winner is that close to another token to the float32 logits.
         Arguments as :meth:`forward`."""
         x = self._hidden(input_ids, None, positions, cache, 1)[:, -1]  # (B, d)
@@ -485,8 +488,9 @@ class DecoderLM(nn.Module):
         screen = self.head_screen
         cap = self.config.final_logit_softcapping
         if (screen is not None and bias is None
-                and _plain_product(self.linear_fn if self.lm_head is None else self.lm_head)):
-            return screen.tokens(x, weight, cap)  # F.linear's argmax where it cannot screen: the head's own product
+                and _plain_product(self.linear_fn if self.lm_head is None else self.lm_head)
+                and screen.screens(x, weight)):
+            return screen.tokens(x, weight, cap)
         logits = self.linear_fn(x, weight) if self.lm_head is None else self.lm_head(x)
         return (logits if cap is None else cap * torch.tanh(logits / cap)).argmax(-1)
 
