@@ -48,7 +48,8 @@ from typing import Literal, NamedTuple
 import torch
 
 __all__ = ["Band", "TABLE", "PATHS", "NARROW_OUTPUTS", "LONG_INPUTS", "MEASURED_ROWS", "STREAM_ROWS",
-           "BF16_STREAM_ROWS", "DECIDED_IN_PLACE", "NARROW_SWITCHES", "switches", "shape_class", "thread_class", "choose"]
+           "BF16_STREAM_ROWS", "DECIDED_IN_PLACE", "NARROW_SWITCHES", "switches", "shape_class", "thread_class",
+           "choose"]
 
 Path = Literal["row_blocks", "columns", "onednn", "linear"]
 #: The paths :func:`choose` names.

@@ -479,8 +479,9 @@ class DecoderLM(nn.Module):
         largest logit of each row. With a :class:`qkv.cpu.greedy.HeadScreen` in ``head_screen`` (set by
         :func:`qkv.cpu.optimize` where it runs) the float32 head product is replaced, for as many rows as the screen
         says it is faster (``screens``), by its int8 screen and a float64 check of the few tokens the screen leaves
-        (the same tokens wherever float32 logits tell them apart); a final logit softcap is monotonic but may round two logits to one float32 value, so the screen is
-        told the cap and leaves rows whose capped winner is that close to another token to the float32 logits.
+        (the same tokens wherever float32 logits tell them apart); a final logit softcap is monotonic but may round
+        two logits to one float32 value, so the screen is told the cap and leaves rows whose capped winner is that
+        close to another token to the float32 logits.
         Arguments as :meth:`forward`."""
         x = self._hidden(input_ids, None, positions, cache, 1)[:, -1]  # (B, d)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
