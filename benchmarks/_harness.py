@@ -402,7 +402,10 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-PRODUCT_OPS = ("linear", "bmm", "addmm", "mm", "baddbmm", "head_screen")  # op names that multiply by the weights
+#: Op names that multiply by the weights: torch's, and qkv's compiled products (the weight-streaming kernel, row
+#: blocks, the head screen, the fused experts).
+PRODUCT_OPS = ("linear", "bmm", "addmm", "mm", "baddbmm", "head_screen", "weight_linear", "rows_linear",
+               "screened_argmax", "moe_token", "moe_grouped")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 #: Profiler ranges (torch.profiler.record_function) whose ops are attention whatever their names: the paged decode
 #: block path's GEMMs and gathers read keys and values, not weights; the compiled decode step's own loops
