@@ -176,3 +176,18 @@ def test_busy_processes_take_the_step_to_one_thread(two_threads):
             p.terminate()
         for p in procs:
             p.join()
+
+
+def test_a_burst_shorter_than_a_period_is_not_load(monkeypatch):
+    """One reading of a burst (a process starting) leaves the count where the reading before had it; a second
+    reading of the same load counts."""
+    counts = iter([0, 9, 9, 0])
+    monkeypatch.setattr(threads, "_running_tasks", lambda: next(counts))
+    monkeypatch.setattr(threads, "_own_running", lambda: 0)
+    monkeypatch.setattr(threads, "PERIOD", 0.0)
+    assert threads.others_running(fresh=True) == 0
+    assert threads.others_running() == 0  # the burst's first reading
+    assert threads.others_running() == 9  # it lasted: load
+    assert threads.others_running() == 0  # gone: the smaller reading
+    monkeypatch.undo()
+    threads.others_running(fresh=True)

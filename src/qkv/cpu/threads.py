@@ -12,8 +12,9 @@ So a model that :func:`qkv.cpu.optimize` rewrote runs each step (``model(...)``,
 
 where ``threads`` is torch's setting, ``cores`` the CPUs the kernel schedules (``os.cpu_count()``) and ``others``
 the runnable tasks that are not this process's (``/proc/loadavg``'s running count less this process's threads
-in state R), and puts torch's setting back after. The count is read at most every :data:`PERIOD` seconds
-(reading it costs tens of microseconds). It never raises the thread count, and where ``/proc`` is unreadable
+in state R; the smaller of the last two readings, so a burst shorter than a period is not load), and puts torch's
+setting back after. The count is read at most every :data:`PERIOD` seconds (reading it costs tens of
+microseconds). It never raises the thread count, and where ``/proc`` is unreadable
 (not Linux) it changes nothing.
 
 The count is the whole machine's (a container sees its host's load), so on a host where other tasks run on
@@ -46,7 +47,7 @@ THREAD_MODES = ("adapt", "fixed")
 PERIOD = 0.05
 
 _lock = threading.Lock()
-_reading: tuple[float, int | None] = (-float("inf"), None)  # (time.monotonic() of the reading, others)
+_reading: tuple[float, int | None, int | None] = (-float("inf"), None, None)  # (time, others, the reading before)
 _local = threading.local()  # .depth: steps open on this thread; .requested: torch's setting outside them
 
 
@@ -70,20 +71,21 @@ def _own_running() -> int:
 
 
 def others_running(*, fresh: bool = False) -> int | None:
-    """Runnable tasks on this machine that are not this process's threads (None where ``/proc`` cannot be read),
-    from a reading at most :data:`PERIOD` seconds old (``fresh=True``: read now)."""
+    """Runnable tasks on this machine that are not this process's threads (None where ``/proc`` cannot be read):
+    the smaller of the last two readings, so a burst shorter than a period (a process starting, a worker waking)
+    is not taken for load, taken at most :data:`PERIOD` seconds ago (``fresh=True``: one reading now, alone)."""
     global _reading
     now = time.monotonic()
     with _lock:
-        at, value = _reading
+        at, value, before = _reading
         if not fresh and now - at < PERIOD:
-            return value
+            return value if before is None or value is None else min(value, before)
         try:
-            value = max(0, _running_tasks() - _own_running())
+            new = max(0, _running_tasks() - _own_running())
         except (OSError, ValueError, IndexError):
-            value = None
-        _reading = (now, value)
-        return value
+            new = None
+        _reading = (now, new, None if fresh else value)
+        return new if fresh or value is None or new is None else min(new, value)
 
 
 def requested() -> int:
