@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import qkv.cpu
 from qkv.cpu import greedy as greedy_module
 from qkv.cpu import kernels
-from qkv.cpu.greedy import GreedyHead, HeadScreen, screen_unavailable_reason
+from qkv.cpu.greedy import SCREEN_ROWS, GreedyHead, HeadScreen, screen_unavailable_reason
 from qkv.models import Engine, generate
 from qkv.nn import DecoderConfig, DecoderLM
 
@@ -468,7 +468,7 @@ def test_bf16_model_next_tokens_through_the_screen(tied, monkeypatch):
     calls = []
     real = qkv.cpu.ops.screened_argmax
     monkeypatch.setattr(qkv.cpu.ops, "screened_argmax", lambda *a: calls.append(a[-1]) or real(*a))
-    ids = torch.randint(0, 3000, (6, 11), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, 3000, (SCREEN_ROWS[torch.bfloat16], 11), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         got = model.next_tokens(ids)
         assert torch.equal(got, model(ids).logits[:, -1].argmax(-1))
