@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import pytest
+import torch
 
 from qkv.cpu import rule
 from qkv.cpu.rule import Band, switches
@@ -44,3 +45,12 @@ def row_block_table(monkeypatch):
     """:data:`ROW_BLOCK_TABLE` in force (the rule's answers memoized for the table in force are dropped)."""
     monkeypatch.setattr(rule, "TABLE", ROW_BLOCK_TABLE)
     yield ROW_BLOCK_TABLE
+
+
+@pytest.fixture
+def two_threads():
+    """Torch's intra-op threads set to 2 for the test, put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

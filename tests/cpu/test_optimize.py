@@ -33,14 +33,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _model(name: str) -> DecoderLM:
     torch.manual_seed(0)
     return DecoderLM(CONFIGS[name]).eval()

@@ -13,14 +13,6 @@ from qkv.cpu.skinny import InputMajorLinear, SkinnyLinear, column_blocks, input_
 from qkv.testing import assert_within_budget
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _check(x, w, b):
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     got = skinny_linear(x, w, b)

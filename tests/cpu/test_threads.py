@@ -18,14 +18,6 @@ CORES = os.cpu_count() or 1
 
 
 @pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def crowded(monkeypatch):
     """Every core taken by another process's runnable task."""
     monkeypatch.setattr(threads, "others_running", lambda fresh=False: CORES)
