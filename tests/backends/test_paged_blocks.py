@@ -116,6 +116,23 @@ def test_blocks_wider_than_a_span_and_model_shapes(window):
     assert_within_budget(lse, ref.lse[:, :, 0].double(), base.lse[:, :, 0], what="wide blocks lse", floor=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_bfloat16_blocks_within_budget(window):
+    """bfloat16 pools and queries, on the compiled kernel or the torch ops alike: computed in float32, out and lse
+    rounded once to bfloat16, within budget of the float64 reference (bfloat16 attention the baseline); a row
+    with no key gives zeros and -inf."""
+    lens, first = [1, 70, 0, 33], [0, 0, 0, 5]
+    q, kp, vp, tables, kpos, qpos = _case(8, B=4, Hq=4, Hkv=2, D=16, Dv=24, T=16, lens=lens, first=first,
+                                          dtype=torch.bfloat16)
+    out, lse = paged_decode_blocks(q, kp, vp, tables, kpos, qpos, window=window)
+    assert out.dtype == lse.dtype == torch.bfloat16
+    ref, base = _reference(q, kp, vp, tables, kpos, qpos, window=window)
+    live = [0, 1, 3]
+    assert_within_budget(out[live], ref.out[live, :, 0], base.out[live, :, 0], what="bf16 blocks out")
+    assert_within_budget(lse[live], ref.lse[live, :, 0].double(), base.lse[live, :, 0], what="bf16 blocks lse")
+    assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())
+
+
 def test_bad_input():
     q, kp, vp, tables, kpos, qpos = _case(0, B=2, Hq=2, Hkv=1, D=8, Dv=8, T=4, lens=[3, 2], first=[0, 0])
     with pytest.raises(ValueError, match="kv_positions"):
@@ -124,9 +141,9 @@ def test_bad_input():
         paged_decode_blocks(q[:, :, None], kp, vp, tables, kpos, qpos)
     with pytest.raises(ValueError, match="disagree"):
         paged_decode_blocks(q[:, :, :4], kp, vp, tables, kpos, qpos)
-    with pytest.raises(TypeError, match="float32/float64"):
-        paged_decode_blocks(q.bfloat16(), kp.bfloat16(), vp.bfloat16(), tables, kpos, qpos)
-    with pytest.raises(TypeError, match="float32/float64"):
+    with pytest.raises(TypeError, match="float32/float64/bfloat16, got torch.float16"):
+        paged_decode_blocks(q.half(), kp.half(), vp.half(), tables, kpos, qpos)
+    with pytest.raises(TypeError, match="float32/float64/bfloat16"):
         paged_decode_blocks(q, kp.double(), vp, tables, kpos, qpos)
     bad = tables.clone()
     bad[0, 0] = kp.shape[0] + 5  # a visible slot's block outside the pool

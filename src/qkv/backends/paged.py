@@ -84,7 +84,7 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     """Attention of one query per row over the row's blocks of a paged cache.
 
     Args:
-        q: (B, Hq, D) the step's queries (float32 or float64).
+        q: (B, Hq, D) the step's queries (float32, float64 or bfloat16: computed in float32, rounded once).
         k_pool: (P, Hkv, T, D) and v_pool (P, Hkv, T, Dv): the layer's block pools, q's dtype and device.
         block_tables: (B, NB) integer block ids per row, any filler block where a row has fewer.
         kv_positions: (B, NB * T) integer position of each slot in table order, ``-1`` where empty.
@@ -107,9 +107,9 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         True
     """
     check_paged_args("paged_decode_blocks", q, k_pool, v_pool, block_tables, kv_positions, q_positions)
-    if q.dtype not in BLOCKS_DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64, got "
-                        f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; lower precisions go through the gathered view")
+    if q.dtype not in DECODE_DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"paged_decode_blocks: q, k_pool and v_pool must share one of float32/float64/bfloat16, got "
+                        f"{q.dtype}, {k_pool.dtype}, {v_pool.dtype}; other precisions go through the gathered view")
     # a profile names the step (qkv::paged_decode_blocks) and counts its work as attention
     return ops.profiled("paged_decode_blocks", _decode_step, q, k_pool, v_pool, block_tables, kv_positions,
                             q_positions, scale, window)
@@ -118,6 +118,10 @@ def paged_decode_blocks(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 def _decode_step(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window):
     if blocks_compiled(q, k_pool, v_pool) and (window is None or window >= 1):  # the kernel reads <= 0 as none
         return _compiled(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
+    if q.dtype not in BLOCKS_DTYPES:  # bfloat16 by the torch ops: in float32, as the kernel computes, rounded once
+        out, lse = _blocks(q.float(), k_pool.float(), v_pool.float(), block_tables, kv_positions, q_positions, scale,
+                           window)
+        return out.to(q.dtype), lse.to(q.dtype)
     return _blocks(q, k_pool, v_pool, block_tables, kv_positions, q_positions, scale, window)
 
 
