@@ -160,13 +160,13 @@ class PrepackedWeights:
         return hit[1]
 
 
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what the packed oneDNN products take (x and weight alike)
+
+
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return (not grad and x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype in _PACKED_DTYPES
             and weight.dtype == x.dtype and x.numel() > 0 and onednn_available())
-
-
-_PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what the packed oneDNN products take (x and weight alike)
 
 
 def _reference_epilogues() -> tuple[tuple[str, str, Activation], ...]:

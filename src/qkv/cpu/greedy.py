@@ -51,10 +51,9 @@ import functools
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
 from . import ops
-from .rule import BF16_STREAM_ROWS
+from .gemm import linear
 
 __all__ = ["HeadScreen", "PackedScreen", "GreedyHead", "screen_unavailable_reason", "MAX_INPUTS", "SCREEN_ROWS"]
 
@@ -127,14 +126,9 @@ def screen_unavailable_reason() -> str | None:
 
 
 def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The head's logits where the screen does not run: ``F.linear``, or for a bfloat16 head of few rows
-    (:data:`qkv.cpu.rule.BF16_STREAM_ROWS`) the bf16-weight kernel (:mod:`qkv.cpu.weights`, float32 sums) where it
-    runs, as :func:`qkv.cpu.gemm.linear` computes the model's own head product there."""
-    K = x.shape[-1]
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and K and x.numel() // K <= BF16_STREAM_ROWS
-            and ops.why_not_weight_linear(x, weight, None, None) is None):
-        return ops.weight_linear(x, weight, None, None)
-    return F.linear(x, weight)
+    """The head's logits where the screen does not run: :func:`qkv.cpu.gemm.linear`, the product rule the model's
+    own head follows (without a packed copy: the weight-streaming kernel for few rows, else ``F.linear``)."""
+    return linear(x, weight)
 
 
 def _capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

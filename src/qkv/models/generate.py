@@ -188,10 +188,9 @@ def forward_step(model, cache, ids: torch.Tensor, positions: torch.Tensor, *, la
     (``logits_to_keep=1`` where its ``forward`` takes it)."""
     if cache is not None:
         cache.prepare(ids, positions)
-    with cpu_step(model):
-        if last_only and ids.shape[1] > 1 and _takes_logits_to_keep(model):
-            return logits_of(model(ids, positions=positions, cache=cache, logits_to_keep=1))
-        return logits_of(model(ids, positions=positions, cache=cache))
+    if last_only and ids.shape[1] > 1 and _takes_logits_to_keep(model):  # an optimized model's call is a step
+        return logits_of(model(ids, positions=positions, cache=cache, logits_to_keep=1))
+    return logits_of(model(ids, positions=positions, cache=cache))
 
 
 def last_logits(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -216,7 +215,7 @@ def last_tokens(model, cache, ids: torch.Tensor, positions: torch.Tensor) -> tor
     if isinstance(model, GreedyDecoder):
         if cache is not None:
             cache.prepare(ids, positions)
-        with cpu_step(model):
+        with cpu_step(model):  # not a call of the model: its step hooks do not run
             return model.next_tokens(ids, positions=positions, cache=cache)
     return greedy(last_logits(model, cache, ids, positions).float())
 

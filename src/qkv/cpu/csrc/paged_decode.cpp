@@ -236,36 +236,36 @@ void run(const at::Tensor& q, const at::Tensor& kpool, const at::Tensor& vpool, 
         const int64_t blk = tab[b * NB + j];
         const int64_t cnt = last - first + 1;
         if (n + cnt > span) flush();
-        const T* kb;  // slot t's key at kb + t * ks, its value at vb + t * vs
+        const T* kb;  // slot first + i's key at kb + i * ks, its value at vb + i * vs
         const T* vb;
         int64_t ks = kst, vs = vst;
         if constexpr (kWiden) {  // the piece's slots first..last, widened: keys for now, values until the flush
           widen_rows(kp + blk * ksp + h * ksh + first * kst, kst, cnt, D, kwide.data());
           widen_rows(vp + blk * vsp + h * vsh + first * vst, vst, cnt, Dv, vwide.data() + n * Dv);
-          kb = kwide.data() - first * D;
-          vb = vwide.data() + (n - first) * Dv;
+          kb = kwide.data();
+          vb = vwide.data() + n * Dv;
           ks = D;
           vs = Dv;
         } else {
-          kb = kp + blk * ksp + h * ksh;
-          vb = vp + blk * vsp + h * vsh;
+          kb = kp + blk * ksp + h * ksh + first * kst;
+          vb = vp + blk * vsp + h * vsh + first * vst;
         }
         int64_t t0 = first;  // scores of the slots first..last
         if constexpr (std::is_same_v<T, float>) {
           if (kScores16 && D % 16 == 0) {
             for (; t0 + 16 <= last + 1; t0 += 16) {
-              for (int64_t g = 0; g < G; ++g) scores16(qs.data() + g * D, kb + t0 * ks, ks, D, s.data() + g * span + n + t0 - first);
+              for (int64_t g = 0; g < G; ++g) scores16(qs.data() + g * D, kb + (t0 - first) * ks, ks, D, s.data() + g * span + n + t0 - first);
             }
           }
         }
         for (int64_t t = t0; t <= last; ++t) {
-          for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = dot<T>(qs.data() + g * D, kb + t * ks, D);
+          for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = dot<T>(qs.data() + g * D, kb + (t - first) * ks, D);
         }
         for (int64_t t = first; t <= last; ++t) {  // slots between that the query may not see (a window's edge)
           if (!visible(pj[t])) {
             for (int64_t g = 0; g < G; ++g) s[g * span + n + t - first] = ninf;
           }
-          vrows[n + t - first] = vb + t * vs;
+          vrows[n + t - first] = vb + (t - first) * vs;
         }
         n += cnt;
       }
